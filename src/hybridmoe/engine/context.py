@@ -1,0 +1,68 @@
+"""Per-step metadata, set by the model runner before each forward and read by attention.
+
+Keeping it here (not in forward's arguments) lets every model keep the signature
+`forward(input_ids, positions)`.
+
+Tokens of all sequences in a step are flattened: input_ids [T], positions [T], where
+sequence b owns tokens cu_seqlens[b]:cu_seqlens[b+1]. Each sequence writes its keys and
+values into KV-cache slot slot_ids[b], at positions start_pos[b] .. start_pos[b]+n_b-1,
+and attends to cache positions 0 .. start_pos[b]+n_b-1 (causally).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    slot_ids: list[int]
+    """KV-cache slot of each sequence in the batch."""
+
+    start_pos: list[int]
+    """Tokens of each sequence already in its cache before this step."""
+
+    cu_seqlens: list[int]
+    """Prefix sums of new tokens per sequence: [0, n_0, n_0+n_1, ...]."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slot_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one new token."""
+        return self.cu_seqlens[-1] == len(self.slot_ids)
+
+    def seq_len(self, b: int) -> int:
+        return self.cu_seqlens[b + 1] - self.cu_seqlens[b]
+
+    def slot_tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.slot_ids, dtype=torch.long, device=device)
+
+
+_CONTEXT: Context | None = None
+
+
+def get_context() -> Context:
+    if _CONTEXT is None:
+        raise RuntimeError("no step context set: call the model inside use_context(...)")
+    return _CONTEXT
+
+
+@contextmanager
+def use_context(ctx: Context):
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = prev
+
+
+def single_sequence_context(num_tokens: int, start_pos: int = 0, slot: int = 0) -> Context:
+    """The context of one sequence: what tests and full recomputation use."""
+    return Context(slot_ids=[slot], start_pos=[start_pos], cu_seqlens=[0, num_tokens])
