@@ -25,6 +25,10 @@ class EngineConfig:
     max_num_seqs: int = 8
     """Most sequences decoded together in one step (the max batch)."""
 
+    max_num_batched_tokens: int = 2048
+    """Most tokens run through the model in one step: one per decoding sequence, the rest goes to
+    prompt chunks, so long prompts are prefilled in pieces without stalling decoding streams."""
+
     expert_backend: str = "torch"
     """Where routed experts run: "torch" (the reference, any device) or "native" (the C++ CPU engine)."""
 
@@ -50,6 +54,8 @@ class EngineConfig:
             raise HybridMoEError(f"expert_group_size must be 32, 64 or 128, got {self.expert_group_size}")
         if self.max_num_seqs < 1:
             raise HybridMoEError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise HybridMoEError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise HybridMoEError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
