@@ -1,0 +1,102 @@
+"""Multi-head latent attention (DeepSeek-V2 §2.1), with the compressed latent as the KV cache.
+
+T new tokens, S cached + new tokens of one sequence, N heads, R kv_lora_rank, P
+qk_rope_head_dim, D qk_nope_head_dim, V v_head_dim.
+
+Each token caches only [R + P] numbers: the normalised latent c (from which kv_b_proj
+would expand every head's nope key and value) and the one rotary key k_pe shared by all
+heads. Attention never expands the cache: kv_b_proj's key half is absorbed into the query
+(q_nope W_UK^T, [N, R]) and its value half applied after the softmax, so per head
+
+    score(t, s) = (q_nope W_UK^T) . c_s + q_pe . k_pe_s,   out = (sum_s p(t, s) c_s) W_UV^T
+
+which is one multi-query attention with key [c, k_pe] (R + P wide) and value c (R wide).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridmoe.engine.context import get_context
+from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
+from hybridmoe.layers.yarn import softmax_scale
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay them out.
+
+    x [T, heads, P]; cos, sin [T, P] as RotaryEmbedding gives them (both halves equal).
+    The result comes back de-interleaved (evens then odds); q and k get the same permutation,
+    so their dot products are unchanged.
+    """
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope: dict,
+                 rope_interleave: bool = True, attention_bias: bool = False):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=attention_bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank)  # eps 1e-6 whatever rms_norm_eps, as in DeepSeek's code
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
+        self.rotary = RotaryEmbedding(qk_rope_head_dim, rope)
+        self.rotate = apply_rotary_interleaved if rope_interleave else apply_rotary
+        self.scale = softmax_scale(rope, qk_head_dim)
+        self.kv_cache: torch.Tensor | None = None  # [slots, max_len, R + P], set by the model
+
+    def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
+        w = self.kv_a_proj_with_mqa.weight
+        self.kv_cache = torch.zeros(num_slots, max_len, self.kv_lora_rank + self.qk_rope_head_dim,
+                                    dtype=w.dtype, device=w.device)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], positions [T] -> [T, H]; writes the new tokens' latents into the cache."""
+        ctx = get_context()
+        T, N, R, D = hidden.shape[0], self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_nope, q_pe = q.view(T, N, -1).split([D, self.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([R, self.qk_rope_head_dim], dim=-1)
+        cos, sin = self.rotary(positions, q.dtype)
+        q_pe = self.rotate(q_pe, cos, sin)
+        k_pe = self.rotate(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+
+        seq_lens = torch.tensor([ctx.seq_len(b) for b in range(ctx.num_seqs)], device=hidden.device)
+        token_slots = ctx.slot_tensor(hidden.device).repeat_interleave(seq_lens)
+        self.kv_cache[token_slots, positions] = torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1)
+
+        w_kv = self.kv_b_proj.weight.view(N, D + self.v_head_dim, R)
+        w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # [N, D, R], [N, V, R]
+        query = torch.cat((torch.einsum("tnd,ndr->tnr", q_nope, w_uk), q_pe), dim=-1)  # [T, N, R + P]
+        out = torch.empty(T, N, R, dtype=hidden.dtype, device=hidden.device)
+        for b in range(ctx.num_seqs):
+            lo, hi, start = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1], ctx.start_pos[b]
+            kv = self.kv_cache[ctx.slot_ids[b], :start + hi - lo]  # [S, R + P]
+            # token i of this step sits at position start + i and sees positions 0 .. start + i
+            visible = (torch.arange(kv.shape[0], device=kv.device)[None, :]
+                       <= start + torch.arange(hi - lo, device=kv.device)[:, None])
+            o = F.scaled_dot_product_attention(  # [1, N, T_b, R]: N query heads share one key/value head
+                query[lo:hi].transpose(0, 1)[None], kv[None, None], kv[None, None, :, :R], attn_mask=visible,
+                scale=self.scale, enable_gqa=True)
+            out[lo:hi] = o[0].transpose(0, 1)
+        out = torch.einsum("tnr,nvr->tnv", out, w_uv)  # [T, N, V]
+        return self.o_proj(out.reshape(T, N * self.v_head_dim))
