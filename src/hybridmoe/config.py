@@ -54,8 +54,10 @@ class EngineConfig:
             raise HybridMoEError(f"expert_group_size must be 32, 64 or 128, got {self.expert_group_size}")
         if self.max_num_seqs < 1:
             raise HybridMoEError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise HybridMoEError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise HybridMoEError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}): every decoding sequence runs one token per step")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise HybridMoEError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -1,0 +1,99 @@
+"""Next-token sampling for a batch of sequences, each with its own SamplingParams.
+
+Processing order follows Hugging Face generate: repetition penalty, then temperature, top-k,
+top-p, min-p, then softmax and a draw. Greedy rows (temperature 0) take the argmax of the
+penalized logits. Every seeded request draws from its own torch.Generator, so its tokens do
+not depend on what else is in the batch.
+
+Shapes: N sequences, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from hybridmoe.sampling_params import SamplingParams
+
+
+class SamplerInput:
+    """What the sampler needs to know about one sequence."""
+
+    __slots__ = ("params", "prompt_ids", "output_ids", "generator")
+
+    def __init__(self, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int],
+                 generator: torch.Generator | None = None):
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.output_ids = output_ids
+        self.generator = generator
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplerInput]) -> torch.Tensor:
+    """Repetition (HF: over prompt + output), presence and frequency (OpenAI: over output) penalties.
+
+    logits [N, V] float32, changed in place and returned.
+    """
+    vocab = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor([*r.prompt_ids, *r.output_ids], dtype=torch.long, device=logits.device)
+            score = logits[i, ids]
+            logits[i, ids] = torch.where(score < 0, score * p.repetition_penalty,
+                                         score / p.repetition_penalty)
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_ids:
+            out = torch.tensor(r.output_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (removed tokens get -inf), row by row.
+
+    logits [N, V] float32; temperature, top_p, min_p [N] float32 (temperature > 0);
+    top_k [N] long, 0 disables. Returns a new [N, V] tensor.
+    """
+    n, vocab = logits.shape
+    logits = logits / temperature.unsqueeze(1)
+    # Sorted ascending once, for both top-k and top-p (HF keeps ties with the k-th value).
+    sorted_logits, sorted_idx = logits.sort(dim=-1)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # Top-p: drop the low tail whose total probability is at most 1 - top_p; the top token stays.
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    tail = (cum <= (1 - top_p).unsqueeze(1)) & (top_p < 1).unsqueeze(1)
+    tail[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(tail, float("-inf"))
+    logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    # Min-p: relative to the most likely token; the ratio does not change when renormalizing.
+    probs = logits.softmax(dim=-1)
+    floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+class Sampler:
+    """Turns last-token logits into one next token per sequence."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplerInput]) -> list[int]:
+        """logits [N, V] float32 (may be modified). Returns N token ids."""
+        logits = apply_penalties(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            dev = logits.device
+            params = [rows[i].params for i in sampled]
+            filtered = apply_filters(
+                logits[sampled],
+                torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev))
+            probs = filtered.softmax(dim=-1)
+            for j, i in enumerate(sampled):
+                tokens[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+        return tokens.tolist()

@@ -1,0 +1,88 @@
+"""How one request is sampled and when it stops. Field names and defaults follow vLLM / OpenAI."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hybridmoe.errors import HybridMoEError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    """Most tokens to generate (the prompt not counted)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose probability reaches top_p; 1 keeps all."""
+
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one; 0 keeps all."""
+
+    repetition_penalty: float = 1.0
+    """Hugging Face semantics: logits of tokens already in prompt or output are divided by it
+    (multiplied when negative); 1 disables."""
+
+    presence_penalty: float = 0.0
+    """OpenAI semantics: subtracted once from the logit of every token already generated."""
+
+    frequency_penalty: float = 0.0
+    """OpenAI semantics: subtracted from a token's logit once per time it was generated."""
+
+    seed: int | None = None
+    """Seed of this request's own random generator: the same seed gives the same tokens,
+    alone or in a batch. None: the global torch generator."""
+
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation; the returned text stops before the first one."""
+
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation, besides the model's EOS tokens."""
+
+    ignore_eos: bool = False
+    """Keep generating past EOS tokens (benchmarks); stop strings and stop_token_ids still apply."""
+
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the returned text."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check_int("max_tokens", self.max_tokens, "an integer >= 1", lambda v: v >= 1)
+        _check_float("temperature", self.temperature, ">= 0", lambda v: v >= 0)
+        _check_int("top_k", self.top_k, "an integer >= 0 (0 disables)", lambda v: v >= 0)
+        _check_float("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+        _check_float("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
+        _check_float("repetition_penalty", self.repetition_penalty, "> 0 (1 disables)", lambda v: v > 0)
+        _check_float("presence_penalty", self.presence_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+        _check_float("frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
+        if self.seed is not None:
+            _check_int("seed", self.seed, "an integer in [0, 2**64) or None", lambda v: 0 <= v < 2**64)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise HybridMoEError(f"stop must hold non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, "integers >= 0", lambda v: v >= 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_int(name, value, allowed, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+        raise HybridMoEError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_float(name, value, allowed, ok) -> None:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not ok(value)):
+        raise HybridMoEError(f"{name} must be {allowed}, got {value!r}")
