@@ -1,0 +1,170 @@
+"""Attention over a slot-based KV cache, and the GQA attention layer of Qwen/Mixtral.
+
+The step's sequences come flattened (see engine/context.py). T new tokens, B sequences,
+Hq query heads, Hkv key/value heads, D head dim (Dk for keys, Dv for values), S cache
+slots, L max cached length. Cache layout: k [S, L, Hkv, Dk], v [S, L, Hkv, Dv].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridmoe.engine.context import Context, get_context
+from hybridmoe.layers.linear import MergedLinear
+from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class KVCache:
+    """Keys and values of one attention layer for S sequence slots of up to L tokens each."""
+
+    def __init__(self, num_slots: int, max_len: int, num_kv_heads: int, k_dim: int, v_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.k = torch.zeros(num_slots, max_len, num_kv_heads, k_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_slots, max_len, num_kv_heads, v_dim, dtype=dtype, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[1]
+
+
+@dataclass
+class _StepIndex:
+    token_slot: torch.Tensor  # [T] cache slot of each new token
+    token_pos: torch.Tensor  # [T] cache position of each new token
+    seq_slot: torch.Tensor  # [B]
+    seq_len: torch.Tensor  # [B] cached length after this step
+    max_seq_len: int  # the longest of seq_len, known without reading the device
+
+
+def _step_index(ctx: Context, device: torch.device) -> _StepIndex:
+    # Built once per step and device, then shared by every layer (kept on the context object).
+    memo = ctx.__dict__.setdefault("_attention_index", {})
+    if device not in memo:
+        lens = [ctx.seq_len(b) for b in range(ctx.num_seqs)]
+        token_slot = [s for s, n in zip(ctx.slot_ids, lens) for _ in range(n)]
+        token_pos = [p0 + i for p0, n in zip(ctx.start_pos, lens) for i in range(n)]
+        memo[device] = _StepIndex(
+            token_slot=torch.tensor(token_slot, dtype=torch.long, device=device),
+            token_pos=torch.tensor(token_pos, dtype=torch.long, device=device),
+            seq_slot=torch.tensor(ctx.slot_ids, dtype=torch.long, device=device),
+            seq_len=torch.tensor([p0 + n for p0, n in zip(ctx.start_pos, lens)], dtype=torch.long,
+                                 device=device),
+            max_seq_len=max(p0 + n for p0, n in zip(ctx.start_pos, lens)))
+    return memo[device]
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Which keys each query sees: causal, and within the window (key > query - window) if any."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
+                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Write k, v into the cache, then attend each sequence's queries to its cached keys.
+
+    q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] -> [T, Hq, Dv]. Without a cache every
+    sequence must start at position 0 and attends to its own new tokens only.
+    """
+    ctx = get_context()
+    if cache is None:
+        if any(ctx.start_pos):
+            raise RuntimeError("decoding past position 0 needs a KV cache: call allocate_kv_cache first")
+        return _attend_uncached(q, k, v, ctx, scale, sliding_window)
+    idx = _step_index(ctx, q.device)
+    if idx.max_seq_len > cache.max_len:
+        raise RuntimeError(f"a sequence reaches {idx.max_seq_len} tokens but the KV cache holds {cache.max_len}")
+    cache.k[idx.token_slot, idx.token_pos] = k
+    cache.v[idx.token_slot, idx.token_pos] = v
+    if ctx.is_decode:
+        return _attend_decode(q, cache, idx, scale, sliding_window)
+    out = []
+    for b in range(ctx.num_seqs):
+        lo, hi = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1]
+        end = ctx.start_pos[b] + (hi - lo)
+        kb = cache.k[ctx.slot_ids[b], :end]
+        vb = cache.v[ctx.slot_ids[b], :end]
+        q_pos = idx.token_pos[lo:hi]
+        mask = _visible(q_pos, torch.arange(end, device=q.device), sliding_window)
+        out.append(_sdpa(q[lo:hi], kb, vb, mask, scale))
+    return torch.cat(out)
+
+
+def _attend_uncached(q, k, v, ctx, scale, sliding_window):
+    out = []
+    for b in range(ctx.num_seqs):
+        lo, hi = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1]
+        pos = torch.arange(hi - lo, device=q.device)
+        out.append(_sdpa(q[lo:hi], k[lo:hi], v[lo:hi], _visible(pos, pos, sliding_window), scale))
+    return torch.cat(out)
+
+
+def _sdpa(q, k, v, mask, scale):
+    """One sequence: q [n, Hq, Dk], k [m, Hkv, Dk], v [m, Hkv, Dv], mask [n, m] bool -> [n, Hq, Dv]."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _attend_decode(q, cache, idx, scale, sliding_window):
+    # One new token per sequence: gather every sequence's cache up to the longest, mask the rest.
+    max_len = idx.max_seq_len
+    kb = cache.k[idx.seq_slot, :max_len].transpose(1, 2)  # [B, Hkv, L, Dk]
+    vb = cache.v[idx.seq_slot, :max_len].transpose(1, 2)
+    k_pos = torch.arange(max_len, device=q.device)
+    mask = k_pos[None, :] < idx.seq_len[:, None]  # [B, L]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > idx.token_pos[:, None] - sliding_window
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=mask[:, None, None, :],
+                                       scale=scale, enable_gqa=True)  # [B, Hq, 1, Dv]
+    return o.squeeze(2)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings; q/k/v checkpoint tensors load into qkv_proj.
+
+    rope: the normalized rope dict (rope_type, rope_theta, ...). qk_norm_eps: Qwen3's per-head
+    RMSNorm of queries and keys before rotary (None: no norm). sliding_window: keys older than
+    this many positions are not seen (None: full causal attention).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rope: dict, *, qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
+                 sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.qkv_proj = MergedLinear(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
+                                                   num_kv_heads * head_dim], bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.rotary = RotaryEmbedding(head_dim, rope)
+        self.kv_cache: KVCache | None = None
+
+    def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
+        w = self.o_proj.weight
+        self.kv_cache = KVCache(num_slots, max_len, self.num_kv_heads, self.head_dim, self.head_dim, w.dtype, w.device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, H], positions [T] -> [T, H]."""
+        t = x.shape[0]
+        cos, sin = self.rotary(positions, x.dtype)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = cached_attention(q, k, v, self.kv_cache, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

@@ -1,0 +1,43 @@
+"""Router helpers: from router logits to each token's top-k expert ids and weights.
+
+The experts themselves are not here: a model's MoE block hands (hidden, ids, weights) to
+an ExpertBackend. T tokens, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridmoe.experts.base import ExpertBackend
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all E experts in float32, keep the K largest, optionally rescale them to sum to 1.
+
+    router_logits [T, E] -> (weights [T, K] float32, ids [T, K] int64).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoeBlock(nn.Module):
+    """Router gate + routed experts: softmax top-k over `gate`, experts run by the ExpertBackend.
+
+    The block holds no expert weights; the loader hands them to the backend under layer_idx.
+    """
+
+    def __init__(self, layer_idx: int, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 experts: ExpertBackend):
+        super().__init__()
+        self.layer_idx, self.top_k, self.renormalize = layer_idx, top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        return self.experts.forward(self.layer_idx, x, ids, weights)

@@ -1,0 +1,219 @@
+"""What every model family shares: its config object, the decoder stack, and the weight-name contract.
+
+A family subclasses MoECausalLM, fills in `config_defaults` (the HF config class's defaults)
+and `make_layer`, and says which layers are MoE. The module tree mirrors the checkpoint
+(model.embed_tokens, model.layers.N.*, model.norm, lm_head) so that most checkpoint names
+are parameter names as they are; the exceptions are declared here, not in forward:
+  - `packed_modules`: checkpoint modules loaded into a row range of a merged parameter
+    (q/k/v -> qkv_proj, gate/up -> gate_up_proj);
+  - `expert_pattern`: routed-expert tensors, which go to the ExpertBackend, not the model;
+  - `is_ignored`: tensors a checkpoint may carry that the model has no use for.
+
+Shapes: T tokens, H hidden, V vocab, E routed experts, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.layers.norm import RMSNorm
+
+EXPERT_PROJS = ("gate", "up", "down")
+
+
+class ModelConfig:
+    """config.json with the family's defaults filled in, read as attributes (config.hidden_size)."""
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+    def get(self, name: str, default=None):
+        return self.__dict__.get(name, default)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"ModelConfig({self.__dict__!r})"
+
+
+def normalize_rope(values: dict, default_theta: float) -> dict:
+    """One rope dict {rope_type, rope_theta, ...} from either spelling of config.json.
+
+    transformers 5 writes `rope_parameters` (with rope_theta inside); older checkpoints write
+    `rope_theta` and `rope_scaling` (with "type" or "rope_type").
+    """
+    rope = dict(values.get("rope_parameters") or values.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    if rope.get("rope_theta") is None:
+        rope["rope_theta"] = values.get("rope_theta") or default_theta
+    return rope
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h)).
+
+    mlp_name is the attribute the checkpoint uses for the MLP ("mlp"; Mixtral: "block_sparse_moe").
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, mlp_name: str = "mlp"):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions)
+        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+
+
+class MoECausalLM(nn.Module):
+    """The model contract the loader and the engine rely on.
+
+    forward(input_ids [T], positions [T]) -> hidden [T, H] (final norm applied), reading the
+    step context (engine/context.py) for KV-cache slots; compute_logits(hidden [N, H]) ->
+    [N, V] float32; allocate_kv_cache(num_slots, max_len) before the first forward.
+    """
+
+    config_defaults: dict = {}
+    """The HF config class's defaults, applied under config.json's own values."""
+
+    config_aliases: dict = {}
+    """Other spellings of a config key -> the name this family reads (HF attribute_map)."""
+
+    default_rope_theta: float = 10000.0
+
+    packed_modules: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    """Checkpoint module name -> (merged module name, shard index in its rows)."""
+
+    expert_pattern = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+    """Routed-expert checkpoint names; groups: layer, expert, and a name that expert_projs maps."""
+
+    expert_projs: dict[str, str] = {"gate": "gate", "up": "up", "down": "down"}
+    """expert_pattern's third group -> one of EXPERT_PROJS."""
+
+    expert_name_format = "model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+    """Inverse of expert_pattern (proj spelled as the checkpoint spells it), for error messages."""
+
+    def __init__(self, config: ModelConfig, experts: ExpertBackend):
+        super().__init__()
+        self.config = config
+        self.experts = experts
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.model.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_hidden_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head if tie_word_embeddings (again after to_empty, which unties)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def make_config(cls, raw: dict) -> ModelConfig:
+        """config.json's dict -> ModelConfig with this family's defaults and normalizations."""
+        values = dict(raw)
+        for alias, name in cls.config_aliases.items():
+            if alias in values and name not in values:
+                values[name] = values.pop(alias)
+        values = {**cls.config_defaults, **values}
+        values["rope_parameters"] = normalize_rope(values, cls.default_rope_theta)
+        values["checkpoint_dtype"] = values.get("dtype") or values.get("torch_dtype")
+        if values.get("num_key_value_heads") is None:
+            values["num_key_value_heads"] = values["num_attention_heads"]
+        if values.get("head_dim") is None and "num_attention_heads" in values:
+            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        cls.finalize_config(values)
+        return ModelConfig(values)
+
+    @classmethod
+    def finalize_config(cls, values: dict) -> None:
+        """A family's own post-processing of config values (HF's __post_init__), in place."""
+
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        """The decoder layer layer_idx: a module called as layer(h [T, H], positions [T]) -> [T, H]."""
+        raise NotImplementedError
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        raise NotImplementedError
+
+    def expert_dims(self) -> tuple[int, int]:
+        """(E, I): routed experts per MoE layer and their intermediate size."""
+        raise NotImplementedError
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.config.num_hidden_layers) if self.is_moe_layer(i)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states_out: list | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden [T, H].
+
+        hidden_states_out, if given, receives the embeddings and each decoder layer's output
+        (num_hidden_layers + 1 tensors [T, H], all before the final norm; HF's hidden_states
+        are the same except the last, which HF gives after the final norm).
+        """
+        h = self.model.embed_tokens(input_ids)
+        if hidden_states_out is not None:
+            hidden_states_out.append(h)
+        for layer in self.model.layers:
+            h = layer(h, positions)
+            if hidden_states_out is not None:
+                hidden_states_out.append(h)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32."""
+        return self.lm_head(hidden).float()
+
+    def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
+        """Give every attention layer a cache of num_slots sequences x max_len tokens (model dtype/device)."""
+        for module in self.model.layers.modules():
+            if hasattr(module, "allocate_kv_cache"):
+                module.allocate_kv_cache(num_slots, max_len)
+
+    def expert_key(self, name: str) -> tuple[int, int, str] | None:
+        """(layer, expert, "gate"|"up"|"down") if name is a routed-expert tensor, else None."""
+        m = self.expert_pattern.fullmatch(name)
+        if m is None:
+            return None
+        return int(m.group(1)), int(m.group(2)), self.expert_projs[m.group(3)]
+
+    def expert_name(self, layer: int, expert: int, proj: str) -> str:
+        spelled = {v: k for k, v in self.expert_projs.items()}[proj]
+        return self.expert_name_format.format(layer=layer, expert=expert, proj=spelled)
+
+    def param_target(self, name: str) -> tuple[str, int | None]:
+        """Checkpoint name -> (parameter name, shard index in a merged parameter or None)."""
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in self.packed_modules:
+            merged, shard = self.packed_modules[parts[-2]]
+            return ".".join(parts[:-2] + [merged, parts[-1]]), shard
+        return name, None
+
+    def checkpoint_name(self, param_name: str, shard: int | None) -> str:
+        """Inverse of param_target: the checkpoint name that fills (param_name, shard)."""
+        if shard is None:
+            return param_name
+        parts = param_name.split(".")
+        for ckpt, (merged, s) in self.packed_modules.items():
+            if parts[-2] == merged and s == shard:
+                return ".".join(parts[:-2] + [ckpt, parts[-1]])
+        raise KeyError(param_name)
+
+    def is_ignored(self, name: str) -> bool:
+        """Tensors a checkpoint may carry that this model does not use (not an error)."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        return bool(self.config.tie_word_embeddings) and name == "lm_head.weight"

@@ -1,0 +1,235 @@
+"""Model directory -> a ready model: config, module tree, weights, and the routed experts' backend.
+
+The model is built on the meta device (no memory, no random init), materialized empty on
+the target device in the target dtype, then every parameter is filled from the checkpoint
+exactly once. Routed-expert tensors never enter the model: each MoE layer's experts are
+stacked into gate/up [E, I, H] and down [E, H, I] and handed to ExpertBackend.set_layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hybridmoe.config import EngineConfig
+from hybridmoe.errors import CheckpointError, HybridMoEError
+from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.experts.torch_ref import TorchExperts
+from hybridmoe.layers.linear import MergedLinear
+from hybridmoe.layers.mlp import get_activation
+from hybridmoe.models.base import EXPERT_PROJS, ModelConfig, MoECausalLM
+from hybridmoe.models.registry import load_config
+from hybridmoe.weights.safetensors import SafetensorsCheckpoint
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PROGRESS_MIN_BYTES = 1 << 30  # a progress bar only for loads that take a noticeable time
+
+
+@dataclass
+class LoadedModel:
+    model: MoECausalLM
+    """In eval mode, on engine_config.device, in `dtype`, no gradients."""
+    config: ModelConfig
+    experts: ExpertBackend
+    """Holds the routed experts of every MoE layer (model.experts is the same object)."""
+    dtype: torch.dtype
+
+
+def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
+    """"auto" -> the checkpoint's dtype (config.json dtype / torch_dtype; float32 if it names none)."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    name = config.checkpoint_dtype or "float32"
+    name = str(name).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise CheckpointError(
+            f"config.json dtype {name!r} is not one we compute in; pass dtype= one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def make_expert_backend(engine_config: EngineConfig, config: ModelConfig) -> ExpertBackend:
+    """The one place an ExpertBackend is chosen from EngineConfig.expert_backend."""
+    act = get_activation(config.hidden_act)
+    if engine_config.expert_backend == "torch":
+        return TorchExperts(act=act)
+    if config.hidden_act not in ("silu", "swish"):
+        raise HybridMoEError(f"expert_backend='native' runs SiLU experts only; this model uses {config.hidden_act!r}")
+    try:
+        from hybridmoe.experts.cpu_experts import CpuExperts
+    except ImportError as e:
+        raise HybridMoEError(
+            f"expert_backend='native' needs the native CPU expert engine, which is not available ({e}); "
+            "use expert_backend='torch'") from None
+    return _NativeLayers(CpuExperts, format=engine_config.expert_format,
+                         group_size=engine_config.expert_group_size, threads=engine_config.cpu_threads)
+
+
+class _NativeLayers(ExpertBackend):
+    """One native CpuExperts per MoE layer behind the model-wide ExpertBackend interface.
+
+    Activations cross to the CPU (where the native engine keeps its packed weights) and the
+    result comes back to the hidden state's device and dtype.
+    """
+
+    def __init__(self, cpu_experts_cls, **options):
+        self._cls, self._options = cpu_experts_cls, options
+        self._layers: dict[int, object] = {}
+        self._out: dict[int, tuple[torch.device, torch.dtype]] = {}
+
+    def set_layer(self, layer, gate_proj, up_proj, down_proj):
+        self._layers[layer] = self._cls(gate_proj, up_proj, down_proj, **self._options)
+
+    def layers(self):
+        return sorted(self._layers)
+
+    def submit(self, layer, hidden, topk_ids, topk_weights):
+        x = hidden.to("cpu", torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype)
+        self._out[layer] = (hidden.device, hidden.dtype)
+        self._layers[layer].submit(x, topk_ids.cpu(), topk_weights.float().cpu())
+
+    def wait(self, layer):
+        device, dtype = self._out.pop(layer)
+        return self._layers[layer].wait().to(device, dtype)
+
+
+def _expert_placement(engine_config: EngineConfig, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
+    # The native engine reads experts from CPU memory; the torch reference runs them where the model runs.
+    if engine_config.expert_backend == "native":
+        return torch.device("cpu"), dtype
+    return torch.device(engine_config.device), dtype
+
+
+def build_model(cls: type[MoECausalLM], config: ModelConfig, experts: ExpertBackend, dtype: torch.dtype,
+                device: str | torch.device) -> MoECausalLM:
+    """The module tree with uninitialized parameters on device (filled by load_weights)."""
+    with torch.device("meta"):
+        model = cls(config, experts)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None) -> LoadedModel:
+    engine_config = engine_config or EngineConfig()
+    cls, config = load_config(model_dir)
+    dtype = resolve_dtype(engine_config.dtype, config)
+    experts = make_expert_backend(engine_config, config)
+    model = build_model(cls, config, experts, dtype, engine_config.device)
+    expert_device, expert_dtype = _expert_placement(engine_config, dtype)
+    fp8_block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+    with SafetensorsCheckpoint(model_dir, fp8_block=fp8_block) as ckpt:
+        load_weights(model, ckpt, expert_device, expert_dtype)
+    return LoadedModel(model=model, config=config, experts=experts, dtype=dtype)
+
+
+def _expected_params(model: MoECausalLM) -> dict[tuple[str, int | None], torch.Tensor]:
+    """(parameter name, shard) -> the view of the parameter that one checkpoint tensor fills."""
+    modules = dict(model.named_modules())
+    targets = {}
+    for name, param in model.named_parameters():
+        owner = modules[name.rpartition(".")[0]]
+        if isinstance(owner, MergedLinear):
+            for shard in range(len(owner.out_sizes)):
+                start, rows = owner.shard_rows(shard)
+                targets[(name, shard)] = param.data.narrow(0, start, rows)
+        else:
+            targets[(name, None)] = param.data
+    return targets
+
+
+class _ExpertStacker:
+    """Collects one MoE layer's per-expert tensors into stacked buffers; hands over full layers."""
+
+    def __init__(self, model: MoECausalLM, device: torch.device, dtype: torch.dtype):
+        self.model, self.device, self.dtype = model, device, dtype
+        self.num_experts, inter = model.expert_dims()
+        hidden = model.config.hidden_size
+        self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+        self.layers = set(model.moe_layers)
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.filled: dict[int, set[tuple[int, str]]] = {}
+        self.done: set[int] = set()
+
+    def accepts(self, layer: int, expert: int) -> bool:
+        return layer in self.layers and 0 <= expert < self.num_experts
+
+    def expected_shape(self, proj: str) -> tuple[int, int]:
+        return self.shapes[proj]
+
+    def add(self, layer: int, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        if layer not in self.pending:
+            self.pending[layer] = {p: torch.empty(self.num_experts, *self.shapes[p], dtype=self.dtype,
+                                                  device=self.device) for p in EXPERT_PROJS}
+            self.filled[layer] = set()
+        self.pending[layer][proj][expert].copy_(tensor)
+        self.filled[layer].add((expert, proj))
+        if len(self.filled[layer]) == self.num_experts * len(EXPERT_PROJS):
+            stacked = self.pending.pop(layer)
+            self.model.experts.set_layer(layer, stacked["gate"], stacked["up"], stacked["down"])
+            self.done.add(layer)
+
+    def first_missing(self) -> str | None:
+        for layer in sorted(self.layers - self.done):
+            have = self.filled.get(layer, set())
+            for expert in range(self.num_experts):
+                for proj in EXPERT_PROJS:
+                    if (expert, proj) not in have:
+                        return self.model.expert_name(layer, expert, proj)
+        return None
+
+
+def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device: torch.device,
+                 expert_dtype: torch.dtype) -> None:
+    """Fill every parameter and every MoE layer's experts from ckpt; any gap or leftover is an error."""
+    targets = _expected_params(model)
+    stacker = _ExpertStacker(model, expert_device, expert_dtype)
+    loaded: set[tuple[str, int | None]] = set()
+    unexpected: list[str] = []
+    names_by_file = ckpt.names_by_file()
+    total = sum(len(n) for n in names_by_file.values())
+    with tqdm(total=total, desc="loading weights", unit="tensor", leave=False,
+              disable=ckpt.nbytes() < _PROGRESS_MIN_BYTES) as bar:
+        for file, names in names_by_file.items():
+            bar.set_postfix_str(file)
+            for name in names:
+                bar.update()
+                if model.is_ignored(name):
+                    continue
+                key = model.expert_key(name)
+                if key is not None:
+                    layer, expert, proj = key
+                    if not stacker.accepts(layer, expert):
+                        unexpected.append(name)
+                        continue
+                    _check_shape(name, ckpt.shape(name), stacker.expected_shape(proj))
+                    stacker.add(layer, expert, proj, ckpt.get(name))
+                    continue
+                target_key = model.param_target(name)
+                if target_key not in targets:
+                    unexpected.append(name)
+                    continue
+                target = targets[target_key]
+                _check_shape(name, ckpt.shape(name), tuple(target.shape))
+                target.copy_(ckpt.get(name))
+                loaded.add(target_key)
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"checkpoint tensor {unexpected[0]}{more} is not part of "
+                              f"{type(model).__name__} with this config.json")
+    missing = [k for k in targets if k not in loaded]
+    if missing:
+        name = model.checkpoint_name(*missing[0])
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor {name}{more}")
+    missing_expert = stacker.first_missing()
+    if missing_expert is not None:
+        raise CheckpointError(f"checkpoint is missing tensor {missing_expert}")
+
+
+def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(expected):
+        raise CheckpointError(f"tensor {name} has shape {list(got)}, expected {list(expected)} from config.json")
