@@ -1,0 +1,125 @@
+"""The step loop: requests in, one scheduled batch per step, outputs out.
+
+Meant to be driven directly by whoever serves requests: add_request() between steps (a request
+joins the running batch at the next step), step() until has_unfinished() is false, abort() to
+drop a request and free its KV-cache slot at once. Not thread-safe: drive it from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from hybridmoe.config import EngineConfig
+from hybridmoe.engine.detokenizer import Detokenizer
+from hybridmoe.engine.model_runner import ModelRunner
+from hybridmoe.engine.scheduler import ScheduledSeq, Scheduler
+from hybridmoe.engine.sequence import RequestOutput, Sequence
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.sampling_params import SamplingParams
+from hybridmoe.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        from hybridmoe.weights.loader import load_model
+
+        self.config = config or EngineConfig()
+        loaded = load_model(model_dir, self.config)
+        self.model_config = loaded.config
+        self.dtype = loaded.dtype
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.vocab_size = loaded.config.vocab_size
+        self.eos_token_ids = _eos_token_ids(Path(model_dir), loaded.config, self.tokenizer)
+        self.max_model_len = self.config.max_model_len or min(
+            loaded.config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, self.config.max_num_seqs, self.max_model_len,
+                                  self.config.device)
+        self._requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; it joins the batch at the next step. Returns its id."""
+        params = params or SamplingParams()
+        self._check_request(prompt_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._requests:
+            raise HybridMoEError(f"request id {request_id!r} is already in use")
+        detok = None
+        if self.tokenizer is not None:
+            detok = Detokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+        seq = Sequence(request_id, prompt_ids, params, detok, self.config.device)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (waiting or running) and free its KV-cache slot; False if it is not here."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for each request that got a token (finished or not)."""
+        batch = self.scheduler.schedule()
+        tokens = self.runner.run(batch)
+        return self._postprocess(batch, tokens)
+
+    def _postprocess(self, batch: list[ScheduledSeq], tokens: list[int | None]) -> list[RequestOutput]:
+        outputs = []
+        for s, token in zip(batch, tokens):
+            seq = s.seq
+            seq.num_computed += s.num_tokens
+            if token is None:
+                continue
+            outputs.append(seq.output(seq.append_token(token, self.eos_token_ids)))
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                del self._requests[seq.request_id]
+        return outputs
+
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise HybridMoEError("the prompt is empty; give at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
+            bad = next(t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
+            raise HybridMoEError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise HybridMoEError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} = {total} exceeds the "
+                f"context of {self.max_model_len} tokens (max_model_len); shorten the prompt or lower max_tokens")
+        if params.stop and self.tokenizer is None:
+            raise HybridMoEError("stop strings need a tokenizer, and this model directory has none; "
+                                 "use stop_token_ids")
+
+
+def _eos_token_ids(model_dir: Path, config, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer's eos_token together."""
+    ids: set[int] = set()
+    sources = [config.get("eos_token_id")]
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+        except ValueError:
+            raise HybridMoEError(f"{gen} is not valid JSON; fix or delete it") from None
+    if tokenizer is not None:
+        sources.append(tokenizer.eos_token_id)
+    for src in sources:
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list):
+            ids.update(t for t in src if isinstance(t, int))
+    return frozenset(ids)
