@@ -12,7 +12,8 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 from hybridmoe.engine.context import Context, use_context
 from hybridmoe.layers.mla import MultiHeadLatentAttention
-from hybridmoe.layers.yarn import rope_dict
+from hybridmoe.layers.yarn import complete_yarn
+from hybridmoe.models.base import normalize_rope
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.707}
@@ -42,7 +43,7 @@ def build(family, q_lora_rank, rope, rope_interleave):
         torch.nn.init.normal_(p, std=0.3)
     ours = MultiHeadLatentAttention(cfg.hidden_size, cfg.num_attention_heads, q_lora_rank, cfg.kv_lora_rank,
                                     cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                    rope_dict(cfg.to_dict()), rope_interleave)
+                                    complete_yarn(normalize_rope(cfg.to_dict(), 10000.0), cfg.max_position_embeddings), rope_interleave)
     missing = ours.load_state_dict(hf.state_dict(), strict=True)
     assert not missing.missing_keys
     return hf.eval(), hf_rotary, ours.eval()
@@ -73,15 +74,20 @@ def test_prefill_matches_transformers(family, q_lora_rank, rope, rope_interleave
 def test_batched_chunks_and_decode_through_the_latent_cache_match_full_recomputation(
         family, q_lora_rank, rope, rope_interleave):
     hf, hf_rotary, ours = build(family, q_lora_rank, rope, rope_interleave)
-    a, b = torch.randn(9, 48), torch.randn(5, 48)
+    a, b = torch.randn(9, 48), torch.randn(6, 48)
     ours.allocate_kv_cache(num_slots=3, max_len=16)
-    # step 1: a[:6] into slot 2 and b[:4] into slot 0; step 2: a[6:] and b[4:] (prefill chunk + decode)
-    with use_context(Context(slot_ids=[2, 0], start_pos=[0, 0], cu_seqlens=[0, 6, 10])):
-        first = ours(torch.cat((a[:6], b[:4])), torch.cat((torch.arange(6), torch.arange(4))))
-    with use_context(Context(slot_ids=[2, 0], start_pos=[6, 4], cu_seqlens=[0, 3, 4])):
-        second = ours(torch.cat((a[6:], b[4:])), torch.tensor([6, 7, 8, 4]))
-    want_a, want_b = hf_attention(hf, hf_rotary, a), hf_attention(hf, hf_rotary, b)
-    torch.testing.assert_close(torch.cat((first[:6], second[:3])), want_a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.cat((first[6:], second[3:])), want_b, rtol=1e-5, atol=1e-5)
+    # a lives in slot 2, b in slot 0; steps: prefill chunks, a chunk beside a decode, pure decode
+    steps = [([0, 0], [6, 4]), ([6, 4], [2, 1]), ([8, 5], [1, 1])]
+    outs_a, outs_b = [], []
+    for start, n in steps:
+        x = torch.cat((a[start[0]:start[0] + n[0]], b[start[1]:start[1] + n[1]]))
+        positions = torch.cat((torch.arange(n[0]) + start[0], torch.arange(n[1]) + start[1]))
+        with use_context(Context(slot_ids=[2, 0], start_pos=start, cu_seqlens=[0, n[0], n[0] + n[1]])):
+            out = ours(x, positions)
+        outs_a.append(out[:n[0]])
+        outs_b.append(out[n[0]:])
+    torch.testing.assert_close(torch.cat(outs_a), hf_attention(hf, hf_rotary, a), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(outs_b), hf_attention(hf, hf_rotary, b), rtol=1e-5, atol=1e-5)
     # the cache holds R + P numbers per token, not expanded keys and values
-    assert ours.kv_cache.shape == (3, 16, 16 + 8)
+    assert ours.kv_cache.k.shape == (3, 16, 1, 16 + 8)
+    assert ours.kv_cache.v.data_ptr() == ours.kv_cache.k.data_ptr()

@@ -48,6 +48,14 @@ class DeepseekRouter(nn.Module):
         if topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(n_routed_experts, dtype=torch.float32))
 
+    def _apply(self, fn, recurse=True):
+        # Like transformers' _keep_in_fp32_modules: casting the model to bf16 must not round the
+        # router, whose e_score_correction_bias checkpoints store in float32.
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            p.data = p.data.float()
+        return self
+
     def _group_mask(self, scores: torch.Tensor, group_score) -> torch.Tensor:
         """[T, E] bool: experts in each token's topk_group best groups."""
         grouped = scores.view(scores.shape[0], self.n_group, -1)  # [T, G, E/G]

@@ -16,10 +16,9 @@ which is one multi-query attention with key [c, k_pe] (R + P wide) and value c (
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.engine.context import get_context
+from hybridmoe.layers.attention import KVCache, cached_attention
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.layers.yarn import softmax_scale
@@ -59,16 +58,16 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope)
         self.rotate = apply_rotary_interleaved if rope_interleave else apply_rotary
         self.scale = softmax_scale(rope, qk_head_dim)
-        self.kv_cache: torch.Tensor | None = None  # [slots, max_len, R + P], set by the model
+        self.kv_cache: KVCache | None = None
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.kv_a_proj_with_mqa.weight
-        self.kv_cache = torch.zeros(num_slots, max_len, self.kv_lora_rank + self.qk_rope_head_dim,
-                                    dtype=w.dtype, device=w.device)
+        cache = KVCache(num_slots, max_len, 1, self.kv_lora_rank + self.qk_rope_head_dim, 0, w.dtype, w.device)
+        cache.v = cache.k[..., :self.kv_lora_rank]  # the value is the latent itself: R + P numbers per token
+        self.kv_cache = cache
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], positions [T] -> [T, H]; writes the new tokens' latents into the cache."""
-        ctx = get_context()
         T, N, R, D = hidden.shape[0], self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim
         if hasattr(self, "q_proj"):
             q = self.q_proj(hidden)
@@ -76,27 +75,15 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q_nope, q_pe = q.view(T, N, -1).split([D, self.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([R, self.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
         cos, sin = self.rotary(positions, q.dtype)
         q_pe = self.rotate(q_pe, cos, sin)
-        k_pe = self.rotate(k_pe.unsqueeze(1), cos, sin).squeeze(1)
-
-        seq_lens = torch.tensor([ctx.seq_len(b) for b in range(ctx.num_seqs)], device=hidden.device)
-        token_slots = ctx.slot_tensor(hidden.device).repeat_interleave(seq_lens)
-        self.kv_cache[token_slots, positions] = torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1)
+        k_pe = self.rotate(k_pe.unsqueeze(1), cos, sin)  # [T, 1, P]
 
         w_kv = self.kv_b_proj.weight.view(N, D + self.v_head_dim, R)
         w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # [N, D, R], [N, V, R]
         query = torch.cat((torch.einsum("tnd,ndr->tnr", q_nope, w_uk), q_pe), dim=-1)  # [T, N, R + P]
-        out = torch.empty(T, N, R, dtype=hidden.dtype, device=hidden.device)
-        for b in range(ctx.num_seqs):
-            lo, hi, start = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1], ctx.start_pos[b]
-            kv = self.kv_cache[ctx.slot_ids[b], :start + hi - lo]  # [S, R + P]
-            # token i of this step sits at position start + i and sees positions 0 .. start + i
-            visible = (torch.arange(kv.shape[0], device=kv.device)[None, :]
-                       <= start + torch.arange(hi - lo, device=kv.device)[:, None])
-            o = F.scaled_dot_product_attention(  # [1, N, T_b, R]: N query heads share one key/value head
-                query[lo:hi].transpose(0, 1)[None], kv[None, None], kv[None, None, :, :R], attn_mask=visible,
-                scale=self.scale, enable_gqa=True)
-            out[lo:hi] = o[0].transpose(0, 1)
-        out = torch.einsum("tnr,nvr->tnv", out, w_uv)  # [T, N, V]
+        key = torch.cat((latent.unsqueeze(1), k_pe), dim=-1)  # [T, 1, R + P]: one key head for all N
+        out = cached_attention(query, key, latent.unsqueeze(1), self.kv_cache, self.scale)  # [T, N, R]
+        out = torch.einsum("tnr,nvr->tnv", out, w_uv)
         return self.o_proj(out.reshape(T, N * self.v_head_dim))

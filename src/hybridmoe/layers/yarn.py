@@ -10,8 +10,7 @@ DeepSeek scales attention in two places, and transformers follows it:
 - the softmax scale qk_head_dim**-0.5 is multiplied by mscale(factor, mscale_all_dim)**2,
   because the nope half of q.k never sees the rotary factor.
 
-`rope` below is the checkpoint's rope dict: transformers 5 `rope_parameters` (rope_type,
-rope_theta, ...) or the original `rope_scaling` (type, ...) with `rope_theta` beside it.
+`rope` below is the normalized rope dict (models/base.py normalize_rope, then complete_yarn).
 """
 
 from __future__ import annotations
@@ -20,24 +19,18 @@ import math
 
 import torch
 
-from hybridmoe.errors import CheckpointError
 from hybridmoe.layers.rotary import ROPE_INIT
 
-ROPE_TYPES = ("default", "yarn")
-
-
-def rope_dict(config: dict) -> dict:
-    """One rope dict from config.json, whichever of the two spellings it uses."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope.setdefault("rope_type", rope.pop("type", "default"))
-    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    if rope["rope_type"] not in ROPE_TYPES:
-        raise CheckpointError(
-            f"rope type {rope['rope_type']!r} is not supported for DeepSeek models; supported: {', '.join(ROPE_TYPES)}")
-    if rope["rope_type"] == "yarn":
-        rope.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
-        if rope.get("factor") is None:
-            rope["factor"] = config["max_position_embeddings"] / rope["original_max_position_embeddings"]
+def complete_yarn(rope: dict, max_position_embeddings: int) -> dict:
+    """Fill what a yarn rope dict may leave out, as transformers does: the original context
+    defaults to max_position_embeddings, and factor to the ratio of the two."""
+    if rope.get("rope_type") != "yarn":
+        return rope
+    rope = dict(rope)
+    if rope.get("original_max_position_embeddings") is None:
+        rope["original_max_position_embeddings"] = max_position_embeddings
+    if rope.get("factor") is None:
+        rope["factor"] = max_position_embeddings / rope["original_max_position_embeddings"]
     return rope
 
 
