@@ -1,15 +1,265 @@
-// The Python module hybridmoe._native. Arrays cross this boundary as checked nb::ndarray
-// views; raw pointers exist only below the checks.
+// The Python module hybridmoe._native. Arrays cross this boundary as nb::ndarray views
+// (DLPack: torch tensors and numpy arrays go in directly); shape, dtype, contiguity and device
+// are checked here and raw pointers exist only below the checks. Bad input raises ValueError.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <map>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "moe/moe_layer.h"
 #include "runtime/cpu_features.h"
+#include "runtime/thread_pool.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using hmoe::Format;
+using hmoe::Isa;
+using Array = nb::ndarray<nb::ro>;
+using MutArray = nb::ndarray<>;
+
+const char* kIsaNames[] = {"generic", "avx2", "avx512", "amx"};
+const char* kFormatNames[] = {"bf16", "int8", "int4"};
+
+bool isa_available(Isa isa) {
+  const auto& f = hmoe::cpu_features();
+  const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.avx512_vnni;
+  switch (isa) {
+    case Isa::generic: return true;
+    case Isa::avx2: return f.avx2 && f.fma;
+    case Isa::avx512: return avx512;
+    case Isa::amx: return avx512 && f.amx_tile && f.amx_bf16 && hmoe::amx_request_permission();
+  }
+  return false;
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out;
+  for (int i = 0; i < 4; ++i)
+    if (isa_available(Isa(i))) out.push_back(kIsaNames[i]);
+  return out;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+Isa parse_isa(const std::string& name) {
+  if (name.empty()) {
+    for (int i = 3; i >= 0; --i)
+      if (isa_available(Isa(i))) return Isa(i);
+  }
+  for (int i = 0; i < 4; ++i)
+    if (name == kIsaNames[i]) {
+      if (!isa_available(Isa(i)))
+        fail("isa '" + name + "' is not supported by this CPU; available: " + join(available_isas()));
+      return Isa(i);
+    }
+  fail("unknown isa '" + name + "'; choose one of: generic, avx2, avx512, amx (available here: " +
+       join(available_isas()) + ")");
+}
+
+Format parse_format(const std::string& name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == kFormatNames[i]) return Format(i);
+  fail("unknown expert format '" + name + "'; choose bf16, int8 or int4");
+}
+
+std::string dtype_name(nb::dlpack::dtype d) {
+  const char* kind[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
+  return std::string(d.code < 7 ? kind[d.code] : "?") + std::to_string(d.bits);
+}
+
+const nb::dlpack::dtype kBf16{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+
+template <class A>
+std::string shape_of(const A& a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + "]";
+}
+
+// Checks device, rank, exact shape (-1: any) and C-contiguity.
+template <class A>
+void check_array(const A& a, const char* what, std::vector<int64_t> shape) {
+  if (a.device_type() != nb::device::cpu::value)
+    fail(std::string(what) + " must be a CPU tensor (got one on another device); copy it with .cpu() first");
+  if (a.ndim() != shape.size())
+    fail(std::string(what) + " must have " + std::to_string(shape.size()) + " dimensions, got shape " + shape_of(a));
+  for (size_t i = 0; i < shape.size(); ++i)
+    if (shape[i] >= 0 && int64_t(a.shape(i)) != shape[i]) {
+      std::string want = "[";
+      for (size_t j = 0; j < shape.size(); ++j)
+        want += (j ? ", " : "") + (shape[j] < 0 ? std::string("*") : std::to_string(shape[j]));
+      fail(std::string(what) + " has shape " + shape_of(a) + ", expected " + want + "]");
+    }
+  int64_t stride = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != stride)
+      fail(std::string(what) + " must be contiguous; call .contiguous() first");
+    stride *= int64_t(a.shape(i));
+  }
+}
+
+void check_dtype(const nb::dlpack::dtype& got, const nb::dlpack::dtype& want, const char* what) {
+  if (got != want) fail(std::string(what) + " must be " + dtype_name(want) + ", got " + dtype_name(got));
+}
+
+class Engine {
+ public:
+  Engine(int E, int H, int I, const std::string& format, int group_size, bool zero_points, int threads,
+         const std::string& isa, int numa_nodes, bool adopt) {
+    if (E < 1 || H < 1 || I < 1) fail("expert shapes must be positive, got E=" + std::to_string(E) +
+                                      " H=" + std::to_string(H) + " I=" + std::to_string(I));
+    hmoe::MoeConfig cfg;
+    cfg.E = E;
+    cfg.H = H;
+    cfg.I = I;
+    cfg.format = parse_format(format);
+    cfg.group = group_size;
+    cfg.zero_points = zero_points;
+    if (cfg.format == Format::int4) {
+      if (group_size != 32 && group_size != 64 && group_size != 128)
+        fail("int4 group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+      if (H % group_size || I % group_size)
+        fail("int4 with group_size " + std::to_string(group_size) + " needs hidden size and intermediate size " +
+             "divisible by it (got H=" + std::to_string(H) + ", I=" + std::to_string(I) +
+             "); pick a group size that divides both, or format='int8'");
+    } else if (zero_points) {
+      fail("zero points exist only for format='int4'");
+    }
+    if (threads < 1) fail("threads must be >= 1, got " + std::to_string(threads));
+    if (numa_nodes < 1 || numa_nodes > threads)
+      fail("numa_nodes must be between 1 and threads (" + std::to_string(threads) + "), got " +
+           std::to_string(numa_nodes));
+    cfg.threads = threads;
+    cfg.isa = parse_isa(isa);
+    cfg.numa_nodes = numa_nodes;
+    layer_ = std::make_unique<hmoe::MoeLayer>(cfg, adopt);
+  }
+
+  const hmoe::MoeConfig& cfg() const { return layer_->config(); }
+
+  void pack_expert(int e, Array gate, Array up, Array down) {
+    check_expert(e);
+    const auto& c = cfg();
+    const nb::dlpack::dtype f32 = nb::dtype<float>();
+    check_array(gate, "gate", {c.I, c.H});
+    check_array(up, "up", {c.I, c.H});
+    check_array(down, "down", {c.H, c.I});
+    check_dtype(gate.dtype(), f32, "gate");
+    check_dtype(up.dtype(), f32, "up");
+    check_dtype(down.dtype(), f32, "down");
+    nb::gil_scoped_release nogil;
+    layer_->pack_expert(e, static_cast<const float*>(gate.data()), static_cast<const float*>(up.data()),
+                        static_cast<const float*>(down.data()));
+  }
+
+  void unpack_expert(int e, MutArray gate, MutArray up, MutArray down) {
+    check_expert(e);
+    const auto& c = cfg();
+    const nb::dlpack::dtype f32 = nb::dtype<float>();
+    check_array(gate, "gate", {c.I, c.H});
+    check_array(up, "up", {c.I, c.H});
+    check_array(down, "down", {c.H, c.I});
+    check_dtype(gate.dtype(), f32, "gate");
+    check_dtype(up.dtype(), f32, "up");
+    check_dtype(down.dtype(), f32, "down");
+    layer_->unpack_expert(e, static_cast<float*>(gate.data()), static_cast<float*>(up.data()),
+                          static_cast<float*>(down.data()));
+  }
+
+  nb::dict buffers(nb::handle self) {
+    nb::dict out;
+    for (const auto& b : layer_->buffers()) {
+      if (b.is_float) {
+        size_t shape[1] = {b.bytes / 4};
+        out[b.name.c_str()] = nb::ndarray<nb::numpy, float>(b.data, 1, shape, self);
+      } else {
+        size_t shape[1] = {b.bytes};
+        out[b.name.c_str()] = nb::ndarray<nb::numpy, uint8_t>(b.data, 1, shape, self);
+      }
+    }
+    return out;
+  }
+
+  void set_buffer(const std::string& name, MutArray a) {
+    check_array(a, ("packed buffer '" + name + "'").c_str(), {-1});
+    layer_->set_buffer(name, a.data(), a.nbytes());
+  }
+
+  uint64_t submit(Array x, Array ids, Array weights, MutArray out) {
+    const auto& c = cfg();
+    check_array(x, "x", {-1, c.H});
+    const bool bf16 = x.dtype() == kBf16;
+    if (!bf16 && x.dtype() != nb::dtype<float>())
+      fail("x must be bfloat16 or float32, got " + dtype_name(x.dtype()));
+    const int64_t T = x.shape(0);
+    check_array(ids, "topk_ids", {T, -1});
+    const int64_t K = ids.shape(1);
+    if (K < 1 || K > c.E)
+      fail("topk_ids must have between 1 and " + std::to_string(c.E) + " columns, got " + std::to_string(K));
+    const bool ids64 = ids.dtype() == nb::dtype<int64_t>();
+    if (!ids64 && ids.dtype() != nb::dtype<int32_t>())
+      fail("topk_ids must be int32 or int64, got " + dtype_name(ids.dtype()));
+    check_array(weights, "topk_weights", {T, K});
+    check_dtype(weights.dtype(), nb::dtype<float>(), "topk_weights");
+    check_array(out, "out", {T, c.H});
+    check_dtype(out.dtype(), x.dtype(), "out");
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t id = ids64 ? static_cast<const int64_t*>(ids.data())[t * K + k]
+                                 : static_cast<const int32_t*>(ids.data())[t * K + k];
+        if (id < 0 || id >= c.E)
+          fail("topk_ids[" + std::to_string(t) + ", " + std::to_string(k) + "] = " + std::to_string(id) +
+               " is out of range for " + std::to_string(c.E) + " experts");
+        for (int64_t k2 = 0; k2 < k; ++k2) {
+          const int64_t other = ids64 ? static_cast<const int64_t*>(ids.data())[t * K + k2]
+                                      : static_cast<const int32_t*>(ids.data())[t * K + k2];
+          if (other == id)
+            fail("token " + std::to_string(t) + " lists expert " + std::to_string(id) +
+                 " twice in topk_ids; each token's experts must be distinct");
+        }
+      }
+    hmoe::MoeCall call;
+    call.x = x.data();
+    call.x_bf16 = bf16;
+    call.T = int(T);
+    call.K = int(K);
+    call.ids = ids.data();
+    call.ids64 = ids64;
+    call.weights = static_cast<const float*>(weights.data());
+    call.out = out.data();
+    return layer_->submit(call);
+  }
+
+  void wait(uint64_t ticket) {
+    nb::gil_scoped_release nogil;
+    layer_->wait(ticket);
+  }
+
+ private:
+  void check_expert(int e) const {
+    if (e < 0 || e >= cfg().E)
+      fail("expert index " + std::to_string(e) + " out of range for " + std::to_string(cfg().E) + " experts");
+  }
+  std::unique_ptr<hmoe::MoeLayer> layer_;
+};
+
+}  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "hybridmoe native CPU expert engine";
@@ -21,4 +271,29 @@ NB_MODULE(_native, m) {
         {"avx512_fp16", f.avx512_fp16}, {"amx_tile", f.amx_tile},       {"amx_bf16", f.amx_bf16},
         {"amx_int8", f.amx_int8}};
   }, "What this CPU supports (cpuid, and for AMX whether the OS enables tile state).");
+  m.def("available_isas", &available_isas, "Kernel paths this CPU can run, slowest first.");
+  m.def("numa_node_count", &hmoe::numa_node_count);
+  m.def("allowed_cpu_count", [] { return int(hmoe::allowed_cpus().size()); },
+        "CPUs this process may run on (its affinity mask).");
+
+  nb::class_<Engine>(m, "MoeEngine", "Packed routed experts of one MoE layer (see csrc/moe/moe_layer.h).")
+      .def(nb::init<int, int, int, const std::string&, int, bool, int, const std::string&, int, bool>(),
+           "E"_a, "H"_a, "I"_a, "format"_a, "group_size"_a, "zero_points"_a, "threads"_a, "isa"_a,
+           "numa_nodes"_a, "adopt"_a)
+      .def("pack_expert", &Engine::pack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)
+      .def("unpack_expert", &Engine::unpack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)
+      .def("buffers", [](nb::handle self) { return nb::cast<Engine&>(self).buffers(self); },
+           "Packed buffers by name, as numpy views that keep this engine alive.")
+      .def("set_buffer", &Engine::set_buffer, "name"_a, "array"_a)
+      .def("submit", &Engine::submit, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a)
+      .def("wait", &Engine::wait, "ticket"_a)
+      .def_prop_ro("isa", [](const Engine& e) { return std::string(kIsaNames[int(e.cfg().isa)]); })
+      .def_prop_ro("format", [](const Engine& e) { return std::string(kFormatNames[int(e.cfg().format)]); })
+      .def_prop_ro("threads", [](const Engine& e) { return e.cfg().threads; })
+      .def_prop_ro("numa_nodes", [](const Engine& e) { return e.cfg().numa_nodes; })
+      .def_prop_ro("group_size", [](const Engine& e) { return e.cfg().group; })
+      .def_prop_ro("zero_points", [](const Engine& e) { return e.cfg().zero_points; })
+      .def_prop_ro("shape", [](const Engine& e) {
+        return std::vector<int>{e.cfg().E, e.cfg().H, e.cfg().I};
+      });
 }

@@ -1,0 +1,180 @@
+// AVX-512 kernels (built with -mavx512f/bw/vl/bf16/vnni): bf16 pairs through vdpbf16ps,
+// int8 and int4 weights against int16 activations through vpdpwssd. Memory-bound in decode:
+// each 32-row block of weights is read once per pass of up to M tokens.
+#include <immintrin.h>
+
+#include <algorithm>
+
+#include "moe/packed.h"
+
+namespace hmoe {
+namespace {
+
+inline __m512i bcast32(const void* p) { return _mm512_set1_epi32(*static_cast<const int32_t*>(p)); }
+
+template <int M>
+void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out, int ldo) {
+  __m512 acc[2][M];
+  for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+  for (int p = 0; p < np; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64), _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * 64);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
+    for (int i = 0; i < M; ++i) {
+      const __m512bh xb = (__m512bh)bcast32(x + size_t(i) * ld + 2 * p);
+      acc[0][i] = _mm512_dpbf16_ps(acc[0][i], w0, xb);
+      acc[1][i] = _mm512_dpbf16_ps(acc[1][i], w1, xb);
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    _mm512_storeu_ps(out + size_t(i) * ldo, acc[0][i]);
+    _mm512_storeu_ps(out + size_t(i) * ldo + 16, acc[1][i]);
+  }
+}
+
+void gemm_bf16(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const int np = w.Kp / 2;
+  for (int b = b0; b < b1; ++b) {
+    const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.w) + size_t(b) * np * 64;
+    float* o = out + size_t(b - b0) * kBlockRows;
+    for (int t0 = 0; t0 < a.n; t0 += 6) {
+      const uint16_t* x = a.bf16 + size_t(t0) * a.ld;
+      float* ot = o + size_t(t0) * ldo;
+      switch (std::min(6, a.n - t0)) {
+        case 1: bf16_pass<1>(wb, np, x, a.ld, ot, ldo); break;
+        case 2: bf16_pass<2>(wb, np, x, a.ld, ot, ldo); break;
+        case 3: bf16_pass<3>(wb, np, x, a.ld, ot, ldo); break;
+        case 4: bf16_pass<4>(wb, np, x, a.ld, ot, ldo); break;
+        case 5: bf16_pass<5>(wb, np, x, a.ld, ot, ldo); break;
+        default: bf16_pass<6>(wb, np, x, a.ld, ot, ldo); break;
+      }
+    }
+  }
+}
+
+template <int M>
+void int8_pass(const int8_t* wb, int Kp, const int16_t* x, int ld, const float* xscale,
+               const float* wscale, float* out, int ldo) {
+  __m512 facc[2][M];
+  for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
+  for (int k0 = 0; k0 < Kp; k0 += kInt8FlushK) {
+    const int pend = std::min(Kp, k0 + kInt8FlushK) / 2;
+    __m512i acc[2][M];
+    for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_si512();
+    for (int p = k0 / 2; p < pend; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64), _MM_HINT_T0);
+      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64)));
+      const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32)));
+      for (int i = 0; i < M; ++i) {
+        const __m512i xb = bcast32(x + size_t(i) * ld + 2 * p);
+        acc[0][i] = _mm512_dpwssd_epi32(acc[0][i], w0, xb);
+        acc[1][i] = _mm512_dpwssd_epi32(acc[1][i], w1, xb);
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      for (int h = 0; h < 2; ++h) facc[h][i] = _mm512_add_ps(facc[h][i], _mm512_cvtepi32_ps(acc[h][i]));
+  }
+  const __m512 s0 = _mm512_loadu_ps(wscale), s1 = _mm512_loadu_ps(wscale + 16);
+  for (int i = 0; i < M; ++i) {
+    const __m512 xs = _mm512_set1_ps(xscale[i]);
+    _mm512_storeu_ps(out + size_t(i) * ldo, _mm512_mul_ps(facc[0][i], _mm512_mul_ps(s0, xs)));
+    _mm512_storeu_ps(out + size_t(i) * ldo + 16, _mm512_mul_ps(facc[1][i], _mm512_mul_ps(s1, xs)));
+  }
+}
+
+void gemm_int8(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const int np = w.Kp / 2;
+  for (int b = b0; b < b1; ++b) {
+    const int8_t* wb = reinterpret_cast<const int8_t*>(w.w) + size_t(b) * np * 64;
+    const float* sc = w.scale + size_t(b) * kBlockRows;
+    float* o = out + size_t(b - b0) * kBlockRows;
+    for (int t0 = 0; t0 < a.n; t0 += 4) {
+      const int16_t* x = a.q + size_t(t0) * a.ld;
+      float* ot = o + size_t(t0) * ldo;
+      const float* xs = a.qscale + t0;
+      switch (std::min(4, a.n - t0)) {
+        case 1: int8_pass<1>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo); break;
+        case 2: int8_pass<2>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo); break;
+        case 3: int8_pass<3>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo); break;
+        default: int8_pass<4>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo); break;
+      }
+    }
+  }
+}
+
+template <int M>
+void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16_t* x, int ld,
+               const float* xscale, const int32_t* xsum, float* out, int ldo) {
+  const int G = w.Kp / w.group, steps = w.group / 8;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 facc[2][M];
+  for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m512i acc[2][M];
+    for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_si512();
+    for (int p = g * steps; p < (g + 1) * steps; ++p) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + size_t(p + 16) * 128), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i raw = _mm512_loadu_si512(wb + size_t(p) * 128 + h * 64);
+        const __m512i lo = _mm512_and_si512(raw, nib);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+        const __m512i q01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
+        const __m512i q23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+        const __m512i q45 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
+        const __m512i q67 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+        for (int i = 0; i < M; ++i) {
+          const int16_t* xi = x + size_t(i) * ld + 8 * p;
+          __m512i s = _mm512_dpwssd_epi32(acc[h][i], q01, bcast32(xi));
+          s = _mm512_dpwssd_epi32(s, q23, bcast32(xi + 2));
+          s = _mm512_dpwssd_epi32(s, q45, bcast32(xi + 4));
+          acc[h][i] = _mm512_dpwssd_epi32(s, q67, bcast32(xi + 6));
+        }
+      }
+    }
+    const size_t si = sbase + size_t(g) * kBlockRows;
+    for (int h = 0; h < 2; ++h) {
+      const __m512 sc = _mm512_loadu_ps(w.scale + si + 16 * h);
+      const __m512 z = w.zero ? _mm512_loadu_ps(w.zero + si + 16 * h) : _mm512_set1_ps(8.f);
+      for (int i = 0; i < M; ++i) {
+        const __m512 xs = _mm512_set1_ps(float(xsum[size_t(i) * G + g]));
+        const __m512 v = _mm512_fnmadd_ps(z, xs, _mm512_cvtepi32_ps(acc[h][i]));
+        facc[h][i] = _mm512_fmadd_ps(v, sc, facc[h][i]);
+      }
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    const __m512 xs = _mm512_set1_ps(xscale[i]);
+    _mm512_storeu_ps(out + size_t(i) * ldo, _mm512_mul_ps(facc[0][i], xs));
+    _mm512_storeu_ps(out + size_t(i) * ldo + 16, _mm512_mul_ps(facc[1][i], xs));
+  }
+}
+
+void gemm_int4(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const int G = w.Kp / w.group;
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* wb = w.w + size_t(b) * (w.Kp / 8) * 128;
+    const size_t sbase = size_t(b) * G * kBlockRows;
+    float* o = out + size_t(b - b0) * kBlockRows;
+    for (int t0 = 0; t0 < a.n; t0 += 4) {
+      const int16_t* x = a.q + size_t(t0) * a.ld;
+      const int32_t* xsum = a.qsum + size_t(t0) * G;
+      float* ot = o + size_t(t0) * ldo;
+      const float* xs = a.qscale + t0;
+      switch (std::min(4, a.n - t0)) {
+        case 1: int4_pass<1>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo); break;
+        case 2: int4_pass<2>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo); break;
+        case 3: int4_pass<3>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo); break;
+        default: int4_pass<4>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+const Kernels& kernels_avx512() {
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::i16, ActKind::i16}};
+  return k;
+}
+
+}  // namespace hmoe

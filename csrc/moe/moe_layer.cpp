@@ -1,0 +1,441 @@
+#include "moe/moe_layer.h"
+
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "moe/pack.h"
+
+namespace hmoe {
+namespace {
+
+constexpr int kAmxMinTokens = 16;  // below this an expert's tile rows would be mostly padding
+constexpr const char* kMatName[3] = {"gate", "up", "down"};
+
+const Kernels& kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::generic: return kernels_generic();
+    case Isa::avx2: return kernels_avx2();
+    case Isa::avx512: return kernels_avx512();
+    case Isa::amx: return kernels_amx();
+  }
+  return kernels_generic();
+}
+
+// Page-aligned zeroed memory; bound to `node` when the machine really has that many nodes.
+void* alloc_on_node(size_t bytes, int node, int nodes) {
+  if (bytes == 0) bytes = 1;
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::runtime_error("out of memory packing expert weights");
+  if (nodes > 1 && numa_node_count() == nodes) {
+    unsigned long mask = 1ul << node;
+    syscall(SYS_mbind, p, bytes, 2 /* MPOL_BIND */, &mask, sizeof(mask) * 8, 0);
+  }
+  return p;
+}
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+// Driver-thread scratch, reused by every layer of the pool (jobs run one at a time).
+template <class T>
+T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+struct Workspace {
+  std::vector<int> counts, order, row_begin, act_begin, tok, pos, items;
+  std::vector<uint16_t> act_bf16;
+  std::vector<int16_t> act_q;
+  std::vector<float> act_scale, h, y;
+  std::vector<int32_t> act_sum;
+};
+thread_local Workspace ws;
+
+// Activation rows of one expert in the kind its kernel reads.
+struct ActRows {
+  ActKind kind;
+  int Kp, group;  // group: int4 sums (0: none)
+  uint16_t* bf16;
+  int16_t* q;
+  float* scale;
+  int32_t* sum;
+};
+
+void convert_row(const ActRows& a, int row, const float* src, int n) {
+  if (a.kind == ActKind::bf16) {
+    uint16_t* d = a.bf16 + size_t(row) * a.Kp;
+    for (int k = 0; k < a.Kp; ++k) d[k] = k < n ? f32_to_bf16(src[k]) : 0;
+    return;
+  }
+  int16_t* d = a.q + size_t(row) * a.Kp;
+  float amax = 0.f;
+  for (int k = 0; k < n; ++k) amax = std::max(amax, std::fabs(src[k]));
+  const float s = amax / 32767.f, inv = s > 0 ? 1.f / s : 0.f;
+  for (int k = 0; k < a.Kp; ++k) d[k] = k < n ? int16_t(std::nearbyint(src[k] * inv)) : 0;
+  a.scale[row] = s;
+  if (a.group) {
+    const int G = a.Kp / a.group;
+    for (int g = 0; g < G; ++g) {
+      int32_t acc = 0;
+      for (int k = g * a.group; k < (g + 1) * a.group; ++k) acc += d[k];
+      a.sum[size_t(row) * G + g] = acc;
+    }
+  }
+}
+
+void zero_row(const ActRows& a, int row) {
+  if (a.kind == ActKind::bf16) {
+    std::memset(a.bf16 + size_t(row) * a.Kp, 0, size_t(a.Kp) * 2);
+  } else {
+    std::memset(a.q + size_t(row) * a.Kp, 0, size_t(a.Kp) * 2);
+    a.scale[row] = 0.f;
+    if (a.group)
+      for (int g = 0; g < a.Kp / a.group; ++g) a.sum[size_t(row) * (a.Kp / a.group) + g] = 0;
+  }
+}
+
+}  // namespace
+
+MoeLayer::MoeLayer(const MoeConfig& cfg, bool adopt) : cfg_(cfg), adopt_(adopt) {
+  const int S = cfg_.numa_nodes;
+  for (int m = 0; m < 3; ++m) {
+    Matrix& mat = mats_[m];
+    mat.N = m < 2 ? cfg_.I : cfg_.H;
+    mat.K = m < 2 ? cfg_.H : cfg_.I;
+    mat.Kp = cfg_.format == Format::int4 ? mat.K : round_up(mat.K, 32);
+    mat.blocks = round_up(mat.N, kBlockRows) / kBlockRows;
+    for (int s = 0; s <= S; ++s) mat.slice_begin.push_back(int(int64_t(mat.blocks) * s / S));
+    mat.w.assign(S, nullptr);
+    mat.scale.assign(S, nullptr);
+    mat.zero.assign(S, nullptr);
+  }
+  if (!adopt_)
+    for (const auto& b : buffers()) {
+      const int s = std::stoi(b.name.substr(b.name.find('.') + 1));
+      void* p = alloc_on_node(b.bytes, s, S);
+      owned_.emplace_back(p, b.bytes);
+      set_buffer(b.name, p, b.bytes);
+    }
+  pool_ = shared_pool(cfg_.threads, cfg_.numa_nodes);
+  if (cfg_.isa == Isa::amx) {
+    base_ = &kernels_avx512();
+    many_ = &kernels_amx();
+  } else {
+    base_ = many_ = &kernels_for(cfg_.isa);
+  }
+}
+
+MoeLayer::~MoeLayer() {
+  if (last_ticket_) {
+    try {
+      pool_->wait(last_ticket_);
+    } catch (...) {
+    }
+  }
+  for (auto& [p, n] : owned_) munmap(p, n);
+}
+
+size_t MoeLayer::scale_floats(const Matrix& m, int blocks) const {
+  if (cfg_.format == Format::int8) return size_t(blocks) * kBlockRows;
+  if (cfg_.format == Format::int4) return size_t(blocks) * (m.Kp / cfg_.group) * kBlockRows;
+  return 0;
+}
+
+std::vector<PackedBuffer> MoeLayer::buffers() const {
+  std::vector<PackedBuffer> out;
+  for (int m = 0; m < 3; ++m) {
+    const Matrix& mat = mats_[m];
+    for (int s = 0; s < cfg_.numa_nodes; ++s) {
+      const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
+      const std::string base = std::string(kMatName[m]) + "." + std::to_string(s) + ".";
+      out.push_back({base + "w", mat.w[s], size_t(cfg_.E) * nb * block_bytes(cfg_.format, mat.Kp), false});
+      const size_t sf = size_t(cfg_.E) * scale_floats(mat, nb);
+      if (sf) out.push_back({base + "scale", mat.scale[s], sf * 4, true});
+      if (sf && cfg_.format == Format::int4 && cfg_.zero_points)
+        out.push_back({base + "zero", mat.zero[s], sf * 4, true});
+    }
+  }
+  return out;
+}
+
+void MoeLayer::set_buffer(const std::string& name, void* data, size_t bytes) {
+  for (const auto& b : buffers()) {
+    if (b.name != name) continue;
+    if (b.bytes != bytes)
+      throw std::invalid_argument("packed buffer '" + name + "' has " + std::to_string(bytes) +
+                                  " bytes, expected " + std::to_string(b.bytes) +
+                                  " for this shape and format");
+    const auto dot1 = name.find('.'), dot2 = name.rfind('.');
+    const int m = int(std::find(kMatName, kMatName + 3, name.substr(0, dot1)) - kMatName);
+    const int s = std::stoi(name.substr(dot1 + 1, dot2 - dot1 - 1));
+    const std::string kind = name.substr(dot2 + 1);
+    if (kind == "w") mats_[m].w[s] = static_cast<uint8_t*>(data);
+    if (kind == "scale") mats_[m].scale[s] = static_cast<float*>(data);
+    if (kind == "zero") mats_[m].zero[s] = static_cast<float*>(data);
+    return;
+  }
+  throw std::invalid_argument("unknown packed buffer '" + name + "' for this shape and format");
+}
+
+PackedView MoeLayer::view(const Matrix& m, int e, int s) const {
+  const int nb = m.slice_begin[s + 1] - m.slice_begin[s];
+  PackedView v;
+  v.w = m.w[s] + size_t(e) * nb * block_bytes(cfg_.format, m.Kp);
+  const size_t sf = scale_floats(m, nb);
+  v.scale = m.scale[s] ? m.scale[s] + size_t(e) * sf : nullptr;
+  v.zero = m.zero[s] ? m.zero[s] + size_t(e) * sf : nullptr;
+  v.Kp = m.Kp;
+  v.group = cfg_.group;
+  return v;
+}
+
+void MoeLayer::pack_expert(int e, const float* gate, const float* up, const float* down) {
+  const float* src[3] = {gate, up, down};
+  last_ticket_ = pool_->submit([&] {
+    // Items: one block of one matrix; pack_blocks writes only that block's bytes and scales.
+    std::vector<int> offsets{0};
+    std::vector<std::pair<int, int>> items;  // (matrix, global block)
+    for (int s = 0; s < cfg_.numa_nodes; ++s) {
+      for (int m = 0; m < 3; ++m)
+        for (int b = mats_[m].slice_begin[s]; b < mats_[m].slice_begin[s + 1]; ++b) items.emplace_back(m, b);
+      offsets.push_back(int(items.size()));
+    }
+    pool_->run(offsets, [&](int i, int) {
+      const auto [m, b] = items[i];
+      const Matrix& mat = mats_[m];
+      int s = 0;
+      while (b >= mat.slice_begin[s + 1]) ++s;
+      const PackedView v = view(mat, e, s);
+      const int lb = b - mat.slice_begin[s];
+      const size_t sf = scale_floats(mat, 1);
+      pack_blocks(cfg_.format, cfg_.group, src[m], mat.N, mat.K, mat.Kp, b, b + 1,
+                  const_cast<uint8_t*>(v.w) + size_t(lb) * block_bytes(cfg_.format, mat.Kp),
+                  v.scale ? const_cast<float*>(v.scale) + lb * sf : nullptr,
+                  v.zero ? const_cast<float*>(v.zero) + lb * sf : nullptr);
+    });
+  });
+  pool_->wait(last_ticket_);
+}
+
+void MoeLayer::unpack_expert(int e, float* gate, float* up, float* down) const {
+  float* dst[3] = {gate, up, down};
+  for (int m = 0; m < 3; ++m) {
+    const Matrix& mat = mats_[m];
+    for (int s = 0; s < cfg_.numa_nodes; ++s) {
+      PackedView v = view(mat, e, s);
+      // unpack_blocks indexes blocks from the view's start: shift the destination rows.
+      const int b0 = mat.slice_begin[s], b1 = mat.slice_begin[s + 1];
+      for (int b = b0; b < b1; ++b) {
+        PackedView vb = v;
+        const int lb = b - b0;
+        vb.w = v.w + size_t(lb) * block_bytes(cfg_.format, mat.Kp);
+        const size_t sf = scale_floats(mat, 1);
+        if (vb.scale) vb.scale = v.scale + lb * sf;
+        if (vb.zero) vb.zero = v.zero + lb * sf;
+        float* rows = dst[m] + size_t(b) * kBlockRows * mat.K;
+        unpack_blocks(cfg_.format, vb, mat.N - b * kBlockRows, mat.K, 0, 1, rows);
+      }
+    }
+  }
+}
+
+uint64_t MoeLayer::submit(const MoeCall& call) {
+  last_ticket_ = pool_->submit([this, call] { forward(call); });
+  return last_ticket_;
+}
+
+void MoeLayer::wait(uint64_t ticket) { pool_->wait(ticket); }
+
+void MoeLayer::forward(const MoeCall& c) {
+  const int T = c.T, K = c.K, E = cfg_.E, H = cfg_.H, I = cfg_.I, S = cfg_.numa_nodes;
+  if (T == 0) return;
+  const int R = T * K;
+  const Matrix &gate = mats_[0], &up = mats_[1], &down = mats_[2];
+  auto id_at = [&](int i) {
+    return c.ids64 ? int(static_cast<const int64_t*>(c.ids)[i]) : static_cast<const int32_t*>(c.ids)[i];
+  };
+
+  // Group (token, slot) pairs by expert; experts with most tokens first (longest work first).
+  int* counts = grow(ws.counts, E);
+  std::fill(counts, counts + E, 0);
+  for (int i = 0; i < R; ++i) ++counts[id_at(i)];
+  std::vector<int>& order = ws.order;
+  order.clear();
+  for (int e = 0; e < E; ++e)
+    if (counts[e]) order.push_back(e);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return counts[a] > counts[b]; });
+  const int A = int(order.size());
+  int* row_begin = grow(ws.row_begin, A + 1);  // rows of active expert j: [row_begin[j], row_begin[j+1])
+  int* act_begin = grow(ws.act_begin, A + 1);  // the same, each expert padded to 16 rows
+  std::vector<int> slot_of(E, -1);
+  row_begin[0] = act_begin[0] = 0;
+  for (int j = 0; j < A; ++j) {
+    slot_of[order[j]] = j;
+    row_begin[j + 1] = row_begin[j] + counts[order[j]];
+    act_begin[j + 1] = act_begin[j] + round_up(counts[order[j]], 16);
+  }
+  int* tok = grow(ws.tok, R);  // token of each row
+  int* pos = grow(ws.pos, R);  // row of each (t, k)
+  std::vector<int> fill(row_begin, row_begin + A);
+  for (int i = 0; i < R; ++i) {
+    const int j = slot_of[id_at(i)];
+    tok[fill[j]] = i / K;
+    pos[i] = fill[j]++;
+  }
+  auto n_of = [&](int j) { return row_begin[j + 1] - row_begin[j]; };
+  auto kernels_of = [&](int j) -> const Kernels& { return n_of(j) >= kAmxMinTokens ? *many_ : *base_; };
+  const int fmt = int(cfg_.format);
+  const int Ra = act_begin[A];
+  const int NpI = gate.blocks * kBlockRows, NpH = down.blocks * kBlockRows;
+  const int Kp1 = gate.Kp, Kp2 = down.Kp;
+  const int grp = cfg_.format == Format::int4 ? cfg_.group : 0;
+  const int Kmax = std::max(Kp1, Kp2);
+  uint16_t* abf = grow(ws.act_bf16, size_t(Ra) * Kmax);
+  int16_t* aq = cfg_.format == Format::bf16 ? nullptr : grow(ws.act_q, size_t(Ra) * Kmax);
+  float* ascale = grow(ws.act_scale, Ra);
+  int32_t* asum = grp ? grow(ws.act_sum, size_t(Ra) * (Kmax / grp)) : nullptr;
+  float* h = grow(ws.h, size_t(R) * NpI);
+  float* y = grow(ws.y, size_t(R) * NpH);
+  auto act_rows = [&](int j, int Kp) {
+    return ActRows{kernels_of(j).act[fmt], Kp, grp, abf, aq, ascale, asum};
+  };
+  auto act_view = [&](int j, int Kp) {
+    ActView a;
+    a.n = n_of(j);
+    a.ld = Kp;
+    const size_t r0 = act_begin[j];
+    a.bf16 = abf + r0 * Kp;
+    if (aq) a.q = aq + r0 * Kp;
+    a.qscale = ascale + r0;
+    if (asum) a.qsum = asum + r0 * (Kp / grp);
+    return a;
+  };
+  // Chunks of 16 activation rows for the conversion phases: (expert, first row).
+  std::vector<int>& items = ws.items;
+  std::vector<int> chunk_first;
+  items.clear();
+  for (int j = 0; j < A; ++j)
+    for (int r = act_begin[j]; r < act_begin[j + 1]; r += 16) {
+      items.push_back(j);
+      chunk_first.push_back(r);
+    }
+  const int chunks = int(items.size());
+  auto parallel_or_inline = [&](int n, size_t work, const std::function<void(int, int)>& fn) {
+    if (work < (1u << 15)) {
+      for (int i = 0; i < n; ++i) fn(i, 0);
+    } else {
+      pool_->run(n, fn);
+    }
+  };
+
+  // Phase A: x rows -> each expert's activation rows.
+  parallel_or_inline(chunks, size_t(R) * H, [&](int i, int) {
+    const int j = items[i], a0 = chunk_first[i];
+    const ActRows ar = act_rows(j, Kp1);
+    std::vector<float> xf(c.x_bf16 ? H : 0);
+    for (int r = a0; r < a0 + 16; ++r) {
+      const int local = r - act_begin[j];
+      if (local >= n_of(j)) {
+        zero_row(ar, r);
+        continue;
+      }
+      const int t = tok[row_begin[j] + local];
+      const float* src;
+      if (c.x_bf16) {
+        const uint16_t* xb = static_cast<const uint16_t*>(c.x) + size_t(t) * H;
+        for (int k = 0; k < H; ++k) xf[k] = bf16_to_f32(xb[k]);
+        src = xf.data();
+      } else {
+        src = static_cast<const float*>(c.x) + size_t(t) * H;
+      }
+      convert_row(ar, r, src, H);
+    }
+  });
+
+  // Work items of a GEMM phase: (expert, slice, block range), grouped by slice.
+  struct Item { int j, s, b0, b1; };
+  auto make_items = [&](const Matrix& m, std::vector<Item>& out, std::vector<int>& offsets) {
+    int64_t total_blocks = int64_t(m.blocks) * A;
+    const int per = int(std::clamp<int64_t>(total_blocks / (4 * pool_->threads()), 1, 8));
+    out.clear();
+    offsets.assign(1, 0);
+    for (int s = 0; s < S; ++s) {
+      const int nb = m.slice_begin[s + 1] - m.slice_begin[s];
+      for (int j = 0; j < A; ++j)
+        for (int b = 0; b < nb; b += per) out.push_back({j, s, b, std::min(nb, b + per)});
+      offsets.push_back(int(out.size()));
+    }
+  };
+  std::vector<Item> gemm_items;
+  std::vector<int> offsets;
+
+  // Phase 1: h = silu(x Wg^T) * (x Wu^T), rows of I split across items.
+  make_items(gate, gemm_items, offsets);
+  pool_->run(offsets, [&](int i, int) {
+    const Item it = gemm_items[i];
+    const Kernels& kn = kernels_of(it.j);
+    const ActView a = act_view(it.j, Kp1);
+    const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows, cols = (it.b1 - it.b0) * kBlockRows;
+    float* hrow = h + size_t(row_begin[it.j]) * NpI + col0;
+    thread_local std::vector<float> ubuf;
+    float* u = grow(ubuf, size_t(a.n) * cols);
+    kn.gemm[fmt](view(gate, order[it.j], it.s), it.b0, it.b1, a, hrow, NpI);
+    kn.gemm[fmt](view(up, order[it.j], it.s), it.b0, it.b1, a, u, cols);
+    for (int t = 0; t < a.n; ++t)
+      for (int r = 0; r < cols; ++r) {
+        float& g = hrow[size_t(t) * NpI + r];
+        g = silu(g) * u[size_t(t) * cols + r];
+      }
+  });
+
+  // Phase B: h rows -> activation rows for down.
+  parallel_or_inline(chunks, size_t(R) * I, [&](int i, int) {
+    const int j = items[i], a0 = chunk_first[i];
+    const ActRows ar = act_rows(j, Kp2);
+    for (int r = a0; r < a0 + 16; ++r) {
+      const int local = r - act_begin[j];
+      if (local >= n_of(j))
+        zero_row(ar, r);
+      else
+        convert_row(ar, r, h + size_t(row_begin[j] + local) * NpI, I);
+    }
+  });
+
+  // Phase 2: y = h Wd^T, rows of H split across items.
+  make_items(down, gemm_items, offsets);
+  pool_->run(offsets, [&](int i, int) {
+    const Item it = gemm_items[i];
+    const ActView a = act_view(it.j, Kp2);
+    const int col0 = (down.slice_begin[it.s] + it.b0) * kBlockRows;
+    kernels_of(it.j).gemm[fmt](view(down, order[it.j], it.s), it.b0, it.b1, a,
+                               y + size_t(row_begin[it.j]) * NpH + col0, NpH);
+  });
+
+  // Phase C: out[t] = sum_k w[t, k] * y[row of (t, k)], k in order (deterministic).
+  constexpr int kCols = 512;
+  const int col_chunks = (H + kCols - 1) / kCols;
+  parallel_or_inline(T * col_chunks, size_t(R) * H, [&](int i, int) {
+    const int t = i / col_chunks, c0 = (i % col_chunks) * kCols, c1 = std::min(H, c0 + kCols);
+    float acc[kCols];
+    std::fill(acc, acc + (c1 - c0), 0.f);
+    for (int k = 0; k < K; ++k) {
+      const float wk = c.weights[size_t(t) * K + k];
+      const float* yr = y + size_t(pos[size_t(t) * K + k]) * NpH;
+      for (int cc = c0; cc < c1; ++cc) acc[cc - c0] += wk * yr[cc];
+    }
+    if (c.x_bf16) {
+      uint16_t* o = static_cast<uint16_t*>(c.out) + size_t(t) * H;
+      for (int cc = c0; cc < c1; ++cc) o[cc] = f32_to_bf16(acc[cc - c0]);
+    } else {
+      std::memcpy(static_cast<float*>(c.out) + size_t(t) * H + c0, acc, size_t(c1 - c0) * 4);
+    }
+  });
+}
+
+}  // namespace hmoe

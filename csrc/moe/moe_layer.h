@@ -1,0 +1,85 @@
+#pragma once
+// One MoE layer's routed experts on the CPU: packed weights, and forward =
+//   group tokens by expert -> per expert: fused gate/up, SiLU * up, down -> weighted sum.
+// Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
+// Matrices: gate, up [I, H]; down [H, I]. Each is cut into `numa_nodes` slices of output
+// rows (whole 32-row blocks); slice s of every expert lives in one buffer on node s and is
+// computed by the worker group of node s.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe/packed.h"
+#include "runtime/thread_pool.h"
+
+namespace hmoe {
+
+struct MoeConfig {
+  int E = 0, H = 0, I = 0;
+  Format format = Format::bf16;
+  int group = 128;           // int4 group size (32, 64, 128)
+  bool zero_points = false;  // int4: asymmetric groups with zero points
+  int threads = 1;
+  Isa isa = Isa::generic;
+  int numa_nodes = 1;
+};
+
+// One forward call: raw views, already checked at the Python boundary.
+struct MoeCall {
+  const void* x = nullptr;  // [T, H] fp32 or bf16
+  bool x_bf16 = false;
+  int T = 0, K = 0;
+  const void* ids = nullptr;  // [T, K] int32 or int64, each in [0, E), distinct per token
+  bool ids64 = false;
+  const float* weights = nullptr;  // [T, K]
+  void* out = nullptr;             // [T, H], x's dtype
+};
+
+struct PackedBuffer {
+  std::string name;  // "<gate|up|down>.<slice>.<w|scale|zero>"
+  void* data;
+  size_t bytes;
+  bool is_float;     // float32 values, else raw bytes
+};
+
+class MoeLayer {
+ public:
+  // Allocates packed storage, unless `adopt`: then set_buffer must provide every buffer.
+  MoeLayer(const MoeConfig& cfg, bool adopt);
+  ~MoeLayer();
+
+  const MoeConfig& config() const { return cfg_; }
+  // Quantize and tile expert e from fp32 gate, up [I, H] and down [H, I] (on the pool).
+  void pack_expert(int e, const float* gate, const float* up, const float* down);
+  // The weights the kernels compute with, dequantized to fp32.
+  void unpack_expert(int e, float* gate, float* up, float* down) const;
+
+  std::vector<PackedBuffer> buffers() const;
+  void set_buffer(const std::string& name, void* data, size_t bytes);
+
+  uint64_t submit(const MoeCall& call);
+  void wait(uint64_t ticket);
+
+ private:
+  struct Matrix {
+    int N, K, Kp, blocks;
+    std::vector<int> slice_begin;  // blocks of slice s: [slice_begin[s], slice_begin[s+1])
+    std::vector<uint8_t*> w;
+    std::vector<float*> scale, zero;
+  };
+  size_t scale_floats(const Matrix& m, int blocks) const;
+  PackedView view(const Matrix& m, int e, int s) const;
+  void forward(const MoeCall& call);
+
+  MoeConfig cfg_;
+  Matrix mats_[3];  // gate, up, down
+  bool adopt_;
+  std::vector<std::pair<void*, size_t>> owned_;
+  std::shared_ptr<ThreadPool> pool_;
+  const Kernels* base_;   // few tokens
+  const Kernels* many_;   // many tokens (AMX where present, else base_)
+  uint64_t last_ticket_ = 0;
+};
+
+}  // namespace hmoe

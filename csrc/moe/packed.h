@@ -1,0 +1,84 @@
+#pragma once
+// Packed expert weights and the activations the kernels read.
+//
+// Every weight matrix W [N, K] (N output rows) is stored in blocks of 32 output rows; a block
+// holds all of K, laid out so that one 64-byte vector covers 16 rows at one K step:
+//   bf16: [Kp/2][32 rows][2]      bf16 pairs: what vdpbf16ps and AMX BF16 B tiles read
+//   int8: [Kp/2][32 rows][2]      int8 pairs; sign-extended to int16 for vpdpwssd
+//   int4: [Kp/8][2 halves][64 B]  per half (16 rows): byte 2r+j holds k=j (low nibble) and
+//                                 k=4+j (high), byte 32+2r+j holds k=2+j and k=6+j; so
+//                                 masking/shifting then zero-extending gives int16 pairs
+// Scales: int8 one fp32 per row [Np]; int4 one per (row, group) [nblocks][G][32], zero points
+// likewise (absent: symmetric, zero point 8). Np = N rounded up to 32; Kp = K rounded up to
+// 32 (bf16, int8) or K itself (int4, which needs K % group == 0).
+#include <cstddef>
+#include <cstdint>
+
+// Helpers here are static: kernel files built with different -m flags must not share
+// (and the linker must not pick) one ISA's copy of them.
+
+namespace hmoe {
+
+enum class Format : int { bf16 = 0, int8 = 1, int4 = 2 };
+enum class Isa : int { generic = 0, avx2 = 1, avx512 = 2, amx = 3 };
+
+constexpr int kBlockRows = 32;
+constexpr int kInt8FlushK = 128;  // int32 partial sums go to fp32 every 128 K (no overflow)
+
+static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+static inline size_t block_bytes(Format f, int Kp) {
+  switch (f) {
+    case Format::bf16: return size_t(kBlockRows) * Kp * 2;
+    case Format::int8: return size_t(kBlockRows) * Kp;
+    case Format::int4: return size_t(kBlockRows) * Kp / 2;
+  }
+  return 0;
+}
+
+// One expert's rows of one matrix, blocks [0, nblocks) of some slice.
+struct PackedView {
+  const uint8_t* w = nullptr;
+  const float* scale = nullptr;  // int8: [nblocks*32]; int4: [nblocks][G][32]
+  const float* zero = nullptr;   // int4 asymmetric: [nblocks][G][32]; else null
+  int Kp = 0;
+  int group = 0;                 // int4 group size
+};
+
+// Activations of n tokens (one expert), row-major, n rounded up to 16 rows of zeros.
+struct ActView {
+  int n = 0;
+  int ld = 0;                    // elements per row (= Kp)
+  const uint16_t* bf16 = nullptr;  // kind bf16: [n][ld]
+  const int16_t* q = nullptr;      // kind i16: [n][ld], x ~= q * qscale[t]
+  const float* qscale = nullptr;   // [n]
+  const int32_t* qsum = nullptr;   // int4: [n][Kp/group] sums of q over each group
+};
+
+enum class ActKind : int { bf16 = 0, i16 = 1 };
+
+// out[t * ldo + (b - b0) * 32 + r] = sum_k W[b*32 + r, k] * x[t, k] for blocks [b0, b1).
+using GemmFn = void (*)(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo);
+
+struct Kernels {
+  GemmFn gemm[3];       // by Format
+  ActKind act[3];       // the activations each one reads
+};
+
+const Kernels& kernels_generic();
+const Kernels& kernels_avx2();
+const Kernels& kernels_avx512();
+const Kernels& kernels_amx();
+bool amx_request_permission();
+
+static inline float bf16_to_f32(uint16_t v) {
+  union { uint32_t u; float f; } c{uint32_t(v) << 16};
+  return c.f;
+}
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even
+  union { float f; uint32_t u; } c{f};
+  if ((c.u & 0x7fffffff) > 0x7f800000) return uint16_t((c.u >> 16) | 0x40);
+  return uint16_t((c.u + 0x7fff + ((c.u >> 16) & 1)) >> 16);
+}
+
+}  // namespace hmoe

@@ -1,0 +1,268 @@
+#include "runtime/thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HMOE_PAUSE() _mm_pause()
+#else
+#define HMOE_PAUSE() ((void)0)
+#endif
+
+namespace hmoe {
+namespace {
+
+// How long an idle thread spins before it sleeps: longer than the gap between the phases of
+// one forward, far shorter than a scheduler time slice.
+constexpr auto kSpin = std::chrono::microseconds(100);
+
+template <class Pred>
+bool spin_until(Pred ready) {
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  for (int i = 0;; ++i) {
+    if (ready()) return true;
+    HMOE_PAUSE();
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) return false;
+  }
+}
+
+void pin_to(int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+std::vector<int> parse_cpulist(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string part;
+  while (std::getline(ss, part, ',')) {
+    if (part.empty() || part == "\n") continue;
+    const auto dash = part.find('-');
+    const int a = std::stoi(part.substr(0, dash));
+    const int b = dash == std::string::npos ? a : std::stoi(part.substr(dash + 1));
+    for (int c = a; c <= b; ++c) out.push_back(c);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> out;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return out;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) out.push_back(c);
+  return out;
+}
+
+std::vector<int> node_cpus(int node) {
+  std::ifstream f("/sys/devices/system/node/node" + std::to_string(node) + "/cpulist");
+  std::string line;
+  if (!f || !std::getline(f, line)) return {};
+  const auto allowed = allowed_cpus();
+  std::vector<int> out;
+  for (int c : parse_cpulist(line))
+    for (int a : allowed)
+      if (a == c) out.push_back(c);
+  return out;
+}
+
+int numa_node_count() {
+  int n = 0;
+  while (std::ifstream("/sys/devices/system/node/node" + std::to_string(n) + "/cpulist")) ++n;
+  return n > 0 ? n : 1;
+}
+
+ThreadPool::ThreadPool(int threads, int groups, std::vector<std::vector<int>> cpus)
+    : groups_(groups), counters_(new Counter[groups]) {
+  group_of_.resize(threads);
+  std::vector<int> cpu_of(threads, -1);
+  std::vector<int> used(groups, 0);
+  for (int w = 0; w < threads; ++w) {
+    const int g = int(int64_t(w) * groups / threads);
+    group_of_[w] = g;
+    if (g < int(cpus.size()) && !cpus[g].empty()) cpu_of[w] = cpus[g][used[g]++ % cpus[g].size()];
+  }
+  for (int w = 1; w < threads; ++w)
+    workers_.emplace_back([this, w, cpu = cpu_of[w]] {
+      if (cpu >= 0) pin_to(cpu);
+      worker_main(w);
+    });
+  driver_ = std::thread([this, cpu = cpu_of[0]] {
+    if (cpu >= 0) pin_to(cpu);
+    driver_main();
+  });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+    generation_.fetch_add(1);
+  }
+  wake_.notify_all();
+  {
+    std::lock_guard<std::mutex> lk(jobs_mu_);
+  }
+  jobs_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+  driver_.join();
+}
+
+void ThreadPool::work(int worker) {
+  const int home = group_of_[worker];
+  for (int k = 0; k < groups_; ++k) {
+    Counter& c = counters_[(home + k) % groups_];
+    for (int i = c.next.fetch_add(1, std::memory_order_relaxed); i < c.end;
+         i = c.next.fetch_add(1, std::memory_order_relaxed))
+      (*fn_)(i, worker);
+  }
+}
+
+void ThreadPool::worker_main(int worker) {
+  uint64_t seen = 0;
+  for (;;) {
+    auto changed = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+    if (!spin_until(changed)) {
+      std::unique_lock<std::mutex> lk(mu_);
+      wake_.wait(lk, changed);
+    }
+    seen = generation_.load(std::memory_order_acquire);
+    if (stop_) return;
+    work(worker);
+    if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lk(mu_);
+      done_.notify_one();
+    }
+  }
+}
+
+void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn) {
+  const int total = offsets.back() - offsets.front();
+  if (total <= 0) return;
+  for (int g = 0; g < groups_; ++g) {
+    const int gi = g + 1 < int(offsets.size()) ? g : int(offsets.size()) - 2;
+    const bool own = g + 1 < int(offsets.size());
+    counters_[g].next.store(own ? offsets[gi] : 0, std::memory_order_relaxed);
+    counters_[g].end = own ? offsets[gi + 1] : 0;
+  }
+  fn_ = &fn;
+  if (workers_.empty() || total == 1) {
+    work(0);
+    return;
+  }
+  busy_.store(int(workers_.size()), std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    generation_.fetch_add(1, std::memory_order_release);
+  }
+  wake_.notify_all();
+  work(0);
+  auto finished = [&] { return busy_.load(std::memory_order_acquire) == 0; };
+  if (!spin_until(finished)) {
+    std::unique_lock<std::mutex> lk(mu_);
+    done_.wait(lk, finished);
+  }
+}
+
+void ThreadPool::run(int items, const std::function<void(int, int)>& fn) {
+  std::vector<int> offsets(groups_ + 1, items);
+  offsets[0] = 0;
+  run(offsets, fn);
+}
+
+uint64_t ThreadPool::submit(std::function<void()> job) {
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lk(jobs_mu_);
+    ticket = next_ticket_++;
+    jobs_.emplace_back(ticket, std::move(job));
+    submitted_.store(ticket, std::memory_order_release);
+  }
+  jobs_cv_.notify_one();
+  return ticket;
+}
+
+void ThreadPool::wait(uint64_t ticket) {
+  auto finished = [&] { return finished_ticket_.load(std::memory_order_acquire) >= ticket; };
+  if (!spin_until(finished)) {
+    std::unique_lock<std::mutex> lk(jobs_mu_);
+    jobs_done_cv_.wait(lk, finished);
+  }
+  std::lock_guard<std::mutex> lk(jobs_mu_);
+  if (error_ && error_ticket_ == ticket) {
+    auto e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void ThreadPool::driver_main() {
+  uint64_t taken = 0;
+  for (;;) {
+    std::pair<uint64_t, std::function<void()>> job;
+    spin_until([&] { return submitted_.load(std::memory_order_acquire) > taken || stop_; });
+    {
+      std::unique_lock<std::mutex> lk(jobs_mu_);
+      jobs_cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      if (stop_ && jobs_.empty()) return;
+      job = std::move(jobs_.front());
+      jobs_.erase(jobs_.begin());
+      taken = job.first;
+    }
+    std::exception_ptr err;
+    try {
+      job.second();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lk(jobs_mu_);
+      finished_ticket_.store(job.first, std::memory_order_release);
+      if (err) {
+        error_ = err;
+        error_ticket_ = job.first;
+      }
+    }
+    jobs_done_cv_.notify_all();
+  }
+}
+
+std::shared_ptr<ThreadPool> shared_pool(int threads, int groups) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, std::weak_ptr<ThreadPool>> pools;
+  std::lock_guard<std::mutex> lk(mu);
+  auto& slot = pools[{threads, groups}];
+  if (auto p = slot.lock()) return p;
+  // Pin one thread per CPU when there are enough CPUs; group g takes node g's CPUs when the
+  // machine has that many NUMA nodes, else an equal share of the allowed CPUs.
+  std::vector<std::vector<int>> cpus(groups);
+  const auto allowed = allowed_cpus();
+  if (threads <= int(allowed.size())) {
+    const bool real_nodes = groups > 1 && numa_node_count() == groups;
+    for (int g = 0; g < groups; ++g) {
+      if (real_nodes) {
+        cpus[g] = node_cpus(g);
+      } else {
+        const size_t a = allowed.size() * g / groups, b = allowed.size() * (g + 1) / groups;
+        cpus[g].assign(allowed.begin() + a, allowed.begin() + b);
+      }
+    }
+  }
+  auto p = std::make_shared<ThreadPool>(threads, groups, std::move(cpus));
+  slot = p;
+  return p;
+}
+
+}  // namespace hmoe

@@ -1,0 +1,83 @@
+#pragma once
+// A persistent pool of pinned workers split into groups (one per NUMA node).
+//
+// run() hands out work items through one atomic counter per group: a worker takes items of its
+// own group first, then steals from the other groups; items are claimed one at a time, so a
+// slow core never holds up the rest. Idle workers spin for a short while (a decode step's
+// phases follow each other within microseconds), then sleep on a condition variable, so a pool
+// of as many threads as cores never starves the thread that feeds it.
+//
+// Jobs (submit / wait) run in order on the pool's driver thread, which also acts as worker 0
+// of group 0 inside run(); run() must only be called from a job.
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace hmoe {
+
+class ThreadPool {
+ public:
+  // threads >= 1 (driver included); groups >= 1; cpus[g]: the CPUs group g's threads are
+  // pinned to (empty: not pinned).
+  ThreadPool(int threads, int groups, std::vector<std::vector<int>> cpus);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int threads() const { return int(workers_.size()) + 1; }
+  int groups() const { return groups_; }
+  int group_of(int worker) const { return group_of_[worker]; }
+
+  // Calls fn(item, worker) for every item; group g prefers items [offsets[g], offsets[g+1]).
+  void run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn);
+  // Same with every item in group 0's range (any worker may take them).
+  void run(int items, const std::function<void(int, int)>& fn);
+
+  // Queue a job for the driver; returns its ticket. wait(ticket) blocks until it has run and
+  // rethrows what it threw.
+  uint64_t submit(std::function<void()> job);
+  void wait(uint64_t ticket);
+
+ private:
+  struct alignas(64) Counter { std::atomic<int> next{0}; int end = 0; };
+  void worker_main(int worker);
+  void driver_main();
+  void work(int worker);
+
+  int groups_;
+  std::vector<int> group_of_;
+  std::vector<std::thread> workers_;
+  std::thread driver_;
+  std::unique_ptr<Counter[]> counters_;
+  const std::function<void(int, int)>* fn_ = nullptr;
+
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> busy_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+
+  std::mutex jobs_mu_;
+  std::condition_variable jobs_cv_, jobs_done_cv_;
+  std::vector<std::pair<uint64_t, std::function<void()>>> jobs_;
+  uint64_t next_ticket_ = 1;
+  std::atomic<uint64_t> submitted_{0}, finished_ticket_{0};
+  std::exception_ptr error_;
+  uint64_t error_ticket_ = 0;
+};
+
+// CPUs this process may run on (sched_getaffinity), in order.
+std::vector<int> allowed_cpus();
+// CPUs of NUMA node `node` that this process may run on; empty if the node does not exist.
+std::vector<int> node_cpus(int node);
+int numa_node_count();
+
+// One shared pool per (threads, groups): every layer's experts use the same workers.
+std::shared_ptr<ThreadPool> shared_pool(int threads, int groups);
+
+}  // namespace hmoe

@@ -1,0 +1,163 @@
+"""Routed experts of one MoE layer on the CPU, through the native engine (hybridmoe._native).
+
+Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
+
+    experts = CpuExperts(gate_proj, up_proj, down_proj, format="int4", group_size=64)
+    out = experts.forward(x, topk_ids, topk_weights)           # x [T, H] bf16/fp32 -> [T, H]
+    experts.submit(x, topk_ids, topk_weights); ...; out = experts.wait()   # GIL released
+
+Weights are quantized and tiled once, here, expert by expert (a float32 copy of one expert at
+a time, never of the layer). `packed_state()` / `CpuExperts.from_packed(state)` move the packed
+form without repacking (the buffers are used in place, e.g. memory-mapped from a cache file).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from hybridmoe.errors import HybridMoEError
+
+FORMATS = ("bf16", "int8", "int4")
+
+
+def _native():
+    try:
+        from hybridmoe import _native
+    except ImportError as e:
+        raise HybridMoEError(f"the native CPU expert engine is not built ({e}); "
+                             "reinstall with `pip install --no-build-isolation -e .`") from None
+    return _native
+
+
+def available_isas() -> list[str]:
+    """Kernel paths this CPU can run, slowest first (generic, avx2, avx512, amx)."""
+    return list(_native().available_isas())
+
+
+def default_threads() -> int:
+    """Every CPU this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+class CpuExperts:
+    """The routed experts of one layer, packed for the CPU kernels.
+
+    gate_proj, up_proj [E, I, H] and down_proj [E, H, I] in any float dtype. format: "bf16",
+    "int8" (per-output-channel symmetric) or "int4" (group-wise, group_size 32/64/128, with
+    zero points if zero_points=True). threads: workers (default: every allowed CPU). isa:
+    "generic" | "avx2" | "avx512" | "amx" (default: the fastest this CPU has). numa_nodes:
+    worker groups, each owning a slice of every expert's output rows (default 1).
+    """
+
+    def __init__(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
+                 format: str = "bf16", group_size: int = 128, threads: int | None = None,
+                 isa: str | None = None, zero_points: bool = False, numa_nodes: int = 1):
+        if gate_proj.dim() != 3 or up_proj.shape != gate_proj.shape:
+            raise HybridMoEError(f"gate_proj and up_proj must both be [E, I, H], got "
+                                 f"{tuple(gate_proj.shape)} and {tuple(up_proj.shape)}")
+        E, I, H = gate_proj.shape
+        if tuple(down_proj.shape) != (E, H, I):
+            raise HybridMoEError(f"down_proj must be [E, H, I] = {[E, H, I]}, got {list(down_proj.shape)}")
+        for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+            if not t.dtype.is_floating_point:
+                raise HybridMoEError(f"{name} must be a float tensor, got {t.dtype}")
+        self._init_engine(E, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt=False)
+        for e in range(E):
+            # One expert at a time in float32: packing never holds a float copy of the layer.
+            self._call(self._engine.pack_expert, e, *(w[e].detach().to("cpu", torch.float32).contiguous()
+                                                      for w in (gate_proj, up_proj, down_proj)))
+
+    def _init_engine(self, E, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt):
+        if format not in FORMATS:
+            raise HybridMoEError(f"unknown expert format {format!r}; choose one of {', '.join(FORMATS)}")
+        threads = default_threads() if threads is None else int(threads)
+        self._engine = self._call(_native().MoeEngine, int(E), int(H), int(I), format, int(group_size),
+                                  bool(zero_points), threads, isa or "", int(numa_nodes), adopt)
+        self._adopted: dict[str, object] = {}
+        self._pending: tuple | None = None
+
+    @staticmethod
+    def _call(fn, *args):
+        try:
+            return fn(*args)
+        except (ValueError, TypeError) as e:
+            raise HybridMoEError(str(e)) from None
+
+    @classmethod
+    def from_packed(cls, state: dict, threads: int | None = None, isa: str | None = None) -> "CpuExperts":
+        """Experts from `packed_state()` output; its buffers are used in place, not copied."""
+        self = cls.__new__(cls)
+        E, H, I = state["shape"]
+        self._init_engine(E, H, I, state["format"], state["group_size"], state["zero_points"], threads, isa,
+                          state["numa_nodes"], adopt=True)
+        expected = set(self._engine.buffers())
+        given = set(state["buffers"])
+        if given != expected:
+            raise HybridMoEError(f"packed state does not match its shape/format: missing "
+                                 f"{sorted(expected - given)}, unexpected {sorted(given - expected)}")
+        for name, buf in state["buffers"].items():
+            arr = buf.numpy() if isinstance(buf, torch.Tensor) else np.asarray(buf)
+            self._call(self._engine.set_buffer, name, arr)
+            self._adopted[name] = arr
+        return self
+
+    def packed_state(self) -> dict:
+        """Shape, format and packed buffers (numpy views of this object's memory)."""
+        eng = self._engine
+        return {"shape": list(eng.shape), "format": eng.format, "group_size": eng.group_size,
+                "zero_points": eng.zero_points, "numa_nodes": eng.numa_nodes, "buffers": dict(eng.buffers())}
+
+    @property
+    def num_experts(self) -> int:
+        return self._engine.shape[0]
+
+    @property
+    def format(self) -> str:
+        return self._engine.format
+
+    @property
+    def isa(self) -> str:
+        return self._engine.isa
+
+    @property
+    def threads(self) -> int:
+        return self._engine.threads
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(b.nbytes for b in self._engine.buffers().values())
+
+    def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e's weights as the kernels see them (after quantization), float32."""
+        E, H, I = self._engine.shape
+        gate, up, down = torch.empty(I, H), torch.empty(I, H), torch.empty(H, I)
+        self._call(self._engine.unpack_expert, e, gate, up, down)
+        return gate, up, down
+
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Start the layer on the CPU workers; wait() returns [T, H] in x's dtype."""
+        if self._pending is not None:
+            raise HybridMoEError("submit() called twice without wait(); call wait() first")
+        out = torch.empty_like(x) if x.dim() == 2 else x
+        ticket = self._call(self._engine.submit, x, topk_ids, topk_weights, out)
+        # The engine reads these after submit returns: keep them alive until wait().
+        self._pending = (ticket, out, x, topk_ids, topk_weights)
+        return None
+
+    def wait(self) -> torch.Tensor:
+        if self._pending is None:
+            raise HybridMoEError("wait() called without a submit()")
+        ticket, out = self._pending[:2]
+        self._pending = None
+        self._engine.wait(ticket)
+        return out
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]); x [T, H] bf16 or fp32."""
+        self.submit(x, topk_ids, topk_weights)
+        return self.wait()
+
+    __call__ = forward
