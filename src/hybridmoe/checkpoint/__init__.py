@@ -1,0 +1,8 @@
+"""Synthetic Hugging Face checkpoints of the MoE families we run: real tensor names and shapes,
+random weights, a small tokenizer with the family's chat template. Used by `hybridmoe make-model`,
+by tests, and by benchmarks at real shapes."""
+
+from hybridmoe.checkpoint.make import CheckpointSummary, make_checkpoint
+from hybridmoe.checkpoint.presets import ARCHS, PRESETS, model_config
+
+__all__ = ["ARCHS", "PRESETS", "CheckpointSummary", "make_checkpoint", "model_config"]

@@ -1,0 +1,64 @@
+"""Write a random-weight Hugging Face checkpoint: config, generation config, tokenizer, sharded weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridmoe.checkpoint.presets import model_config
+from hybridmoe.checkpoint.safetensors_writer import DEFAULT_SHARD_BYTES, write_random_safetensors
+from hybridmoe.checkpoint.tensors import tensor_specs
+from hybridmoe.checkpoint.tokenizer import write_tokenizer
+from hybridmoe.errors import HybridMoEError
+
+_OUR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "model.safetensors.index.json", "model.safetensors")
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    out_dir: Path
+    config: dict
+    num_tensors: int
+    total_bytes: int
+    shards: list[Path]
+
+
+def _prepare_out_dir(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise HybridMoEError(f"--out {out} is a file, not a directory; pick a new directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise HybridMoEError(f"--out {out} exists and is not empty; pick a new directory or pass --force")
+        # --force replaces a previous checkpoint's files only, never anything else in the directory
+        for p in [*(out / f for f in _OUR_FILES), *out.glob("model-*-of-*.safetensors")]:
+            p.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def make_checkpoint(arch: str, preset: str, out: str | Path, *, layers: int | None = None, dtype: str = "bf16",
+                    seed: int = 0, force: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    progress: bool = True) -> CheckpointSummary:
+    """Write `arch`/`preset` (cut to `layers`) with random weights drawn from `seed` into `out`."""
+    config = model_config(arch, preset, layers=layers, dtype=dtype)
+    out = Path(out)
+    specs = tensor_specs(config)
+    total = sum(s.nbytes for s in specs)
+    _prepare_out_dir(out, force)
+    free = shutil.disk_usage(out).free
+    if total > free:
+        raise HybridMoEError(f"{arch} {preset} needs {total / 1e9:.1f} GB of weights but {out} has only "
+                             f"{free / 1e9:.1f} GB free; use --layers to cut depth")
+    ids = write_tokenizer(out, arch, config["vocab_size"])
+    generation_config = {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["generation_eos"],
+                         "pad_token_id": ids["pad_token_id"]}
+    if len(ids["generation_eos"]) == 1:
+        generation_config["eos_token_id"] = ids["eos_token_id"]
+    config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"])
+    shards = write_random_safetensors(out, specs, seed, max_shard_bytes=max_shard_bytes, progress=progress)
+    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    # config.json last: a directory with a config is a finished checkpoint
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return CheckpointSummary(out, config, len(specs), total, shards)

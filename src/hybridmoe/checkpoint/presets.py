@@ -1,0 +1,190 @@
+"""Model shapes for `hybridmoe make-model`: config.json contents per architecture and preset.
+
+Real-shape presets carry the fields and values of the public config.json of that model (minus
+`auto_map`, and DeepSeek-V3's FP8 `quantization_config`: we write bf16/fp32 weights). Token ids
+(bos/eos/pad) are not here: they come from the tokenizer we build, so config and tokenizer agree.
+`tiny` presets keep every dimension small (a few MB) but switch on the family's features.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from hybridmoe.errors import HybridMoEError
+
+# architecture (config.json model_type) -> HF class in config.json architectures
+ARCHS = {
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+TINY_VOCAB = 512
+
+_QWEN2_MOE = {
+    "tiny": {
+        "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+        "intermediate_size": 96, "max_position_embeddings": 512, "max_window_layers": 3,
+        "num_attention_heads": 4, "num_hidden_layers": 3, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
+        "use_sliding_window": False, "vocab_size": TINY_VOCAB, "decoder_sparse_step": 1,
+        "mlp_only_layers": [1], "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+        "num_experts_per_tok": 2, "num_experts": 8, "norm_topk_prob": False, "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    },
+    "qwen1.5-moe-a2.7b": {
+        "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21,
+        "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "use_cache": True,
+        "use_sliding_window": False, "vocab_size": 151936, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4,
+        "num_experts": 60, "norm_topk_prob": False, "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+    },
+}
+
+_QWEN3_MOE = {
+    "tiny": {
+        "attention_bias": False, "attention_dropout": 0.0, "decoder_sparse_step": 1, "head_dim": 16,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+        "max_position_embeddings": 512, "max_window_layers": 2, "mlp_only_layers": [],
+        "moe_intermediate_size": 32, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 8,
+        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 2,
+        "output_router_logits": False, "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+        "use_cache": True, "use_sliding_window": False, "vocab_size": TINY_VOCAB,
+    },
+    "qwen3-30b-a3b": {
+        "attention_bias": False, "attention_dropout": 0.0, "decoder_sparse_step": 1, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+        "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+        "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+        "output_router_logits": False, "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    },
+}
+
+_DEEPSEEK_V2 = {
+    # softmax scoring with group_limited_greedy (DeepSeek-V2's routing), no q_lora_rank (V2-Lite's attention)
+    "tiny": {
+        "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "first_k_dense_replace": 1,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+        "kv_lora_rank": 16, "max_position_embeddings": 512, "moe_intermediate_size": 32, "moe_layer_freq": 1,
+        "n_group": 4, "n_routed_experts": 16, "n_shared_experts": 2, "norm_topk_prob": False,
+        "num_attention_heads": 4, "num_experts_per_tok": 4, "num_hidden_layers": 3, "num_key_value_heads": 4,
+        "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 4, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 128, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 16.0, "scoring_func": "softmax", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 2, "topk_method": "group_limited_greedy", "use_cache": True,
+        "v_head_dim": 16, "vocab_size": TINY_VOCAB,
+    },
+    "deepseek-v2-lite": {
+        "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "first_k_dense_replace": 1,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
+        "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408,
+        "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2,
+        "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+        "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "rms_norm_eps": 1e-6,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "use_cache": True,
+        "v_head_dim": 128, "vocab_size": 102400,
+    },
+}
+
+_DEEPSEEK_V3 = {
+    # sigmoid scoring with noaux_tc and grouped top-k, q_lora_rank, a dense first layer, YaRN
+    "tiny": {
+        "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "ep_size": 1,
+        "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+        "intermediate_size": 128, "kv_lora_rank": 16, "max_position_embeddings": 512,
+        "moe_intermediate_size": 32, "moe_layer_freq": 1, "n_group": 4, "n_routed_experts": 16,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts_per_tok": 4,
+        "num_hidden_layers": 3, "num_key_value_heads": 4, "num_nextn_predict_layers": 0, "pretraining_tp": 1,
+        "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "rms_norm_eps": 1e-6,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 4, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 128, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 2, "topk_method": "noaux_tc", "use_cache": True,
+        "v_head_dim": 16, "vocab_size": TINY_VOCAB,
+    },
+    # num_nextn_predict_layers is 0, not the real 1: we write no multi-token-prediction layer
+    "deepseek-v3": {
+        "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "ep_size": 1,
+        "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+        "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+        "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+        "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 0,
+        "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "use_cache": True,
+        "v_head_dim": 128, "vocab_size": 129280,
+    },
+}
+
+_MIXTRAL = {
+    "tiny": {
+        "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+        "intermediate_size": 96, "max_position_embeddings": 512, "num_attention_heads": 4,
+        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4,
+        "output_router_logits": False, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
+        "vocab_size": TINY_VOCAB,
+    },
+    "mixtral-8x7b": {
+        "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "output_router_logits": False, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
+        "vocab_size": 32000,
+    },
+}
+
+PRESETS = {
+    "qwen2_moe": _QWEN2_MOE,
+    "qwen3_moe": _QWEN3_MOE,
+    "deepseek_v2": _DEEPSEEK_V2,
+    "deepseek_v3": _DEEPSEEK_V3,
+    "mixtral": _MIXTRAL,
+}
+
+_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def model_config(arch: str, preset: str, *, layers: int | None = None, dtype: str = "bf16") -> dict:
+    """The config.json for `arch`/`preset`, cut to `layers` decoder layers; token ids not yet filled in."""
+    if arch not in PRESETS:
+        raise HybridMoEError(f"unknown architecture {arch!r}; choose one of: {', '.join(PRESETS)}")
+    if preset not in PRESETS[arch]:
+        raise HybridMoEError(
+            f"unknown preset {preset!r} for {arch}; choose one of: {', '.join(PRESETS[arch])}")
+    if dtype not in _DTYPES:
+        raise HybridMoEError(f"unknown dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
+    if layers is not None and layers < 1:
+        raise HybridMoEError(f"--layers must be at least 1, got {layers}")
+    cfg = {"architectures": [ARCHS[arch]], "model_type": arch, **copy.deepcopy(PRESETS[arch][preset])}
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+        if "first_k_dense_replace" in cfg:
+            # keep at least one MoE layer: a cut DeepSeek model with only dense layers tests nothing
+            cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], layers - 1)
+        if "mlp_only_layers" in cfg:
+            cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < layers]
+        if "max_window_layers" in cfg:
+            cfg["max_window_layers"] = min(cfg["max_window_layers"], layers)
+    cfg["torch_dtype"] = _DTYPES[dtype]
+    return cfg

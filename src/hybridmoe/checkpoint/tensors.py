@@ -1,0 +1,155 @@
+"""Tensor names, shapes and initial values of each family's checkpoint, spelled as the real ones are.
+
+Weight init (chosen so that a real-shape model's activations stay finite and its logits spread):
+  - every linear weight [out, in]: normal, std 1/sqrt(in), so a layer maps unit-variance inputs
+    to unit-variance outputs (router logits and lm_head logits come out with std ~1);
+  - embed_tokens: normal, std 1 (the first RMSNorm sees unit-scale rows either way);
+  - RMSNorm weights: 1 + normal(std 0.02), near 1 but not exactly, so a norm that fails to load shows;
+  - attention biases (Qwen2): normal, std 0.02;
+  - e_score_correction_bias (DeepSeek-V3 noaux_tc): normal, std 0.01, stored float32 as in the
+    real checkpoint; it shifts the choice of experts a little, never their weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    mean: float
+    std: float
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class _Specs:
+    """Collects TensorSpecs in checkpoint order with the init rules above."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.specs: list[TensorSpec] = []
+
+    def linear(self, name: str, out_features: int, in_features: int) -> None:
+        self.specs.append(TensorSpec(f"{name}.weight", (out_features, in_features), self.dtype, 0.0,
+                                     in_features ** -0.5))
+
+    def bias(self, name: str, n: int) -> None:
+        self.specs.append(TensorSpec(f"{name}.bias", (n,), self.dtype, 0.0, 0.02))
+
+    def norm(self, name: str, n: int) -> None:
+        self.specs.append(TensorSpec(f"{name}.weight", (n,), self.dtype, 1.0, 0.02))
+
+    def embedding(self, name: str, vocab: int, hidden: int) -> None:
+        self.specs.append(TensorSpec(f"{name}.weight", (vocab, hidden), self.dtype, 0.0, 1.0))
+
+    def raw(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, std: float) -> None:
+        self.specs.append(TensorSpec(name, shape, dtype, 0.0, std))
+
+    def swiglu(self, prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj", "down_proj")) -> None:
+        gate, up, down = names
+        self.linear(f"{prefix}.{gate}", inter, hidden)
+        self.linear(f"{prefix}.{up}", inter, hidden)
+        self.linear(f"{prefix}.{down}", hidden, inter)
+
+
+def _gqa_attention(s: _Specs, p: str, c: dict, *, qkv_bias: bool, qk_norm: bool) -> None:
+    hidden, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    for proj, n in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+        s.linear(f"{p}.self_attn.{proj}", n * head_dim, hidden)
+        if qkv_bias:
+            s.bias(f"{p}.self_attn.{proj}", n * head_dim)
+    s.linear(f"{p}.self_attn.o_proj", hidden, heads * head_dim)
+    if qk_norm:
+        s.norm(f"{p}.self_attn.q_norm", head_dim)
+        s.norm(f"{p}.self_attn.k_norm", head_dim)
+
+
+def _mla_attention(s: _Specs, p: str, c: dict) -> None:
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    qk_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    if c["q_lora_rank"] is None:
+        s.linear(f"{p}.self_attn.q_proj", heads * qk_head, hidden)
+    else:
+        s.linear(f"{p}.self_attn.q_a_proj", c["q_lora_rank"], hidden)
+        s.norm(f"{p}.self_attn.q_a_layernorm", c["q_lora_rank"])
+        s.linear(f"{p}.self_attn.q_b_proj", heads * qk_head, c["q_lora_rank"])
+    s.linear(f"{p}.self_attn.kv_a_proj_with_mqa", c["kv_lora_rank"] + c["qk_rope_head_dim"], hidden)
+    s.norm(f"{p}.self_attn.kv_a_layernorm", c["kv_lora_rank"])
+    s.linear(f"{p}.self_attn.kv_b_proj", heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+    s.linear(f"{p}.self_attn.o_proj", hidden, heads * c["v_head_dim"])
+
+
+def _qwen_mlp(s: _Specs, p: str, c: dict, i: int) -> None:
+    hidden = c["hidden_size"]
+    sparse = i not in c.get("mlp_only_layers", []) and c["num_experts"] > 0 \
+        and (i + 1) % c["decoder_sparse_step"] == 0
+    if not sparse:
+        s.swiglu(f"{p}.mlp", hidden, c["intermediate_size"])
+        return
+    s.linear(f"{p}.mlp.gate", c["num_experts"], hidden)
+    for e in range(c["num_experts"]):
+        s.swiglu(f"{p}.mlp.experts.{e}", hidden, c["moe_intermediate_size"])
+    if c["model_type"] == "qwen2_moe":
+        s.swiglu(f"{p}.mlp.shared_expert", hidden, c["shared_expert_intermediate_size"])
+        s.linear(f"{p}.mlp.shared_expert_gate", 1, hidden)
+
+
+def _deepseek_mlp(s: _Specs, p: str, c: dict, i: int) -> None:
+    hidden = c["hidden_size"]
+    if i < c["first_k_dense_replace"] or i % c.get("moe_layer_freq", 1) != 0:
+        s.swiglu(f"{p}.mlp", hidden, c["intermediate_size"])
+        return
+    s.linear(f"{p}.mlp.gate", c["n_routed_experts"], hidden)
+    if c.get("topk_method") == "noaux_tc":
+        s.raw(f"{p}.mlp.gate.e_score_correction_bias", (c["n_routed_experts"],), torch.float32, 0.01)
+    for e in range(c["n_routed_experts"]):
+        s.swiglu(f"{p}.mlp.experts.{e}", hidden, c["moe_intermediate_size"])
+    if c.get("n_shared_experts"):
+        s.swiglu(f"{p}.mlp.shared_experts", hidden, c["moe_intermediate_size"] * c["n_shared_experts"])
+
+
+def _mixtral_mlp(s: _Specs, p: str, c: dict, i: int) -> None:
+    hidden = c["hidden_size"]
+    s.linear(f"{p}.block_sparse_moe.gate", c["num_local_experts"], hidden)
+    for e in range(c["num_local_experts"]):
+        # w1 = gate, w3 = up, w2 = down, as in the original Mixtral release
+        s.swiglu(f"{p}.block_sparse_moe.experts.{e}", hidden, c["intermediate_size"], names=("w1", "w3", "w2"))
+
+
+def tensor_specs(config: dict) -> list[TensorSpec]:
+    """Every tensor of the checkpoint described by `config` (a config.json dict), in file order."""
+    mt = config["model_type"]
+    s = _Specs(torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32)
+    hidden = config["hidden_size"]
+    s.embedding("model.embed_tokens", config["vocab_size"], hidden)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        s.norm(f"{p}.input_layernorm", hidden)
+        if mt.startswith("deepseek"):
+            _mla_attention(s, p, config)
+        else:
+            _gqa_attention(s, p, config, qkv_bias=mt == "qwen2_moe", qk_norm=mt == "qwen3_moe")
+        s.norm(f"{p}.post_attention_layernorm", hidden)
+        if mt.startswith("deepseek"):
+            _deepseek_mlp(s, p, config, i)
+        elif mt == "mixtral":
+            _mixtral_mlp(s, p, config, i)
+        else:
+            _qwen_mlp(s, p, config, i)
+    s.norm("model.norm", hidden)
+    s.linear("lm_head", config["vocab_size"], hidden)
+    return s.specs

@@ -1,0 +1,159 @@
+"""A small byte-level BPE tokenizer with a family's special tokens and chat template.
+
+Trained (deterministically, in a fraction of a second) on a short built-in English text, so that
+ordinary prompts split into word-sized pieces; any byte sequence still encodes (byte-level).
+Special tokens take the first ids, so they stay below any config's vocab_size. For a real-shape
+vocab (32k-152k) the trained vocabulary is filled up with letter strings ("Ġqx", "zvk", ...) that
+no merge ever produces: encoding is unchanged, but every id a random model samples decodes to text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+_TEXT = """\
+The quick brown fox jumps over the lazy dog. A mixture of experts model routes each token to a few
+experts out of many, so it holds far more knowledge than it spends compute on. Hello! How are you
+today? I am fine, thank you. What is the capital of France? The capital of France is Paris.
+Once upon a time, there was a little girl who lived in a village near the forest. Every morning she
+walked to the river to fetch water, and every evening she told her grandmother a story about what
+she had seen. Write a short poem about the sea. The sea is wide and deep and blue; it keeps the
+secrets of the moon. Please explain how a computer works. A computer reads instructions from memory,
+computes with numbers, and writes the results back. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024.
+You are a helpful assistant. The user asks a question and the assistant answers it clearly and
+kindly. Can you help me with my homework? Of course, I would be happy to help. Let us think step by
+step. First, we read the problem. Then, we write down what we know. Finally, we check the answer.
+[INST] Tell me a joke. [/INST] Why did the scarecrow win an award? Because he was outstanding in
+his field. The weather is nice today, and the sun is shining over the hills and the green fields.
+"""
+
+
+@dataclass(frozen=True)
+class TokenizerFamily:
+    special_tokens: tuple[str, ...]  # in id order, from 0
+    bos: str | None  # added in front of plain-text encodings (and used by the template), if set
+    eos: str  # the end-of-turn token: the template closes assistant turns with it; config eos_token_id
+    pad: str
+    unk: str | None
+    extra_eos: tuple[str, ...]  # further stop tokens for generation_config.json
+    chat_template: str
+
+
+_CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_DEEPSEEK = (
+    "{{- bos_token }}"
+    "{%- for message in messages if message['role'] == 'system' %}{{- message['content'] }}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '<｜User｜>' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}"
+)
+
+# Mistral's [INST] format: a system message is put in front of the first user message; the prompt
+# for the assistant is the closing [/INST] itself, so add_generation_prompt adds nothing.
+_MIXTRAL = (
+    "{{- bos_token }}"
+    "{%- set system = namespace(text='') %}"
+    "{%- for message in messages if message['role'] == 'system' %}"
+    "{%- set system.text = system.text + message['content'] + '\\n\\n' %}"
+    "{%- endfor %}"
+    "{%- for message in messages if message['role'] != 'system' %}"
+    "{%- if message['role'] == 'user' %}"
+    "{{- '[INST] ' + (system.text if loop.first else '') + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' ' + message['content'] + eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+_QWEN = TokenizerFamily(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), bos=None, eos="<|im_end|>",
+                        pad="<|endoftext|>", unk=None, extra_eos=("<|endoftext|>",), chat_template=_CHATML)
+_DS = TokenizerFamily(("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>",
+                       "<｜User｜>", "<｜Assistant｜>"),
+                      bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", pad="<｜▁pad▁｜>", unk=None,
+                      extra_eos=(), chat_template=_DEEPSEEK)
+_MX = TokenizerFamily(("<unk>", "<s>", "</s>"), bos="<s>", eos="</s>", pad="</s>", unk="<unk>",
+                      extra_eos=(), chat_template=_MIXTRAL)
+
+FAMILIES = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "deepseek_v2": _DS, "deepseek_v3": _DS, "mixtral": _MX}
+
+
+TRAINED_VOCAB = 512
+
+
+def _fill_vocab(tok: Tokenizer, vocab_size: int) -> Tokenizer:
+    """Extend tok's BPE vocabulary (ids 0..n-1, specials included) to vocab_size ids with letter
+    strings, with and without the byte-level space mark "Ġ", that no merge produces."""
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    words = ("".join(chars) for n in itertools.count(2)
+             for chars in itertools.product(string.ascii_lowercase, repeat=n))
+    for token in (t for w in words for t in ("\u0120" + w, w)):
+        if len(vocab) >= vocab_size:
+            break
+        vocab.setdefault(token, len(vocab))
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def build_tokenizer(family: TokenizerFamily, vocab_size: int) -> Tokenizer:
+    """Train the byte-level BPE on the built-in text (up to TRAINED_VOCAB tokens, specials included),
+    then fill it up to vocab_size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, TRAINED_VOCAB),
+                                  special_tokens=list(family.special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_TEXT.splitlines(), trainer=trainer)
+    if vocab_size > tok.get_vocab_size():
+        tok = _fill_vocab(tok, vocab_size)
+    if family.bos is None:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:
+        bos = (family.bos, tok.token_to_id(family.bos))
+        tok.post_processor = processors.TemplateProcessing(single=f"{family.bos} $A",
+                                                           pair=f"{family.bos} $A {family.bos} $B",
+                                                           special_tokens=[bos])
+    return tok
+
+
+def write_tokenizer(out_dir: Path, arch: str, vocab_size: int) -> dict[str, int | list[int] | None]:
+    """Write tokenizer.json + tokenizer_config.json; return the token ids config.json needs."""
+    family = FAMILIES[arch]
+    tok = build_tokenizer(family, vocab_size)
+    tok.save(str(out_dir / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in family.special_tokens}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": family.bos,
+        "eos_token": family.eos,
+        "pad_token": family.pad,
+        "unk_token": family.unk,
+        "model_max_length": 131072,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": family.chat_template,
+        "added_tokens_decoder": {str(ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                               "normalized": False, "single_word": False}
+                                 for t in family.special_tokens},
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+    return {
+        "bos_token_id": ids[family.bos] if family.bos else ids[family.special_tokens[0]],
+        "eos_token_id": ids[family.eos],
+        "pad_token_id": ids[family.pad],
+        "generation_eos": [ids[family.eos]] + [ids[t] for t in family.extra_eos],
+    }

@@ -1,0 +1,34 @@
+"""`hybridmoe make-model`: write a Hugging Face-format MoE checkpoint with random weights."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from hybridmoe.checkpoint.presets import ARCHS, PRESETS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    presets = "; ".join(f"{arch}: {', '.join(p)}" for arch, p in PRESETS.items())
+    parser.add_argument("--arch", required=True, choices=list(ARCHS), help="model family")
+    parser.add_argument("--preset", required=True, help=f"model shape ({presets})")
+    parser.add_argument("--out", required=True, help="directory to write (new or empty)")
+    parser.add_argument("--layers", type=int, default=None, help="number of decoder layers (default: the preset's)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="weight dtype (default bf16)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same bytes (default 0)")
+    parser.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridmoe.checkpoint import make_checkpoint
+
+    start = time.perf_counter()
+    summary = make_checkpoint(args.arch, args.preset, args.out, layers=args.layers, dtype=args.dtype,
+                              seed=args.seed, force=args.force, progress=not args.quiet)
+    seconds = time.perf_counter() - start
+    cfg = summary.config
+    print(f"wrote {summary.out_dir}: {cfg['architectures'][0]} {args.preset}, {cfg['num_hidden_layers']} layers, "
+          f"{summary.num_tensors} tensors, {summary.total_bytes / 1e9:.3f} GB in {len(summary.shards)} shards, "
+          f"{seconds:.1f} s ({summary.total_bytes / 1e6 / seconds:.0f} MB/s)")
+    return 0
