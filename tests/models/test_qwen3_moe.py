@@ -23,7 +23,8 @@ def tiny_qwen3(**overrides) -> Qwen3MoeForCausalLM:
     {"mlp_only_layers": [1]},
     {"decoder_sparse_step": 2},
     {"tie_word_embeddings": True, "attention_bias": True},
-], ids=["unnormalized-topk", "normalized-topk", "mlp-only-layer", "sparse-step-2", "tied-with-bias"])
+    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32}},
+], ids=["unnormalized-topk", "normalized-topk", "mlp-only-layer", "sparse-step-2", "tied-with-bias", "yarn-rope"])
 def test_logits_and_hidden_states_equal_transformers(tmp_path, overrides):
     hf = tiny_qwen3(**overrides)
     ours = save_and_load(hf, tmp_path).model

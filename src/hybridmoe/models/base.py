@@ -51,6 +51,8 @@ def normalize_rope(values: dict, default_theta: float) -> dict:
     rope.setdefault("rope_type", rope.pop("type", "default"))
     if rope.get("rope_theta") is None:
         rope["rope_theta"] = values.get("rope_theta") or default_theta
+    if rope["rope_type"] in ("yarn", "llama3", "longrope"):
+        rope.setdefault("original_max_position_embeddings", values.get("max_position_embeddings"))
     return rope
 
 

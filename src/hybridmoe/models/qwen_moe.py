@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import hybridmoe.layers.yarn  # noqa: F401  (registers rope_type "yarn", which Qwen3's long-context configs use)
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.mlp import GatedMLP
