@@ -1,52 +1,54 @@
 """DeepseekV2/V3ForCausalLM loaded by load_model compute transformers' logits and hidden states.
 
-Each case is a tiny random checkpoint that transformers writes; both sides run float32.
-T tokens, V vocab.
+Each case is a tiny random model of transformers' own class, saved and loaded back by us;
+both sides run float32.
 """
 
 import pytest
 import torch
+from compare import assert_close, hf_forward, run_step, save_and_load
+from deepseek_tiny import tiny_deepseek
 
-from deepseek_checkpoint import FP32_TOL, load_ours, run_ours, write_checkpoint
+PROMPT = [5, 17, 3, 60, 22, 9, 41, 88, 0, 71, 30, 2, 64]
 
 CASES = {
     # V2-Lite's shape of routing: no q compression, plain softmax top-k, no YaRN
-    "v2_no_q_lora_greedy": ("v2", dict(q_lora_rank=None, topk_method="greedy", rope_parameters=None)),
+    "v2-no-q-lora-greedy": ("v2", dict(q_lora_rank=None, topk_method="greedy", rope_parameters=None)),
     # V2 / V2.5: q compression, softmax within the best groups, a large routed_scaling_factor
-    "v2_group_limited_greedy_yarn": ("v2", dict(q_lora_rank=32, topk_method="group_limited_greedy", n_group=4,
+    "v2-group-limited-greedy-yarn": ("v2", dict(q_lora_rank=32, topk_method="group_limited_greedy", n_group=4,
                                                 topk_group=2, routed_scaling_factor=16.0)),
     # V3 / R1: sigmoid + correction bias within the best groups, renormalised then scaled
-    "v3_noaux_tc_norm_topk": ("v3", dict(q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True,
-                                         routed_scaling_factor=2.5, first_k_dense_replace=2, num_hidden_layers=4)),
-    # Kimi-K2's shape of routing: one group, no renormalisation; neox rotary layout
-    "v3_one_group_no_norm_no_interleave": ("v3", dict(q_lora_rank=None, n_group=1, topk_group=1,
+    "v3-noaux-tc-norm-topk-yarn": ("v3", dict(q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True,
+                                              routed_scaling_factor=2.5, first_k_dense_replace=2,
+                                              num_hidden_layers=4)),
+    # Kimi-K2's shape of routing: one group, no renormalisation; here also neox rotary layout
+    "v3-one-group-no-norm-no-interleave": ("v3", dict(q_lora_rank=None, n_group=1, topk_group=1,
                                                       norm_topk_prob=False, routed_scaling_factor=2.827,
                                                       rope_interleave=False)),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-@torch.inference_mode()
-def test_logits_and_hidden_states_match_transformers(case, tmp_path):
+def test_logits_and_hidden_states_equal_transformers(case, tmp_path):
     family, overrides = CASES[case]
-    hf = write_checkpoint(tmp_path, family, **overrides)
-    input_ids = torch.randint(0, hf.config.vocab_size, (13,), generator=torch.Generator().manual_seed(1))
-    want = hf(input_ids[None], output_hidden_states=True)
-
-    hidden_states = []
-    logits = run_ours(load_ours(tmp_path), input_ids, hidden_states)
-
-    # transformers' last hidden state is after the final norm; ours (like HF's others) are before it
-    assert len(hidden_states) == len(want.hidden_states)
-    for layer, (got, ref) in enumerate(zip(hidden_states[:-1], want.hidden_states[:-1])):
-        torch.testing.assert_close(got, ref[0], **FP32_TOL, msg=lambda m: f"hidden state {layer}: {m}")
+    hf = tiny_deepseek(family, **overrides)
+    ours = save_and_load(hf, tmp_path, dtype="float32").model
+    ours.allocate_kv_cache(1, len(PROMPT))
+    hidden = []
+    (logits,) = run_step(ours, [PROMPT], slots=[0], start_pos=[0], hidden_states_out=hidden)
+    ref_logits, ref_hidden = hf_forward(hf, PROMPT)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, want.logits[0], **FP32_TOL)
+    assert_close(logits, ref_logits, what="logits")
+    assert len(hidden) == len(ref_hidden)
+    for i in range(len(ref_hidden) - 1):  # transformers' last one is after the final norm
+        assert_close(hidden[i], ref_hidden[i], what=f"hidden state {i}")
 
 
-@torch.inference_mode()
 def test_dense_and_moe_layers_follow_first_k_dense_replace(tmp_path):
-    write_checkpoint(tmp_path, "v3", first_k_dense_replace=2, num_hidden_layers=4)
-    model = load_ours(tmp_path)
-    assert model.moe_layers == [2, 3]
-    assert model.experts.layers() == [2, 3]
+    loaded = save_and_load(tiny_deepseek("v3", first_k_dense_replace=2, num_hidden_layers=4), tmp_path)
+    assert loaded.model.moe_layers == [2, 3]
+    assert loaded.experts.layers() == [2, 3]
+    names = {n for n, _ in loaded.model.named_parameters()}
+    assert "model.layers.1.mlp.gate_up_proj.weight" in names
+    assert "model.layers.2.mlp.shared_experts.gate_up_proj.weight" in names
+    assert not any(".experts." in n for n in names)

@@ -1,20 +1,11 @@
-"""Tiny DeepSeek checkpoints written by transformers itself, and the two models to compare.
+"""Tiny random DeepSeek models of transformers' own classes, for the deepseek model tests.
 
 Weights are redrawn at O(1) scale (transformers' 0.02 init leaves every layer close to the
 identity, which would hide mistakes), including a nonzero e_score_correction_bias.
 """
 
-from __future__ import annotations
-
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
-
-from hybridmoe.config import EngineConfig
-from hybridmoe.engine.context import Context, use_context
-from hybridmoe.weights.loader import load_model
-
-# Logits and hidden states of our float32 forward vs transformers' float32 forward.
-FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.707}
@@ -39,24 +30,10 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             t.copy_(torch.randn(t.shape, generator=gen) * t.shape[-1] ** -0.5)
 
 
-def write_checkpoint(path, family: str, **overrides):
-    """Save a random float32 transformers model to path; returns it (eval mode)."""
+def tiny_deepseek(family: str, **overrides):
+    """A random float32 transformers DeepseekV2/V3ForCausalLM (eval mode) of the TINY shape."""
     config_cls, model_cls = FAMILIES[family]
     torch.manual_seed(0)
     hf = model_cls(config_cls(**{**TINY, **overrides})).float().eval()
     randomize(hf)
-    hf.save_pretrained(path)
     return hf
-
-
-def load_ours(path, **engine):
-    return load_model(path, EngineConfig(dtype="float32", **engine)).model
-
-
-@torch.no_grad()
-def run_ours(model, input_ids: torch.Tensor, hidden_states_out: list | None = None) -> torch.Tensor:
-    """Full forward of one sequence from position 0: input_ids [T] -> logits [T, V]."""
-    model.allocate_kv_cache(num_slots=1, max_len=input_ids.shape[0])
-    with use_context(Context(slot_ids=[0], start_pos=[0], cu_seqlens=[0, input_ids.shape[0]])):
-        hidden = model(input_ids, torch.arange(input_ids.shape[0]), hidden_states_out)
-    return model.compute_logits(hidden)
