@@ -28,6 +28,7 @@ class LLMEngine:
         from hybridmoe.weights.loader import load_model
 
         self.config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
         loaded = load_model(model_dir, self.config)
         self.model_config = loaded.config
         self.dtype = loaded.dtype
