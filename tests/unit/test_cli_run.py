@@ -1,0 +1,57 @@
+import pytest
+
+from hybridmoe import LLM, SamplingParams
+from hybridmoe.checkpoint.make import make_checkpoint
+from hybridmoe.cli import main
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3")
+    make_checkpoint("qwen3_moe", "tiny", d, dtype="fp32", progress=False)
+    return d
+
+
+def test_run_streams_the_completion_to_stdout(checkpoint, capsys):
+    rc = main(["run", "--model", str(checkpoint), "--prompt", "Once upon a time", "--max-new-tokens", "12",
+               "--temperature", "0", "--ignore-eos", "--max-num-seqs", "2"])
+    out, err = capsys.readouterr()
+    expected = LLM(checkpoint).generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0,
+                                                                           ignore_eos=True))[0]
+    assert rc == 0 and out == expected.text + "\n"
+    assert "[12 tokens, length;" in err
+
+
+def test_run_with_a_seed_is_reproducible(checkpoint, capsys):
+    argv = ["run", "--model", str(checkpoint), "--prompt", "Hello", "--max-new-tokens", "8", "--seed", "3",
+            "--top-k", "50", "--top-p", "0.9"]
+    outputs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--max-new-tokens", "5000"], "exceeds the context of 512 tokens"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+])
+def test_mistakes_are_one_line_errors(checkpoint, capsys, extra, needle):
+    assert main(["run", "--model", str(checkpoint), "--prompt", "Hi", *extra]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("hybridmoe run: error:") and err.count("\n") == 1
+
+
+def test_engine_flags_map_onto_engine_config_fields():
+    from dataclasses import fields
+
+    from hybridmoe.cli import build_parser
+    from hybridmoe.commands.engine_args import engine_kwargs
+    from hybridmoe.config import EngineConfig
+    args = build_parser().parse_args(["run", "--model", "m", "--prompt", "p", "--max-model-len", "256",
+                                      "--dtype", "bfloat16", "--expert-backend", "native"])
+    assert engine_kwargs(args) == {"max_model_len": 256, "dtype": "bfloat16", "expert_backend": "native"}
+    help_text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
+    for f in fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in help_text
