@@ -52,10 +52,10 @@ def make_checkpoint(arch: str, preset: str, out: str | Path, *, layers: int | No
         raise HybridMoEError(f"{arch} {preset} needs {total / 1e9:.1f} GB of weights but {out} has only "
                              f"{free / 1e9:.1f} GB free; use --layers to cut depth")
     ids = write_tokenizer(out, arch, config["vocab_size"])
-    generation_config = {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["generation_eos"],
+    stop_ids = ids["generation_eos"]
+    generation_config = {"bos_token_id": ids["bos_token_id"],
+                         "eos_token_id": stop_ids if len(stop_ids) > 1 else stop_ids[0],
                          "pad_token_id": ids["pad_token_id"]}
-    if len(ids["generation_eos"]) == 1:
-        generation_config["eos_token_id"] = ids["eos_token_id"]
     config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"])
     shards = write_random_safetensors(out, specs, seed, max_shard_bytes=max_shard_bytes, progress=progress)
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")

@@ -131,8 +131,9 @@ def build_tokenizer(family: TokenizerFamily, vocab_size: int) -> Tokenizer:
     return tok
 
 
-def write_tokenizer(out_dir: Path, arch: str, vocab_size: int) -> dict[str, int | list[int] | None]:
-    """Write tokenizer.json + tokenizer_config.json; return the token ids config.json needs."""
+def write_tokenizer(out_dir: Path, arch: str, vocab_size: int) -> dict:
+    """Write tokenizer.json + tokenizer_config.json; return the token ids the configs need:
+    bos/eos/pad_token_id and generation_eos (the end-of-turn token, then other stop tokens)."""
     family = FAMILIES[arch]
     tok = build_tokenizer(family, vocab_size)
     tok.save(str(out_dir / "tokenizer.json"))
