@@ -17,6 +17,7 @@ COMMANDS = {
     "make-model": ("hybridmoe.commands.make_model", "write a random-weight Hugging Face checkpoint"),
     "run": ("hybridmoe.commands.run", "complete one prompt, streaming to stdout"),
     "chat": ("hybridmoe.commands.chat", "interactive multi-turn chat"),
+    "serve": ("hybridmoe.commands.serve", "OpenAI- and Ollama-compatible HTTP server with a web chat page"),
 }
 
 

@@ -1,0 +1,63 @@
+"""`hybridmoe serve --model DIR`: an OpenAI- and Ollama-compatible HTTP server with a web chat page.
+
+Binds to 127.0.0.1 unless --host says otherwise. Every engine option is a flag too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
+from hybridmoe.errors import HybridMoEError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, metavar="DIR", help="a Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1 and /api routes (default: no key)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model name clients use (default: the model directory's name)")
+    parser.add_argument("--max-batch", type=int, default=None, metavar="N",
+                        help="most requests decoded together; the same as --max-num-seqs")
+    parser.add_argument("--max-queue", type=int, default=64, metavar="N",
+                        help="most requests waiting for a slot; past that, 429 with Retry-After (default 64)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn's log level (default info)")
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hybridmoe.config import EngineConfig
+    from hybridmoe.engine.llm_engine import LLMEngine
+    from hybridmoe.server.app import build_app
+    from hybridmoe.server.async_engine import AsyncEngine
+
+    kwargs = engine_kwargs(args)
+    if args.max_batch is not None:
+        if kwargs.get("max_num_seqs", args.max_batch) != args.max_batch:
+            raise HybridMoEError(f"--max-batch {args.max_batch} and --max-num-seqs {kwargs['max_num_seqs']} "
+                                 f"disagree; give one of them")
+        kwargs["max_num_seqs"] = args.max_batch
+    if args.max_queue < 0:
+        raise HybridMoEError(f"--max-queue must be at least 0, got {args.max_queue}")
+    if not 0 <= args.port < 65536:
+        raise HybridMoEError(f"--port must be in [0, 65535], got {args.port}")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise HybridMoEError(f"--model {args.model} is not a directory; give a Hugging Face model directory")
+    api_key = args.api_key or None
+    name = args.served_model_name or model_dir.resolve().name
+
+    engine = AsyncEngine(LLMEngine(model_dir, EngineConfig.from_kwargs(**kwargs)), max_queue=args.max_queue)
+    app = build_app(engine, name, api_key=api_key)
+    print(f"serving {name} on http://{args.host}:{args.port} (max batch {engine.max_running}, "
+          f"max queue {args.max_queue}, context {engine.max_model_len} tokens"
+          f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

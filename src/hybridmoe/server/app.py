@@ -1,0 +1,168 @@
+"""The HTTP app: routes, API-key check, errors in OpenAI's JSON, HTTP metrics.
+
+Routes: /v1/chat/completions, /v1/completions, /v1/models (OpenAI); /api/chat, /api/generate,
+/api/tags, /api/version (Ollama); /health, /metrics (Prometheus text); / (the web chat page).
+With an API key, every /v1 and /api route wants `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from importlib import resources
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.server import ollama
+from hybridmoe.server.async_engine import AsyncEngine, EngineError, QueueFullError
+from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybridmoe.server.serving_chat import create_chat_completion
+from hybridmoe.server.serving_common import APIError, ClientGoneError, ServerState, parse_body
+from hybridmoe.server.serving_completion import create_completion
+
+log = logging.getLogger("hybridmoe.server")
+
+RETRY_AFTER_SECONDS = 1
+CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client gone before the answer; never seen by it
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The app over a started-or-not AsyncEngine; the app's lifespan starts and stops it."""
+    state = ServerState(engine=engine, model_name=model_name, created=int(time.time()), api_key=api_key)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="hybridmoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(_request, e: QueueFullError):
+        return APIError(429, str(e), type_="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}).response()
+
+    @app.exception_handler(HybridMoEError)
+    async def _user_error(_request, e: HybridMoEError):
+        return APIError(400, str(e)).response()
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_request, e: EngineError):
+        return APIError(500, str(e), type_="server_error").response()
+
+    @app.exception_handler(ClientGoneError)
+    async def _client_gone(_request, _e):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(Exception)
+    async def _bug(_request, e: Exception):
+        log.exception("request failed")
+        return APIError(500, f"the server failed: {type(e).__name__}: {e}", type_="server_error").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(state, await parse_body(request, ChatCompletionRequest), request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(state, await parse_body(request, CompletionRequest), request)
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=model_name, created=state.created, max_model_len=state.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.post("/api/chat")
+    async def ollama_chat(request: Request):
+        return await ollama.chat(state, await parse_body(request, ollama.OllamaChatRequest), request)
+
+    @app.post("/api/generate")
+    async def ollama_generate(request: Request):
+        return await ollama.generate(state, await parse_body(request, ollama.OllamaGenerateRequest), request)
+
+    @app.get("/api/tags")
+    async def ollama_tags():
+        return ollama.tags(state)
+
+    @app.get("/api/version")
+    async def ollama_version():
+        return ollama.version()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "requests_in_flight": engine.num_in_flight}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    page = resources.files("hybridmoe.server").joinpath("static/index.html").read_text(encoding="utf-8")
+
+    @app.get("/")
+    async def index():
+        return HTMLResponse(page)
+
+    return AuthAndMetrics(app, api_key, engine.metrics, {r.path for r in app.routes})
+
+
+class AuthAndMetrics:
+    """ASGI wrapper: the bearer-token check on /v1 and /api, and a count of answers by route and status.
+
+    Plain ASGI rather than a BaseHTTPMiddleware, which would wrap streaming responses and hide
+    the client's disconnect from them."""
+
+    def __init__(self, app: FastAPI, api_key: str | None, metrics, routes: set[str]):
+        self.app, self.api_key, self.metrics, self.routes = app, api_key, metrics, routes
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in self.routes else "other"
+        status = {"code": 0}
+
+        async def send_and_count(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and path.startswith(("/v1/", "/api/")) and not self._authorized(scope):
+                await _send_json(send_and_count, 401, APIError(
+                    401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key").body(), {"WWW-Authenticate": "Bearer"})
+            else:
+                await self.app(scope, receive, send_and_count)
+        finally:
+            self.metrics.http_requests.inc(route, status["code"] or CLIENT_CLOSED_REQUEST)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                          self.api_key.encode())
+        return False
+
+
+async def _send_json(send, status: int, body: dict, headers: dict[str, str]) -> None:
+    data = json.dumps(body).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,166 @@
+"""Ollama-compatible routes, so Ollama front-ends work too: POST /api/chat, POST /api/generate
+(newline-delimited JSON when streaming, Ollama's default), GET /api/tags, GET /api/version.
+
+Ollama names its sampling knobs in "options" (num_predict, repeat_penalty, ...); they map onto
+the same SamplingParams as the OpenAI routes. Durations are in nanoseconds, as Ollama reports.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Literal
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.sampling_params import SamplingParams
+from hybridmoe.server.protocol import StrictRequest, random_id
+from hybridmoe.server.serving_common import APIError, ServerState, check_token_ids, collect, sampling_params
+
+OLLAMA_API_VERSION = "0.6.0"
+"""The Ollama API version whose routes and fields we follow (front-ends check it)."""
+
+
+class OllamaOptions(StrictRequest):
+    num_predict: int | None = Field(None, ge=-2)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: list[str] | None = None
+    repeat_penalty: float | None = Field(None, gt=0, le=10)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+
+
+class OllamaMessage(StrictRequest):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+
+
+class OllamaChatRequest(StrictRequest):
+    model: str
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    stream: bool = True
+    options: OllamaOptions = Field(default_factory=OllamaOptions)
+
+
+class OllamaGenerateRequest(StrictRequest):
+    model: str
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    stream: bool = True
+    options: OllamaOptions = Field(default_factory=OllamaOptions)
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    # Ollama front-ends append a tag (":latest") to names they list
+    if name.split(":")[0] != state.model_name.split(":")[0]:
+        state.check_model(name)
+
+
+def _params(state: ServerState, prompt_len: int, o: OllamaOptions) -> SamplingParams:
+    max_tokens = None if o.num_predict is None or o.num_predict < 0 else o.num_predict
+    if max_tokens == 0:
+        raise APIError(400, "options.num_predict is 0: nothing would be generated; give at least 1 (or -1)",
+                       param="options.num_predict")
+    return sampling_params(
+        state, prompt_len, max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
+        presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
+        repetition_penalty=o.repeat_penalty, seed=o.seed, stop=o.stop, default_temperature=0.8)
+
+
+def _encode_chat(state: ServerState, messages: list[dict]) -> list[int]:
+    try:
+        ids = state.tokenizer.encode_chat(messages)
+    except HybridMoEError as e:
+        raise APIError(400, str(e), param="messages") from None
+    check_token_ids(state, ids)
+    return ids
+
+
+async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> Response:
+    _check_model(state, req.model)
+    if not req.messages:  # Ollama's way to load a model: answer done at once
+        return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=True))
+    ids = _encode_chat(state, [m.model_dump() for m in req.messages])
+    return await _answer(state, req.model, ids, _params(state, len(ids), req.options), req.stream, request, True)
+
+
+async def generate(state: ServerState, req: OllamaGenerateRequest, request: Request) -> Response:
+    _check_model(state, req.model)
+    if not req.prompt:
+        return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=False))
+    if req.raw or state.tokenizer.chat_template is None:
+        ids = state.tokenizer.encode(req.prompt)
+        check_token_ids(state, ids)
+    else:
+        messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
+            {"role": "user", "content": req.prompt}]
+        ids = _encode_chat(state, messages)
+    return await _answer(state, req.model, ids, _params(state, len(ids), req.options), req.stream, request,
+                         False)
+
+
+def tags(state: ServerState) -> dict:
+    modified = datetime.fromtimestamp(state.created, timezone.utc).isoformat()
+    details = {"format": "safetensors", "family": state.engine.engine.model_config.get("model_type", ""),
+               "parameter_size": "", "quantization_level": ""}
+    return {"models": [{"name": state.model_name, "model": state.model_name, "modified_at": modified,
+                        "size": 0, "digest": "", "details": details}]}
+
+
+def version() -> dict:
+    return {"version": OLLAMA_API_VERSION}
+
+
+async def _answer(state: ServerState, model: str, ids: list[int], params: SamplingParams, streaming: bool,
+                  request: Request, chat: bool) -> Response:
+    start = time.perf_counter()
+    stream = state.engine.submit(random_id("ollama"), [(ids, params)])
+    if streaming:
+        return StreamingResponse(_lines(state, model, len(ids), start, stream, chat),
+                                 media_type="application/x-ndjson")
+    out = (await collect(stream, request))[0]
+    body = _final(state, model, out.finish_reason, len(ids), len(out.token_ids), start, chat)
+    body["message" if chat else "response"] = (
+        {"role": "assistant", "content": out.text} if chat else out.text)
+    return JSONResponse(body)
+
+
+async def _lines(state: ServerState, model: str, prompt_len: int, start: float, stream,
+                 chat: bool) -> AsyncIterator[str]:
+    try:
+        try:
+            async for _, out in stream:
+                if out.new_text:
+                    piece = {"role": "assistant", "content": out.new_text} if chat else out.new_text
+                    yield json.dumps({"model": model, "created_at": _now(), "message" if chat else "response": piece,
+                                      "done": False}) + "\n"
+                if out.finished:
+                    yield json.dumps(_final(state, model, out.finish_reason, prompt_len, len(out.token_ids),
+                                            start, chat)) + "\n"
+        except Exception as e:  # the headers are sent: Ollama reports errors as a line {"error": ...}
+            yield json.dumps({"error": str(e)}) + "\n"
+    finally:
+        stream.close()
+
+
+def _final(state: ServerState, model: str, reason: str, prompt_len: int, n: int, start: float,
+           chat: bool) -> dict:
+    ns = int((time.perf_counter() - start) * 1e9)
+    body = {"model": model, "created_at": _now(), "done": True, "done_reason": reason, "total_duration": ns,
+            "load_duration": 0, "prompt_eval_count": prompt_len, "eval_count": n, "eval_duration": ns}
+    body["message" if chat else "response"] = {"role": "assistant", "content": ""} if chat else ""
+    return body
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")

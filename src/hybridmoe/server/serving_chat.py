@@ -1,0 +1,90 @@
+"""POST /v1/chat/completions: the conversation through the chat template, n choices, streamed as
+OpenAI frames chat.completion.chunk events or answered at once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                       ChatCompletionRequest, ChatCompletionResponse, DeltaMessage, UsageInfo,
+                                       random_id)
+from hybridmoe.server.serving_common import (SSE_DONE, APIError, ServerState, check_token_ids, collect,
+                                             error_event, sampling_params, seed_for, sse)
+
+
+def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in req.messages]
+    try:
+        ids = state.tokenizer.encode_chat(messages)
+    except HybridMoEError as e:
+        raise APIError(400, str(e), param="messages") from None
+    check_token_ids(state, ids)
+    return ids
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
+    state.check_model(req.model)
+    if req.logprobs or req.top_logprobs:
+        raise APIError(400, "logprobs are not supported by this server yet; leave logprobs unset",
+                       param="logprobs")
+    prompt_ids = chat_prompt(state, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = [sampling_params(
+        state, len(prompt_ids), max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, seed=seed_for(req.seed, i), stop=req.stop,
+        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos) for i in range(req.n)]
+    request_id = random_id("chatcmpl")
+    stream = state.engine.submit(request_id, [(prompt_ids, p) for p in params])
+    if req.stream:
+        return StreamingResponse(_chunks(state, req, request_id, len(prompt_ids), stream),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    finals = await collect(stream, request)
+    response = ChatCompletionResponse(
+        id=request_id, model=state.model_name,
+        choices=[ChatChoice(index=i, message=AssistantMessage(content=finals[i].text),
+                            finish_reason=finals[i].finish_reason) for i in range(req.n)],
+        usage=_usage(len(prompt_ids), sum(len(o.token_ids) for o in finals.values())))
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _chunks(state: ServerState, req: ChatCompletionRequest, request_id: str, prompt_len: int,
+                  stream) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = req.include_usage
+
+    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        c = ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
+                                usage=usage)
+        return sse(c.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+    completion_tokens = 0
+    try:
+        for i in range(req.n):
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        try:
+            async for i, out in stream:
+                completion_tokens += len(out.new_token_ids)
+                if out.new_text:
+                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=out.new_text))])
+                if out.finished:
+                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=out.finish_reason)])
+        except Exception as e:  # the headers are sent: the error travels as an event
+            yield error_event(e)
+            return
+        if include_usage:
+            yield chunk([], _usage(prompt_len, completion_tokens))
+        yield SSE_DONE
+    finally:
+        stream.close()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)

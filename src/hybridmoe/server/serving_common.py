@@ -1,0 +1,191 @@
+"""What every endpoint shares: the server's state, request parsing, errors in OpenAI's JSON,
+sampling parameters with the context-length check, and running a request group to the end
+while watching for the client to go away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from hybridmoe.engine.sequence import RequestOutput
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.sampling_params import SamplingParams
+from hybridmoe.server.async_engine import AsyncEngine, RequestStream
+from hybridmoe.tokenizer import Tokenizer
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class APIError(Exception):
+    """An answer other than success, with OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientGoneError(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    created: int
+    api_key: str | None = None
+    vocab_size: int = field(init=False)
+
+    def __post_init__(self):
+        self.vocab_size = self.engine.engine.vocab_size
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model directory has no tokenizer.json, so text prompts and chat cannot "
+                                "be served; send token ids to /v1/completions")
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(400, f"the model {name!r} is not served here; this server serves {self.model_name!r} "
+                                f"(see GET /v1/models)", param="model", code="model_not_found")
+
+
+async def parse_body(request: Request, schema: type[T]) -> T:
+    """The JSON body validated against schema: 400 for bad JSON, 422 for a wrong field."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES // 2**20} MiB")
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise APIError(422, f"{where}: {first['msg']}{more}", param=where or None) from None
+
+
+def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None, *, temperature: float | None,
+                    top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                    presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                    repetition_penalty: float | None = None, seed: int | None = None,
+                    stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
+                    ignore_eos: bool = False, default_temperature: float = 1.0) -> SamplingParams:
+    """SamplingParams for one request; max_tokens None means up to the end of the context."""
+    room = state.max_model_len - prompt_len
+    if max_tokens is None:
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens, which leaves no room in the context of "
+                                f"{state.max_model_len} tokens; shorten it", param="messages",
+                           code="context_length_exceeded")
+        max_tokens = room
+    elif max_tokens > room:
+        raise APIError(400, f"the prompt has {prompt_len} tokens and max_tokens is {max_tokens}: together "
+                            f"{prompt_len + max_tokens}, over the model's context of {state.max_model_len} tokens; "
+                            f"shorten the prompt or lower max_tokens", param="max_tokens",
+                       code="context_length_exceeded")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=default_temperature if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=0 if top_k is None or top_k < 0 else top_k,  # -1 disables, as in vLLM
+            min_p=min_p or 0.0, presence_penalty=presence_penalty or 0.0,
+            frequency_penalty=frequency_penalty or 0.0,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+            seed=None if seed is None else seed % 2**64,
+            stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos)
+    except HybridMoEError as e:
+        raise APIError(400, str(e)) from None
+
+
+def check_token_ids(state: ServerState, ids: list[int]) -> None:
+    if not ids:
+        raise APIError(400, "the prompt is empty; give at least one token", param="prompt")
+    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {state.vocab_size})",
+                       param="prompt")
+
+
+def seed_for(seed: int | None, index: int) -> int | None:
+    """The n choices of one seeded request get seeds seed, seed+1, ...: reproducible, not equal."""
+    return None if seed is None else seed + index
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body has already been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(stream: RequestStream, request: Request) -> dict[int, RequestOutput]:
+    """Every request of the group run to its end: {index: final output}. A client that goes
+    away meanwhile aborts the group (ClientGoneError)."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def consume():
+        async for index, out in stream:
+            if out.finished:
+                finals[index] = out
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+        stream.close()
+    if not consumer.done() or consumer.cancelled():
+        raise ClientGoneError()
+    consumer.result()  # an engine error surfaces here
+    return finals
+
+
+def error_event(e: Exception) -> str:
+    """An error after the stream began (its headers are sent): an SSE event with OpenAI's error JSON."""
+    if isinstance(e, HybridMoEError):
+        err = APIError(400, str(e))
+    else:
+        err = APIError(500, f"the server failed: {e}", type_="server_error")
+    return sse(json.dumps(err.body()))
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

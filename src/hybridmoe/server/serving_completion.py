@@ -1,0 +1,101 @@
+"""POST /v1/completions: one prompt or a batch (strings or token ids), n choices each, streamed as
+OpenAI frames text_completion events or answered at once. Choice index = prompt * n + choice."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from hybridmoe.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo,
+                                       random_id)
+from hybridmoe.server.serving_common import (SSE_DONE, APIError, ServerState, check_token_ids, collect,
+                                             error_event, sampling_params, seed_for, sse)
+
+
+def completion_prompts(state: ServerState, prompt) -> list[list[int]]:
+    """The prompt field as a list of token-id prompts."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "prompt is an empty list; give a string, token ids, or a list of either",
+                       param="prompt")
+    ids = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in prompts]
+    for p in ids:
+        check_token_ids(state, p)
+    return ids
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
+    state.check_model(req.model)
+    if req.logprobs is not None:
+        raise APIError(400, "logprobs are not supported by this server yet; leave logprobs unset",
+                       param="logprobs")
+    if req.suffix:
+        raise APIError(400, "suffix (fill-in-the-middle) is not supported; put the text in the prompt",
+                       param="suffix")
+    prompts = completion_prompts(state, req.prompt)
+    group = []
+    for ids in prompts:
+        for i in range(req.n):
+            group.append((ids, sampling_params(
+                state, len(ids), req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, seed=seed_for(req.seed, i), stop=req.stop,
+                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)))
+    # echo: the prompt's text comes first (token-id prompts decoded)
+    echoes = [state.tokenizer.decode(ids) if req.echo else "" for ids, _ in group]
+    request_id = random_id("cmpl")
+    stream = state.engine.submit(request_id, group)
+    prompt_tokens = sum(len(p) for p in prompts)
+    if req.stream:
+        return StreamingResponse(_events(state, req, request_id, prompt_tokens, echoes, stream),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    finals = await collect(stream, request)
+    response = CompletionResponse(
+        id=request_id, model=state.model_name,
+        choices=[CompletionChoice(index=i, text=echoes[i] + finals[i].text, finish_reason=finals[i].finish_reason)
+                 for i in range(len(group))],
+        usage=_usage(prompt_tokens, sum(len(o.token_ids) for o in finals.values())))
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _events(state: ServerState, req: CompletionRequest, request_id: str, prompt_tokens: int,
+                  echoes: list[str], stream) -> AsyncIterator[str]:
+    created = int(time.time())
+    include_usage = req.include_usage
+
+    def event(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        c = CompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
+                               usage=usage)
+        return sse(c.model_dump_json(exclude=None if include_usage else {"usage"}))
+
+    completion_tokens = 0
+    try:
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield event([CompletionChoice(index=i, text=echo, finish_reason=None)])
+        try:
+            async for i, out in stream:
+                completion_tokens += len(out.new_token_ids)
+                if out.new_text or out.finished:
+                    yield event([CompletionChoice(index=i, text=out.new_text, finish_reason=out.finish_reason)])
+        except Exception as e:  # the headers are sent: the error travels as an event
+            yield error_event(e)
+            return
+        if include_usage:
+            yield event([], _usage(prompt_tokens, completion_tokens))
+        yield SSE_DONE
+    finally:
+        stream.close()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
