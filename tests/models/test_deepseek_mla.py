@@ -89,5 +89,4 @@ def test_batched_chunks_and_decode_through_the_latent_cache_match_full_recomputa
     torch.testing.assert_close(torch.cat(outs_a), hf_attention(hf, hf_rotary, a), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat(outs_b), hf_attention(hf, hf_rotary, b), rtol=1e-5, atol=1e-5)
     # the cache holds R + P numbers per token, not expanded keys and values
-    assert ours.kv_cache.k.shape == (3, 16, 1, 16 + 8)
-    assert ours.kv_cache.v.data_ptr() == ours.kv_cache.k.data_ptr()
+    assert ours.kv_cache.shape == (3, 16, 16 + 8)

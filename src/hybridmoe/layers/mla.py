@@ -10,7 +10,8 @@ heads. Attention never expands the cache: kv_b_proj's key half is absorbed into 
 
     score(t, s) = (q_nope W_UK^T) . c_s + q_pe . k_pe_s,   out = (sum_s p(t, s) c_s) W_UV^T
 
-which is one multi-query attention with key [c, k_pe] (R + P wide) and value c (R wide).
+which is one multi-query attention with key [c, k_pe] (R + P wide) and value c (R wide),
+over a cache of [slots, max_len, R + P].
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridmoe.layers.attention import KVCache, cached_attention
+from hybridmoe.engine.context import get_context
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.layers.yarn import softmax_scale
@@ -58,13 +59,12 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope)
         self.rotate = apply_rotary_interleaved if rope_interleave else apply_rotary
         self.scale = softmax_scale(rope, qk_head_dim)
-        self.kv_cache: KVCache | None = None
+        self.kv_cache: torch.Tensor | None = None  # [slots, max_len, R + P]
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.kv_a_proj_with_mqa.weight
-        cache = KVCache(num_slots, max_len, 1, self.kv_lora_rank + self.qk_rope_head_dim, 0, w.dtype, w.device)
-        cache.v = cache.k[..., :self.kv_lora_rank]  # the value is the latent itself: R + P numbers per token
-        self.kv_cache = cache
+        self.kv_cache = torch.zeros(num_slots, max_len, self.kv_lora_rank + self.qk_rope_head_dim,
+                                    dtype=w.dtype, device=w.device)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], positions [T] -> [T, H]; writes the new tokens' latents into the cache."""
@@ -75,15 +75,41 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q_nope, q_pe = q.view(T, N, -1).split([D, self.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([R, self.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
         cos, sin = self.rotary(positions, q.dtype)
         q_pe = self.rotate(q_pe, cos, sin)
-        k_pe = self.rotate(k_pe.unsqueeze(1), cos, sin)  # [T, 1, P]
+        k_pe = self.rotate(k_pe.unsqueeze(1), cos, sin).squeeze(1)
 
         w_kv = self.kv_b_proj.weight.view(N, D + self.v_head_dim, R)
         w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # [N, D, R], [N, V, R]
         query = torch.cat((torch.einsum("tnd,ndr->tnr", q_nope, w_uk), q_pe), dim=-1)  # [T, N, R + P]
-        key = torch.cat((latent.unsqueeze(1), k_pe), dim=-1)  # [T, 1, R + P]: one key head for all N
-        out = cached_attention(query, key, latent.unsqueeze(1), self.kv_cache, self.scale)  # [T, N, R]
-        out = torch.einsum("tnr,nvr->tnv", out, w_uv)
+        out = self._attend(query, torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1), positions)
+        out = torch.einsum("tnr,nvr->tnv", out, w_uv)  # [T, N, V]
         return self.o_proj(out.reshape(T, N * self.v_head_dim))
+
+    def _attend(self, query: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Write kv [T, R + P] into the cache; query [T, N, R + P] -> [T, N, R] over each sequence's cache.
+
+        All N heads share one key, so a sequence's T_b queries of N heads are T_b * N rows of
+        one matmul against its cache slice (a view: nothing is gathered or expanded).
+        """
+        if self.kv_cache is None:
+            raise RuntimeError("MLA needs its latent KV cache: call allocate_kv_cache first")
+        ctx = get_context()
+        lens = [ctx.seq_len(b) for b in range(ctx.num_seqs)]
+        if max(p + n for p, n in zip(ctx.start_pos, lens)) > self.kv_cache.shape[1]:
+            raise RuntimeError(f"a sequence outgrows the KV cache of {self.kv_cache.shape[1]} tokens")
+        token_slots = torch.tensor([s for s, n in zip(ctx.slot_ids, lens) for _ in range(n)], device=kv.device)
+        self.kv_cache[token_slots, positions] = kv
+        N, R = query.shape[1], self.kv_lora_rank
+        out = torch.empty(query.shape[0], N, R, dtype=query.dtype, device=query.device)
+        for b, (slot, start, n) in enumerate(zip(ctx.slot_ids, ctx.start_pos, lens)):
+            lo = ctx.cu_seqlens[b]
+            cached = self.kv_cache[slot, :start + n]  # [S, R + P]
+            scores = (query[lo:lo + n].reshape(n * N, -1) @ cached.T).view(n, N, -1) * self.scale
+            if n > 1:  # token i sits at position start + i and sees positions 0 .. start + i
+                k_pos = torch.arange(start + n, device=query.device)
+                hidden_keys = k_pos[None, :] > start + torch.arange(n, device=query.device)[:, None]
+                scores = scores.masked_fill(hidden_keys[:, None, :], float("-inf"))
+            probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+            out[lo:lo + n] = (probs.view(n * N, -1) @ cached[:, :R]).view(n, N, R)
+        return out
