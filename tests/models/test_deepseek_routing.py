@@ -63,6 +63,12 @@ def test_sigmoid_noaux_tc_routing_with_correction_bias_matches_deepseek_v3(norm_
     compare(hf, ours)
 
 
+def test_router_stays_float32_when_the_model_is_cast_to_bfloat16():
+    ours = DeepseekRouter(H, E, K, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2)
+    ours.to(torch.bfloat16)
+    assert ours.weight.dtype == ours.e_score_correction_bias.dtype == torch.float32
+
+
 def test_group_limit_is_respected():
     ours = DeepseekRouter(H, E, K, scoring_func="softmax", topk_method="group_limited_greedy", n_group=4,
                           topk_group=1)

@@ -17,6 +17,8 @@ CASES = {
     # V2 / V2.5: q compression, softmax within the best groups, a large routed_scaling_factor
     "v2-group-limited-greedy-yarn": ("v2", dict(q_lora_rank=32, topk_method="group_limited_greedy", n_group=4,
                                                 topk_group=2, routed_scaling_factor=16.0)),
+    # transformers' V2 router ignores norm_topk_prob (DeepSeek's code would renormalise and not scale)
+    "v2-norm-topk-prob-ignored": ("v2", dict(q_lora_rank=None, norm_topk_prob=True, routed_scaling_factor=2.0)),
     # V3 / R1: sigmoid + correction bias within the best groups, renormalised then scaled
     "v3-noaux-tc-norm-topk-yarn": ("v3", dict(q_lora_rank=32, n_group=4, topk_group=2, norm_topk_prob=True,
                                               routed_scaling_factor=2.5, first_k_dense_replace=2,
