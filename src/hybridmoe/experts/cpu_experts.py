@@ -151,8 +151,10 @@ class CpuExperts:
         if self._pending is None:
             raise HybridMoEError("wait() called without a submit()")
         ticket, out = self._pending[:2]
-        self._pending = None
-        self._engine.wait(ticket)
+        try:
+            self._engine.wait(ticket)
+        finally:
+            self._pending = None  # only now may the inputs go
         return out
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
