@@ -1,0 +1,119 @@
+"""Real servers for the server tests: `hybridmoe serve` in a subprocess on a free 127.0.0.1 port,
+over a tiny float32 Qwen3-MoE checkpoint made once per session (float32, so a request's greedy
+tokens do not depend on what else is in its batch)."""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+
+import openai
+import pytest
+
+from hybridmoe.checkpoint import make_checkpoint
+
+STARTUP_SECONDS = 120
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    make_checkpoint("qwen3_moe", "tiny", out, dtype="fp32", seed=0, force=True, progress=False)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen, log_path, api_key: str | None):
+        self.url, self.proc, self.log_path, self.api_key = url, proc, log_path, api_key
+
+    def client(self, api_key: str = "none", **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kwargs)
+
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+        return self.request("GET", path, None, headers)
+
+    def post(self, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, bytes]:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        return self.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+
+    def request(self, method: str, path: str, data: bytes | None, headers: dict | None) -> tuple[int, bytes]:
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample of /metrics, e.g. metric("requests_finished_total", 'finish_reason="abort"')."""
+        _, text = self.get("/metrics")
+        key = f"hybridmoe_{name}" + (f"{{{labels}}}" if labels else "")
+        m = re.search(rf"^{re.escape(key)} (\S+)$", text.decode(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def wait_until(self, condition, timeout: float = 20.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.05)
+
+
+@contextmanager
+def _serve(model_dir, log_path, *args, api_key=None):
+    port = _free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridmoe.cli", "serve", "--model", str(model_dir), "--port", str(port),
+         "--dtype", "float32", "--served-model-name", "tiny", "--log-level", "warning", *args,
+         *(["--api-key", api_key] if api_key else [])],
+        stdout=log, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path, api_key)
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if server.get("/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not answer /health in {STARTUP_SECONDS} s")
+            time.sleep(0.1)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    """The main server: no API key, batch 8."""
+    with _serve(tiny_model, tmp_path_factory.mktemp("logs") / "server.log", "--max-batch", "8") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def small_server(tiny_model, tmp_path_factory):
+    """A server with an API key, one running request and one queued at most: for 401 and 429."""
+    with _serve(tiny_model, tmp_path_factory.mktemp("logs") / "small_server.log", "--max-batch", "1",
+                "--max-queue", "1", api_key="test-key-123") as s:
+        yield s
