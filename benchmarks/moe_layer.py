@@ -1,0 +1,193 @@
+"""One MoE layer's routed experts on the CPU: our engine vs plain torch, same process.
+
+    python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format bf16,int8,int4 \
+        --tokens 1,4,64,512,2048 [--threads N] [--isa amx] [--json out.json]
+
+Per (format, T): median ms per call (decode sizes: caches flushed between calls, so weights
+come from DRAM), GB/s of expert weights read (distinct experts touched x packed bytes each),
+TFLOP/s, the host's read bandwidth measured in this run (a float32 sum over 2 GiB on the same
+thread count) and our fraction of it, the speedup over a torch bf16 per-expert loop, and the
+layer's relative L2 error vs float32 weights (separate Gaussian fp32 experts at this shape).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe import CpuExperts
+from hybridmoe.experts.cpu_experts import available_isas, default_threads
+from hybridmoe.experts.torch_ref import ref_moe
+
+SHAPES = {  # hidden H, expert intermediate I, experts E, experts per token K
+    "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
+    "deepseek-v3": dict(H=7168, I=2048, E=256, K=8),
+    "mixtral-8x7b": dict(H=4096, I=14336, E=8, K=2),
+}
+DECODE_MAX_T = 64  # up to here caches are flushed between calls
+
+
+def median_ms(fn, reps, flush=None, budget_s=3.0):
+    times = []
+    start = time.perf_counter()
+    for _ in range(reps):
+        if flush is not None:
+            flush()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if time.perf_counter() - start > budget_s and len(times) >= 3:
+            break
+    return statistics.median(times)
+
+
+def host_read_gbps(threads):
+    """Read bandwidth by a float32 sum over 2 GiB with `threads` torch threads (median of 5)."""
+    torch.set_num_threads(threads)
+    buf = torch.ones(512 * 1024 * 1024)
+    buf.sum()
+    ms = median_ms(lambda: buf.sum(), 7)
+    return buf.numel() * 4 / ms / 1e6
+
+
+def make_weights(E, H, I, distinct=4):
+    """bf16 [E, I, H], [E, I, H], [E, H, I]: `distinct` Gaussian experts repeated, each in its own memory."""
+    g = torch.Generator().manual_seed(0)
+    d = min(distinct, E)
+    mk = lambda a, b, fan: (torch.randn(d, a, b, generator=g) / fan**0.5).bfloat16().repeat(-(-E // d), 1, 1)[:E]
+    return mk(I, H, H), mk(I, H, H), mk(H, I, I)
+
+
+def routing(T, E, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    return torch.randn(T, H_of_current, generator=g).bfloat16(), ids, w
+
+
+def torch_moe(x, gate, up, down, ids, w):
+    """The plain torch baseline: bf16 per-expert loop (what transformers does)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    ids = ids.long()
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[tok]
+        ye = F.linear(F.silu(F.linear(xe, gate[e])) * F.linear(xe, up[e]), down[e])
+        out.index_add_(0, tok, ye.float() * w[tok, slot].unsqueeze(1))
+    return out.to(x.dtype)
+
+
+def accuracy(shape, fmt, group_size, isa, threads):
+    """Relative L2 error vs float32 on 8 Gaussian fp32 experts at this shape, 32 tokens."""
+    H, I, K = shape["H"], shape["I"], min(shape["K"], 4)
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(8, I, H, generator=g) / H**0.5, torch.randn(8, I, H, generator=g) / H**0.5,
+         torch.randn(8, H, I, generator=g) / I**0.5)
+    x = torch.randn(32, H, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(32)])
+    tw = torch.rand(32, K, generator=g)
+    ex = CpuExperts(*w, format=fmt, group_size=group_size, threads=threads, isa=isa)
+    ref = ref_moe(x, *w, ids, tw)
+    return ((ex.forward(x, ids, tw) - ref).norm() / ref.norm()).item()
+
+
+def peak_rss_reset():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_gb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def main():
+    global H_of_current
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
+    ap.add_argument("--format", default="bf16,int8,int4")
+    ap.add_argument("--tokens", default="1,4,64,512,2048")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--isa", default=None, choices=["generic", "avx2", "avx512", "amx"])
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=None, help="override E (to fit a small machine)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    shape = dict(SHAPES[args.shape])
+    if args.experts:
+        shape["E"] = args.experts
+    E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
+    H_of_current = H
+    threads = args.threads or default_threads()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    bw = host_read_gbps(threads)
+    flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8)
+    flush = lambda: flush_buf.add_(1)  # write 256 MiB: evicts every cache level
+
+    peak_rss_reset()
+    rss0 = peak_rss_gb()
+    gate, up, down = make_weights(E, H, I)
+    src_gb = sum(t.numel() * 2 for t in (gate, up, down)) / 2**30
+    rows, header = [], None
+    torch_ms = {}
+    print(f"# {args.shape}: E={E} H={H} I={I} top-{K}; threads={threads}; host read bandwidth {bw:.1f} GB/s; "
+          f"isas here: {', '.join(available_isas())}", flush=True)
+    for fmt in args.format.split(","):
+        peak_rss_reset()
+        t0 = time.perf_counter()
+        ex = CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=threads, isa=args.isa)
+        pack_s = time.perf_counter() - t0
+        packed_gb = ex.packed_bytes / 2**30
+        rss_gb = peak_rss_gb() - rss0
+        err = accuracy(shape, fmt, args.group_size, ex.isa, threads)
+        per_expert = ex.packed_bytes / E
+        for T in tokens:
+            x, ids, w = routing(T, E, K, seed=T)
+            touched = len(torch.unique(ids))
+            decode = T <= DECODE_MAX_T
+            ex.forward(x, ids, w)
+            ms = median_ms(lambda: ex.forward(x, ids, w), args.reps, flush if decode else None)
+            if not args.no_torch and T not in torch_ms:
+                torch.set_num_threads(threads)
+                torch_moe(x, gate, up, down, ids, w)
+                torch_ms[T] = median_ms(lambda: torch_moe(x, gate, up, down, ids, w), max(3, args.reps // 3),
+                                        flush if decode else None)
+            gbps = touched * per_expert / ms / 1e6
+            row = dict(shape=args.shape, format=fmt, group_size=args.group_size if fmt == "int4" else None,
+                       isa=ex.isa, threads=threads, tokens=T, ms=ms, gbps=gbps, bw_fraction=gbps / bw,
+                       tflops=2 * 3 * H * I * T * K / ms / 1e9, torch_ms=torch_ms.get(T),
+                       speedup=torch_ms[T] / ms if T in torch_ms else None, rel_err_vs_fp32=err,
+                       packed_gb=packed_gb, pack_s=pack_s, pack_peak_rss_gb=rss_gb, source_gb=src_gb,
+                       host_read_gbps=bw)
+            rows.append(row)
+            if header is None:
+                header = (f"{'format':<6} {'T':>5} {'ms':>9} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} "
+                          f"{'torch ms':>9} {'speedup':>8} {'err/fp32':>8}")
+                print(header)
+            print(f"{fmt:<6} {T:>5} {ms:>9.3f} {gbps:>7.1f} {100 * gbps / bw:>4.0f}% {row['tflops']:>8.2f} "
+                  f"{row['torch_ms'] or float('nan'):>9.2f} {row['speedup'] or float('nan'):>7.1f}x {err:>8.4f}",
+                  flush=True)
+        print(f"#   {fmt}: packed {packed_gb:.2f} GiB in {pack_s:.1f} s, peak RSS growth while packing "
+              f"{rss_gb:.2f} GiB (source bf16 {src_gb:.2f} GiB)", flush=True)
+        del ex
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "dims": shape, "threads": threads, "host_read_gbps": bw,
+                       "cpu_count": os.cpu_count(), "isas": available_isas(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
