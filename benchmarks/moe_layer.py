@@ -16,6 +16,7 @@ import os
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,11 +63,11 @@ def make_weights(E, H, I, distinct=4):
     return mk(I, H, H), mk(I, H, H), mk(H, I, I)
 
 
-def routing(T, E, K, seed):
+def routing(T, H, E, K, seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
     w = torch.softmax(torch.randn(T, K, generator=g), -1)
-    return torch.randn(T, H_of_current, generator=g).bfloat16(), ids, w
+    return torch.randn(T, H, generator=g).bfloat16(), ids, w
 
 
 def torch_moe(x, gate, up, down, ids, w):
@@ -112,7 +113,6 @@ def peak_rss_gb():
 
 
 def main():
-    global H_of_current
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
     ap.add_argument("--format", default="bf16,int8,int4")
@@ -130,19 +130,31 @@ def main():
     if args.experts:
         shape["E"] = args.experts
     E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
-    H_of_current = H
     threads = args.threads or default_threads()
     tokens = [int(t) for t in args.tokens.split(",")]
     bw = host_read_gbps(threads)
-    flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.uint8)
-    flush = lambda: flush_buf.add_(1)  # write 256 MiB: evicts every cache level
+    # Write 256 MiB from this thread alone (numpy): evicts every cache level without waking
+    # torch's OpenMP workers, which would busy-wait on the cores our workers are pinned to.
+    flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
+    flush = lambda: np.add(flush_buf, 1, out=flush_buf)
 
     peak_rss_reset()
     rss0 = peak_rss_gb()
     gate, up, down = make_weights(E, H, I)
     src_gb = sum(t.numel() * 2 for t in (gate, up, down)) / 2**30
     rows, header = [], None
+    calls = {T: routing(T, H, E, K, seed=T) for T in tokens}
+    # The torch baseline runs first, on `threads` OpenMP threads; afterwards torch gets one
+    # thread and its workers a moment to stop spinning, so they do not share cores with ours.
     torch_ms = {}
+    if not args.no_torch:
+        torch.set_num_threads(threads)
+        for T, (x, ids, w) in calls.items():
+            torch_moe(x, gate, up, down, ids, w)
+            torch_ms[T] = median_ms(lambda: torch_moe(x, gate, up, down, ids, w), max(3, args.reps // 3),
+                                    flush if T <= DECODE_MAX_T else None)
+    torch.set_num_threads(1)
+    time.sleep(1.0)
     print(f"# {args.shape}: E={E} H={H} I={I} top-{K}; threads={threads}; host read bandwidth {bw:.1f} GB/s; "
           f"isas here: {', '.join(available_isas())}", flush=True)
     for fmt in args.format.split(","):
@@ -152,19 +164,17 @@ def main():
         pack_s = time.perf_counter() - t0
         packed_gb = ex.packed_bytes / 2**30
         rss_gb = peak_rss_gb() - rss0
-        err = accuracy(shape, fmt, args.group_size, ex.isa, threads)
         per_expert = ex.packed_bytes / E
+        results = []
         for T in tokens:
-            x, ids, w = routing(T, E, K, seed=T)
+            x, ids, w = calls[T]
             touched = len(torch.unique(ids))
             decode = T <= DECODE_MAX_T
             ex.forward(x, ids, w)
-            ms = median_ms(lambda: ex.forward(x, ids, w), args.reps, flush if decode else None)
-            if not args.no_torch and T not in torch_ms:
-                torch.set_num_threads(threads)
-                torch_moe(x, gate, up, down, ids, w)
-                torch_ms[T] = median_ms(lambda: torch_moe(x, gate, up, down, ids, w), max(3, args.reps // 3),
-                                        flush if decode else None)
+            results.append((T, touched, median_ms(lambda: ex.forward(x, ids, w), args.reps,
+                                                  flush if decode else None)))
+        err = accuracy(shape, fmt, args.group_size, ex.isa, threads)
+        for T, touched, ms in results:
             gbps = touched * per_expert / ms / 1e6
             row = dict(shape=args.shape, format=fmt, group_size=args.group_size if fmt == "int4" else None,
                        isa=ex.isa, threads=threads, tokens=T, ms=ms, gbps=gbps, bw_fraction=gbps / bw,

@@ -23,4 +23,5 @@ bench() {  # falls back to AVX-512 if the default (AMX) run fails, so a table al
     timeout "$BENCH_TIMEOUT" $PY benchmarks/moe_layer.py "$@" --isa avx512 --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.log"
 }
 BENCH_TIMEOUT=${QWEN_TIMEOUT:-150} bench qwen3 --shape qwen3-30b-a3b --tokens 1,4,64,512,2048
+BENCH_TIMEOUT=60 bench qwen3_t15 --shape qwen3-30b-a3b --tokens 1,4 --threads 15 --no-torch
 BENCH_TIMEOUT=${DSV3_TIMEOUT:-240} bench dsv3 --shape deepseek-v3 --tokens 1,4,2048 --reps 15
