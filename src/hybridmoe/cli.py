@@ -18,6 +18,7 @@ COMMANDS = {
     "run": ("hybridmoe.commands.run", "complete one prompt, streaming to stdout"),
     "chat": ("hybridmoe.commands.chat", "interactive multi-turn chat"),
     "serve": ("hybridmoe.commands.serve", "OpenAI- and Ollama-compatible HTTP server with a web chat page"),
+    "convert": ("hybridmoe.commands.convert", "pack a checkpoint's routed experts for the native engine, once"),
 }
 
 

@@ -41,6 +41,11 @@ class EngineConfig:
     cpu_threads: int | None = None
     """Threads of the native CPU expert engine. None: every core."""
 
+    cache_dir: str | None = None
+    """Where hybridmoe keeps what it derives from a checkpoint: int8/int4 experts packed on a first start
+    (reused on the next), and a GGUF file's config and tokenizer. None: $XDG_CACHE_HOME/hybridmoe
+    (~/.cache/hybridmoe); "": no cache (experts are packed on every start)."""
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise HybridMoEError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

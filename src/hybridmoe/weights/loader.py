@@ -22,6 +22,9 @@ from hybridmoe.layers.linear import MergedLinear
 from hybridmoe.layers.mlp import get_activation
 from hybridmoe.models.base import EXPERT_PROJS, ModelConfig, MoECausalLM
 from hybridmoe.models.registry import load_config
+from hybridmoe.weights.expert_cache_policy import plan_packed_experts
+from hybridmoe.weights.gguf_model_dir import resolve_model_path
+from hybridmoe.weights.quantized import open_checkpoint
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +85,16 @@ class _NativeLayers(ExpertBackend):
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
         self._layers[layer] = self._cls(gate_proj, up_proj, down_proj, **self._options)
 
+    def from_packed(self, state: dict):
+        """One layer's CpuExperts over already-packed buffers (a converted directory or the expert cache)."""
+        return self._cls.from_packed(state, threads=self._options["threads"])
+
+    def adopt(self, layer: int, experts) -> None:
+        self._layers[layer] = experts
+
+    def layer_experts(self, layer: int):
+        return self._layers[layer]
+
     def layers(self):
         return sorted(self._layers)
 
@@ -114,15 +127,18 @@ def build_model(cls: type[MoECausalLM], config: ModelConfig, experts: ExpertBack
 
 
 def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None) -> LoadedModel:
+    """model_dir: a Hugging Face model directory (bf16/fp8/GPTQ/AWQ), a converted one, or a .gguf file."""
     engine_config = engine_config or EngineConfig()
+    model_dir = resolve_model_path(model_dir, engine_config)
     cls, config = load_config(model_dir)
     dtype = resolve_dtype(engine_config.dtype, config)
     experts = make_expert_backend(engine_config, config)
     model = build_model(cls, config, experts, dtype, engine_config.device)
     expert_device, expert_dtype = _expert_placement(engine_config, dtype)
-    fp8_block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
-    with SafetensorsCheckpoint(model_dir, fp8_block=fp8_block) as ckpt:
-        load_weights(model, ckpt, expert_device, expert_dtype)
+    packed = plan_packed_experts(model_dir, engine_config, model, experts)
+    with open_checkpoint(model_dir, config) as ckpt:
+        load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
+    packed.finish(experts)
     return LoadedModel(model=model, config=config, experts=experts, dtype=dtype)
 
 
@@ -183,8 +199,11 @@ class _ExpertStacker:
 
 
 def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device: torch.device,
-                 expert_dtype: torch.dtype) -> None:
-    """Fill every parameter and every MoE layer's experts from ckpt; any gap or leftover is an error."""
+                 expert_dtype: torch.dtype, load_experts: bool = True) -> None:
+    """Fill every parameter and every MoE layer's experts from ckpt; any gap or leftover is an error.
+
+    load_experts=False: the routed experts come packed from elsewhere; ckpt's expert tensors are skipped.
+    """
     targets = _expected_params(model)
     stacker = _ExpertStacker(model, expert_device, expert_dtype)
     loaded: set[tuple[str, int | None]] = set()
@@ -200,6 +219,8 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
                 if model.is_ignored(name):
                     continue
                 key = model.expert_key(name)
+                if key is not None and not load_experts:
+                    continue
                 if key is not None:
                     layer, expert, proj = key
                     if not stacker.accepts(layer, expert):
@@ -225,7 +246,7 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
         name = model.checkpoint_name(*missing[0])
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor {name}{more}")
-    missing_expert = stacker.first_missing()
+    missing_expert = stacker.first_missing() if load_experts else None
     if missing_expert is not None:
         raise CheckpointError(f"checkpoint is missing tensor {missing_expert}")
 

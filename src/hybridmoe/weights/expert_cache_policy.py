@@ -1,0 +1,138 @@
+"""Where one load's routed experts come from: the checkpoint, a converted directory, or the expert cache.
+
+- A converted directory (`hybridmoe convert`) carries packed experts: they are used as they are,
+  and the engine options must match them (a mismatch is an error naming the options to pass).
+- Otherwise, with the native engine in int8/int4 and a cache directory: the first start packs the
+  checkpoint's experts and writes them to <cache_dir>/experts/<key>/; the next start with the same
+  checkpoint files and options maps them back instead of reading and quantizing. The key covers
+  the checkpoint's config.json, its weight files (path, size, mtime) and the packing options.
+  A cache entry that fails any check is rebuilt, not an error; failing to write one is a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+from hybridmoe.config import EngineConfig
+from hybridmoe.errors import CheckpointError, HybridMoEError
+from hybridmoe.weights.expert_cache import MANIFEST, PackedSpec, PackedWriter, check_probe, load_layer, read_manifest
+
+CACHED_FORMATS = ("int8", "int4")
+"""bf16 packing is a copy, as fast as reading a cache would be: only quantized formats are cached."""
+
+
+def cache_root(engine_config: EngineConfig) -> Path | None:
+    """engine_config.cache_dir resolved: None -> $XDG_CACHE_HOME/hybridmoe; "" -> no cache."""
+    if engine_config.cache_dir == "":
+        return None
+    if engine_config.cache_dir is not None:
+        return Path(engine_config.cache_dir).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridmoe"
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The files a model directory's weights are read from (a GGUF model's live outside it)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    source = model_dir / "gguf_source.json"
+    if source.is_file():
+        files += [Path(f) for f in json.loads(source.read_text())["files"]]
+    return files
+
+
+def cache_key(model_dir: Path, spec_fields: dict) -> str:
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in weight_files(model_dir):
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update(json.dumps(spec_fields, sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+class PackedExperts:
+    """Built by plan_packed_experts before the weights are read; finish() runs after."""
+
+    def __init__(self, reads_checkpoint: bool, adopted: dict | None = None, writer_args: tuple | None = None):
+        self.reads_checkpoint = reads_checkpoint
+        """False: the packed experts are already here; the checkpoint's expert tensors are not read."""
+        self._adopted = adopted or {}
+        self._writer_args = writer_args
+        self.cache_hit = bool(adopted) and writer_args is None
+
+    def finish(self, backend) -> None:
+        for layer, experts in self._adopted.items():
+            backend.adopt(layer, experts)
+        if self._writer_args is not None:
+            self._write_cache(backend)
+
+    def _write_cache(self, backend) -> None:
+        out_dir, spec_fields, source = self._writer_args
+        writer = None
+        try:
+            writer = PackedWriter(out_dir, spec_fields, source)
+            for layer in backend.layers():
+                writer.add(layer, backend.layer_experts(layer))
+            writer.commit()
+        except (OSError, CheckpointError) as e:
+            if writer is not None:
+                writer.abort()
+            warnings.warn(f"could not write the packed-expert cache to {out_dir} ({e}); the next start packs again",
+                          stacklevel=2)
+
+
+def _spec_fields(engine_config: EngineConfig) -> dict:
+    return {"format": engine_config.expert_format, "group_size": engine_config.expert_group_size,
+            "zero_points": False}
+
+
+def _adopt_all(packed_dir: Path, manifest: dict, model, spec_fields: dict, backend) -> dict:
+    """Every MoE layer's packed experts, mapped and checked (CheckpointError on any mismatch)."""
+    E, inter = model.expert_dims()
+    spec = PackedSpec((E, model.config.hidden_size, inter), spec_fields["format"], spec_fields["group_size"],
+                      spec_fields["zero_points"])
+    adopted = {}
+    for layer in model.moe_layers:
+        experts = backend.from_packed(load_layer(packed_dir, manifest, layer, spec))
+        check_probe(packed_dir, manifest, layer, experts)
+        adopted[layer] = experts
+    extra = sorted(set(manifest["layers"]) - {str(layer) for layer in model.moe_layers})
+    if extra:
+        raise CheckpointError(f"{packed_dir / MANIFEST} lists packed experts for layer {extra[0]}, which is not a "
+                              "MoE layer of this config.json; convert again")
+    return adopted
+
+
+def plan_packed_experts(model_dir: Path, engine_config: EngineConfig, model, backend) -> PackedExperts:
+    manifest = read_manifest(model_dir)
+    if manifest is not None:
+        return PackedExperts(False, _adopt_all(model_dir, manifest, model, _converted_spec(manifest, engine_config),
+                                               backend))
+    root = cache_root(engine_config)
+    if engine_config.expert_backend != "native" or engine_config.expert_format not in CACHED_FORMATS or root is None:
+        return PackedExperts(True)
+    spec_fields = _spec_fields(engine_config)
+    entry = root / "experts" / cache_key(model_dir, spec_fields)
+    try:
+        cached = read_manifest(entry)
+        if cached is not None:
+            return PackedExperts(False, _adopt_all(entry, cached, model, spec_fields, backend))
+    except (CheckpointError, HybridMoEError, OSError, KeyError, ValueError) as e:
+        warnings.warn(f"ignoring the packed-expert cache entry {entry} ({e}); packing again", stacklevel=2)
+    return PackedExperts(True, writer_args=(entry, spec_fields, {"model_dir": str(model_dir.resolve())}))
+
+
+def _converted_spec(manifest: dict, engine_config: EngineConfig) -> dict:
+    want = _spec_fields(engine_config)
+    have = {k: manifest.get(k) for k in want}
+    if engine_config.expert_backend != "native" or have["format"] != want["format"] or (
+            have["format"] == "int4" and have["group_size"] != want["group_size"]):
+        group = f" --expert-group-size {have['group_size']}" if have["format"] == "int4" else ""
+        raise HybridMoEError(
+            f"this directory holds experts converted to {have['format']}"
+            f"{' g' + str(have['group_size']) if have['format'] == 'int4' else ''} for the native engine; "
+            f"load it with --expert-backend native --expert-format {have['format']}{group}")
+    return have

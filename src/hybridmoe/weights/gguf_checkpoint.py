@@ -1,0 +1,98 @@
+"""A GGUF model read as a Hugging Face checkpoint: HF names, torch shapes, float tensors.
+
+Each tensor is dequantized on read with gguf.quants (every block type that package reads: F32,
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ*), so a file that mixes types per
+tensor (Q4_K_M) is read tensor by tensor. Routed experts are read one expert at a time: an
+expert's rows of a stacked [E, I, H] tensor are one contiguous run of blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from hybridmoe.errors import CheckpointError
+from hybridmoe.models.registry import read_config_json
+from hybridmoe.weights.gguf_config import mlp_name
+from hybridmoe.weights.gguf_file import GGUFFiles
+from hybridmoe.weights.gguf_names import expert_tensor, hf_name, unpermute_rows
+
+_EXPERT_NAME = {"block_sparse_moe": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",
+                "mlp": "model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"}
+_MIXTRAL_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+class GGUFCheckpoint:
+    def __init__(self, gguf: GGUFFiles):
+        self.gguf = gguf
+        self.arch = gguf.metadata.get("general.architecture")
+        mlp = mlp_name(self.arch)
+        self._where: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert or None)
+        self._file: dict[str, str] = {}
+        for name, (tensor, path) in gguf.tensors.items():
+            key = expert_tensor(name)
+            if key is not None:
+                layer, proj = key
+                spelled = _MIXTRAL_PROJ[proj] if mlp == "block_sparse_moe" else proj
+                for e in range(gguf.shape(name)[0]):
+                    self._add(_EXPERT_NAME[mlp].format(layer=layer, expert=e, proj=spelled), name, e, path)
+                continue
+            target = hf_name(name, mlp)
+            # unknown tensors keep their GGUF name, so the loader reports them as not part of the model
+            self._add(target or name, name, None, path)
+        self.heads = (gguf.metadata.get(f"{self.arch}.attention.head_count"),
+                      gguf.metadata.get(f"{self.arch}.attention.head_count_kv"))
+
+    def _add(self, hf: str, gguf_name: str, expert: int | None, path: Path) -> None:
+        self._where[hf] = (gguf_name, expert)
+        self._file[hf] = path.name
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "GGUFCheckpoint":
+        source = json.loads((Path(model_dir) / "gguf_source.json").read_text())
+        read_config_json(model_dir)
+        return cls(GGUFFiles(source["files"][0]))
+
+    def __enter__(self) -> "GGUFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def names_by_file(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {p.name: [] for p in self.gguf.paths}
+        for name, file in self._file.items():
+            out[file].append(name)
+        return {f: sorted(n) for f, n in out.items()}
+
+    def nbytes(self) -> int:
+        return self.gguf.nbytes()
+
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        return self.gguf.tensors[self._where[name][0]][0].tensor_type
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        gguf_name, expert = self._where[name]
+        shape = self.gguf.shape(gguf_name)
+        return shape[1:] if expert is not None else shape
+
+    def get(self, name: str) -> torch.Tensor:
+        """float32, in torch shape."""
+        gguf_name, expert = self._where[name]
+        tensor = self.gguf.tensors[gguf_name][0]
+        data = tensor.data if expert is None else tensor.data[expert]
+        try:
+            values = dequantize(np.asarray(data), tensor.tensor_type)
+        except (NotImplementedError, ValueError) as e:
+            raise CheckpointError(f"GGUF tensor {gguf_name} of type {tensor.tensor_type.name} cannot be read "
+                                  f"({e or 'no dequantizer in this gguf package'})") from None
+        w = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape(name))
+        if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            n_head = self.heads[0] if "q_proj" in name else (self.heads[1] or self.heads[0])
+            w = unpermute_rows(w, int(n_head))
+        return w

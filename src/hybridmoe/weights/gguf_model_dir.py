@@ -1,0 +1,67 @@
+"""A .gguf path -> a small model directory that the rest of hybridmoe reads like a Hugging Face one.
+
+The directory (under the cache directory, keyed by the GGUF files' path, size and mtime; a fresh
+temporary one when caching is off) holds config.json and generation_config.json from the GGUF
+metadata, tokenizer.json and tokenizer_config.json (chat template included) rebuilt from it, and
+gguf_source.json naming the GGUF files, which the loader then reads the weights from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from hybridmoe.config import EngineConfig
+from hybridmoe.weights.expert_cache_policy import cache_root
+from hybridmoe.weights.gguf_config import hf_config
+from hybridmoe.weights.gguf_file import GGUFFiles, split_paths
+from hybridmoe.weights.gguf_tokenizer import tokenizer_files
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
+def resolve_model_path(path: str | Path, engine_config: EngineConfig | None = None) -> Path:
+    """A model directory for path: path itself, or (for a .gguf file or split part) the directory made from it."""
+    if not is_gguf_path(path):
+        return Path(path)
+    parts = split_paths(path)
+    h = hashlib.sha256()
+    for p in parts:
+        st = p.stat()
+        h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    root = cache_root(engine_config or EngineConfig())
+    if root is None:
+        out = Path(tempfile.mkdtemp(prefix="hybridmoe-gguf-"))
+        write_model_dir(parts, out)
+        return out
+    out = root / "gguf" / h.hexdigest()[:32]
+    if not (out / "gguf_source.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=".gguf-", dir=out.parent))
+        write_model_dir(parts, stage)
+        try:
+            os.replace(stage, out)
+        except OSError:  # another process made it first
+            shutil.rmtree(stage, ignore_errors=True)
+    return out
+
+
+def write_model_dir(parts: list[Path], out: Path) -> None:
+    gguf = GGUFFiles(parts[0])
+    config = hf_config(gguf)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=1))
+    tok = tokenizer_files(gguf.metadata)
+    if tok is not None:
+        tokenizer, tokenizer_config = tok
+        tokenizer.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1, ensure_ascii=False))
+    # gguf_source.json last: its presence marks a complete directory
+    (out / "gguf_source.json").write_text(json.dumps({"files": [str(p.resolve()) for p in parts]}, indent=1))

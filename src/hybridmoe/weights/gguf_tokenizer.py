@@ -1,0 +1,74 @@
+"""GGUF tokenizer metadata -> tokenizer.json + tokenizer_config.json (read by hybridmoe.tokenizer).
+
+Byte-level BPE ("gpt2" in tokenizer.ggml.model: Qwen, DeepSeek, Llama-3 style) is rebuilt with the
+`tokenizers` library from tokenizer.ggml.tokens / merges / token_type: CONTROL tokens become
+special added tokens, USER_DEFINED ones added tokens; the pre-tokenizer split follows
+tokenizer.ggml.pre (GPT-2's, or Qwen2's). SentencePiece vocabularies ("llama") are not rebuilt.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken
+
+from hybridmoe.errors import CheckpointError
+
+CONTROL, USER_DEFINED = 3, 4
+"""tokenizer.ggml.token_type values (llama.cpp's llama_token_type)."""
+
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _pre_tokenizer(pre: str | None):
+    if pre in (None, "default", "gpt-2", "gpt2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pre == "qwen2":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    warnings.warn(f"GGUF tokenizer.ggml.pre {pre!r} is not known here; splitting words as GPT-2 does, "
+                  "which may tokenize some text differently from llama.cpp", stacklevel=3)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+
+def tokenizer_files(meta: dict) -> tuple[Tokenizer, dict] | None:
+    """(tokenizer, tokenizer_config dict) from GGUF metadata; None (with a warning) if it has none we rebuild."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        warnings.warn(f"GGUF tokenizer model {kind!r} is not rebuilt (only byte-level BPE, 'gpt2'); "
+                      "this model takes token ids, not text", stacklevel=2)
+        return None
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    merges = meta.get("tokenizer.ggml.merges") or []
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise CheckpointError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    tok.decoder = decoders.ByteLevel()
+    added = [AddedToken(t, special=ty == CONTROL, normalized=False)
+             for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)]
+    tok.add_tokens(added)
+    config = {}
+    for role, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= int(token_id) < len(tokens):
+            config[role] = tokens[int(token_id)]
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and "bos_token" in config
+    if add_bos:
+        bos = config["bos_token"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, vocab[bos])])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    config["add_bos_token"] = add_bos
+    if meta.get("tokenizer.chat_template") is not None:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return tok, config

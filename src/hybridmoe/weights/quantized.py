@@ -1,0 +1,108 @@
+"""Which checkpoint reader a model directory needs, and the GPTQ/AWQ one.
+
+- a GGUF model (a directory made by gguf_model_dir from a .gguf file): GGUFCheckpoint;
+- config.json quantization_config quant_method "gptq" or "awq": QuantizedCheckpoint, which shows
+  each packed linear (X.qweight, X.qzeros, X.scales[, X.g_idx]) as the float weight X.weight, so
+  the model and the expert stacker see ordinary names; the codes go through float here (the native
+  engine has no entry point that takes codes, scales and zeros as they are);
+- anything else (bf16/fp16/fp32, DeepSeek block-FP8): SafetensorsCheckpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridmoe.errors import CheckpointError
+from hybridmoe.models.base import ModelConfig
+from hybridmoe.weights.awq import dequantize_awq
+from hybridmoe.weights.gptq import dequantize_gptq
+from hybridmoe.weights.safetensors import SafetensorsCheckpoint
+
+_PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+def open_checkpoint(model_dir: str | Path, config: ModelConfig):
+    """The checkpoint reader for model_dir; use it as a context manager."""
+    if (Path(model_dir) / "gguf_source.json").is_file():
+        from hybridmoe.weights.gguf_checkpoint import GGUFCheckpoint
+        return GGUFCheckpoint.from_model_dir(model_dir)
+    qc = config.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method in ("gptq", "awq"):
+        return QuantizedCheckpoint(model_dir, qc)
+    if method not in (None, "fp8"):
+        raise CheckpointError(f"quantization_config quant_method {method!r} is not supported; "
+                              "supported: fp8 (block), gptq, awq")
+    return SafetensorsCheckpoint(model_dir, fp8_block=tuple(qc.get("weight_block_size") or (128, 128)))
+
+
+class QuantizedCheckpoint:
+    """A GPTQ or AWQ checkpoint read as if its packed linears were float weights."""
+
+    def __init__(self, model_dir: str | Path, quantization_config: dict):
+        qc = quantization_config
+        self.method = qc["quant_method"]
+        self.bits = int(qc.get("bits", 4))
+        self.group_size = int(qc.get("group_size", 128))
+        if self.method == "awq":
+            if self.bits != 4 or str(qc.get("version", "gemm")).lower() != "gemm" or not qc.get("zero_point", True):
+                raise CheckpointError(f"AWQ {qc.get('version')} with bits={self.bits}, zero_point="
+                                      f"{qc.get('zero_point')} is not supported; only 4-bit GEMM with zero points")
+        else:
+            fmt = qc.get("checkpoint_format", "gptq")
+            if fmt not in ("gptq", "gptq_v2"):
+                raise CheckpointError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq or gptq_v2)")
+            self.v1_zeros = fmt == "gptq"
+        self._ckpt = SafetensorsCheckpoint(model_dir)
+        self._packed = {n[: -len(".qweight")] for n in self._ckpt.file_of if n.endswith(".qweight")}
+
+    def __enter__(self) -> "QuantizedCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ckpt.__exit__(*exc)
+
+    def _base(self, name: str) -> str | None:
+        for suffix in _PACKED_SUFFIXES:
+            if name.endswith(suffix) and name[: -len(suffix)] in self._packed:
+                return name[: -len(suffix)]
+        return None
+
+    def names_by_file(self) -> dict[str, list[str]]:
+        out = {}
+        for file, names in self._ckpt.names_by_file().items():
+            shown = [n[: -len(".qweight")] + ".weight" if n.endswith(".qweight") and self._base(n) else n
+                     for n in names if self._base(n) is None or n.endswith(".qweight")]
+            out[file] = sorted(shown)
+        return out
+
+    def nbytes(self) -> int:
+        return self._ckpt.nbytes()
+
+    def _packed_base(self, name: str) -> str | None:
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        return base if base in self._packed else None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        base = self._packed_base(name)
+        if base is None:
+            return self._ckpt.shape(name)
+        rows, cols = self._ckpt.shape(base + ".qweight")
+        if self.method == "awq":  # [in, out / 8]
+            return cols * 8, rows
+        return cols, rows * 32 // self.bits  # [in * bits / 32, out]
+
+    def get(self, name: str) -> torch.Tensor:
+        base = self._packed_base(name)
+        if base is None:
+            return self._ckpt.get(name)
+        part = {s: self._ckpt.get(base + s) for s in _PACKED_SUFFIXES if base + s in self._ckpt.file_of}
+        for s in (".qzeros", ".scales"):
+            if s not in part:
+                raise CheckpointError(f"{self.method.upper()} tensor {base}.qweight has no {base}{s} beside it")
+        if self.method == "awq":
+            return dequantize_awq(part[".qweight"], part[".qzeros"], part[".scales"], self.group_size)
+        return dequantize_gptq(part[".qweight"], part[".qzeros"], part[".scales"], part.get(".g_idx"), self.bits,
+                               self.group_size, self.v1_zeros)
