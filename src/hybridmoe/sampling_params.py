@@ -51,6 +51,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     """Leave special tokens out of the returned text."""
 
+    logprobs: int | None = None
+    """Also return each generated token's log-probability and the `logprobs` most likely tokens at
+    its position (0: only the generated token's), under the model's own distribution (before
+    penalties, temperature and filters). None: no log-probabilities."""
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -66,6 +71,8 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, "in [-2, 2]", lambda v: -2 <= v <= 2)
         if self.seed is not None:
             _check_int("seed", self.seed, "an integer in [0, 2**64) or None", lambda v: 0 <= v < 2**64)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, "an integer in [0, 20] or None", lambda v: 0 <= v <= 20)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise HybridMoEError(f"stop must hold non-empty strings, got {s!r}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.detokenizer import Detokenizer
 from hybridmoe.engine.model_runner import ModelRunner
+from hybridmoe.engine.sampler import TokenLogprobs
 from hybridmoe.engine.scheduler import ScheduledSeq, Scheduler
 from hybridmoe.engine.sequence import RequestOutput, Sequence
 from hybridmoe.errors import HybridMoEError
@@ -25,9 +26,11 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        from hybridmoe.weights.gguf_model_dir import resolve_model_path
         from hybridmoe.weights.loader import load_model
 
         self.config = config or EngineConfig()
+        model_dir = resolve_model_path(model_dir, self.config)  # a .gguf file -> its config/tokenizer directory
         self.model_dir = Path(model_dir)
         loaded = load_model(model_dir, self.config)
         self.model_config = loaded.config
@@ -74,16 +77,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for each request that got a token (finished or not)."""
         batch = self.scheduler.schedule()
-        tokens = self.runner.run(batch)
-        return self._postprocess(batch, tokens)
+        tokens, logprobs = self.runner.run(batch)
+        return self._postprocess(batch, tokens, logprobs)
 
-    def _postprocess(self, batch: list[ScheduledSeq], tokens: list[int | None]) -> list[RequestOutput]:
+    def _postprocess(self, batch: list[ScheduledSeq], tokens: list[int | None],
+                     logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
         outputs = []
-        for s, token in zip(batch, tokens):
+        for s, token, lp in zip(batch, tokens, logprobs):
             seq = s.seq
             seq.num_computed += s.num_tokens
             if token is None:
                 continue
+            if lp is not None:
+                seq.logprobs.append(lp)
             outputs.append(seq.output(seq.append_token(token, self.eos_token_ids)))
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)

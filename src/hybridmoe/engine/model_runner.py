@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.engine.context import Context, use_context
-from hybridmoe.engine.sampler import Sampler
+from hybridmoe.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from hybridmoe.engine.scheduler import ScheduledSeq
 
 
@@ -21,8 +21,9 @@ class ModelRunner:
         model.allocate_kv_cache(num_slots, max_len)
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> list[int | None]:
-        """The next token of every sequence whose tokens are all computed after this step, else None."""
+    def run(self, batch: list[ScheduledSeq]) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """The next token of every sequence whose tokens are all computed after this step, else None;
+        and its log-probabilities where the sequence's SamplingParams.logprobs asks for them."""
         ids, positions, cu_seqlens = [], [], [0]
         for s in batch:
             start = s.seq.num_computed
@@ -37,9 +38,18 @@ class ModelRunner:
         # Only the last token of a sequence that finishes its prompt (or decodes) yields a token.
         rows = [b for b, s in enumerate(batch) if s.completes]
         tokens: list[int | None] = [None] * len(batch)
+        logprobs: list[TokenLogprobs | None] = [None] * len(batch)
         if rows:
             last = torch.tensor([cu_seqlens[b + 1] - 1 for b in rows], device=self.device)
             logits = self.model.compute_logits(hidden[last])  # [N, V] float32
-            for b, t in zip(rows, self.sampler(logits, [batch[b].seq for b in rows])):
+            seqs = [batch[b].seq for b in rows]
+            wanted = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
+            raw = logits[wanted] if wanted else None  # a copy: the sampler penalizes logits in place
+            sampled = self.sampler(logits, seqs)
+            for b, t in zip(rows, sampled):
                 tokens[b] = t
-        return tokens
+            if wanted:
+                found = token_logprobs(raw, [sampled[j] for j in wanted], [seqs[j].params.logprobs for j in wanted])
+                for j, lp in zip(wanted, found):
+                    logprobs[rows[j]] = lp
+        return tokens, logprobs

@@ -11,6 +11,7 @@ Shapes: N sequences, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -74,6 +75,30 @@ def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     probs = logits.softmax(dim=-1)
     floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(probs < floor, float("-inf"))
+
+
+@dataclass
+class TokenLogprobs:
+    """A generated token's log-probability, and the most likely tokens' at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """(token id, log-probability) of the most likely tokens, most likely first."""
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+    """Log-probabilities of the chosen tokens and of each row's num_top most likely ones.
+
+    logits [N, V] float32, as the model gave them (before penalties and filters); tokens: the N
+    chosen ids.
+    """
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(num_top, default=0)
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    return [TokenLogprobs(t, lp, list(zip(top_ids[i, :n].tolist(), top_lp[i, :n].tolist())))
+            for i, (t, lp, n) in enumerate(zip(tokens, chosen, num_top))]
 
 
 class Sampler:

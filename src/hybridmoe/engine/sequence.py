@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.engine.detokenizer import Detokenizer
-from hybridmoe.engine.sampler import SamplerInput
+from hybridmoe.engine.sampler import SamplerInput, TokenLogprobs
 from hybridmoe.sampling_params import SamplingParams
 
 
@@ -34,6 +34,8 @@ class RequestOutput:
     """Text this step added (the streaming delta)."""
     finish_reason: str | None
     """"stop" (EOS, stop token or stop string), "length" (max_tokens), "abort", or None while running."""
+    new_logprobs: list[TokenLogprobs] | None = None
+    """Log-probabilities of new_token_ids, when SamplingParams.logprobs asks for them."""
 
     @property
     def finished(self) -> bool:
@@ -59,6 +61,8 @@ class Sequence(SamplerInput):
         self.slot: int | None = None
         self.num_computed = 0
         self.finish_reason: str | None = None
+        self.logprobs: list[TokenLogprobs] = []
+        """One entry per output token, when params.logprobs asks for them."""
         self._emitted_tokens = 0
 
     @property
@@ -96,9 +100,10 @@ class Sequence(SamplerInput):
 
     def output(self, new_text: str) -> RequestOutput:
         new_ids = self.output_ids[self._emitted_tokens:]
+        new_logprobs = self.logprobs[self._emitted_tokens:] if self.params.logprobs is not None else None
         self._emitted_tokens = len(self.output_ids)
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_ids,
             token_ids=list(self.output_ids),
             text=self.detokenizer.emitted_text if self.detokenizer else "",
-            new_token_ids=new_ids, new_text=new_text, finish_reason=self.finish_reason)
+            new_token_ids=new_ids, new_text=new_text, finish_reason=self.finish_reason, new_logprobs=new_logprobs)
