@@ -128,7 +128,7 @@ async def _answer(state: ServerState, model: str, ids: list[int], params: Sampli
     if streaming:
         return StreamingResponse(_lines(state, model, len(ids), start, stream, chat),
                                  media_type="application/x-ndjson")
-    out = (await collect(stream, request))[0]
+    out = (await collect(stream, request))[0].output
     body = _final(state, model, out.finish_reason, len(ids), len(out.token_ids), start, chat)
     body["message" if chat else "response"] = (
         {"role": "assistant", "content": out.text} if chat else out.text)

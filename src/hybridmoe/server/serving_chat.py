@@ -9,12 +9,13 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from hybridmoe.engine.sampler import TokenLogprobs
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                       ChatCompletionRequest, ChatCompletionResponse, DeltaMessage, UsageInfo,
-                                       random_id)
+                                       ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
+                                       DeltaMessage, TokenLogprob, TopLogprob, UsageInfo, random_id)
 from hybridmoe.server.serving_common import (SSE_DONE, APIError, ServerState, check_token_ids, collect,
-                                             error_event, sampling_params, seed_for, sse)
+                                             error_event, sampling_params, seed_for, sse, token_text)
 
 
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
@@ -30,16 +31,16 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
-    if req.logprobs or req.top_logprobs:
-        raise APIError(400, "logprobs are not supported by this server yet; leave logprobs unset",
-                       param="logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prompt_ids = chat_prompt(state, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = [sampling_params(
         state, len(prompt_ids), max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, seed=seed_for(req.seed, i), stop=req.stop,
-        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos) for i in range(req.n)]
+        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs) for i in range(req.n)]
     request_id = random_id("chatcmpl")
     stream = state.engine.submit(request_id, [(prompt_ids, p) for p in params])
     if req.stream:
@@ -48,9 +49,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     finals = await collect(stream, request)
     response = ChatCompletionResponse(
         id=request_id, model=state.model_name,
-        choices=[ChatChoice(index=i, message=AssistantMessage(content=finals[i].text),
-                            finish_reason=finals[i].finish_reason) for i in range(req.n)],
-        usage=_usage(len(prompt_ids), sum(len(o.token_ids) for o in finals.values())))
+        choices=[ChatChoice(index=i, message=AssistantMessage(content=f.output.text),
+                            logprobs=_logprobs(state, f.logprobs) if req.logprobs else None,
+                            finish_reason=f.output.finish_reason) for i, f in sorted(finals.items())],
+        usage=_usage(len(prompt_ids), sum(len(f.output.token_ids) for f in finals.values())))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -71,8 +73,10 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, request_id: st
         try:
             async for i, out in stream:
                 completion_tokens += len(out.new_token_ids)
-                if out.new_text:
-                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=out.new_text))])
+                if out.new_text or out.new_logprobs:
+                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=out.new_text),
+                                                 logprobs=_logprobs(state, out.new_logprobs) if req.logprobs
+                                                 else None)])
                 if out.finished:
                     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=out.finish_reason)])
         except Exception as e:  # the headers are sent: the error travels as an event
@@ -83,6 +87,16 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, request_id: st
         yield SSE_DONE
     finally:
         stream.close()
+
+
+def _logprobs(state: ServerState, logprobs: list[TokenLogprobs]) -> ChoiceLogprobs:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(state, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return ChoiceLogprobs(content=[
+        TokenLogprob(**entry(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top])
+        for lp in logprobs])
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from hybridmoe.engine.sampler import TokenLogprobs
 from hybridmoe.engine.sequence import RequestOutput
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import SamplingParams
@@ -99,7 +100,8 @@ def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None,
                     presence_penalty: float | None = None, frequency_penalty: float | None = None,
                     repetition_penalty: float | None = None, seed: int | None = None,
                     stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-                    ignore_eos: bool = False, default_temperature: float = 1.0) -> SamplingParams:
+                    ignore_eos: bool = False, logprobs: int | None = None,
+                    default_temperature: float = 1.0) -> SamplingParams:
     """SamplingParams for one request; max_tokens None means up to the end of the context."""
     room = state.max_model_len - prompt_len
     if max_tokens is None:
@@ -123,7 +125,7 @@ def sampling_params(state: ServerState, prompt_len: int, max_tokens: int | None,
             frequency_penalty=frequency_penalty or 0.0,
             repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
             seed=None if seed is None else seed % 2**64,
-            stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos)
+            stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, logprobs=logprobs)
     except HybridMoEError as e:
         raise APIError(400, str(e)) from None
 
@@ -135,6 +137,11 @@ def check_token_ids(state: ServerState, ids: list[int]) -> None:
     if bad is not None:
         raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {state.vocab_size})",
                        param="prompt")
+
+
+def token_text(state: ServerState, token_id: int) -> str:
+    """One token as text, special tokens included (a piece of a UTF-8 character reads as U+FFFD)."""
+    return state.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def seed_for(seed: int | None, index: int) -> int | None:
@@ -150,15 +157,25 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def collect(stream: RequestStream, request: Request) -> dict[int, RequestOutput]:
-    """Every request of the group run to its end: {index: final output}. A client that goes
-    away meanwhile aborts the group (ClientGoneError)."""
-    finals: dict[int, RequestOutput] = {}
+@dataclass
+class Finished:
+    output: RequestOutput
+    """The request's last output: its whole text and token ids."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Of every generated token, when asked for."""
+
+
+async def collect(stream: RequestStream, request: Request) -> dict[int, Finished]:
+    """Every request of the group run to its end, by index. A client that goes away meanwhile
+    aborts the group (ClientGoneError)."""
+    finals: dict[int, Finished] = {}
+    logprobs: dict[int, list[TokenLogprobs]] = {}
 
     async def consume():
         async for index, out in stream:
+            logprobs.setdefault(index, []).extend(out.new_logprobs or [])
             if out.finished:
-                finals[index] = out
+                finals[index] = Finished(out, logprobs.pop(index))
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(wait_for_disconnect(request))

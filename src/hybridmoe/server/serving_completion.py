@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hybridmoe.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo,
-                                       random_id)
+from hybridmoe.engine.sampler import TokenLogprobs
+from hybridmoe.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                       UsageInfo, random_id)
 from hybridmoe.server.serving_common import (SSE_DONE, APIError, ServerState, check_token_ids, collect,
-                                             error_event, sampling_params, seed_for, sse)
+                                             error_event, sampling_params, seed_for, sse, token_text)
 
 
 def completion_prompts(state: ServerState, prompt) -> list[list[int]]:
@@ -34,9 +35,9 @@ def completion_prompts(state: ServerState, prompt) -> list[list[int]]:
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
-    if req.logprobs is not None:
-        raise APIError(400, "logprobs are not supported by this server yet; leave logprobs unset",
-                       param="logprobs")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs (log-probabilities of the prompt) is not supported; "
+                            "drop one of them", param="logprobs")
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported; put the text in the prompt",
                        param="suffix")
@@ -48,7 +49,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                 state, len(ids), req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                 min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, seed=seed_for(req.seed, i), stop=req.stop,
-                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)))
+                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=req.logprobs)))
     # echo: the prompt's text comes first (token-id prompts decoded)
     echoes = [state.tokenizer.decode(ids) if req.echo else "" for ids, _ in group]
     request_id = random_id("cmpl")
@@ -60,9 +61,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     finals = await collect(stream, request)
     response = CompletionResponse(
         id=request_id, model=state.model_name,
-        choices=[CompletionChoice(index=i, text=echoes[i] + finals[i].text, finish_reason=finals[i].finish_reason)
-                 for i in range(len(group))],
-        usage=_usage(prompt_tokens, sum(len(o.token_ids) for o in finals.values())))
+        choices=[CompletionChoice(index=i, text=echoes[i] + f.output.text, finish_reason=f.output.finish_reason,
+                                  logprobs=None if req.logprobs is None else _logprobs(state, f.logprobs, 0))
+                 for i, f in sorted(finals.items())],
+        usage=_usage(prompt_tokens, sum(len(f.output.token_ids) for f in finals.values())))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -77,6 +79,7 @@ async def _events(state: ServerState, req: CompletionRequest, request_id: str, p
         return sse(c.model_dump_json(exclude=None if include_usage else {"usage"}))
 
     completion_tokens = 0
+    offsets = [0] * len(echoes)  # text_offset of each choice's next token
     try:
         for i, echo in enumerate(echoes):
             if echo:
@@ -84,8 +87,13 @@ async def _events(state: ServerState, req: CompletionRequest, request_id: str, p
         try:
             async for i, out in stream:
                 completion_tokens += len(out.new_token_ids)
-                if out.new_text or out.finished:
-                    yield event([CompletionChoice(index=i, text=out.new_text, finish_reason=out.finish_reason)])
+                if out.new_text or out.finished or out.new_logprobs:
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = _logprobs(state, out.new_logprobs or [], offsets[i])
+                        offsets[i] += sum(len(t) for t in logprobs.tokens)
+                    yield event([CompletionChoice(index=i, text=out.new_text, finish_reason=out.finish_reason,
+                                                  logprobs=logprobs)])
         except Exception as e:  # the headers are sent: the error travels as an event
             yield error_event(e)
             return
@@ -94,6 +102,22 @@ async def _events(state: ServerState, req: CompletionRequest, request_id: str, p
         yield SSE_DONE
     finally:
         stream.close()
+
+
+def _logprobs(state: ServerState, logprobs: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+    tokens = [token_text(state, lp.token_id) for lp in logprobs]
+    starts = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs], text_offset=starts,
+        top_logprobs=[_by_text(state, lp.top) for lp in logprobs])
+
+
+def _by_text(state: ServerState, top: list[tuple[int, float]]) -> dict[str, float]:
+    # tokens that read alike (pieces of one UTF-8 character all read U+FFFD) keep the likeliest's value
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(token_text(state, token_id), logprob)
+    return out
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
