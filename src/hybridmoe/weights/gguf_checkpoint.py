@@ -91,7 +91,7 @@ class GGUFCheckpoint:
         except (NotImplementedError, ValueError) as e:
             raise CheckpointError(f"GGUF tensor {gguf_name} of type {tensor.tensor_type.name} cannot be read "
                                   f"({e or 'no dequantizer in this gguf package'})") from None
-        w = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape(name))
+        w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape(name))  # a copy: the file is mapped read-only
         if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             n_head = self.heads[0] if "q_proj" in name else (self.heads[1] or self.heads[0])
             w = unpermute_rows(w, int(n_head))

@@ -1,0 +1,116 @@
+"""Shared by the GGUF tests: write a Hugging Face checkpoint as GGUF the way llama.cpp's converter names it.
+
+Imported by the test files beside it. Names come from the gguf package's own TensorNameMap (not from
+hybridmoe), experts are stacked per layer into [E, rows, cols], and each tensor is stored in the
+type `types(hf_name)` picks. gguf cannot quantize K-quants, so K-quant tensors get random blocks with
+small scales: the reference model is whatever the file decodes to (`decoded`), quantizer or not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+# byte offsets of each K-quant block's fp16 scale fields (d, and dmin where there is one)
+_KQUANT_F16 = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def random_kquant(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes] of valid blocks: random codes and sub-scales, fp16 scales in [2e-4, 1e-3]."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for off in _KQUANT_F16[qtype]:
+        scale = rng.uniform(2e-4, 1e-3, size=(rows, cols // block)).astype(np.float16)
+        raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """w [..., cols] float32 -> the bytes (or typed array) GGUFWriter stores."""
+    if qtype == Q.F32:
+        return w.astype(np.float32)
+    if qtype in K_QUANTS:
+        flat = w.reshape(-1, w.shape[-1])
+        return random_kquant(flat.shape[0], flat.shape[1], qtype, rng).reshape(*w.shape[:-1], -1)
+    return quantize(w, qtype)
+
+
+def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None:
+    """tokenizer.json + tokenizer_config.json -> llama.cpp's tokenizer.ggml.* keys and the chat template."""
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    cfg = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    vocab = tok["model"]["vocab"]
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    bos = cfg.get("bos_token")
+    if bos:
+        writer.add_bos_token_id(vocab[bos])
+    writer.add_add_bos_token(bool(bos))
+    writer.add_eos_token_id(vocab[cfg["eos_token"]])
+    writer.add_chat_template(cfg["chat_template"])
+
+
+def write_qwen3_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_dir: Path, path: Path, types,
+                     seed: int = 0, split_max_tensors: int = 0) -> dict[str, torch.Tensor]:
+    """Write a Qwen3-MoE checkpoint (HF names -> float tensors) as GGUF; return what it decodes to (HF names).
+
+    split_max_tensors > 0 writes a split, path-0000i-of-0000N.gguf, as llama.cpp's gguf-split does.
+    """
+    rng = np.random.default_rng(seed)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, config["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(path), "qwen3moe", split_max_tensors=split_max_tensors)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_expert_count(config["num_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    tokenizer_metadata(w, tokenizer_dir)
+    stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    decoded = {}
+    for name, t in tensors.items():
+        m = _EXPERT.fullmatch(name)
+        if m is not None:
+            stacked.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
+            continue
+        qtype = types(name)
+        data = encode(t.float().numpy(), qtype, rng)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data, raw_dtype=qtype)
+        decoded[name] = torch.from_numpy(dequantize(data, qtype).reshape(t.shape).copy())
+    for (layer, proj), experts in sorted(stacked.items()):
+        hf = f"model.layers.{layer}.mlp.experts.{proj}_proj.weight"
+        qtype = types(hf)
+        data = encode(torch.stack([experts[e] for e in sorted(experts)]).float().numpy(), qtype, rng)
+        w.add_tensor(names.get_name(hf, try_suffixes=(".weight",)), data, raw_dtype=qtype)
+        values = dequantize(data, qtype)
+        for e in sorted(experts):
+            decoded[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = torch.from_numpy(values[e].copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return decoded
