@@ -60,7 +60,7 @@ thread_local Workspace ws;
 // Activation rows of one expert in the kind its kernel reads.
 struct ActRows {
   ActKind kind;
-  int Kp, group;  // group: int4 sums (0: none)
+  int Kp, ld, group;  // Kp values per row, ld the row stride; group: int4 sums (0: none)
   uint16_t* bf16;
   int16_t* q;
   float* scale;
@@ -69,11 +69,11 @@ struct ActRows {
 
 void convert_row(const ActRows& a, int row, const float* src, int n) {
   if (a.kind == ActKind::bf16) {
-    uint16_t* d = a.bf16 + size_t(row) * a.Kp;
+    uint16_t* d = a.bf16 + size_t(row) * a.ld;
     for (int k = 0; k < a.Kp; ++k) d[k] = k < n ? f32_to_bf16(src[k]) : 0;
     return;
   }
-  int16_t* d = a.q + size_t(row) * a.Kp;
+  int16_t* d = a.q + size_t(row) * a.ld;
   float amax = 0.f;
   for (int k = 0; k < n; ++k) amax = std::max(amax, std::fabs(src[k]));
   const float s = amax / 32767.f, inv = s > 0 ? 1.f / s : 0.f;
@@ -91,9 +91,9 @@ void convert_row(const ActRows& a, int row, const float* src, int n) {
 
 void zero_row(const ActRows& a, int row) {
   if (a.kind == ActKind::bf16) {
-    std::memset(a.bf16 + size_t(row) * a.Kp, 0, size_t(a.Kp) * 2);
+    std::memset(a.bf16 + size_t(row) * a.ld, 0, size_t(a.Kp) * 2);
   } else {
-    std::memset(a.q + size_t(row) * a.Kp, 0, size_t(a.Kp) * 2);
+    std::memset(a.q + size_t(row) * a.ld, 0, size_t(a.Kp) * 2);
     a.scale[row] = 0.f;
     if (a.group)
       for (int g = 0; g < a.Kp / a.group; ++g) a.sum[size_t(row) * (a.Kp / a.group) + g] = 0;
@@ -295,7 +295,10 @@ void MoeLayer::forward(const MoeCall& c) {
   const int NpI = gate.blocks * kBlockRows, NpH = down.blocks * kBlockRows;
   const int Kp1 = gate.Kp, Kp2 = down.Kp;
   const int grp = cfg_.format == Format::int4 ? cfg_.group : 0;
-  const int Kmax = std::max(Kp1, Kp2);
+  // Row stride = Kp + 32 values: rows a multiple of 4 KiB apart would put all 16 rows of an
+  // AMX A tile (and the kernels' per-token loads) into one L1 set.
+  auto stride = [](int Kp) { return Kp + 32; };
+  const int Kmax = std::max(stride(Kp1), stride(Kp2));
   uint16_t* abf = grow(ws.act_bf16, size_t(Ra) * Kmax);
   int16_t* aq = cfg_.format == Format::bf16 ? nullptr : grow(ws.act_q, size_t(Ra) * Kmax);
   float* ascale = grow(ws.act_scale, Ra);
@@ -303,15 +306,15 @@ void MoeLayer::forward(const MoeCall& c) {
   float* h = grow(ws.h, size_t(R) * NpI);
   float* y = grow(ws.y, size_t(R) * NpH);
   auto act_rows = [&](int j, int Kp) {
-    return ActRows{kernels_of(j).act[fmt], Kp, grp, abf, aq, ascale, asum};
+    return ActRows{kernels_of(j).act[fmt], Kp, stride(Kp), grp, abf, aq, ascale, asum};
   };
   auto act_view = [&](int j, int Kp) {
     ActView a;
     a.n = n_of(j);
-    a.ld = Kp;
+    a.ld = stride(Kp);
     const size_t r0 = act_begin[j];
-    a.bf16 = abf + r0 * Kp;
-    if (aq) a.q = aq + r0 * Kp;
+    a.bf16 = abf + r0 * a.ld;
+    if (aq) a.q = aq + r0 * a.ld;
     a.qscale = ascale + r0;
     if (asum) a.qsum = asum + r0 * (Kp / grp);
     return a;

@@ -48,7 +48,7 @@ struct PackedView {
 // Activations of n tokens (one expert), row-major, n rounded up to 16 rows of zeros.
 struct ActView {
   int n = 0;
-  int ld = 0;                    // elements per row (= Kp)
+  int ld = 0;                    // elements between rows (>= Kp)
   const uint16_t* bf16 = nullptr;  // kind bf16: [n][ld]
   const int16_t* q = nullptr;      // kind i16: [n][ld], x ~= q * qscale[t]
   const float* qscale = nullptr;   // [n]
