@@ -64,6 +64,10 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None:
         writer.add_bos_token_id(vocab[bos])
     writer.add_add_bos_token(bool(bos))
     writer.add_eos_token_id(vocab[cfg["eos_token"]])
+    if cfg.get("pad_token"):
+        writer.add_pad_token_id(vocab[cfg["pad_token"]])
+    if cfg.get("unk_token"):
+        writer.add_unk_token_id(vocab[cfg["unk_token"]])
     writer.add_chat_template(cfg["chat_template"])
 
 
