@@ -5,9 +5,13 @@
 
 Each level runs --requests requests from `concurrency` client threads (each sends its next request
 when the previous one ends), every one generating exactly --max-tokens tokens (ignore_eos). It
-reports output tokens/s (all requests together, over the level's wall time), time to first token
-and inter-token latency p50/p99, as a table and as JSON (--json), with each level's throughput
-relative to concurrency 1, the baseline, measured in the same run.
+reports, as a table and as JSON (--json):
+  out tok/s     all output tokens over the level's wall time (prefills included);
+  decode tok/s  aggregate decode throughput: concurrency x one stream's decode rate (its tokens
+                after the first over the time from its first token to its last), i.e. the
+                tokens/s of `concurrency` streams decoding side by side;
+  x c1          decode tok/s relative to concurrency 1, the baseline, measured in the same run;
+  TTFT, ITL     time to first token and inter-token latency (between text events), p50 and p99.
 """
 
 from __future__ import annotations
@@ -104,12 +108,12 @@ def run_level(client: Client, model: str, prompt: str, concurrency: int, request
     ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
     tokens = sum(r["output_tokens"] for r in results)
-    # decode throughput: tokens after the first of each request, over the time spent decoding them
     decode_tokens = sum(max(r["output_tokens"] - 1, 0) for r in results)
+    decode_seconds = sum(r["times"][-1] - r["times"][0] for r in results if r["times"])
     return {
         "concurrency": concurrency, "requests": len(results), "errors": len(errors), "wall_s": wall,
         "output_tokens": tokens, "output_tok_s": tokens / wall,
-        "decode_tok_s": decode_tokens / wall,
+        "decode_tok_s": concurrency * decode_tokens / decode_seconds if decode_seconds else float("nan"),
         "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p99_ms": 1000 * percentile(ttft, 99),
         "itl_p50_ms": 1000 * percentile(itl, 50), "itl_p99_ms": 1000 * percentile(itl, 99),
         "itl_mean_ms": 1000 * statistics.fmean(itl) if itl else float("nan"),
