@@ -10,22 +10,27 @@
 namespace hmoe {
 namespace {
 
+// Loops over the M tokens and the two row tiles are fully unrolled (_Pragma below): otherwise
+// the accumulator arrays are indexed at run time and live in memory, not registers.
 inline __m512i bcast32(const void* p) { return _mm512_set1_epi32(*static_cast<const int32_t*>(p)); }
 
 template <int M>
 void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out, int ldo) {
   __m512 acc[2][M];
+  _Pragma("GCC unroll 8")
   for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
   for (int p = 0; p < np; ++p) {
     _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64), _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * 64);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < M; ++i) {
       const __m512bh xb = (__m512bh)bcast32(x + size_t(i) * ld + 2 * p);
       acc[0][i] = _mm512_dpbf16_ps(acc[0][i], w0, xb);
       acc[1][i] = _mm512_dpbf16_ps(acc[1][i], w1, xb);
     }
   }
+  _Pragma("GCC unroll 8")
   for (int i = 0; i < M; ++i) {
     _mm512_storeu_ps(out + size_t(i) * ldo, acc[0][i]);
     _mm512_storeu_ps(out + size_t(i) * ldo + 16, acc[1][i]);
@@ -56,25 +61,31 @@ template <int M>
 void int8_pass(const int8_t* wb, int Kp, const int16_t* x, int ld, const float* xscale,
                const float* wscale, float* out, int ldo) {
   __m512 facc[2][M];
+  _Pragma("GCC unroll 8")
   for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
   for (int k0 = 0; k0 < Kp; k0 += kInt8FlushK) {
     const int pend = std::min(Kp, k0 + kInt8FlushK) / 2;
     __m512i acc[2][M];
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_si512();
     for (int p = k0 / 2; p < pend; ++p) {
       _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64), _MM_HINT_T0);
       const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64)));
       const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32)));
+      _Pragma("GCC unroll 8")
       for (int i = 0; i < M; ++i) {
         const __m512i xb = bcast32(x + size_t(i) * ld + 2 * p);
         acc[0][i] = _mm512_dpwssd_epi32(acc[0][i], w0, xb);
         acc[1][i] = _mm512_dpwssd_epi32(acc[1][i], w1, xb);
       }
     }
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < M; ++i)
+      _Pragma("GCC unroll 2")
       for (int h = 0; h < 2; ++h) facc[h][i] = _mm512_add_ps(facc[h][i], _mm512_cvtepi32_ps(acc[h][i]));
   }
   const __m512 s0 = _mm512_loadu_ps(wscale), s1 = _mm512_loadu_ps(wscale + 16);
+  _Pragma("GCC unroll 8")
   for (int i = 0; i < M; ++i) {
     const __m512 xs = _mm512_set1_ps(xscale[i]);
     _mm512_storeu_ps(out + size_t(i) * ldo, _mm512_mul_ps(facc[0][i], _mm512_mul_ps(s0, xs)));
@@ -108,12 +119,15 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
   const int G = w.Kp / w.group, steps = w.group / 8;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 facc[2][M];
+  _Pragma("GCC unroll 8")
   for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
     __m512i acc[2][M];
+    _Pragma("GCC unroll 8")
     for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_si512();
     for (int p = g * steps; p < (g + 1) * steps; ++p) {
       _mm_prefetch(reinterpret_cast<const char*>(wb + size_t(p + 16) * 128), _MM_HINT_T0);
+      _Pragma("GCC unroll 2")
       for (int h = 0; h < 2; ++h) {
         const __m512i raw = _mm512_loadu_si512(wb + size_t(p) * 128 + h * 64);
         const __m512i lo = _mm512_and_si512(raw, nib);
@@ -122,6 +136,7 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
         const __m512i q23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
         const __m512i q45 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
         const __m512i q67 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+        _Pragma("GCC unroll 8")
         for (int i = 0; i < M; ++i) {
           const int16_t* xi = x + size_t(i) * ld + 8 * p;
           __m512i s = _mm512_dpwssd_epi32(acc[h][i], q01, bcast32(xi));
@@ -132,9 +147,11 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
       }
     }
     const size_t si = sbase + size_t(g) * kBlockRows;
+    _Pragma("GCC unroll 2")
     for (int h = 0; h < 2; ++h) {
       const __m512 sc = _mm512_loadu_ps(w.scale + si + 16 * h);
       const __m512 z = w.zero ? _mm512_loadu_ps(w.zero + si + 16 * h) : _mm512_set1_ps(8.f);
+      _Pragma("GCC unroll 8")
       for (int i = 0; i < M; ++i) {
         const __m512 xs = _mm512_set1_ps(float(xsum[size_t(i) * G + g]));
         const __m512 v = _mm512_fnmadd_ps(z, xs, _mm512_cvtepi32_ps(acc[h][i]));
@@ -142,6 +159,7 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
       }
     }
   }
+  _Pragma("GCC unroll 8")
   for (int i = 0; i < M; ++i) {
     const __m512 xs = _mm512_set1_ps(xscale[i]);
     _mm512_storeu_ps(out + size_t(i) * ldo, _mm512_mul_ps(facc[0][i], xs));
