@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from hybridmoe.errors import HybridMoEError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-EXPERT_BACKENDS = ("torch", "native")
+EXPERT_BACKENDS = ("auto", "torch", "native")
 EXPERT_FORMATS = ("bf16", "int8", "int4")
+EXPERT_PLACEMENTS = ("uniform", "frequency", "front-loading")
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(value: int | str) -> int:
+    """16GiB, 500MiB, 2.5GB, "1073741824" or an int -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _SIZE_UNITS:
+        raise HybridMoEError(f"cannot read {value!r} as a size; write e.g. 16GiB, 500MiB, 24GB or a byte count")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
 @dataclass
@@ -16,8 +30,9 @@ class EngineConfig:
     dtype: str = "auto"
     """Compute dtype of the non-expert weights: "auto" keeps the checkpoint's own dtype."""
 
-    device: str = "cpu"
-    """Where attention, dense layers, router and KV cache run ("cpu" or "cuda")."""
+    device: str = "auto"
+    """Where attention, dense layers, router and KV cache run: "cpu", "cuda", or "auto" (cuda when torch sees
+    a GPU, else cpu)."""
 
     max_model_len: int | None = None
     """Longest prompt + completion, in tokens. None: the model's max_position_embeddings, capped at 4096."""
@@ -29,8 +44,10 @@ class EngineConfig:
     """Most tokens run through the model in one step: one per decoding sequence, the rest goes to
     prompt chunks, so long prompts are prefilled in pieces without stalling decoding streams."""
 
-    expert_backend: str = "torch"
-    """Where routed experts run: "torch" (the reference, any device) or "native" (the C++ CPU engine)."""
+    expert_backend: str = "auto"
+    """Where routed experts run: "torch" (the reference, any device), "native" (the C++ CPU engine), or "auto":
+    native when it is built and can hold the model's precision (SiLU experts, a bf16/fp16 compute dtype, or a
+    converted directory), else torch (so float32 models stay exact)."""
 
     expert_format: str = "bf16"
     """Weight format of routed experts in the native engine: bf16, int8 or int4."""
@@ -46,7 +63,44 @@ class EngineConfig:
     (reused on the next), and a GGUF file's config and tokenizer. None: $XDG_CACHE_HOME/hybridmoe
     (~/.cache/hybridmoe); "": no cache (experts are packed on every start)."""
 
+    gpu_memory_budget: int | str | None = None
+    """Most GPU memory the process may use, KV cache and workspace included: bytes or a size like "16GiB".
+    What the non-expert weights, KV cache and workspace leave fills with routed experts (expert_placement).
+    None: on a GPU with the native engine, 90% of the GPU's free memory; otherwise no routed expert on the
+    device unless gpu_experts_per_layer says so. With device "cpu" the CPU stands in for the GPU."""
+
+    expert_placement: str = "uniform"
+    """Which routed experts fill the budget: "uniform" (the same count in every MoE layer), "frequency" (the
+    most-routed (layer, expert) pairs first; needs expert_stats) or "front-loading" (whole layers from the
+    first MoE layer on)."""
+
+    expert_stats: str | None = None
+    """Routing statistics JSON from `hybridmoe profile-experts`: "frequency" needs it; the other policies use
+    it to put each layer's most-routed experts on the GPU first."""
+
+    gpu_experts_per_layer: int | None = None
+    """Routed experts per MoE layer kept on the GPU, instead of what the policy derives from the budget."""
+
+    deferred_experts: int = 0
+    """Expert deferral: each token's K lowest-weighted routed experts run on the CPU while the next layer's
+    attention runs, and their output joins the residual one layer later. 0 is exact."""
+
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.gpu_memory_budget is not None:
+            self.gpu_memory_budget = parse_bytes(self.gpu_memory_budget)
+            if self.gpu_memory_budget < 1:
+                raise HybridMoEError(f"gpu_memory_budget must be positive, got {self.gpu_memory_budget}")
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise HybridMoEError(
+                f"expert_placement must be one of {', '.join(EXPERT_PLACEMENTS)}, got {self.expert_placement!r}")
+        if self.gpu_experts_per_layer is not None and self.gpu_experts_per_layer < 0:
+            raise HybridMoEError(f"gpu_experts_per_layer must be at least 0, got {self.gpu_experts_per_layer}")
+        if self.deferred_experts < 0:
+            raise HybridMoEError(f"deferred_experts must be at least 0, got {self.deferred_experts}")
         if self.dtype not in DTYPES:
             raise HybridMoEError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.expert_backend not in EXPERT_BACKENDS:

@@ -6,7 +6,7 @@ from hybridmoe.errors import HybridMoEError
 
 def test_defaults_are_valid():
     cfg = EngineConfig()
-    assert cfg.dtype == "auto" and cfg.expert_backend == "torch"
+    assert cfg.dtype == "auto" and cfg.expert_backend == "auto"
 
 
 @pytest.mark.parametrize("kwargs, needle", [

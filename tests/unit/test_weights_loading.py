@@ -55,7 +55,7 @@ def test_experts_are_stacked_per_layer_in_checkpoint_order(tmp_path):
 
 def test_auto_dtype_is_the_checkpoint_dtype_and_can_be_overridden(tmp_path):
     tiny_checkpoint(tmp_path, dtype=torch.bfloat16)
-    auto = load_model(tmp_path)
+    auto = load_model(tmp_path, EngineConfig(expert_backend="torch"))
     assert auto.dtype == torch.bfloat16
     assert {p.dtype for p in auto.model.parameters()} == {torch.bfloat16}
     assert auto.experts._weights[0][0].dtype == torch.bfloat16

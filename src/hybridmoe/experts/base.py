@@ -38,6 +38,11 @@ class ExpertBackend(ABC):
     def layers(self) -> list[int]:
         """Indices of the layers whose weights have been set."""
 
+    def after_layer(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual stream after decoder layer `layer`: what a backend that defers expert output
+        (experts/deferral.py) adds there. hidden [T, H]; returned as is when nothing is due."""
+        return hidden
+
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         self.submit(layer, hidden, topk_ids, topk_weights)

@@ -169,8 +169,8 @@ class MoECausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if hidden_states_out is not None:
             hidden_states_out.append(h)
-        for layer in self.model.layers:
-            h = layer(h, positions)
+        for i, layer in enumerate(self.model.layers):
+            h = self.experts.after_layer(i, layer(h, positions))
             if hidden_states_out is not None:
                 hidden_states_out.append(h)
         return self.model.norm(h)

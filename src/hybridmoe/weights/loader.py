@@ -22,7 +22,9 @@ from hybridmoe.layers.linear import MergedLinear
 from hybridmoe.layers.mlp import get_activation
 from hybridmoe.models.base import EXPERT_PROJS, ModelConfig, MoECausalLM
 from hybridmoe.models.registry import load_config
-from hybridmoe.weights.expert_cache_policy import plan_packed_experts
+from hybridmoe.system.auto import resolve_engine_config, uses_hybrid
+from hybridmoe.weights.expert_cache import read_manifest
+from hybridmoe.weights.expert_cache_policy import PackedExperts, plan_packed_experts
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
 from hybridmoe.weights.quantized import open_checkpoint
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
@@ -53,21 +55,51 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
     return _DTYPES[name]
 
 
-def make_expert_backend(engine_config: EngineConfig, config: ModelConfig) -> ExpertBackend:
-    """The one place an ExpertBackend is chosen from EngineConfig.expert_backend."""
+def make_expert_backend(engine_config: EngineConfig, config: ModelConfig, model_cls: type[MoECausalLM] | None = None,
+                        dtype: torch.dtype | None = None) -> ExpertBackend:
+    """The one place an ExpertBackend is chosen, from a resolved EngineConfig (system/auto.py).
+
+    A GPU budget, gpu_experts_per_layer or deferred experts make it the hybrid split (planned from
+    model_cls's tensor sizes in dtype); otherwise expert_backend alone decides.
+    """
     act = get_activation(config.hidden_act)
+    if engine_config.expert_backend == "native" and config.hidden_act not in ("silu", "swish"):
+        raise HybridMoEError(f"expert_backend='native' runs SiLU experts only; this model uses {config.hidden_act!r}")
+    if uses_hybrid(engine_config):
+        return _hybrid_backend(engine_config, config, model_cls, dtype, act)
     if engine_config.expert_backend == "torch":
         return TorchExperts(act=act)
-    if config.hidden_act not in ("silu", "swish"):
-        raise HybridMoEError(f"expert_backend='native' runs SiLU experts only; this model uses {config.hidden_act!r}")
+    return _NativeLayers(_cpu_experts_class(), format=engine_config.expert_format,
+                         group_size=engine_config.expert_group_size, threads=engine_config.cpu_threads)
+
+
+def _cpu_experts_class():
     try:
         from hybridmoe.experts.cpu_experts import CpuExperts
     except ImportError as e:
         raise HybridMoEError(
             f"expert_backend='native' needs the native CPU expert engine, which is not available ({e}); "
             "use expert_backend='torch'") from None
-    return _NativeLayers(CpuExperts, format=engine_config.expert_format,
-                         group_size=engine_config.expert_group_size, threads=engine_config.cpu_threads)
+    return CpuExperts
+
+
+def _hybrid_backend(engine_config: EngineConfig, config: ModelConfig, model_cls, dtype, act) -> ExpertBackend:
+    from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
+    from hybridmoe.experts.placement import placement_for
+
+    top_k = config.num_experts_per_tok
+    if engine_config.deferred_experts >= top_k:
+        raise HybridMoEError(f"deferred_experts {engine_config.deferred_experts} must be below the model's "
+                             f"{top_k} experts per token (at least one runs in its own layer)")
+    plan, _ = placement_for(model_cls, config, dtype, engine_config)
+    if engine_config.expert_backend == "native":
+        cls, ec = _cpu_experts_class(), engine_config
+        cpu_layer = lambda g, u, d: cls(g, u, d, format=ec.expert_format, group_size=ec.expert_group_size,  # noqa: E731
+                                        threads=ec.cpu_threads)
+    else:
+        cpu_layer = lambda g, u, d: TorchCpuLayer(g, u, d, act)  # noqa: E731
+    return HybridExperts(plan, engine_config.device, cpu_layer, act, engine_config.deferred_experts,
+                         config.num_hidden_layers)
 
 
 class _NativeLayers(ExpertBackend):
@@ -109,8 +141,9 @@ class _NativeLayers(ExpertBackend):
 
 
 def _expert_placement(engine_config: EngineConfig, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
-    # The native engine reads experts from CPU memory; the torch reference runs them where the model runs.
-    if engine_config.expert_backend == "native":
+    # The native engine and the hybrid split read experts from CPU memory (the hybrid moves its GPU share
+    # itself, so a whole layer is never staged on the GPU); the torch reference runs them where the model runs.
+    if engine_config.expert_backend == "native" or uses_hybrid(engine_config):
         return torch.device("cpu"), dtype
     return torch.device(engine_config.device), dtype
 
@@ -132,14 +165,25 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     model_dir = resolve_model_path(model_dir, engine_config)
     cls, config = load_config(model_dir)
     dtype = resolve_dtype(engine_config.dtype, config)
-    experts = make_expert_backend(engine_config, config)
+    engine_config = resolve_engine_config(engine_config, config, dtype, model_dir)
+    experts = make_expert_backend(engine_config, config, cls, dtype)
     model = build_model(cls, config, experts, dtype, engine_config.device)
     expert_device, expert_dtype = _expert_placement(engine_config, dtype)
-    packed = plan_packed_experts(model_dir, engine_config, model, experts)
+    packed = _plan_packed(model_dir, engine_config, model, experts)
     with open_checkpoint(model_dir, config) as ckpt:
         load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
     packed.finish(experts)
     return LoadedModel(model=model, config=config, experts=experts, dtype=dtype)
+
+
+def _plan_packed(model_dir: Path, engine_config: EngineConfig, model: MoECausalLM, experts: ExpertBackend):
+    if not uses_hybrid(engine_config):
+        return plan_packed_experts(model_dir, engine_config, model, experts)
+    # The hybrid packs only each layer's CPU share, which neither a converted directory nor the cache holds.
+    if read_manifest(model_dir) is not None:
+        raise HybridMoEError(f"{model_dir} holds experts packed for the CPU only; GPU experts and deferral need "
+                             "the original checkpoint directory")
+    return PackedExperts(True)
 
 
 def _expected_params(model: MoECausalLM) -> dict[tuple[str, int | None], torch.Tensor]:

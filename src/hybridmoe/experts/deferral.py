@@ -1,0 +1,68 @@
+"""Expert deferral: part of layer L's routed experts joins the residual one layer later.
+
+Each token's K lowest-weighted routed experts of MoE layer L are computed on the CPU while
+layer L+1's attention (and router, shared experts, GPU experts) runs; their weighted output is
+added to the residual stream after decoder layer L+1, or, when L is the last layer, before the
+final norm. The CPU thus never idles between layers and the GPU never waits for the CPU's
+slowest experts. K = 0 is the exact model. T tokens, K routed experts per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def split_deferred(topk_ids: torch.Tensor, topk_weights: torch.Tensor, deferred: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, K] ids and weights -> (ids, weights) [T, K - deferred] run now, (ids, weights) [T, deferred] later.
+
+    Deferred are each token's `deferred` lowest weights (ties: the later slot is deferred).
+    """
+    order = torch.sort(topk_weights, dim=1, descending=True, stable=True).indices
+    ids, weights = topk_ids.gather(1, order), topk_weights.gather(1, order)
+    keep = topk_ids.shape[1] - deferred
+    return ids[:, :keep], weights[:, :keep], ids[:, keep:], weights[:, keep:]
+
+
+@dataclass
+class _Deferred:
+    layer: int
+    result: object
+    """Something with finish() -> [T, H] in the hidden dtype (the pending partial computation)."""
+
+
+class DeferredOutputs:
+    """Deferred expert outputs in flight, joined into the residual at the right decoder layer."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self._pending: list[_Deferred] = []
+
+    def add(self, layer: int, result) -> None:
+        self._pending.append(_Deferred(layer, result))
+
+    def layers(self) -> list[int]:
+        """MoE layers whose deferred output has not joined the residual yet."""
+        return [d.layer for d in self._pending]
+
+    def drain_cpu(self) -> None:
+        """Let the CPU finish every deferred computation now (before it starts another layer's)."""
+        for d in self._pending:
+            d.result.join_cpu()
+
+    def join(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden after decoder layer `layer`, plus the deferred outputs due there (hidden itself if none)."""
+        due = [d for d in self._pending if d.layer < layer or layer == self.num_layers - 1]
+        if not due:
+            return hidden
+        self._pending = [d for d in self._pending if all(d is not x for x in due)]
+        for d in due:
+            hidden = hidden + d.result.finish()
+        return hidden
+
+    def discard(self) -> None:
+        """Drop what an interrupted forward left (its CPU work is waited for, its result unused)."""
+        self.drain_cpu()
+        self._pending.clear()

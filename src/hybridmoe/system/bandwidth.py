@@ -1,0 +1,45 @@
+"""Measured bandwidths: host memory read (what bounds CPU expert decode) and pinned host-to-GPU copies."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def host_read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 5) -> float:
+    """Bytes/s read by a float32 sum over nbytes on `threads` torch threads (default: every allowed CPU)."""
+    threads = threads or len(os.sched_getaffinity(0))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(max(nbytes // 4, 1))
+        buf.sum()  # pages touched, threads started
+        seconds = _median_seconds(buf.sum, repeats)
+    finally:
+        torch.set_num_threads(previous)
+    return buf.numel() * 4 / seconds
+
+
+def pinned_h2d_bandwidth(device: str | torch.device = "cuda", nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of an async copy from pinned host memory to the GPU (synchronized per copy)."""
+    src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy():
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    copy()
+    return nbytes / _median_seconds(copy, repeats)
