@@ -54,3 +54,33 @@ def run_step(model, chunks: list[list[int]], slots: list[int], start_pos: list[i
 
 def assert_close(ours: torch.Tensor, theirs: torch.Tensor, dtype=torch.float32, what: str = "") -> None:
     torch.testing.assert_close(ours.float(), theirs.float(), **TOLERANCE[dtype], msg=lambda m: f"{what}: {m}")
+
+
+def assert_forward_equals_transformers(ours, hf_model, prompt: list[int]) -> None:
+    """Logits and every per-layer hidden state of one prompt equal transformers'."""
+    ours.allocate_kv_cache(1, len(prompt))
+    hidden: list[torch.Tensor] = []
+    (logits,) = run_step(ours, [prompt], slots=[0], start_pos=[0], hidden_states_out=hidden)
+    ref_logits, ref_hidden = hf_forward(hf_model, prompt)
+    assert logits.dtype == torch.float32
+    assert_close(logits, ref_logits, what="logits")
+    assert len(hidden) == len(ref_hidden)
+    for i in range(len(ref_hidden) - 1):  # transformers' last one is after the final norm; ours are all before
+        assert_close(hidden[i], ref_hidden[i], what=f"hidden state {i}")
+
+
+def assert_batched_decode_equals_recomputation(ours, hf_model, prompts: list[list[int]], slots: list[int],
+                                               steps: int = 3) -> None:
+    """Prefill prompts of different lengths together into their cache slots, then decode greedily
+    for `steps` steps as one batch: every step's last logits equal transformers' full recomputation."""
+    ours.allocate_kv_cache(max(slots) + 1, max(map(len, prompts)) + steps + 1)
+    seqs = [list(p) for p in prompts]
+    logits = run_step(ours, seqs, slots, start_pos=[0] * len(seqs))
+    for step in range(steps):
+        next_tokens = [int(l[-1].argmax()) for l in logits]
+        for seq, logit in zip(seqs, logits):
+            assert_close(logit[-1], hf_forward(hf_model, seq)[0][-1], what=f"step {step}, length {len(seq)}")
+        start = [len(s) for s in seqs]
+        for seq, t in zip(seqs, next_tokens):
+            seq.append(t)
+        logits = run_step(ours, [[t] for t in next_tokens], slots, start)

@@ -5,8 +5,7 @@ both sides run float32.
 """
 
 import pytest
-import torch
-from compare import assert_close, hf_forward, run_step, save_and_load
+from compare import assert_forward_equals_transformers, save_and_load
 from deepseek_tiny import tiny_deepseek
 
 PROMPT = [5, 17, 3, 60, 22, 9, 41, 88, 0, 71, 30, 2, 64]
@@ -35,15 +34,7 @@ def test_logits_and_hidden_states_equal_transformers(case, tmp_path):
     family, overrides = CASES[case]
     hf = tiny_deepseek(family, **overrides)
     ours = save_and_load(hf, tmp_path, dtype="float32").model
-    ours.allocate_kv_cache(1, len(PROMPT))
-    hidden = []
-    (logits,) = run_step(ours, [PROMPT], slots=[0], start_pos=[0], hidden_states_out=hidden)
-    ref_logits, ref_hidden = hf_forward(hf, PROMPT)
-    assert logits.dtype == torch.float32
-    assert_close(logits, ref_logits, what="logits")
-    assert len(hidden) == len(ref_hidden)
-    for i in range(len(ref_hidden) - 1):  # transformers' last one is after the final norm
-        assert_close(hidden[i], ref_hidden[i], what=f"hidden state {i}")
+    assert_forward_equals_transformers(ours, hf, PROMPT)
 
 
 def test_dense_and_moe_layers_follow_first_k_dense_replace(tmp_path):

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from compare import assert_close, hf_forward, run_step, save_and_load
+from compare import (assert_batched_decode_equals_recomputation, assert_close, assert_forward_equals_transformers, hf_forward,
+                     run_step, save_and_load)
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 2, 33], [11, 50, 8, 19, 27]]
@@ -28,14 +29,7 @@ def tiny_qwen3(**overrides) -> Qwen3MoeForCausalLM:
 def test_logits_and_hidden_states_equal_transformers(tmp_path, overrides):
     hf = tiny_qwen3(**overrides)
     ours = save_and_load(hf, tmp_path).model
-    ours.allocate_kv_cache(1, 16)
-    hidden = []
-    (logits,) = run_step(ours, [PROMPTS[0]], slots=[0], start_pos=[0], hidden_states_out=hidden)
-    ref_logits, ref_hidden = hf_forward(hf, PROMPTS[0])
-    assert_close(logits, ref_logits, what="logits")
-    # transformers' last hidden state is after the final norm; ours are all before it
-    for i in range(len(ref_hidden) - 1):
-        assert_close(hidden[i], ref_hidden[i], what=f"hidden state {i}")
+    assert_forward_equals_transformers(ours, hf, PROMPTS[0])
 
 
 def test_moe_layers_follow_mlp_only_layers_and_sparse_step(tmp_path):
@@ -47,18 +41,7 @@ def test_moe_layers_follow_mlp_only_layers_and_sparse_step(tmp_path):
 def test_batched_prefill_then_decode_equals_full_recomputation(tmp_path):
     hf = tiny_qwen3()
     ours = save_and_load(hf, tmp_path).model
-    ours.allocate_kv_cache(4, 32)
-    slots = [2, 0, 3]
-    seqs = [list(p) for p in PROMPTS]
-    logits = run_step(ours, seqs, slots, start_pos=[0, 0, 0])
-    for step in range(3):
-        next_tokens = [int(l[-1].argmax()) for l in logits]
-        for seq, logit in zip(seqs, logits):
-            assert_close(logit[-1], hf_forward(hf, seq)[0][-1], what=f"step {step}, length {len(seq)}")
-        start = [len(s) for s in seqs]
-        for seq, t in zip(seqs, next_tokens):
-            seq.append(t)
-        logits = run_step(ours, [[t] for t in next_tokens], slots, start)
+    assert_batched_decode_equals_recomputation(ours, hf, PROMPTS, slots=[2, 0, 3])
 
 
 def test_mixed_step_of_decode_and_prefill_chunk_equals_full_recomputation(tmp_path):
