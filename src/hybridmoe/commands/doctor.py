@@ -100,6 +100,9 @@ def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
         per_expert = 3 * fp.moe_intermediate_size * fp.hidden_size * dtype.itemsize
     experts_read = plan.cpu_experts_per_token(stats) if plan is not None else fp.top_k * len(fp.moe_layers)
     per_token = experts_read * per_expert
+    if per_token == 0:
+        lines.append("floor:      0.0 CPU experts: no routed expert is read on the CPU; decode is GPU-bound")
+        return lines
     seconds = per_token / bandwidth
     lines.append(f"floor:      {experts_read:.1f} CPU experts x {format_bytes(per_expert)} = {format_bytes(per_token)} "
                  f"read per token / {bandwidth / 1e9:.1f} GB/s = {1e3 * seconds:.2f} ms "

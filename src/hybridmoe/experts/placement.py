@@ -48,16 +48,16 @@ def format_bytes(n: float) -> str:
 def cpu_expert_bytes(fmt: str, inter: int, hidden: int, group_size: int) -> int:
     """Bytes the native engine reads for one expert (gate, up [I, H], down [H, I]) in fmt.
 
-    bf16: 2 bytes a weight; int8: 1 byte a weight + 8 bytes per output row; int4: half a byte
-    a weight + 8 bytes per group of group_size weights (the packed layouts of csrc/moe/pack.h).
+    bf16: 2 bytes a weight; int8: 1 byte a weight + a float32 scale per output row; int4: half a
+    byte a weight + a float32 scale per group of group_size weights (csrc/moe/pack.h's layouts).
     """
     weights = 3 * inter * hidden
     if fmt == "bf16":
         return 2 * weights
     if fmt == "int8":
-        return weights + 8 * (2 * inter + hidden)
+        return weights + 4 * (2 * inter + hidden)
     if fmt == "int4":
-        return weights // 2 + 8 * (weights // group_size)
+        return weights // 2 + 4 * (weights // group_size)
     raise HybridMoEError(f"unknown expert format {fmt!r}")
 
 
