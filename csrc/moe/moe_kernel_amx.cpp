@@ -162,7 +162,8 @@ bool amx_request_permission() {
 }
 
 const Kernels& kernels_amx() {
-  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::bf16, ActKind::bf16}};
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::bf16, ActKind::bf16},
+                         kernels_avx512().ops};
   return k;
 }
 

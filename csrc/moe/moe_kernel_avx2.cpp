@@ -1,6 +1,7 @@
 // AVX2 + FMA: the portable kernels built with -mavx2 -mfma (see CMakeLists.txt); the
 // compiler vectorizes their 32-row inner loops. For CPUs without AVX-512.
 #include <algorithm>
+#include <cmath>
 
 #include "moe/packed.h"
 
@@ -11,7 +12,7 @@ namespace portable_avx2 {
 
 const Kernels& kernels_avx2() {
   using namespace portable_avx2;
-  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::i16, ActKind::i16}};
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::i16, ActKind::i16}, kRowOps};
   return k;
 }
 

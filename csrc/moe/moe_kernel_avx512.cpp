@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "moe/packed.h"
 
@@ -188,10 +189,103 @@ void gemm_int4(const PackedView& w, int b0, int b1, const ActView& a, float* out
   }
 }
 
+// ---- Row-wise ops (RowOps) ----
+
+inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// 16 values from fp32 or bf16 (lanes past the mask read as 0).
+inline __m512 load16(const void* src, bool bf16, int k, __mmask16 m) {
+  if (bf16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(src) + k)), 16));
+  return _mm512_maskz_loadu_ps(m, static_cast<const float*>(src) + k);
+}
+
+void to_bf16(const void* src, bool src_bf16, int n, int Kp, uint16_t* dst) {
+  if (src_bf16) {
+    std::memcpy(dst, src, size_t(n) * 2);
+  } else {
+    const float* s = static_cast<const float*>(src);
+    int k = 0;
+    for (; k + 32 <= n; k += 32)
+      _mm512_storeu_si512(dst + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + k + 16), _mm512_loadu_ps(s + k)));
+    for (; k < n; k += 16) {
+      const __mmask16 m = first(n - k);
+      _mm256_mask_storeu_epi16(dst + k, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + k)));
+    }
+  }
+  std::memset(dst + n, 0, size_t(Kp - n) * 2);
+}
+
+void to_i16(const void* src, bool src_bf16, int n, int Kp, int group, int16_t* dst, float* scale, int32_t* sums) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int k = 0; k < n; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(src, src_bf16, k, first(n - k))));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const float s = amax / 32767.f, inv = s > 0 ? 1.f / s : 0.f;
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (int k = 0; k < n; k += 16) {
+    const __mmask16 m = first(n - k);
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(src, src_bf16, k, m), vinv));  // rounds to even
+    _mm256_mask_storeu_epi16(dst + k, m, _mm512_cvtepi32_epi16(q));
+  }
+  std::memset(dst + n, 0, size_t(Kp - n) * 2);
+  *scale = s;
+  if (group) {
+    const __m512i ones = _mm512_set1_epi16(1);
+    for (int g = 0; g < Kp / group; ++g) {
+      __m512i acc = _mm512_setzero_si512();
+      for (int k = g * group; k < (g + 1) * group; k += 32)
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_loadu_si512(dst + k), ones));
+      sums[g] = _mm512_reduce_add_epi32(acc);
+    }
+  }
+}
+
+// e^x, |error| ~1 ulp (Cephes expf: x = n ln2 + r, polynomial in r, times 2^n).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.37626f)), _mm512_set1_ps(-87.33654f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+void silu_mul(float* g, const float* u, int n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, g + i);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));
+    _mm512_mask_storeu_ps(g + i, m, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), _mm512_maskz_loadu_ps(m, u + i)));
+  }
+}
+
+void combine(int K, const float* const* src, const float* w, int n, void* dst, bool dst_bf16) {
+  for (int c = 0; c < n; c += 16) {
+    const __mmask16 m = first(n - c);
+    __m512 acc = _mm512_setzero_ps();
+    for (int k = 0; k < K; ++k) acc = _mm512_fmadd_ps(_mm512_set1_ps(w[k]), _mm512_maskz_loadu_ps(m, src[k] + c), acc);
+    if (dst_bf16)
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + c, m, (__m256i)_mm512_cvtneps_pbh(acc));
+    else
+      _mm512_mask_storeu_ps(static_cast<float*>(dst) + c, m, acc);
+  }
+}
+
 }  // namespace
 
 const Kernels& kernels_avx512() {
-  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::i16, ActKind::i16}};
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4},
+                         {ActKind::bf16, ActKind::i16, ActKind::i16},
+                         {to_bf16, to_i16, silu_mul, combine}};
   return k;
 }
 

@@ -1,5 +1,6 @@
 // The reference path: portable C++, built with the compiler's baseline flags, always present.
 #include <algorithm>
+#include <cmath>
 
 #include "moe/packed.h"
 
@@ -10,7 +11,7 @@ namespace portable_generic {
 
 const Kernels& kernels_generic() {
   using namespace portable_generic;
-  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::i16, ActKind::i16}};
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::i16, ActKind::i16}, kRowOps};
   return k;
 }
 

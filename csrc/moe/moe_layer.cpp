@@ -39,8 +39,6 @@ void* alloc_on_node(size_t bytes, int node, int nodes) {
   return p;
 }
 
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
-
 // Driver-thread scratch, reused by every layer of the pool (jobs run one at a time).
 template <class T>
 T* grow(std::vector<T>& v, size_t n) {
@@ -56,49 +54,6 @@ struct Workspace {
   std::vector<int32_t> act_sum;
 };
 thread_local Workspace ws;
-
-// Activation rows of one expert in the kind its kernel reads.
-struct ActRows {
-  ActKind kind;
-  int Kp, ld, group;  // Kp values per row, ld the row stride; group: int4 sums (0: none)
-  uint16_t* bf16;
-  int16_t* q;
-  float* scale;
-  int32_t* sum;
-};
-
-void convert_row(const ActRows& a, int row, const float* src, int n) {
-  if (a.kind == ActKind::bf16) {
-    uint16_t* d = a.bf16 + size_t(row) * a.ld;
-    for (int k = 0; k < a.Kp; ++k) d[k] = k < n ? f32_to_bf16(src[k]) : 0;
-    return;
-  }
-  int16_t* d = a.q + size_t(row) * a.ld;
-  float amax = 0.f;
-  for (int k = 0; k < n; ++k) amax = std::max(amax, std::fabs(src[k]));
-  const float s = amax / 32767.f, inv = s > 0 ? 1.f / s : 0.f;
-  for (int k = 0; k < a.Kp; ++k) d[k] = k < n ? int16_t(std::nearbyint(src[k] * inv)) : 0;
-  a.scale[row] = s;
-  if (a.group) {
-    const int G = a.Kp / a.group;
-    for (int g = 0; g < G; ++g) {
-      int32_t acc = 0;
-      for (int k = g * a.group; k < (g + 1) * a.group; ++k) acc += d[k];
-      a.sum[size_t(row) * G + g] = acc;
-    }
-  }
-}
-
-void zero_row(const ActRows& a, int row) {
-  if (a.kind == ActKind::bf16) {
-    std::memset(a.bf16 + size_t(row) * a.ld, 0, size_t(a.Kp) * 2);
-  } else {
-    std::memset(a.q + size_t(row) * a.ld, 0, size_t(a.Kp) * 2);
-    a.scale[row] = 0.f;
-    if (a.group)
-      for (int g = 0; g < a.Kp / a.group; ++g) a.sum[size_t(row) * (a.Kp / a.group) + g] = 0;
-  }
-}
 
 }  // namespace
 
@@ -291,6 +246,7 @@ void MoeLayer::forward(const MoeCall& c) {
   auto n_of = [&](int j) { return row_begin[j + 1] - row_begin[j]; };
   auto kernels_of = [&](int j) -> const Kernels& { return n_of(j) >= kAmxMinTokens ? *many_ : *base_; };
   const int fmt = int(cfg_.format);
+  const RowOps& ops = base_->ops;
   const int Ra = act_begin[A];
   const int NpI = gate.blocks * kBlockRows, NpH = down.blocks * kBlockRows;
   const int Kp1 = gate.Kp, Kp2 = down.Kp;
@@ -305,9 +261,6 @@ void MoeLayer::forward(const MoeCall& c) {
   int32_t* asum = grp ? grow(ws.act_sum, size_t(Ra) * (Kmax / grp)) : nullptr;
   float* h = grow(ws.h, size_t(R) * NpI);
   float* y = grow(ws.y, size_t(R) * NpH);
-  auto act_rows = [&](int j, int Kp) {
-    return ActRows{kernels_of(j).act[fmt], Kp, stride(Kp), grp, abf, aq, ascale, asum};
-  };
   auto act_view = [&](int j, int Kp) {
     ActView a;
     a.n = n_of(j);
@@ -337,27 +290,21 @@ void MoeLayer::forward(const MoeCall& c) {
     }
   };
 
-  // Phase A: x rows -> each expert's activation rows.
+  // Phase A: x rows -> each expert's activation rows (padding rows: zeros).
   parallel_or_inline(chunks, size_t(R) * H, [&](int i, int) {
     const int j = items[i], a0 = chunk_first[i];
-    const ActRows ar = act_rows(j, Kp1);
-    std::vector<float> xf(c.x_bf16 ? H : 0);
+    const ActKind kind = kernels_of(j).act[fmt];
+    const int ld = stride(Kp1);
     for (int r = a0; r < a0 + 16; ++r) {
       const int local = r - act_begin[j];
-      if (local >= n_of(j)) {
-        zero_row(ar, r);
-        continue;
-      }
-      const int t = tok[row_begin[j] + local];
-      const float* src;
-      if (c.x_bf16) {
-        const uint16_t* xb = static_cast<const uint16_t*>(c.x) + size_t(t) * H;
-        for (int k = 0; k < H; ++k) xf[k] = bf16_to_f32(xb[k]);
-        src = xf.data();
-      } else {
-        src = static_cast<const float*>(c.x) + size_t(t) * H;
-      }
-      convert_row(ar, r, src, H);
+      const bool pad = local >= n_of(j);
+      const int t = pad ? 0 : tok[row_begin[j] + local];
+      const void* src = static_cast<const char*>(c.x) + size_t(t) * H * (c.x_bf16 ? 2 : 4);
+      if (kind == ActKind::bf16)
+        ops.to_bf16(src, c.x_bf16, pad ? 0 : H, Kp1, abf + size_t(r) * ld);
+      else
+        ops.to_i16(src, c.x_bf16, pad ? 0 : H, Kp1, grp, aq + size_t(r) * ld, ascale + r,
+                   asum ? asum + size_t(r) * (Kp1 / std::max(grp, 1)) : nullptr);
     }
   });
 
@@ -390,23 +337,23 @@ void MoeLayer::forward(const MoeCall& c) {
     float* u = grow(ubuf, size_t(a.n) * cols);
     kn.gemm[fmt](view(gate, order[it.j], it.s), it.b0, it.b1, a, hrow, NpI);
     kn.gemm[fmt](view(up, order[it.j], it.s), it.b0, it.b1, a, u, cols);
-    for (int t = 0; t < a.n; ++t)
-      for (int r = 0; r < cols; ++r) {
-        float& g = hrow[size_t(t) * NpI + r];
-        g = silu(g) * u[size_t(t) * cols + r];
-      }
+    for (int t = 0; t < a.n; ++t) ops.silu_mul(hrow + size_t(t) * NpI, u + size_t(t) * cols, cols);
   });
 
   // Phase B: h rows -> activation rows for down.
   parallel_or_inline(chunks, size_t(R) * I, [&](int i, int) {
     const int j = items[i], a0 = chunk_first[i];
-    const ActRows ar = act_rows(j, Kp2);
+    const ActKind kind = kernels_of(j).act[fmt];
+    const int ld = stride(Kp2);
     for (int r = a0; r < a0 + 16; ++r) {
       const int local = r - act_begin[j];
-      if (local >= n_of(j))
-        zero_row(ar, r);
+      const bool pad = local >= n_of(j);
+      const float* src = h + size_t(pad ? 0 : row_begin[j] + local) * NpI;
+      if (kind == ActKind::bf16)
+        ops.to_bf16(src, false, pad ? 0 : I, Kp2, abf + size_t(r) * ld);
       else
-        convert_row(ar, r, h + size_t(row_begin[j] + local) * NpI, I);
+        ops.to_i16(src, false, pad ? 0 : I, Kp2, grp, aq + size_t(r) * ld, ascale + r,
+                   asum ? asum + size_t(r) * (Kp2 / std::max(grp, 1)) : nullptr);
     }
   });
 
@@ -425,19 +372,11 @@ void MoeLayer::forward(const MoeCall& c) {
   const int col_chunks = (H + kCols - 1) / kCols;
   parallel_or_inline(T * col_chunks, size_t(R) * H, [&](int i, int) {
     const int t = i / col_chunks, c0 = (i % col_chunks) * kCols, c1 = std::min(H, c0 + kCols);
-    float acc[kCols];
-    std::fill(acc, acc + (c1 - c0), 0.f);
-    for (int k = 0; k < K; ++k) {
-      const float wk = c.weights[size_t(t) * K + k];
-      const float* yr = y + size_t(pos[size_t(t) * K + k]) * NpH;
-      for (int cc = c0; cc < c1; ++cc) acc[cc - c0] += wk * yr[cc];
-    }
-    if (c.x_bf16) {
-      uint16_t* o = static_cast<uint16_t*>(c.out) + size_t(t) * H;
-      for (int cc = c0; cc < c1; ++cc) o[cc] = f32_to_bf16(acc[cc - c0]);
-    } else {
-      std::memcpy(static_cast<float*>(c.out) + size_t(t) * H + c0, acc, size_t(c1 - c0) * 4);
-    }
+    thread_local std::vector<const float*> srcv;
+    const float** src = grow(srcv, K);
+    for (int k = 0; k < K; ++k) src[k] = y + size_t(pos[size_t(t) * K + k]) * NpH + c0;
+    char* o = static_cast<char*>(c.out) + (size_t(t) * H + c0) * (c.x_bf16 ? 2 : 4);
+    ops.combine(K, src, c.weights + size_t(t) * K, c1 - c0, o, c.x_bf16);
   });
 }
 

@@ -60,9 +60,25 @@ enum class ActKind : int { bf16 = 0, i16 = 1 };
 // out[t * ldo + (b - b0) * 32 + r] = sum_k W[b*32 + r, k] * x[t, k] for blocks [b0, b1).
 using GemmFn = void (*)(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo);
 
+// The row-wise work around the GEMMs, vectorized per ISA like the GEMMs themselves (scalar
+// code between AVX-512/AMX kernels is slow on Intel cores, and libm's expf far slower still).
+struct RowOps {
+  // dst[0:Kp] = bf16(src[0:n]), zeros in [n, Kp); src is fp32, or bf16 if src_bf16.
+  void (*to_bf16)(const void* src, bool src_bf16, int n, int Kp, uint16_t* dst);
+  // Per-row symmetric int16: dst[0:Kp] = round(src / s) (zeros past n), *scale = s = amax /
+  // 32767; if group > 0, sums[g] = sum of dst over group g (Kp / group of them).
+  void (*to_i16)(const void* src, bool src_bf16, int n, int Kp, int group, int16_t* dst, float* scale,
+                 int32_t* sums);
+  // g[i] = silu(g[i]) * u[i], i < n.
+  void (*silu_mul)(float* g, const float* u, int n);
+  // dst[0:n] = sum_k w[k] * src[k][0:n] (k in order), stored as fp32, or bf16 if dst_bf16.
+  void (*combine)(int K, const float* const* src, const float* w, int n, void* dst, bool dst_bf16);
+};
+
 struct Kernels {
   GemmFn gemm[3];       // by Format
   ActKind act[3];       // the activations each one reads
+  RowOps ops;
 };
 
 const Kernels& kernels_generic();
