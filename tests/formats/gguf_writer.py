@@ -71,14 +71,59 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None:
     writer.add_chat_template(cfg["chat_template"])
 
 
+def write_tensors(w: gguf.GGUFWriter, tensors: dict[str, torch.Tensor], arch: gguf.MODEL_ARCH, layers: int, types,
+                  rng: np.random.Generator, split_kv_b: bool = False) -> dict[str, torch.Tensor]:
+    """Add every tensor under llama.cpp's name in the type types(hf_name) picks; return what each decodes to.
+
+    split_kv_b: store DeepSeek's kv_b_proj [N * (D + V), R] as attn_k_b [N, R, D] + attn_v_b [N, V, R], as
+    newer llama.cpp conversions do (N heads, D qk_nope_head_dim, V v_head_dim, R kv_lora_rank); the caller
+    passes (N, D) as split_kv_b.
+    """
+    names = gguf.get_tensor_name_map(arch, layers)
+
+    def add(hf: str, values: np.ndarray) -> np.ndarray:
+        qtype = types(hf)
+        data = encode(values, qtype, rng)
+        # llama.cpp's converter spells the router's correction bias as a .bias of e_score_correction
+        w.add_tensor(names.get_name(hf.replace("e_score_correction_bias", "e_score_correction.bias"),
+                                    try_suffixes=(".weight", ".bias")), data, raw_dtype=qtype)
+        return dequantize(data, qtype).reshape(values.shape)
+
+    stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    decoded = {}
+    for name, t in tensors.items():
+        m = _EXPERT.fullmatch(name)
+        if m is not None:
+            stacked.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
+        elif split_kv_b and name.endswith("kv_b_proj.weight"):
+            heads, nope = split_kv_b
+            kv_b = t.float().reshape(heads, -1, t.shape[-1])  # [N, D + V, R]
+            k_b = add(name.replace("kv_b_proj", "k_b_proj"), kv_b[:, :nope].transpose(1, 2).contiguous().numpy())
+            v_b = add(name.replace("kv_b_proj", "v_b_proj"), kv_b[:, nope:].contiguous().numpy())
+            decoded[name] = torch.from_numpy(np.concatenate((k_b.swapaxes(1, 2), v_b), axis=1).reshape(t.shape).copy())
+        else:
+            decoded[name] = torch.from_numpy(add(name, t.float().numpy()).copy())
+    for (layer, proj), experts in sorted(stacked.items()):
+        values = add(f"model.layers.{layer}.mlp.experts.{proj}_proj.weight",
+                     torch.stack([experts[e] for e in sorted(experts)]).float().numpy())
+        for e in sorted(experts):
+            decoded[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = torch.from_numpy(values[e].copy())
+    return decoded
+
+
+def finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_qwen3_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_dir: Path, path: Path, types,
                      seed: int = 0, split_max_tensors: int = 0) -> dict[str, torch.Tensor]:
     """Write a Qwen3-MoE checkpoint (HF names -> float tensors) as GGUF; return what it decodes to (HF names).
 
     split_max_tensors > 0 writes a split, path-0000i-of-0000N.gguf, as llama.cpp's gguf-split does.
     """
-    rng = np.random.default_rng(seed)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, config["num_hidden_layers"])
     w = gguf.GGUFWriter(str(path), "qwen3moe", split_max_tensors=split_max_tensors)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
@@ -94,27 +139,66 @@ def write_qwen3_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_d
     w.add_expert_used_count(config["num_experts_per_tok"])
     w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     tokenizer_metadata(w, tokenizer_dir)
-    stacked: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    decoded = {}
-    for name, t in tensors.items():
-        m = _EXPERT.fullmatch(name)
-        if m is not None:
-            stacked.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = t
-            continue
-        qtype = types(name)
-        data = encode(t.float().numpy(), qtype, rng)
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data, raw_dtype=qtype)
-        decoded[name] = torch.from_numpy(dequantize(data, qtype).reshape(t.shape).copy())
-    for (layer, proj), experts in sorted(stacked.items()):
-        hf = f"model.layers.{layer}.mlp.experts.{proj}_proj.weight"
-        qtype = types(hf)
-        data = encode(torch.stack([experts[e] for e in sorted(experts)]).float().numpy(), qtype, rng)
-        w.add_tensor(names.get_name(hf, try_suffixes=(".weight",)), data, raw_dtype=qtype)
-        values = dequantize(data, qtype)
-        for e in sorted(experts):
-            decoded[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = torch.from_numpy(values[e].copy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    decoded = write_tensors(w, tensors, gguf.MODEL_ARCH.QWEN3MOE, config["num_hidden_layers"], types,
+                            np.random.default_rng(seed))
+    finish(w)
+    return decoded
+
+
+def write_deepseek_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_dir: Path, path: Path, types,
+                        split_kv_b: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Write a DeepseekV2/V3 checkpoint (transformers config dict) as llama.cpp's deepseek2 GGUF.
+
+    split_kv_b: the newer conversion (MLA as MQA: head_count_kv 1, key/value_length of the latent, per-head
+    sizes under *_mla, kv_b_proj split); else the older one (per-head key/value_length, whole attn_kv_b).
+    V2-style files get no expert_gating_func key (files from before it existed mean softmax).
+    """
+    c = config
+    rope = c.get("rope_parameters") or {}
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_leading_dense_block_count(c["first_k_dense_replace"])
+    if c.get("q_lora_rank"):
+        w.add_q_lora_rank(c["q_lora_rank"])
+    w.add_kv_lora_rank(c["kv_lora_rank"])
+    qk_head_dim = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    if split_kv_b:
+        w.add_head_count_kv(1)
+        w.add_key_length(c["kv_lora_rank"] + c["qk_rope_head_dim"])
+        w.add_value_length(c["kv_lora_rank"])
+        w.add_key_length_mla(qk_head_dim)
+        w.add_value_length_mla(c["v_head_dim"])
+    else:
+        w.add_head_count_kv(c["num_attention_heads"])
+        w.add_key_length(qk_head_dim)
+        w.add_value_length(c["v_head_dim"])
+    w.add_rope_dimension_count(c["qk_rope_head_dim"])
+    w.add_expert_count(c["n_routed_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_shared_count(c["n_shared_experts"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    w.add_expert_weights_scale(c["routed_scaling_factor"])
+    if c.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    if c.get("topk_method") != "greedy" and c.get("n_group"):
+        w.add_expert_group_count(c["n_group"])
+        w.add_expert_group_used_count(c["topk_group"])
+    if c["model_type"] == "deepseek_v3":
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    tokenizer_metadata(w, tokenizer_dir)
+    split = (c["num_attention_heads"], c["qk_nope_head_dim"]) if split_kv_b else False
+    decoded = write_tensors(w, tensors, gguf.MODEL_ARCH.DEEPSEEK2, c["num_hidden_layers"], types,
+                            np.random.default_rng(seed), split_kv_b=split)
+    finish(w)
     return decoded

@@ -3,7 +3,8 @@
 Each tensor is dequantized on read with gguf.quants (every block type that package reads: F32,
 F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ*), so a file that mixes types per
 tensor (Q4_K_M) is read tensor by tensor. Routed experts are read one expert at a time: an
-expert's rows of a stacked [E, I, H] tensor are one contiguous run of blocks.
+expert's rows of a stacked [E, I, H] tensor are one contiguous run of blocks. A DeepSeek file
+whose kv_b_proj is split into attn_k_b + attn_v_b shows it as the one HF tensor again.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from gguf.quants import dequantize
 
 from hybridmoe.errors import CheckpointError
 from hybridmoe.models.registry import read_config_json
-from hybridmoe.weights.gguf_config import mlp_name
 from hybridmoe.weights.gguf_file import GGUFFiles
-from hybridmoe.weights.gguf_names import expert_tensor, hf_name, unpermute_rows
+from hybridmoe.weights.gguf_names import expert_tensor, hf_name, join_kv_b, kv_b_part, mlp_name, unpermute_rows
 
 _EXPERT_NAME = {"block_sparse_moe": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",
                 "mlp": "model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"}
@@ -34,6 +34,7 @@ class GGUFCheckpoint:
         mlp = mlp_name(self.arch)
         self._where: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert or None)
         self._file: dict[str, str] = {}
+        self._kv_b: dict[str, tuple[str, str]] = {}  # HF kv_b_proj name -> (attn_k_b, attn_v_b) GGUF names
         for name, (tensor, path) in gguf.tensors.items():
             key = expert_tensor(name)
             if key is not None:
@@ -42,7 +43,11 @@ class GGUFCheckpoint:
                 for e in range(gguf.shape(name)[0]):
                     self._add(_EXPERT_NAME[mlp].format(layer=layer, expert=e, proj=spelled), name, e, path)
                 continue
-            target = hf_name(name, mlp)
+            layer = kv_b_part(name)
+            if layer is not None:
+                self._add_kv_b_half(layer, name, path)
+                continue
+            target = hf_name(name, self.arch)
             # unknown tensors keep their GGUF name, so the loader reports them as not part of the model
             self._add(target or name, name, None, path)
         self.heads = (gguf.metadata.get(f"{self.arch}.attention.head_count"),
@@ -51,6 +56,17 @@ class GGUFCheckpoint:
     def _add(self, hf: str, gguf_name: str, expert: int | None, path: Path) -> None:
         self._where[hf] = (gguf_name, expert)
         self._file[hf] = path.name
+
+    def _add_kv_b_half(self, layer: int, gguf_name: str, path: Path) -> None:
+        hf = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        k_b, v_b = f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"
+        if hf in self._where or f"blk.{layer}.attn_kv_b.weight" in self.gguf.tensors:
+            return  # a file that also keeps the whole attn_kv_b: read that one
+        if k_b not in self.gguf.tensors or v_b not in self.gguf.tensors:
+            raise CheckpointError(f"GGUF layer {layer} has {gguf_name} without its other half "
+                                  f"({v_b if gguf_name == k_b else k_b}); the file is incomplete")
+        self._kv_b[hf] = (k_b, v_b)
+        self._add(hf, k_b, None, path)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "GGUFCheckpoint":
@@ -77,13 +93,25 @@ class GGUFCheckpoint:
         return self.gguf.tensors[self._where[name][0]][0].tensor_type
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._kv_b:
+            (heads, rank, nope), (_, v_dim, _) = (self.gguf.shape(n) for n in self._kv_b[name])
+            return heads * (nope + v_dim), rank
         gguf_name, expert = self._where[name]
         shape = self.gguf.shape(gguf_name)
         return shape[1:] if expert is not None else shape
 
     def get(self, name: str) -> torch.Tensor:
         """float32, in torch shape."""
-        gguf_name, expert = self._where[name]
+        if name in self._kv_b:
+            return join_kv_b(*(self._read(n, None) for n in self._kv_b[name]))
+        w = self._read(*self._where[name])
+        if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            n_head = self.heads[0] if "q_proj" in name else (self.heads[1] or self.heads[0])
+            w = unpermute_rows(w, int(n_head))
+        return w
+
+    def _read(self, gguf_name: str, expert: int | None) -> torch.Tensor:
+        """One GGUF tensor (or one expert of a stacked one) dequantized to float32, in torch shape."""
         tensor = self.gguf.tensors[gguf_name][0]
         data = tensor.data if expert is None else tensor.data[expert]
         try:
@@ -91,8 +119,6 @@ class GGUFCheckpoint:
         except (NotImplementedError, ValueError) as e:
             raise CheckpointError(f"GGUF tensor {gguf_name} of type {tensor.tensor_type.name} cannot be read "
                                   f"({e or 'no dequantizer in this gguf package'})") from None
-        w = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(self.shape(name))  # a copy: the file is mapped read-only
-        if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            n_head = self.heads[0] if "q_proj" in name else (self.heads[1] or self.heads[0])
-            w = unpermute_rows(w, int(n_head))
-        return w
+        shape = self.gguf.shape(gguf_name)
+        # a copy: the file is mapped read-only
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape[1:] if expert is not None else shape)

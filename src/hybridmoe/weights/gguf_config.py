@@ -1,8 +1,17 @@
 """GGUF metadata -> the Hugging Face config.json of the same model, for the families we run.
 
 general.architecture: qwen3moe -> Qwen3MoeForCausalLM, qwen2moe -> Qwen2MoeForCausalLM, llama
-with experts -> MixtralForCausalLM. Which layers are dense (Qwen's mlp_only_layers) and whether
-the embedding is tied are read off the tensors present, not guessed.
+with experts -> MixtralForCausalLM, deepseek2 -> DeepseekV3ForCausalLM when its router scores by
+sigmoid (V3, R1, Kimi-K2), else DeepseekV2ForCausalLM (V2, V2-Lite, V2.5). Which layers are dense
+(Qwen's mlp_only_layers) and whether the embedding is tied are read off the tensors present, not
+guessed.
+
+DeepSeek's GGUF metadata loses two things the HF config has, filled as llama.cpp runs the file:
+- without expert_group_count / expert_group_used_count (files older than those keys) routing is
+  not group-limited (n_group = topk_group = 1);
+- YaRN's two mscales become one, rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim; the
+  released checkpoints set mscale = mscale_all_dim (so cos and sin are not rescaled), which is
+  what is assumed here, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -12,16 +21,15 @@ import re
 from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.gguf_file import GGUFFiles
 
-SUPPORTED = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "llama": "MixtralForCausalLM"}
-"""GGUF general.architecture -> our model class (llama only with routed experts: Mixtral)."""
+SUPPORTED = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "llama": "MixtralForCausalLM",
+             "deepseek2": "DeepseekV2ForCausalLM"}
+"""GGUF general.architecture -> our model class (llama only with routed experts: Mixtral; deepseek2 with
+sigmoid gating: DeepseekV3ForCausalLM)."""
 
-_MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
+_MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "deepseek2": "deepseek_v2"}
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
-
-
-def mlp_name(arch: str) -> str:
-    """The attribute holding a layer's MLP in the Hugging Face names (Mixtral: block_sparse_moe)."""
-    return "block_sparse_moe" if arch == "llama" else "mlp"
+SOFTMAX, SIGMOID = 1, 2
+"""{arch}.expert_gating_func values (llama.cpp's llama_expert_gating_func_type)."""
 
 
 def _first(value):
@@ -43,7 +51,7 @@ def hf_config(gguf: GGUFFiles) -> dict:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED or (arch == "llama" and not meta.get("llama.expert_count")):
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported; supported: qwen3moe, qwen2moe, "
-                              "llama with experts (Mixtral)")
+                              "deepseek2, llama with experts (Mixtral)")
 
     def get(key, default=None, required=False):
         full = f"{arch}.{key}"
@@ -68,7 +76,9 @@ def hf_config(gguf: GGUFFiles) -> dict:
         "num_experts_per_tok": int(get("expert_used_count", required=True)), "torch_dtype": "bfloat16",
     }
     experts = int(get("expert_count", required=True))
-    if arch == "llama":
+    if arch == "deepseek2":
+        _deepseek(cfg, gguf, get, experts, _dense_size(gguf, moe_layers, get("feed_forward_length", 0)))
+    elif arch == "llama":
         cfg.update(num_local_experts=experts, intermediate_size=int(get("feed_forward_length", required=True)),
                    sliding_window=None)
     else:
@@ -85,7 +95,7 @@ def hf_config(gguf: GGUFFiles) -> dict:
                                                            gguf.shape(shexp)[0] if shexp in gguf.tensors else 0)),
                    norm_topk_prob=bool(get("expert_weights_norm", False)),
                    qkv_bias="blk.0.attn_q.bias" in gguf.tensors)
-    if get("rope.scaling.type") == "yarn":
+    if get("rope.scaling.type") == "yarn" and arch != "deepseek2":
         cfg["rope_scaling"] = {"type": "yarn", "factor": float(get("rope.scaling.factor", 1.0)),
                                "original_max_position_embeddings": int(get("rope.scaling.original_context_length",
                                                                            cfg["max_position_embeddings"]))}
@@ -93,3 +103,45 @@ def hf_config(gguf: GGUFFiles) -> dict:
         if f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id" in meta:
             cfg[f"{role}_token_id"] = int(meta[f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id"])
     return cfg
+
+
+def _deepseek(cfg: dict, gguf: GGUFFiles, get, experts: int, dense_size: int) -> None:
+    """The DeepseekV2/V3 config.json fields, in place."""
+    heads = cfg["num_attention_heads"]
+    rope_dim = int(get("rope.dimension_count", required=True))
+    # Newer conversions store MLA as MQA over the latent (head_count_kv 1, key_length kv_lora_rank + rope dim)
+    # and the per-head sizes under *_mla; older ones store the per-head sizes as key/value_length.
+    qk_head_dim = int(get("attention.key_length_mla", get("attention.key_length", required=True)))
+    v_head_dim = int(get("attention.value_length_mla", get("attention.value_length", required=True)))
+    sigmoid = int(get("expert_gating_func", SOFTMAX)) == SIGMOID
+    n_group, topk_group = int(get("expert_group_count", 1)), int(get("expert_group_used_count", 1))
+    q_lora_rank = get("attention.q_lora_rank")
+    cfg.update(
+        architectures=["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        model_type="deepseek_v3" if sigmoid else "deepseek_v2", num_key_value_heads=heads,
+        intermediate_size=dense_size,
+        moe_intermediate_size=int(get("expert_feed_forward_length", required=True)),
+        n_routed_experts=experts, n_shared_experts=int(get("expert_shared_count", 0)),
+        first_k_dense_replace=int(get("leading_dense_block_count", 0)), moe_layer_freq=1,
+        routed_scaling_factor=float(get("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        q_lora_rank=int(q_lora_rank) if q_lora_rank else None, kv_lora_rank=int(get("attention.kv_lora_rank", required=True)),
+        qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk_head_dim - rope_dim, v_head_dim=v_head_dim,
+        n_group=n_group, topk_group=topk_group, attention_bias=False,
+    )
+    if sigmoid:
+        cfg.update(scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True)
+    else:
+        cfg.update(scoring_func="softmax", topk_method="group_limited_greedy" if n_group > 1 else "greedy")
+    if q_lora_rank is None and "blk.0.attn_q_a.weight" in gguf.tensors:
+        raise CheckpointError(f"{gguf.paths[0]} has attn_q_a tensors but no deepseek2.attention.q_lora_rank")
+    rope = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    if get("rope.scaling.type") == "yarn":
+        mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope = {"rope_type": "yarn", "rope_theta": cfg["rope_theta"], "factor": float(get("rope.scaling.factor", 1.0)),
+                "original_max_position_embeddings": int(get("rope.scaling.original_context_length",
+                                                            cfg["max_position_embeddings"])),
+                "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)),
+                "mscale": mscale, "mscale_all_dim": mscale, "attention_factor": 1.0}
+    cfg["rope_parameters"] = rope
