@@ -261,6 +261,8 @@ class Engine {
 
 }  // namespace
 
+void register_cuda_host(nb::module_& m);  // csrc/cuda_host_bindings.cpp
+
 NB_MODULE(_native, m) {
   m.doc() = "hybridmoe native CPU expert engine";
   m.def("cpu_features", [] {
@@ -296,4 +298,5 @@ NB_MODULE(_native, m) {
       .def_prop_ro("shape", [](const Engine& e) {
         return std::vector<int>{e.cfg().E, e.cfg().H, e.cfg().I};
       });
+  register_cuda_host(m);
 }
