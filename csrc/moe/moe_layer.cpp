@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
 
 #include "moe/pack.h"
 
@@ -46,12 +48,22 @@ T* grow(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
+// One GEMM work item: gate/up (down = 0) or down rows of expert j, slice s, blocks [b0, b1).
+struct Item { int down, j, s, b0, b1; };
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
 struct Workspace {
-  std::vector<int> counts, order, row_begin, act_begin, tok, pos, items;
-  std::vector<uint16_t> act_bf16;
-  std::vector<int16_t> act_q;
-  std::vector<float> act_scale, h, y;
-  std::vector<int32_t> act_sum;
+  std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets;
+  std::vector<Item> gemm_items;
+  std::vector<uint16_t> act_bf16, act2_bf16;  // activations of gate/up (x) and of down (h)
+  std::vector<int16_t> act_q, act2_q;
+  std::vector<float> act_scale, act2_scale, h, y;
+  std::vector<int32_t> act_sum, act2_sum;
 };
 thread_local Workspace ws;
 
@@ -247,32 +259,37 @@ void MoeLayer::forward(const MoeCall& c) {
   auto kernels_of = [&](int j) -> const Kernels& { return n_of(j) >= kAmxMinTokens ? *many_ : *base_; };
   const int fmt = int(cfg_.format);
   const RowOps& ops = base_->ops;
-  const int Ra = act_begin[A];
+  const size_t Ra = act_begin[A];
   const int NpI = gate.blocks * kBlockRows, NpH = down.blocks * kBlockRows;
   const int Kp1 = gate.Kp, Kp2 = down.Kp;
   const int grp = cfg_.format == Format::int4 ? cfg_.group : 0;
   // Row stride = Kp + 32 values: rows a multiple of 4 KiB apart would put all 16 rows of an
   // AMX A tile (and the kernels' per-token loads) into one L1 set.
   auto stride = [](int Kp) { return Kp + 32; };
-  const int Kmax = std::max(stride(Kp1), stride(Kp2));
-  uint16_t* abf = grow(ws.act_bf16, size_t(Ra) * Kmax);
-  int16_t* aq = cfg_.format == Format::bf16 ? nullptr : grow(ws.act_q, size_t(Ra) * Kmax);
+  const size_t ld1 = stride(Kp1), ld2 = stride(Kp2);
+  const bool quant = cfg_.format != Format::bf16;
+  uint16_t* abf = grow(ws.act_bf16, Ra * ld1);
+  uint16_t* abf2 = grow(ws.act2_bf16, Ra * ld2);
+  int16_t* aq = quant ? grow(ws.act_q, Ra * ld1) : nullptr;
+  int16_t* aq2 = quant ? grow(ws.act2_q, Ra * ld2) : nullptr;
   float* ascale = grow(ws.act_scale, Ra);
-  int32_t* asum = grp ? grow(ws.act_sum, size_t(Ra) * (Kmax / grp)) : nullptr;
+  float* ascale2 = grow(ws.act2_scale, Ra);
+  int32_t* asum = grp ? grow(ws.act_sum, Ra * (Kp1 / grp)) : nullptr;
+  int32_t* asum2 = grp ? grow(ws.act2_sum, Ra * (Kp2 / grp)) : nullptr;
   float* h = grow(ws.h, size_t(R) * NpI);
   float* y = grow(ws.y, size_t(R) * NpH);
-  auto act_view = [&](int j, int Kp) {
+  auto act_view = [&](int j, int Kp, const uint16_t* bf, const int16_t* q, const float* qs, const int32_t* sums) {
     ActView a;
     a.n = n_of(j);
     a.ld = stride(Kp);
     const size_t r0 = act_begin[j];
-    a.bf16 = abf + r0 * a.ld;
-    if (aq) a.q = aq + r0 * a.ld;
-    a.qscale = ascale + r0;
-    if (asum) a.qsum = asum + r0 * (Kp / grp);
+    a.bf16 = bf + r0 * a.ld;
+    if (q) a.q = q + r0 * a.ld;
+    a.qscale = qs + r0;
+    if (sums) a.qsum = sums + r0 * (Kp / grp);
     return a;
   };
-  // Chunks of 16 activation rows for the conversion phases: (expert, first row).
+  // Chunks of 16 activation rows for phase A: (expert, first row).
   std::vector<int>& items = ws.items;
   std::vector<int> chunk_first;
   items.clear();
@@ -294,77 +311,83 @@ void MoeLayer::forward(const MoeCall& c) {
   parallel_or_inline(chunks, size_t(R) * H, [&](int i, int) {
     const int j = items[i], a0 = chunk_first[i];
     const ActKind kind = kernels_of(j).act[fmt];
-    const int ld = stride(Kp1);
-    for (int r = a0; r < a0 + 16; ++r) {
+    for (size_t r = a0; r < a0 + 16; ++r) {
       const int local = r - act_begin[j];
       const bool pad = local >= n_of(j);
       const int t = pad ? 0 : tok[row_begin[j] + local];
       const void* src = static_cast<const char*>(c.x) + size_t(t) * H * (c.x_bf16 ? 2 : 4);
       if (kind == ActKind::bf16)
-        ops.to_bf16(src, c.x_bf16, pad ? 0 : H, Kp1, abf + size_t(r) * ld);
+        ops.to_bf16(src, c.x_bf16, pad ? 0 : H, Kp1, abf + r * ld1);
       else
-        ops.to_i16(src, c.x_bf16, pad ? 0 : H, Kp1, grp, aq + size_t(r) * ld, ascale + r,
+        ops.to_i16(src, c.x_bf16, pad ? 0 : H, Kp1, grp, aq + r * ld1, ascale + r,
                    asum ? asum + size_t(r) * (Kp1 / std::max(grp, 1)) : nullptr);
     }
   });
 
-  // Work items of a GEMM phase: (expert, slice, block range), grouped by slice.
-  struct Item { int j, s, b0, b1; };
-  auto make_items = [&](const Matrix& m, std::vector<Item>& out, std::vector<int>& offsets) {
-    int64_t total_blocks = int64_t(m.blocks) * A;
-    const int per = int(std::clamp<int64_t>(total_blocks / (4 * pool_->threads()), 1, 8));
-    out.clear();
-    offsets.assign(1, 0);
-    for (int s = 0; s < S; ++s) {
-      const int nb = m.slice_begin[s + 1] - m.slice_begin[s];
+  // Gate/up and down in one pool run, without a barrier between them. Items (expert, slice,
+  // block range): per slice, all gate/up items (largest experts first), then all down items.
+  // The gate/up item that finishes an expert last turns its h rows into down activations and
+  // marks it ready; a down item of an expert not ready yet waits for it. That never deadlocks:
+  // a worker reaches down items only after every gate/up item of its own group is claimed (and
+  // steals only from exhausted groups), and claimed gate/up items never wait.
+  std::vector<Item>& gemm_items = ws.gemm_items;
+  std::vector<int>& offsets = ws.offsets;
+  gemm_items.clear();
+  offsets.assign(1, 0);
+  const int64_t total_blocks = int64_t(gate.blocks + down.blocks) * A;
+  const int per_item = int(std::clamp<int64_t>(total_blocks / (8 * pool_->threads()), 1, 8));
+  std::unique_ptr<std::atomic<int>[]> pending(new std::atomic<int>[A]);
+  for (int j = 0; j < A; ++j) pending[j].store(0, std::memory_order_relaxed);
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < 2; ++m) {
+      const Matrix& mat = m ? down : gate;
+      const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
       for (int j = 0; j < A; ++j)
-        for (int b = 0; b < nb; b += per) out.push_back({j, s, b, std::min(nb, b + per)});
-      offsets.push_back(int(out.size()));
+        for (int b = 0; b < nb; b += per_item) {
+          gemm_items.push_back({m, j, s, b, std::min(nb, b + per_item)});
+          if (!m) pending[j].fetch_add(1, std::memory_order_relaxed);
+        }
+      if (m) offsets.push_back(int(gemm_items.size()));
     }
-  };
-  std::vector<Item> gemm_items;
-  std::vector<int> offsets;
-
-  // Phase 1: h = silu(x Wg^T) * (x Wu^T), rows of I split across items.
-  make_items(gate, gemm_items, offsets);
-  pool_->run(offsets, [&](int i, int) {
-    const Item it = gemm_items[i];
-    const Kernels& kn = kernels_of(it.j);
-    const ActView a = act_view(it.j, Kp1);
-    const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows, cols = (it.b1 - it.b0) * kBlockRows;
-    float* hrow = h + size_t(row_begin[it.j]) * NpI + col0;
-    thread_local std::vector<float> ubuf;
-    float* u = grow(ubuf, size_t(a.n) * cols);
-    kn.gemm[fmt](view(gate, order[it.j], it.s), it.b0, it.b1, a, hrow, NpI);
-    kn.gemm[fmt](view(up, order[it.j], it.s), it.b0, it.b1, a, u, cols);
-    for (int t = 0; t < a.n; ++t) ops.silu_mul(hrow + size_t(t) * NpI, u + size_t(t) * cols, cols);
-  });
-
-  // Phase B: h rows -> activation rows for down.
-  parallel_or_inline(chunks, size_t(R) * I, [&](int i, int) {
-    const int j = items[i], a0 = chunk_first[i];
+  auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding rows: zeros)
     const ActKind kind = kernels_of(j).act[fmt];
-    const int ld = stride(Kp2);
-    for (int r = a0; r < a0 + 16; ++r) {
+    for (size_t r = act_begin[j]; r < size_t(act_begin[j + 1]); ++r) {
       const int local = r - act_begin[j];
       const bool pad = local >= n_of(j);
       const float* src = h + size_t(pad ? 0 : row_begin[j] + local) * NpI;
       if (kind == ActKind::bf16)
-        ops.to_bf16(src, false, pad ? 0 : I, Kp2, abf + size_t(r) * ld);
+        ops.to_bf16(src, false, pad ? 0 : I, Kp2, abf2 + r * ld2);
       else
-        ops.to_i16(src, false, pad ? 0 : I, Kp2, grp, aq + size_t(r) * ld, ascale + r,
-                   asum ? asum + size_t(r) * (Kp2 / std::max(grp, 1)) : nullptr);
+        ops.to_i16(src, false, pad ? 0 : I, Kp2, grp, aq2 + r * ld2, ascale2 + r,
+                   asum2 ? asum2 + size_t(r) * (Kp2 / std::max(grp, 1)) : nullptr);
     }
-  });
+  };
 
-  // Phase 2: y = h Wd^T, rows of H split across items.
-  make_items(down, gemm_items, offsets);
   pool_->run(offsets, [&](int i, int) {
     const Item it = gemm_items[i];
-    const ActView a = act_view(it.j, Kp2);
+    const Kernels& kn = kernels_of(it.j);
+    if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
+      const ActView a = act_view(it.j, Kp1, abf, aq, ascale, asum);
+      const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows, cols = (it.b1 - it.b0) * kBlockRows;
+      float* hrow = h + size_t(row_begin[it.j]) * NpI + col0;
+      thread_local std::vector<float> ubuf;
+      float* u = grow(ubuf, size_t(a.n) * cols);
+      kn.gemm[fmt](view(gate, order[it.j], it.s), it.b0, it.b1, a, hrow, NpI);
+      kn.gemm[fmt](view(up, order[it.j], it.s), it.b0, it.b1, a, u, cols);
+      for (int t = 0; t < a.n; ++t) ops.silu_mul(hrow + size_t(t) * NpI, u + size_t(t) * cols, cols);
+      // The last one of this expert (acq_rel: it sees every other item's h) converts h.
+      if (pending[it.j].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        down_acts(it.j);
+        pending[it.j].store(-1, std::memory_order_release);
+      }
+      return;
+    }
+    // y = h Wd^T for this item's rows of H, once expert j's down activations exist.
+    for (int spin = 0; pending[it.j].load(std::memory_order_acquire) != -1; ++spin)
+      if (spin > 64) std::this_thread::yield(); else cpu_relax();
+    const ActView a = act_view(it.j, Kp2, abf2, aq2, ascale2, asum2);
     const int col0 = (down.slice_begin[it.s] + it.b0) * kBlockRows;
-    kernels_of(it.j).gemm[fmt](view(down, order[it.j], it.s), it.b0, it.b1, a,
-                               y + size_t(row_begin[it.j]) * NpH + col0, NpH);
+    kn.gemm[fmt](view(down, order[it.j], it.s), it.b0, it.b1, a, y + size_t(row_begin[it.j]) * NpH + col0, NpH);
   });
 
   // Phase C: out[t] = sum_k w[t, k] * y[row of (t, k)], k in order (deterministic).

@@ -1,7 +1,10 @@
 #include "runtime/thread_pool.h"
 
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <fstream>
@@ -31,6 +34,17 @@ bool spin_until(Pred ready) {
     HMOE_PAUSE();
     if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) return false;
   }
+}
+
+// Sleep while *word == expected (returns at once if it already differs), and wake sleepers.
+template <class A>
+void futex_wait(A& word, uint32_t expected) {
+  static_assert(sizeof(A) == 4, "futexes are 32-bit words");
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+template <class A>
+void futex_wake_all(A& word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
 }
 
 void pin_to(int cpu) {
@@ -106,12 +120,9 @@ ThreadPool::ThreadPool(int threads, int groups, std::vector<std::vector<int>> cp
 }
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
-    generation_.fetch_add(1);
-  }
-  wake_.notify_all();
+  stop_ = true;
+  generation_.fetch_add(1);
+  futex_wake_all(generation_);
   {
     std::lock_guard<std::mutex> lk(jobs_mu_);
   }
@@ -131,20 +142,20 @@ void ThreadPool::work(int worker) {
 }
 
 void ThreadPool::worker_main(int worker) {
-  uint64_t seen = 0;
+  uint32_t seen = 0;
   for (;;) {
-    auto changed = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+    auto changed = [&] { return generation_.load() != seen; };
     if (!spin_until(changed)) {
-      std::unique_lock<std::mutex> lk(mu_);
-      wake_.wait(lk, changed);
+      // Dekker with run(): it bumps generation_ then reads sleepers_; we count ourselves in
+      // and then read generation_ (all seq_cst), so one of us sees the other.
+      sleepers_.fetch_add(1);
+      while (!changed()) futex_wait(generation_, seen);
+      sleepers_.fetch_sub(1);
     }
-    seen = generation_.load(std::memory_order_acquire);
+    seen = generation_.load();
     if (stop_) return;
     work(worker);
-    if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard<std::mutex> lk(mu_);
-      done_.notify_one();
-    }
+    if (busy_.fetch_sub(1) == 1 && driver_sleeps_.load()) futex_wake_all(busy_);
   }
 }
 
@@ -162,17 +173,15 @@ void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(i
     work(0);
     return;
   }
-  busy_.store(int(workers_.size()), std::memory_order_relaxed);
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    generation_.fetch_add(1, std::memory_order_release);
-  }
-  wake_.notify_all();
+  busy_.store(int(workers_.size()));
+  generation_.fetch_add(1);
+  if (sleepers_.load() > 0) futex_wake_all(generation_);
   work(0);
-  auto finished = [&] { return busy_.load(std::memory_order_acquire) == 0; };
+  auto finished = [&] { return busy_.load() == 0; };
   if (!spin_until(finished)) {
-    std::unique_lock<std::mutex> lk(mu_);
-    done_.wait(lk, finished);
+    driver_sleeps_.store(true);
+    for (int32_t b; (b = busy_.load()) != 0;) futex_wait(busy_, uint32_t(b));
+    driver_sleeps_.store(false);
   }
 }
 

@@ -5,7 +5,8 @@
 // own group first, then steals from the other groups; items are claimed one at a time, so a
 // slow core never holds up the rest. Idle workers spin for a short while (a decode step's
 // phases follow each other within microseconds), then sleep on a condition variable, so a pool
-// of as many threads as cores never starves the thread that feeds it.
+// of as many threads as cores never starves the thread that feeds it. They sleep on futexes, so a
+// wake-up reaches all of them at once.
 //
 // Jobs (submit / wait) run in order on the pool's driver thread, which also acts as worker 0
 // of group 0 inside run(); run() must only be called from a job.
@@ -56,11 +57,14 @@ class ThreadPool {
   std::unique_ptr<Counter[]> counters_;
   const std::function<void(int, int)>* fn_ = nullptr;
 
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> busy_{0};
+  // Workers sleep on generation_ and the driver on busy_ with futexes, not a condition
+  // variable: every woken thread returns on its own, none queues on a mutex behind the others.
+  // sleepers_ / driver_sleeps_ let the wakers skip the syscall while everyone still spins.
+  std::atomic<uint32_t> generation_{0};
+  std::atomic<int32_t> busy_{0};
+  std::atomic<int32_t> sleepers_{0};
+  std::atomic<bool> driver_sleeps_{false};
   std::atomic<bool> stop_{false};
-  std::mutex mu_;
-  std::condition_variable wake_, done_;
 
   std::mutex jobs_mu_;
   std::condition_variable jobs_cv_, jobs_done_cv_;
