@@ -21,7 +21,8 @@ void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out
   _Pragma("GCC unroll 8")
   for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
   for (int p = 0; p < np; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64), _MM_HINT_T0);  // both lines of the step
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64 + 32), _MM_HINT_T0);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * 64);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
     _Pragma("GCC unroll 8")
@@ -114,36 +115,43 @@ void gemm_int8(const PackedView& w, int b0, int b1, const ActView& a, float* out
   }
 }
 
+// 32 packed bytes -> 32 words; word w's low nibble is one K value, its high nibble the one 4 later.
+inline __m512i widen(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// Up to 2 tokens, each (row tile, token) sums into two accumulators alternately: the four
+// vpdpwssd of one K step would otherwise form one dependency chain (latency-bound at T = 1).
 template <int M>
 void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16_t* x, int ld,
                const float* xscale, const int32_t* xsum, float* out, int ldo) {
+  constexpr int C = M <= 2 ? 2 : 1;  // accumulator chains per (row tile, token)
   const int G = w.Kp / w.group, steps = w.group / 8;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i nib = _mm512_set1_epi16(0x0F);
   __m512 facc[2][M];
   _Pragma("GCC unroll 8")
   for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
-    __m512i acc[2][M];
+    __m512i acc[2][M][C];
     _Pragma("GCC unroll 8")
-    for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_si512();
+    for (int i = 0; i < M; ++i)
+      _Pragma("GCC unroll 2")
+      for (int c = 0; c < C; ++c) acc[0][i][c] = acc[1][i][c] = _mm512_setzero_si512();
     for (int p = g * steps; p < (g + 1) * steps; ++p) {
       _mm_prefetch(reinterpret_cast<const char*>(wb + size_t(p + 16) * 128), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + size_t(p + 16) * 128 + 64), _MM_HINT_T0);
       _Pragma("GCC unroll 2")
       for (int h = 0; h < 2; ++h) {
-        const __m512i raw = _mm512_loadu_si512(wb + size_t(p) * 128 + h * 64);
-        const __m512i lo = _mm512_and_si512(raw, nib);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-        const __m512i q01 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
-        const __m512i q23 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
-        const __m512i q45 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
-        const __m512i q67 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+        const __m512i w0 = widen(wb + size_t(p) * 128 + h * 64), w1 = widen(wb + size_t(p) * 128 + h * 64 + 32);
+        const __m512i q01 = _mm512_and_si512(w0, nib), q45 = _mm512_srli_epi16(w0, 4);
+        const __m512i q23 = _mm512_and_si512(w1, nib), q67 = _mm512_srli_epi16(w1, 4);
         _Pragma("GCC unroll 8")
         for (int i = 0; i < M; ++i) {
           const int16_t* xi = x + size_t(i) * ld + 8 * p;
-          __m512i s = _mm512_dpwssd_epi32(acc[h][i], q01, bcast32(xi));
-          s = _mm512_dpwssd_epi32(s, q23, bcast32(xi + 2));
-          s = _mm512_dpwssd_epi32(s, q45, bcast32(xi + 4));
-          acc[h][i] = _mm512_dpwssd_epi32(s, q67, bcast32(xi + 6));
+          __m512i& a0 = acc[h][i][0];
+          __m512i& a1 = acc[h][i][C - 1];
+          a0 = _mm512_dpwssd_epi32(a0, q01, bcast32(xi));
+          a1 = _mm512_dpwssd_epi32(a1, q23, bcast32(xi + 2));
+          a0 = _mm512_dpwssd_epi32(a0, q45, bcast32(xi + 4));
+          a1 = _mm512_dpwssd_epi32(a1, q67, bcast32(xi + 6));
         }
       }
     }
@@ -154,8 +162,9 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
       const __m512 z = w.zero ? _mm512_loadu_ps(w.zero + si + 16 * h) : _mm512_set1_ps(8.f);
       _Pragma("GCC unroll 8")
       for (int i = 0; i < M; ++i) {
+        const __m512i sum = C == 2 ? _mm512_add_epi32(acc[h][i][0], acc[h][i][C - 1]) : acc[h][i][0];
         const __m512 xs = _mm512_set1_ps(float(xsum[size_t(i) * G + g]));
-        const __m512 v = _mm512_fnmadd_ps(z, xs, _mm512_cvtepi32_ps(acc[h][i]));
+        const __m512 v = _mm512_fnmadd_ps(z, xs, _mm512_cvtepi32_ps(sum));
         facc[h][i] = _mm512_fmadd_ps(v, sc, facc[h][i]);
       }
     }
