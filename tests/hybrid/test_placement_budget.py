@@ -50,8 +50,8 @@ def test_a_plan_never_exceeds_its_budget(arch, preset, policy):
     _, _, fp = footprint(arch, preset)
     all_experts = fp.num_experts * len(fp.moe_layers)
     stats = skewed_stats(fp)
-    budgets = [fp.fixed_bytes, fp.fixed_bytes + fp.expert_bytes - 1, fp.fixed_bytes + all_experts * fp.expert_bytes // 3,
-               16 * GiB, 80 * GiB, fp.fixed_bytes + all_experts * fp.expert_bytes + 1]
+    budgets = [fp.fixed_bytes, fp.fixed_bytes + fp.expert_bytes - 1, 16 * GiB, 80 * GiB,
+               fp.fixed_bytes + all_experts * fp.expert_bytes // 3, fp.fixed_bytes + all_experts * fp.expert_bytes + 1]
     for budget in [b for b in budgets if b >= fp.fixed_bytes]:
         room = (budget - fp.fixed_bytes) // fp.expert_bytes
         options = dict(gpu_memory_budget=budget)

@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _ISA_GROUPS = (("AMX", (("amx_tile", "TILE"), ("amx_bf16", "BF16"), ("amx_int8", "INT8"))),
-               ("AVX-512", (("avx512f", "F"), ("avx512_bf16", "BF16"), ("avx512_vnni", "VNNI"), ("avx512_fp16", "FP16"))),
+               ("AVX-512", (("avx512f", "F"), ("avx512_bf16", "BF16"), ("avx512_vnni", "VNNI"),
+                            ("avx512_fp16", "FP16"))),
                ("AVX2", (("avx2", ""),)))
 
 

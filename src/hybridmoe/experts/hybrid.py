@@ -161,10 +161,12 @@ class HybridExperts(ExpertBackend):
         # index_select copies: the GPU side gets only its experts, the CPU engine only the others
         gpu = None
         if len(gpu_ids):
-            gpu = tuple(w.index_select(0, gpu_ids.to(w.device)).to(self.device) for w in (gate_proj, up_proj, down_proj))
+            gpu = tuple(w.index_select(0, gpu_ids.to(w.device)).to(self.device)
+                        for w in (gate_proj, up_proj, down_proj))
         cpu = None
         if len(cpu_ids):
-            cpu = self._cpu_layer(*(w.index_select(0, cpu_ids.to(w.device)).cpu() for w in (gate_proj, up_proj, down_proj)))
+            cpu = self._cpu_layer(*(w.index_select(0, cpu_ids.to(w.device)).cpu()
+                                    for w in (gate_proj, up_proj, down_proj)))
         self._layers[layer] = _Layer(on_gpu, local, gpu, cpu, self.device)
 
     def layers(self):

@@ -1,0 +1,103 @@
+"""What expert deferral costs in accuracy: next-token distributions with K deferred experts vs K=0.
+
+    python benchmarks/deferral_quality.py --model DIR [--model DIR ...] [--ks 1,2,3] [--prompts 4]
+                                          [--prompt-len 64] [--json F]
+
+For each model, random token prompts are prefilled once per K (teacher forcing: every position
+sees the same tokens), and at every position we compare the next-token distribution p_K with p_0:
+mean KL(p_0 || p_K) in nats, and greedy agreement = the share of positions whose argmax is the
+same. Each model is loaded once (the torch reference experts, all on the CPU, float32 for fp32
+checkpoints) and K is switched on the same backend (K=0 is bit-identical to no deferral: tested
+in tests/hybrid/test_deferral.py). K values at or above the model's experts per token are skipped.
+Synthetic checkpoints (random weights) from `hybridmoe make-model` are what this measures by
+default; their next-token distributions are nearly flat (the table's "p0 top-1": mean probability
+of p_0's argmax), so greedy agreement there mostly measures near-ties; KL is the steadier figure, and
+a trained model's numbers will differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from hybridmoe.config import EngineConfig
+from hybridmoe.engine.context import single_sequence_context, use_context
+from hybridmoe.weights.loader import load_model
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, action="append", metavar="DIR", help="repeat for several models")
+    parser.add_argument("--ks", default="1,2,3", help="deferred experts per token to measure (default 1,2,3)")
+    parser.add_argument("--prompts", type=int, default=4, help="random prompts per model")
+    parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (each position is measured)")
+    parser.add_argument("--dtype", default="auto", help="compute dtype (default: the checkpoint's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="also write the results here")
+    return parser.parse_args(argv)
+
+
+@torch.inference_mode()
+def log_probs(model, ids: list[int]) -> torch.Tensor:
+    """[T, V] float32 next-token log-probabilities of one prompt prefilled from position 0."""
+    with use_context(single_sequence_context(len(ids))):
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)))
+    return torch.log_softmax(model.compute_logits(hidden), dim=-1)
+
+
+def measure(model_dir: str, ks: list[int], args) -> list[dict]:
+    loaded = load_model(model_dir, EngineConfig(dtype=args.dtype, expert_backend="torch", gpu_experts_per_layer=0,
+                                                max_num_seqs=1, max_model_len=args.prompt_len))
+    model, experts, config = loaded.model, loaded.experts, loaded.config
+    model.allocate_kv_cache(1, args.prompt_len)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=g).tolist()
+               for _ in range(args.prompts)]
+    experts.deferred_experts = 0
+    exact = [log_probs(model, p) for p in prompts]
+    # how peaked p_0 is: random-weight models are nearly flat, so their argmax flips on tiny changes
+    top1 = float(torch.cat([ref.exp().max(-1).values for ref in exact]).mean())
+    rows = []
+    for k in ks:
+        if k >= config.num_experts_per_tok:
+            continue
+        experts.deferred_experts = k
+        start = time.perf_counter()
+        kl, agree, n = 0.0, 0, 0
+        for p, ref in zip(prompts, exact):
+            got = log_probs(model, p)
+            kl += float((ref.exp() * (ref - got)).sum())
+            agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+            n += ref.shape[0]
+        rows.append({"model": str(model_dir), "model_type": config.get("model_type"),
+                     "layers": config.num_hidden_layers, "moe_layers": len(model.moe_layers),
+                     "experts_per_token": config.num_experts_per_tok, "deferred_experts": k,
+                     "mean_kl_nats": kl / n, "greedy_agreement": agree / n, "positions": n,
+                     "mean_top1_prob_k0": top1,
+                     "dtype": str(loaded.dtype).removeprefix("torch."),
+                     "seconds": round(time.perf_counter() - start, 2)})
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ks = [int(k) for k in args.ks.split(",")]
+    rows = [row for model_dir in args.model for row in measure(model_dir, ks, args)]
+    print(f"{'model':<40} {'type':<12} {'layers':>6} {'top-k':>5} {'K':>2} {'mean KL (nats)':>15} "
+          f"{'greedy agree':>12} {'p0 top-1':>8} {'positions':>9}")
+    for r in rows:
+        print(f"{Path(r['model']).name:<40} {r['model_type']:<12} {r['layers']:>6} {r['experts_per_token']:>5} "
+              f"{r['deferred_experts']:>2} {r['mean_kl_nats']:>15.3e} {100 * r['greedy_agreement']:>11.1f}% "
+              f"{r['mean_top1_prob_k0']:>8.1e} {r['positions']:>9}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"prompts": args.prompts, "prompt_len": args.prompt_len,
+                                               "seed": args.seed, "results": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
