@@ -25,3 +25,6 @@ bench() {  # falls back to AVX-512 if the default (AMX) run fails, so a table al
 BENCH_TIMEOUT=${QWEN_TIMEOUT:-150} bench qwen3 --shape qwen3-30b-a3b --tokens 1,4,64,512,2048
 BENCH_TIMEOUT=60 bench qwen3_t15 --shape qwen3-30b-a3b --tokens 1,4 --threads 15 --no-torch
 BENCH_TIMEOUT=${DSV3_TIMEOUT:-240} bench dsv3 --shape deepseek-v3 --tokens 1,4,2048 --reps 15
+
+# CPU/GPU handoff (native host functions on the CUDA stream): device test, then µs per layer vs Python callbacks.
+echo "== cuda handoff"; timeout 180 $PY -m pytest tests/device/test_cuda_handoff.py -q -p no:cacheprovider 2>&1 | tee "$OUT/handoff_tests.log" | tail -5; timeout 180 $PY benchmarks/handoff.py --json "$OUT/handoff.json" 2>&1 | tee "$OUT/handoff.log"

@@ -1,0 +1,233 @@
+"""CPU expert layers ordered on a CUDA stream by native host functions: the CPU/GPU handoff.
+
+T tokens, K experts per token, H hidden. For one layer whose routed experts run on the CPU:
+
+    handoff = CudaHandoff({layer: cpu_experts, ...}, max_tokens=8, top_k=K)
+    out = handoff.enqueue(stream, layer, hidden, topk_ids, topk_weights)   # all on `stream`:
+        D2H   hidden [T, H], topk_ids [T, K], topk_weights [T, K] -> pinned staging buffers
+        host  the native engine runs the layer on the staged rows (submit + wait, one host node)
+        H2D   staged output [T, H] -> out (on the GPU, hidden's dtype)
+
+or split, so GPU work enqueued in between (shared experts, GPU-resident experts) overlaps the
+CPU's: enqueue_submit(stream, layer, ...) ... enqueue_wait(stream, layer) -> out.
+
+The host functions are C++ (csrc/cuda_host_bindings.cpp), run by CUDA's own thread in stream
+order: no Python and no GIL on that path. All of it is capturable: inside torch.cuda.graph(...)
+the copies and host functions become nodes of the graph and run on every replay. Staging
+buffers and the per-(layer, T) argument packs keep their addresses for this object's lifetime:
+keep it alive as long as any graph captured with it. Arguments are checked here, at enqueue
+time; a host function that fails (an expert id out of range) zeroes that layer's output and
+records the error, which check() raises.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.cpu_experts import CpuExperts, _native
+
+_HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
+_IDS_DTYPES = (torch.int32, torch.int64)
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cudart_candidates() -> list[str]:
+    """Where the CUDA runtime torch uses lives: the libcudart mapped in this process, then the
+    ones shipped beside torch (torch/lib, nvidia/cu*/lib, nvidia/cuda_runtime/lib)."""
+    found = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                if "/libcudart" in path and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    torch_dir = os.path.dirname(torch.__file__)
+    site = os.path.dirname(torch_dir)
+    for d in [os.path.join(torch_dir, "lib"), *sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib")))]:
+        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+            path = os.path.join(d, name)
+            if os.path.exists(path) and path not in found:
+                found.append(path)
+    return found
+
+
+def load_cuda_runtime() -> str:
+    """Load libcudart for the native host functions (once); returns the path or name loaded."""
+    try:
+        return _native().load_cuda_runtime(cudart_candidates())
+    except RuntimeError as e:
+        raise HybridMoEError(f"{e}\nthe CUDA handoff needs the CUDA runtime torch uses; "
+                             "run without CUDA graphs (--no-cuda-graph) or install torch with CUDA") from None
+
+
+class _Staging:
+    """One layer's pinned buffers: hidden, output [max_tokens, H]; ids, weights [max_tokens, K]."""
+
+    def __init__(self, max_tokens: int, H: int, K: int, dtype: torch.dtype, ids_dtype: torch.dtype):
+        self.x = torch.zeros(max_tokens, H, dtype=dtype, pin_memory=True)
+        self.ids = torch.zeros(max_tokens, K, dtype=ids_dtype, pin_memory=True)
+        self.weights = torch.zeros(max_tokens, K, dtype=torch.float32, pin_memory=True)
+        self.out = torch.zeros(max_tokens, H, dtype=dtype, pin_memory=True)
+
+
+class CudaHandoff:
+    """Native CPU/GPU handoff for the CPU-resident routed experts of several layers.
+
+    experts: {layer: CpuExperts} (or a sequence, layers 0..n-1). max_tokens: the most tokens one
+    call carries (the largest batch a graph is captured for). top_k: K, columns of topk_ids.
+    dtype: the hidden states' dtype (bfloat16 or float32). device: the CUDA device (default:
+    the current one).
+    """
+
+    def __init__(self, experts: Mapping[int, CpuExperts] | Sequence[CpuExperts], max_tokens: int, top_k: int,
+                 dtype: torch.dtype = torch.bfloat16, ids_dtype: torch.dtype = torch.int64,
+                 device: torch.device | str | None = None):
+        if not torch.cuda.is_available():
+            raise HybridMoEError("the CUDA handoff needs a CUDA GPU, and torch sees none "
+                                 "(torch.cuda.is_available() is False); run the experts without it")
+        if dtype not in _HIDDEN_DTYPES:
+            raise HybridMoEError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+        if ids_dtype not in _IDS_DTYPES:
+            raise HybridMoEError(f"ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
+        experts = dict(experts) if isinstance(experts, Mapping) else dict(enumerate(experts))
+        if not experts:
+            raise HybridMoEError("the CUDA handoff needs at least one layer of CPU experts")
+        for layer, ex in experts.items():
+            if not isinstance(ex, CpuExperts):
+                raise HybridMoEError(f"layer {layer}: the CUDA handoff runs the native CpuExperts only, "
+                                     f"got {type(ex).__name__}")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise HybridMoEError(f"device must be a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.runtime = load_cuda_runtime()
+        self.dtype, self.max_tokens, self.top_k = dtype, int(max_tokens), int(top_k)
+        self._native = self._call(_native().CudaHandoff, self.max_tokens, self.top_k)
+        self._experts = experts  # their packed buffers are the ones the native layers compute with
+        self._index: dict[int, int] = {}
+        self._staging: dict[int, _Staging] = {}
+        self._pending: dict[int, int] = {}  # layer -> T of an enqueue_submit not yet waited for
+        for layer, ex in experts.items():
+            st = ex.packed_state()
+            E, H, I = st["shape"]
+            if self.top_k > E:
+                raise HybridMoEError(f"top_k {self.top_k} exceeds layer {layer}'s {E} CPU experts")
+            s = _Staging(self.max_tokens, H, self.top_k, dtype, ids_dtype)
+            self._index[layer] = self._call(
+                self._native.add_layer, E, H, I, st["format"], st["group_size"], st["zero_points"], ex.threads,
+                ex.isa, st["numa_nodes"], st["buffers"], s.x, s.ids, s.weights, s.out)
+            self._staging[layer] = s
+
+    @staticmethod
+    def _call(fn, *args):
+        try:
+            return fn(*args)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise HybridMoEError(str(e)) from None
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self._index)
+
+    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
+        stream = torch.cuda.current_stream(self.device) if stream is None else stream
+        if stream.device != self.device:
+            raise HybridMoEError(f"stream is on {stream.device}, the handoff on {self.device}")
+        return stream
+
+    def _check_gpu(self, name: str, t: torch.Tensor, shape: tuple[int, int], dtypes) -> None:
+        if not isinstance(t, torch.Tensor) or t.device != self.device:
+            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+            raise HybridMoEError(f"{name} must be a tensor on {self.device}, got {where}")
+        if tuple(t.shape) != shape:
+            raise HybridMoEError(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
+        if t.dtype not in dtypes:
+            raise HybridMoEError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+
+    def enqueue_submit(self, stream: torch.cuda.Stream | None, layer: int, hidden: torch.Tensor,
+                       topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """On `stream`: copy hidden [T, H], topk_ids [T, K], topk_weights [T, K] to the staging
+        buffers, then start the layer on the CPU (the host function returns at once)."""
+        stream = self._stream(stream)
+        if layer in self._pending:
+            raise HybridMoEError(f"layer {layer} was submitted twice; enqueue_wait it first")
+        T = self._stage(stream, layer, hidden, topk_ids, topk_weights)
+        self._call(self._native.enqueue_submit, stream.cuda_stream, self._index[layer], T)
+        self._pending[layer] = T
+
+    def enqueue_wait(self, stream: torch.cuda.Stream | None, layer: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """On `stream`: block until the layer's CPU work is done, then copy its output [T, H] to
+        `out` (allocated on the GPU if None) and return it."""
+        stream = self._stream(stream)
+        if layer not in self._pending:
+            raise HybridMoEError(f"layer {layer} has no enqueue_submit to wait for")
+        T = self._pending[layer]
+        out = self._out(stream, layer, T, out)
+        self._call(self._native.enqueue_wait, stream.cuda_stream, self._index[layer], T)
+        del self._pending[layer]
+        with torch.cuda.stream(stream):
+            out.copy_(self._staging[layer].out[:T], non_blocking=True)
+        return out
+
+    def enqueue(self, stream: torch.cuda.Stream | None, layer: int, hidden: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """D2H copies, the layer on the CPU (one host function: submit and wait), H2D copy; all on
+        `stream`. Returns out [T, H] (allocated on the GPU if None)."""
+        stream = self._stream(stream)
+        if layer in self._pending:
+            raise HybridMoEError(f"layer {layer} has an enqueue_submit not yet waited for; enqueue_wait it first")
+        T = self._stage(stream, layer, hidden, topk_ids, topk_weights)
+        out = self._out(stream, layer, T, out)
+        self._call(self._native.enqueue_forward, stream.cuda_stream, self._index[layer], T)
+        with torch.cuda.stream(stream):
+            out.copy_(self._staging[layer].out[:T], non_blocking=True)
+        return out
+
+    def run_on_host(self, layers: Sequence[int], T: int) -> None:
+        """What the host functions do, here and without CUDA: each layer's CPU work on the first T
+        staged rows, one after another (the CPU step's own cost, for benchmarks)."""
+        unknown = [layer for layer in layers if layer not in self._index]
+        if unknown:
+            raise HybridMoEError(f"layers {unknown} have no CPU experts in this handoff (layers: {self.layers})")
+        self._call(self._native.run, [self._index[layer] for layer in layers], int(T))
+
+    def check(self) -> None:
+        """Raise the first error a host function recorded since the last check (after a sync)."""
+        err = self._native.take_error()
+        if err is not None:
+            raise HybridMoEError(f"CPU experts on the CUDA stream failed: {err}")
+
+    def _stage(self, stream, layer: int, hidden, topk_ids, topk_weights) -> int:
+        """Checks the inputs, enqueues their copies to the layer's staging buffers; returns T."""
+        if layer not in self._index:
+            raise HybridMoEError(f"layer {layer} has no CPU experts in this handoff (layers: {self.layers})")
+        T = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() == 2 else -1
+        if not 1 <= T <= self.max_tokens:
+            raise HybridMoEError(f"hidden must be [T, H] with 1 <= T <= max_tokens ({self.max_tokens}), "
+                                 f"got shape {list(getattr(hidden, 'shape', []))}")
+        s = self._staging[layer]
+        self._check_gpu("hidden", hidden, (T, s.x.shape[1]), (self.dtype,))
+        self._check_gpu("topk_ids", topk_ids, (T, self.top_k), _IDS_DTYPES)
+        self._check_gpu("topk_weights", topk_weights, (T, self.top_k), _WEIGHT_DTYPES)
+        with torch.cuda.stream(stream):
+            s.x[:T].copy_(hidden, non_blocking=True)
+            s.ids[:T].copy_(topk_ids, non_blocking=True)
+            s.weights[:T].copy_(topk_weights, non_blocking=True)
+        return T
+
+    def _out(self, stream, layer: int, T: int, out: torch.Tensor | None) -> torch.Tensor:
+        H = self._staging[layer].out.shape[1]
+        if out is None:
+            with torch.cuda.stream(stream):
+                return torch.empty(T, H, dtype=self.dtype, device=self.device)
+        self._check_gpu("out", out, (T, H), (self.dtype,))
+        return out

@@ -1,0 +1,140 @@
+"""The native CPU/GPU handoff on a CUDA GPU; run by scripts/device_check.sh on the GPU host.
+
+Eager enqueue must give what CpuExperts.forward gives on the same rows (same engine, same
+kernels: bit for bit), and a decode-like chain of layers captured in a CUDA graph must replay to
+what the same chain gives eagerly, for T = 1 and T = 4.
+
+T tokens, K experts per token, E experts, H hidden, I expert intermediate size, L layers.
+"""
+
+import pytest
+import torch
+
+from hybridmoe import CpuExperts
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.cuda_handoff import CudaHandoff
+
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+E, H, I, K, TMAX, L = 16, 256, 128, 4, 4, 3
+
+
+@pytest.fixture(scope="module")
+def layers() -> list[CpuExperts]:
+    out = []
+    for layer in range(L):
+        g = torch.Generator().manual_seed(layer)
+        out.append(CpuExperts(torch.randn(E, I, H, generator=g) / H**0.5, torch.randn(E, I, H, generator=g) / H**0.5,
+                              torch.randn(E, H, I, generator=g) / I**0.5, format="bf16", threads=4))
+    return out
+
+
+@pytest.fixture(scope="module")
+def routers() -> torch.Tensor:
+    """[L, H, E] router weights on the GPU."""
+    return torch.randn(L, H, E, generator=torch.Generator().manual_seed(99)).cuda()
+
+
+@pytest.fixture
+def handoff(layers) -> CudaHandoff:
+    return CudaHandoff(layers, max_tokens=TMAX, top_k=K)
+
+
+def route(x: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K ids [T, K] and softmax weights [T, K] of x [T, H]. An elementwise product and a
+    sum, not a GEMM: the same kernels in the graph and eagerly, so the ids agree exactly."""
+    logits = (x.float().unsqueeze(-1) * router).sum(dim=1)
+    weights, ids = torch.softmax(logits, dim=-1).topk(K, dim=-1)
+    return ids, weights
+
+
+def hidden(T: int, seed: int) -> torch.Tensor:
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).cuda()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["enqueue", "submit_wait"])
+@pytest.mark.parametrize("T", [1, 4])
+def test_eager_enqueue_equals_cpu_experts_forward(handoff, layers, routers, T, split):
+    stream = torch.cuda.current_stream()
+    for layer in range(L):
+        x = hidden(T, seed=10 * layer + T)
+        ids, weights = route(x, routers[layer])
+        if split:
+            handoff.enqueue_submit(stream, layer, x, ids, weights)
+            out = handoff.enqueue_wait(stream, layer)
+        else:
+            out = handoff.enqueue(stream, layer, x, ids, weights)
+        torch.cuda.synchronize()
+        handoff.check()
+        expected = layers[layer].forward(x.cpu(), ids.cpu(), weights.cpu())
+        assert out.device.type == "cuda" and torch.equal(out.cpu(), expected)
+
+
+def decode_step(handoff: CudaHandoff, routers: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """L layers of: route on the GPU, experts on the CPU through the handoff, residual add.
+    Odd layers use submit/wait with GPU work between (what overlaps the CPU in the engine)."""
+    for layer in range(L):
+        ids, weights = route(x, routers[layer])
+        if layer % 2:
+            handoff.enqueue_submit(None, layer, x, ids, weights)
+            shared = x * 0.5
+            x = x + shared + handoff.enqueue_wait(None, layer)
+        else:
+            x = x + handoff.enqueue(None, layer, x, ids, weights)
+    return x
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_graph_replay_equals_eager(handoff, routers, T):
+    static_x = hidden(T, seed=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the default stream, as capture wants
+        decode_step(handoff, routers, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = decode_step(handoff, routers, static_x)
+    outs = []
+    for seed in (1, 2, 3):
+        x = hidden(T, seed)
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = static_out.clone()
+        eager = decode_step(handoff, routers, x)
+        torch.cuda.synchronize()
+        handoff.check()
+        assert torch.equal(replayed, eager)
+        outs.append(replayed)
+    assert not torch.equal(outs[0], outs[1])  # each replay computed its own input
+
+
+def test_out_of_range_id_zeroes_output_and_check_raises(handoff):
+    x = hidden(2, seed=0)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, E]], device="cuda")
+    out = handoff.enqueue(None, 0, x, ids, torch.full((2, K), 0.25, device="cuda"))
+    torch.cuda.synchronize()
+    assert not out.any()
+    with pytest.raises(HybridMoEError, match=r"topk_ids\[1, 3\] = 16 is out of range for 16 experts"):
+        handoff.check()
+
+
+@pytest.mark.parametrize("args, match", [
+    (lambda: (0, hidden(1, 0).cpu()), "hidden must be a tensor on cuda:0"),
+    (lambda: (0, hidden(TMAX + 1, 0)), r"1 <= T <= max_tokens \(4\)"),
+    (lambda: (0, hidden(1, 0).float()), "hidden must be torch.bfloat16"),
+    (lambda: (L, hidden(1, 0)), f"layer {L} has no CPU experts"),
+])
+def test_enqueue_argument_errors(handoff, args, match):
+    layer, x = args()
+    T = x.shape[0] if x.dim() == 2 else 1
+    ids = torch.arange(K, device="cuda").repeat(T, 1)
+    with pytest.raises(HybridMoEError, match=match):
+        handoff.enqueue(None, layer, x, ids, torch.ones(T, K, device="cuda"))
+
+
+def test_wait_without_submit_is_an_error(handoff):
+    with pytest.raises(HybridMoEError, match="no enqueue_submit to wait for"):
+        handoff.enqueue_wait(None, 0)
