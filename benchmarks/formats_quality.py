@@ -1,18 +1,27 @@
-"""Quality of each expert weight format: relative error of one MoE layer's output vs fp32, per format.
+"""Quality of each expert weight format: one MoE layer's output error vs fp32, and the models' next-token KL vs bf16.
 
-    python benchmarks/formats_quality.py [--json out.json]
+    python benchmarks/formats_quality.py [--json out.json] [--real-model DIR]
 
 Formats: the native engine's bf16, int8, int4 g128, int4 g32 (CpuExperts, its own quantizer), and
 GGUF Q8_0 (gguf.quants) and Q4_K (a plain min/max Q4_K encoder here: gguf cannot write K-quants;
 llama.cpp's own searches scales and does better), whose decoded weights run in fp32 (what the
 torch expert backend computes from a GGUF). Shapes: tiny (E=8, H=256, I=256, top-2) and real
 (Qwen3-30B-A3B: E=128, H=2048, I=768, top-8); weights N(0, 0.02) like make-model's; 32 tokens.
+
+KL: whole models, mean over positions of KL(p_bf16 || p_format) of the next-token distributions,
+where p_bf16 is the model in bf16 with its routed experts on the torch backend in bf16, and each
+format changes only the routed experts: the native engine's bf16/int8/int4 (activations in bf16),
+or GGUF Q8_0/Q4_K decoded to fp32 and computed in fp32 on the torch backend (everything else bf16).
+Models: tiny (a 2-layer Qwen3-MoE of the shape above, written here) and --real-model, e.g.
+`hybridmoe make-model --arch qwen3_moe --preset qwen3-30b-a3b --layers 2 --out DIR` (3.7 GB);
+64 random tokens in each of 2 sequences.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +29,13 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
+from hybridmoe.config import EngineConfig
+from hybridmoe.engine.context import Context, use_context
 from hybridmoe.experts.cpu_experts import CpuExperts
-from hybridmoe.experts.torch_ref import ref_moe
+from hybridmoe.experts.torch_ref import TorchExperts, ref_moe
+from hybridmoe.models.registry import load_config
+from hybridmoe.weights.loader import build_model, load_model, load_weights
+from hybridmoe.weights.quantized import open_checkpoint
 
 SHAPES = {"tiny": (8, 256, 256, 2), "real (Qwen3-30B-A3B)": (128, 2048, 768, 8)}
 
@@ -78,20 +92,102 @@ def layer_errors(E, H, I, K, tokens=32, seed=0) -> dict[str, float]:
     return errors
 
 
+NATIVE = (("bf16", "bf16", 128), ("int8", "int8", 128), ("int4 g128", "int4", 128), ("int4 g32", "int4", 32))
+GGUF = (("Q8_0", Q.Q8_0), ("Q4_K", Q.Q4_K))
+
+
+class GGUFRoundTripExperts(TorchExperts):
+    """The torch expert backend over weights that went through a GGUF type and back, kept in fp32."""
+
+    def __init__(self, qtype: Q):
+        super().__init__()
+        self.qtype = qtype
+
+    def set_layer(self, layer, gate_proj, up_proj, down_proj):
+        # expert by expert: a whole real-shape layer in float32 numpy copies would take several GB
+        super().set_layer(layer, *(torch.stack([gguf_roundtrip(w[e].float(), self.qtype) for e in range(w.shape[0])])
+                                   for w in (gate_proj, up_proj, down_proj)))
+
+
+def write_tiny_model(out: Path) -> Path:
+    """A 2-layer bf16 Qwen3-MoE whose expert widths (256) every format can encode."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=2048, hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, initializer_range=0.02,
+                            tie_word_embeddings=False)
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def log_probs(model, sequences: list[list[int]]) -> torch.Tensor:
+    """Next-token log-probabilities [sum of lengths, V] float32, one sequence at a time."""
+    model.allocate_kv_cache(1, max(len(s) for s in sequences))
+    out = []
+    for ids in sequences:
+        with use_context(Context(slot_ids=[0], start_pos=[0], cu_seqlens=[0, len(ids)])):
+            hidden = model(torch.tensor(ids), torch.arange(len(ids)))
+        out.append(model.compute_logits(hidden).float().log_softmax(-1))
+    return torch.cat(out)
+
+
+def gguf_model(model_dir: Path, qtype: Q):
+    cls, config = load_config(model_dir)
+    model = build_model(cls, config, GGUFRoundTripExperts(qtype), torch.bfloat16, "cpu")
+    with open_checkpoint(model_dir, config) as ckpt:
+        load_weights(model, ckpt, torch.device("cpu"), torch.bfloat16)
+    return model
+
+
+def model_kl(model_dir: Path, tokens: int = 64, sequences: int = 2, seed: int = 0) -> dict[str, float]:
+    """Mean KL(p_bf16 || p_format) per format, in nats, over every position of the random sequences."""
+    _, config = load_config(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, config.vocab_size, (tokens,), generator=g).tolist() for _ in range(sequences)]
+    base = dict(dtype="bfloat16", device="cpu", cache_dir="")
+    want = log_probs(load_model(model_dir, EngineConfig(expert_backend="torch", **base)).model, seqs)
+
+    def kl(got: torch.Tensor) -> float:
+        return float((want.exp() * (want - got)).sum(-1).mean())
+
+    results = {}
+    for name, fmt, group in NATIVE:
+        engine = EngineConfig(expert_backend="native", expert_format=fmt, expert_group_size=group, **base)
+        results[name] = kl(log_probs(load_model(model_dir, engine).model, seqs))
+    for name, qtype in GGUF:
+        results[name] = kl(log_probs(gguf_model(model_dir, qtype), seqs))
+    return results
+
+
+def print_table(title: str, rows: dict[str, dict[str, float]], fmt: str) -> None:
+    formats = list(next(iter(rows.values())))
+    print(f"| {title} | " + " | ".join(formats) + " |")
+    print("|---|" + "---|" * len(formats))
+    for shape, values in rows.items():
+        print(f"| {shape} | " + " | ".join(format(values[f], fmt) for f in formats) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--real-model", type=Path, default=None,
+                        help="a real-shape checkpoint for the KL rows (make-model ... --layers 2)")
     args = parser.parse_args()
     check = torch.randn(4, 256) * 0.02
     assert ((gguf_roundtrip(check, Q.Q4_K) - check).norm() / check.norm()) < 0.15, "Q4_K encoder is broken"
-    results = {shape: layer_errors(*dims) for shape, dims in SHAPES.items()}
-    formats = list(next(iter(results.values())))
-    print("| MoE layer output, relative error vs fp32 | " + " | ".join(formats) + " |")
-    print("|---|" + "---|" * len(formats))
-    for shape, errs in results.items():
-        print(f"| {shape} | " + " | ".join(f"{errs[f]:.4f}" for f in formats) + " |")
+    errors = {shape: layer_errors(*dims) for shape, dims in SHAPES.items()}
+    print_table("MoE layer output, relative error vs fp32", errors, ".4f")
+    with tempfile.TemporaryDirectory() as tmp:
+        kls = {"tiny (Qwen3-MoE, 2 layers, H=256, E=8)": model_kl(write_tiny_model(Path(tmp) / "tiny"))}
+    if args.real_model is not None:
+        kls[f"real ({args.real_model.name})"] = model_kl(args.real_model)
+    print()
+    print_table("next-token KL vs bf16, mean nats/token", kls, ".2e")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({"layer_relative_error": errors, "next_token_kl": kls}, indent=1))
 
 
 if __name__ == "__main__":
