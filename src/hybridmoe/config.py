@@ -9,7 +9,7 @@ from hybridmoe.errors import HybridMoEError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXPERT_BACKENDS = ("auto", "torch", "native")
-EXPERT_FORMATS = ("bf16", "int8", "int4")
+EXPERT_FORMATS = ("auto", "bf16", "int8", "int4")
 EXPERT_PLACEMENTS = ("uniform", "frequency", "front-loading")
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -49,8 +49,10 @@ class EngineConfig:
     native when it is built and can hold the model's precision (SiLU experts, a bf16/fp16 compute dtype, or a
     converted directory), else torch (so float32 models stay exact)."""
 
-    expert_format: str = "bf16"
-    """Weight format of routed experts in the native engine: bf16, int8 or int4."""
+    expert_format: str = "auto"
+    """Weight format of routed experts in the native engine: bf16, int8 or int4. "auto": the format nearest the
+    checkpoint's own (GGUF Q8_0/Q5/Q6 -> int8, Q4/Q3/Q2 -> int4 g32, GPTQ/AWQ 4-bit -> int4 in their group size
+    when it is 32/64/128; float weights -> bf16), said in a log line; weights/native_format.py has the table."""
 
     expert_group_size: int = 128
     """Group size for int4 experts (32, 64 or 128)."""

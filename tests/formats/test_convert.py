@@ -48,7 +48,16 @@ def test_converted_dir_needs_matching_engine_options(tiny_qwen3, tmp_path):
     with pytest.raises(HybridMoEError, match="--expert-format int4 --expert-group-size 32"):
         load_model(out, native("int4", 128))
     with pytest.raises(HybridMoEError, match="--expert-backend native"):
-        load_model(out, EngineConfig(dtype="float32", cache_dir=""))
+        load_model(out, EngineConfig(expert_backend="torch", dtype="float32", cache_dir=""))
+
+
+def test_converted_dir_loads_with_default_engine_options(tiny_qwen3, tmp_path):
+    out = tmp_path / "conv"
+    convert_checkpoint(tiny_qwen3, out, format="int4", group_size=32, threads=1, progress=False)
+    # expert_backend and expert_format "auto" take what the directory was converted for
+    want = logits(load_model(out, native("int4", 32)))
+    torch.testing.assert_close(logits(load_model(out, EngineConfig(cpu_threads=1, dtype="float32", cache_dir=""))),
+                               want, atol=0, rtol=0)
 
 
 def test_convert_cli_refuses_to_overwrite_without_force(tiny_qwen3, tmp_path, capsys):

@@ -3,6 +3,7 @@
 - expert_backend "auto": the native CPU engine when it is built and can hold the model's precision
   (SiLU experts and a bf16/fp16 compute dtype, or a directory already converted for it); otherwise
   the torch reference, so a float32 model stays exact.
+- expert_format "auto": the native format nearest the checkpoint's (weights/native_format.py).
 - gpu_memory_budget None on a GPU with the native engine: 90% of the GPU's free memory, so the
   routed experts the GPU can hold run there and the rest on the CPU.
 """
@@ -53,7 +54,10 @@ def auto_gpu_budget(engine_config: EngineConfig) -> int | None:
 def resolve_engine_config(engine_config: EngineConfig, config, dtype: torch.dtype,
                           model_dir: str | Path) -> EngineConfig:
     """engine_config with every "auto" replaced by what this machine and model call for."""
+    from hybridmoe.weights.native_format import resolve_expert_format
+
     resolved = replace(engine_config, expert_backend=resolve_expert_backend(engine_config, config, dtype, model_dir))
+    resolved = resolve_expert_format(resolved, config, model_dir)
     return replace(resolved, gpu_memory_budget=auto_gpu_budget(resolved))
 
 

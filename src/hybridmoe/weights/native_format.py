@@ -1,0 +1,101 @@
+"""expert_format "auto": routed experts go to the native engine in the format nearest the checkpoint's own.
+
+    GGUF Q8_0, Q5_*, Q6_K (and Q8_1/Q8_K)              -> int8
+    GGUF Q4_0, Q4_1, Q4_K, IQ4_*                       -> int4, groups of 32 (their blocks)
+    GGUF Q3_K, Q2_K, IQ3/IQ2/IQ1 (blocks of 16 or 32)  -> int4, groups of 32 (the finest the engine has)
+    GPTQ / AWQ 4-bit (and 2/3-bit GPTQ)                -> int4 in the checkpoint's group size if it is 32, 64
+                                                          or 128, else expert_group_size
+    GPTQ 8-bit                                         -> int8
+    GGUF F32/F16/BF16, safetensors (bf16/fp16/fp32/FP8)  -> bf16
+    a `hybridmoe convert`ed directory                  -> the format and group size it was packed in
+A GGUF that mixes types across its expert tensors (Q4_K_M keeps some down projections in Q6_K) takes
+the format that most expert weights map to; a tie goes to the more precise one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from hybridmoe.config import EngineConfig
+
+log = logging.getLogger("hybridmoe.weights")
+
+_PRECISION = {"bf16": 2, "int8": 1, "int4": 0}
+_INT8_TYPES = {"Q8_0", "Q8_1", "Q8_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
+_INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS",
+               "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}
+_BF16_TYPES = {"F32", "F16", "BF16", "F64"}
+INT4_GGUF_GROUP = 32
+"""Q4_0/Q4_1 blocks and Q4_K sub-blocks hold 32 weights; the smaller blocks of Q3_K/Q2_K round up to it."""
+
+
+def gguf_type_format(type_name: str) -> str:
+    """The native format nearest one GGUF tensor type (by its GGMLQuantizationType name)."""
+    if type_name in _INT8_TYPES:
+        return "int8"
+    if type_name in _INT4_TYPES:
+        return "int4"
+    if type_name in _BF16_TYPES:
+        return "bf16"
+    return "int8"  # a type newer than this table: int8 loses the least of whatever it holds
+
+
+def _from_gguf(model_dir: Path) -> tuple[str, int | None, str]:
+    from hybridmoe.weights.gguf_file import GGUFFiles
+    from hybridmoe.weights.gguf_names import expert_tensor
+
+    source = json.loads((model_dir / "gguf_source.json").read_text())
+    gguf = GGUFFiles(source["files"][0])
+    weights: dict[str, int] = {}  # format -> expert weights that map to it
+    types: dict[str, int] = {}
+    for name, (tensor, _) in gguf.tensors.items():
+        if expert_tensor(name) is None:
+            continue
+        kind = tensor.tensor_type.name
+        fmt = gguf_type_format(kind)
+        weights[fmt] = weights.get(fmt, 0) + int(tensor.n_elements)
+        types[kind] = types.get(kind, 0) + 1
+    if not weights:
+        return "bf16", None, "a GGUF file without routed-expert tensors"
+    fmt = max(weights, key=lambda f: (weights[f], _PRECISION[f]))
+    seen = ", ".join(f"{k} x{n}" for k, n in sorted(types.items()))
+    return fmt, INT4_GGUF_GROUP if fmt == "int4" else None, f"GGUF experts ({seen})"
+
+
+def _from_quantization_config(qc: dict) -> tuple[str, int | None, str] | None:
+    method = qc.get("quant_method")
+    if method not in ("gptq", "awq"):
+        return None
+    bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
+    fmt = "int8" if bits == 8 else "int4"
+    return fmt, group if fmt == "int4" and group in (32, 64, 128) else None, f"{method.upper()} {bits}-bit g{group}"
+
+
+def source_expert_format(model_dir: str | Path, config) -> tuple[str, int | None, str]:
+    """(native format, int4 group size or None for "keep expert_group_size", what the source is)."""
+    from hybridmoe.weights.expert_cache import read_manifest
+
+    model_dir = Path(model_dir)
+    manifest = read_manifest(model_dir)
+    if manifest is not None:
+        return manifest["format"], int(manifest["group_size"]), "converted directory"
+    if (model_dir / "gguf_source.json").is_file():
+        return _from_gguf(model_dir)
+    found = _from_quantization_config(config.get("quantization_config") or {})
+    return found or ("bf16", None, "float weights")
+
+
+def resolve_expert_format(engine_config: EngineConfig, config, model_dir: str | Path) -> EngineConfig:
+    """engine_config with expert_format "auto" replaced by the source's nearest native format (logged)."""
+    if engine_config.expert_format != "auto":
+        return engine_config
+    fmt, group, source = source_expert_format(model_dir, config)
+    resolved = replace(engine_config, expert_format=fmt, expert_group_size=group or engine_config.expert_group_size)
+    if engine_config.expert_backend != "torch":
+        group_note = f" g{resolved.expert_group_size}" if fmt == "int4" else ""
+        log.info("routed experts: %s%s in the native engine, nearest to the checkpoint's %s "
+                 "(set expert_format to choose)", fmt, group_note, source)
+    return resolved
