@@ -201,7 +201,15 @@ class Engine {
     layer_->set_buffer(name, a.data(), a.nbytes());
   }
 
-  uint64_t submit(Array x, Array ids, Array weights, MutArray out) {
+  uint64_t submit(Array x, Array ids, Array weights, MutArray out) { return layer_->submit(make_call(x, ids, weights, out)); }
+
+  void run(Array x, Array ids, Array weights, MutArray out) {
+    const hmoe::MoeCall call = make_call(x, ids, weights, out);
+    nb::gil_scoped_release nogil;
+    layer_->run(call);
+  }
+
+  hmoe::MoeCall make_call(Array& x, Array& ids, Array& weights, MutArray& out) {
     const auto& c = cfg();
     check_array(x, "x", {-1, c.H});
     const bool bf16 = x.dtype() == kBf16;
@@ -243,7 +251,7 @@ class Engine {
     call.ids64 = ids64;
     call.weights = static_cast<const float*>(weights.data());
     call.out = out.data();
-    return layer_->submit(call);
+    return call;
   }
 
   void wait(uint64_t ticket) {
@@ -289,6 +297,8 @@ NB_MODULE(_native, m) {
       .def("set_buffer", &Engine::set_buffer, "name"_a, "array"_a)
       .def("submit", &Engine::submit, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a)
       .def("wait", &Engine::wait, "ticket"_a)
+      .def("run", &Engine::run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
+           "submit + wait on the calling thread (GIL released), without the driver thread.")
       .def_prop_ro("isa", [](const Engine& e) { return std::string(kIsaNames[int(e.cfg().isa)]); })
       .def_prop_ro("format", [](const Engine& e) { return std::string(kFormatNames[int(e.cfg().format)]); })
       .def_prop_ro("threads", [](const Engine& e) { return e.cfg().threads; })

@@ -41,7 +41,8 @@ void* alloc_on_node(size_t bytes, int node, int nodes) {
   return p;
 }
 
-// Driver-thread scratch, reused by every layer of the pool (jobs run one at a time).
+// Scratch of the thread that runs a job (the pool's driver, or run()'s caller), reused by every
+// layer of the pool (jobs run one at a time).
 template <class T>
 T* grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
@@ -218,6 +219,10 @@ uint64_t MoeLayer::submit(const MoeCall& call) {
 }
 
 void MoeLayer::wait(uint64_t ticket) { pool_->wait(ticket); }
+
+void MoeLayer::run(const MoeCall& call) {
+  pool_->run_here([&] { forward(call); });
+}
 
 void MoeLayer::forward(const MoeCall& c) {
   const int T = c.T, K = c.K, E = cfg_.E, H = cfg_.H, I = cfg_.I, S = cfg_.numa_nodes;

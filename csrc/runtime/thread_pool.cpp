@@ -217,6 +217,11 @@ void ThreadPool::wait(uint64_t ticket) {
   }
 }
 
+void ThreadPool::run_here(const std::function<void()>& job) {
+  std::lock_guard<std::mutex> exec(exec_mu_);
+  job();
+}
+
 void ThreadPool::driver_main() {
   uint64_t taken = 0;
   for (;;) {
@@ -232,6 +237,7 @@ void ThreadPool::driver_main() {
     }
     std::exception_ptr err;
     try {
+      std::lock_guard<std::mutex> exec(exec_mu_);
       job.second();
     } catch (...) {
       err = std::current_exception();

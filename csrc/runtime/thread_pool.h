@@ -9,7 +9,8 @@
 // wake-up reaches all of them at once.
 //
 // Jobs (submit / wait) run in order on the pool's driver thread, which also acts as worker 0
-// of group 0 inside run(); run() must only be called from a job.
+// of group 0 inside run(); run() must only be called from a job. run_here() runs a job on the
+// caller's thread (as worker 0), one job at a time with the driver's.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -43,6 +44,9 @@ class ThreadPool {
   // rethrows what it threw.
   uint64_t submit(std::function<void()> job);
   void wait(uint64_t ticket);
+  // Runs a job on the calling thread instead of the driver, exclusive with the driver's jobs
+  // (a synchronous call skips two thread wake-ups: the driver's and the waiter's).
+  void run_here(const std::function<void()>& job);
 
  private:
   struct alignas(64) Counter { std::atomic<int> next{0}; int end = 0; };
@@ -66,6 +70,7 @@ class ThreadPool {
   std::atomic<bool> driver_sleeps_{false};
   std::atomic<bool> stop_{false};
 
+  std::mutex exec_mu_;  // held while a job runs (driver or run_here)
   std::mutex jobs_mu_;
   std::condition_variable jobs_cv_, jobs_done_cv_;
   std::vector<std::pair<uint64_t, std::function<void()>>> jobs_;

@@ -86,6 +86,8 @@ def test_submit_twice_and_wait_without_submit(experts):
     experts.submit(*inputs())
     with pytest.raises(HybridMoEError, match="called twice"):
         experts.submit(*inputs())
+    with pytest.raises(HybridMoEError, match="between submit"):
+        experts.forward(*inputs())
     experts.wait()
 
 

@@ -158,8 +158,15 @@ class CpuExperts:
         return out
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]); x [T, H] bf16 or fp32."""
-        self.submit(x, topk_ids, topk_weights)
-        return self.wait()
+        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]); x [T, H] bf16 or fp32.
+
+        Runs on the calling thread with the pool's workers (GIL released): no hand-off to the
+        pool's driver thread, which submit()/wait() need to overlap with other work.
+        """
+        if self._pending is not None:
+            raise HybridMoEError("forward() called between submit() and wait(); call wait() first")
+        out = torch.empty_like(x) if x.dim() == 2 else x
+        self._call(self._engine.run, x, topk_ids, topk_weights, out)
+        return out
 
     __call__ = forward
