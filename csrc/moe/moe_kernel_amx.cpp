@@ -1,7 +1,7 @@
 // AMX kernels (built with -mamx-tile -mamx-bf16 plus AVX-512) for experts with many tokens.
 // All formats run BF16 tiles: bf16 weights are read in place (a 32-row block at K chunk kc is
 // two 16x32 B tiles at stride 128 B); int8 blocks are widened to bf16 exactly (the row scale is
-// applied to the result) and int4 blocks dequantized to bf16, once per block into a
+// applied to the result) and int4 blocks dequantized to bf16 ((q - z) * s), once per block into a
 // thread-local buffer, then reused for every token. Activations are bf16 rows, n padded to 16.
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -80,14 +80,6 @@ void block_tiles(const uint16_t* wb, int Kp, const ActView& a, float* out, int l
   }
 }
 
-// 32 int16 words -> 32 bf16 in the same order, computed as (q - z) * s when scaled.
-inline __m512i words_to_bf16(__m512i q, __m512 zlo, __m512 zhi, __m512 slo, __m512 shi) {
-  const __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q)));
-  const __m512 fhi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1)));
-  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_sub_ps(fhi, zhi), shi),
-                                      _mm512_mul_ps(_mm512_sub_ps(flo, zlo), slo));
-}
-
 uint16_t* scratch(size_t elems) {
   thread_local std::vector<uint16_t> buf;
   if (buf.size() < elems) buf.resize(elems);
@@ -105,14 +97,13 @@ void gemm_bf16(const PackedView& w, int b0, int b1, const ActView& a, float* out
 void gemm_int8(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
   configure_tiles();
   uint16_t* buf = scratch(size_t(w.Kp) * 32);
-  const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.f);
   for (int b = b0; b < b1; ++b) {
     const int8_t* wb = reinterpret_cast<const int8_t*>(w.w) + size_t(b) * w.Kp * 32;
-    for (int p = 0; p < w.Kp / 2; ++p)
-      for (int h = 0; h < 2; ++h) {
-        const __m512i q = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32 * h)));
-        _mm512_storeu_si512(buf + p * 64 + 32 * h, words_to_bf16(q, zero, zero, one, one));
-      }
+    for (int i = 0; i < w.Kp * 32; i += 32) {  // int8 -> fp32 -> bf16, exact (|q| <= 128)
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + i))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + i + 16))));
+      _mm512_storeu_si512(buf + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
     block_tiles(buf, w.Kp, a, out + size_t(b - b0) * kBlockRows, ldo, w.scale + size_t(b) * kBlockRows);
   }
   _tile_release();
@@ -122,29 +113,35 @@ void gemm_int4(const PackedView& w, int b0, int b1, const ActView& a, float* out
   configure_tiles();
   uint16_t* buf = scratch(size_t(w.Kp) * 32);
   const int G = w.Kp / w.group, steps = w.group / 8;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  // A word pair (row r, k even / odd) takes row r's scale: lanes 0..15 hold rows 0..7 twice.
-  const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
+  const __m512i nib = _mm512_set1_epi32(0x0F);
+  // 16 bytes widened to dwords hold rows 8c..8c+7 of one half, two K each: dword 2r+j is row
+  // 8c+r. Lane i therefore takes the scale of row 8c + i/2.
+  const __m512i dup[2] = {_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                          _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8)};
   for (int b = b0; b < b1; ++b) {
     const uint8_t* wb = w.w + size_t(b) * (w.Kp / 8) * 128;
     for (int g = 0; g < G; ++g) {
       const size_t si = (size_t(b) * G + g) * kBlockRows;
       for (int h = 0; h < 2; ++h) {
         const __m512 s = _mm512_loadu_ps(w.scale + si + 16 * h);
-        const __m512 z = w.zero ? _mm512_loadu_ps(w.zero + si + 16 * h) : _mm512_set1_ps(8.f);
-        const __m512 slo = _mm512_permutexvar_ps(dup_lo, s), shi = _mm512_permutexvar_ps(dup_hi, s);
-        const __m512 zlo = _mm512_permutexvar_ps(dup_lo, z), zhi = _mm512_permutexvar_ps(dup_hi, z);
+        const __m512 zs = _mm512_mul_ps(w.zero ? _mm512_loadu_ps(w.zero + si + 16 * h) : _mm512_set1_ps(8.f), s);
+        const __m512 sc[2] = {_mm512_permutexvar_ps(dup[0], s), _mm512_permutexvar_ps(dup[1], s)};
+        const __m512 zc[2] = {_mm512_permutexvar_ps(dup[0], zs), _mm512_permutexvar_ps(dup[1], zs)};
         for (int p = g * steps; p < (g + 1) * steps; ++p) {
-          const __m512i raw = _mm512_loadu_si512(wb + size_t(p) * 128 + h * 64);
-          const __m512i lo = _mm512_and_si512(raw, nib);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-          const __m512i q[4] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)),
-                                _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
-                                _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)),
-                                _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
-          for (int j = 0; j < 4; ++j)  // K pair (8p + 2j, 8p + 2j + 1) is pair row 4p + j
-            _mm512_storeu_si512(buf + size_t(4 * p + j) * 64 + 32 * h, words_to_bf16(q[j], zlo, zhi, slo, shi));
+          const uint8_t* raw = wb + size_t(p) * 128 + h * 64;
+          // Bytes [0, 32): K 8p+j (low nibble) and 8p+4+j (high); bytes [32, 64): 8p+2+j, 8p+6+j.
+          for (int quad = 0; quad < 2; ++quad) {
+            __m512 f[2][2];  // [low/high nibble][rows 0-7 / 8-15]
+            for (int c = 0; c < 2; ++c) {
+              const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(raw + 32 * quad + 16 * c)));
+              f[0][c] = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(d, nib)), sc[c], zc[c]);
+              f[1][c] = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4)), sc[c], zc[c]);
+            }
+            // K pair (8p + 2j, 8p + 2j + 1) is pair row 4p + j: j = quad (low), 2 + quad (high).
+            for (int hi = 0; hi < 2; ++hi)
+              _mm512_storeu_si512(buf + size_t(4 * p + 2 * hi + quad) * 64 + 32 * h,
+                                  (__m512i)_mm512_cvtne2ps_pbh(f[hi][1], f[hi][0]));
+          }
         }
       }
     }
