@@ -18,6 +18,11 @@ buffers and the per-(layer, T) argument packs keep their addresses for this obje
 keep it alive as long as any graph captured with it. Arguments are checked here, at enqueue
 time; a host function that fails (an expert id out of range) zeroes that layer's output and
 records the error, which check() raises.
+
+Measured on the GPU host (H200, torch 2.11, benchmarks/handoff.py, 48 layers, toy CPU step),
+beyond the copies and the CPU work: ~45-51 µs per layer for one native host function in a graph,
+~121-146 µs for a Python-side synchronize or a Python host callback. The native figure is the
+driver's host-node round trip (GPU -> CUDA's callback thread -> GPU), not Python.
 """
 
 from __future__ import annotations
