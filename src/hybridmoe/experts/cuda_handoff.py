@@ -21,8 +21,9 @@ records the error, which check() raises.
 
 Measured on the GPU host (H200, torch 2.11, benchmarks/handoff.py, 48 layers, toy CPU step),
 beyond the copies and the CPU work: ~45-51 µs per layer for one native host function in a graph,
-~121-146 µs for a Python-side synchronize or a Python host callback. The native figure is the
-driver's host-node round trip (GPU -> CUDA's callback thread -> GPU), not Python.
+~121-146 µs for a Python-side synchronize or a Python host callback. What remains in the native
+figure is, by inference (not measured apart), the driver's host-node round trip: GPU -> CUDA's
+callback thread -> GPU.
 """
 
 from __future__ import annotations
