@@ -202,3 +202,19 @@ def write_deepseek_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenize
                             np.random.default_rng(seed), split_kv_b=split)
     finish(w)
     return decoded
+
+
+def spm_tokenizer_metadata(writer: gguf.GGUFWriter, tokens: list[str], scores: list[float], types: list[int],
+                           chat_template: str) -> None:
+    """A SentencePiece vocabulary as llama.cpp writes a Llama/Mixtral one: <unk> 0, <s> 1, </s> 2, add BOS."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(True)
+    writer.add_chat_template(chat_template)

@@ -3,20 +3,29 @@
 Byte-level BPE ("gpt2" in tokenizer.ggml.model: Qwen, DeepSeek, Llama-3 style) is rebuilt with the
 `tokenizers` library from tokenizer.ggml.tokens / merges / token_type: CONTROL tokens become
 special added tokens, USER_DEFINED ones added tokens; the pre-tokenizer split follows
-tokenizer.ggml.pre (GPT-2's, or Qwen2's). SentencePiece vocabularies ("llama") are not rebuilt.
+tokenizer.ggml.pre (GPT-2's, or Qwen2's).
+
+SentencePiece BPE ("llama": Llama/Mistral/Mixtral) is rebuilt as Hugging Face's Llama tokenizer.json
+is: a byte-fallback BPE over tokenizer.ggml.tokens whose merges come from tokenizer.ggml.scores.
+SentencePiece merges, at each step, the adjacent pair whose concatenation is the highest-scoring
+piece; so every split of a piece into two pieces is a merge, ranked by the merged piece's score
+(ties by id). Spaces become "▁", with one in front of the text (and after each special token)
+unless tokenizer.ggml.add_space_prefix is false; BYTE tokens (<0x41>) spell what the vocabulary lacks.
 """
 
 from __future__ import annotations
 
 import warnings
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import AddedToken
 
 from hybridmoe.errors import CheckpointError
 
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 """tokenizer.ggml.token_type values (llama.cpp's llama_token_type)."""
+SPACE = "\u2581"
+"""SentencePiece's visible space, "▁"."""
 
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -34,39 +43,74 @@ def _pre_tokenizer(pre: str | None):
     return pre_tokenizers.ByteLevel(add_prefix_space=False)
 
 
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Every (left, right) whose concatenation is a NORMAL piece, the highest-scoring merged piece first."""
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] not in (CONTROL, BYTE)}
+    ranked = []
+    for i, piece in enumerate(tokens):
+        if types[i] != NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], i, vocab[left], left, right))
+    return [(left, right) for *_, left, right in sorted(ranked)]
+
+
+def _spm_tokenizer(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer:
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    if len(scores) != len(tokens):
+        raise CheckpointError(f"GGUF tokenizer has {len(tokens)} tokens but {len(scores)} scores")
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None else next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types), unk_token=unk,
+                               byte_fallback=True, fuse_unk=True))
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    escape = normalizers.Replace(" ", SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), escape]) if space_prefix else escape
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return tok
+
+
 def tokenizer_files(meta: dict) -> tuple[Tokenizer, dict] | None:
     """(tokenizer, tokenizer_config dict) from GGUF metadata; None (with a warning) if it has none we rebuild."""
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         return None
-    if kind != "gpt2":
-        warnings.warn(f"GGUF tokenizer model {kind!r} is not rebuilt (only byte-level BPE, 'gpt2'); "
-                      "this model takes token ids, not text", stacklevel=2)
+    if kind not in ("gpt2", "llama"):
+        warnings.warn(f"GGUF tokenizer model {kind!r} is not rebuilt (only byte-level BPE 'gpt2' and SentencePiece "
+                      "BPE 'llama'); this model takes token ids, not text", stacklevel=2)
         return None
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    merges = meta.get("tokenizer.ggml.merges") or []
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
         raise CheckpointError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
-    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-    tok.decoder = decoders.ByteLevel()
+    if kind == "llama":
+        tok = _spm_tokenizer(meta, tokens, types)
+    else:
+        merges = meta.get("tokenizer.ggml.merges") or []
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                   merges=[tuple(m.split(" ", 1)) for m in merges]))
+        tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        tok.decoder = decoders.ByteLevel()
     added = [AddedToken(t, special=ty == CONTROL, normalized=False)
              for t, ty in zip(tokens, types) if ty in (CONTROL, USER_DEFINED)]
     tok.add_tokens(added)
+    vocab = {t: i for i, t in enumerate(tokens)}
     config = {}
     for role, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id")):
         token_id = meta.get(f"tokenizer.ggml.{key}")
         if token_id is not None and 0 <= int(token_id) < len(tokens):
             config[role] = tokens[int(token_id)]
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and "bos_token" in config
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and "bos_token" in config
     if add_bos:
         bos = config["bos_token"]
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                            special_tokens=[(bos, vocab[bos])])
-    else:
+    elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     config["add_bos_token"] = add_bos
     if meta.get("tokenizer.chat_template") is not None:
