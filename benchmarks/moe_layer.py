@@ -1,7 +1,7 @@
 """One MoE layer's routed experts on the CPU: our engine vs plain torch, same process.
 
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format bf16,int8,int4 \
-        --tokens 1,4,64,512,2048 [--threads N] [--isa amx] [--json out.json]
+        --tokens 1,4,64,512,2048 [--threads N] [--isa amx] [--flush write|read] [--json out.json]
 
 Per (format, T): median ms per call (decode sizes: caches flushed between calls, so weights
 come from DRAM), GB/s of expert weights read (distinct experts touched x packed bytes each),
@@ -123,6 +123,8 @@ def main():
     ap.add_argument("--experts", type=int, default=None, help="override E (to fit a small machine)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    ap.add_argument("--flush", default="write", choices=["write", "read"],
+                    help="how decode sizes evict the caches between calls (see main)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -133,10 +135,17 @@ def main():
     threads = args.threads or default_threads()
     tokens = [int(t) for t in args.tokens.split(",")]
     bw = host_read_gbps(threads)
-    # Write 256 MiB from this thread alone (numpy): evicts every cache level without waking
-    # torch's OpenMP workers, which would busy-wait on the cores our workers are pinned to.
-    flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
-    flush = lambda: np.add(flush_buf, 1, out=flush_buf)
+    # Touch a buffer larger than the last-level cache from this thread alone (numpy): evicts
+    # every cache level without waking torch's OpenMP workers, which would busy-wait on the
+    # cores our workers are pinned to. "write" leaves the caches full of dirty lines, which the
+    # next call's reads must write back first; "read" leaves them clean (closer to a model,
+    # whose other layers' weights are what the caches hold between two calls of this layer).
+    if args.flush == "write":
+        flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
+        flush = lambda: np.add(flush_buf, 1, out=flush_buf)
+    else:
+        flush_buf = np.ones(768 * 1024 * 1024 // 8, dtype=np.uint64)
+        flush = lambda: flush_buf.sum()
 
     peak_rss_reset()
     rss0 = peak_rss_gb()
@@ -176,7 +185,8 @@ def main():
         err = accuracy(shape, fmt, args.group_size, ex.isa, threads)
         for T, touched, ms in results:
             gbps = touched * per_expert / ms / 1e6
-            row = dict(shape=args.shape, format=fmt, group_size=args.group_size if fmt == "int4" else None,
+            row = dict(shape=args.shape, format=fmt, flush=args.flush if T <= DECODE_MAX_T else None,
+                       group_size=args.group_size if fmt == "int4" else None,
                        isa=ex.isa, threads=threads, tokens=T, ms=ms, gbps=gbps, bw_fraction=gbps / bw,
                        tflops=2 * 3 * H * I * T * K / ms / 1e9, torch_ms=torch_ms.get(T),
                        speedup=torch_ms[T] / ms if T in torch_ms else None, rel_err_vs_fp32=err,
