@@ -5,6 +5,7 @@ Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediat
     experts = CpuExperts(gate_proj, up_proj, down_proj, format="int4", group_size=64)
     out = experts.forward(x, topk_ids, topk_weights)           # x [T, H] bf16/fp32 -> [T, H]
     experts.submit(x, topk_ids, topk_weights); ...; out = experts.wait()   # GIL released
+    out = torch.ops.hybridmoe.cpu_experts(x, topk_ids, topk_weights, experts.handle)  # traceable
 
 Weights are quantized and tiled once, here, expert by expert (a float32 copy of one expert at
 a time, never of the layer). `packed_state()` / `CpuExperts.from_packed(state)` move the packed
@@ -13,7 +14,9 @@ form without repacking (the buffers are used in place, e.g. memory-mapped from a
 
 from __future__ import annotations
 
+import itertools
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -21,6 +24,25 @@ import torch
 from hybridmoe.errors import HybridMoEError
 
 FORMATS = ("bf16", "int8", "int4")
+
+# Layers reachable from the custom op by handle (the op's schema takes tensors and ints only).
+_LAYERS: "weakref.WeakValueDictionary[int, CpuExperts]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+@torch.library.custom_op("hybridmoe::cpu_experts", mutates_args=())
+def cpu_experts_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   handle: int) -> torch.Tensor:
+    """The layer `handle` (CpuExperts.handle) on x [T, H]: what CpuExperts.forward returns."""
+    layer = _LAYERS.get(handle)
+    if layer is None:
+        raise HybridMoEError(f"no live CpuExperts layer has handle {handle}")
+    return layer.forward(x, topk_ids, topk_weights)
+
+
+@cpu_experts_op.register_fake
+def _(x, topk_ids, topk_weights, handle):
+    return torch.empty_like(x)
 
 
 def _native():
@@ -78,6 +100,8 @@ class CpuExperts:
                                   bool(zero_points), threads, isa or "", int(numa_nodes), adopt)
         self._adopted: dict[str, object] = {}
         self._pending: tuple | None = None
+        self.handle = next(_HANDLES)  # for torch.ops.hybridmoe.cpu_experts(x, ids, w, handle)
+        _LAYERS[self.handle] = self
 
     @staticmethod
     def _call(fn, *args):
