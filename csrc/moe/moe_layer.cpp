@@ -214,6 +214,7 @@ void MoeLayer::unpack_expert(int e, float* gate, float* up, float* down) const {
 }
 
 uint64_t MoeLayer::submit(const MoeCall& call) {
+  pool_->prewake();
   last_ticket_ = pool_->submit([this, call] { forward(call); });
   return last_ticket_;
 }
@@ -221,6 +222,7 @@ uint64_t MoeLayer::submit(const MoeCall& call) {
 void MoeLayer::wait(uint64_t ticket) { pool_->wait(ticket); }
 
 void MoeLayer::run(const MoeCall& call) {
+  pool_->prewake();
   pool_->run_here([&] { forward(call); });
 }
 

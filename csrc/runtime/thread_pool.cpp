@@ -149,8 +149,9 @@ void ThreadPool::worker_main(int worker) {
       // Dekker with run(): it bumps generation_ then reads sleepers_; we count ourselves in
       // and then read generation_ (all seq_cst), so one of us sees the other.
       sleepers_.fetch_add(1);
-      while (!changed()) futex_wait(generation_, seen);
+      if (!changed()) futex_wait(generation_, seen);
       sleepers_.fetch_sub(1);
+      continue;  // woken by run(), prewake() or spuriously: spin again before sleeping
     }
     seen = generation_.load();
     if (stop_) return;
@@ -183,6 +184,10 @@ void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(i
     for (int32_t b; (b = busy_.load()) != 0;) futex_wait(busy_, uint32_t(b));
     driver_sleeps_.store(false);
   }
+}
+
+void ThreadPool::prewake() {
+  if (sleepers_.load() > 0) futex_wake_all(generation_);
 }
 
 void ThreadPool::run(int items, const std::function<void(int, int)>& fn) {

@@ -39,6 +39,9 @@ class ThreadPool {
   void run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn);
   // Same with every item in group 0's range (any worker may take them).
   void run(int items, const std::function<void(int, int)>& fn);
+  // Wakes sleeping workers so that they spin (a run() is coming): their wake-up latency then
+  // overlaps the caller's own preparation. Any thread may call it.
+  void prewake();
 
   // Queue a job for the driver; returns its ticket. wait(ticket) blocks until it has run and
   // rethrows what it threw.
