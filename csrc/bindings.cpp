@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "moe/moe_layer.h"
+#include "moe/pack_codes.h"
 #include "runtime/cpu_features.h"
 #include "runtime/thread_pool.h"
 
@@ -168,6 +169,29 @@ class Engine {
                         static_cast<const float*>(down.data()));
   }
 
+  // mats: codes uint8 [N, K], scales and zeros fp32 [N, K / group], of gate, up and down in turn.
+  void pack_expert_codes(int e, std::vector<Array> mats) {
+    check_expert(e);
+    const auto& c = cfg();
+    if (mats.size() != 9) fail("pack_expert_codes takes 9 arrays (codes, scales, zeros of gate, up, down)");
+    hmoe::CodesMatrix m[3];
+    for (int i = 0; i < 3; ++i) {
+      const int64_t N = i < 2 ? c.I : c.H, K = i < 2 ? c.H : c.I;
+      const std::string name = i == 0 ? "gate" : i == 1 ? "up" : "down";
+      check_array(mats[3 * i], (name + " codes").c_str(), {N, K});
+      check_dtype(mats[3 * i].dtype(), nb::dtype<uint8_t>(), (name + " codes").c_str());
+      for (int j = 1; j < 3; ++j) {
+        const std::string what = name + (j == 1 ? " scales" : " zeros");
+        check_array(mats[3 * i + j], what.c_str(), {N, K / c.group});
+        check_dtype(mats[3 * i + j].dtype(), nb::dtype<float>(), what.c_str());
+      }
+      m[i] = {static_cast<const uint8_t*>(mats[3 * i].data()), static_cast<const float*>(mats[3 * i + 1].data()),
+              static_cast<const float*>(mats[3 * i + 2].data())};
+    }
+    nb::gil_scoped_release nogil;
+    hmoe::pack_expert_codes(*layer_, e, m);
+  }
+
   void unpack_expert(int e, MutArray gate, MutArray up, MutArray down) {
     check_expert(e);
     const auto& c = cfg();
@@ -291,6 +315,7 @@ NB_MODULE(_native, m) {
            "E"_a, "H"_a, "I"_a, "format"_a, "group_size"_a, "zero_points"_a, "threads"_a, "isa"_a,
            "numa_nodes"_a, "adopt"_a)
       .def("pack_expert", &Engine::pack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)
+      .def("pack_expert_codes", &Engine::pack_expert_codes, "e"_a, "mats"_a)
       .def("unpack_expert", &Engine::unpack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)
       .def("buffers", [](nb::handle self) { return nb::cast<Engine&>(self).buffers(self); },
            "Packed buffers by name, as numpy views that keep this engine alive.")

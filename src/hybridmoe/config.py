@@ -57,6 +57,11 @@ class EngineConfig:
     expert_group_size: int = 128
     """Group size for int4 experts (32, 64 or 128)."""
 
+    expert_zero_points: bool | None = None
+    """int4 experts with a zero point per group (asymmetric) instead of symmetric groups (other formats ignore
+    it). None: on for GPTQ/AWQ
+    4-bit checkpoints, whose own codes and zero points then load without a float round trip; off otherwise."""
+
     cpu_threads: int | None = None
     """Threads of the native CPU expert engine. None: every core."""
 

@@ -128,6 +128,22 @@ class CpuExperts:
             self._adopted[name] = arr
         return self
 
+    @classmethod
+    def from_codes(cls, gate_proj: tuple, up_proj: tuple, down_proj: tuple, threads: int | None = None,
+                   isa: str | None = None, numa_nodes: int = 1) -> "CpuExperts":
+        """int4 experts with zero points packed from codes, never through float (GPTQ/AWQ weights).
+
+        Each projection is (codes uint8 [E, N, K] in 0..15, scales, zeros fp32 [E, N, K/group]) for
+        W = (codes - zeros) * scales per group; gate/up N, K = I, H and down H, I.
+        """
+        self = cls.__new__(cls)
+        (E, I, H), group = gate_proj[0].shape, gate_proj[0].shape[2] // gate_proj[1].shape[2]
+        self._init_engine(E, H, I, "int4", group, True, threads, isa, numa_nodes, adopt=False)
+        for e in range(E):
+            self._call(self._engine.pack_expert_codes, e, [t[e].contiguous() for p in (gate_proj, up_proj, down_proj)
+                                                          for t in p])
+        return self
+
     def packed_state(self) -> dict:
         """Shape, format and packed buffers (numpy views of this object's memory)."""
         eng = self._engine

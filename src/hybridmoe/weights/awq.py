@@ -4,7 +4,8 @@ A linear X [out, in] is stored as
   X.qweight int32 [in, out / 8]       nibble j of a word holds output column 8c + ORDER[j]
   X.qzeros  int32 [in / group, out / 8]  packed the same way
   X.scales  fp16  [in / group, out]
-and W[o, i] = scales[i // group, o] * (q[i, o] - zero[i // group, o]).
+and W[o, i] = scales[i // group, o] * (q[i, o] - zero[i // group, o]): in groups of 32/64/128, the
+native int4 format with zero points as it is (awq_int4_codes).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.gptq import unpack_cols
+from hybridmoe.weights.int4_codes import INT4_GROUPS, Int4Codes
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ's interleave: nibble j of each int32 holds column ORDER[j] of its eight."""
@@ -37,3 +39,13 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     zeros = unpack_awq(qzeros)
     g = torch.arange(in_features) // group
     return (scales.float()[g] * (q - zeros[g]).float()).T.contiguous()
+
+
+def awq_int4_codes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int) -> Int4Codes | None:
+    """AWQ tensors as native int4 codes (dequantize() equals dequantize_awq bit for bit); None for a group
+    size the engine lacks."""
+    q = unpack_awq(qweight)  # [in, out]
+    if group_size not in INT4_GROUPS or q.shape[0] % group_size or scales.shape[0] != q.shape[0] // group_size:
+        return None
+    return Int4Codes.from_checkpoint(q, unpack_awq(qzeros), scales)

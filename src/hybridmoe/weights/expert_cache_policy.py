@@ -86,7 +86,7 @@ class PackedExperts:
 
 def _spec_fields(engine_config: EngineConfig) -> dict:
     return {"format": engine_config.expert_format, "group_size": engine_config.expert_group_size,
-            "zero_points": False}
+            "zero_points": bool(engine_config.expert_zero_points) and engine_config.expert_format == "int4"}
 
 
 def _adopt_all(packed_dir: Path, manifest: dict, model, spec_fields: dict, backend) -> dict:

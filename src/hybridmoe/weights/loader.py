@@ -3,7 +3,8 @@
 The model is built on the meta device (no memory, no random init), materialized empty on
 the target device in the target dtype, then every parameter is filled from the checkpoint
 exactly once. Routed-expert tensors never enter the model: each MoE layer's experts are
-stacked into gate/up [E, I, H] and down [E, H, I] and handed to ExpertBackend.set_layer.
+stacked into gate/up [E, I, H] and down [E, H, I] and handed to ExpertBackend.set_layer (GPTQ/AWQ int4
+codes that the native int4 engine takes as they are: to set_layer_codes, never through float).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hybridmoe.system.auto import resolve_engine_config, uses_hybrid
 from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.expert_cache_policy import PackedExperts, plan_packed_experts
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
+from hybridmoe.weights.int4_codes import Int4Codes, stack
 from hybridmoe.weights.quantized import open_checkpoint
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
@@ -70,7 +72,12 @@ def make_expert_backend(engine_config: EngineConfig, config: ModelConfig, model_
     if engine_config.expert_backend == "torch":
         return TorchExperts(act=act)
     return _NativeLayers(_cpu_experts_class(), format=engine_config.expert_format,
-                         group_size=engine_config.expert_group_size, threads=engine_config.cpu_threads)
+                         group_size=engine_config.expert_group_size, threads=engine_config.cpu_threads,
+                         zero_points=_zero_points(engine_config))
+
+
+def _zero_points(engine_config: EngineConfig) -> bool:
+    return bool(engine_config.expert_zero_points) and engine_config.expert_format == "int4"
 
 
 def _cpu_experts_class():
@@ -95,7 +102,7 @@ def _hybrid_backend(engine_config: EngineConfig, config: ModelConfig, model_cls,
     if engine_config.expert_backend == "native":
         cls, ec = _cpu_experts_class(), engine_config
         cpu_layer = lambda g, u, d: cls(g, u, d, format=ec.expert_format, group_size=ec.expert_group_size,  # noqa: E731
-                                        threads=ec.cpu_threads)
+                                        threads=ec.cpu_threads, zero_points=_zero_points(ec))
     else:
         cpu_layer = lambda g, u, d: TorchCpuLayer(g, u, d, act)  # noqa: E731
     return HybridExperts(plan, engine_config.device, cpu_layer, act, engine_config.deferred_experts,
@@ -116,6 +123,14 @@ class _NativeLayers(ExpertBackend):
 
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
         self._layers[layer] = self._cls(gate_proj, up_proj, down_proj, **self._options)
+
+    def int4_codes_group(self) -> int | None:
+        """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
+        o = self._options
+        return o["group_size"] if o["format"] == "int4" and o["zero_points"] else None
+
+    def set_layer_codes(self, layer, gate_proj: Int4Codes, up_proj: Int4Codes, down_proj: Int4Codes):
+        self._layers[layer] = self._cls.from_codes(gate_proj, up_proj, down_proj, threads=self._options["threads"])
 
     def from_packed(self, state: dict):
         """One layer's CpuExperts over already-packed buffers (a converted directory or the expert cache)."""
@@ -211,6 +226,7 @@ class _ExpertStacker:
         self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         self.layers = set(model.moe_layers)
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.codes: dict[int, dict[tuple[int, str], Int4Codes]] = {}  # held until the layer is complete
         self.filled: dict[int, set[tuple[int, str]]] = {}
         self.done: set[int] = set()
 
@@ -220,17 +236,36 @@ class _ExpertStacker:
     def expected_shape(self, proj: str) -> tuple[int, int]:
         return self.shapes[proj]
 
-    def add(self, layer: int, expert: int, proj: str, tensor: torch.Tensor) -> None:
+    def add(self, layer: int, expert: int, proj: str, tensor: torch.Tensor | Int4Codes) -> None:
+        """tensor: float, or int4 codes that the backend takes as they are when the whole layer comes so."""
         if layer not in self.pending:
-            self.pending[layer] = {p: torch.empty(self.num_experts, *self.shapes[p], dtype=self.dtype,
-                                                  device=self.device) for p in EXPERT_PROJS}
+            self.pending[layer] = {}
+            self.codes[layer] = {}
             self.filled[layer] = set()
-        self.pending[layer][proj][expert].copy_(tensor)
+        if isinstance(tensor, Int4Codes):
+            self.codes[layer][(expert, proj)] = tensor
+        else:
+            self._floats(layer)[proj][expert].copy_(tensor)
         self.filled[layer].add((expert, proj))
         if len(self.filled[layer]) == self.num_experts * len(EXPERT_PROJS):
+            codes = self.codes.pop(layer)
+            if len(codes) == len(self.filled[layer]):
+                self.pending.pop(layer)
+                self.model.experts.set_layer_codes(layer, *(stack([codes[(e, p)] for e in range(self.num_experts)])
+                                                            for p in EXPERT_PROJS))
+                self.done.add(layer)
+                return
+            for (e, p), c in codes.items():  # a layer partly in float (desc_act): all of it goes through float
+                self._floats(layer)[p][e].copy_(c.dequantize())
             stacked = self.pending.pop(layer)
             self.model.experts.set_layer(layer, stacked["gate"], stacked["up"], stacked["down"])
             self.done.add(layer)
+
+    def _floats(self, layer: int) -> dict[str, torch.Tensor]:
+        if not self.pending[layer]:
+            self.pending[layer] = {p: torch.empty(self.num_experts, *self.shapes[p], dtype=self.dtype,
+                                                  device=self.device) for p in EXPERT_PROJS}
+        return self.pending[layer]
 
     def first_missing(self) -> str | None:
         for layer in sorted(self.layers - self.done):
@@ -250,6 +285,8 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
     """
     targets = _expected_params(model)
     stacker = _ExpertStacker(model, expert_device, expert_dtype)
+    codes_group = getattr(model.experts, "int4_codes_group", lambda: None)()
+    int4_codes = ckpt.int4_codes if codes_group and getattr(ckpt, "int4_group", None) == codes_group else None
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []
     names_by_file = ckpt.names_by_file()
@@ -271,7 +308,8 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
                         unexpected.append(name)
                         continue
                     _check_shape(name, ckpt.shape(name), stacker.expected_shape(proj))
-                    stacker.add(layer, expert, proj, ckpt.get(name))
+                    codes = int4_codes(name) if int4_codes else None
+                    stacker.add(layer, expert, proj, ckpt.get(name) if codes is None else codes)
                     continue
                 target_key = model.param_target(name)
                 if target_key not in targets:

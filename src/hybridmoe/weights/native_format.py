@@ -4,7 +4,9 @@
     GGUF Q4_0, Q4_1, Q4_K, IQ4_*                       -> int4, groups of 32 (their blocks)
     GGUF Q3_K, Q2_K, IQ3/IQ2/IQ1 (blocks of 16 or 32)  -> int4, groups of 32 (the finest the engine has)
     GPTQ / AWQ 4-bit (and 2/3-bit GPTQ)                -> int4 in the checkpoint's group size if it is 32, 64
-                                                          or 128, else expert_group_size
+                                                          or 128, else expert_group_size; 4-bit with zero
+                                                          points (expert_zero_points None -> on), so the
+                                                          codes load as they are (weights/int4_codes.py)
     GPTQ 8-bit                                         -> int8
     GGUF F32/F16/BF16, safetensors (bf16/fp16/fp32/FP8)  -> bf16
     a `hybridmoe convert`ed directory                  -> the format and group size it was packed in
@@ -88,14 +90,26 @@ def source_expert_format(model_dir: str | Path, config) -> tuple[str, int | None
     return found or ("bf16", None, "float weights")
 
 
+def _zero_points(engine_config: EngineConfig, config) -> bool:
+    """expert_zero_points, None resolved: int4 experts from a GPTQ/AWQ 4-bit checkpoint keep its zero points."""
+    if engine_config.expert_zero_points is not None:
+        return engine_config.expert_zero_points
+    qc = config.get("quantization_config") or {}
+    return (engine_config.expert_format == "int4" and qc.get("quant_method") in ("gptq", "awq")
+            and int(qc.get("bits", 4)) == 4)
+
+
 def resolve_expert_format(engine_config: EngineConfig, config, model_dir: str | Path) -> EngineConfig:
-    """engine_config with expert_format "auto" replaced by the source's nearest native format (logged)."""
+    """engine_config with expert_format "auto" replaced by the source's nearest native format (logged) and
+    expert_zero_points None by its choice (on for int4 from GPTQ/AWQ 4-bit, whose codes then load as they are)."""
     if engine_config.expert_format != "auto":
-        return engine_config
+        return replace(engine_config, expert_zero_points=_zero_points(engine_config, config))
     fmt, group, source = source_expert_format(model_dir, config)
     resolved = replace(engine_config, expert_format=fmt, expert_group_size=group or engine_config.expert_group_size)
+    resolved = replace(resolved, expert_zero_points=_zero_points(resolved, config))
     if engine_config.expert_backend != "torch":
         group_note = f" g{resolved.expert_group_size}" if fmt == "int4" else ""
-        log.info("routed experts: %s%s in the native engine, nearest to the checkpoint's %s "
-                 "(set expert_format to choose)", fmt, group_note, source)
+        zero_note = " with zero points" if resolved.expert_zero_points else ""
+        log.info("routed experts: %s%s%s in the native engine, nearest to the checkpoint's %s "
+                 "(set expert_format to choose)", fmt, group_note, zero_note, source)
     return resolved

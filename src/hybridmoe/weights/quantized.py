@@ -3,24 +3,29 @@
 - a GGUF model (a directory made by gguf_model_dir from a .gguf file): GGUFCheckpoint;
 - config.json quantization_config quant_method "gptq" or "awq": QuantizedCheckpoint, which shows
   each packed linear (X.qweight, X.qzeros, X.scales[, X.g_idx]) as the float weight X.weight, so
-  the model and the expert stacker see ordinary names; the codes go through float here (the native
-  engine has no entry point that takes codes, scales and zeros as they are);
+  the model and the expert stacker see ordinary names; 4-bit tensors in groups of 32/64/128 in the
+  plain channel order are also offered as codes (int4_codes), which the native int4 engine with
+  zero points packs as they are; the rest (GPTQ desc_act's permuted g_idx, other group sizes or
+  bits) goes through float;
 - anything else (bf16/fp16/fp32, DeepSeek block-FP8): SafetensorsCheckpoint.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from hybridmoe.errors import CheckpointError
 from hybridmoe.models.base import ModelConfig
-from hybridmoe.weights.awq import dequantize_awq
-from hybridmoe.weights.gptq import dequantize_gptq
+from hybridmoe.weights.awq import awq_int4_codes, dequantize_awq
+from hybridmoe.weights.gptq import dequantize_gptq, gptq_int4_codes
+from hybridmoe.weights.int4_codes import INT4_GROUPS, Int4Codes
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 _PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+log = logging.getLogger("hybridmoe.weights")
 
 
 def open_checkpoint(model_dir: str | Path, config: ModelConfig):
@@ -55,6 +60,9 @@ class QuantizedCheckpoint:
             if fmt not in ("gptq", "gptq_v2"):
                 raise CheckpointError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq or gptq_v2)")
             self.v1_zeros = fmt == "gptq"
+        self.int4_group = self.group_size if self.bits == 4 and self.group_size in INT4_GROUPS else None
+        """The group size in which int4_codes can offer codes; None: never (other bits or group size)."""
+        self._float_noted = False
         self._ckpt = SafetensorsCheckpoint(model_dir)
         self._packed = {n[: -len(".qweight")] for n in self._ckpt.file_of if n.endswith(".qweight")}
 
@@ -94,14 +102,34 @@ class QuantizedCheckpoint:
             return cols * 8, rows
         return cols, rows * 32 // self.bits  # [in * bits / 32, out]
 
-    def get(self, name: str) -> torch.Tensor:
-        base = self._packed_base(name)
-        if base is None:
-            return self._ckpt.get(name)
+    def _parts(self, base: str) -> dict[str, torch.Tensor]:
         part = {s: self._ckpt.get(base + s) for s in _PACKED_SUFFIXES if base + s in self._ckpt.file_of}
         for s in (".qzeros", ".scales"):
             if s not in part:
                 raise CheckpointError(f"{self.method.upper()} tensor {base}.qweight has no {base}{s} beside it")
+        return part
+
+    def int4_codes(self, name: str) -> Int4Codes | None:
+        """The packed linear `name` (X.weight) as int4 codes, or None: then get(name) gives it in float."""
+        base = self._packed_base(name)
+        if base is None or self.int4_group is None:
+            return None
+        part = self._parts(base)
+        if self.method == "awq":
+            return awq_int4_codes(part[".qweight"], part[".qzeros"], part[".scales"], self.group_size)
+        codes = gptq_int4_codes(part[".qweight"], part[".qzeros"], part[".scales"], part.get(".g_idx"),
+                                self.group_size, self.v1_zeros)
+        if codes is None and not self._float_noted:
+            self._float_noted = True
+            log.info("GPTQ %s has a permuted g_idx (desc_act): its MoE layer's experts go through float and are "
+                     "re-quantized by the engine (int4 groups are contiguous runs of input channels)", name)
+        return codes
+
+    def get(self, name: str) -> torch.Tensor:
+        base = self._packed_base(name)
+        if base is None:
+            return self._ckpt.get(name)
+        part = self._parts(base)
         if self.method == "awq":
             return dequantize_awq(part[".qweight"], part[".qzeros"], part[".scales"], self.group_size)
         return dequantize_gptq(part[".qweight"], part[".qzeros"], part[".scales"], part.get(".g_idx"), self.bits,
