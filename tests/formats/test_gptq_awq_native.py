@@ -66,17 +66,18 @@ def write_quantized(src, out, method):
         g_idx = torch.arange(in_features, dtype=torch.int32) // GROUP
         if method == "gptq_desc_act":  # channels join groups in a shuffled order
             g_idx = g_idx[torch.randperm(in_features, generator=gen)]
-        q, scales, zeros, decoded[name] = quantize(w.float(), g_idx.long(), (0, 15) if method == "awq" else (1, 16))
+        q, scales, zeros, decoded[name] = quantize(w.float(), g_idx.long(), (1, 16) if method == "gptq" else (0, 15))
         if method == "awq":
             packed |= {base + ".qweight": pack(q.T, 1, AWQ_ORDER), base + ".qzeros": pack(zeros, 1, AWQ_ORDER),
                        base + ".scales": scales}
-        else:  # the v1 format stores zero - 1
-            packed |= {base + ".qweight": pack(q.T, 0), base + ".qzeros": pack(zeros - 1, 1), base + ".scales": scales,
+        else:  # the v1 format stores zero - 1, v2 the zero itself
+            stored = zeros if method == "gptq_v2" else zeros - 1
+            packed |= {base + ".qweight": pack(q.T, 0), base + ".qzeros": pack(stored, 1), base + ".scales": scales,
                        base + ".g_idx": g_idx}
     qc = ({"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
           if method == "awq" else
           {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": method == "gptq_desc_act",
-           "sym": False, "checkpoint_format": "gptq"})
+           "sym": False, "checkpoint_format": "gptq_v2" if method == "gptq_v2" else "gptq"})
     out.mkdir()
     save_file(packed, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(json.loads((src / "config.json").read_text())
@@ -100,17 +101,31 @@ def our_logits(model):
         return model.compute_logits(model(torch.tensor(PROMPT), torch.arange(len(PROMPT))))
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+def assert_experts_equal(loaded, decoded):
+    for name, want in decoded.items():
+        layer, expert, proj = EXPERT.fullmatch(name).groups()
+        got = loaded.experts.layer_experts(int(layer)).dequantized(int(expert))[("gate", "up", "down").index(proj)]
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptq_v2", "awq"])
 def test_engine_weights_are_the_checkpoints_own_bit_for_bit(tiny_qwen3, tmp_path, caplog, method):
     quantized, decoded = write_quantized(tiny_qwen3, tmp_path / method, method)
     with caplog.at_level(logging.INFO, logger="hybridmoe.weights"):
         loaded = load_model(quantized, EngineConfig(**NATIVE))
     assert "routed experts: int4 g32 with zero points" in caplog.text
-    assert "goes through float" not in caplog.text and "go through float" not in caplog.text
-    for name, want in decoded.items():
-        layer, expert, proj = EXPERT.fullmatch(name).groups()
-        got = loaded.experts.layer_experts(int(layer)).dequantized(int(expert))[("gate", "up", "down").index(proj)]
-        assert torch.equal(got, want), name
+    assert "go through float" not in caplog.text
+    assert_experts_equal(loaded, decoded)
+
+
+def test_the_expert_cache_keeps_them_bit_for_bit(tiny_qwen3, tmp_path):
+    quantized, decoded = write_quantized(tiny_qwen3, tmp_path / "gptq", "gptq")
+    options = EngineConfig(**NATIVE | {"cache_dir": str(tmp_path / "cache")})
+    assert_experts_equal(load_model(quantized, options), decoded)  # packs from codes, writes the cache
+    (entry,) = (tmp_path / "cache" / "experts").iterdir()
+    written = {f.name: f.stat().st_mtime_ns for f in entry.iterdir()}
+    assert_experts_equal(load_model(quantized, options), decoded)  # maps the cache, leaves it as it is
+    assert {f.name: f.stat().st_mtime_ns for f in entry.iterdir()} == written
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
