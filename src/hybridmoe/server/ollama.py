@@ -17,10 +17,9 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import SamplingParams
 from hybridmoe.server.protocol import StrictRequest, random_id
-from hybridmoe.server.serving_common import APIError, ServerState, check_token_ids, collect, sampling_params
+from hybridmoe.server.serving_common import APIError, ServerState, check_token_ids, collect, encode_chat, sampling_params
 
 OLLAMA_API_VERSION = "0.6.0"
 """The Ollama API version whose routes and fields we follow (front-ends check it)."""
@@ -77,20 +76,11 @@ def _params(state: ServerState, prompt_len: int, o: OllamaOptions) -> SamplingPa
         repetition_penalty=o.repeat_penalty, seed=o.seed, stop=o.stop, default_temperature=0.8)
 
 
-def _encode_chat(state: ServerState, messages: list[dict]) -> list[int]:
-    try:
-        ids = state.tokenizer.encode_chat(messages)
-    except HybridMoEError as e:
-        raise APIError(400, str(e), param="messages") from None
-    check_token_ids(state, ids)
-    return ids
-
-
 async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> Response:
     _check_model(state, req.model)
     if not req.messages:  # Ollama's way to load a model: answer done at once
         return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=True))
-    ids = _encode_chat(state, [m.model_dump() for m in req.messages])
+    ids = encode_chat(state, [m.model_dump() for m in req.messages])
     return await _answer(state, req.model, ids, _params(state, len(ids), req.options), req.stream, request, True)
 
 
@@ -104,7 +94,7 @@ async def generate(state: ServerState, req: OllamaGenerateRequest, request: Requ
     else:
         messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
             {"role": "user", "content": req.prompt}]
-        ids = _encode_chat(state, messages)
+        ids = encode_chat(state, messages)
     return await _answer(state, req.model, ids, _params(state, len(ids), req.options), req.stream, request,
                          False)
 

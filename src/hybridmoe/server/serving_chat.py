@@ -10,23 +10,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.engine.sampler import TokenLogprobs
-from hybridmoe.errors import HybridMoEError
 from hybridmoe.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                        ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
                                        DeltaMessage, TokenLogprob, TopLogprob, UsageInfo, random_id)
-from hybridmoe.server.serving_common import (SSE_DONE, APIError, ServerState, check_token_ids, collect,
+from hybridmoe.server.serving_common import (SSE_DONE, APIError, ServerState, collect, encode_chat,
                                              error_event, sampling_params, seed_for, sse, token_text)
 
 
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
-    try:
-        ids = state.tokenizer.encode_chat(messages)
-    except HybridMoEError as e:
-        raise APIError(400, str(e), param="messages") from None
-    check_token_ids(state, ids)
-    return ids
+    return encode_chat(state, messages)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:

@@ -139,6 +139,16 @@ def check_token_ids(state: ServerState, ids: list[int]) -> None:
                        param="prompt")
 
 
+def encode_chat(state: ServerState, messages: list[dict]) -> list[int]:
+    """A conversation through the model's chat template, as checked prompt token ids."""
+    try:
+        ids = state.tokenizer.encode_chat(messages)
+    except HybridMoEError as e:
+        raise APIError(400, str(e), param="messages") from None
+    check_token_ids(state, ids)
+    return ids
+
+
 def token_text(state: ServerState, token_id: int) -> str:
     """One token as text, special tokens included (a piece of a UTF-8 character reads as U+FFFD)."""
     return state.tokenizer.decode([token_id], skip_special_tokens=False)
