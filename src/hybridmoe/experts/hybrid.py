@@ -45,6 +45,31 @@ def weighted_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down
     return out
 
 
+def fixed_shape_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                        ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, act) -> torch.Tensor:
+    """weighted_experts' sum with shapes that depend on T, K and E only: no host sync, capturable.
+
+    Masked-out slots compute expert 0 with weight 0. When T * K < E each slot gathers its expert's
+    weights (reads T * K experts: decode); otherwise every expert runs on every token (reads each
+    expert once) and a dense [T, E] weight matrix picks the sum. Same arguments as weighted_experts.
+    """
+    T, K = ids.shape
+    E = gate.shape[0]
+    xw = x.to(gate.dtype)
+    w = torch.where(mask, weights.float(), 0.0)  # [T, K]
+    ids = torch.where(mask, ids.long(), 0)
+    if T * K < E:
+        xs = xw[:, None, :, None]  # [T, 1, H, 1]
+        h = act(gate[ids] @ xs) * (up[ids] @ xs)  # [T, K, I, 1]
+        y = (down[ids] @ h).squeeze(-1)  # [T, K, H]
+        return (y.float() * w.unsqueeze(-1)).sum(dim=1)
+    xt = xw.t()  # [H, T]
+    h = act(gate @ xt) * (up @ xt)  # [E, I, T]
+    y = down @ h  # [E, H, T]
+    dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, ids, w)  # [T, E]
+    return torch.einsum("te,eht->th", dense, y.float())
+
+
 class TorchCpuLayer:
     """The torch reference in the CPU engine's place: submit computes at once, wait returns float32 [T, H]."""
 
