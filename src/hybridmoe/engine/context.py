@@ -7,6 +7,9 @@ Tokens of all sequences in a step are flattened: input_ids [T], positions [T], w
 sequence b owns tokens cu_seqlens[b]:cu_seqlens[b+1]. Each sequence writes its keys and
 values into KV-cache slot slot_ids[b], at positions start_pos[b] .. start_pos[b]+n_b-1,
 and attends to cache positions 0 .. start_pos[b]+n_b-1 (causally).
+
+A decode step may also carry `decode` (DecodeBatch): the same batch as device tensors and one
+padded length, so attention runs in shapes that do not depend on the lengths (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -15,6 +18,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class DecodeBatch:
+    """One new token per sequence, B rows, in fixed shapes: what a captured decode step reads."""
+
+    slots: torch.Tensor
+    """[B] long: KV-cache slot of each row."""
+
+    lens: torch.Tensor
+    """[B] long: cached length of each row after this step (its new token sits at lens - 1)."""
+
+    pad_len: int
+    """Cache positions every row attends over (at least each of lens; those past a row's length are masked)."""
 
 
 @dataclass
@@ -27,6 +44,9 @@ class Context:
 
     cu_seqlens: list[int]
     """Prefix sums of new tokens per sequence: [0, n_0, n_0+n_1, ...]."""
+
+    decode: DecodeBatch | None = None
+    """Set for a decode step run in fixed shapes; attention then reads it instead of the lists."""
 
     @property
     def num_seqs(self) -> int:

@@ -44,6 +44,10 @@ class _StepIndex:
 def _step_index(ctx: Context, device: torch.device) -> _StepIndex:
     # Built once per step and device, then shared by every layer (kept on the context object).
     memo = ctx.__dict__.setdefault("_attention_index", {})
+    if device not in memo and ctx.decode is not None:
+        d = ctx.decode  # fixed shapes: attend over pad_len positions whatever the lengths
+        memo[device] = _StepIndex(token_slot=d.slots, token_pos=d.lens - 1, seq_slot=d.slots, seq_len=d.lens,
+                                  max_seq_len=d.pad_len)
     if device not in memo:
         lens = [ctx.seq_len(b) for b in range(ctx.num_seqs)]
         token_slot = [s for s, n in zip(ctx.slot_ids, lens) for _ in range(n)]
@@ -83,7 +87,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
         raise RuntimeError(f"a sequence reaches {idx.max_seq_len} tokens but the KV cache holds {cache.max_len}")
     cache.k[idx.token_slot, idx.token_pos] = k
     cache.v[idx.token_slot, idx.token_pos] = v
-    if ctx.is_decode:
+    if ctx.decode is not None or ctx.is_decode:
         return _attend_decode(q, cache, idx, scale, sliding_window)
     out = []
     for b in range(ctx.num_seqs):
@@ -114,7 +118,8 @@ def _sdpa(q, k, v, mask, scale):
 
 
 def _attend_decode(q, cache, idx, scale, sliding_window):
-    # One new token per sequence: gather every sequence's cache up to the longest, mask the rest.
+    # One new token per sequence: gather every sequence's cache up to the longest (or the padded
+    # length of a fixed-shape step), mask the rest.
     max_len = idx.max_seq_len
     kb = cache.k[idx.seq_slot, :max_len].transpose(1, 2)  # [B, Hkv, L, Dk]
     vb = cache.v[idx.seq_slot, :max_len].transpose(1, 2)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridmoe.engine.context import get_context
+from hybridmoe.engine.context import DecodeBatch, get_context
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.layers.yarn import softmax_scale
@@ -95,6 +95,8 @@ class MultiHeadLatentAttention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("MLA needs its latent KV cache: call allocate_kv_cache first")
         ctx = get_context()
+        if ctx.decode is not None:
+            return self._attend_fixed(query, kv, ctx.decode)
         lens = [ctx.seq_len(b) for b in range(ctx.num_seqs)]
         if max(p + n for p, n in zip(ctx.start_pos, lens)) > self.kv_cache.shape[1]:
             raise RuntimeError(f"a sequence outgrows the KV cache of {self.kv_cache.shape[1]} tokens")
@@ -113,3 +115,15 @@ class MultiHeadLatentAttention(nn.Module):
             probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
             out[lo:lo + n] = (probs.view(n * N, -1) @ cached[:, :R]).view(n, N, R)
         return out
+
+    def _attend_fixed(self, query: torch.Tensor, kv: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
+        """A decode step in fixed shapes: B = T rows, each over its slot's first d.pad_len positions
+        (those past its length masked). query [B, N, R + P], kv [B, R + P] -> [B, N, R]."""
+        R, L = self.kv_lora_rank, d.pad_len
+        self.kv_cache[d.slots, d.lens - 1] = kv
+        cached = self.kv_cache[d.slots, :L]  # [B, L, R + P]
+        scores = (query @ cached.transpose(1, 2)) * self.scale  # [B, N, L]
+        hidden_keys = torch.arange(L, device=query.device)[None, :] >= d.lens[:, None]  # [B, L]
+        scores = scores.masked_fill(hidden_keys[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        return probs @ cached[..., :R]
