@@ -30,3 +30,8 @@ bench() {  # falls back to AVX-512 if the default (AMX) run fails, so a table al
 BENCH_TIMEOUT=${QWEN_TIMEOUT:-150} bench qwen3 --shape qwen3-30b-a3b --tokens ${QWEN_TOKENS:-1,4,2048}
 BENCH_TIMEOUT=${DSV3_TIMEOUT:-240} bench dsv3 --shape deepseek-v3 --tokens 1,2048 --reps 15 ${DSV3_EXTRA:-}
 BENCH_TIMEOUT=90 bench qwen3_read --shape qwen3-30b-a3b --tokens 1,4 --no-torch --flush read
+
+# CPU/GPU handoff (native host functions on the CUDA stream; its tests ran with tests/device above):
+# µs per layer vs a Python host callback and a Python-side synchronize, in the same run.
+echo "== cuda handoff"
+timeout ${HANDOFF_TIMEOUT:-120} $PY benchmarks/handoff.py --json "$OUT/handoff.json" 2>&1 | tee "$OUT/handoff.log"
