@@ -8,9 +8,16 @@ returns at once, the workers run without the GIL) and then the GPU part; wait() 
 With deferred_experts K, each token's K lowest-weighted experts run after the layer's own, and
 their output joins the residual one decoder layer later (experts/deferral.py).
 
+On CUDA, once use_fixed_shapes(max_tokens) says yes (every CPU engine is native), a step of at
+most max_tokens tokens runs in shapes fixed by T alone, with no host sync, so a CUDA graph can
+capture it: the CPU share goes through the CUDA handoff (experts/cuda_handoff.py: D2H, the native
+engine as a host function, H2D, all ordered on the stream; submitted before the GPU share, waited
+for after it) and the GPU share through fixed_shape_experts. Longer steps (prefill) and the CPU
+device take the path above. Deferred experts use a second handoff of their own width; their
+submit and join points are the same as without it.
+
 T tokens, K experts per token, H hidden, E experts, I expert intermediate size.
-Hooks for the CUDA handoff: `_Partial` is the one place a layer's CPU work is started (cpu.submit)
-and joined (cpu.wait); D2H of (x, ids, weights) and H2D of the result happen there too.
+`_Partial` is the one place a layer's CPU work is started and joined.
 """
 
 from __future__ import annotations
@@ -124,12 +131,37 @@ class _Layer:
         self.cpu = cpu  # TorchCpuLayer / CpuExperts, or None
 
 
-class _Partial:
-    """One submitted computation (a layer's experts, or its deferred ones): CPU part in flight + GPU part."""
+def fixed_cpu_slots(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, width: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept slots of each token as a dense [T, width] in fixed shapes (no host sync).
 
-    def __init__(self, st: _Layer, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act):
-        self.device, self.dtype, self.shape = hidden.device, hidden.dtype, hidden.shape
-        self.cpu, self.cpu_out, self.gpu_out = None, None, None
+    ids [T, K] local to the CPU engine where keep; width >= the most any token keeps. Kept slots
+    come first; the rest repeat the token's first kept expert (else the batch's first kept one,
+    else 0) with weight 0, so padding reads no expert weights the step does not read anyway.
+    The native engine computes a repeated expert once per slot (only its Python entry point
+    insists on distinct ids).
+    """
+    order = torch.sort((~keep).to(torch.int32), dim=1, stable=True).indices[:, :width]  # kept slots first
+    cids, cw, valid = ids.gather(1, order), weights.float().gather(1, order), keep.gather(1, order)
+    first, has = cids[:, 0], valid[:, 0]  # [T]
+    batch_first = torch.where(has.any(), first.gather(0, has.to(torch.int32).argmax().view(1)), 0)  # [1]
+    pad = torch.where(has, first, batch_first)
+    return torch.where(valid, cids, pad.unsqueeze(1)), torch.where(valid, cw, 0.0)
+
+
+class _Partial:
+    """One submitted computation (a layer's experts, or its deferred ones): CPU part in flight + GPU part.
+
+    handoff: (CudaHandoff, width) to run in fixed shapes on CUDA, or None for the synchronous path.
+    """
+
+    def __init__(self, layer: int, st: _Layer, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 act, handoff=None):
+        self.layer, self.device, self.dtype, self.shape = layer, hidden.device, hidden.dtype, hidden.shape
+        self.cpu, self.handoff, self.cpu_out, self.gpu_out = None, None, None, None
+        if handoff is not None:
+            self._start_fixed(st, hidden, ids, weights, act, *handoff)
+            return
         if st.cpu is not None:
             ids_c, w_c = ids.cpu(), weights.float().cpu()
             dense = compact_slots(st.local_cpu[ids_c], w_c, ~st.on_gpu_cpu[ids_c])
@@ -142,9 +174,21 @@ class _Partial:
             if bool(mask.any()):
                 self.gpu_out = weighted_experts(hidden, *st.gpu_weights, st.local[ids], weights, mask, act)
 
+    def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int) -> None:
+        mask = st.on_gpu[ids]  # [T, K]
+        local = st.local[ids]
+        if st.cpu is not None:
+            cids, cw = fixed_cpu_slots(local, weights, ~mask, width)
+            handoff.enqueue_submit(None, self.layer, hidden.to(handoff.dtype), cids, cw)
+            self.handoff = handoff
+        if st.gpu_weights is not None:
+            self.gpu_out = fixed_shape_experts(hidden, *st.gpu_weights, local, weights, mask, act)
+
     def join_cpu(self) -> None:
         if self.cpu is not None:
             self.cpu_out, self.cpu = self.cpu.wait(), None
+        if self.handoff is not None:
+            self.cpu_out, self.handoff = self.handoff.enqueue_wait(None, self.layer), None
 
     def finish(self) -> torch.Tensor:
         """[T, H] in the hidden state's dtype and device."""
@@ -173,6 +217,8 @@ class HybridExperts(ExpertBackend):
         self._layers: dict[int, _Layer] = {}
         self._inflight: dict[int, tuple[_Partial, torch.Tensor, tuple | None]] = {}
         self._deferred = DeferredOutputs(num_layers)
+        self._fixed_tokens = 0  # steps of at most this many tokens run in fixed shapes (use_fixed_shapes)
+        self._handoffs: dict[tuple[bool, int], tuple] = {}  # (deferred?, layer) -> (CudaHandoff, width)
 
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
         E = gate_proj.shape[0]
@@ -204,6 +250,50 @@ class HybridExperts(ExpertBackend):
         """The CPU engine of layer (it holds only that layer's CPU experts), or None if all are on the GPU."""
         return self._layers[layer].cpu
 
+    def use_fixed_shapes(self, max_tokens: int, dtype: torch.dtype) -> bool:
+        """On CUDA, run steps of at most max_tokens tokens in fixed shapes from now on (CUDA-graph
+        capturable); dtype: the hidden states'. False, and nothing changes, when the device is not
+        CUDA or a layer's CPU engine is not the native one (the handoff runs only that)."""
+        if self.device.type != "cuda":
+            return False
+        try:
+            from hybridmoe.experts.cpu_experts import CpuExperts
+        except ImportError:
+            return False
+        cpu = {layer: st.cpu for layer, st in self._layers.items() if st.cpu is not None}
+        if not all(isinstance(c, CpuExperts) for c in cpu.values()):
+            return False
+        if cpu:
+            from hybridmoe.experts.cuda_handoff import CudaHandoff
+
+            top_k = self.plan.footprint.top_k
+            staged = torch.float32 if dtype == torch.float32 else torch.bfloat16
+            # one handoff per (part, width): a layer's CPU slots per token are at most its CPU experts
+            groups: dict[tuple[bool, int], dict] = {}
+            for layer, c in cpu.items():
+                for deferred, k in ((False, top_k - self.deferred_experts), (True, self.deferred_experts)):
+                    if k:
+                        groups.setdefault((deferred, min(k, c.num_experts)), {})[layer] = c
+            self._handoffs = {}
+            for (deferred, width), layers in groups.items():
+                handoff = CudaHandoff(layers, max_tokens, width, staged, device=self.device)
+                for layer in layers:
+                    self._handoffs[(deferred, layer)] = (handoff, width)
+        self._fixed_tokens = max_tokens
+        return True
+
+    def check(self) -> None:
+        """Raise what a CPU layer run on the CUDA stream recorded (call after a synchronize)."""
+        for handoff in {id(h): h for h, _ in self._handoffs.values()}.values():
+            handoff.check()
+
+    def _handoff(self, deferred: bool, layer: int, hidden: torch.Tensor):
+        """(handoff, width) if this part runs in fixed shapes ((None, 0) for a layer with no CPU
+        experts), None for the synchronous path."""
+        if not (self._fixed_tokens and hidden.device.type == "cuda" and hidden.shape[0] <= self._fixed_tokens):
+            return None
+        return self._handoffs.get((deferred, layer), (None, 0))
+
     def submit(self, layer, hidden, topk_ids, topk_weights):
         if layer in self._inflight or any(d >= layer for d in self._deferred.layers()):
             self._deferred.discard()  # a new forward after an interrupted one
@@ -216,13 +306,15 @@ class HybridExperts(ExpertBackend):
         if self.deferred_experts:
             topk_ids, topk_weights, *later = split_deferred(topk_ids, topk_weights, self.deferred_experts)
         st = self._layers[layer]
-        self._inflight[layer] = (_Partial(st, hidden, topk_ids, topk_weights, self.act), hidden, later)
+        self._inflight[layer] = (_Partial(layer, st, hidden, topk_ids, topk_weights, self.act,
+                                          self._handoff(False, layer, hidden)), hidden, later)
 
     def wait(self, layer):
         partial, hidden, later = self._inflight.pop(layer)
         out = partial.finish()
         if later is not None:
-            self._deferred.add(layer, _Partial(self._layers[layer], hidden, *later, self.act))
+            self._deferred.add(layer, _Partial(layer, self._layers[layer], hidden, *later, self.act,
+                                               self._handoff(True, layer, hidden)))
         return out
 
     def after_layer(self, layer, hidden):
