@@ -92,6 +92,11 @@ class EngineConfig:
     """Expert deferral: each token's K lowest-weighted routed experts run on the CPU while the next layer's
     attention runs, and their output joins the residual one layer later. 0 is exact."""
 
+    cuda_graph: bool = True
+    """Replay each decode step (batch up to max_num_seqs) as one captured CUDA graph, CPU experts included
+    (through the native handoff). Used on CUDA only, when every CPU expert layer is native; prefill and
+    anything else runs eagerly. False (--no-cuda-graph): every step eagerly, the same tokens."""
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             import torch

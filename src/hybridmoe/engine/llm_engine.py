@@ -42,7 +42,7 @@ class LLMEngine:
             loaded.config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.config.max_num_seqs, self.max_model_len,
-                                  self.config.device)
+                                  self.config.device, cuda_graph=self.config.cuda_graph)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
