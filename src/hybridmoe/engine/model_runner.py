@@ -50,6 +50,11 @@ class ModelRunner:
             self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
             self._pool = None
 
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """(rows, padded length) of each decode step captured as a CUDA graph so far."""
+        return sorted(self._graphs) if self.cuda_graph else []
+
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """The next token of every sequence whose tokens are all computed after this step, else None;

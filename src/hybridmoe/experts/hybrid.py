@@ -22,14 +22,18 @@ T tokens, K experts per token, H hidden, E experts, I expert intermediate size.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.experts.deferral import DeferredOutputs, split_deferred
 from hybridmoe.experts.placement import PlacementPlan
+
+log = logging.getLogger("hybridmoe.experts")
 
 
 def weighted_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -274,11 +278,15 @@ class HybridExperts(ExpertBackend):
                 for deferred, k in ((False, top_k - self.deferred_experts), (True, self.deferred_experts)):
                     if k:
                         groups.setdefault((deferred, min(k, c.num_experts)), {})[layer] = c
-            self._handoffs = {}
-            for (deferred, width), layers in groups.items():
-                handoff = CudaHandoff(layers, max_tokens, width, staged, device=self.device)
-                for layer in layers:
-                    self._handoffs[(deferred, layer)] = (handoff, width)
+            handoffs = {}
+            try:
+                for (deferred, width), layers in groups.items():
+                    handoff = CudaHandoff(layers, max_tokens, width, staged, device=self.device)
+                    handoffs.update({(deferred, layer): (handoff, width) for layer in layers})
+            except HybridMoEError as e:  # no usable CUDA runtime: the synchronous path still works
+                log.warning("CPU experts run without the CUDA handoff (and decode steps without CUDA graphs): %s", e)
+                return False
+            self._handoffs = handoffs
         self._fixed_tokens = max_tokens
         return True
 

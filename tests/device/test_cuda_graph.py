@@ -1,0 +1,90 @@
+"""Decode steps replayed as CUDA graphs (CPU experts included, through the native handoff) give
+the tokens of eager execution (--no-cuda-graph) and of the all-CPU reference, batch 1 and 4,
+float32 and bfloat16; with a deferred expert, graphs equal eager; peak GPU memory stays within
+the budget. Runs on the GPU host through scripts/device_check.sh.
+
+Graphs and eager run the same fixed-shape kernels, so their tokens are equal. The CPU reference
+(the same GPU/CPU expert split, the CPU standing in for the GPU) computes with other kernels:
+as in vLLM's check_logprobs_close, two greedy runs may part at a near-tie, where each side's
+token must be among the other's 5 most likely, and are not compared after it.
+"""
+
+import pytest
+import torch
+
+from hybridmoe import LLM, SamplingParams
+from hybridmoe.checkpoint.make import make_checkpoint
+
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 13], [99, 2, 8, 31, 4], [11]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+BUDGET = 1 << 30
+HYBRID = dict(expert_backend="native", expert_format="bf16", gpu_experts_per_layer=3, max_num_seqs=4,
+              max_model_len=64)
+
+
+@pytest.fixture(scope="module", params=[("qwen3_moe", "fp32"), ("qwen3_moe", "bf16"), ("deepseek_v3", "fp32"),
+                                        ("deepseek_v3", "bf16")], ids="-".join)
+def checkpoint(request, tmp_path_factory):
+    family, dtype = request.param
+    path = tmp_path_factory.mktemp(f"{family}_{dtype}")
+    make_checkpoint(family, "tiny", path, dtype=dtype, seed=1, progress=False)
+    return path
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
+    """Each prompt's greedy tokens and their TokenLogprobs, the prompts run as one batch."""
+    engine = llm.engine
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    tokens, logprobs = {i: [] for i in ids}, {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += out.new_logprobs
+    return [(tokens[i], logprobs[i]) for i in ids]
+
+
+def runs(llm: LLM) -> list[tuple[list[int], list]]:
+    """Batch 1, then batch 4."""
+    return generate(llm, PROMPTS[:1]) + generate(llm, PROMPTS)
+
+
+def tokens_of(results) -> list[list[int]]:
+    return [t for t, _ in results]
+
+
+def assert_greedy_close(ours, reference) -> None:
+    for b, ((got, got_lp), (want, want_lp)) in enumerate(zip(ours, reference)):
+        assert len(got) == len(want)
+        for i, (a, r) in enumerate(zip(got, want)):
+            if a != r:
+                assert a in [t for t, _ in want_lp[i].top] and r in [t for t, _ in got_lp[i].top], (
+                    f"sequence {b} token {i}: {a} vs the reference's {r}, not a near-tie")
+                break
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return runs(LLM(checkpoint, device="cpu", **HYBRID))
+
+
+def test_graph_replay_equals_eager_and_the_cpu_reference(checkpoint, reference):
+    torch.cuda.reset_peak_memory_stats()
+    graphs = LLM(checkpoint, device="cuda", gpu_memory_budget=BUDGET, **HYBRID)
+    got = runs(graphs)
+    assert graphs.engine.runner.captured == [(1, 64), (4, 64)]
+    assert torch.cuda.max_memory_allocated() <= BUDGET
+    eager = LLM(checkpoint, device="cuda", gpu_memory_budget=BUDGET, cuda_graph=False, **HYBRID)
+    assert eager.engine.runner.fixed and not eager.engine.runner.captured  # the handoff, eagerly
+    assert tokens_of(got) == tokens_of(runs(eager))
+    assert_greedy_close(got, reference)
+
+
+def test_graph_replay_equals_eager_with_a_deferred_expert(checkpoint):
+    options = dict(device="cuda", gpu_memory_budget=BUDGET, deferred_experts=1, **HYBRID)
+    graphs = LLM(checkpoint, **options)
+    got = tokens_of(runs(graphs))
+    assert graphs.engine.runner.captured
+    assert got == tokens_of(runs(LLM(checkpoint, cuda_graph=False, **options)))
