@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 13], [99, 2, 8, 31, 4], [11]]
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
 BUDGET = 1 << 30
 HYBRID = dict(expert_backend="native", expert_format="bf16", gpu_experts_per_layer=3, max_num_seqs=4,
               max_model_len=64)
