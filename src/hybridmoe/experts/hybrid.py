@@ -60,16 +60,17 @@ def fixed_shape_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
                         ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, act) -> torch.Tensor:
     """weighted_experts' sum with shapes that depend on T, K and E only: no host sync, capturable.
 
-    Masked-out slots compute expert 0 with weight 0. When T * K < E each slot gathers its expert's
-    weights (reads T * K experts: decode); otherwise every expert runs on every token (reads each
-    expert once) and a dense [T, E] weight matrix picks the sum. Same arguments as weighted_experts.
+    Masked-out slots compute expert 0 with weight 0. Every expert on every token reads each expert
+    once, and a dense [T, E] weight matrix picks the sum; gathering each slot's expert moves about
+    three times T * K experts (read, copy, read the copy), so it is used only when that is less
+    (decode with many experts here). Same arguments as weighted_experts.
     """
     T, K = ids.shape
     E = gate.shape[0]
     xw = x.to(gate.dtype)
     w = torch.where(mask, weights.float(), 0.0)  # [T, K]
     ids = torch.where(mask, ids.long(), 0)
-    if T * K < E:
+    if 3 * T * K < E:
         xs = xw[:, None, :, None]  # [T, 1, H, 1]
         h = act(gate[ids] @ xs) * (up[ids] @ xs)  # [T, K, I, 1]
         y = (down[ids] @ h).squeeze(-1)  # [T, K, H]
