@@ -15,28 +15,55 @@ namespace {
 // the accumulator arrays are indexed at run time and live in memory, not registers.
 inline __m512i bcast32(const void* p) { return _mm512_set1_epi32(*static_cast<const int32_t*>(p)); }
 
+// Software prefetch of the weight line(s) kPrefetchBytes ahead of a K step. The same distance
+// in bytes for every format: a core's bytes in flight (about this distance) over DRAM latency
+// bound its read rate, whatever the kernel does per byte (int8/int4 at 2 KiB read about half
+// as fast per core on the GPU host as bf16 at 4 KiB: the inference this distance rests on).
+constexpr int kPrefetchBytes = 4096;
+inline void prefetch_ahead(const void* p, int lines) {
+  const char* c = static_cast<const char*>(p) + kPrefetchBytes;
+  _mm_prefetch(c, _MM_HINT_T0);
+  if (lines == 2) _mm_prefetch(c + 64, _MM_HINT_T0);
+}
+
+// Few tokens: each (row tile, token) sums into C accumulators, one per step of C consecutive
+// K steps; with one chain per tile a 1-token pass waits on the dot product's latency each step.
+template <int M>
+constexpr int chains() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+
+// np is a multiple of 16 (Kp of 32), so of every C.
 template <int M>
 void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out, int ldo) {
-  __m512 acc[2][M];
+  constexpr int C = chains<M>();
+  __m512 acc[2][M][C];
   _Pragma("GCC unroll 8")
-  for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
-  for (int p = 0; p < np; ++p) {
-    _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64), _MM_HINT_T0);  // both lines of the step
-    _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64 + 32), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * 64);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < M; ++i) {
-      const __m512bh xb = (__m512bh)bcast32(x + size_t(i) * ld + 2 * p);
-      acc[0][i] = _mm512_dpbf16_ps(acc[0][i], w0, xb);
-      acc[1][i] = _mm512_dpbf16_ps(acc[1][i], w1, xb);
+  for (int i = 0; i < M; ++i)
+    _Pragma("GCC unroll 4")
+    for (int c = 0; c < C; ++c) acc[0][i][c] = acc[1][i][c] = _mm512_setzero_ps();
+  for (int p0 = 0; p0 < np; p0 += C) {
+    _Pragma("GCC unroll 4")
+    for (int c = 0; c < C; ++c) {
+      const int p = p0 + c;
+      prefetch_ahead(wb + p * 64, 2);  // both lines of the step
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * 64);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
+      _Pragma("GCC unroll 8")
+      for (int i = 0; i < M; ++i) {
+        const __m512bh xb = (__m512bh)bcast32(x + size_t(i) * ld + 2 * p);
+        acc[0][i][c] = _mm512_dpbf16_ps(acc[0][i][c], w0, xb);
+        acc[1][i][c] = _mm512_dpbf16_ps(acc[1][i][c], w1, xb);
+      }
     }
   }
   _Pragma("GCC unroll 8")
-  for (int i = 0; i < M; ++i) {
-    _mm512_storeu_ps(out + size_t(i) * ldo, acc[0][i]);
-    _mm512_storeu_ps(out + size_t(i) * ldo + 16, acc[1][i]);
-  }
+  for (int i = 0; i < M; ++i)
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < 2; ++h) {
+      __m512 v = acc[h][i][0];
+      _Pragma("GCC unroll 4")
+      for (int c = 1; c < C; ++c) v = _mm512_add_ps(v, acc[h][i][c]);
+      _mm512_storeu_ps(out + size_t(i) * ldo + 16 * h, v);
+    }
 }
 
 void gemm_bf16(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
@@ -59,32 +86,45 @@ void gemm_bf16(const PackedView& w, int b0, int b1, const ActView& a, float* out
   }
 }
 
+// A flush span is 64 K steps, or what is left of Kp (a multiple of 16): a multiple of every C.
 template <int M>
 void int8_pass(const int8_t* wb, int Kp, const int16_t* x, int ld, const float* xscale,
                const float* wscale, float* out, int ldo) {
+  constexpr int C = chains<M>();
   __m512 facc[2][M];
   _Pragma("GCC unroll 8")
   for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
   for (int k0 = 0; k0 < Kp; k0 += kInt8FlushK) {
     const int pend = std::min(Kp, k0 + kInt8FlushK) / 2;
-    __m512i acc[2][M];
+    __m512i acc[2][M][C];
     _Pragma("GCC unroll 8")
-    for (int i = 0; i < M; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_si512();
-    for (int p = k0 / 2; p < pend; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (p + 32) * 64), _MM_HINT_T0);
-      const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64)));
-      const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32)));
-      _Pragma("GCC unroll 8")
-      for (int i = 0; i < M; ++i) {
-        const __m512i xb = bcast32(x + size_t(i) * ld + 2 * p);
-        acc[0][i] = _mm512_dpwssd_epi32(acc[0][i], w0, xb);
-        acc[1][i] = _mm512_dpwssd_epi32(acc[1][i], w1, xb);
+    for (int i = 0; i < M; ++i)
+      _Pragma("GCC unroll 4")
+      for (int c = 0; c < C; ++c) acc[0][i][c] = acc[1][i][c] = _mm512_setzero_si512();
+    for (int p0 = k0 / 2; p0 < pend; p0 += C) {
+      _Pragma("GCC unroll 4")
+      for (int c = 0; c < C; ++c) {
+        const int p = p0 + c;
+        prefetch_ahead(wb + p * 64, 1);
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64)));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32)));
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < M; ++i) {
+          const __m512i xb = bcast32(x + size_t(i) * ld + 2 * p);
+          acc[0][i][c] = _mm512_dpwssd_epi32(acc[0][i][c], w0, xb);
+          acc[1][i][c] = _mm512_dpwssd_epi32(acc[1][i][c], w1, xb);
+        }
       }
     }
     _Pragma("GCC unroll 8")
     for (int i = 0; i < M; ++i)
       _Pragma("GCC unroll 2")
-      for (int h = 0; h < 2; ++h) facc[h][i] = _mm512_add_ps(facc[h][i], _mm512_cvtepi32_ps(acc[h][i]));
+      for (int h = 0; h < 2; ++h) {
+        __m512i v = acc[h][i][0];
+        _Pragma("GCC unroll 4")
+        for (int c = 1; c < C; ++c) v = _mm512_add_epi32(v, acc[h][i][c]);
+        facc[h][i] = _mm512_add_ps(facc[h][i], _mm512_cvtepi32_ps(v));
+      }
   }
   const __m512 s0 = _mm512_loadu_ps(wscale), s1 = _mm512_loadu_ps(wscale + 16);
   _Pragma("GCC unroll 8")
@@ -118,12 +158,12 @@ void gemm_int8(const PackedView& w, int b0, int b1, const ActView& a, float* out
 // 32 packed bytes -> 32 words; word w's low nibble is one K value, its high nibble the one 4 later.
 inline __m512i widen(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// Up to 2 tokens, each (row tile, token) sums into two accumulators alternately: the four
-// vpdpwssd of one K step would otherwise form one dependency chain (latency-bound at T = 1).
+// Each K step is four vpdpwssd per (row tile, token): with C chains they alternate over C / 2
+// consecutive steps (U); steps per group (group / 8) is even.
 template <int M>
 void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16_t* x, int ld,
                const float* xscale, const int32_t* xsum, float* out, int ldo) {
-  constexpr int C = M <= 2 ? 2 : 1;  // accumulator chains per (row tile, token)
+  constexpr int C = chains<M>(), U = C == 4 ? 2 : 1;
   const int G = w.Kp / w.group, steps = w.group / 8;
   const __m512i nib = _mm512_set1_epi16(0x0F);
   __m512 facc[2][M];
@@ -133,25 +173,28 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
     __m512i acc[2][M][C];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < M; ++i)
-      _Pragma("GCC unroll 2")
+      _Pragma("GCC unroll 4")
       for (int c = 0; c < C; ++c) acc[0][i][c] = acc[1][i][c] = _mm512_setzero_si512();
-    for (int p = g * steps; p < (g + 1) * steps; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + size_t(p + 16) * 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + size_t(p + 16) * 128 + 64), _MM_HINT_T0);
+    for (int p0 = g * steps; p0 < (g + 1) * steps; p0 += U) {
       _Pragma("GCC unroll 2")
-      for (int h = 0; h < 2; ++h) {
-        const __m512i w0 = widen(wb + size_t(p) * 128 + h * 64), w1 = widen(wb + size_t(p) * 128 + h * 64 + 32);
-        const __m512i q01 = _mm512_and_si512(w0, nib), q45 = _mm512_srli_epi16(w0, 4);
-        const __m512i q23 = _mm512_and_si512(w1, nib), q67 = _mm512_srli_epi16(w1, 4);
-        _Pragma("GCC unroll 8")
-        for (int i = 0; i < M; ++i) {
-          const int16_t* xi = x + size_t(i) * ld + 8 * p;
-          __m512i& a0 = acc[h][i][0];
-          __m512i& a1 = acc[h][i][C - 1];
-          a0 = _mm512_dpwssd_epi32(a0, q01, bcast32(xi));
-          a1 = _mm512_dpwssd_epi32(a1, q23, bcast32(xi + 2));
-          a0 = _mm512_dpwssd_epi32(a0, q45, bcast32(xi + 4));
-          a1 = _mm512_dpwssd_epi32(a1, q67, bcast32(xi + 6));
+      for (int u = 0; u < U; ++u) {
+        const int p = p0 + u;
+        prefetch_ahead(wb + size_t(p) * 128, 2);
+        _Pragma("GCC unroll 2")
+        for (int h = 0; h < 2; ++h) {
+          const __m512i w0 = widen(wb + size_t(p) * 128 + h * 64), w1 = widen(wb + size_t(p) * 128 + h * 64 + 32);
+          const __m512i q01 = _mm512_and_si512(w0, nib), q45 = _mm512_srli_epi16(w0, 4);
+          const __m512i q23 = _mm512_and_si512(w1, nib), q67 = _mm512_srli_epi16(w1, 4);
+          _Pragma("GCC unroll 8")
+          for (int i = 0; i < M; ++i) {
+            const int16_t* xi = x + size_t(i) * ld + 8 * p;
+            __m512i& a0 = acc[h][i][(2 * u) % C];
+            __m512i& a1 = acc[h][i][(2 * u + 1) % C];
+            a0 = _mm512_dpwssd_epi32(a0, q01, bcast32(xi));
+            a1 = _mm512_dpwssd_epi32(a1, q23, bcast32(xi + 2));
+            a0 = _mm512_dpwssd_epi32(a0, q45, bcast32(xi + 4));
+            a1 = _mm512_dpwssd_epi32(a1, q67, bcast32(xi + 6));
+          }
         }
       }
     }
@@ -162,7 +205,9 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
       const __m512 z = w.zero ? _mm512_loadu_ps(w.zero + si + 16 * h) : _mm512_set1_ps(8.f);
       _Pragma("GCC unroll 8")
       for (int i = 0; i < M; ++i) {
-        const __m512i sum = C == 2 ? _mm512_add_epi32(acc[h][i][0], acc[h][i][C - 1]) : acc[h][i][0];
+        __m512i sum = acc[h][i][0];
+        _Pragma("GCC unroll 4")
+        for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, acc[h][i][c]);
         const __m512 xs = _mm512_set1_ps(float(xsum[size_t(i) * G + g]));
         const __m512 v = _mm512_fnmadd_ps(z, xs, _mm512_cvtepi32_ps(sum));
         facc[h][i] = _mm512_fmadd_ps(v, sc, facc[h][i]);
