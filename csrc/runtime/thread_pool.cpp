@@ -155,8 +155,11 @@ void ThreadPool::worker_main(int worker) {
     }
     seen = generation_.load();
     if (stop_) return;
-    work(worker);
-    if (busy_.fetch_sub(1) == 1 && driver_sleeps_.load()) futex_wake_all(busy_);
+    // Join run `seen` unless it has closed (or a newer one is being set up): Dekker with
+    // run(), which closes then reads active_ (all seq_cst), so it waits for us or we skip.
+    active_.fetch_add(1);
+    if (generation_.load() == seen && closed_.load() != seen) work(worker);
+    if (active_.fetch_sub(1) == 1 && driver_sleeps_.load()) futex_wake_all(active_);
   }
 }
 
@@ -174,14 +177,17 @@ void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(i
     work(0);
     return;
   }
-  busy_.store(int(workers_.size()));
-  generation_.fetch_add(1);
+  const uint32_t gen = generation_.fetch_add(1) + 1;
   if (sleepers_.load() > 0) futex_wake_all(generation_);
   work(0);
-  auto finished = [&] { return busy_.load() == 0; };
+  // Every item is claimed now: close the run and wait only for the workers inside it (their
+  // claimed items), not for those still waking up (a core leaving a deep idle state can take
+  // a few hundred microseconds); they will find the run closed and go back to waiting.
+  closed_.store(gen);
+  auto finished = [&] { return active_.load() == 0; };
   if (!spin_until(finished)) {
     driver_sleeps_.store(true);
-    for (int32_t b; (b = busy_.load()) != 0;) futex_wait(busy_, uint32_t(b));
+    for (int32_t b; (b = active_.load()) != 0;) futex_wait(active_, uint32_t(b));
     driver_sleeps_.store(false);
   }
 }

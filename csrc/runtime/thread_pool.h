@@ -64,11 +64,14 @@ class ThreadPool {
   std::unique_ptr<Counter[]> counters_;
   const std::function<void(int, int)>* fn_ = nullptr;
 
-  // Workers sleep on generation_ and the driver on busy_ with futexes, not a condition
+  // Workers sleep on generation_ and the driver on active_ with futexes, not a condition
   // variable: every woken thread returns on its own, none queues on a mutex behind the others.
   // sleepers_ / driver_sleeps_ let the wakers skip the syscall while everyone still spins.
+  // A run is generation_'s value; closed_ is the last run whose items were all claimed;
+  // active_ counts the workers inside work() (or deciding whether to enter it).
   std::atomic<uint32_t> generation_{0};
-  std::atomic<int32_t> busy_{0};
+  std::atomic<uint32_t> closed_{0};
+  std::atomic<int32_t> active_{0};
   std::atomic<int32_t> sleepers_{0};
   std::atomic<bool> driver_sleeps_{false};
   std::atomic<bool> stop_{false};
