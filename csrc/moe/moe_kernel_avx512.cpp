@@ -20,11 +20,10 @@ inline __m512i bcast32(const void* p) { return _mm512_set1_epi32(*static_cast<co
 // bound its read rate, whatever the kernel does per byte (int8/int4 at 2 KiB read about half
 // as fast per core on the GPU host as bf16 at 4 KiB: the inference this distance rests on).
 constexpr int kPrefetchBytes = 4096;
-inline void prefetch_ahead(const void* p, int lines) {
-  const char* c = static_cast<const char*>(p) + kPrefetchBytes;
-  _mm_prefetch(c, _MM_HINT_T0);
-  if (lines == 2) _mm_prefetch(c + 64, _MM_HINT_T0);
-}
+// A macro, not a function: this file builds with -Os (nanobind's default), where GCC may keep
+// such a helper out of line, find it free of side effects and drop every call to it.
+#define HMOE_PREFETCH_AHEAD(ptr, line) \
+  _mm_prefetch(reinterpret_cast<const char*>(ptr) + kPrefetchBytes + 64 * (line), _MM_HINT_T0)
 
 // Few tokens: each (row tile, token) sums into C accumulators, one per step of C consecutive
 // K steps; with one chain per tile a 1-token pass waits on the dot product's latency each step.
@@ -44,7 +43,8 @@ void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out
     _Pragma("GCC unroll 4")
     for (int c = 0; c < C; ++c) {
       const int p = p0 + c;
-      prefetch_ahead(wb + p * 64, 2);  // both lines of the step
+      HMOE_PREFETCH_AHEAD(wb + p * 64, 0);  // both lines of the step
+      HMOE_PREFETCH_AHEAD(wb + p * 64, 1);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * 64);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
       _Pragma("GCC unroll 8")
@@ -105,7 +105,7 @@ void int8_pass(const int8_t* wb, int Kp, const int16_t* x, int ld, const float* 
       _Pragma("GCC unroll 4")
       for (int c = 0; c < C; ++c) {
         const int p = p0 + c;
-        prefetch_ahead(wb + p * 64, 1);
+        HMOE_PREFETCH_AHEAD(wb + p * 64, 0);
         const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64)));
         const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32)));
         _Pragma("GCC unroll 8")
@@ -179,7 +179,8 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
       _Pragma("GCC unroll 2")
       for (int u = 0; u < U; ++u) {
         const int p = p0 + u;
-        prefetch_ahead(wb + size_t(p) * 128, 2);
+        HMOE_PREFETCH_AHEAD(wb + size_t(p) * 128, 0);
+        HMOE_PREFETCH_AHEAD(wb + size_t(p) * 128, 1);
         _Pragma("GCC unroll 2")
         for (int h = 0; h < 2; ++h) {
           const __m512i w0 = widen(wb + size_t(p) * 128 + h * 64), w1 = widen(wb + size_t(p) * 128 + h * 64 + 32);
