@@ -154,7 +154,9 @@ class Engine {
 
   const hmoe::MoeConfig& cfg() const { return layer_->config(); }
 
-  void pack_expert(int e, Array gate, Array up, Array down) {
+  // One expert's float32 matrices: gate and up [I, H], down [H, I].
+  template <class A>
+  void check_expert_matrices(int e, const A& gate, const A& up, const A& down) const {
     check_expert(e);
     const auto& c = cfg();
     const nb::dlpack::dtype f32 = nb::dtype<float>();
@@ -164,6 +166,10 @@ class Engine {
     check_dtype(gate.dtype(), f32, "gate");
     check_dtype(up.dtype(), f32, "up");
     check_dtype(down.dtype(), f32, "down");
+  }
+
+  void pack_expert(int e, Array gate, Array up, Array down) {
+    check_expert_matrices(e, gate, up, down);
     nb::gil_scoped_release nogil;
     layer_->pack_expert(e, static_cast<const float*>(gate.data()), static_cast<const float*>(up.data()),
                         static_cast<const float*>(down.data()));
@@ -193,15 +199,7 @@ class Engine {
   }
 
   void unpack_expert(int e, MutArray gate, MutArray up, MutArray down) {
-    check_expert(e);
-    const auto& c = cfg();
-    const nb::dlpack::dtype f32 = nb::dtype<float>();
-    check_array(gate, "gate", {c.I, c.H});
-    check_array(up, "up", {c.I, c.H});
-    check_array(down, "down", {c.H, c.I});
-    check_dtype(gate.dtype(), f32, "gate");
-    check_dtype(up.dtype(), f32, "up");
-    check_dtype(down.dtype(), f32, "down");
+    check_expert_matrices(e, gate, up, down);
     layer_->unpack_expert(e, static_cast<float*>(gate.data()), static_cast<float*>(up.data()),
                           static_cast<float*>(down.data()));
   }
