@@ -281,6 +281,8 @@ class Engine {
     layer_->wait(ticket);
   }
 
+  void prewake() { layer_->prewake(); }
+
  private:
   void check_expert(int e) const {
     if (e < 0 || e >= cfg().E)
@@ -320,6 +322,7 @@ NB_MODULE(_native, m) {
       .def("set_buffer", &Engine::set_buffer, "name"_a, "array"_a)
       .def("submit", &Engine::submit, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a)
       .def("wait", &Engine::wait, "ticket"_a)
+      .def("prewake", &Engine::prewake, "Wake sleeping workers ahead of a call (no-op while they spin).")
       .def("run", &Engine::run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
            "submit + wait on the calling thread (GIL released), without the driver thread.")
       .def_prop_ro("isa", [](const Engine& e) { return std::string(kIsaNames[int(e.cfg().isa)]); })

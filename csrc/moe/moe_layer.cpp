@@ -221,6 +221,8 @@ uint64_t MoeLayer::submit(const MoeCall& call) {
 
 void MoeLayer::wait(uint64_t ticket) { pool_->wait(ticket); }
 
+void MoeLayer::prewake() { pool_->prewake(); }
+
 void MoeLayer::run(const MoeCall& call) {
   pool_->prewake();
   pool_->run_here([&] { forward(call); });

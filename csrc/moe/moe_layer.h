@@ -60,6 +60,8 @@ class MoeLayer {
 
   uint64_t submit(const MoeCall& call);
   void wait(uint64_t ticket);
+  // Wakes the pool's sleeping workers ahead of a call (a no-op while they spin); any thread.
+  void prewake();
   // forward on the calling thread (it works as one of the pool's threads); blocks until done.
   void run(const MoeCall& call);
 

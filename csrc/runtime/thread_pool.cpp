@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <map>
@@ -22,18 +23,43 @@
 namespace hmoe {
 namespace {
 
-// How long an idle thread spins before it sleeps: longer than the gap between the phases of
-// one forward, far shorter than a scheduler time slice.
-constexpr auto kSpin = std::chrono::microseconds(100);
+// How long an idle thread spins before it sleeps, at least: longer than the gap between the
+// phases of one forward, far shorter than a scheduler time slice. The workers' window grows
+// past it with the gaps between runs (a decode loop calls every layer within tens to hundreds
+// of microseconds), up to kMaxSpin; idle past the window, every thread sleeps.
+constexpr int64_t kSpinNs = 100'000;
+constexpr int64_t kMaxSpinNs = 2'000'000;
+// While spinning, give the core away every ~this often so that a thread sharing it (the
+// Python thread, a CUDA driver thread) is never starved for long.
+constexpr int64_t kYieldNs = 20'000;
 
-template <class Pred>
-bool spin_until(Pred ready) {
-  const auto until = std::chrono::steady_clock::now() + kSpin;
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Spins until ready() or until window_ns() (re-read as it goes) has passed since the start.
+template <class Pred, class Window>
+bool spin_until(Pred ready, Window window_ns) {
+  const int64_t start = now_ns();
+  int64_t next_yield = start + kYieldNs;
   for (int i = 0;; ++i) {
     if (ready()) return true;
     HMOE_PAUSE();
-    if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) return false;
+    if ((i & 63) == 63) {
+      const int64_t t = now_ns();
+      if (t - start > window_ns()) return false;
+      if (t > next_yield) {
+        sched_yield();
+        next_yield = t + kYieldNs;
+      }
+    }
   }
+}
+template <class Pred>
+bool spin_until(Pred ready) {
+  return spin_until(ready, [] { return kSpinNs; });
 }
 
 // Sleep while *word == expected (returns at once if it already differs), and wake sleepers.
@@ -143,9 +169,10 @@ void ThreadPool::work(int worker) {
 
 void ThreadPool::worker_main(int worker) {
   uint32_t seen = 0;
+  auto window = [this] { return spin_ns_.load(std::memory_order_relaxed); };
   for (;;) {
     auto changed = [&] { return generation_.load() != seen; };
-    if (!spin_until(changed)) {
+    if (!spin_until(changed, window)) {
       // Dekker with run(): it bumps generation_ then reads sleepers_; we count ourselves in
       // and then read generation_ (all seq_cst), so one of us sees the other.
       sleepers_.fetch_add(1);
@@ -177,6 +204,7 @@ void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(i
     work(0);
     return;
   }
+  learn_gap();
   const uint32_t gen = generation_.fetch_add(1) + 1;
   if (sleepers_.load() > 0) futex_wake_all(generation_);
   work(0);
@@ -190,6 +218,22 @@ void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(i
     for (int32_t b; (b = active_.load()) != 0;) futex_wait(active_, uint32_t(b));
     driver_sleeps_.store(false);
   }
+  last_end_ns_.store(now_ns(), std::memory_order_relaxed);
+}
+
+void ThreadPool::learn_gap() {
+  // The idle gap since the last run ended. Gaps past kMaxSpin are pauses between requests,
+  // not a decode loop: they leave the estimate alone. Within it, the estimate follows a longer
+  // gap at once and a shorter one slowly (a forward's own runs come back to back), and the
+  // workers spin for twice it.
+  const int64_t last = last_end_ns_.load(std::memory_order_relaxed);
+  if (last == 0) return;
+  const int64_t gap = now_ns() - last;
+  if (gap > kMaxSpinNs) return;
+  int64_t est = gap_ns_;
+  est = gap > est ? gap : est - (est - gap) / 16;
+  gap_ns_ = est;
+  spin_ns_.store(std::clamp<int64_t>(2 * est, kSpinNs, kMaxSpinNs), std::memory_order_relaxed);
 }
 
 void ThreadPool::prewake() {
@@ -237,7 +281,8 @@ void ThreadPool::driver_main() {
   uint64_t taken = 0;
   for (;;) {
     std::pair<uint64_t, std::function<void()>> job;
-    spin_until([&] { return submitted_.load(std::memory_order_acquire) > taken || stop_; });
+    spin_until([&] { return submitted_.load(std::memory_order_acquire) > taken || stop_; },
+               [this] { return spin_ns_.load(std::memory_order_relaxed); });
     {
       std::unique_lock<std::mutex> lk(jobs_mu_);
       jobs_cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });

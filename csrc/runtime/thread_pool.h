@@ -3,10 +3,12 @@
 //
 // run() hands out work items through one atomic counter per group: a worker takes items of its
 // own group first, then steals from the other groups; items are claimed one at a time, so a
-// slow core never holds up the rest. Idle workers spin for a short while (a decode step's
-// phases follow each other within microseconds), then sleep on a condition variable, so a pool
-// of as many threads as cores never starves the thread that feeds it. They sleep on futexes, so a
-// wake-up reaches all of them at once.
+// slow core never holds up the rest. Idle workers spin (yielding the core every few tens of
+// microseconds) for a window that follows the recent gaps between runs: 100 us at least, so a
+// forward's phases find them awake, up to 2 ms, so the layers of a decode step (one run every
+// tens to hundreds of microseconds) do too. Idle longer, they sleep on futexes (a wake-up
+// reaches all of them at once), so a pool of as many threads as cores never busy-waits between
+// requests nor starves the thread that feeds it.
 //
 // Jobs (submit / wait) run in order on the pool's driver thread, which also acts as worker 0
 // of group 0 inside run(); run() must only be called from a job. run_here() runs a job on the
@@ -56,6 +58,7 @@ class ThreadPool {
   void worker_main(int worker);
   void driver_main();
   void work(int worker);
+  void learn_gap();  // called by run() before it starts its workers
 
   int groups_;
   std::vector<int> group_of_;
@@ -75,6 +78,11 @@ class ThreadPool {
   std::atomic<int32_t> sleepers_{0};
   std::atomic<bool> driver_sleeps_{false};
   std::atomic<bool> stop_{false};
+  // The idle workers' spin window (ns), learnt by run() from the gaps between runs (gap_ns_:
+  // the estimate, only touched by the thread inside run()); last_end_ns_: when the last run ended.
+  std::atomic<int64_t> spin_ns_{100'000};
+  std::atomic<int64_t> last_end_ns_{0};
+  int64_t gap_ns_ = 0;
 
   std::mutex exec_mu_;  // held while a job runs (driver or run_here)
   std::mutex jobs_mu_;

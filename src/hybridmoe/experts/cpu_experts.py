@@ -177,6 +177,11 @@ class CpuExperts:
         self._call(self._engine.unpack_expert, e, gate, up, down)
         return gate, up, down
 
+    def prewake(self) -> None:
+        """Wake the pool's sleeping workers now, ahead of a submit()/forward() (e.g. when the
+        layer's routing starts), so their wake-up overlaps it; a cheap no-op while they spin."""
+        self._engine.prewake()
+
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """Start the layer on the CPU workers; wait() returns [T, H] in x's dtype."""
         if self._pending is not None:
