@@ -2,12 +2,19 @@
 
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format bf16,int8,int4 \
         --tokens 1,4,64,512,2048 [--threads N] [--isa amx] [--flush write|read] [--json out.json]
+    python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format int4 --tokens 1,4 --gap-us 100 [--layers 8]
 
 Per (format, T): median ms per call (decode sizes: caches flushed between calls, so weights
 come from DRAM), GB/s of expert weights read (distinct experts touched x packed bytes each),
 TFLOP/s, the host's read bandwidth measured in this run (a float32 sum over 2 GiB on the same
 thread count) and our fraction of it, the speedup over a torch bf16 per-expert loop, and the
 layer's relative L2 error vs float32 weights (separate Gaussian fp32 experts at this shape).
+
+With --gap-us G: the decode loop instead. --layers layers (each its own packed copy, so the
+weights come from DRAM without a cache flush) are called in turn, back to back with G us of
+busy work on the calling thread between calls (what a step's GPU attention leaves the CPU
+workers), a fresh routing each call; median and p90 ms per call, for forward() and for
+submit() + wait() (the hybrid engine's path). No torch baseline nor accuracy in this mode.
 """
 
 import argparse
@@ -112,6 +119,61 @@ def peak_rss_gb():
     return float("nan")
 
 
+def busy_wait(seconds):
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
+    """The --gap-us mode: ms per call of layers called in turn with a gap between calls."""
+    E, H, K = shape["E"], shape["H"], shape["K"]
+    gap_s = args.gap_us * 1e-6
+    n_routings = 16  # per layer and T: fresh experts each call, cycled
+    rows = []
+    print(f"{'format':<6} {'T':>5} {'api':<7} {'ms':>9} {'p90 ms':>9} {'GB/s':>7} {'%bw':>5}")
+    for fmt in args.format.split(","):
+        t0 = time.perf_counter()
+        layers = [CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=threads, isa=args.isa)
+                  for _ in range(args.layers)]
+        pack_s = time.perf_counter() - t0
+        per_expert = layers[0].packed_bytes / E
+        for T in tokens:
+            calls = [routing(T, H, E, K, seed=1000 * T + r) for r in range(n_routings)]
+            touched = statistics.mean(len(torch.unique(ids)) for _, ids, _ in calls)
+            for api in ("forward", "submit"):
+                def call(layer, x, ids, w):
+                    if api == "forward":
+                        layer.forward(x, ids, w)
+                    else:
+                        layer.submit(x, ids, w)
+                        layer.wait()
+                times = []
+                start = time.perf_counter()
+                for rep in range(args.reps + 1):
+                    for li, layer in enumerate(layers):
+                        x, ids, w = calls[(rep * len(layers) + li) % n_routings]
+                        busy_wait(gap_s)
+                        t = time.perf_counter()
+                        call(layer, x, ids, w)
+                        if rep > 0:  # the first cycle warms up (and learns the gap)
+                            times.append((time.perf_counter() - t) * 1e3)
+                    if time.perf_counter() - start > 5.0 and rep >= 3:
+                        break
+                ms = statistics.median(times)
+                p90 = float(np.percentile(times, 90))
+                gbps = touched * per_expert / ms / 1e6
+                rows.append(dict(shape=args.shape, format=fmt, mode="decode_loop", api=api, gap_us=args.gap_us,
+                                 layers=args.layers, isa=layers[0].isa, threads=threads, tokens=T, ms=ms,
+                                 p90_ms=p90, calls=len(times), gbps=gbps, bw_fraction=gbps / bw,
+                                 pack_s=pack_s, host_read_gbps=bw))
+                print(f"{fmt:<6} {T:>5} {api:<7} {ms:>9.3f} {p90:>9.3f} {gbps:>7.1f} {100 * gbps / bw:>4.0f}%",
+                      flush=True)
+        print(f"#   {fmt}: {args.layers} layers packed in {pack_s:.1f} s", flush=True)
+        del layers
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
@@ -126,6 +188,9 @@ def main():
     ap.add_argument("--flush", default="write", choices=["write", "read"],
                     help="how decode sizes evict the caches between calls (see main)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gap-us", type=float, default=None,
+                    help="decode-loop mode: layers called in turn, this many us apart (see above)")
+    ap.add_argument("--layers", type=int, default=8, help="layers cycled in --gap-us mode")
     args = ap.parse_args()
 
     shape = dict(SHAPES[args.shape])
@@ -135,6 +200,18 @@ def main():
     threads = args.threads or default_threads()
     tokens = [int(t) for t in args.tokens.split(",")]
     bw = host_read_gbps(threads)
+    if args.gap_us is not None:
+        torch.set_num_threads(1)
+        time.sleep(1.0)  # torch's OpenMP workers stop spinning on the cores ours are pinned to
+        gate, up, down = make_weights(E, H, I)
+        print(f"# {args.shape}: E={E} H={H} I={I} top-{K}; threads={threads}; host read bandwidth {bw:.1f} GB/s; "
+              f"decode loop: {args.layers} layers, {args.gap_us:g} us between calls", flush=True)
+        rows = decode_loop(args, shape, threads, bw, gate, up, down, tokens)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"shape": args.shape, "dims": shape, "threads": threads, "host_read_gbps": bw,
+                           "cpu_count": os.cpu_count(), "isas": available_isas(), "rows": rows}, f, indent=1)
+        return
     # Touch a buffer larger than the last-level cache from this thread alone (numpy): evicts
     # every cache level without waking torch's OpenMP workers, which would busy-wait on the
     # cores our workers are pinned to. "write" leaves the caches full of dirty lines, which the
