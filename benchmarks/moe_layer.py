@@ -134,8 +134,13 @@ def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
     print(f"{'format':<6} {'T':>5} {'api':<7} {'ms':>9} {'p90 ms':>9} {'GB/s':>7} {'%bw':>5}")
     for fmt in args.format.split(","):
         t0 = time.perf_counter()
-        layers = [CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=threads, isa=args.isa)
-                  for _ in range(args.layers)]
+        first = CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=threads, isa=args.isa)
+        # The other layers: copies of the first's packed buffers (64-byte aligned by torch's
+        # allocator), each in its own memory; packing them again would only take longer.
+        state = first.packed_state()
+        layers = [first] + [CpuExperts.from_packed(
+            {**state, "buffers": {k: torch.from_numpy(v).clone() for k, v in state["buffers"].items()}},
+            threads=threads, isa=args.isa) for _ in range(args.layers - 1)]
         pack_s = time.perf_counter() - t0
         per_expert = layers[0].packed_bytes / E
         for T in tokens:
