@@ -18,6 +18,7 @@ COMMANDS = {
     "run": ("hybridmoe.commands.run", "complete one prompt, streaming to stdout"),
     "chat": ("hybridmoe.commands.chat", "interactive multi-turn chat"),
     "serve": ("hybridmoe.commands.serve", "OpenAI- and Ollama-compatible HTTP server with a web chat page"),
+    "bench": ("hybridmoe.commands.bench", "end-to-end prefill/decode speed, time to first token, load time, peak RSS"),
     "convert": ("hybridmoe.commands.convert", "pack a checkpoint's routed experts for the native engine, once"),
     "doctor": ("hybridmoe.commands.doctor", "this machine's CPU, GPU and bandwidths, and what a run would choose"),
     "profile-experts": ("hybridmoe.commands.profile_experts", "record how often each routed expert is chosen"),

@@ -68,6 +68,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def choices_line(ec, cuda_graph: bool | None = None) -> str:
+    """What "auto" became in the resolved EngineConfig ec; cuda_graph: whether decode replays CUDA graphs
+    (known once an engine is built; None leaves it out)."""
+    from hybridmoe.experts.placement import format_bytes
+
+    graph = "" if cuda_graph is None else f", cuda_graph {'on' if cuda_graph else 'off'}"
+    return (f"choices:    device {ec.device}, expert_backend {ec.expert_backend}"
+            f"{f' ({ec.expert_format})' if ec.expert_backend == 'native' else ''}, gpu_memory_budget "
+            f"{format_bytes(ec.gpu_memory_budget) if ec.gpu_memory_budget is not None else 'none'}, "
+            f"deferred_experts {ec.deferred_experts}{graph}")
+
+
 def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
     """What a run of model_dir with engine_config would choose, and its expected decode floor."""
     from hybridmoe.experts.placement import cpu_expert_bytes, format_bytes, model_footprint, placement_for
@@ -82,10 +94,7 @@ def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
     ec = resolve_engine_config(engine_config, config, dtype, model_dir)
     lines = [f"model:      {config.get('model_type', cls.__name__)}, {config.num_hidden_layers} layers, compute "
              f"{str(dtype).removeprefix('torch.')}",
-             f"choices:    device {ec.device}, expert_backend {ec.expert_backend}"
-             f"{f' ({ec.expert_format})' if ec.expert_backend == 'native' else ''}, gpu_memory_budget "
-             f"{format_bytes(ec.gpu_memory_budget) if ec.gpu_memory_budget is not None else 'none'}, "
-             f"deferred_experts {ec.deferred_experts}"]
+             choices_line(ec)]
     stats = None
     if uses_hybrid(ec):
         plan, stats = placement_for(cls, config, dtype, ec)

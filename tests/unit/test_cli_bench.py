@@ -1,0 +1,38 @@
+import json
+
+import pytest
+
+from hybridmoe.checkpoint.make import make_checkpoint
+from hybridmoe.cli import main
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3")
+    make_checkpoint("qwen3_moe", "tiny", d, dtype="fp32", progress=False)
+    return d
+
+
+def test_bench_prints_choices_and_table_and_writes_json(checkpoint, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    rc = main(["bench", "--model", str(checkpoint), "--prompt-len", "16", "--gen-len", "5", "--batch", "2",
+               "--seed", "1", "--json", str(out_json), "--expert-backend", "torch"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "choices:    device cpu, expert_backend torch, gpu_memory_budget none" in out and "cuda_graph off" in out
+    assert "batch 2 x prompt 16 + gen 5" in out
+    for row in ("prefill", "decode", "TTFT mean / max", "load", "peak RSS"):
+        assert f"\n  {row} " in out
+    data = json.loads(out_json.read_text())
+    assert data["setup"]["prompt_len"] == 16 and data["setup"]["gen_len"] == 5 and data["setup"]["batch"] == 2
+    result = data["result"]
+    assert result["generated_tokens"] == 2 * 5  # greedy, EOS ignored: every request runs gen_len tokens
+    assert result["prefill_tok_s"] > 0 and result["decode_tok_s"] > 0 and result["load_s"] > 0
+
+
+@pytest.mark.parametrize("flag", ["--gen-len", "--prompt-len", "--batch"])
+def test_a_non_positive_workload_is_a_one_line_error(checkpoint, capsys, flag):
+    assert main(["bench", "--model", str(checkpoint), flag, "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridmoe bench: error:") and err.count("\n") == 1
+    assert f"{flag} 1 or more" in err
