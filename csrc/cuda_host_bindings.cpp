@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "binding_args.h"
 #include "moe/moe_layer.h"
-#include "runtime/cpu_features.h"
 #include "runtime/cuda_host.h"
 
 namespace nb = nanobind;
@@ -32,32 +32,8 @@ using namespace nb::literals;
 
 namespace {
 
-using hmoe::Format;
-using hmoe::Isa;
 using MutArray = nb::ndarray<>;
-
-[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
-
-const nb::dlpack::dtype kBf16{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
-
-Format parse_format(const std::string& name) {
-  const char* names[] = {"bf16", "int8", "int4"};
-  for (int i = 0; i < 3; ++i)
-    if (name == names[i]) return Format(i);
-  fail("unknown expert format '" + name + "'; choose bf16, int8 or int4");
-}
-
-// The engine this layer mirrors was built with this isa, so it is normally available; checked
-// again because the kernels would fault on a CPU without it.
-Isa parse_isa(const std::string& name) {
-  const auto& f = hmoe::cpu_features();
-  const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.avx512_vnni;
-  if (name == "generic") return Isa::generic;
-  if (name == "avx2" && f.avx2 && f.fma) return Isa::avx2;
-  if (name == "avx512" && avx512) return Isa::avx512;
-  if (name == "amx" && avx512 && f.amx_tile && f.amx_bf16 && hmoe::amx_request_permission()) return Isa::amx;
-  fail("isa '" + name + "' is unknown or not supported by this CPU");
-}
+using namespace hmoe::args;
 
 bool in_host_memory(const MutArray& a) {
   return a.device_type() == nb::device::cpu::value || a.device_type() == nb::device::cuda_host::value;
@@ -108,19 +84,8 @@ class Handoff {
   int add_layer(int E, int H, int I, const std::string& format, int group_size, bool zero_points, int threads,
                 const std::string& isa, int numa_nodes, nb::dict buffers, MutArray x, MutArray ids,
                 MutArray weights, MutArray out) {
-    if (E < 1 || H < 1 || I < 1) fail("expert shapes must be positive");
     if (top_k_ > E) fail("top_k " + std::to_string(top_k_) + " exceeds the layer's " + std::to_string(E) + " experts");
-    if (threads < 1 || numa_nodes < 1 || numa_nodes > threads) fail("need 1 <= numa_nodes <= threads");
-    hmoe::MoeConfig cfg;
-    cfg.E = E;
-    cfg.H = H;
-    cfg.I = I;
-    cfg.format = parse_format(format);
-    cfg.group = group_size;
-    cfg.zero_points = zero_points;
-    cfg.threads = threads;
-    cfg.isa = parse_isa(isa);
-    cfg.numa_nodes = numa_nodes;
+    const hmoe::MoeConfig cfg = moe_config(E, H, I, format, group_size, zero_points, threads, isa, numa_nodes);
 
     check_staging(x, "hidden staging", max_tokens_, H);
     const bool bf16 = x.dtype() == kBf16;

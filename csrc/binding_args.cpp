@@ -1,0 +1,92 @@
+#include "binding_args.h"
+
+#include <stdexcept>
+
+#include "runtime/cpu_features.h"
+
+namespace hmoe::args {
+namespace {
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+}  // namespace
+
+void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+bool isa_available(Isa isa) {
+  const auto& f = cpu_features();
+  const bool avx512 = f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.avx512_vnni;
+  switch (isa) {
+    case Isa::generic: return true;
+    case Isa::avx2: return f.avx2 && f.fma;
+    case Isa::avx512: return avx512;
+    case Isa::amx: return avx512 && f.amx_tile && f.amx_bf16 && amx_request_permission();
+  }
+  return false;
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out;
+  for (int i = 0; i < 4; ++i)
+    if (isa_available(Isa(i))) out.push_back(kIsaNames[i]);
+  return out;
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name.empty()) {
+    for (int i = 3; i >= 0; --i)
+      if (isa_available(Isa(i))) return Isa(i);
+  }
+  for (int i = 0; i < 4; ++i)
+    if (name == kIsaNames[i]) {
+      if (!isa_available(Isa(i)))
+        fail("isa '" + name + "' is not supported by this CPU; available: " + join(available_isas()));
+      return Isa(i);
+    }
+  fail("unknown isa '" + name + "'; choose one of: generic, avx2, avx512, amx (available here: " +
+       join(available_isas()) + ")");
+}
+
+Format parse_format(const std::string& name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == kFormatNames[i]) return Format(i);
+  fail("unknown expert format '" + name + "'; choose bf16, int8 or int4");
+}
+
+MoeConfig moe_config(int E, int H, int I, const std::string& format, int group_size, bool zero_points,
+                     int threads, const std::string& isa, int numa_nodes) {
+  if (E < 1 || H < 1 || I < 1)
+    fail("expert shapes must be positive, got E=" + std::to_string(E) + " H=" + std::to_string(H) +
+         " I=" + std::to_string(I));
+  MoeConfig cfg;
+  cfg.E = E;
+  cfg.H = H;
+  cfg.I = I;
+  cfg.format = parse_format(format);
+  cfg.group = group_size;
+  cfg.zero_points = zero_points;
+  if (cfg.format == Format::int4) {
+    if (group_size != 32 && group_size != 64 && group_size != 128)
+      fail("int4 group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+    if (H % group_size || I % group_size)
+      fail("int4 with group_size " + std::to_string(group_size) + " needs hidden size and intermediate size " +
+           "divisible by it (got H=" + std::to_string(H) + ", I=" + std::to_string(I) +
+           "); pick a group size that divides both, or format='int8'");
+  } else if (zero_points) {
+    fail("zero points exist only for format='int4'");
+  }
+  if (threads < 1) fail("threads must be >= 1, got " + std::to_string(threads));
+  if (numa_nodes < 1 || numa_nodes > threads)
+    fail("numa_nodes must be between 1 and threads (" + std::to_string(threads) + "), got " +
+         std::to_string(numa_nodes));
+  cfg.threads = threads;
+  cfg.isa = parse_isa(isa);
+  cfg.numa_nodes = numa_nodes;
+  return cfg;
+}
+
+}  // namespace hmoe::args
