@@ -6,8 +6,8 @@
 
 Per (format, T): median ms per call (decode sizes: caches flushed between calls, so weights
 come from DRAM), GB/s of expert weights read (distinct experts touched x packed bytes each),
-TFLOP/s, the host's read bandwidth measured in this run (a float32 sum over 2 GiB on the same
-thread count) and our fraction of it, the speedup over a torch bf16 per-expert loop, and the
+TFLOP/s, the host's read bandwidth measured in this run (system/bandwidth.py's probe over 2 GiB on
+the same thread count) and our fraction of it, the speedup over a torch bf16 per-expert loop, and the
 layer's relative L2 error vs float32 weights (separate Gaussian fp32 experts at this shape).
 
 With --gap-us G: the decode loop instead. --layers layers (each its own packed copy, so the
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from hybridmoe import CpuExperts
 from hybridmoe.experts.cpu_experts import available_isas, default_threads
 from hybridmoe.experts.torch_ref import ref_moe
+from hybridmoe.system.bandwidth import host_read_bandwidth
 
 SHAPES = {  # hidden H, expert intermediate I, experts E, experts per token K
     "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
@@ -54,12 +55,8 @@ def median_ms(fn, reps, flush=None, budget_s=3.0):
 
 
 def host_read_gbps(threads):
-    """Read bandwidth by a float32 sum over 2 GiB with `threads` torch threads (median of 5)."""
-    torch.set_num_threads(threads)
-    buf = torch.ones(512 * 1024 * 1024)
-    buf.sum()
-    ms = median_ms(lambda: buf.sum(), 7)
-    return buf.numel() * 4 / ms / 1e6
+    """GB/s read over 2 GiB on `threads` threads: hybridmoe.system.bandwidth's probe (the native one when built)."""
+    return host_read_bandwidth(2 << 30, threads) / 1e9
 
 
 def make_weights(E, H, I, distinct=4):

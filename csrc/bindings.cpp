@@ -17,6 +17,7 @@
 #include "moe/moe_layer.h"
 #include "moe/pack_codes.h"
 #include "runtime/cpu_features.h"
+#include "runtime/read_bandwidth.h"
 #include "runtime/thread_pool.h"
 
 namespace nb = nanobind;
@@ -230,6 +231,12 @@ NB_MODULE(_native, m) {
   m.def("numa_node_count", &hmoe::numa_node_count);
   m.def("allowed_cpu_count", [] { return int(hmoe::allowed_cpus().size()); },
         "CPUs this process may run on (its affinity mask).");
+  m.def("read_bandwidth", [](size_t nbytes, int threads, int passes, int rounds) {
+    nb::gil_scoped_release nogil;
+    return hmoe::read_bandwidth(nbytes, threads, passes, rounds);
+  }, "nbytes"_a, "threads"_a, "passes"_a = 5, "rounds"_a = 3,
+        "Host read bytes/s on the engine's pool (csrc/runtime/read_bandwidth.h).");
+  m.def("read_bandwidth_isa", &hmoe::read_bandwidth_isa, "The load width read_bandwidth uses here.");
 
   nb::class_<Engine>(m, "MoeEngine", "Packed routed experts of one MoE layer (see csrc/moe/moe_layer.h).")
       .def(nb::init<int, int, int, const std::string&, int, bool, int, const std::string&, int, bool>(),

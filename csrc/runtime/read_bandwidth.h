@@ -1,0 +1,17 @@
+#pragma once
+// Host memory read bandwidth, measured the way the expert kernels read weights: the engine's
+// pinned thread pool streams one buffer much larger than the last-level cache with the widest
+// loads this CPU has (AVX-512, else AVX2, else 64-bit words), claiming 1 MiB blocks one at a time.
+#include <cstddef>
+
+namespace hmoe {
+
+// Bytes/s reading nbytes on `threads` pool threads: `rounds` rounds of `passes` timed passes
+// (after one untimed pass that touches every page and wakes the pool); each round's median pass
+// time, and the best round. nbytes is rounded up to whole 1 MiB blocks.
+double read_bandwidth(size_t nbytes, int threads, int passes, int rounds);
+
+// The load width read_bandwidth uses on this CPU: "avx512", "avx2" or "generic".
+const char* read_bandwidth_isa();
+
+}  // namespace hmoe
