@@ -1,0 +1,114 @@
+"""The native engine's packed expert layouts (csrc/moe/packed.h), dequantized with torch on any device.
+
+The CPU engine keeps each layer's experts packed (CpuExperts.packed_state()); a long prefill can copy
+those bytes to the GPU as they are (a quarter of bf16's for int4) and unpack them there. The values
+equal CpuExperts.dequantized bit for bit in float32: the same integer codes, the same
+(code - zero) * scale in float32 (tests/hybrid/test_packed_torch.py holds every format to that).
+
+Every matrix W [N, K] is cut into blocks of 32 output rows, and the blocks into `numa_nodes` slices;
+slice s of all E experts is one buffer "<gate|up|down>.<s>.w" (+ ".scale", ".zero"):
+  bf16 / int8 block: [Kp/2][32 rows][2]                  (k = 2 * pair + j)
+  int4 block:        [Kp/8][2 halves][2 quads][16 rows][2] bytes, low nibble k8 = 2*quad + j,
+                     high nibble k8 = 4 + 2*quad + j, row = 16 * half + r, k = 8 * step + k8
+  int8 scales [nb][32] per row; int4 scales (and zero points) [nb][G][32] per (row, group).
+E experts, n of them dequantized, N rows, K columns (Kp padded), nb blocks of a slice, G groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridmoe.errors import HybridMoEError
+
+BLOCK_ROWS = 32
+MATRICES = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class _Slice:
+    blocks: int
+    w: str
+    scale: str | None
+    zero: str | None
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    N: int
+    K: int
+    Kp: int
+    slices: tuple[_Slice, ...]
+
+
+class PackedLayout:
+    """Where each expert's bytes sit in a layer's packed buffers, read from a packed_state()."""
+
+    def __init__(self, state: dict):
+        self.E, self.H, self.I = (int(v) for v in state["shape"])
+        self.format, self.group = state["format"], int(state["group_size"])
+        self.zero_points = bool(state["zero_points"])
+        numa = int(state["numa_nodes"])
+        if self.format not in ("bf16", "int8", "int4"):
+            raise HybridMoEError(f"unknown packed expert format {self.format!r}")
+        mats = []
+        for m, name in enumerate(MATRICES):
+            N, K = (self.I, self.H) if m < 2 else (self.H, self.I)
+            Kp = K if self.format == "int4" else -(-K // BLOCK_ROWS) * BLOCK_ROWS
+            blocks = -(-N // BLOCK_ROWS)
+            bounds = [blocks * s // numa for s in range(numa + 1)]
+            slices = tuple(_Slice(bounds[s + 1] - bounds[s], f"{name}.{s}.w",
+                                  f"{name}.{s}.scale" if self.format != "bf16" else None,
+                                  f"{name}.{s}.zero" if self.format == "int4" and self.zero_points else None)
+                           for s in range(numa))
+            mats.append(_Matrix(N, K, Kp, slices))
+        self.matrices: tuple[_Matrix, ...] = tuple(mats)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Name -> size in bytes of every packed buffer (what packed_state()["buffers"] holds)."""
+        out = {}
+        for mat in self.matrices:
+            block = BLOCK_ROWS * mat.Kp * {"bf16": 2, "int8": 1, "int4": 0.5}[self.format]
+            scales = {"bf16": 0, "int8": BLOCK_ROWS, "int4": BLOCK_ROWS * mat.Kp // self.group}[self.format]
+            for sl in mat.slices:
+                out[sl.w] = int(self.E * sl.blocks * block)
+                for name in (sl.scale, sl.zero):
+                    if name is not None:
+                        out[name] = self.E * sl.blocks * scales * 4
+        return out
+
+    def dequantize(self, buffers: dict[str, torch.Tensor], experts: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Experts `experts` (ids [n] on the buffers' device) as (gate, up [n, I, H], down [n, H, I]) in dtype.
+
+        buffers: name -> the flat packed buffer as uint8 bytes, on the device that does the work.
+        """
+        return tuple(self._matrix(mat, buffers, experts).to(dtype) for mat in self.matrices)
+
+    def _matrix(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor) -> torch.Tensor:
+        rows = [self._slice(mat, sl, buffers, experts) for sl in mat.slices]  # each [n, nb * 32, K]
+        return torch.cat(rows, dim=1)[:, :mat.N] if len(rows) > 1 else rows[0][:, :mat.N]
+
+    def _slice(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor) -> torch.Tensor:
+        n, nb, Kp = experts.numel(), sl.blocks, mat.Kp
+        w = buffers[sl.w].view(self.E, -1)[experts]  # [n, nb * block bytes]
+        if self.format == "bf16":
+            q = w.view(torch.bfloat16).view(n, nb, Kp // 2, BLOCK_ROWS, 2).permute(0, 1, 3, 2, 4)
+            return q.reshape(n, nb * BLOCK_ROWS, Kp)[..., :mat.K].float()
+        scale = buffers[sl.scale].view(torch.float32).view(self.E, nb, -1)[experts]  # [n, nb, 32 or G * 32]
+        if self.format == "int8":
+            q = w.view(torch.int8).view(n, nb, Kp // 2, BLOCK_ROWS, 2).permute(0, 1, 3, 2, 4)
+            W = q.reshape(n, nb, BLOCK_ROWS, Kp).float() * scale.unsqueeze(-1)
+            return W.reshape(n, nb * BLOCK_ROWS, Kp)[..., :mat.K]
+        b = w.view(n, nb, Kp // 8, 2, 2, 16, 2)  # [n, nb, step, half, quad, r, j]
+        q = torch.stack((b & 0xF, b >> 4), dim=-1)  # [..., hi]: k8 = 4 * hi + 2 * quad + j
+        q = q.permute(0, 1, 3, 5, 2, 7, 4, 6).reshape(n, nb, BLOCK_ROWS, Kp // self.group, self.group)
+        G = Kp // self.group
+        scale = scale.view(n, nb, G, BLOCK_ROWS).transpose(2, 3).unsqueeze(-1)  # [n, nb, 32, G, 1]
+        if sl.zero is not None:
+            zero = buffers[sl.zero].view(torch.float32).view(self.E, nb, G, BLOCK_ROWS)[experts]
+            W = (q.float() - zero.transpose(2, 3).unsqueeze(-1)) * scale
+        else:
+            W = (q.float() - 8.0) * scale
+        return W.reshape(n, nb * BLOCK_ROWS, Kp)
