@@ -1,4 +1,5 @@
-"""The fixed-shape GPU share (what a CUDA graph captures) equals weighted_experts' sum.
+"""The fixed-shape GPU share (what a CUDA graph captures) equals weighted_experts' sum. On the CPU
+this is its torch version, the one CI runs (the Triton kernels are tested in tests/device).
 
 T tokens, K experts per token, E experts, H hidden, I intermediate. Both of its branches run:
 3 * T * K < E gathers each slot's expert, otherwise every expert runs on every token.
@@ -8,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.experts.hybrid import fixed_shape_experts, weighted_experts
+from hybridmoe.experts.gpu_experts import fixed_shape_experts
+from hybridmoe.experts.hybrid import weighted_experts
 
 E, H, I, K = 16, 32, 24, 3
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

@@ -12,8 +12,9 @@ On CUDA, once use_fixed_shapes(max_tokens) says yes (every CPU engine is native)
 most max_tokens tokens runs in shapes fixed by T alone, with no host sync, so a CUDA graph can
 capture it: the CPU share goes through the CUDA handoff (experts/cuda_handoff.py: D2H, the native
 engine as a host function, H2D, all ordered on the stream; submitted before the GPU share, waited
-for after it) and the GPU share through fixed_shape_experts. Longer steps (prefill) and the CPU
-device take the path above. Deferred experts use a second handoff of their own width; their
+for after it) and the GPU share through fixed_shape_experts (experts/gpu_experts.py: Triton
+kernels that read only the routed experts' weights). Longer steps (prefill) and the CPU device
+take the path above. Deferred experts use a second handoff of their own width; their
 submit and join points are the same as without it.
 
 T tokens, K experts per token, H hidden, E experts, I expert intermediate size.
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.experts.deferral import DeferredOutputs, split_deferred
+from hybridmoe.experts.gpu_experts import fixed_shape_experts
 from hybridmoe.experts.placement import PlacementPlan
 
 log = logging.getLogger("hybridmoe.experts")
@@ -41,45 +43,27 @@ def weighted_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down
     """sum over slots with mask of weights * expert_ids(x), as TorchExperts computes it; float32 [T, H].
 
     x [T, H]; gate, up [E, I, H]; down [E, H, I]; ids [T, K] (local to these E); weights [T, K];
-    mask [T, K] bool (None: every slot).
+    mask [T, K] bool (None: every slot). Slots are grouped by expert with one host sync (the
+    counts), so on a GPU a long prefill does not wait on the host once per expert.
     """
+    K, E = ids.shape[1], gate.shape[0]
     xw = x.to(gate.dtype)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    ids = ids.long() if mask is None else torch.where(mask, ids.long(), -1)
-    for e in torch.unique(ids).tolist():
-        if e < 0:
-            continue
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        xe = xw[tok]
-        ye = F.linear(act(F.linear(xe, gate[e])) * F.linear(xe, up[e]), down[e])
-        out.index_add_(0, tok, ye.float() * weights[tok, slot].float().unsqueeze(1))
+    flat = ids.reshape(-1).long()
+    if mask is not None:
+        flat = torch.where(mask.reshape(-1), flat, E)  # masked slots sort last, into bin E
+    order = torch.sort(flat, stable=True).indices  # [T * K] slots grouped by expert
+    counts = torch.bincount(flat, minlength=E + 1)[:E].tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            slots = order[start:start + n]
+            tok = slots // K
+            xe = xw[tok]
+            ye = F.linear(act(F.linear(xe, gate[e])) * F.linear(xe, up[e]), down[e])
+            out.index_add_(0, tok, ye.float() * weights.reshape(-1)[slots].float().unsqueeze(1))
+        start += n
     return out
-
-
-def fixed_shape_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                        ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, act) -> torch.Tensor:
-    """weighted_experts' sum with shapes that depend on T, K and E only: no host sync, capturable.
-
-    Masked-out slots compute expert 0 with weight 0. Every expert on every token reads each expert
-    once, and a dense [T, E] weight matrix picks the sum; gathering each slot's expert moves about
-    three times T * K experts (read, copy, read the copy), so it is used only when that is less
-    (decode with many experts here). Same arguments as weighted_experts.
-    """
-    T, K = ids.shape
-    E = gate.shape[0]
-    xw = x.to(gate.dtype)
-    w = torch.where(mask, weights.float(), 0.0)  # [T, K]
-    ids = torch.where(mask, ids.long(), 0)
-    if 3 * T * K < E:
-        xs = xw[:, None, :, None]  # [T, 1, H, 1]
-        h = act(gate[ids] @ xs) * (up[ids] @ xs)  # [T, K, I, 1]
-        y = (down[ids] @ h).squeeze(-1)  # [T, K, H]
-        return (y.float() * w.unsqueeze(-1)).sum(dim=1)
-    xt = xw.t()  # [H, T]
-    h = act(gate @ xt) * (up @ xt)  # [E, I, T]
-    y = down @ h  # [E, H, T]
-    dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, ids, w)  # [T, E]
-    return torch.einsum("te,eht->th", dense, y.float())
 
 
 class TorchCpuLayer:

@@ -1,0 +1,113 @@
+"""The GPU share of one MoE layer: the Triton kernels against the torch fixed-shape version they
+replace and the synchronous weighted_experts, in the same process, at real shapes.
+
+Each variant runs a decode step's GPU share (T tokens, K slots, E experts cached on the GPU, a
+fraction --on-gpu of the slots routed to them, the rest masked as CPU slots). Fixed-shape
+variants are timed as CUDA-graph replays (as decode runs them); weighted_experts eagerly (it
+syncs). Bandwidth = bytes of the distinct routed experts' weights / time: what a kernel that
+reads only the routed experts must move (H200: ~4.8 TB/s peak).
+
+    python benchmarks/gpu_experts.py --shape qwen3-30b-a3b --tokens 1,4,8 --json out/gpu_experts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.experts.gpu_experts import fixed_shape_experts, torch_fixed_experts
+from hybridmoe.experts.hybrid import weighted_experts
+
+SHAPES = {  # H hidden, I expert intermediate, K experts per token
+    "qwen3-30b-a3b": (2048, 768, 8),
+    "deepseek-v3": (7168, 2048, 8),
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--tokens", default="1,4,8", help="comma-separated T values")
+    p.add_argument("--experts", type=int, default=64, help="E: experts cached on the GPU in the layer")
+    p.add_argument("--total-experts", type=int, default=128, help="experts in the layer (ids drawn from these)")
+    p.add_argument("--reps", type=int, default=50, help="calls per timed trial")
+    p.add_argument("--trials", type=int, default=5, help="timed trials (the median is reported)")
+    p.add_argument("--json", help="write the results here")
+    return p.parse_args()
+
+
+def graph_seconds(fn, reps: int, trials: int) -> float:
+    """Median seconds per call of fn captured once as a CUDA graph and replayed reps times."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return eager_seconds(graph.replay, reps, trials)
+
+
+def eager_seconds(fn, reps: int, trials: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / reps)
+    return sorted(samples)[len(samples) // 2]
+
+
+def routing(T: int, K: int, total: int, on_gpu: int, seed: int):
+    """ids [T, K] distinct per token among `total` experts; the first on_gpu are the cached ones."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(total, generator=g)[:K] for _ in range(T)])
+    mask = ids < on_gpu
+    return torch.where(mask, ids, 0), torch.rand(T, K, generator=g), mask
+
+
+def main():
+    args = parse_args()
+    H, I, K = SHAPES[args.shape]
+    dev = torch.device("cuda")
+    E = args.experts
+    g = torch.Generator(device=dev).manual_seed(0)
+    gate, up = (torch.randn(E, I, H, device=dev, generator=g, dtype=torch.bfloat16) / 32 for _ in range(2))
+    down = torch.randn(E, H, I, device=dev, generator=g, dtype=torch.bfloat16) / 32
+    expert_bytes = 3 * I * H * 2
+    rows = []
+    print(f"{args.shape}: H={H} I={I} K={K}, {E} of {args.total_experts} experts on the GPU (bf16, "
+          f"{expert_bytes / 1e6:.1f} MB each); routing uniform, so ~{E / args.total_experts:.0%} of slots are GPU slots")
+    print(f"{'T':>3} {'routed':>6} {'triton us':>10} {'GB/s':>7} {'torch fixed us':>15} {'weighted us':>12} "
+          f"{'torch/triton':>13} {'max |diff|':>11}")
+    for T in [int(t) for t in args.tokens.split(",")]:
+        ids, weights, mask = routing(T, K, args.total_experts, E, seed=T)
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, torch.bfloat16)
+        ids, weights, mask = ids.to(dev), weights.to(dev), mask.to(dev)
+        args_of_step = (x, gate, up, down, ids, weights, mask, F.silu)
+        routed = int(torch.unique(ids[mask]).numel())
+        triton_fn, torch_fn, weighted_fn = (partial(f, *args_of_step) for f in
+                                            (fixed_shape_experts, torch_fixed_experts, weighted_experts))
+        t_triton = graph_seconds(triton_fn, args.reps, args.trials)
+        t_torch = graph_seconds(torch_fn, args.reps, args.trials)
+        t_weighted = eager_seconds(weighted_fn, args.reps, args.trials)
+        diff = (triton_fn() - weighted_fn()).abs().max().item()
+        gbs = routed * expert_bytes / t_triton / 1e9
+        rows.append(dict(shape=args.shape, T=T, K=K, gpu_experts=E, routed_experts=routed, triton_us=t_triton * 1e6,
+                         torch_fixed_us=t_torch * 1e6, weighted_us=t_weighted * 1e6, triton_gbs=gbs, max_diff=diff))
+        print(f"{T:>3} {routed:>6} {t_triton * 1e6:>10.1f} {gbs:>7.0f} {t_torch * 1e6:>15.1f} {t_weighted * 1e6:>12.1f} "
+              f"{t_torch / t_triton:>12.1f}x {diff:>11.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
