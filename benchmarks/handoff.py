@@ -1,19 +1,27 @@
-"""Per-layer cost of ordering CPU expert work on a CUDA stream: native host functions vs Python.
+"""Per-layer cost of ordering CPU expert work on a CUDA stream: our two native paths vs Python.
 
 A decode step of L layers (default 48); each layer copies hidden [T, H], topk_ids [T, K] and
 topk_weights [T, K] to pinned staging buffers (D2H), runs a toy CPU step (a small CpuExperts
 layer), copies its output back (H2D) and adds it on the GPU. Variants, all in this process:
 
   gpu_only         the copies and the add, no CPU step (CUDA graph): the floor
-  native           CudaHandoff.enqueue: one native host function per layer (graph)
+  memops           CudaHandoff(path="stream_mem_ops").enqueue: go word written by the stream,
+                   our polling thread runs the layer, the stream waits for the done word (graph)
+  memops_split     the same with enqueue_submit + enqueue_wait (graph)
+  memops_eager     memops launched from Python every step (no graph)
+  native           CudaHandoff(path="host_function").enqueue: one native host function per layer (graph)
   native_split     enqueue_submit + enqueue_wait: two native host functions per layer (graph)
-  native_eager     CudaHandoff.enqueue launched from Python every step (no graph)
+  native_eager     native launched from Python every step (no graph)
   python_callback  a Python host function (ctypes; takes the GIL) running CpuExperts.forward (graph)
   python_sync      Python synchronizes the stream, runs CpuExperts.forward, copies back (no graph)
-  cpu_step         the native CPU step alone: the L layers in a row without CUDA (run_on_host)
+  cpu_step         the native CPU step alone as host functions run it: the L layers in a row
+                   without CUDA, submit + wait on the pool's driver thread (run_on_host)
+  cpu_step_here    the same as the polling thread runs it: on the calling thread (run_on_host of
+                   the stream_mem_ops handoff)
 
-handoff µs/layer = (variant - gpu_only) / L - cpu_step / L: what ordering the CPU work on the
-stream costs beyond the copies and the CPU work itself. Target for the native handoff: <= 10 µs.
+handoff µs/layer = (variant - gpu_only) / L - cpu_step / L (cpu_step_here for memops*): what
+ordering the CPU work on the stream costs beyond the copies and the CPU work itself. Target for
+the native handoff: <= 10 µs.
 
     python benchmarks/handoff.py --layers 48 --tokens 1,4 --json out/handoff.json
 """
@@ -139,26 +147,42 @@ def main():
     experts = CpuExperts(torch.randn(E, I, H, generator=g) / H**0.5, torch.randn(E, I, H, generator=g) / H**0.5,
                          torch.randn(E, H, I, generator=g) / I**0.5, format="bf16", threads=args.threads)
     # One toy layer behind every handoff layer: the CPU step stays small and cached.
-    handoff = CudaHandoff([experts] * L, max_tokens=max(tokens), top_k=K)
+    handoff = CudaHandoff([experts] * L, max_tokens=max(tokens), top_k=K, path="host_function")
+    try:
+        memops = CudaHandoff([experts] * L, max_tokens=max(tokens), top_k=K, path="stream_mem_ops")
+    except Exception as e:  # reported in the table, the other variants still run
+        memops, memops_error = None, f"{type(e).__name__}: {e}"
     base = Baselines(experts, L, max(tokens), H, K, handoff.runtime)
 
-    def native(x, ids, w):
-        for layer in range(L):
-            x = x + handoff.enqueue(None, layer, x, ids, w)
-        return x
+    def chain(h):
+        def step(x, ids, w):
+            for layer in range(L):
+                x = x + h.enqueue(None, layer, x, ids, w)
+            return x
+        return step
 
-    def native_split(x, ids, w):
-        for layer in range(L):
-            handoff.enqueue_submit(None, layer, x, ids, w)
-            x = x + handoff.enqueue_wait(None, layer)
-        return x
+    def chain_split(h):
+        def step(x, ids, w):
+            for layer in range(L):
+                h.enqueue_submit(None, layer, x, ids, w)
+                x = x + h.enqueue_wait(None, layer)
+            return x
+        return step
 
-    def cpu_step(T):
-        native(x, ids, w)  # stage real inputs for the host functions to run on
+    def cpu_step(h, T):
+        chain(h)(x, ids, w)  # stage real inputs for the CPU work to run on
         torch.cuda.synchronize()
-        return lambda: handoff.run_on_host(range(L), T)
+        return lambda: h.run_on_host(range(L), T)
+
+    def needs_memops(make):
+        def checked():
+            if memops is None:
+                raise RuntimeError(memops_error)
+            return make()
+        return checked
 
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudart": handoff.runtime,
+            "memops_path": memops.path if memops else memops_error,
             "cpus": len(os.sched_getaffinity(0)), "isa": experts.isa, "layers": L, "H": H, "E": E, "I": I, "K": K,
             "threads": args.threads, "reps": args.reps, "trials": args.trials}
     print(f"{info['gpu']}, torch {info['torch']}, cudart {info['cudart']}, {info['cpus']} CPUs, isa {info['isa']}; "
@@ -172,10 +196,14 @@ def main():
         # The Python host callback last: if it stalls, the native figures are already out.
         runs = {
             "gpu_only": lambda: graphed(base.gpu_only, x, ids, w),
-            "cpu_step": lambda: cpu_step(T),
-            "native": lambda: graphed(native, x, ids, w),
-            "native_split": lambda: graphed(native_split, x, ids, w),
-            "native_eager": lambda: (lambda: native(x, ids, w)),
+            "cpu_step": lambda: cpu_step(handoff, T),
+            "cpu_step_here": needs_memops(lambda: cpu_step(memops, T)),
+            "memops": needs_memops(lambda: graphed(chain(memops), x, ids, w)),
+            "memops_split": needs_memops(lambda: graphed(chain_split(memops), x, ids, w)),
+            "memops_eager": needs_memops(lambda: (lambda: chain(memops)(x, ids, w))),
+            "native": lambda: graphed(chain(handoff), x, ids, w),
+            "native_split": lambda: graphed(chain_split(handoff), x, ids, w),
+            "native_eager": lambda: (lambda: chain(handoff)(x, ids, w)),
             "python_sync": lambda: (lambda: base.python_sync(x, ids, w)),
             "python_callback": lambda: graphed(base.python_callback, x, ids, w),
         }
@@ -184,10 +212,13 @@ def main():
             row = {"T": T, "variant": name}
             try:
                 t = times[name] = seconds_per_call(make(), args.reps, args.trials)
-                handoff.check()
+                for h in (handoff, memops):
+                    if h is not None:
+                        h.check()
                 row.update(us_per_step=t * 1e6, us_per_layer=t * 1e6 / L)
-                if name not in ("gpu_only", "cpu_step") and "gpu_only" in times and "cpu_step" in times:
-                    row["handoff_us_per_layer"] = (t - times["gpu_only"] - times["cpu_step"]) * 1e6 / L
+                cpu = "cpu_step_here" if name.startswith("memops") else "cpu_step"
+                if not name.startswith(("gpu_only", "cpu_step")) and "gpu_only" in times and cpu in times:
+                    row["handoff_us_per_layer"] = (t - times["gpu_only"] - times[cpu]) * 1e6 / L
             except Exception as e:  # one variant failing must not hide the others' numbers
                 row["error"] = f"{type(e).__name__}: {e}"
             rows.append(row)
@@ -201,7 +232,7 @@ def print_row(r: dict) -> None:
         print(f"{r['T']:>3} {r['variant']:<16} ERROR {r['error']}", flush=True)
         return
     h = r.get("handoff_us_per_layer")
-    mark = "" if h is None or not r["variant"].startswith("native") else (
+    mark = "" if h is None or not r["variant"].startswith(("native", "memops")) else (
         f"  (target <= {TARGET_US:g}: {'met' if h <= TARGET_US else 'missed'})")
     print(f"{r['T']:>3} {r['variant']:<16} {r['us_per_step']:>10.1f} {r['us_per_layer']:>9.2f} "
           f"{'' if h is None else f'{h:.2f}':>17}{mark}", flush=True)

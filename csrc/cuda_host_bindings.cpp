@@ -1,5 +1,15 @@
-// hybridmoe._native.CudaHandoff: the CPU expert work of MoE layers ordered on a CUDA stream as
-// native host functions (no Python, no GIL on the CUDA thread that runs them).
+// hybridmoe._native.CudaHandoff: the CPU expert work of MoE layers ordered on a CUDA stream, with
+// no Python and no GIL on the way, in one of two modes:
+//
+// - host functions (cudaLaunchHostFunc): submit / wait as host nodes run by CUDA's own thread;
+// - stream memory operations (after start_polling): per layer two flag words in pinned,
+//   device-mapped host memory, each alone on a 64-byte line. The stream writes go = T after the
+//   D2H copies; the process-wide FlagPoller thread sees it, clears go, runs the layer on the T
+//   staged rows on its own thread (as one of the engine pool's workers) and sets done = 1; the
+//   stream waits for done == 1, writes done = 0 and copies the output H2D. Every value is fixed
+//   (T is fixed per (layer, T) node), so a captured graph replays the same protocol each time:
+//   go is cleared by us before done is set, done by the stream before its next go, so neither
+//   side can see a stale value. A wake word (0) lets the stream wake the pool's workers early.
 //
 // Per layer: a MoeLayer that adopts the packed buffers of a CpuExperts engine (shared, not
 // copied; the same worker pool) and computes on fixed staging buffers x [Tmax, H], ids [Tmax, K],
@@ -58,7 +68,8 @@ struct Layer {
 };
 
 // The argument pack of one (layer, T). ticket/started pass from submit to wait, which run in
-// stream order on CUDA's thread (or one after the other in run()).
+// stream order on CUDA's thread (or one after the other in run()). In polling mode every pack
+// exists from start_polling on (the poller reads them while Python may look them up).
 struct Job {
   Handoff* owner;
   int layer;
@@ -68,14 +79,15 @@ struct Job {
   bool started = false;
 };
 
-class Handoff {
+class Handoff : public hmoe::FlagChannel {
  public:
   Handoff(int max_tokens, int top_k) : max_tokens_(max_tokens), top_k_(top_k) {
     if (max_tokens < 1) fail("max_tokens must be >= 1, got " + std::to_string(max_tokens));
     if (top_k < 1) fail("top_k must be >= 1, got " + std::to_string(top_k));
   }
 
-  ~Handoff() {
+  ~Handoff() override {
+    if (polling_) hmoe::FlagPoller::instance().remove(this);  // waits out a poll in progress
     // A submitted job still reads the staging buffers: let it finish before they go.
     for (auto& [key, job] : jobs_)
       if (job->started) try { job->l->moe->wait(job->ticket); } catch (...) {}
@@ -84,6 +96,7 @@ class Handoff {
   int add_layer(int E, int H, int I, const std::string& format, int group_size, bool zero_points, int threads,
                 const std::string& isa, int numa_nodes, nb::dict buffers, MutArray x, MutArray ids,
                 MutArray weights, MutArray out) {
+    if (polling_) fail("layers must be added before start_polling");
     if (top_k_ > E) fail("top_k " + std::to_string(top_k_) + " exceeds the layer's " + std::to_string(E) + " experts");
     const hmoe::MoeConfig cfg = moe_config(E, H, I, format, group_size, zero_points, threads, isa, numa_nodes);
 
@@ -126,17 +139,106 @@ class Handoff {
     return int(layers_.size()) - 1;
   }
 
-  void enqueue_submit(uintptr_t stream, int layer, int T) { launch(stream, &submit_fn, job(layer, T)); }
-  void enqueue_wait(uintptr_t stream, int layer, int T) { launch(stream, &wait_fn, job(layer, T)); }
-  void enqueue_forward(uintptr_t stream, int layer, int T) { launch(stream, &forward_fn, job(layer, T)); }
+  void enqueue_submit(uintptr_t stream, int layer, int T) {
+    Job* j = job(layer, T);
+    if (polling_)
+      hmoe::stream_write_value32(stream, flag_addr(go_word(layer)), uint32_t(T));
+    else
+      launch(stream, &submit_fn, j);
+  }
+  void enqueue_wait(uintptr_t stream, int layer, int T) {
+    Job* j = job(layer, T);
+    if (polling_) {
+      hmoe::stream_wait_value32(stream, flag_addr(done_word(layer)), 1);
+      hmoe::stream_write_value32(stream, flag_addr(done_word(layer)), 0);
+    } else {
+      launch(stream, &wait_fn, j);
+    }
+  }
+  void enqueue_forward(uintptr_t stream, int layer, int T) {
+    if (polling_) {
+      enqueue_submit(stream, layer, T);
+      enqueue_wait(stream, layer, T);
+    } else {
+      launch(stream, &forward_fn, job(layer, T));
+    }
+  }
+  // Polling mode: the stream writes the wake word; the poller wakes the layers' pool workers.
+  void enqueue_prewake(uintptr_t stream) {
+    if (!polling_) fail("enqueue_prewake needs the stream-memory-op mode (start_polling)");
+    hmoe::stream_write_value32(stream, flag_addr(kWakeWord), 1);
+  }
 
-  // The same host functions, called here in order (no CUDA): the CPU half of a step.
+  // What the stream's CPU work does, called here in order (no CUDA): the CPU half of a step.
+  // Host-function mode: submit and wait (the pool's driver thread computes); polling mode: the
+  // layer on this thread, as the poller runs it.
   void run(const std::vector<int>& layers, int T) {
     std::vector<Job*> jobs;
     for (int layer : layers) jobs.push_back(job(layer, T));
     nb::gil_scoped_release nogil;
-    for (Job* j : jobs) forward_fn(j);
+    for (Job* j : jobs) polling_ ? serve(j) : forward_fn(j);
   }
+
+  // Flag words: [wake | go 0 | done 0 | go 1 | done 1 | ...], each word alone on a 64-byte line.
+  static constexpr int kWordsPerLine = 16, kWakeWord = 0;
+  int flag_words() const { return (1 + 2 * num_layers()) * kWordsPerLine; }
+  int go_word(int layer) const { return (1 + 2 * layer) * kWordsPerLine; }
+  int done_word(int layer) const { return (2 + 2 * layer) * kWordsPerLine; }
+
+  // "" if this device can run the polling mode on these (pinned) flag words, else why not.
+  std::string probe_stream_mem_ops(MutArray flags) {
+    check_flags(flags);
+    nb::gil_scoped_release nogil;
+    return hmoe::probe_stream_mem_ops(static_cast<uint32_t*>(flags.data()));
+  }
+
+  // From now on the stream's CPU work goes through `flags` (zeroed here) and the poller thread.
+  // device_mapped: the words are pinned and the stream reaches them (else only a thread of the
+  // caller's, playing the GPU's part, can: tests).
+  void start_polling(MutArray flags, bool device_mapped) {
+    if (polling_) fail("start_polling was called twice");
+    if (layers_.empty()) fail("add the layers before start_polling");
+    check_flags(flags);
+    flags_ = static_cast<uint32_t*>(flags.data());
+    if (device_mapped) flags_dev_ = hmoe::host_device_pointer(flags_);
+    std::memset(flags_, 0, size_t(flag_words()) * 4);
+    served_.assign(size_t(num_layers()) * max_tokens_, nullptr);
+    for (int layer = 0; layer < num_layers(); ++layer)
+      for (int T = 1; T <= max_tokens_; ++T) served_[size_t(layer) * max_tokens_ + T - 1] = job(layer, T);
+    polling_ = true;
+    hmoe::FlagPoller::instance().add(this);
+  }
+
+  // Called by the poller thread only: serve every layer whose go word is set.
+  bool poll() override {
+    bool served = false;
+    if (hmoe::load_flag(&flags_[kWakeWord])) {
+      hmoe::store_flag(&flags_[kWakeWord], 0);
+      for (auto& l : layers_) l->moe->prewake();  // one pool in practice: a no-op past the first
+      served = true;
+    }
+    for (int layer = 0; layer < num_layers(); ++layer) {
+      const uint32_t T = hmoe::load_flag(&flags_[go_word(layer)]);
+      if (T == 0) continue;
+      hmoe::store_flag(&flags_[go_word(layer)], 0);
+      if (T <= uint32_t(max_tokens_)) {
+        serve(served_[size_t(layer) * max_tokens_ + T - 1]);
+      } else {
+        record("layer " + std::to_string(layer) + ": the stream asked for " + std::to_string(T) + " tokens");
+      }
+      hmoe::store_flag(&flags_[done_word(layer)], 1);
+      served = true;
+    }
+    return served;
+  }
+
+  int checked(int layer) const {
+    if (layer < 0 || layer >= num_layers())
+      fail("layer index " + std::to_string(layer) + " out of range for " + std::to_string(num_layers()) + " layers");
+    return layer;
+  }
+
+  std::string mode() const { return polling_ ? "stream_mem_ops" : "host_function"; }
 
   // The first failure a host function recorded since the last call (then cleared).
   std::optional<std::string> take_error() {
@@ -152,8 +254,7 @@ class Handoff {
 
  private:
   Job* job(int layer, int T) {
-    if (layer < 0 || layer >= num_layers())
-      fail("layer index " + std::to_string(layer) + " out of range for " + std::to_string(num_layers()) + " layers");
+    checked(layer);
     if (T < 1 || T > max_tokens_)
       fail("T must be between 1 and max_tokens (" + std::to_string(max_tokens_) + "), got " + std::to_string(T));
     auto& slot = jobs_[{layer, T}];
@@ -170,6 +271,22 @@ class Handoff {
 
   static void launch(uintptr_t stream, hmoe::CudaHostFn fn, Job* j) { hmoe::launch_host_func(stream, fn, j); }
 
+  void check_flags(const MutArray& flags) const {
+    if (!in_host_memory(flags)) fail("flag words must be in host memory");
+    if (flags.ndim() != 1 || flags.dtype().bits != 32 || flags.dtype().code == uint8_t(nb::dlpack::dtype_code::Float))
+      fail("flag words must be a 1-d array of 32-bit integers");
+    if (flags.shape(0) > 1 && flags.stride(0) != 1) fail("flag words must be contiguous");
+    if (int64_t(flags.shape(0)) < flag_words())
+      fail("flag words: " + std::to_string(flag_words()) + " needed for " + std::to_string(num_layers()) +
+           " layers, got " + std::to_string(flags.shape(0)));
+    if (reinterpret_cast<uintptr_t>(flags.data()) % 64) fail("flag words must start on a 64-byte boundary");
+  }
+
+  uint64_t flag_addr(int word) const {
+    if (!flags_dev_) fail("the flag words are not device-mapped (start_polling with device_mapped=False)");
+    return flags_dev_ + uint64_t(word) * 4;
+  }
+
   void record(const std::string& msg) {
     std::lock_guard<std::mutex> lk(error_mu_);
     if (!error_) error_ = msg;
@@ -179,9 +296,8 @@ class Handoff {
     return c.ids64 ? static_cast<const int64_t*>(c.ids)[i] : static_cast<const int32_t*>(c.ids)[i];
   }
 
-  static void submit_fn(void* p) noexcept {
-    Job& j = *static_cast<Job*>(p);
-    j.started = false;
+  // The ids were written by the GPU: one out of range would make the engine index out of bounds.
+  static bool ids_in_range(Job& j) {
     const int n = j.call.T * j.call.K;
     for (int i = 0; i < n; ++i) {
       const int64_t id = id_at(j.call, i);
@@ -189,9 +305,30 @@ class Handoff {
         j.owner->record("layer " + std::to_string(j.layer) + ": topk_ids[" + std::to_string(i / j.call.K) + ", " +
                         std::to_string(i % j.call.K) + "] = " + std::to_string(id) + " is out of range for " +
                         std::to_string(j.l->E) + " experts; its output was zeroed");
-        return;
+        return false;
       }
     }
+    return true;
+  }
+
+  // Polling mode: the whole layer on the calling thread; on failure the output is zeroed.
+  static void serve(Job* p) noexcept {
+    Job& j = *p;
+    if (ids_in_range(j)) {
+      try {
+        j.l->moe->run(j.call);
+        return;
+      } catch (const std::exception& e) {
+        j.owner->record("layer " + std::to_string(j.layer) + ": " + e.what());
+      }
+    }
+    std::memset(j.call.out, 0, j.l->out_row_bytes * j.call.T);
+  }
+
+  static void submit_fn(void* p) noexcept {
+    Job& j = *static_cast<Job*>(p);
+    j.started = false;
+    if (!ids_in_range(j)) return;
     try {
       j.ticket = j.l->moe->submit(j.call);
       j.started = true;
@@ -222,6 +359,12 @@ class Handoff {
   int max_tokens_, top_k_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::map<std::pair<int, int>, std::unique_ptr<Job>> jobs_;
+  // Polling mode: the flag words (host address; device address, 0 if not mapped) and the packs
+  // the poller serves, by layer * max_tokens + T - 1.
+  bool polling_ = false;
+  uint32_t* flags_ = nullptr;
+  uint64_t flags_dev_ = 0;
+  std::vector<Job*> served_;
   std::mutex error_mu_;
   std::optional<std::string> error_;
 };
@@ -232,6 +375,10 @@ void register_cuda_host(nb::module_& m) {
   m.def("load_cuda_runtime", [](const std::vector<std::string>& candidates) {
     return hmoe::load_cuda_runtime(candidates).path;
   }, "candidates"_a, "Load libcudart (dlopen) for host functions; returns the path or name loaded.");
+  m.def("load_cuda_driver", []() { return hmoe::load_cuda_driver().path; },
+        "Load libcuda (dlopen) for stream memory operations; returns the name loaded.");
+  m.def("flag_poller_napping", []() { return hmoe::FlagPoller::instance().napping(); },
+        "Whether the thread that answers the stream's flag words is idle past its spin window.");
   m.def("cuda_runtime_path", []() -> std::optional<std::string> {
     const hmoe::CudaRuntime* rt = hmoe::cuda_runtime();
     return rt ? std::optional<std::string>(rt->path) : std::nullopt;
@@ -248,7 +395,14 @@ void register_cuda_host(nb::module_& m) {
       .def("enqueue_submit", &Handoff::enqueue_submit, "stream"_a, "layer"_a, "T"_a)
       .def("enqueue_wait", &Handoff::enqueue_wait, "stream"_a, "layer"_a, "T"_a)
       .def("enqueue_forward", &Handoff::enqueue_forward, "stream"_a, "layer"_a, "T"_a)
+      .def("enqueue_prewake", &Handoff::enqueue_prewake, "stream"_a)
       .def("run", &Handoff::run, "layers"_a, "T"_a)
+      .def("probe_stream_mem_ops", &Handoff::probe_stream_mem_ops, "flags"_a)
+      .def("start_polling", &Handoff::start_polling, "flags"_a, "device_mapped"_a, nb::keep_alive<1, 2>())
+      .def("go_word", [](const Handoff& h, int layer) { return h.go_word(h.checked(layer)); }, "layer"_a)
+      .def("done_word", [](const Handoff& h, int layer) { return h.done_word(h.checked(layer)); }, "layer"_a)
+      .def_prop_ro("flag_words", &Handoff::flag_words)
+      .def_prop_ro("mode", &Handoff::mode)
       .def("take_error", &Handoff::take_error)
       .def_prop_ro("num_layers", &Handoff::num_layers)
       .def_prop_ro("max_tokens", &Handoff::max_tokens)

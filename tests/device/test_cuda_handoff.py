@@ -1,8 +1,9 @@
 """The native CPU/GPU handoff on a CUDA GPU; run by scripts/device_check.sh on the GPU host.
 
-Eager enqueue must give what CpuExperts.forward gives on the same rows (same engine, same
-kernels: bit for bit), and a decode-like chain of layers captured in a CUDA graph must replay to
-what the same chain gives eagerly, for T = 1 and T = 4.
+For both paths (stream memory operations + our polling thread; CUDA host functions), eager
+enqueue must give what CpuExperts.forward gives on the same rows (same engine, same kernels: bit
+for bit), and a decode-like chain of layers captured in a CUDA graph must replay to what the same
+chain gives eagerly, for T = 1 and T = 4.
 
 T tokens, K experts per token, E experts, H hidden, I expert intermediate size, L layers.
 """
@@ -36,9 +37,15 @@ def routers() -> torch.Tensor:
     return torch.randn(L, H, E, generator=torch.Generator().manual_seed(99)).cuda()
 
 
-@pytest.fixture
-def handoff(layers) -> CudaHandoff:
-    return CudaHandoff(layers, max_tokens=TMAX, top_k=K)
+@pytest.fixture(params=["stream_mem_ops", "host_function"])
+def handoff(layers, request) -> CudaHandoff:
+    handoff = CudaHandoff(layers, max_tokens=TMAX, top_k=K, path=request.param)
+    assert handoff.path == request.param
+    return handoff
+
+
+def test_auto_takes_stream_memory_operations_on_this_gpu(layers):
+    assert CudaHandoff(layers, max_tokens=TMAX, top_k=K).path == "stream_mem_ops"
 
 
 def route(x: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +81,7 @@ def test_eager_enqueue_equals_cpu_experts_forward(handoff, layers, routers, T, s
 def decode_step(handoff: CudaHandoff, routers: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """L layers of: route on the GPU, experts on the CPU through the handoff, residual add.
     Odd layers use submit/wait with GPU work between (what overlaps the CPU in the engine)."""
+    handoff.enqueue_prewake(None)
     for layer in range(L):
         ids, weights = route(x, routers[layer])
         if layer % 2:
@@ -109,6 +117,46 @@ def test_graph_replay_equals_eager(handoff, routers, T):
         assert torch.equal(replayed, eager)
         outs.append(replayed)
     assert not torch.equal(outs[0], outs[1])  # each replay computed its own input
+    for _ in range(20):  # replays queued back to back: the flag protocol holds across them
+        graph.replay()
+    torch.cuda.synchronize()
+    handoff.check()
+    assert torch.equal(static_out, outs[-1])
+
+
+def test_two_handoffs_interleaved_in_one_graph(layers, routers):
+    """Two stream_mem_ops handoffs (as the engine has for deferred experts), their layers pending
+    at the same time: one poller serves both."""
+    a = CudaHandoff(layers[:2], max_tokens=TMAX, top_k=K, path="stream_mem_ops")
+    b = CudaHandoff({0: layers[2]}, max_tokens=TMAX, top_k=K, path="stream_mem_ops")
+    static_x = hidden(2, seed=0)
+
+    def step(x):
+        ids, weights = route(x, routers[0])
+        a.enqueue_submit(None, 0, x, ids, weights)
+        b.enqueue_submit(None, 0, x, ids, weights)
+        a.enqueue_submit(None, 1, x, ids, weights)
+        return a.enqueue_wait(None, 1) + b.enqueue_wait(None, 0) * 2 + a.enqueue_wait(None, 0) * 3
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static_x)
+    for seed in (1, 2):
+        static_x.copy_(hidden(2, seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        a.check()
+        b.check()
+        x = static_x.cpu()
+        ids, weights = (t.cpu() for t in route(static_x, routers[0]))
+        expected = (layers[1].forward(x, ids, weights).cuda() + layers[2].forward(x, ids, weights).cuda() * 2
+                    + layers[0].forward(x, ids, weights).cuda() * 3)
+        assert torch.equal(static_out, expected)
 
 
 def test_out_of_range_id_zeroes_output_and_check_raises(handoff):
@@ -133,6 +181,11 @@ def test_enqueue_argument_errors(handoff, args, match):
     ids = torch.arange(K, device="cuda").repeat(T, 1)
     with pytest.raises(HybridMoEError, match=match):
         handoff.enqueue(None, layer, x, ids, torch.ones(T, K, device="cuda"))
+
+
+def test_unknown_path_is_an_error(layers):
+    with pytest.raises(HybridMoEError, match="path must be one of auto, stream_mem_ops, host_function"):
+        CudaHandoff(layers, max_tokens=TMAX, top_k=K, path="polling")
 
 
 def test_wait_without_submit_is_an_error(handoff):

@@ -1,34 +1,48 @@
-"""CPU expert layers ordered on a CUDA stream by native host functions: the CPU/GPU handoff.
+"""CPU expert layers ordered on a CUDA stream with no Python on the way: the CPU/GPU handoff.
 
 T tokens, K experts per token, H hidden. For one layer whose routed experts run on the CPU:
 
     handoff = CudaHandoff({layer: cpu_experts, ...}, max_tokens=8, top_k=K)
     out = handoff.enqueue(stream, layer, hidden, topk_ids, topk_weights)   # all on `stream`:
         D2H   hidden [T, H], topk_ids [T, K], topk_weights [T, K] -> pinned staging buffers
-        host  the native engine runs the layer on the staged rows (submit + wait, one host node)
+        CPU   the native engine runs the layer on the staged rows
         H2D   staged output [T, H] -> out (on the GPU, hidden's dtype)
 
 or split, so GPU work enqueued in between (shared experts, GPU-resident experts) overlaps the
 CPU's: enqueue_submit(stream, layer, ...) ... enqueue_wait(stream, layer) -> out.
 
-The host functions are C++ (csrc/cuda_host_bindings.cpp), run by CUDA's own thread in stream
-order: no Python and no GIL on that path. All of it is capturable: inside torch.cuda.graph(...)
-the copies and host functions become nodes of the graph and run on every replay. Staging
-buffers and the per-(layer, T) argument packs keep their addresses for this object's lifetime:
-keep it alive as long as any graph captured with it. Arguments are checked here, at enqueue
-time; a host function that fails (an expert id out of range) zeroes that layer's output and
-records the error, which check() raises.
+How the stream hands the rows to the CPU and gets the result back (`path`, C++ in
+csrc/cuda_host_bindings.cpp and csrc/runtime/cuda_host.cpp):
+
+  stream_mem_ops  after the D2H copies the stream writes the layer's go word (T) in pinned,
+                  device-mapped host memory (cuStreamWriteValue32, libcuda via dlopen); one
+                  native thread of the process spins on such words, runs the layer on its own
+                  thread (as a worker of the engine's pool) and sets the done word; the stream
+                  waits for it (cuStreamWaitValue32), clears it and copies the output H2D.
+  host_function   the CPU work as native host functions (cudaLaunchHostFunc): submit and wait
+                  run by CUDA's callback thread in stream order.
+
+"auto" takes stream_mem_ops when a probe at construction shows the device waits on host
+memory and replays a captured graph of such operations, else host_function; a log line says
+which. Neither path takes the GIL. All of it is capturable: inside torch.cuda.graph(...) the
+copies and the flag operations (or host functions) become nodes of the graph and run on every
+replay. Staging buffers, flag words and the per-(layer, T) argument packs keep their addresses
+for this object's lifetime: keep it alive as long as any graph captured with it, and as long
+as work it enqueued may still run (with stream_mem_ops the stream would wait forever for a
+layer nobody serves). Arguments are checked here, at enqueue time; CPU work that fails (an
+expert id out of range) zeroes that layer's output and records the error, which check() raises.
 
 Measured on the GPU host (H200, torch 2.11, benchmarks/handoff.py, 48 layers, toy CPU step),
-beyond the copies and the CPU work: ~45-51 µs per layer for one native host function in a graph,
-~121-146 µs for a Python-side synchronize or a Python host callback. What remains in the native
-figure is, by inference (not measured apart), the driver's host-node round trip: GPU -> CUDA's
-callback thread -> GPU.
+beyond the copies and the CPU work: ~41-43 µs per layer for one native host function in a graph,
+~77-119 µs for a Python-side synchronize or a Python host callback. What remains in the host
+function figure is, by inference, the driver's host-node round trip (GPU -> CUDA's callback
+thread -> GPU), which the stream_mem_ops path does not have.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -37,6 +51,9 @@ import torch
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cpu_experts import CpuExperts, _native
 
+log = logging.getLogger("hybridmoe.experts")
+
+PATHS = ("auto", "stream_mem_ops", "host_function")
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
 _IDS_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,17 +106,19 @@ class CudaHandoff:
     experts: {layer: CpuExperts} (or a sequence, layers 0..n-1). max_tokens: the most tokens one
     call carries (the largest batch a graph is captured for). top_k: K, columns of topk_ids.
     dtype: the hidden states' dtype (bfloat16 or float32). device: the CUDA device (default:
-    the current one).
+    the current one). path: "auto", "stream_mem_ops" or "host_function" (see the module's doc).
     """
 
     def __init__(self, experts: Mapping[int, CpuExperts] | Sequence[CpuExperts], max_tokens: int, top_k: int,
                  dtype: torch.dtype = torch.bfloat16, ids_dtype: torch.dtype = torch.int64,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, path: str = "auto"):
         if not torch.cuda.is_available():
             raise HybridMoEError("the CUDA handoff needs a CUDA GPU, and torch sees none "
                                  "(torch.cuda.is_available() is False); run the experts without it")
         if dtype not in _HIDDEN_DTYPES:
             raise HybridMoEError(f"dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+        if path not in PATHS:
+            raise HybridMoEError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
         if ids_dtype not in _IDS_DTYPES:
             raise HybridMoEError(f"ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
         experts = dict(experts) if isinstance(experts, Mapping) else dict(enumerate(experts))
@@ -131,6 +150,26 @@ class CudaHandoff:
                 self._native.add_layer, E, H, I, st["format"], st["group_size"], st["zero_points"], ex.threads,
                 ex.isa, st["numa_nodes"], st["buffers"], s.x, s.ids, s.weights, s.out)
             self._staging[layer] = s
+        self.path = self._choose_path(path)
+
+    def _choose_path(self, path: str) -> str:
+        """Start the stream-memory-op mode if asked for (or "auto" and the probe passes)."""
+        if path == "host_function":
+            log.info("CUDA handoff: host functions (asked for)")
+            return path
+        # [words] int32, one 64-byte line per flag; pinned, hence mapped for the GPU (unified addressing)
+        self._flags = torch.zeros(self._native.flag_words, dtype=torch.int32, pin_memory=True)
+        with torch.cuda.device(self.device):  # the driver calls below use the current context
+            why = self._native.probe_stream_mem_ops(self._flags)
+            if not why:
+                self._call(self._native.start_polling, self._flags, True)
+                log.info("CUDA handoff: stream memory operations (cuStreamWriteValue32/cuStreamWaitValue32) "
+                         "and a polling thread")
+                return "stream_mem_ops"
+        if path == "stream_mem_ops":
+            raise HybridMoEError(f"the CUDA handoff cannot use stream memory operations here: {why}")
+        log.warning("CUDA handoff: host functions (stream memory operations unavailable: %s)", why)
+        return "host_function"
 
     @staticmethod
     def _call(fn, *args):
@@ -198,16 +237,23 @@ class CudaHandoff:
             out.copy_(self._staging[layer].out[:T], non_blocking=True)
         return out
 
+    def enqueue_prewake(self, stream: torch.cuda.Stream | None = None) -> None:
+        """On `stream` (stream_mem_ops path only; a no-op otherwise): wake the CPU pool's workers,
+        e.g. at the start of a layer's attention, so that they spin when its rows arrive."""
+        if self.path == "stream_mem_ops":
+            self._call(self._native.enqueue_prewake, self._stream(stream).cuda_stream)
+
     def run_on_host(self, layers: Sequence[int], T: int) -> None:
-        """What the host functions do, here and without CUDA: each layer's CPU work on the first T
-        staged rows, one after another (the CPU step's own cost, for benchmarks)."""
+        """What the stream's CPU work does, here and without CUDA: each layer's CPU work on the first
+        T staged rows, one after another, as this object's path runs it (the CPU step's own cost,
+        for benchmarks)."""
         unknown = [layer for layer in layers if layer not in self._index]
         if unknown:
             raise HybridMoEError(f"layers {unknown} have no CPU experts in this handoff (layers: {self.layers})")
         self._call(self._native.run, [self._index[layer] for layer in layers], int(T))
 
     def check(self) -> None:
-        """Raise the first error a host function recorded since the last check (after a sync)."""
+        """Raise the first error the CPU work recorded since the last check (after a sync)."""
         err = self._native.take_error()
         if err is not None:
             raise HybridMoEError(f"CPU experts on the CUDA stream failed: {err}")
