@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXPERT_BACKENDS = ("auto", "torch", "native")
 EXPERT_FORMATS = ("auto", "bf16", "int8", "int4")
 EXPERT_PLACEMENTS = ("uniform", "frequency", "front-loading")
+PREFILL_STREAMING = ("auto", "on", "off")
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -97,6 +98,16 @@ class EngineConfig:
     (through the native handoff). Used on CUDA only, when every CPU expert layer is native; prefill and
     anything else runs eagerly. False (--no-cuda-graph): every step eagerly, the same tokens."""
 
+    prefill_streaming: str = "auto"
+    """Long steps (prefill chunks) of at least prefill_streaming_tokens tokens copy each layer's packed CPU
+    experts to the GPU over PCIe (double-buffered, from page-locked memory) and run them there instead of on
+    the CPU: "on", "off", or "auto": on when the measured PCIe bandwidth says a max_num_batched_tokens step
+    gets faster (hybrid split on CUDA with the native engine only); its device buffers count in the budget."""
+
+    prefill_streaming_tokens: int | None = None
+    """Fewest tokens in a step for prefill_streaming. None: where streaming starts to beat the CPU (from the
+    measured PCIe bandwidth and the CPU's estimated FLOP/s; `hybridmoe doctor` prints it)."""
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             import torch
@@ -131,6 +142,11 @@ class EngineConfig:
                 f"({self.max_num_seqs}): every decoding sequence runs one token per step")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise HybridMoEError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.prefill_streaming not in PREFILL_STREAMING:
+            raise HybridMoEError(f"prefill_streaming must be one of {', '.join(PREFILL_STREAMING)}, "
+                                 f"got {self.prefill_streaming!r}")
+        if self.prefill_streaming_tokens is not None and self.prefill_streaming_tokens < 1:
+            raise HybridMoEError(f"prefill_streaming_tokens must be at least 1, got {self.prefill_streaming_tokens}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise HybridMoEError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
 

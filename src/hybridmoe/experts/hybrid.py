@@ -118,6 +118,7 @@ class _Layer:
         self.local = local.to(device)
         self.gpu_weights = gpu_weights  # (gate, up, down) on the device, or None
         self.cpu = cpu  # TorchCpuLayer / CpuExperts, or None
+        self.streamer = None  # PrefillStreamer (experts/streamed_prefill.py): long steps' CPU share on the device
 
 
 def fixed_cpu_slots(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, width: int
@@ -151,7 +152,9 @@ class _Partial:
         if handoff is not None:
             self._start_fixed(st, hidden, ids, weights, act, *handoff)
             return
-        if st.cpu is not None:
+        if st.cpu is not None and st.streamer is not None and st.streamer.takes(hidden):
+            self.cpu_out = st.streamer.run(layer, hidden, st.local[ids], weights, ~st.on_gpu[ids], act)
+        elif st.cpu is not None:
             ids_c, w_c = ids.cpu(), weights.float().cpu()
             dense = compact_slots(st.local_cpu[ids_c], w_c, ~st.on_gpu_cpu[ids_c])
             if dense is not None:
@@ -238,6 +241,12 @@ class HybridExperts(ExpertBackend):
     def cpu_engine(self, layer: int):
         """The CPU engine of layer (it holds only that layer's CPU experts), or None if all are on the GPU."""
         return self._layers[layer].cpu
+
+    def stream_long_steps(self, streamer) -> None:
+        """Run the CPU share of the steps streamer.takes() on the device from streamed experts
+        (experts/streamed_prefill.py); None: every step's CPU share on the CPU engines."""
+        for st in self._layers.values():
+            st.streamer = streamer if st.cpu is not None else None
 
     def use_fixed_shapes(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On CUDA, run steps of at most max_tokens tokens in fixed shapes from now on (CUDA-graph

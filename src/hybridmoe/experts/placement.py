@@ -86,6 +86,7 @@ class Footprint:
 def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: EngineConfig) -> Footprint:
     """Build the model on the meta device (no memory) and add up what it would hold."""
     from hybridmoe.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
+    from hybridmoe.experts.streamed_prefill import reserved_bytes as prefill_streaming_bytes
     from hybridmoe.experts.torch_ref import TorchExperts
 
     with torch.device("meta"):
@@ -105,7 +106,8 @@ def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: Engine
     H = config.hidden_size
     widest = max(H, config.get("intermediate_size") or 0, inter * config.num_experts_per_tok)
     workspace = (WORKSPACE_FIXED_BYTES + engine_config.max_num_batched_tokens * WORKSPACE_ROW_FLOATS * widest * 4
-                 + 2 * engine_config.max_num_seqs * config.vocab_size * 4)
+                 + 2 * engine_config.max_num_seqs * config.vocab_size * 4
+                 + prefill_streaming_bytes(engine_config, E, H, inter, config.num_experts_per_tok))
     return Footprint(non_expert_bytes=non_expert, kv_cache_bytes=kv, workspace_bytes=workspace,
                      expert_bytes=3 * inter * H * torch.finfo(dtype).bits // 8, moe_layers=model.moe_layers,
                      num_experts=E, top_k=config.num_experts_per_tok, hidden_size=H, moe_intermediate_size=inter)

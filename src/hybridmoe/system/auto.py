@@ -6,16 +6,26 @@
 - expert_format "auto": the native format nearest the checkpoint's (weights/native_format.py).
 - gpu_memory_budget None on a GPU with the native engine: 90% of the GPU's free memory, so the
   routed experts the GPU can hold run there and the rest on the CPU.
+- prefill_streaming "auto": on (from the break-even token count) when a layer's packed experts cross
+  PCIe, at the bandwidth measured once per process, faster than the CPU would compute a
+  max_num_batched_tokens step of them, and the device buffers fit the budget
+  (experts/streamed_prefill.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
+import logging
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.errors import HybridMoEError
+
+log = logging.getLogger("hybridmoe")
 
 AUTO_BUDGET_FRACTION = 0.9
 """Of the GPU's free memory at load time: the rest is left to the CUDA context and other processes."""
@@ -58,10 +68,97 @@ def resolve_engine_config(engine_config: EngineConfig, config, dtype: torch.dtyp
 
     resolved = replace(engine_config, expert_backend=resolve_expert_backend(engine_config, config, dtype, model_dir))
     resolved = resolve_expert_format(resolved, config, model_dir)
-    return replace(resolved, gpu_memory_budget=auto_gpu_budget(resolved))
+    resolved = replace(resolved, gpu_memory_budget=auto_gpu_budget(resolved))
+    decision = prefill_streaming_decision(resolved, config, dtype, model_dir)
+    if decision.on is None:
+        return resolved
+    if not decision.fits:
+        log.warning("prefill streaming %s", decision.reason)
+    return replace(resolved, prefill_streaming="on" if decision.on else "off",
+                   prefill_streaming_tokens=decision.min_tokens)
 
 
 def uses_hybrid(engine_config: EngineConfig) -> bool:
     """Whether the routed experts are split between the GPU and the CPU (or deferred)."""
     return (engine_config.gpu_memory_budget is not None or engine_config.gpu_experts_per_layer is not None
             or engine_config.deferred_experts > 0)
+
+
+CPU_EXPERT_FLOPS_PER_CORE = {"amx": 190e9, "avx512": 60e9, "avx2": 25e9, "generic": 5e9}
+"""Estimated FLOP/s per core of the native engine's routed experts in long steps, by the best kernel
+path: amx from benchmarks/moe_layer.py at T=2048 on the GPU host (2.8-3.3 TFLOP/s on 16 cores, every
+format); the others are estimates (about a third of AMX for AVX-512 BF16/VNNI dot products)."""
+
+DEFAULT_STREAMING_TOKENS = 1024
+"""prefill_streaming "on" with no PCIe to measure (the CPU device) and no prefill_streaming_tokens."""
+
+
+@dataclass
+class StreamingDecision:
+    on: bool | None
+    """None: nothing to decide (no hybrid split, or streaming cannot run): the config stays as given."""
+    min_tokens: int | None
+    reason: str
+    """One line for `hybridmoe doctor`."""
+    fits: bool = True
+    """False: "auto" would stream but the device buffers do not fit the budget (a warning at load)."""
+
+
+@functools.cache
+def measured_pcie_bandwidth(device: str) -> float:
+    """Pinned host-to-device bytes/s, measured once per process and device."""
+    from hybridmoe.system.bandwidth import pinned_h2d_bandwidth
+
+    return pinned_h2d_bandwidth(device, 256 << 20)
+
+
+def estimated_cpu_flops(threads: int | None) -> float:
+    """The native engine's FLOP/s for long steps on this CPU (CPU_EXPERT_FLOPS_PER_CORE x threads)."""
+    from hybridmoe.experts.cpu_experts import available_isas
+
+    return CPU_EXPERT_FLOPS_PER_CORE[available_isas()[-1]] * (threads or len(os.sched_getaffinity(0)))
+
+
+def prefill_streaming_decision(ec: EngineConfig, config, dtype: torch.dtype, model_dir: str | Path
+                               ) -> StreamingDecision:
+    """Whether (and from how many tokens) steps stream their layers' CPU experts to the device, for
+    ec with its other choices already resolved."""
+    from hybridmoe.experts.placement import format_bytes, model_footprint
+    from hybridmoe.experts.streamed_prefill import break_even_tokens, device_bytes, layer_packed_bytes
+    from hybridmoe.models.registry import load_config
+
+    if not uses_hybrid(ec) or ec.prefill_streaming == "off":
+        return StreamingDecision(None, None, "off" if ec.prefill_streaming == "off" else
+                                 "off (every routed expert runs where the model runs: no GPU split)")
+    if ec.expert_backend != "native":
+        if ec.prefill_streaming == "on":
+            raise HybridMoEError("prefill_streaming 'on' streams the native engine's packed experts; it needs "
+                                 "expert_backend 'native'")
+        return StreamingDecision(False, None, "off (the CPU experts are the torch reference, not packed)")
+    fp = model_footprint(load_config(model_dir)[0], config, dtype, replace(ec, prefill_streaming="off"))
+    H, I, K = fp.hidden_size, fp.moe_intermediate_size, fp.top_k
+    layer_bytes = layer_packed_bytes(ec.expert_format, fp.num_experts, H, I, ec.expert_group_size,
+                                     bool(ec.expert_zero_points))
+    reserve = device_bytes(layer_bytes, fp.num_experts, H, I, K, ec.max_num_batched_tokens)
+    if torch.device(ec.device).type != "cuda":
+        tokens = ec.prefill_streaming_tokens or DEFAULT_STREAMING_TOKENS
+        if ec.prefill_streaming == "on":
+            return StreamingDecision(True, tokens, f"on from {tokens} tokens (asked; the device is the CPU)")
+        return StreamingDecision(False, None, "off (no GPU)")
+    pcie, cpu = measured_pcie_bandwidth(ec.device), estimated_cpu_flops(ec.cpu_threads)
+    flops = 2 * 3 * H * I * K
+    break_even = break_even_tokens(layer_bytes, pcie, cpu, flops)
+    steps = ec.max_num_batched_tokens
+    why = (f"a layer's {format_bytes(layer_bytes)} of packed experts take {1e3 * layer_bytes / pcie:.1f} ms over "
+           f"PCIe at {pcie / 1e9:.1f} GB/s; the CPU (~{cpu / 1e12:.2f} TFLOP/s) takes as long at {break_even} "
+           f"tokens and {1e3 * steps * flops / cpu:.1f} ms at a {steps}-token step")
+    if ec.prefill_streaming == "on":
+        tokens = ec.prefill_streaming_tokens or break_even
+        return StreamingDecision(True, tokens, f"on from {tokens} tokens (asked): {why}")
+    if break_even > steps:
+        return StreamingDecision(False, None, f"off: {why}")
+    if ec.gpu_memory_budget is not None and fp.fixed_bytes + reserve > ec.gpu_memory_budget:
+        return StreamingDecision(False, None, f"off: its device buffers ({format_bytes(reserve)}) do not fit "
+                                 f"the budget after the fixed {format_bytes(fp.fixed_bytes)}; {why}", fits=False)
+    tokens = ec.prefill_streaming_tokens or break_even
+    return StreamingDecision(True, tokens, f"on from {tokens} tokens: {why}")

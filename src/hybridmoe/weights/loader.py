@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import CheckpointError, HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.experts.streamed_prefill import attach as attach_prefill_streamer
 from hybridmoe.experts.torch_ref import TorchExperts
 from hybridmoe.layers.linear import MergedLinear
 from hybridmoe.layers.mlp import get_activation
@@ -188,6 +189,7 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     with open_checkpoint(model_dir, config) as ckpt:
         load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
     packed.finish(experts)
+    attach_prefill_streamer(experts, engine_config)
     return LoadedModel(model=model, config=config, experts=experts, dtype=dtype)
 
 

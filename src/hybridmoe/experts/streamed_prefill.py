@@ -1,0 +1,247 @@
+"""Long prefill steps: each layer's CPU experts streamed to the GPU over PCIe and run there.
+
+For a step of many tokens the CPU's FLOP/s, not its memory bandwidth, bound the routed experts:
+a Qwen3-30B-A3B layer at 2048 tokens is ~50 ms on 16 AMX cores, while its packed int4 experts
+(302 MB) cross PCIe gen5 in ~6 ms. So from prefill_streaming_tokens tokens on (system/auto.py
+decides whether and from where), a layer's CPU share runs on the GPU instead:
+
+    layer L:   copy stream  [copy L+1 packed bytes -> slot B]            (overlaps L's compute)
+               compute      [wait copy L] [dequantize + experts of L from slot A]
+    layer L+1: compute      [wait copy L+1] [... slot B] ; copy L+2 -> slot A after L's compute
+
+The packed bytes are copied as the CPU engine holds them (CpuExperts.packed_state(): a quarter
+of bf16's for int4), from host memory registered with cudaHostRegister (async DMA, no bounce
+copy; pageable copies with a log line when registering fails), into two device slots each the
+size of the largest layer, and dequantized on the GPU a chunk of experts at a time
+(experts/packed_torch.py, bit-exact with the CPU engine's weights). On the CPU device the same
+code runs with plain copies, which is how CI checks it.
+
+T tokens, K experts per token, R = routed (token, slot) pairs, E experts, H hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+
+import torch
+
+from hybridmoe.experts.packed_torch import PackedLayout
+from hybridmoe.experts.placement import format_bytes
+
+log = logging.getLogger("hybridmoe.experts")
+
+ALIGN = 256
+"""Byte alignment of each packed buffer inside a slot (float32 views, coalesced reads)."""
+
+DEQUANT_WORKSPACE_BYTES = 256 << 20
+"""Device memory one chunk of experts may take while dequantized (with its temporaries)."""
+
+DEQUANT_BYTES_PER_WEIGHT = 14
+"""Peak bytes per weight of one matrix while an int4 chunk dequantizes (codes, nibbles, float32
+codes, the float32 result), besides the compute-dtype copy the chunk keeps (2 bytes)."""
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def dequant_chunk_experts(H: int, I: int) -> int:
+    """Experts dequantized at once, so one chunk stays within DEQUANT_WORKSPACE_BYTES."""
+    per_expert = 3 * H * I * 2 + H * I * DEQUANT_BYTES_PER_WEIGHT
+    return max(1, DEQUANT_WORKSPACE_BYTES // per_expert)
+
+
+def device_bytes(layer_bytes: int, E: int, H: int, I: int, top_k: int, max_tokens: int) -> int:
+    """Device memory streaming takes: two slots of layer_bytes, one dequantized chunk, and the routed
+    rows of a max_tokens step (gathered bf16 inputs, float32 outputs, the [R, I] activations)."""
+    chunk = min(E, dequant_chunk_experts(H, I))
+    dequant = chunk * (3 * H * I * 2) + H * I * DEQUANT_BYTES_PER_WEIGHT
+    R = max_tokens * top_k
+    rows = R * (H * 2 + H * 4 + 3 * I * 2) + max_tokens * H * 4
+    return 2 * _aligned(layer_bytes) + dequant + rows
+
+
+def layer_packed_bytes(fmt: str, E: int, H: int, I: int, group_size: int, zero_points: bool) -> int:
+    """Bytes of one layer's E experts as the native engine packs them (padding included), slot-aligned."""
+    layout = PackedLayout({"shape": [E, H, I], "format": fmt, "group_size": group_size,
+                           "zero_points": zero_points and fmt == "int4", "numa_nodes": 1})
+    return sum(_aligned(n) for n in layout.buffer_bytes().values())
+
+
+def reserved_bytes(engine_config, E: int, H: int, I: int, top_k: int) -> int:
+    """What placement sets aside for streaming under engine_config (resolved: 0 unless "on")."""
+    if engine_config.prefill_streaming != "on":
+        return 0
+    fmt = "bf16" if engine_config.expert_format == "auto" else engine_config.expert_format  # unresolved: the most
+    layer_bytes = layer_packed_bytes(fmt, E, H, I, engine_config.expert_group_size,
+                                     bool(engine_config.expert_zero_points))
+    return device_bytes(layer_bytes, E, H, I, top_k, engine_config.max_num_batched_tokens)
+
+
+def attach(backend, engine_config) -> PrefillStreamer | None:
+    """Give a HybridExperts backend a PrefillStreamer when engine_config (resolved) says "on" and
+    its CPU engines are native; None otherwise."""
+    if engine_config.prefill_streaming != "on" or not hasattr(backend, "stream_long_steps"):
+        return None
+    engines = {layer: backend.cpu_engine(layer) for layer in backend.layers()}
+    engines = {layer: e for layer, e in engines.items() if e is not None}
+    if not engines or not all(hasattr(e, "packed_state") for e in engines.values()):
+        return None
+    streamer = PrefillStreamer(engines, backend.device, engine_config.prefill_streaming_tokens)
+    backend.stream_long_steps(streamer)
+    log.info("prefill steps of %d+ tokens stream each layer's CPU experts to %s (%s per layer slot)",
+             streamer.min_tokens, backend.device, format_bytes(streamer.slot_bytes))
+    return streamer
+
+
+class _HostLayer:
+    """One layer's packed buffers on the host, and where each goes in a slot."""
+
+    def __init__(self, engine):
+        state = engine.packed_state()
+        self.layout = PackedLayout(state)
+        # torch views of the engine's memory (numpy views that keep the engine alive)
+        self.buffers = {name: torch.from_numpy(arr).view(torch.uint8) for name, arr in state["buffers"].items()}
+        self.offsets, offset = {}, 0
+        for name, buf in self.buffers.items():
+            self.offsets[name] = offset
+            offset += _aligned(buf.numel())
+        self.nbytes = offset
+        self.registered: list[int] = []  # host pointers registered with CUDA (freed with the streamer)
+
+
+class PrefillStreamer:
+    """Runs the CPU share of long steps on `device` from packed experts streamed there, layer by layer.
+
+    engines: MoE layer -> its CPU engine (CpuExperts: anything with packed_state()). min_tokens:
+    steps of at least this many tokens take this path (takes()).
+    """
+
+    def __init__(self, engines: dict, device: str | torch.device, min_tokens: int):
+        self.device, self.min_tokens = torch.device(device), int(min_tokens)
+        self.layers = {layer: _HostLayer(engine) for layer, engine in sorted(engines.items())}
+        self.order = sorted(self.layers)
+        slot_bytes = max((h.nbytes for h in self.layers.values()), default=0)
+        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.slot_layer: list[int | None] = [None, None]
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's bytes arrived
+        self.freed = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's last reader done
+        self.current: int | None = None  # the layer whose experts are being computed
+        self.prefetch_next = True  # copy layer L+1 while L computes (off: every copy waited for, to measure)
+        self._pinned_failed = False
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots[0].numel()
+
+    def takes(self, hidden: torch.Tensor) -> bool:
+        """Whether a step with these hidden states [T, H] runs on this path."""
+        return hidden.shape[0] >= self.min_tokens and hidden.device == self.device
+
+    def run(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            mask: torch.Tensor, act) -> torch.Tensor:
+        """sum over slots with mask of weights * expert_ids(hidden): float32 [T, H] on the device.
+
+        hidden [T, H]; ids [T, K] local to the layer's CPU engine where mask [T, K] is set; weights [T, K].
+        """
+        slot = self._stage(layer)
+        self.current = layer
+        if self.copied[slot] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
+        if self.prefetch_next:
+            nxt = self.order.index(layer) + 1
+            if nxt < len(self.order):
+                self._stage(self.order[nxt])
+        host = self.layers[layer]
+        views = {name: self.slots[slot][off:off + host.buffers[name].numel()] for name, off in host.offsets.items()}
+        out = routed_experts(host.layout, views, hidden, ids, weights, mask, act)
+        if self.freed[slot] is not None:
+            self.freed[slot].record(torch.cuda.current_stream(self.device))
+        return out
+
+    def _stage(self, layer: int) -> int:
+        """The slot that holds (or is being filled with) layer's packed bytes; starts the copy if needed."""
+        if layer in self.slot_layer:
+            return self.slot_layer.index(layer)
+        slot = 1 if self.slot_layer[0] == self.current else 0  # never the slot being computed from
+        self.slot_layer[slot] = layer
+        host = self.layers[layer]
+        if self.copy_stream is None:
+            for name, buf in host.buffers.items():
+                off = host.offsets[name]
+                self.slots[slot][off:off + buf.numel()].copy_(buf)
+            return slot
+        self._register(host)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.freed[slot])  # the slot's previous layer is done with it
+            for name, buf in host.buffers.items():
+                off = host.offsets[name]
+                self.slots[slot][off:off + buf.numel()].copy_(buf, non_blocking=True)
+            self.copied[slot].record(self.copy_stream)
+        return slot
+
+    def _register(self, host: _HostLayer) -> None:
+        """Page-lock the layer's host buffers once, so copies are DMA from them (no staging copy)."""
+        if host.registered or self._pinned_failed:
+            return
+        cudart = torch.cuda.cudart()
+        for buf in host.buffers.values():
+            if buf.is_pinned():
+                continue
+            err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+            if int(err) != 0:
+                self._pinned_failed = True
+                log.warning("prefill streaming copies from pageable memory (cudaHostRegister failed: %s): slower", err)
+                return
+            host.registered.append(buf.data_ptr())
+
+    def close(self) -> None:
+        """Unregister the host memory (before the CPU engines free it)."""
+        if self.copy_stream is not None:
+            torch.cuda.synchronize(self.device)
+            cudart = torch.cuda.cudart()
+            for host in self.layers.values():
+                for ptr in host.registered:
+                    cudart.cudaHostUnregister(ptr)
+                host.registered.clear()
+
+
+def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor, mask: torch.Tensor, act) -> torch.Tensor:
+    """The masked routed experts of one layer computed from its packed buffers on x's device; float32 [T, H].
+
+    Pairs are grouped by expert (one sort, one host sync for the counts); the experts that have tokens
+    are dequantized a chunk at a time into x's dtype (bf16/fp16; float32 stays float32).
+    """
+    T, K = ids.shape
+    cdtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    pairs = mask.flatten().nonzero().squeeze(1)  # [R] indices into [T * K]
+    expert = ids.flatten()[pairs].long()
+    expert, order = torch.sort(expert, stable=True)
+    pairs = pairs[order]
+    counts = torch.bincount(expert, minlength=layout.E).tolist()
+    tok = pairs // K
+    xs = x[tok].to(cdtype)  # [R, H], grouped by expert
+    ys = torch.empty(xs.shape, dtype=cdtype, device=x.device)
+    active = [e for e in range(layout.E) if counts[e]]
+    starts = [0, *itertools.accumulate(counts)]
+    chunk = dequant_chunk_experts(layout.H, layout.I)
+    for c in range(0, len(active), chunk):
+        part = active[c:c + chunk]
+        gate, up, down = layout.dequantize(buffers, torch.tensor(part, device=x.device), cdtype)
+        for j, e in enumerate(part):
+            r0, r1 = starts[e], starts[e + 1]
+            xe = xs[r0:r1]
+            ys[r0:r1] = (act(xe @ gate[j].T) * (xe @ up[j].T)) @ down[j].T
+    out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tok, ys.float() * weights.flatten()[pairs].float().unsqueeze(1))
+
+
+def break_even_tokens(layer_bytes: int, pcie_bytes_per_s: float, cpu_flops: float, flops_per_token: float) -> int:
+    """Fewest tokens for which a layer's CPU expert time (tokens x flops_per_token / cpu_flops) exceeds
+    the time its packed experts take over PCIe (layer_bytes / pcie_bytes_per_s)."""
+    return max(1, math.ceil(layer_bytes / pcie_bytes_per_s * cpu_flops / flops_per_token))

@@ -1,0 +1,96 @@
+"""The automatic prefill-streaming decision (system/auto.py) and the device memory placement sets aside
+for it (experts/placement.py through streamed_prefill.reserved_bytes)."""
+
+import pytest
+import torch
+
+from hybridmoe.config import EngineConfig
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.placement import model_footprint, placement_for
+from hybridmoe.experts.streamed_prefill import break_even_tokens, layer_packed_bytes, reserved_bytes
+from hybridmoe.models.registry import load_config
+from hybridmoe.system import auto
+
+pytest.importorskip("hybridmoe.experts.cpu_experts")
+
+
+def test_break_even_of_a_qwen3_30b_a3b_int4_layer():
+    # 302 MB at 50 GB/s is 6.04 ms; 8 experts x 3 x 2048 x 768 x 2 FLOP a token at 3 TFLOP/s
+    flops = 2 * 3 * 2048 * 768 * 8
+    assert break_even_tokens(302_000_000, 50e9, 3e12, flops) == 241
+
+
+def test_packed_bytes_count_the_engines_padding():
+    # int4 g128: half a byte a weight + a float32 scale per group, no padding at these sizes
+    assert layer_packed_bytes("int4", 128, 2048, 768, 128, False) == 128 * (3 * 2048 * 768 // 2 + 3 * 2048 * 768 // 32)
+    # bf16 rows pad to 32 columns: 40 -> 64
+    assert layer_packed_bytes("bf16", 1, 64, 40, 128, False) == 2 * (64 * 64 * 2) + 64 * 64 * 2
+
+
+def _cuda_config(**options):
+    return EngineConfig(device="cuda", expert_backend="native", expert_format="int4", expert_group_size=32,
+                        **options)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Fix the two measured rates: PCIe bytes/s and CPU FLOP/s."""
+    def set_rates(pcie: float, cpu: float):
+        monkeypatch.setattr(auto, "measured_pcie_bandwidth", lambda device: pcie)
+        monkeypatch.setattr(auto, "estimated_cpu_flops", lambda threads: cpu)
+    return set_rates
+
+
+def _decide(path, ec):
+    cls, config = load_config(path)
+    return auto.prefill_streaming_decision(ec, config, torch.float32, path)
+
+
+def test_auto_streams_when_pcie_beats_the_cpu_within_a_step(tiny_checkpoints, measured):
+    path = tiny_checkpoints("qwen3_moe")
+    measured(pcie=1e9, cpu=1e9)
+    d = _decide(path, _cuda_config(gpu_memory_budget="1GiB"))
+    layer = layer_packed_bytes("int4", 8, 64, 32, 32, False)
+    assert d.on and d.min_tokens == break_even_tokens(layer, 1e9, 1e9, 2 * 3 * 64 * 32 * 2)
+    assert d.min_tokens <= 2048 and d.fits
+
+
+def test_auto_stays_off_when_the_cpu_wins_or_the_buffers_do_not_fit(tiny_checkpoints, measured):
+    path = tiny_checkpoints("qwen3_moe")
+    measured(pcie=1e6, cpu=1e12)
+    slow = _decide(path, _cuda_config(gpu_memory_budget="1GiB"))
+    assert slow.on is False and slow.fits
+    measured(pcie=1e9, cpu=1e9)
+    cls, config = load_config(path)
+    fixed = model_footprint(cls, config, torch.float32, _cuda_config()).fixed_bytes
+    tight = _decide(path, _cuda_config(gpu_memory_budget=fixed + 1000))
+    assert tight.on is False and not tight.fits
+    asked = _decide(path, _cuda_config(gpu_memory_budget="1GiB", prefill_streaming="on", prefill_streaming_tokens=7))
+    assert asked.on and asked.min_tokens == 7
+
+
+def test_the_cpu_device_streams_only_when_asked_and_torch_experts_cannot(tiny_checkpoints):
+    path = tiny_checkpoints("qwen3_moe")
+    cpu = dict(device="cpu", expert_backend="native", expert_format="int8", gpu_experts_per_layer=2)
+    assert _decide(path, EngineConfig(**cpu)).on is False
+    assert _decide(path, EngineConfig(prefill_streaming="on", **cpu)).on
+    assert _decide(path, EngineConfig(device="cpu", expert_backend="native")).on is None  # no split
+    with pytest.raises(HybridMoEError, match="expert_backend 'native'"):
+        _decide(path, EngineConfig(device="cpu", expert_backend="torch", gpu_experts_per_layer=2,
+                                   prefill_streaming="on"))
+    with pytest.raises(HybridMoEError, match="prefill_streaming must be one of"):
+        EngineConfig(prefill_streaming="yes")
+
+
+def test_placement_sets_the_streaming_buffers_aside(tiny_checkpoints):
+    path = tiny_checkpoints("qwen3_moe")
+    cls, config = load_config(path)
+    off = EngineConfig(device="cpu", expert_backend="native", expert_format="int4", expert_group_size=32,
+                       prefill_streaming="off")
+    on = EngineConfig(**{**vars(off), "prefill_streaming": "on"})
+    fp_off, fp_on = (model_footprint(cls, config, torch.float32, ec) for ec in (off, on))
+    assert fp_on.workspace_bytes - fp_off.workspace_bytes == reserved_bytes(on, 8, 64, 32, 2) > 0
+    budget = fp_on.fixed_bytes + 5 * fp_on.expert_bytes
+    plans = [placement_for(cls, config, torch.float32, EngineConfig(**{**vars(ec), "gpu_memory_budget": budget}))[0]
+             for ec in (off, on)]
+    assert plans[1].gpu_bytes <= budget and plans[1].num_gpu_experts < plans[0].num_gpu_experts

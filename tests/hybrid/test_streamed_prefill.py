@@ -1,0 +1,102 @@
+"""Long steps streamed to the device (experts/streamed_prefill.py), run on the CPU device in CI: the same
+code as on a GPU, with plain copies instead of PCIe. The streamed experts equal a float32 reference on
+the engine's own dequantized weights; a whole model gives the CPU path's logits within the format's
+tolerance; short steps and "off" stay on the CPU engine, bit for bit."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hybrid_helpers import PROMPT, load, prompt_logits
+
+from hybridmoe.experts.hybrid import weighted_experts
+from hybridmoe.experts.packed_torch import PackedLayout
+from hybridmoe.experts.streamed_prefill import PrefillStreamer, routed_experts
+
+cpu_experts = pytest.importorskip("hybridmoe.experts.cpu_experts")
+
+FORMATS = [("bf16", {}), ("int8", {}), ("int4", dict(expert_group_size=32)),
+           ("int4", dict(expert_group_size=32, expert_zero_points=True))]
+
+
+def _layer(fmt: str, E=6, H=64, I=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g))
+    return cpu_experts.CpuExperts(*w, format=fmt, group_size=32, threads=1)
+
+
+def _routing(T: int, K: int, E: int, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return ids, torch.rand(T, K, generator=g), torch.rand(T, K, generator=g) < 0.7
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_routed_experts_from_packed_bytes_equal_the_float32_reference(fmt):
+    engine = _layer(fmt)
+    streamer = PrefillStreamer({3: engine}, "cpu", min_tokens=1)
+    x = torch.randn(40, 64)
+    ids, w, mask = _routing(40, 3, 6)
+    got = streamer.run(3, x, ids, w, mask, F.silu)
+    deq = [torch.stack(m) for m in zip(*(engine.dequantized(e) for e in range(6)))]
+    torch.testing.assert_close(got, weighted_experts(x, *deq, ids, w, mask, F.silu), atol=1e-4, rtol=1e-4)
+
+
+def test_a_bf16_step_computes_in_bf16_against_the_native_engine():
+    engine = _layer("bf16")
+    x = torch.randn(33, 64).to(torch.bfloat16)
+    ids, w, _ = _routing(33, 2, 6)
+    state = engine.packed_state()
+    layout_buffers = {n: torch.from_numpy(a).view(torch.uint8) for n, a in state["buffers"].items()}
+    got = routed_experts(PackedLayout(state), layout_buffers, x, ids, w, torch.ones_like(ids, dtype=torch.bool),
+                         F.silu)
+    want = engine.forward(x, ids, w).float()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_layers_alternate_between_two_slots_and_a_repeat_reuses_its_slot():
+    engines = {layer: _layer("int8", seed=layer) for layer in (1, 2, 4)}
+    streamer = PrefillStreamer(engines, "cpu", min_tokens=1)
+    x = torch.randn(8, 64)
+    ids, w, mask = _routing(8, 2, 6)
+    outs = {}
+    for layer in (1, 2, 4, 4):
+        outs.setdefault(layer, []).append(streamer.run(layer, x, ids, w, mask, F.silu))
+        assert layer in streamer.slot_layer
+    assert streamer.slot_layer == [4, 2] or streamer.slot_layer == [2, 4]
+    assert torch.equal(outs[4][0], outs[4][1])
+    fresh = PrefillStreamer({2: engines[2]}, "cpu", min_tokens=1).run(2, x, ids, w, mask, F.silu)
+    assert torch.equal(outs[2][0], fresh)
+
+
+@pytest.fixture
+def streamed_layers(monkeypatch):
+    """The layers PrefillStreamer.run is called for, in order."""
+    calls, run = [], PrefillStreamer.run
+
+    def counted(self, layer, *args):
+        calls.append(layer)
+        return run(self, layer, *args)
+
+    monkeypatch.setattr(PrefillStreamer, "run", counted)
+    return calls
+
+
+@pytest.mark.parametrize("fmt, options", FORMATS)
+def test_a_streamed_prefill_gives_the_cpu_paths_logits(tiny_checkpoints, streamed_layers, fmt, options):
+    path = tiny_checkpoints("qwen3_moe")
+    common = dict(device="cpu", expert_backend="native", expert_format=fmt, gpu_experts_per_layer=3, **options)
+    want = prompt_logits(load(path, prefill_streaming="off", **common).model)
+    assert streamed_layers == []
+    loaded = load(path, prefill_streaming="on", prefill_streaming_tokens=len(PROMPT), **common)
+    got = prompt_logits(loaded.model)
+    assert streamed_layers == loaded.model.moe_layers
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_steps_below_the_threshold_stay_on_the_cpu_engine(tiny_checkpoints, streamed_layers):
+    path = tiny_checkpoints("qwen3_moe")
+    common = dict(device="cpu", expert_backend="native", expert_format="int8", gpu_experts_per_layer=3)
+    want = prompt_logits(load(path, prefill_streaming="off", **common).model)
+    loaded = load(path, prefill_streaming="on", prefill_streaming_tokens=len(PROMPT) + 1, **common)
+    assert torch.equal(prompt_logits(loaded.model), want)
+    assert streamed_layers == []
