@@ -206,6 +206,8 @@ class Handoff : public hmoe::FlagChannel {
     for (int layer = 0; layer < num_layers(); ++layer)
       for (int T = 1; T <= max_tokens_; ++T) served_[size_t(layer) * max_tokens_ + T - 1] = job(layer, T);
     polling_ = true;
+    const hmoe::MoeConfig& cfg = layers_[0]->moe->config();
+    hmoe::FlagPoller::instance().pin(hmoe::shared_pool(cfg.threads, cfg.numa_nodes)->driver_cpu());
     hmoe::FlagPoller::instance().add(this);
   }
 

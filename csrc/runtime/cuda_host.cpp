@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/prctl.h>
 
@@ -267,7 +268,19 @@ void FlagPoller::main() {
   // Naps of tens of microseconds need a tight timer: the default slack (50 us) would double them.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   int64_t last_work = now_ns(), next_yield = last_work + 50'000;
+  int on_cpu = -1;
   for (int i = 0;; ++i) {
+    if (const int want = cpu_.load(std::memory_order_relaxed); want != on_cpu) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      if (want >= 0) {
+        CPU_SET(want, &set);
+      } else {
+        for (int c = 0; c < CPU_SETSIZE; ++c) CPU_SET(c, &set);
+      }
+      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+      on_cpu = want;
+    }
     bool served = false;
     {
       std::unique_lock<std::mutex> lk(mu_);

@@ -108,6 +108,10 @@ class FlagPoller {
   // After add returns, the poller calls c->poll(); after remove returns, it never will again.
   void add(FlagChannel* c);
   void remove(FlagChannel* c);
+  // Run the poller on `cpu` from now on (-1: anywhere). The CPU of the engine pool's driver
+  // thread is the one to pick: the poller runs the layers in its place (the driver then sleeps),
+  // and every other CPU has a pinned worker of its own.
+  void pin(int cpu) { cpu_.store(cpu); }
   // Whether the poller is napping (idle past its spin window) right now.
   bool napping() const { return napping_.load(); }
 
@@ -120,6 +124,7 @@ class FlagPoller {
   std::vector<FlagChannel*> channels_;
   std::thread thread_;
   std::atomic<bool> napping_{false};
+  std::atomic<int> cpu_{-1};
 };
 
 }  // namespace hmoe

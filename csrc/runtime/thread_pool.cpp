@@ -139,6 +139,7 @@ ThreadPool::ThreadPool(int threads, int groups, std::vector<std::vector<int>> cp
       if (cpu >= 0) pin_to(cpu);
       worker_main(w);
     });
+  driver_cpu_ = cpu_of[0];
   driver_ = std::thread([this, cpu = cpu_of[0]] {
     if (cpu >= 0) pin_to(cpu);
     driver_main();

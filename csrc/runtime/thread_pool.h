@@ -36,6 +36,9 @@ class ThreadPool {
   int threads() const { return int(workers_.size()) + 1; }
   int groups() const { return groups_; }
   int group_of(int worker) const { return group_of_[worker]; }
+  // The CPU worker 0 (the driver) is pinned to, or -1: where a thread that runs jobs with
+  // run_here (instead of the driver) belongs.
+  int driver_cpu() const { return driver_cpu_; }
 
   // Calls fn(item, worker) for every item; group g prefers items [offsets[g], offsets[g+1]).
   void run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn);
@@ -61,6 +64,7 @@ class ThreadPool {
   void learn_gap();  // called by run() before it starts its workers
 
   int groups_;
+  int driver_cpu_ = -1;
   std::vector<int> group_of_;
   std::vector<std::thread> workers_;
   std::thread driver_;
