@@ -1,44 +1,294 @@
-"""End-to-end generation speed of one model directory: prefill and decode tokens/s, time to
-first token, load time and peak RSS, as a table and (with --json) a JSON file.
+"""End-to-end speed as issue #4 reports it: prefill tok/s per prompt length, TTFT, decode tok/s, peak GPU
+memory, RSS, and the decode floor (CPU-resident expert bytes read per token / host read bandwidth measured
+in this run), at batch 1; one table, and (with --json) a JSON file that carries the floor.
 
-    python benchmarks/e2e.py --model DIR [--prompt-len 128] [--gen-len 32] [--batch 1] [--json F]
-                             [engine options: --dtype, --max-num-seqs, --expert-backend, ...]
+    python benchmarks/e2e.py --model DIR | --synthetic PRESET [--layers N]
+        [--formats int4,bf16] [--prompt-lens 512,2048,8192] [--gen-len 32] [--ablation] [--json F]
+        [engine options: --device, --gpu-memory-budget, --deferred-experts, ...]
+    python benchmarks/e2e.py --suite qwen3 | dsv3      # the issue's tables (about 4 / 2 minutes on the GPU host)
 
-The measuring is hybridmoe.bench (also `hybridmoe bench`): random prompt ids, greedy generation
-that ignores EOS, every request at once after a warm-up request.
+--synthetic writes a random-weight checkpoint of a make-model preset (qwen3-30b-a3b, deepseek-v2-lite,
+deepseek-v3, ...) into memory (/dev/shm) and loads it like any directory. Cut to --layers N, it reports
+per-layer times and full-depth figures: decode = non-layer part + each layer of the full model at its
+kind's measured time (bench_layers.py); prefill = measured time x full depth / N. Those rows say
+"extrapolated". With a GPU budget, the cut model holds as many GPU experts per layer as the full-depth
+model would under the same budget, so its per-layer figures stand for the full model's.
+
+--formats runs each expert format in turn, one engine at a time, in this process. --ablation adds, for
+each format, the same model with: no CUDA graph; no deferral (deferred experts 0 vs the default 1 here);
+no GPU experts (--gpu-experts-per-layer 0). Qwen3-30B-A3B rows are also set against llama.cpp's
+reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s prefill at 512 (48 layers).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from contextlib import nullcontext
+from pathlib import Path
 
-from hybridmoe.bench import Workload, format_table, run_e2e
+import torch
+
+from hybridmoe.bench import DepthInfo, run_suite
+from hybridmoe.bench_floor import ASSUMPTION, floor_ratio
+from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
 from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
 from hybridmoe.config import EngineConfig
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.system.bandwidth import host_read_bandwidth, host_read_method
+
+LLAMA_CPP = {"decode_tok_s": 47.0, "prefill512_tok_s": (650.0, 760.0)}
+"""llama.cpp on the GPU host, every routed expert on the CPU, Qwen3-30B-A3B Q4_K_M, 48 layers (issue #4)."""
+TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama_decode": 1.75,
+           "vs_llama_prefill": 1.5}
+DEFAULT_DEFERRED = 1
+
+SUITES = {
+    "qwen3": dict(synthetic="qwen3-30b-a3b", layers=8, formats="int4,bf16", prompt_lens="512,2048,8192",
+                  gen_len=32, ablation=True, engine=dict(gpu_memory_budget="16GiB")),
+    "dsv3": dict(synthetic="deepseek-v3", layers=4, formats="int4", prompt_lens="512,2048", gen_len=16,
+                 ablation=False, engine=dict(gpu_memory_budget="16GiB")),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, metavar="DIR")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--gen-len", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=1, help="requests sent at once")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    parser.add_argument("--json", metavar="FILE", help="also write the results here")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="DIR")
+    source.add_argument("--synthetic", metavar="PRESET", help="a make-model preset, written to memory")
+    source.add_argument("--suite", choices=sorted(SUITES), help="the issue's preset runs (see above)")
+    parser.add_argument("--layers", type=int, help="with --synthetic: decoder layers (default: full depth)")
+    parser.add_argument("--formats", help="expert formats to run in turn, e.g. int4,bf16 (default: the engine's)")
+    parser.add_argument("--prompt-lens", default="512,2048,8192", help="prefill prompt lengths (default 512,2048,8192)")
+    parser.add_argument("--gen-len", type=int, default=32, help="decoded tokens per timed run (default 32)")
+    parser.add_argument("--decode-prompt-len", type=int, default=64, help="prompt before the decode run (default 64)")
+    parser.add_argument("--ablation", action="store_true", help="also: no CUDA graph, no deferral, no GPU experts")
+    parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="host read probe buffer (default 1 GiB)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="also write the setup and results here")
     add_engine_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.suite:
+        suite = SUITES[args.suite]
+        for key in ("synthetic", "layers", "formats", "prompt_lens", "gen_len", "ablation"):
+            setattr(args, key, suite[key])
+        for key, value in suite["engine"].items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    return args
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        raise HybridMoEError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise HybridMoEError(f"{flag} values must be at least 1, got {text!r}")
+    return values
+
+
+def depth_of(raw_full: dict, raw_cut: dict) -> DepthInfo | None:
+    """The full model's dense / MoE layer counts when raw_cut has fewer layers than raw_full, else None."""
+    from hybridmoe.models.registry import architecture_of, get_model_class
+
+    if raw_cut["num_hidden_layers"] >= raw_full["num_hidden_layers"]:
+        return None
+    from hybridmoe.experts.torch_ref import TorchExperts
+
+    cls = get_model_class(architecture_of(raw_full))
+    config = cls.make_config(raw_full)
+    with torch.device("meta"):
+        model = cls(config, TorchExperts())
+    moe = len(model.moe_layers)
+    return DepthInfo(config.num_hidden_layers, config.num_hidden_layers - moe, moe)
+
+
+def full_depth_gpu_experts(raw_full: dict, kwargs: dict) -> tuple[int, str]:
+    """GPU experts per MoE layer the full-depth model gets under kwargs' budget, and a line saying so."""
+    from hybridmoe.experts.placement import placement_for
+    from hybridmoe.models.registry import architecture_of, get_model_class
+    from hybridmoe.weights.loader import resolve_dtype
+
+    cls = get_model_class(architecture_of(raw_full))
+    config = cls.make_config(raw_full)
+    ec = EngineConfig.from_kwargs(**kwargs)
+    try:
+        plan, _ = placement_for(cls, config, resolve_dtype(ec.dtype, config), ec)
+    except HybridMoEError as e:
+        return 0, f"full depth does not fit the budget ({e}); the cut model keeps every routed expert on the CPU"
+    per_layer = min((len(plan.on_gpu(layer)) for layer in plan.footprint.moe_layers), default=0)
+    return per_layer, (f"full depth under this budget: {plan.describe()}; the cut model gets {per_layer} GPU "
+                       "experts per MoE layer to match")
+
+
+def configurations(kwargs: dict, formats: list[str | None], ablation: bool) -> list[tuple[str, dict]]:
+    """(label, engine kwargs) per run: each format, and with ablation its three variants."""
+    runs = []
+    for fmt in formats:
+        base = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
+        name = fmt or "default"
+        if not ablation:
+            runs.append((name, base))
+            continue
+        base.setdefault("deferred_experts", DEFAULT_DEFERRED)
+        runs += [(f"{name} all on", base), (f"{name} no CUDA graph", dict(base, cuda_graph=False)),
+                 (f"{name} no deferral", dict(base, deferred_experts=0)),
+                 (f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0))]
+    return runs
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def results_table(results, prompt_lens: list[int]) -> list[str]:
+    head = (["config"] + [f"prefill {n}" for n in prompt_lens] + [f"TTFT {prompt_lens[0]} ms", "decode tok/s",
+            "ms/token", "floor ms", "decode/floor", "CPU exp/token", "GPU exp/layer", "graph", "peak GPU GiB",
+            "RSS GiB", "load s"])
+    rows = []
+    for r in results:
+        gpu = sorted({layer.on_gpu for layer in r.floor.layers})
+        rows.append([r.label] + [_fmt(r.prefill_tok_s.get(n), ".0f") for n in prompt_lens]
+                    + [_fmt(1e3 * r.ttft_s[prompt_lens[0]], ".0f"), _fmt(r.decode_tok_s), _fmt(1e3 * r.decode_s, ".2f"),
+                       _fmt(1e3 * r.floor.seconds, ".3f"), _fmt(floor_ratio(r.decode_s, r.floor), ".2f"),
+                       _fmt(r.floor.cpu_experts_per_token), "/".join(map(str, gpu)) or "-",
+                       "on" if r.cuda_graph else "off", _fmt(r.peak_gpu_gib, ".2f"), _fmt(r.peak_rss_gib, ".2f"),
+                       _fmt(r.load_s)])
+    return _table(head, rows)
+
+
+def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
+    head = ["config (extrapolated)", "layers", "decode tok/s", "ms/token", "floor ms", "decode/floor",
+            f"prefill {prompt_lens[0]}", "MoE layer ms", "dense layer ms", "non-layer ms"]
+    rows = []
+    for r in results:
+        full = r.full_depth()
+        if full is None:
+            continue
+        lt, cut_layers = r.layer_times, len(r.layer_times.layer_s)
+        prefill = r.prefill_tok_s[prompt_lens[0]] * cut_layers / full["layers"]  # layers alike in prefill
+        dense = lt.to_json()["dense_layer_s"]
+        rows.append([r.label, str(full["layers"]), _fmt(full["decode_tok_s"]), _fmt(1e3 * full["decode_s"], ".2f"),
+                     _fmt(1e3 * full["floor_s"], ".3f"), _fmt(full["decode_over_floor"], ".2f"), _fmt(prefill, ".0f"),
+                     _fmt(1e3 * lt.mean_s(True), ".3f"), _fmt(None if dense is None else 1e3 * dense, ".3f"),
+                     _fmt(1e3 * lt.non_layer_s, ".3f")])
+    return _table(head, rows) if rows else []
+
+
+def llama_cpp_lines(results, prompt_lens: list[int]) -> list[str]:
+    """Our figure / llama.cpp's, at 48 layers (extrapolated when the model is cut)."""
+    lines = []
+    lo, hi = LLAMA_CPP["prefill512_tok_s"]
+    for r in results:
+        full = r.full_depth()
+        decode = full["decode_tok_s"] if full else r.decode_tok_s
+        line = (f"  {r.label}: decode {decode:.1f} / {LLAMA_CPP['decode_tok_s']:.0f} = "
+                f"{decode / LLAMA_CPP['decode_tok_s']:.2f}x (target >= {TARGETS['vs_llama_decode']}x)")
+        if 512 in r.prefill_tok_s:
+            scale = len(r.layer_times.layer_s) / full["layers"] if full else 1.0
+            p = r.prefill_tok_s[512] * scale
+            line += (f"; prefill 512 {p:.0f} / {lo:.0f}-{hi:.0f} = {p / hi:.2f}-{p / lo:.2f}x "
+                     f"(target >= {TARGETS['vs_llama_prefill']}x)")
+        lines.append(line + (" [extrapolated to 48 layers]" if full else ""))
+    return lines
+
+
+def target_lines(results) -> list[str]:
+    lines = []
+    for r in results:
+        ratio = floor_ratio(r.decode_s, r.floor)
+        full = r.full_depth()
+        if full:
+            ratio = full["decode_over_floor"]
+        p2048 = r.prefill_tok_s.get(2048)
+        lines.append(f"  {r.label}: decode/floor {_fmt(ratio, '.2f')} (target <= {TARGETS['decode_over_floor']})"
+                     + (f"; prefill 2048 / decode = {p2048 / r.decode_tok_s:.1f}x (target >= "
+                        f"{TARGETS['prefill2048_over_decode']:.0f}x)" if p2048 else ""))
+    return lines
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(c) for c in col) for col in zip(head, *rows)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    workload = Workload(args.prompt_len, args.gen_len, args.batch, args.seed)
-    result = run_e2e(args.model, EngineConfig.from_kwargs(**engine_kwargs(args)), workload)
-    print(format_table(result))
+    try:
+        return _main(args)
+    except HybridMoEError as e:
+        print(f"e2e.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    prompt_lens = _ints(args.prompt_lens, "--prompt-lens")
+    if args.gen_len < 2:
+        raise HybridMoEError(f"--gen-len must be at least 2 to time decoding, got {args.gen_len}")
+    formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
+    kwargs = engine_kwargs(args)
+    kwargs.setdefault("max_num_seqs", 1)  # batch 1: no KV cache (or graph) for rows never used
+    kwargs.setdefault("max_model_len", max(prompt_lens + [args.decode_prompt_len]) + args.gen_len)
+    notes = []
+    raw_full = None
+    if args.synthetic:
+        kwargs.setdefault("cache_dir", "")  # a throwaway model: nothing to keep packed on disk
+        raw_full = full_config(args.synthetic)
+        if args.layers is not None and args.layers < raw_full["num_hidden_layers"] \
+                and kwargs.get("gpu_memory_budget") is not None and "gpu_experts_per_layer" not in kwargs:
+            per_layer, note = full_depth_gpu_experts(raw_full, {k: v for k, v in kwargs.items() if k != "cache_dir"})
+            kwargs["gpu_experts_per_layer"] = per_layer
+            notes.append(note)
+    threads = kwargs.get("cpu_threads")
+    bandwidth = host_read_bandwidth(args.bandwidth_bytes, threads)
+    method = host_read_method()
+    print(f"host read bandwidth: {bandwidth / 1e9:.1f} GB/s ({method}, {args.bandwidth_bytes >> 20} MiB, "
+          f"{threads or 'all'} threads)", flush=True)
+    source = (synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) if args.synthetic
+              else nullcontext(None))
+    results = []
+    with source as synthetic:
+        model_dir = str(synthetic.out_dir) if synthetic else args.model
+        raw_cut = json.loads((Path(model_dir) / "config.json").read_text())
+        depth = depth_of(raw_full, raw_cut) if raw_full else None
+        if synthetic:
+            print(f"synthetic {args.synthetic}: {raw_cut['num_hidden_layers']} layers, "
+                  f"{synthetic.total_bytes / 1e9:.1f} GB in {synthetic.out_dir}", flush=True)
+        for label, run_kwargs in configurations(kwargs, formats, args.ablation):
+            lens = prompt_lens if label.endswith(("all on",)) or not args.ablation else prompt_lens[:1]
+            ec = EngineConfig.from_kwargs(**run_kwargs)
+            r = run_suite(label, model_dir, ec, lens, args.gen_len, bandwidth, method,
+                          decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth)
+            print(f"  {label}: decode {r.decode_tok_s:.1f} tok/s, floor {1e3 * r.floor.seconds:.2f} ms, "
+                  f"prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())} tok/s", flush=True)
+            results.append(r)
+    lines = [f"# {args.synthetic or args.model}: {raw_cut.get('model_type')}, {raw_cut['num_hidden_layers']} layers"
+             f"{f' (cut from {depth.layers})' if depth else ''}, batch 1, device {results[0].resolved.device}, "
+             f"budget {kwargs.get('gpu_memory_budget', 'none')}, {torch.get_num_threads()} torch threads",
+             f"# floor: CPU-resident expert bytes read per token / {bandwidth / 1e9:.1f} GB/s ({method}); "
+             f"assumption: {ASSUMPTION}", *[f"# {n}" for n in notes], ""]
+    lines += results_table(results, prompt_lens)
+    full = full_depth_table(results, prompt_lens)
+    if full:
+        lines += ["", f"# extrapolated to {depth.layers} layers: decode = non-layer part + each layer at its kind's "
+                      "measured time (scaled by graph/eager step time); prefill = measured x layers / full depth", *full]
+    if raw_cut.get("model_type") == "qwen3_moe" and raw_cut.get("num_experts") == 128:
+        lines += ["", "# vs llama.cpp (same host, Qwen3-30B-A3B Q4_K_M, all experts on CPU, 48 layers): ours / theirs",
+                  *llama_cpp_lines(results, prompt_lens)]
+    lines += ["", "# targets (issue #4)", *target_lines(results)]
+    print("\n".join(lines))
     if args.json:
+        setup = {"model": args.model, "synthetic": args.synthetic, "layers": raw_cut["num_hidden_layers"],
+                 "full_layers": depth.layers if depth else None, "engine_options": kwargs, "notes": notes,
+                 "prompt_lens": prompt_lens, "gen_len": args.gen_len, "bandwidth_gbps": bandwidth / 1e9,
+                 "bandwidth_method": method, "torch": torch.__version__, "llama_cpp": LLAMA_CPP, "targets": TARGETS}
         with open(args.json, "w") as f:
-            json.dump(result.to_json(), f, indent=2, default=str)
+            json.dump({"setup": setup, "results": [r.to_json() for r in results]}, f, indent=2, default=str)
     return 0
 
 

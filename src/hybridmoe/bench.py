@@ -126,3 +126,129 @@ def format_table(r: E2EResult) -> str:
     width = max(len(k) for k, _ in rows)
     lines += [f"  {k:<{width}}  {v:>16}" for k, v in rows]
     return "\n".join(lines)
+
+
+@dataclass
+class DepthInfo:
+    """The full model a cut (fewer-layer) checkpoint stands for: extrapolation targets."""
+
+    layers: int
+    dense_layers: int
+    moe_layers: int
+
+
+@dataclass
+class SuiteResult:
+    """One engine configuration measured the way issue #4 asks (batch 1)."""
+
+    label: str
+    prefill_tok_s: dict[int, float]
+    """Prompt length -> prompt tokens/s (one request, time to its first token)."""
+    ttft_s: dict[int, float]
+    decode_s: float
+    """Seconds per decoded token (mean over gen_len - 1 steps after the first token)."""
+    load_s: float
+    peak_rss_gib: float
+    peak_gpu_gib: float | None
+    """torch.cuda.max_memory_allocated over load and every run; None on the CPU."""
+    floor: object
+    """bench_floor.DecodeFloor of the loaded placement."""
+    layer_times: object | None
+    """bench_layers.LayerTimes, when the run was asked to extrapolate."""
+    depth: DepthInfo | None
+    resolved: EngineConfig
+    cuda_graph: bool
+
+    @property
+    def decode_tok_s(self) -> float:
+        return 1.0 / self.decode_s
+
+    def full_depth(self) -> dict | None:
+        """Decode step and floor of the full-depth model (None unless this model was cut and timed per layer)."""
+        lt, d = self.layer_times, self.depth
+        if lt is None or d is None:
+            return None
+        step = lt.full_depth_s(self.decode_s, d.dense_layers, d.moe_layers)
+        floor = self.floor.per_moe_layer_seconds() * d.moe_layers
+        return {"layers": d.layers, "decode_s": step, "decode_tok_s": 1.0 / step, "floor_s": floor,
+                "decode_over_floor": step / floor if floor > 0 else float("nan")}
+
+    def to_json(self) -> dict:
+        from hybridmoe.bench_floor import floor_ratio
+
+        return {"label": self.label, "prefill_tok_s": self.prefill_tok_s, "ttft_s": self.ttft_s,
+                "decode_tok_s": self.decode_tok_s, "decode_s": self.decode_s, "load_s": self.load_s,
+                "peak_rss_gib": self.peak_rss_gib, "peak_gpu_gib": self.peak_gpu_gib,
+                "floor": self.floor.to_json(), "decode_over_floor": floor_ratio(self.decode_s, self.floor),
+                "layer_times": self.layer_times.to_json() if self.layer_times is not None else None,
+                "full_depth": self.full_depth(), "cuda_graph": self.cuda_graph,
+                "engine": {k: v for k, v in vars(self.resolved).items()}}
+
+
+def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_lens: list[int], gen_len: int,
+              bandwidth: float, bandwidth_method: str, *, decode_prompt_len: int = 64, seed: int = 0,
+              depth: DepthInfo | None = None) -> SuiteResult:
+    """Load model_dir, then: prefill of one prompt per length in prompt_lens; decode of gen_len tokens after a
+    decode_prompt_len prompt (run once untimed first, so every CUDA graph it needs is captured); with depth,
+    an eager per-layer timing for the full-depth extrapolation. The engine is dropped before returning."""
+    import gc
+
+    import torch
+
+    from hybridmoe.bench_floor import decode_floor
+    from hybridmoe.bench_layers import measure_layer_times
+    from hybridmoe.engine.llm_engine import LLMEngine
+
+    if gen_len < 2:
+        raise HybridMoEError(f"gen_len must be at least 2 to time decoding, got {gen_len}")
+    cuda = torch.device(engine_config.device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine = LLMEngine(model_dir, engine_config)
+    load_s = time.perf_counter() - t0
+    try:
+        g = torch.Generator().manual_seed(seed)
+        prompt = lambda n: torch.randint(0, engine.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+        _measure(engine, [prompt(8)], 2)  # warm-up: lazy initialisation out of the numbers
+        prefill, ttft = {}, {}
+        for n in prompt_lens:
+            timing = _measure(engine, [prompt(n)], 1)
+            prefill[n], ttft[n] = timing["prefill_tok_s"], timing["ttft_mean_s"]
+        decode_prompt = prompt(decode_prompt_len)
+        _measure(engine, [decode_prompt], gen_len)  # captures the graphs these lengths replay
+        timing = _measure(engine, [decode_prompt], gen_len)
+        decode_s = 1.0 / timing["decode_tok_s"]
+        layer_times = measure_layer_times(engine, decode_prompt, gen_len) if depth is not None else None
+        stats = _expert_stats(engine)
+        floor = decode_floor(engine.runner.model, bandwidth, bandwidth_method, stats)
+        resolved = _resolved(engine)
+        cuda_graph = engine.runner.cuda_graph
+    finally:
+        del engine
+        gc.collect()
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    if cuda:
+        torch.cuda.empty_cache()
+    return SuiteResult(label, prefill, ttft, decode_s, load_s,
+                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, peak_gpu, floor, layer_times,
+                       depth, resolved, cuda_graph)
+
+
+def _resolved(engine) -> EngineConfig:
+    """engine's options with "auto" resolved as the loader resolved them (it reads config.json only)."""
+    from hybridmoe.models.registry import load_config
+    from hybridmoe.system.auto import resolve_engine_config
+    from hybridmoe.weights.loader import resolve_dtype
+
+    _, config = load_config(engine.model_dir)
+    return resolve_engine_config(engine.config, config, resolve_dtype(engine.config.dtype, config), engine.model_dir)
+
+
+def _expert_stats(engine):
+    """The routing statistics the placement used (expert_stats), or None."""
+    from hybridmoe.experts.placement import ExpertStats
+
+    path = engine.config.expert_stats
+    model = engine.runner.model
+    return ExpertStats.load(path, model.moe_layers, model.expert_dims()[0]) if path else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,11 +68,11 @@ class _RandomWriter:
     """Writes tensors' values: normal(mean, std), cast to the tensor's dtype, as raw bytes.
 
     Each CHUNK_ELEMENTS piece of a tensor has its own generator, seeded from (seed, name, piece),
-    so pieces are drawn in parallel by WORKERS threads (torch releases the GIL) into a ring of
+    so pieces are drawn in parallel by WORKERS threads (one per core, 2 to 16; torch releases the GIL) into a ring of
     reused buffers while this thread writes finished pieces in file order."""
 
-    WORKERS = 2
-    RING = 4
+    WORKERS = max(2, min(16, len(os.sched_getaffinity(0))))  # drawing is the bottleneck, not the writes
+    RING = 2 * WORKERS
 
     def __init__(self, seed: int):
         self.seed = seed

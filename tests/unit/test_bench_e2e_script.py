@@ -1,0 +1,47 @@
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+E2E = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "e2e.py"), run_name="e2e")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """One ablation run of tiny Qwen3 cut to 1 of its 2 layers, everything on the CPU."""
+    out = tmp_path_factory.mktemp("e2e") / "e2e.json"
+    argv = ["--synthetic", "qwen3_moe:tiny", "--layers", "1", "--prompt-lens", "16,32", "--gen-len", "4",
+            "--decode-prompt-len", "8", "--ablation", "--device", "cpu", "--dtype", "bfloat16",
+            "--expert-backend", "native", "--expert-format", "bf16", "--bandwidth-bytes", str(16 << 20),
+            "--json", str(out)]
+    return argv, out
+
+
+def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report, capsys):
+    argv, out = report
+    assert E2E["main"](argv) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    labels = [r["label"] for r in data["results"]]
+    assert labels == ["default all on", "default no CUDA graph", "default no deferral", "default no GPU experts"]
+    engines = {r["label"]: r["engine"] for r in data["results"]}
+    assert engines["default all on"]["deferred_experts"] == 1 and engines["default no deferral"]["deferred_experts"] == 0
+    assert engines["default no CUDA graph"]["cuda_graph"] is False
+    assert engines["default no GPU experts"]["gpu_experts_per_layer"] == 0
+    for r in data["results"]:
+        floor = r["floor"]
+        # 1 MoE layer, K=2 experts of 3 x 32 x 64 bf16 weights, all on the CPU
+        assert floor["bytes_per_token"] == 2 * 3 * 32 * 64 * 2 and floor["bandwidth_gbps"] > 0
+        assert r["decode_over_floor"] == pytest.approx(r["decode_s"] / floor["seconds"])
+        assert r["full_depth"]["layers"] == 2  # cut from 2 layers: extrapolated
+        assert r["full_depth"]["floor_s"] == pytest.approx(2 * floor["seconds"])
+    assert set(data["results"][0]["prefill_tok_s"]) == {"16", "32"}  # the all-on row runs every length
+    assert "| default no GPU experts |" in text and "extrapolated to 2 layers" in text
+    assert "assumption: top-k routing" in text
+
+
+def test_bad_prompt_lengths_are_a_one_line_error(capsys):
+    assert E2E["main"](["--synthetic", "qwen3_moe:tiny", "--prompt-lens", "16,x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("e2e.py: error: --prompt-lens") and err.count("\n") == 1
