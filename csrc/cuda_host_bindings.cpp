@@ -6,10 +6,11 @@
 //   device-mapped host memory, each alone on a 64-byte line. The stream writes go = T after the
 //   D2H copies; the process-wide FlagPoller thread sees it, clears go, runs the layer on the T
 //   staged rows on its own thread (as one of the engine pool's workers) and sets done = 1; the
-//   stream waits for done == 1, writes done = 0 and copies the output H2D. Every value is fixed
-//   (T is fixed per (layer, T) node), so a captured graph replays the same protocol each time:
-//   go is cleared by us before done is set, done by the stream before its next go, so neither
-//   side can see a stale value. A wake word (0) lets the stream wake the pool's workers early.
+//   stream waits for done == 1 and copies the output H2D. Every value is fixed (T is fixed per
+//   (layer, T) node), so a captured graph replays the same protocol each time; the stream
+//   clears done just before it writes go (both writes carry a memory barrier, in that order),
+//   and we clear go before we set done, so neither side can see a stale value, even after a go
+//   that was never waited for. A wake word (0) lets the stream wake the pool's workers early.
 //
 // Per layer: a MoeLayer that adopts the packed buffers of a CpuExperts engine (shared, not
 // copied; the same worker pool) and computes on fixed staging buffers x [Tmax, H], ids [Tmax, K],
@@ -141,16 +142,17 @@ class Handoff : public hmoe::FlagChannel {
 
   void enqueue_submit(uintptr_t stream, int layer, int T) {
     Job* j = job(layer, T);
-    if (polling_)
+    if (polling_) {
+      hmoe::stream_write_value32(stream, flag_addr(done_word(layer)), 0);
       hmoe::stream_write_value32(stream, flag_addr(go_word(layer)), uint32_t(T));
-    else
+    } else {
       launch(stream, &submit_fn, j);
+    }
   }
   void enqueue_wait(uintptr_t stream, int layer, int T) {
     Job* j = job(layer, T);
     if (polling_) {
       hmoe::stream_wait_value32(stream, flag_addr(done_word(layer)), 1);
-      hmoe::stream_write_value32(stream, flag_addr(done_word(layer)), 0);
     } else {
       launch(stream, &wait_fn, j);
     }
@@ -238,6 +240,12 @@ class Handoff : public hmoe::FlagChannel {
     if (layer < 0 || layer >= num_layers())
       fail("layer index " + std::to_string(layer) + " out of range for " + std::to_string(num_layers()) + " layers");
     return layer;
+  }
+
+  // Called by the poller while it spins idle: keep the pool's workers awake too, so that a
+  // step's first layer (after the sampler, the scheduler, a graph launch) finds them spinning.
+  void idle() override {
+    for (auto& l : layers_) l->moe->prewake();
   }
 
   std::string mode() const { return polling_ ? "stream_mem_ops" : "host_function"; }

@@ -1,6 +1,6 @@
 """The stream-memory-op handoff's flag protocol without a GPU: this test's thread plays the
-stream (writes a layer's go word = T after staging its rows, waits for done == 1, clears done),
-the native poller thread plays the CPU side. Several rounds stand for several graph replays: the
+stream (after staging a layer's rows it clears the done word and writes go = T; later it waits
+for done == 1), the native poller thread plays the CPU side. Several rounds stand for several graph replays: the
 values written are the same each time, as in a captured graph.
 
 T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
@@ -62,14 +62,18 @@ def wait_for(flags: torch.Tensor, word: int, value: int, timeout_s: float = 10.0
         assert time.monotonic() < end, f"flag word {word} never became {value}"
 
 
+def submit(handoff, flags, i: int, T: int) -> None:
+    flags[handoff.done_word(i)] = 0
+    flags[handoff.go_word(i)] = T
+
+
 def stream_round(handoff, flags, indices: list[int], T: int) -> None:
-    """What the stream does for these layers: go words, then for each its wait and its reset."""
+    """What the stream does for these layers: every submit, then every wait."""
     for i in indices:
-        flags[handoff.go_word(i)] = T
+        submit(handoff, flags, i, T)
     for i in indices:
         wait_for(flags, handoff.done_word(i), 1)
         assert flags[handoff.go_word(i)].item() == 0  # the poller cleared go before it set done
-        flags[handoff.done_word(i)] = 0
 
 
 def test_poller_answers_the_stream_round_after_round():
@@ -84,7 +88,18 @@ def test_poller_answers_the_stream_round_after_round():
             assert torch.equal(layer.out[:T], layer.expected(T))
             assert (layer.out[T:] == 7.0).all()  # only the T rows asked for were written
     assert handoff.take_error() is None
-    assert not flags.any()
+    assert not any(flags[handoff.go_word(i)].item() for i in range(2))
+
+
+def test_a_go_never_waited_for_leaves_no_stale_done():
+    layer = Layer(0)
+    handoff, flags = polling_handoff([layer])
+    layer.fill(2, seed=0)
+    submit(handoff, flags, 0, 2)  # an abandoned step: its done word stays set
+    wait_for(flags, handoff.done_word(0), 1)
+    layer.fill(2, seed=1)
+    stream_round(handoff, flags, [0], 2)
+    assert torch.equal(layer.out[:2], layer.expected(2))
 
 
 def test_run_in_polling_mode_equals_forward():
