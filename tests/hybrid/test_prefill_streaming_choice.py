@@ -4,6 +4,7 @@ for it (experts/placement.py through streamed_prefill.reserved_bytes)."""
 import pytest
 import torch
 
+from hybridmoe.cli import main
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.placement import model_footprint, placement_for
@@ -94,3 +95,13 @@ def test_placement_sets_the_streaming_buffers_aside(tiny_checkpoints):
     plans = [placement_for(cls, config, torch.float32, EngineConfig(**{**vars(ec), "gpu_memory_budget": budget}))[0]
              for ec in (off, on)]
     assert plans[1].gpu_bytes <= budget and plans[1].num_gpu_experts < plans[0].num_gpu_experts
+
+
+def test_doctor_prints_the_streaming_decision(tiny_checkpoints, capsys):
+    path = str(tiny_checkpoints("qwen3_moe"))
+    common = ["doctor", "--model", path, "--measure-bytes", "1MiB", "--device", "cpu", "--expert-backend", "native",
+              "--expert-format", "int8", "--gpu-experts-per-layer", "2"]
+    assert main([*common, "--prefill-streaming", "on", "--prefill-streaming-tokens", "64"]) == 0
+    assert "streaming:  long prefill steps on from 64 tokens" in capsys.readouterr().out
+    assert main(common) == 0
+    assert "streaming:  long prefill steps off (no GPU)" in capsys.readouterr().out

@@ -9,6 +9,7 @@ routed-expert bytes one token reads on the CPU / the measured read bandwidth. Re
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
 
@@ -84,7 +85,7 @@ def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
     """What a run of model_dir with engine_config would choose, and its expected decode floor."""
     from hybridmoe.experts.placement import cpu_expert_bytes, format_bytes, model_footprint, placement_for
     from hybridmoe.models.registry import load_config
-    from hybridmoe.system.auto import resolve_engine_config, uses_hybrid
+    from hybridmoe.system.auto import prefill_streaming_decision, resolve_engine_config, uses_hybrid
     from hybridmoe.weights.gguf_model_dir import resolve_model_path
     from hybridmoe.weights.loader import resolve_dtype
 
@@ -104,6 +105,9 @@ def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
         plan = None
         fp = model_footprint(cls, config, dtype, ec)
         lines.append(f"placement:  every routed expert on the CPU ({fp.num_experts} x {len(fp.moe_layers)} MoE layers)")
+    asked = replace(ec, prefill_streaming=engine_config.prefill_streaming,
+                    prefill_streaming_tokens=engine_config.prefill_streaming_tokens)
+    lines.append(f"streaming:  long prefill steps {prefill_streaming_decision(asked, config, dtype, model_dir).reason}")
     if ec.expert_backend == "native":
         per_expert = cpu_expert_bytes(ec.expert_format, fp.moe_intermediate_size, fp.hidden_size, ec.expert_group_size)
     else:

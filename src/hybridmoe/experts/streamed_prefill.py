@@ -54,12 +54,14 @@ def dequant_chunk_experts(H: int, I: int) -> int:
 
 
 def device_bytes(layer_bytes: int, E: int, H: int, I: int, top_k: int, max_tokens: int) -> int:
-    """Device memory streaming takes: two slots of layer_bytes, one dequantized chunk, and the routed
-    rows of a max_tokens step (gathered bf16 inputs, float32 outputs, the [R, I] activations)."""
+    """Device memory streaming takes: two slots of layer_bytes, one dequantized chunk, and a max_tokens
+    step's R routed rows: gathered inputs, expert outputs and their float32 weighted copy (at most 12
+    bytes an element, float32 models included), one expert's gate/up activations (at most R rows of
+    I, float32), and the float32 [T, H] sum."""
     chunk = min(E, dequant_chunk_experts(H, I))
-    dequant = chunk * (3 * H * I * 2) + H * I * DEQUANT_BYTES_PER_WEIGHT
+    dequant = chunk * (3 * H * I * 2 + H * I * DEQUANT_BYTES_PER_WEIGHT)
     R = max_tokens * top_k
-    rows = R * (H * 2 + H * 4 + 3 * I * 2) + max_tokens * H * 4
+    rows = R * H * 12 + R * 2 * I * 4 + max_tokens * H * 4
     return 2 * _aligned(layer_bytes) + dequant + rows
 
 
@@ -140,7 +142,7 @@ class PrefillStreamer:
 
     def takes(self, hidden: torch.Tensor) -> bool:
         """Whether a step with these hidden states [T, H] runs on this path."""
-        return hidden.shape[0] >= self.min_tokens and hidden.device == self.device
+        return hidden.shape[0] >= self.min_tokens and hidden.device.type == self.device.type
 
     def run(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             mask: torch.Tensor, act) -> torch.Tensor:
@@ -226,7 +228,7 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     counts = torch.bincount(expert, minlength=layout.E).tolist()
     tok = pairs // K
     xs = x[tok].to(cdtype)  # [R, H], grouped by expert
-    ys = torch.empty(xs.shape, dtype=cdtype, device=x.device)
+    ys = torch.empty(xs.shape, dtype=cdtype, device=x.device)  # expert outputs, then weighted
     active = [e for e in range(layout.E) if counts[e]]
     starts = [0, *itertools.accumulate(counts)]
     chunk = dequant_chunk_experts(layout.H, layout.I)
@@ -236,9 +238,9 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
         for j, e in enumerate(part):
             r0, r1 = starts[e], starts[e + 1]
             xe = xs[r0:r1]
-            ys[r0:r1] = (act(xe @ gate[j].T) * (xe @ up[j].T)) @ down[j].T
+            torch.matmul(act(xe @ gate[j].T) * (xe @ up[j].T), down[j].T, out=ys[r0:r1])
     out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
-    return out.index_add_(0, tok, ys.float() * weights.flatten()[pairs].float().unsqueeze(1))
+    return out.index_add_(0, tok, ys.float().mul_(weights.flatten()[pairs].float().unsqueeze(1)))
 
 
 def break_even_tokens(layer_bytes: int, pcie_bytes_per_s: float, cpu_flops: float, flops_per_token: float) -> int:

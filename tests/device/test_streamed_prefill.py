@@ -1,0 +1,105 @@
+"""Long prefill steps streamed to a real GPU (experts/streamed_prefill.py): packed bytes dequantized on
+CUDA equal the CPU engine's weights bit for bit; several layers in a row, the next one's copy in flight
+on the side stream while the current one computes, equal a float32 reference (a missing wait would
+read a half-copied slot); the copies come from registered (page-locked) host memory; the device memory
+a step takes stays within what placement sets aside; a whole model's logits match the CPU path.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridmoe import LLM
+from hybridmoe.checkpoint.make import make_checkpoint
+from hybridmoe.engine.context import single_sequence_context, use_context
+from hybridmoe.experts.hybrid import weighted_experts
+from hybridmoe.experts.packed_torch import PackedLayout
+from hybridmoe.experts.streamed_prefill import PrefillStreamer, device_bytes
+
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+cpu_experts = pytest.importorskip("hybridmoe.experts.cpu_experts")
+
+E, H, I = 16, 1024, 512  # 16 x 1.5M weights: a copy long enough for a race to show
+
+
+def _engine(fmt: str, seed: int, zero_points: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g))
+    return cpu_experts.CpuExperts(*(t * 0.05 for t in w), format=fmt, group_size=64, zero_points=zero_points)
+
+
+@pytest.mark.parametrize("fmt, zero_points", [("bf16", False), ("int8", False), ("int4", False), ("int4", True)])
+def test_dequantized_on_cuda_equals_the_engines_weights(fmt, zero_points):
+    engine = _engine(fmt, 0, zero_points)
+    state = engine.packed_state()
+    buffers = {n: torch.from_numpy(a).view(torch.uint8).cuda() for n, a in state["buffers"].items()}
+    got = PackedLayout(state).dequantize(buffers, torch.tensor([3, 15], device="cuda"), torch.float32)
+    for i, e in enumerate((3, 15)):
+        for mine, theirs in zip(got, engine.dequantized(e)):
+            assert torch.equal(mine[i].cpu(), theirs)
+
+
+def test_layers_in_a_row_with_prefetch_equal_the_reference():
+    engines = {layer: _engine("int8", layer) for layer in range(4)}
+    streamer = PrefillStreamer(engines, "cuda", min_tokens=1)
+    g = torch.Generator().manual_seed(5)
+    T, K = 300, 4
+    x = torch.randn(T, H, generator=g).cuda()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+    w = torch.rand(T, K, generator=g).cuda()
+    mask = torch.ones(T, K, dtype=torch.bool, device="cuda")
+    refs = {}
+    for layer, engine in engines.items():
+        deq = [torch.stack(m).cuda() for m in zip(*(engine.dequantized(e) for e in range(E)))]
+        refs[layer] = weighted_experts(x, *deq, ids, w, mask, F.silu)
+    for _ in range(2):  # the second pass copies every layer again into reused slots
+        streamer.slot_layer = [None, None]
+        outs = {layer: streamer.run(layer, x, ids, w, mask, F.silu) for layer in engines}
+        for layer, out in outs.items():
+            torch.testing.assert_close(out, refs[layer], atol=2e-4, rtol=2e-4)
+    assert all(host.registered for host in streamer.layers.values())
+    streamer.close()
+    assert not any(host.registered for host in streamer.layers.values())
+
+
+def test_a_step_stays_within_the_device_memory_set_aside():
+    engines = {layer: _engine("int4", layer) for layer in range(2)}
+    T, K = 512, 4
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    streamer = PrefillStreamer(engines, "cuda", min_tokens=1)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    w = torch.rand(T, K, device="cuda")
+    mask = torch.ones(T, K, dtype=torch.bool, device="cuda")
+    inputs = sum(t.numel() * t.element_size() for t in (x, ids, w, mask))
+    for layer in engines:
+        streamer.run(layer, x, ids, w, mask, F.silu)
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - before - inputs
+    assert used <= device_bytes(streamer.layers[0].nbytes, E, H, I, K, T)
+
+
+@torch.no_grad()
+def _logits(llm, ids):
+    model = llm.engine.runner.model
+    model.allocate_kv_cache(1, 256)
+    with use_context(single_sequence_context(len(ids))):
+        return model.compute_logits(model(torch.tensor(ids, device="cuda"), torch.arange(len(ids), device="cuda")))
+
+
+def test_a_streamed_prefill_on_cuda_gives_the_cpu_paths_logits(tmp_path, monkeypatch):
+    streamed, run = [], PrefillStreamer.run
+    monkeypatch.setattr(PrefillStreamer, "run", lambda self, layer, *a: streamed.append(layer) or run(self, layer, *a))
+    make_checkpoint("qwen3_moe", "tiny", tmp_path, dtype="bf16", seed=1, progress=False)
+    ids = torch.randint(5, 500, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    common = dict(device="cuda", expert_backend="native", expert_format="int8", gpu_experts_per_layer=2,
+                  gpu_memory_budget=1 << 30)
+    want = _logits(LLM(tmp_path, prefill_streaming="off", **common), ids).float()
+    llm = LLM(tmp_path, prefill_streaming="on", prefill_streaming_tokens=100, **common)
+    streamed.clear()
+    got = _logits(llm, ids).float()
+    assert streamed == [0, 1]
+    assert ((got - want).norm() / want.norm()).item() < 3e-2
