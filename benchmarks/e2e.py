@@ -14,9 +14,9 @@ kind's measured time (bench_layers.py); prefill = measured time x full depth / N
 "extrapolated". With a GPU budget, the cut model holds as many GPU experts per layer as the full-depth
 model would under the same budget, so its per-layer figures stand for the full model's.
 
---formats runs each expert format in turn, one engine at a time, in this process. --ablation adds, for
-each format, the same model with: no CUDA graph; no deferral (deferred experts 0 vs the default 1 here);
-no GPU experts (--gpu-experts-per-layer 0). Qwen3-30B-A3B rows are also set against llama.cpp's
+--formats runs each expert format in turn, one engine at a time, in this process. --ablation runs the
+first format "all on" (deferred experts 1 unless given) and, on the same model, with: no CUDA graph; no
+deferral (deferred experts 0); no GPU experts (--gpu-experts-per-layer 0). Qwen3-30B-A3B rows are also set against llama.cpp's
 reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s prefill at 512 (48 layers).
 """
 
@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -65,12 +66,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-lens", default="512,2048,8192", help="prefill prompt lengths (default 512,2048,8192)")
     parser.add_argument("--gen-len", type=int, default=32, help="decoded tokens per timed run (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64, help="prompt before the decode run (default 64)")
+    parser.add_argument("--prompt-len", type=int, metavar="N",
+                        help="one length for both: --prompt-lens N --decode-prompt-len N (the earlier interface)")
     parser.add_argument("--ablation", action="store_true", help="also: no CUDA graph, no deferral, no GPU experts")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="host read probe buffer (default 1 GiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the setup and results here")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
+    if args.prompt_len is not None:
+        args.prompt_lens, args.decode_prompt_len = str(args.prompt_len), args.prompt_len
     if args.suite:
         suite = SUITES[args.suite]
         for key in ("synthetic", "layers", "formats", "prompt_lens", "gen_len", "ablation"):
@@ -125,19 +130,20 @@ def full_depth_gpu_experts(raw_full: dict, kwargs: dict) -> tuple[int, str]:
                        "experts per MoE layer to match")
 
 
-def configurations(kwargs: dict, formats: list[str | None], ablation: bool) -> list[tuple[str, dict]]:
-    """(label, engine kwargs) per run: each format, and with ablation its three variants."""
+def configurations(kwargs: dict, formats: list[str | None], ablation: bool) -> list[tuple[str, dict, bool]]:
+    """(label, engine kwargs, every prompt length?) per run: each format; with ablation, the first format
+    "all on" and without each technique (those rows prefill the first prompt length only)."""
     runs = []
-    for fmt in formats:
+    for k, fmt in enumerate(formats):
         base = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
-        name = fmt or "default"
-        if not ablation:
-            runs.append((name, base))
+        name = fmt or kwargs.get("expert_format") or "auto format"
+        if not ablation or k > 0:
+            runs.append((name, base, True))
             continue
         base.setdefault("deferred_experts", DEFAULT_DEFERRED)
-        runs += [(f"{name} all on", base), (f"{name} no CUDA graph", dict(base, cuda_graph=False)),
-                 (f"{name} no deferral", dict(base, deferred_experts=0)),
-                 (f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0))]
+        runs += [(f"{name} all on", base, True), (f"{name} no CUDA graph", dict(base, cuda_graph=False), False),
+                 (f"{name} no deferral", dict(base, deferred_experts=0), False),
+                 (f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), False)]
     return runs
 
 
@@ -252,16 +258,18 @@ def _main(args) -> int:
     source = (synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) if args.synthetic
               else nullcontext(None))
     results = []
+    start = time.perf_counter()
     with source as synthetic:
         model_dir = str(synthetic.out_dir) if synthetic else args.model
         raw_cut = json.loads((Path(model_dir) / "config.json").read_text())
         depth = depth_of(raw_full, raw_cut) if raw_full else None
         if synthetic:
             print(f"synthetic {args.synthetic}: {raw_cut['num_hidden_layers']} layers, "
-                  f"{synthetic.total_bytes / 1e9:.1f} GB in {synthetic.out_dir}", flush=True)
-        for label, run_kwargs in configurations(kwargs, formats, args.ablation):
-            lens = prompt_lens if label.endswith(("all on",)) or not args.ablation else prompt_lens[:1]
+                  f"{synthetic.total_bytes / 1e9:.1f} GB written to {synthetic.out_dir} in "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
+        for label, run_kwargs, every_length in configurations(kwargs, formats, args.ablation):
             ec = EngineConfig.from_kwargs(**run_kwargs)
+            lens = prompt_lens if every_length else prompt_lens[:1]
             r = run_suite(label, model_dir, ec, lens, args.gen_len, bandwidth, method,
                           decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth)
             print(f"  {label}: decode {r.decode_tok_s:.1f} tok/s, floor {1e3 * r.floor.seconds:.2f} ms, "

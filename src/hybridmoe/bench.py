@@ -209,7 +209,10 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
     load_s = time.perf_counter() - t0
     try:
         g = torch.Generator().manual_seed(seed)
-        prompt = lambda n: torch.randint(0, engine.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+
+        def prompt(n: int) -> list[int]:
+            return torch.randint(0, engine.vocab_size, (n,), generator=g).tolist()
+
         _measure(engine, [prompt(8)], 2)  # warm-up: lazy initialisation out of the numbers
         prefill, ttft = {}, {}
         for n in prompt_lens:

@@ -24,11 +24,11 @@ def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report
     text = capsys.readouterr().out
     data = json.loads(out.read_text())
     labels = [r["label"] for r in data["results"]]
-    assert labels == ["default all on", "default no CUDA graph", "default no deferral", "default no GPU experts"]
+    assert labels == ["bf16 all on", "bf16 no CUDA graph", "bf16 no deferral", "bf16 no GPU experts"]
     engines = {r["label"]: r["engine"] for r in data["results"]}
-    assert engines["default all on"]["deferred_experts"] == 1 and engines["default no deferral"]["deferred_experts"] == 0
-    assert engines["default no CUDA graph"]["cuda_graph"] is False
-    assert engines["default no GPU experts"]["gpu_experts_per_layer"] == 0
+    assert engines["bf16 all on"]["deferred_experts"] == 1 and engines["bf16 no deferral"]["deferred_experts"] == 0
+    assert engines["bf16 no CUDA graph"]["cuda_graph"] is False
+    assert engines["bf16 no GPU experts"]["gpu_experts_per_layer"] == 0
     for r in data["results"]:
         floor = r["floor"]
         # 1 MoE layer, K=2 experts of 3 x 32 x 64 bf16 weights, all on the CPU
@@ -37,7 +37,7 @@ def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report
         assert r["full_depth"]["layers"] == 2  # cut from 2 layers: extrapolated
         assert r["full_depth"]["floor_s"] == pytest.approx(2 * floor["seconds"])
     assert set(data["results"][0]["prefill_tok_s"]) == {"16", "32"}  # the all-on row runs every length
-    assert "| default no GPU experts |" in text and "extrapolated to 2 layers" in text
+    assert "| bf16 no GPU experts |" in text and "extrapolated to 2 layers" in text
     assert "assumption: top-k routing" in text
 
 
