@@ -20,8 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.experts.gpu_experts import fixed_shape_experts, torch_fixed_experts
-from hybridmoe.experts.hybrid import weighted_experts
+from hybridmoe.experts.gpu_experts import fixed_shape_experts, torch_fixed_experts, weighted_experts
 
 SHAPES = {  # H hidden, I expert intermediate, K experts per token
     "qwen3-30b-a3b": (2048, 768, 8),

@@ -1,6 +1,7 @@
 """The Triton GPU share (fixed_shape_experts on CUDA) equals weighted_experts, the reference, for
-T = 1, 4, 8 (and 9: two blocks of slots), with masks and repeated ids, eagerly and as a CUDA graph
-replay; and it reads no weights of experts no kept slot routes to (they hold NaN here).
+T = 1, 4, 8, 9 (decode) and 300 (prefill through gpu_share: blocks of 64 slots), with masks and
+repeated ids, eagerly and as a CUDA graph replay; and it reads no weights of experts no kept slot
+routes to (they hold NaN here).
 Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, K slots per token, E experts on the GPU, H hidden, I intermediate (neither a multiple
@@ -11,14 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.experts.gpu_experts import fixed_shape_experts, triton_usable
-from hybridmoe.experts.hybrid import weighted_experts
+from hybridmoe.experts.gpu_experts import fixed_shape_experts, gpu_share, triton_usable, weighted_experts
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 E, H, I, K = 12, 200, 72, 8
-TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+FP32 = dict(atol=1e-4, rtol=1e-4)
+BF16_MAX_ERROR = 2e-2
+"""bf16: the largest difference over the largest output (both sides round h to bf16, each its own way)."""
 
 
 def inputs(T: int, dtype: torch.dtype, unused: int = 0):
@@ -38,19 +40,27 @@ def inputs(T: int, dtype: torch.dtype, unused: int = 0):
     return [t.cuda() for t in (x.to(dtype), gate.to(dtype), up.to(dtype), down.to(dtype), wild, weights, mask)]
 
 
+def assert_near(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **FP32)
+    else:
+        assert (got - want).abs().max().item() <= BF16_MAX_ERROR * want.abs().max().item()
+
+
 def test_triton_runs_on_cuda():
     assert triton_usable(torch.device("cuda"), F.silu)
+    assert not triton_usable(torch.device("cuda"), F.gelu)  # the kernels hard-code SiLU
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 4, 8, 9])
+@pytest.mark.parametrize("T", [1, 4, 8, 9, 300])
 def test_triton_experts_equal_weighted_experts(T, dtype):
     x, gate, up, down, ids, weights, mask = inputs(T, dtype, unused=3)
-    got = fixed_shape_experts(x, gate, up, down, ids, weights, mask, F.silu)
+    got = gpu_share(x, gate, up, down, ids, weights, mask, F.silu)
     want = weighted_experts(x, gate, up, down, ids, weights, mask, F.silu)
     assert got.dtype == torch.float32 and got.shape == (T, H)
     assert bool(got[0].eq(0).all())
-    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    assert_near(got, want, dtype)
 
 
 @pytest.mark.parametrize("T", [1, 8])
@@ -61,9 +71,9 @@ def test_triton_experts_replayed_in_a_cuda_graph_equal_eager(T):
     with torch.cuda.graph(graph):
         replayed = fixed_shape_experts(x, gate, up, down, ids, weights, mask, F.silu)
     fresh = inputs(T + 100, torch.bfloat16, unused=3)  # new routing and tokens, same shapes
-    for buf, new in zip((x, ids, weights, mask), (fresh[0][:T], fresh[4][:T], fresh[5][:T], fresh[6][:T])):
-        buf.copy_(new)
+    for buf, new in zip((x, ids, weights, mask), (fresh[0], fresh[4], fresh[5], fresh[6])):
+        buf.copy_(new[1:T + 1])  # past row 0, which no slot of inputs() keeps
     graph.replay()
     want = weighted_experts(x, gate, up, down, ids, weights, mask, F.silu)
-    torch.testing.assert_close(replayed, want, **TOLERANCE[torch.bfloat16])
+    assert_near(replayed, want, torch.bfloat16)
     assert not torch.equal(replayed, eager)

@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.experts.gpu_experts import fixed_shape_experts
-from hybridmoe.experts.hybrid import weighted_experts
+from hybridmoe.experts.gpu_experts import fixed_shape_experts, weighted_experts
 
 E, H, I, K = 16, 32, 24, 3
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

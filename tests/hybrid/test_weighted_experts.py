@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.experts.hybrid import weighted_experts
+from hybridmoe.experts.gpu_experts import weighted_experts
 
 E, H, I, K = 5, 16, 12, 4
 

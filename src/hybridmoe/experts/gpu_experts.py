@@ -1,10 +1,12 @@
-"""The GPU share of a MoE layer in fixed shapes (no host sync, so a CUDA graph can capture it).
+"""The GPU share of a MoE layer: the routed experts cached on the GPU, applied to their slots.
 
-On CUDA with triton and SiLU experts, two grouped Triton kernels read only the routed experts'
-weights (gpu_experts_triton.py). Elsewhere (the CPU in CI, no triton, another activation) the
-torch version below computes the same sum.
+weighted_experts is the reference (any device, any T; it groups slots by expert with one host
+sync). fixed_shape_experts computes the same sum in shapes fixed by T, K and E with no host sync,
+so a CUDA graph can capture it: on CUDA with triton and SiLU experts, two grouped Triton kernels
+that read only the routed experts' weights (gpu_experts_triton.py, over the slot blocks made
+here); elsewhere (the CPU in CI, no triton, another activation) its torch version.
 
-T tokens, K experts per token, E experts here, H hidden, I expert intermediate size.
+T tokens, K experts per token, S = T * K slots, E experts here, H hidden, I expert intermediate size.
 """
 
 from __future__ import annotations
@@ -18,8 +20,46 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def triton_usable(device: torch.device, act) -> bool:
-    """Whether fixed_shape_experts runs the Triton kernels for this device and activation."""
+    """Whether fixed_shape_experts and gpu_share run the Triton kernels for this device and activation."""
     return HAVE_TRITON and device.type == "cuda" and act is F.silu
+
+
+def weighted_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                     ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None, act) -> torch.Tensor:
+    """sum over slots with mask of weights * expert_ids(x), as TorchExperts computes it; float32 [T, H].
+
+    x [T, H]; gate, up [E, I, H]; down [E, H, I]; ids [T, K] (local to these E); weights [T, K];
+    mask [T, K] bool (None: every slot). Slots are grouped by expert with one host sync (the
+    counts), so on a GPU a long prefill does not wait on the host once per expert.
+    """
+    K, E = ids.shape[1], gate.shape[0]
+    xw = x.to(gate.dtype)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1).long()
+    if mask is not None:
+        flat = torch.where(mask.reshape(-1), flat, E)  # masked slots sort last, into bin E
+    order = torch.sort(flat, stable=True).indices  # [T * K] slots grouped by expert
+    counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))[:E].tolist()  # [E], the one sync
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            slots = order[start:start + n]
+            tok = slots // K
+            xe = xw[tok]
+            ye = F.linear(act(F.linear(xe, gate[e])) * F.linear(xe, up[e]), down[e])
+            out.index_add_(0, tok, ye.float() * weights.reshape(-1)[slots].float().unsqueeze(1))
+        start += n
+    return out
+
+
+def gpu_share(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+              ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, act) -> torch.Tensor:
+    """The GPU share of a step of any length (prefill): the Triton kernels where usable (a few
+    launches, no host sync), else weighted_experts. Same arguments and result as fixed_shape_experts."""
+    if triton_usable(x.device, act):
+        return fixed_shape_experts(x, gate, up, down, ids, weights, mask, act)
+    return weighted_experts(x, gate, up, down, ids, weights, mask, act)
 
 
 def fixed_shape_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -59,3 +99,34 @@ def torch_fixed_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     y = down @ h  # [E, H, T]
     dense = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, ids, w)  # [T, E]
     return torch.einsum("te,eht->th", dense, y.float())
+
+
+def block_size(S: int, E: int) -> int:
+    """Slots per block: 16 (tl.dot's least) while an expert gets a few slots (decode), up to 64
+    when each gets many (prefill), so weights are read about once per 64 slots."""
+    return min(64, max(16, 1 << (S // max(E, 1) - 1).bit_length()))
+
+
+def slot_blocks(sid: torch.Tensor, E: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks of slots grouped by expert, in fixed shapes: block_expert [NB] (-1: unused block) and
+    block_slots [NB, block] (-1: padding), NB = ceil(S / block) + E.
+
+    sid [S]: each slot's expert, E where the slot is not on this GPU.
+    """
+    S = sid.numel()
+    order = torch.sort(sid, stable=True).indices  # [S] slots grouped by expert
+    counts = torch.zeros(E + 1, dtype=torch.long, device=sid.device).scatter_add_(
+        0, sid, torch.ones_like(sid))[:E]  # [E], no host sync (bincount would size its output on the host)
+    padded = (counts + block - 1) // block * block
+    padded_end = torch.cumsum(padded, 0)  # [E] where each expert's run of blocks ends
+    sorted_start = torch.cumsum(counts, 0) - counts  # [E] where its slots start in `order`
+    NB = -(-S // block) + E
+    first = torch.arange(NB, device=sid.device) * block  # [NB] first padded position of each block
+    expert = torch.searchsorted(padded_end, first, right=True)  # [NB], E past the last run
+    used = expert < E
+    e = torch.where(used, expert, 0)
+    offset = first - (padded_end[e] - padded[e])  # [NB] position of the block within its expert's run
+    r = offset.unsqueeze(1) + torch.arange(block, device=sid.device)  # [NB, block]
+    valid = used.unsqueeze(1) & (r < counts[e].unsqueeze(1))
+    slots = order[torch.where(valid, sorted_start[e].unsqueeze(1) + r, 0)]
+    return torch.where(used, expert, -1).to(torch.int32), torch.where(valid, slots, -1).to(torch.int32)

@@ -32,38 +32,10 @@ import torch.nn.functional as F
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.experts.deferral import DeferredOutputs, split_deferred
-from hybridmoe.experts.gpu_experts import fixed_shape_experts
+from hybridmoe.experts.gpu_experts import fixed_shape_experts, gpu_share, weighted_experts
 from hybridmoe.experts.placement import PlacementPlan
 
 log = logging.getLogger("hybridmoe.experts")
-
-
-def weighted_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                     ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None, act) -> torch.Tensor:
-    """sum over slots with mask of weights * expert_ids(x), as TorchExperts computes it; float32 [T, H].
-
-    x [T, H]; gate, up [E, I, H]; down [E, H, I]; ids [T, K] (local to these E); weights [T, K];
-    mask [T, K] bool (None: every slot). Slots are grouped by expert with one host sync (the
-    counts), so on a GPU a long prefill does not wait on the host once per expert.
-    """
-    K, E = ids.shape[1], gate.shape[0]
-    xw = x.to(gate.dtype)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    flat = ids.reshape(-1).long()
-    if mask is not None:
-        flat = torch.where(mask.reshape(-1), flat, E)  # masked slots sort last, into bin E
-    order = torch.sort(flat, stable=True).indices  # [T * K] slots grouped by expert
-    counts = torch.bincount(flat, minlength=E + 1)[:E].tolist()
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            slots = order[start:start + n]
-            tok = slots // K
-            xe = xw[tok]
-            ye = F.linear(act(F.linear(xe, gate[e])) * F.linear(xe, up[e]), down[e])
-            out.index_add_(0, tok, ye.float() * weights.reshape(-1)[slots].float().unsqueeze(1))
-        start += n
-    return out
 
 
 class TorchCpuLayer:
@@ -162,9 +134,7 @@ class _Partial:
                 st.cpu.submit(hidden.to("cpu", native_dtype), *dense)
                 self.cpu = st.cpu
         if st.gpu_weights is not None:
-            mask = st.on_gpu[ids]
-            if bool(mask.any()):
-                self.gpu_out = weighted_experts(hidden, *st.gpu_weights, st.local[ids], weights, mask, act)
+            self.gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, st.on_gpu[ids], act)
 
     def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int) -> None:
         mask = st.on_gpu[ids]  # [T, K]
