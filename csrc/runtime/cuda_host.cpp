@@ -86,9 +86,20 @@ constexpr int kCaptureRelaxed = 2;           // CU_STREAM_CAPTURE_MODE_RELAXED
 std::mutex driver_mu;
 std::atomic<const CudaDriver*> driver{nullptr};
 
+// cuGetProcAddress_v2(symbol, &fn, cudaVersion, flags, &status): the driver's own lookup by API
+// name and version, for a driver that does not export a versioned name we ask dlsym for.
+using GetProcAddress = int (*)(const char*, void**, int, uint64_t, int*);
+
 template <class F>
-bool sym(void* lib, const char* name, F& f, std::string& missing) {
+bool sym(void* lib, GetProcAddress lookup, const char* name, F& f, std::string& missing) {
   f = reinterpret_cast<F>(dlsym(lib, name));
+  if (!f && lookup) {
+    std::string api = name;  // "cuStreamWriteValue32_v2" is API "cuStreamWriteValue32" of CUDA 12
+    if (api.size() > 3 && api.compare(api.size() - 3, 3, "_v2") == 0) api.resize(api.size() - 3);
+    void* p = nullptr;
+    int status = 0;
+    if (lookup(api.c_str(), &p, 12000, 0, &status) == 0 && p) f = reinterpret_cast<F>(p);
+  }
   if (!f) missing += std::string(missing.empty() ? "" : ", ") + name;
   return f != nullptr;
 }
@@ -134,25 +145,26 @@ const CudaDriver& load_cuda_driver() {
   }
   auto* d = new CudaDriver;  // lives as long as the process, like the library
   std::string missing;
+  const auto lookup = reinterpret_cast<GetProcAddress>(dlsym(lib, "cuGetProcAddress_v2"));
   int (*driver_get_version)(int*) = nullptr;
-  sym(lib, "cuDriverGetVersion", driver_get_version, missing);
-  sym(lib, "cuGetErrorString", d->get_error_string, missing);
-  sym(lib, "cuCtxGetDevice", d->ctx_get_device, missing);
-  sym(lib, "cuDeviceGetAttribute", d->device_get_attribute, missing);
-  sym(lib, "cuMemHostGetDevicePointer_v2", d->mem_host_get_device_pointer, missing);
+  sym(lib, lookup, "cuDriverGetVersion", driver_get_version, missing);
+  sym(lib, lookup, "cuGetErrorString", d->get_error_string, missing);
+  sym(lib, lookup, "cuCtxGetDevice", d->ctx_get_device, missing);
+  sym(lib, lookup, "cuDeviceGetAttribute", d->device_get_attribute, missing);
+  sym(lib, lookup, "cuMemHostGetDevicePointer_v2", d->mem_host_get_device_pointer, missing);
   // The _v2 memory operations: enabled by default on every platform since CUDA 11.7 (the v1 ones
   // needed a kernel-module switch).
-  sym(lib, "cuStreamWriteValue32_v2", d->stream_write_value32, missing);
-  sym(lib, "cuStreamWaitValue32_v2", d->stream_wait_value32, missing);
-  sym(lib, "cuStreamCreate", d->stream_create, missing);
-  sym(lib, "cuStreamDestroy_v2", d->stream_destroy, missing);
-  sym(lib, "cuStreamQuery", d->stream_query, missing);
-  sym(lib, "cuStreamBeginCapture_v2", d->stream_begin_capture, missing);
-  sym(lib, "cuStreamEndCapture", d->stream_end_capture, missing);
-  sym(lib, "cuGraphInstantiateWithFlags", d->graph_instantiate, missing);
-  sym(lib, "cuGraphLaunch", d->graph_launch, missing);
-  sym(lib, "cuGraphExecDestroy", d->graph_exec_destroy, missing);
-  sym(lib, "cuGraphDestroy", d->graph_destroy, missing);
+  sym(lib, lookup, "cuStreamWriteValue32_v2", d->stream_write_value32, missing);
+  sym(lib, lookup, "cuStreamWaitValue32_v2", d->stream_wait_value32, missing);
+  sym(lib, lookup, "cuStreamCreate", d->stream_create, missing);
+  sym(lib, lookup, "cuStreamDestroy_v2", d->stream_destroy, missing);
+  sym(lib, lookup, "cuStreamQuery", d->stream_query, missing);
+  sym(lib, lookup, "cuStreamBeginCapture_v2", d->stream_begin_capture, missing);
+  sym(lib, lookup, "cuStreamEndCapture", d->stream_end_capture, missing);
+  sym(lib, lookup, "cuGraphInstantiateWithFlags", d->graph_instantiate, missing);
+  sym(lib, lookup, "cuGraphLaunch", d->graph_launch, missing);
+  sym(lib, lookup, "cuGraphExecDestroy", d->graph_exec_destroy, missing);
+  sym(lib, lookup, "cuGraphDestroy", d->graph_destroy, missing);
   if (!missing.empty()) {
     delete d;
     throw std::runtime_error("the CUDA driver (libcuda.so.1) lacks " + missing + " (a driver for CUDA 11.7 or newer has them)");
