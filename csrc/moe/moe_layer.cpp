@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <thread>
 
@@ -25,6 +26,7 @@ const Kernels& kernels_for(Isa isa) {
     case Isa::avx2: return kernels_avx2();
     case Isa::avx512: return kernels_avx512();
     case Isa::amx: return kernels_amx();
+    case Isa::amx_emulated: return kernels_amx_emulated();
   }
   return kernels_generic();
 }
@@ -49,6 +51,86 @@ T* grow(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
+// 64-byte aligned vectors for the workspace: AMX tile rows and AVX-512 rows must not straddle
+// cache lines (malloc's large blocks start 16 bytes past a page).
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+template <class T>
+using AlignedVec = std::vector<T, Aligned64<T>>;
+
+template <class T>
+T* grow(AlignedVec<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// One side's activation rows (x for gate/up, h for down), each row in the kind its expert's
+// kernels read: bf16 and i16 rows at stride Kp + 32, i8 rows at Kq + 64 (Kq = Kp rounded up to
+// 64, a whole AMX-INT8 step). Strides are not multiples of 4 KiB: rows that far apart would put
+// all 16 rows of an AMX A tile (and the kernels' per-token loads) into one L1 set.
+struct ActRows {
+  AlignedVec<uint16_t> bf16;
+  AlignedVec<int16_t> q;
+  AlignedVec<int8_t> q8;
+  AlignedVec<float> scale;
+  AlignedVec<int32_t> sums;
+};
+
+struct ActLayout {
+  int Kp = 0, Kq = 0, group = 0;  // group: int4 groups of i16 rows (0: no sums)
+  size_t ld = 0, ld8 = 0;
+  uint16_t* bf16 = nullptr;
+  int16_t* q = nullptr;
+  int8_t* q8 = nullptr;
+  float* scale = nullptr;
+  int32_t* sums = nullptr;
+
+  // Rows for Ra activation rows, buffers only for the kinds in use[].
+  ActLayout(ActRows& rows, int Kp_, int group_, size_t Ra, const bool use[3])
+      : Kp(Kp_), Kq(round_up(Kp_, 64)), group(group_), ld(Kp_ + 32), ld8(round_up(Kp_, 64) + 64) {
+    if (use[int(ActKind::bf16)]) bf16 = grow(rows.bf16, Ra * ld);
+    if (use[int(ActKind::i16)]) q = grow(rows.q, Ra * ld);
+    if (use[int(ActKind::i8)]) q8 = grow(rows.q8, Ra * ld8);
+    scale = grow(rows.scale, Ra);
+    if (group && use[int(ActKind::i16)]) sums = grow(rows.sums, Ra * (Kp / group));
+  }
+
+  // Row r from src[0:n] (n = 0: a padding row of zeros).
+  void write(const RowOps& ops, const RowOps& ops8, ActKind kind, size_t r, const void* src, bool src_bf16, int n) {
+    switch (kind) {
+      case ActKind::bf16: ops.to_bf16(src, src_bf16, n, Kp, bf16 + r * ld); break;
+      case ActKind::i16:
+        ops.to_i16(src, src_bf16, n, Kp, group, q + r * ld, scale + r, sums ? sums + r * (Kp / group) : nullptr);
+        break;
+      case ActKind::i8: ops8.to_i8(src, src_bf16, n, Kq, q8 + r * ld8, scale + r); break;
+    }
+  }
+
+  // The rows of n tokens starting at activation row r0.
+  ActView view(ActKind kind, size_t r0, int n) const {
+    ActView a;
+    a.n = n;
+    a.ld = int(kind == ActKind::i8 ? ld8 : ld);
+    if (bf16) a.bf16 = bf16 + r0 * ld;
+    if (q) a.q = q + r0 * ld;
+    if (q8) a.q8 = q8 + r0 * ld8;
+    a.qscale = scale + r0;
+    if (sums) a.qsum = sums + r0 * (Kp / group);
+    return a;
+  }
+};
+
 // One GEMM work item: gate/up (down = 0) or down rows of expert j, slice s, blocks [b0, b1).
 struct Item { int down, j, s, b0, b1; };
 
@@ -61,10 +143,8 @@ inline void cpu_relax() {
 struct Workspace {
   std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets;
   std::vector<Item> gemm_items;
-  std::vector<uint16_t> act_bf16, act2_bf16;  // activations of gate/up (x) and of down (h)
-  std::vector<int16_t> act_q, act2_q;
-  std::vector<float> act_scale, act2_scale, h, y;
-  std::vector<int32_t> act_sum, act2_sum;
+  ActRows act, act2;  // activations of gate/up (x) and of down (h)
+  AlignedVec<float> h, y;
 };
 thread_local Workspace ws;
 
@@ -91,9 +171,9 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, bool adopt) : cfg_(cfg), adopt_(adopt) 
       set_buffer(b.name, p, b.bytes);
     }
   pool_ = shared_pool(cfg_.threads, cfg_.numa_nodes);
-  if (cfg_.isa == Isa::amx) {
+  if (cfg_.isa == Isa::amx || cfg_.isa == Isa::amx_emulated) {
     base_ = &kernels_avx512();
-    many_ = &kernels_amx();
+    many_ = &kernels_for(cfg_.isa);
   } else {
     base_ = many_ = &kernels_for(cfg_.isa);
   }
@@ -266,38 +346,22 @@ void MoeLayer::forward(const MoeCall& c) {
   }
   auto n_of = [&](int j) { return row_begin[j + 1] - row_begin[j]; };
   auto kernels_of = [&](int j) -> const Kernels& { return n_of(j) >= kAmxMinTokens ? *many_ : *base_; };
-  const int fmt = int(cfg_.format);
+  const Format fmt = cfg_.format;
   const RowOps& ops = base_->ops;
+  const RowOps& ops8 = many_->ops;  // to_i8, where a kernel set reads i8 rows
   const size_t Ra = act_begin[A];
-  const int NpI = gate.blocks * kBlockRows, NpH = down.blocks * kBlockRows;
-  const int Kp1 = gate.Kp, Kp2 = down.Kp;
   const int grp = cfg_.format == Format::int4 ? cfg_.group : 0;
-  // Row stride = Kp + 32 values: rows a multiple of 4 KiB apart would put all 16 rows of an
-  // AMX A tile (and the kernels' per-token loads) into one L1 set.
-  auto stride = [](int Kp) { return Kp + 32; };
-  const size_t ld1 = stride(Kp1), ld2 = stride(Kp2);
-  const bool quant = cfg_.format != Format::bf16;
-  uint16_t* abf = grow(ws.act_bf16, Ra * ld1);
-  uint16_t* abf2 = grow(ws.act2_bf16, Ra * ld2);
-  int16_t* aq = quant ? grow(ws.act_q, Ra * ld1) : nullptr;
-  int16_t* aq2 = quant ? grow(ws.act2_q, Ra * ld2) : nullptr;
-  float* ascale = grow(ws.act_scale, Ra);
-  float* ascale2 = grow(ws.act2_scale, Ra);
-  int32_t* asum = grp ? grow(ws.act_sum, Ra * (Kp1 / grp)) : nullptr;
-  int32_t* asum2 = grp ? grow(ws.act2_sum, Ra * (Kp2 / grp)) : nullptr;
-  float* h = grow(ws.h, size_t(R) * NpI);
-  float* y = grow(ws.y, size_t(R) * NpH);
-  auto act_view = [&](int j, int Kp, const uint16_t* bf, const int16_t* q, const float* qs, const int32_t* sums) {
-    ActView a;
-    a.n = n_of(j);
-    a.ld = stride(Kp);
-    const size_t r0 = act_begin[j];
-    a.bf16 = bf + r0 * a.ld;
-    if (q) a.q = q + r0 * a.ld;
-    a.qscale = qs + r0;
-    if (sums) a.qsum = sums + r0 * (Kp / grp);
-    return a;
-  };
+  // h [R, ldh] and y [R, ldy] fp32 rows, one per (token, slot); 64 bytes past the padded
+  // width, so that neither stride is a multiple of 4 KiB (L1 sets, as for activations).
+  const size_t ldh = size_t(gate.blocks) * kBlockRows + 16, ldy = size_t(down.blocks) * kBlockRows + 16;
+  bool use1[3] = {}, use2[3] = {};
+  for (const Kernels* k : {base_, many_}) {
+    use1[int(act_of(*k, false, fmt))] = true;
+    use2[int(act_of(*k, true, fmt))] = true;
+  }
+  ActLayout act1(ws.act, gate.Kp, grp, Ra, use1), act2(ws.act2, down.Kp, grp, Ra, use2);
+  float* h = grow(ws.h, size_t(R) * ldh);
+  float* y = grow(ws.y, size_t(R) * ldy);
   // Chunks of 16 activation rows for phase A: (expert, first row).
   std::vector<int>& items = ws.items;
   std::vector<int> chunk_first;
@@ -319,17 +383,13 @@ void MoeLayer::forward(const MoeCall& c) {
   // Phase A: x rows -> each expert's activation rows (padding rows: zeros).
   parallel_or_inline(chunks, size_t(R) * H, [&](int i, int) {
     const int j = items[i], a0 = chunk_first[i];
-    const ActKind kind = kernels_of(j).act[fmt];
+    const ActKind kind = act_of(kernels_of(j), false, fmt);
     for (size_t r = a0; r < a0 + 16; ++r) {
       const int local = r - act_begin[j];
       const bool pad = local >= n_of(j);
       const int t = pad ? 0 : tok[row_begin[j] + local];
       const void* src = static_cast<const char*>(c.x) + size_t(t) * H * (c.x_bf16 ? 2 : 4);
-      if (kind == ActKind::bf16)
-        ops.to_bf16(src, c.x_bf16, pad ? 0 : H, Kp1, abf + r * ld1);
-      else
-        ops.to_i16(src, c.x_bf16, pad ? 0 : H, Kp1, grp, aq + r * ld1, ascale + r,
-                   asum ? asum + size_t(r) * (Kp1 / std::max(grp, 1)) : nullptr);
+      act1.write(ops, ops8, kind, r, src, c.x_bf16, pad ? 0 : H);
     }
   });
 
@@ -359,16 +419,12 @@ void MoeLayer::forward(const MoeCall& c) {
       if (m) offsets.push_back(int(gemm_items.size()));
     }
   auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding rows: zeros)
-    const ActKind kind = kernels_of(j).act[fmt];
+    const ActKind kind = act_of(kernels_of(j), true, fmt);
     for (size_t r = act_begin[j]; r < size_t(act_begin[j + 1]); ++r) {
       const int local = r - act_begin[j];
       const bool pad = local >= n_of(j);
-      const float* src = h + size_t(pad ? 0 : row_begin[j] + local) * NpI;
-      if (kind == ActKind::bf16)
-        ops.to_bf16(src, false, pad ? 0 : I, Kp2, abf2 + r * ld2);
-      else
-        ops.to_i16(src, false, pad ? 0 : I, Kp2, grp, aq2 + r * ld2, ascale2 + r,
-                   asum2 ? asum2 + size_t(r) * (Kp2 / std::max(grp, 1)) : nullptr);
+      const float* src = h + size_t(pad ? 0 : row_begin[j] + local) * ldh;
+      act2.write(ops, ops8, kind, r, src, false, pad ? 0 : I);
     }
   };
 
@@ -376,14 +432,16 @@ void MoeLayer::forward(const MoeCall& c) {
     const Item it = gemm_items[i];
     const Kernels& kn = kernels_of(it.j);
     if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
-      const ActView a = act_view(it.j, Kp1, abf, aq, ascale, asum);
+      const ActView a = act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
       const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows, cols = (it.b1 - it.b0) * kBlockRows;
-      float* hrow = h + size_t(row_begin[it.j]) * NpI + col0;
-      thread_local std::vector<float> ubuf;
-      float* u = grow(ubuf, size_t(a.n) * cols);
-      kn.gemm[fmt](view(gate, order[it.j], it.s), it.b0, it.b1, a, hrow, NpI);
-      kn.gemm[fmt](view(up, order[it.j], it.s), it.b0, it.b1, a, u, cols);
-      for (int t = 0; t < a.n; ++t) ops.silu_mul(hrow + size_t(t) * NpI, u + size_t(t) * cols, cols);
+      float* hrow = h + size_t(row_begin[it.j]) * ldh + col0;
+      thread_local AlignedVec<float> ubuf;
+      const int ldu = cols + 16;  // u [n, ldu]: not a multiple of 4 KiB either
+      float* u = grow(ubuf, size_t(a.n) * ldu);
+      const GemmFn gemm = gemm_of(kn, false, fmt);
+      gemm(view(gate, order[it.j], it.s), it.b0, it.b1, a, hrow, int(ldh));
+      gemm(view(up, order[it.j], it.s), it.b0, it.b1, a, u, ldu);
+      for (int t = 0; t < a.n; ++t) ops.silu_mul(hrow + size_t(t) * ldh, u + size_t(t) * ldu, cols);
       // The last one of this expert (acq_rel: it sees every other item's h) converts h.
       if (pending[it.j].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         down_acts(it.j);
@@ -394,9 +452,10 @@ void MoeLayer::forward(const MoeCall& c) {
     // y = h Wd^T for this item's rows of H, once expert j's down activations exist.
     for (int spin = 0; pending[it.j].load(std::memory_order_acquire) != -1; ++spin)
       if (spin > 64) std::this_thread::yield(); else cpu_relax();
-    const ActView a = act_view(it.j, Kp2, abf2, aq2, ascale2, asum2);
+    const ActView a = act2.view(act_of(kn, true, fmt), act_begin[it.j], n_of(it.j));
     const int col0 = (down.slice_begin[it.s] + it.b0) * kBlockRows;
-    kn.gemm[fmt](view(down, order[it.j], it.s), it.b0, it.b1, a, y + size_t(row_begin[it.j]) * NpH + col0, NpH);
+    gemm_of(kn, true, fmt)(view(down, order[it.j], it.s), it.b0, it.b1, a, y + size_t(row_begin[it.j]) * ldy + col0,
+                           int(ldy));
   });
 
   // Phase C: out[t] = sum_k w[t, k] * y[row of (t, k)], k in order (deterministic).
@@ -406,7 +465,7 @@ void MoeLayer::forward(const MoeCall& c) {
     const int t = i / col_chunks, c0 = (i % col_chunks) * kCols, c1 = std::min(H, c0 + kCols);
     thread_local std::vector<const float*> srcv;
     const float** src = grow(srcv, K);
-    for (int k = 0; k < K; ++k) src[k] = y + size_t(pos[size_t(t) * K + k]) * NpH + c0;
+    for (int k = 0; k < K; ++k) src[k] = y + size_t(pos[size_t(t) * K + k]) * ldy + c0;
     char* o = static_cast<char*>(c.out) + (size_t(t) * H + c0) * (c.x_bf16 ? 2 : 4);
     ops.combine(K, src, c.weights + size_t(t) * K, c1 - c0, o, c.x_bf16);
   });

@@ -20,7 +20,9 @@
 namespace hmoe {
 
 enum class Format : int { bf16 = 0, int8 = 1, int4 = 2 };
-enum class Isa : int { generic = 0, avx2 = 1, avx512 = 2, amx = 3 };
+// amx_emulated: the AMX kernels over a portable emulation of the tile registers (AVX-512 CPUs
+// without AMX), so that their tiling logic is tested where CI runs; never picked by default.
+enum class Isa : int { generic = 0, avx2 = 1, avx512 = 2, amx = 3, amx_emulated = 4 };
 
 constexpr int kBlockRows = 32;
 constexpr int kInt8FlushK = 128;  // int32 partial sums go to fp32 every 128 K (no overflow)
@@ -48,14 +50,15 @@ struct PackedView {
 // Activations of n tokens (one expert), row-major, n rounded up to 16 rows of zeros.
 struct ActView {
   int n = 0;
-  int ld = 0;                    // elements between rows (>= Kp)
+  int ld = 0;                    // elements between rows (>= Kp; kind i8: >= Kp rounded up to 64)
   const uint16_t* bf16 = nullptr;  // kind bf16: [n][ld]
   const int16_t* q = nullptr;      // kind i16: [n][ld], x ~= q * qscale[t]
+  const int8_t* q8 = nullptr;      // kind i8: [n][ld], x ~= q8 * qscale[t], zeros past K
   const float* qscale = nullptr;   // [n]
   const int32_t* qsum = nullptr;   // int4: [n][Kp/group] sums of q over each group
 };
 
-enum class ActKind : int { bf16 = 0, i16 = 1 };
+enum class ActKind : int { bf16 = 0, i16 = 1, i8 = 2 };
 
 // out[t * ldo + (b - b0) * 32 + r] = sum_k W[b*32 + r, k] * x[t, k] for blocks [b0, b1).
 using GemmFn = void (*)(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo);
@@ -73,18 +76,33 @@ struct RowOps {
   void (*silu_mul)(float* g, const float* u, int n);
   // dst[0:n] = sum_k w[k] * src[k][0:n] (k in order), stored as fp32, or bf16 if dst_bf16.
   void (*combine)(int K, const float* const* src, const float* w, int n, void* dst, bool dst_bf16);
+  // Per-row symmetric int8 (kind i8; only kernel sets that read it have one): dst[0:n] =
+  // round(src / s) in [-127, 127], zeros in [n, Kp), *scale = s = amax / 127.
+  void (*to_i8)(const void* src, bool src_bf16, int n, int Kp, int8_t* dst, float* scale) = nullptr;
 };
 
 struct Kernels {
   GemmFn gemm[3];       // by Format
   ActKind act[3];       // the activations each one reads
   RowOps ops;
+  // The down projection's kernels where they differ from gate/up's (null: the same). AMX int8
+  // reads x as int8 but h = silu(g) * u in bf16: h's heavy tail loses too much in int8.
+  GemmFn down_gemm[3] = {};
+  ActKind down_act[3] = {};
 };
+
+static inline GemmFn gemm_of(const Kernels& k, bool down, Format f) {
+  return down && k.down_gemm[int(f)] ? k.down_gemm[int(f)] : k.gemm[int(f)];
+}
+static inline ActKind act_of(const Kernels& k, bool down, Format f) {
+  return down && k.down_gemm[int(f)] ? k.down_act[int(f)] : k.act[int(f)];
+}
 
 const Kernels& kernels_generic();
 const Kernels& kernels_avx2();
 const Kernels& kernels_avx512();
 const Kernels& kernels_amx();
+const Kernels& kernels_amx_emulated();
 bool amx_request_permission();
 
 static inline float bf16_to_f32(uint16_t v) {

@@ -1,0 +1,76 @@
+"""Prefill TFLOP/s of one CPU MoE layer vs tokens per expert and weight residency.
+
+Where does prefill time go? Rows with few experts (every token on every expert: the weights
+stay in cache and are reused by thousands of tokens) show what the tile kernels compute when
+memory does not limit them; rows with all E experts show the same call with the weights
+streamed from DRAM once. Both at the same threads, side by side in one run.
+
+    python3 benchmarks/moe_prefill_sweep.py --shape qwen3-30b-a3b --format bf16,int8 --threads 16,8
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from hybridmoe import CpuExperts
+from hybridmoe.experts.cpu_experts import default_threads
+
+SHAPES = {"qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8), "deepseek-v3": dict(H=7168, I=2048, E=256, K=8)}
+
+
+def weights(E, H, I, distinct=4):
+    """bf16 [E, I, H], [E, I, H], [E, H, I]: `distinct` Gaussian experts repeated."""
+    g = torch.Generator().manual_seed(0)
+    d = min(distinct, E)
+    mk = lambda a, b: (torch.randn(d, a, b, generator=g) / b**0.5).bfloat16().repeat(-(-E // d), 1, 1)[:E]
+    return mk(I, H), mk(I, H), mk(H, I)
+
+
+def routing(T, H, E, K):
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    return torch.randn(T, H, generator=g).bfloat16(), ids, torch.softmax(torch.randn(T, K, generator=g), -1)
+
+
+def median_ms(fn, reps=5):
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
+    ap.add_argument("--format", default="bf16,int8,int4")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--experts", default="8,all", help="E values (K = min(K, E)); 'all' = the shape's E")
+    ap.add_argument("--threads", default=None, help="comma list; default: every allowed CPU")
+    ap.add_argument("--isa", default=None)
+    args = ap.parse_args()
+    s = SHAPES[args.shape]
+    H, I, T = s["H"], s["I"], args.tokens
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else [default_threads()]
+    torch.set_num_threads(1)
+    print(f"# {args.shape} H={H} I={I} T={T}")
+    print(f"{'format':<6} {'E':>4} {'K':>2} {'tok/expert':>10} {'threads':>7} {'ms':>9} {'TFLOP/s':>8}")
+    for E in [s["E"] if e == "all" else int(e) for e in args.experts.split(",")]:
+        K = min(s["K"], E)
+        w = weights(E, H, I)
+        x, ids, tw = routing(T, H, E, K)
+        for fmt in args.format.split(","):
+            for th in threads:
+                ex = CpuExperts(*w, format=fmt, threads=th, isa=args.isa)
+                ms = median_ms(lambda: ex.forward(x, ids, tw))
+                tf = 2 * 3 * H * I * T * K / ms / 1e9
+                print(f"{fmt:<6} {E:>4} {K:>2} {T * K // E:>10} {th:>7} {ms:>9.2f} {tf:>8.2f}", flush=True)
+                del ex
+
+
+if __name__ == "__main__":
+    main()

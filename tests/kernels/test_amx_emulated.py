@@ -1,0 +1,84 @@
+"""The AMX kernels' tiling, repacking and activation quantization, on CPUs without AMX.
+
+isa="amx_emulated" runs amx_kernels.inc over tile registers emulated in memory (experts with
+>= 16 tokens; the others take the AVX-512 kernels, as on the AMX host). Shapes are not tile
+multiples: bf16/int8 pad K=200 to 224 (and int8 gate/up to 256, a whole AMX-INT8 step), I=72
+is 3 blocks of 32 rows with the last one partial; int4 runs H=192, I=96 (groups of 32).
+"""
+
+import pytest
+import torch
+
+from hybridmoe import CpuExperts
+from hybridmoe.experts.cpu_experts import available_isas
+from hybridmoe.experts.torch_ref import ref_moe
+
+pytestmark = pytest.mark.skipif("avx512" not in available_isas(), reason="the emulation is built on AVX-512")
+
+SHAPES = {"bf16": (6, 200, 72), "int8": (6, 200, 72), "int4": (6, 192, 96)}
+K = 3
+
+
+def kernel_tolerance(tolerance, fmt):
+    """AMX int8 reads int8 activations for gate/up: the table's bound for that."""
+    tol = tolerance[fmt]
+    return tol["vs_dequantized_int8_activations"] if fmt == "int8" else tol["vs_dequantized"]
+
+
+@pytest.fixture(scope="module")
+def packed(dequantized_layer):
+    cache = {}
+
+    def get(fmt):
+        if fmt not in cache:
+            E, H, I = SHAPES[fmt]
+            g = torch.Generator().manual_seed(0)
+            w = (torch.randn(E, I, H, generator=g) / H**0.5, torch.randn(E, I, H, generator=g) / H**0.5,
+                 torch.randn(E, H, I, generator=g) / I**0.5)
+            ex = CpuExperts(*w, format=fmt, group_size=32, threads=2, isa="amx_emulated")
+            cache[fmt] = (w, ex, dequantized_layer(ex))
+        return cache[fmt]
+    return get
+
+
+@pytest.mark.parametrize("T", [33, 47, 300])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_emulated_amx_matches_reference(packed, make_routing, tolerance, rel_err, fmt, T):
+    (gate, up, down), experts, deq = packed(fmt)
+    assert experts.isa == "amx_emulated"
+    E, H, I = SHAPES[fmt]
+    # Expert E-1 gets no tokens; the others 16..180 each (odd counts: partial 16- and 32-token tiles).
+    x, ids, weights = make_routing(T, H, K, range(E - 1), seed=T)
+    out = experts.forward(x, ids, weights)
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_tolerance(tolerance, fmt)
+    vs_fp32 = tolerance[fmt]["vs_fp32"][32] if fmt == "int4" else tolerance[fmt]["vs_fp32"]
+    assert rel_err(out, ref_moe(x, gate, up, down, ids, weights)) < vs_fp32
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_emulated_amx_mixed_with_avx512_experts(packed, make_routing, tolerance, rel_err, fmt):
+    # Expert 0 takes all 40 tokens (tiles); the second choices spread 8 or so per expert (AVX-512).
+    _, experts, deq = packed(fmt)
+    E, H, I = SHAPES[fmt]
+    x, ids, weights = make_routing(40, H, 2, range(1, E), seed=5)
+    ids[:, 0] = 0
+    out = experts.forward(x, ids, weights)
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_tolerance(tolerance, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_emulated_amx_bf16_input(packed, make_routing, tolerance, rel_err, fmt):
+    _, experts, deq = packed(fmt)
+    E, H, I = SHAPES[fmt]
+    x, ids, weights = make_routing(64, H, K, range(E), seed=3)
+    x = x.bfloat16()
+    out = experts.forward(x, ids, weights)
+    assert out.dtype == torch.bfloat16
+    # Output rounding to bf16 adds up to ~0.4% on top of the kernel's own error.
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_tolerance(tolerance, fmt) + 0.005
+
+
+def test_emulated_amx_is_never_picked_or_listed():
+    assert "amx_emulated" not in available_isas()
+    w = torch.randn(2, 32, 64), torch.randn(2, 32, 64), torch.randn(2, 64, 32)
+    assert CpuExperts(*w, threads=1).isa != "amx_emulated"
