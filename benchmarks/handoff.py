@@ -186,7 +186,8 @@ def main():
             "cpus": len(os.sched_getaffinity(0)), "isa": experts.isa, "layers": L, "H": H, "E": E, "I": I, "K": K,
             "threads": args.threads, "reps": args.reps, "trials": args.trials}
     print(f"{info['gpu']}, torch {info['torch']}, cudart {info['cudart']}, {info['cpus']} CPUs, isa {info['isa']}; "
-          f"{L} layers, H={H}, toy CPU step E={E} I={I} K={K} on {args.threads} threads")
+          f"{L} layers, H={H}, toy CPU step E={E} I={I} K={K} on {args.threads} threads; "
+          f"stream_mem_ops: {info['memops_path']}")
     print(f"{'T':>3} {'variant':<16} {'us/step':>10} {'us/layer':>9} {'handoff us/layer':>17}", flush=True)
     rows = []
     for T in tokens:
