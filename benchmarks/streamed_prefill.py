@@ -70,6 +70,16 @@ def random_packed_state(fmt: str, E: int, H: int, I: int, group: int) -> dict:
             "buffers": buffers}
 
 
+def copied_state(state: dict) -> dict:
+    """The same packed layer in new memory (another layer's weights, as far as caches can tell)."""
+    buffers = {}
+    for name, arr in state["buffers"].items():
+        buf = page_aligned(arr.nbytes)
+        buf.copy_(torch.from_numpy(arr).view(torch.uint8))
+        buffers[name] = buf.numpy()
+    return {**state, "buffers": buffers}
+
+
 def copy_rates(host: dict[str, torch.Tensor], registered: bool, reps: int) -> dict[str, float]:
     """GB/s of one layer's packed bytes host -> GPU: registered memory, a pinned bounce buffer, pageable."""
     nbytes = sum(b.numel() for b in host.values())
@@ -100,8 +110,9 @@ def copy_rates(host: dict[str, torch.Tensor], registered: bool, reps: int) -> di
 def layer_part(args) -> dict:
     s = SHAPES[args.shape]
     E, H, I, K, T = s["E"], s["H"], s["I"], s["K"], args.tokens
-    engines = {layer: CpuExperts.from_packed(random_packed_state(args.format, E, H, I, args.group_size),
-                                             threads=args.threads) for layer in range(args.layers)}
+    first = random_packed_state(args.format, E, H, I, args.group_size)
+    engines = {layer: CpuExperts.from_packed(first if layer == 0 else copied_state(first), threads=args.threads)
+               for layer in range(args.layers)}
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])  # [T, K]
     w = torch.rand(T, K, generator=g)
