@@ -55,13 +55,14 @@ def dequant_chunk_experts(H: int, I: int) -> int:
 
 def device_bytes(layer_bytes: int, E: int, H: int, I: int, top_k: int, max_tokens: int) -> int:
     """Device memory streaming takes: two slots of layer_bytes, one dequantized chunk, and a max_tokens
-    step's R routed rows: gathered inputs, expert outputs and their float32 weighted copy (at most 12
-    bytes an element, float32 models included), one expert's gate/up activations (at most R rows of
-    I, float32), and the float32 [T, H] sum."""
+    step's rows: R routed rows' inputs and outputs, and the outputs' float32 weighted copy (8 bytes an
+    element in bf16 or float32), a chunk's padded rows (at most chunk x max_tokens: inputs, gate, up,
+    their product, outputs; 6 H + 8 I bytes a row in bf16, twice that for float32 models, which only
+    tiny test models are), and the float32 [T, H] sum."""
     chunk = min(E, dequant_chunk_experts(H, I))
     dequant = chunk * (3 * H * I * 2 + H * I * DEQUANT_BYTES_PER_WEIGHT)
     R = max_tokens * top_k
-    rows = R * H * 12 + R * 2 * I * 4 + max_tokens * H * 4
+    rows = R * H * 8 + chunk * max_tokens * (6 * H + 8 * I) + max_tokens * H * 4
     return 2 * _aligned(layer_bytes) + dequant + rows
 
 
@@ -216,30 +217,34 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
                    weights: torch.Tensor, mask: torch.Tensor, act) -> torch.Tensor:
     """The masked routed experts of one layer computed from its packed buffers on x's device; float32 [T, H].
 
-    Pairs are grouped by expert (one sort, one host sync for the counts); the experts that have tokens
-    are dequantized a chunk at a time into x's dtype (bf16/fp16; float32 stays float32).
+    Pairs are grouped by expert (one sort, one host sync for the counts). The experts that have tokens,
+    busiest first, are dequantized a chunk of n at a time into x's dtype (bf16/fp16; float32 stays
+    float32) and run as three batched matmuls over their rows padded to the chunk's busiest expert's m
+    (a few kernel launches a chunk, not a few an expert: 128 experts a layer would be launch-bound).
     """
     T, K = ids.shape
+    H = x.shape[1]
     cdtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     pairs = mask.flatten().nonzero().squeeze(1)  # [R] indices into [T * K]
-    expert = ids.flatten()[pairs].long()
-    expert, order = torch.sort(expert, stable=True)
+    expert, order = torch.sort(ids.flatten()[pairs].long(), stable=True)
     pairs = pairs[order]
     counts = torch.bincount(expert, minlength=layout.E).tolist()
     tok = pairs // K
     xs = x[tok].to(cdtype)  # [R, H], grouped by expert
     ys = torch.empty(xs.shape, dtype=cdtype, device=x.device)  # expert outputs, then weighted
-    active = [e for e in range(layout.E) if counts[e]]
     starts = [0, *itertools.accumulate(counts)]
+    busiest = sorted((e for e in range(layout.E) if counts[e]), key=lambda e: -counts[e])
     chunk = dequant_chunk_experts(layout.H, layout.I)
-    for c in range(0, len(active), chunk):
-        part = active[c:c + chunk]
+    for c in range(0, len(busiest), chunk):
+        part = busiest[c:c + chunk]
+        n, m = len(part), counts[part[0]]
+        rows = torch.cat([torch.arange(starts[e], starts[e + 1]) for e in part]).to(x.device, non_blocking=True)
+        slot = torch.cat([torch.arange(counts[e]) + j * m for j, e in enumerate(part)]).to(x.device, non_blocking=True)
         gate, up, down = layout.dequantize(buffers, torch.tensor(part, device=x.device), cdtype)
-        for j, e in enumerate(part):
-            r0, r1 = starts[e], starts[e + 1]
-            xe = xs[r0:r1]
-            torch.matmul(act(xe @ gate[j].T) * (xe @ up[j].T), down[j].T, out=ys[r0:r1])
-    out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
+        padded = xs.new_zeros(n * m, H).index_copy_(0, slot, xs[rows]).view(n, m, H)
+        h = act(torch.bmm(padded, gate.transpose(1, 2))) * torch.bmm(padded, up.transpose(1, 2))  # [n, m, I]
+        ys.index_copy_(0, rows, torch.bmm(h, down.transpose(1, 2)).view(n * m, H)[slot])
+    out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     return out.index_add_(0, tok, ys.float().mul_(weights.flatten()[pairs].float().unsqueeze(1)))
 
 
