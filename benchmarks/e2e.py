@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -301,4 +302,6 @@ def _main(args) -> int:
 
 
 if __name__ == "__main__":
+    # a `timeout` kill unwinds like an error, so the in-memory checkpoint (tens of GB of tmpfs) is deleted
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main())

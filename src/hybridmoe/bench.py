@@ -152,7 +152,9 @@ class SuiteResult:
     peak_gpu_gib: float | None
     """torch.cuda.max_memory_allocated over load and every run; None on the CPU."""
     floor: object
-    """bench_floor.DecodeFloor of the loaded placement."""
+    """bench_floor.DecodeFloor of the loaded placement, GPU share of the routing measured over the decode."""
+    uniform_floor: object
+    """The same with uniform routing (g/E of a token's experts on the GPU), for comparison."""
     layer_times: object | None
     """bench_layers.LayerTimes, when the run was asked to extrapolate."""
     depth: DepthInfo | None
@@ -180,6 +182,7 @@ class SuiteResult:
                 "decode_tok_s": self.decode_tok_s, "decode_s": self.decode_s, "load_s": self.load_s,
                 "peak_rss_gib": self.peak_rss_gib, "peak_gpu_gib": self.peak_gpu_gib,
                 "floor": self.floor.to_json(), "decode_over_floor": floor_ratio(self.decode_s, self.floor),
+                "uniform_routing_floor": self.uniform_floor.to_json(),
                 "layer_times": self.layer_times.to_json() if self.layer_times is not None else None,
                 "full_depth": self.full_depth(), "cuda_graph": self.cuda_graph,
                 "engine": {k: v for k, v in vars(self.resolved).items()}}
@@ -195,7 +198,7 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
 
     import torch
 
-    from hybridmoe.bench_floor import decode_floor
+    from hybridmoe.bench_floor import decode_floor, decode_routing
     from hybridmoe.bench_layers import measure_layer_times
     from hybridmoe.engine.llm_engine import LLMEngine
 
@@ -223,8 +226,9 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         timing = _measure(engine, [decode_prompt], gen_len)
         decode_s = 1.0 / timing["decode_tok_s"]
         layer_times = measure_layer_times(engine, decode_prompt, gen_len) if depth is not None else None
-        stats = _expert_stats(engine)
-        floor = decode_floor(engine.runner.model, bandwidth, bandwidth_method, stats)
+        routing = decode_routing(engine, decode_prompt, gen_len)
+        floor = decode_floor(engine.runner.model, bandwidth, bandwidth_method, routing)
+        uniform_floor = decode_floor(engine.runner.model, bandwidth, bandwidth_method)
         resolved = _resolved(engine)
         cuda_graph = engine.runner.cuda_graph
     finally:
@@ -234,8 +238,8 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
     if cuda:
         torch.cuda.empty_cache()
     return SuiteResult(label, prefill, ttft, decode_s, load_s,
-                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, peak_gpu, floor, layer_times,
-                       depth, resolved, cuda_graph)
+                       resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, peak_gpu, floor, uniform_floor,
+                       layer_times, depth, resolved, cuda_graph)
 
 
 def _resolved(engine) -> EngineConfig:
@@ -246,12 +250,3 @@ def _resolved(engine) -> EngineConfig:
 
     _, config = load_config(engine.model_dir)
     return resolve_engine_config(engine.config, config, resolve_dtype(engine.config.dtype, config), engine.model_dir)
-
-
-def _expert_stats(engine):
-    """The routing statistics the placement used (expert_stats), or None."""
-    from hybridmoe.experts.placement import ExpertStats
-
-    path = engine.config.expert_stats
-    model = engine.runner.model
-    return ExpertStats.load(path, model.moe_layers, model.expert_dims()[0]) if path else None

@@ -4,17 +4,17 @@ weights that token needs from memory, at the host's measured read bandwidth.
 Counted from the loaded model, not from the config: per MoE layer, the experts the placement left in CPU
 memory and the bytes the CPU engine actually holds for each (packed int4/int8/bf16, scales included).
 Assumption, stated in every report: with top-k routing and one token, a token reads K experts per MoE
-layer, each GPU-resident with probability (its layer's routing share of the GPU experts): from the
-routing statistics when the engine has them (expert_stats), else g/E for g GPU experts of E (uniform
-routing, which a random-weight router approximates). Deferred experts still run on the CPU: they count.
+layer, each GPU-resident with probability (its layer's routing share of the GPU experts): measured over
+the benchmark's own decode steps (decode_routing) or from given routing statistics; without either,
+g/E for g GPU experts of E (uniform routing). Deferred experts still run on the CPU: they count.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-ASSUMPTION = ("top-k routing, 1 token: K experts per MoE layer, minus the GPU-resident share "
-              "(routing statistics if given, else uniform: g/E)")
+ASSUMPTION = ("top-k routing, 1 token: K experts per MoE layer, minus the share of the routing that "
+              "lands on GPU-resident experts (measured over the decode steps)")
 
 
 @dataclass(frozen=True)
@@ -104,3 +104,30 @@ def floor_ratio(decode_seconds: float, floor: DecodeFloor) -> float:
     """Measured decode time per token / the floor's (nan when the floor is 0: GPU-bound)."""
     return decode_seconds / floor.seconds if floor.seconds > 0 else float("nan")
 
+
+
+def decode_routing(engine, prompt: list[int], gen_len: int):
+    """ExpertStats of the routed experts chosen by gen_len - 1 decode steps after `prompt` (the prompt's own
+    routing left out), from one eager run with a counter between the model and its experts (graphs off:
+    counting reads the ids on the host)."""
+    from hybridmoe.experts.placement_stats import RoutingCounter
+    from hybridmoe.sampling_params import SamplingParams
+
+    runner, model = engine.runner, engine.runner.model
+    inner = model.experts
+    graphs, runner.cuda_graph = runner.cuda_graph, False
+    counter = RoutingCounter.install(model)
+    try:
+        engine.add_request(prompt, SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True))
+        engine.step()  # the prompt
+        for counts in counter.counts.values():
+            counts.zero_()
+        counter.tokens = 0
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        for module in model.modules():
+            if getattr(module, "experts", None) is counter:
+                module.experts = inner
+        runner.cuda_graph = graphs
+    return counter.stats()

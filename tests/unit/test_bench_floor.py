@@ -51,3 +51,20 @@ def test_ratio_is_nan_when_no_expert_is_read_on_the_cpu(checkpoint):
     assert floor_ratio(0.01, floor) != floor_ratio(0.01, floor)  # nan
     with_cpu = _floor(checkpoint, expert_backend="native", expert_format="bf16")
     assert floor_ratio(2 * with_cpu.seconds, with_cpu) == pytest.approx(2.0)
+
+
+def test_decode_routing_counts_the_decode_steps_and_weights_the_floor(checkpoint):
+    from hybridmoe.bench_floor import decode_routing
+
+    engine = LLMEngine(checkpoint, EngineConfig(device="cpu", max_num_seqs=1, cache_dir="", expert_backend="native",
+                                                expert_format="bf16", gpu_experts_per_layer=2))
+    model = engine.runner.model
+    backend = model.experts
+    stats = decode_routing(engine, list(range(5, 21)), gen_len=6)
+    assert model.experts is backend and all(getattr(m, "experts", backend) is backend for m in model.modules())
+    assert stats.tokens == 5  # the 5 steps after the prompt's (which yields the first token)
+    assert {layer: sum(c) for layer, c in stats.counts.items()} == {0: 5 * 2, 1: 5 * 2}
+    floor = decode_floor(model, 1e9, "given", stats)
+    for layer in floor.layers:  # experts 0 and 1 are the GPU ones (no profile: lowest ids)
+        c = stats.counts[layer.layer]
+        assert layer.gpu_share == (c[0] + c[1]) / 10
