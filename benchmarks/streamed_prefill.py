@@ -125,6 +125,7 @@ def layer_part(args) -> dict:
             e.forward(x, ids, w)
 
     cpu_ms = median_ms(cpu_layers, args.reps) / args.layers
+    print(f"(CPU engine {cpu_ms:.2f} ms a layer; pageable copy {pageable['pageable']:.1f} GB/s)")
     streamer = PrefillStreamer(engines, "cuda", min_tokens=1)
     xd, idsd, wd, mask = x.cuda(), ids.cuda(), w.cuda(), torch.ones(T, K, dtype=torch.bool, device="cuda")
 
@@ -138,6 +139,7 @@ def layer_part(args) -> dict:
         streamer.prefetch_next = prefetch
         streamed_layers()  # warm-up (and the host registration)
         results[prefetch] = median_ms(streamed_layers, args.reps) / args.layers
+        print(f"(streamed, prefetch {prefetch}: {results[prefetch]:.2f} ms a layer)")
     copies = copy_rates(streamer.layers[0].buffers, bool(streamer.layers[0].registered), args.reps)
     streamer.close()
     layer_bytes = streamer.layers[0].nbytes
