@@ -99,12 +99,11 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def depth_of(raw_full: dict, raw_cut: dict) -> DepthInfo | None:
     """The full model's dense / MoE layer counts when raw_cut has fewer layers than raw_full, else None."""
+    from hybridmoe.experts.torch_ref import TorchExperts
     from hybridmoe.models.registry import architecture_of, get_model_class
 
     if raw_cut["num_hidden_layers"] >= raw_full["num_hidden_layers"]:
         return None
-    from hybridmoe.experts.torch_ref import TorchExperts
-
     cls = get_model_class(architecture_of(raw_full))
     config = cls.make_config(raw_full)
     with torch.device("meta"):
@@ -170,7 +169,7 @@ def results_table(results, prompt_lens: list[int]) -> list[str]:
 
 def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
     head = ["config (extrapolated)", "layers", "decode tok/s", "ms/token", "floor ms", "decode/floor",
-            f"prefill {prompt_lens[0]}", "MoE layer ms", "dense layer ms", "non-layer ms"]
+            f"prefill {prompt_lens[0]}", "MoE layer ms", "floor/MoE layer ms", "dense layer ms", "non-layer ms"]
     rows = []
     for r in results:
         full = r.full_depth()
@@ -181,7 +180,8 @@ def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
         dense = lt.to_json()["dense_layer_s"]
         rows.append([r.label, str(full["layers"]), _fmt(full["decode_tok_s"]), _fmt(1e3 * full["decode_s"], ".2f"),
                      _fmt(1e3 * full["floor_s"], ".3f"), _fmt(full["decode_over_floor"], ".2f"), _fmt(prefill, ".0f"),
-                     _fmt(1e3 * lt.mean_s(True), ".3f"), _fmt(None if dense is None else 1e3 * dense, ".3f"),
+                     _fmt(1e3 * lt.mean_s(True), ".3f"), _fmt(1e3 * r.floor.per_moe_layer_seconds(), ".3f"),
+                     _fmt(None if dense is None else 1e3 * dense, ".3f"),
                      _fmt(1e3 * lt.non_layer_s, ".3f")])
     return _table(head, rows) if rows else []
 
@@ -204,9 +204,13 @@ def llama_cpp_lines(results, prompt_lens: list[int]) -> list[str]:
     return lines
 
 
-def target_lines(results) -> list[str]:
+def target_lines(results, budget: int | None) -> list[str]:
     lines = []
     for r in results:
+        if r.peak_gpu_gib is not None and budget is not None:
+            within = "within" if r.peak_gpu_gib * 2**30 <= budget else "OVER"
+            lines.append(f"  {r.label}: peak GPU memory {r.peak_gpu_gib:.2f} GiB, {within} the budget "
+                         f"{budget / 2**30:.2f} GiB")
         ratio = floor_ratio(r.decode_s, r.floor)
         full = r.full_depth()
         if full:
@@ -289,7 +293,7 @@ def _main(args) -> int:
     if raw_cut.get("model_type") == "qwen3_moe" and raw_cut.get("num_experts") == 128:
         lines += ["", "# vs llama.cpp (same host, Qwen3-30B-A3B Q4_K_M, all experts on CPU, 48 layers): ours / theirs",
                   *llama_cpp_lines(results, prompt_lens)]
-    lines += ["", "# targets (issue #4)", *target_lines(results)]
+    lines += ["", "# targets (issue #4)", *target_lines(results, results[0].resolved.gpu_memory_budget)]
     print("\n".join(lines))
     if args.json:
         setup = {"model": args.model, "synthetic": args.synthetic, "layers": raw_cut["num_hidden_layers"],
