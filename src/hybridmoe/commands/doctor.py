@@ -42,7 +42,7 @@ def isa_line(isa: dict | None) -> str:
 def run(args: argparse.Namespace) -> int:
     from hybridmoe.config import EngineConfig, parse_bytes
     from hybridmoe.experts.placement import format_bytes
-    from hybridmoe.system.bandwidth import host_read_bandwidth, pinned_h2d_bandwidth
+    from hybridmoe.system.bandwidth import host_read_bandwidth, host_read_method, pinned_h2d_bandwidth
     from hybridmoe.system.host import host_info
 
     measure = parse_bytes(args.measure_bytes)
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if not host.gpus:
         print("gpu:        none (torch sees no CUDA device): everything runs on the CPU")
     bandwidth = host_read_bandwidth(measure, engine_config.cpu_threads)
-    print(f"host read:  {bandwidth / 1e9:.1f} GB/s (float32 sum over {format_bytes(measure)}, "
+    print(f"host read:  {bandwidth / 1e9:.1f} GB/s ({host_read_method()} over {format_bytes(measure)}, "
           f"{engine_config.cpu_threads or host.allowed_cpus} threads)")
     if host.gpus:
         pcie = pinned_h2d_bandwidth("cuda", min(measure, 1 << 30))
