@@ -82,3 +82,18 @@ def test_emulated_amx_is_never_picked_or_listed():
     assert "amx_emulated" not in available_isas()
     w = torch.randn(2, 32, 64), torch.randn(2, 32, 64), torch.randn(2, 64, 32)
     assert CpuExperts(*w, threads=1).isa != "amx_emulated"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_emulated_amx_many_chunks_and_panels(make_weights, tolerance, rel_err, dequantized_layer, fmt):
+    # H = 2112: K chunks of 1024 bf16 values (1024 + 1024 + 64) or 2048 int8 ones (2048 + 64);
+    # 270 tokens on expert 0: token panels of 256 + 14.
+    E, H, I, T = 2, 2112, 72 if fmt != "int4" else 96, 300
+    gate, up, down = make_weights(E, H, I)
+    experts = CpuExperts(gate, up, down, format=fmt, group_size=32, threads=2, isa="amx_emulated")
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(T, H, generator=g)
+    ids = (torch.arange(T) >= 270).long().reshape(T, 1)
+    weights = torch.rand(T, 1, generator=g)
+    out = experts.forward(x, ids, weights)
+    assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_tolerance(tolerance, fmt)
