@@ -100,3 +100,14 @@ def test_steps_below_the_threshold_stay_on_the_cpu_engine(tiny_checkpoints, stre
     loaded = load(path, prefill_streaming="on", prefill_streaming_tokens=len(PROMPT) + 1, **common)
     assert torch.equal(prompt_logits(loaded.model), want)
     assert streamed_layers == []
+
+
+def test_deferred_experts_stream_too(tiny_checkpoints, streamed_layers):
+    path = tiny_checkpoints("qwen3_moe")
+    common = dict(device="cpu", expert_backend="native", expert_format="int8", gpu_experts_per_layer=3,
+                  deferred_experts=1)
+    want = prompt_logits(load(path, prefill_streaming="off", **common).model)
+    loaded = load(path, prefill_streaming="on", prefill_streaming_tokens=len(PROMPT), **common)
+    got = prompt_logits(loaded.model)
+    assert streamed_layers == [0, 0, 1, 1]  # each layer's own experts, then its deferred one
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
