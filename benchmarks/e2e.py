@@ -16,8 +16,9 @@ model would under the same budget, so its per-layer figures stand for the full m
 
 --formats runs each expert format in turn, one engine at a time, in this process. --ablation runs the
 first format "all on" (deferred experts 1 unless given) and, on the same model, with: no CUDA graph; no
-deferral (deferred experts 0); no GPU experts (--gpu-experts-per-layer 0). Qwen3-30B-A3B rows are also set against llama.cpp's
-reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s prefill at 512 (48 layers).
+deferral (deferred experts 0); no GPU experts (--gpu-experts-per-layer 0). Qwen3-30B-A3B rows are also
+set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s
+prefill at 512 (48 layers). DeepSeek-V2-Lite: --synthetic deepseek-v2-lite (27 layers: full depth fits).
 """
 
 from __future__ import annotations
@@ -289,7 +290,8 @@ def _main(args) -> int:
     full = full_depth_table(results, prompt_lens)
     if full:
         lines += ["", f"# extrapolated to {depth.layers} layers: decode = non-layer part + each layer at its kind's "
-                      "measured time (scaled by graph/eager step time); prefill = measured x layers / full depth", *full]
+                      "measured time (scaled by graph/eager step time); prefill = measured x layers / full depth",
+                  *full]
     if raw_cut.get("model_type") == "qwen3_moe" and raw_cut.get("num_experts") == 128:
         lines += ["", "# vs llama.cpp (same host, Qwen3-30B-A3B Q4_K_M, all experts on CPU, 48 layers): ours / theirs",
                   *llama_cpp_lines(results, prompt_lens)]
