@@ -5,7 +5,7 @@ in this run), at batch 1; one table, and (with --json) a JSON file that carries 
     python benchmarks/e2e.py --model DIR | --synthetic PRESET [--layers N]
         [--formats int4,bf16] [--prompt-lens 512,2048,8192] [--gen-len 32] [--ablation] [--json F]
         [engine options: --device, --gpu-memory-budget, --deferred-experts, ...]
-    python benchmarks/e2e.py --suite qwen3 | dsv3      # the issue's tables (about 4 / 2 minutes on the GPU host)
+    python benchmarks/e2e.py --suite qwen3 | dsv2lite | dsv3    # the issue's tables on the GPU host
 
 --synthetic writes a random-weight checkpoint of a make-model preset (qwen3-30b-a3b, deepseek-v2-lite,
 deepseek-v3, ...) into memory (/dev/shm) and loads it like any directory. Cut to --layers N, it reports
@@ -18,7 +18,7 @@ model would under the same budget, so its per-layer figures stand for the full m
 first format "all on" (deferred experts 1 unless given) and, on the same model, with: no CUDA graph; no
 deferral (deferred experts 0); no GPU experts (--gpu-experts-per-layer 0). Qwen3-30B-A3B rows are also
 set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s
-prefill at 512 (48 layers). DeepSeek-V2-Lite: --synthetic deepseek-v2-lite (27 layers: full depth fits).
+prefill at 512 (48 layers).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ DEFAULT_DEFERRED = 1
 SUITES = {
     "qwen3": dict(synthetic="qwen3-30b-a3b", layers=8, formats="int4,bf16", prompt_lens="512,2048,8192",
                   gen_len=32, ablation=True, engine=dict(gpu_memory_budget="16GiB")),
+    "dsv2lite": dict(synthetic="deepseek-v2-lite", layers=8, formats="int4", prompt_lens="512,2048,8192", gen_len=32,
+                     ablation=False, engine=dict(gpu_memory_budget="16GiB")),
     "dsv3": dict(synthetic="deepseek-v3", layers=4, formats="int4", prompt_lens="512,2048", gen_len=16,
                  ablation=False, engine=dict(gpu_memory_budget="16GiB")),
 }
