@@ -102,6 +102,7 @@ def test_doctor_prints_the_streaming_decision(tiny_checkpoints, capsys):
     common = ["doctor", "--model", path, "--measure-bytes", "1MiB", "--device", "cpu", "--expert-backend", "native",
               "--expert-format", "int8", "--gpu-experts-per-layer", "2"]
     assert main([*common, "--prefill-streaming", "on", "--prefill-streaming-tokens", "64"]) == 0
-    assert "streaming:  long prefill steps on from 64 tokens" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "streaming:  long prefill steps on from 64 tokens" in out and "prefill_streaming on (64+ tokens)" in out
     assert main(common) == 0
     assert "streaming:  long prefill steps off (no GPU)" in capsys.readouterr().out

@@ -78,7 +78,8 @@ def choices_line(ec, cuda_graph: bool | None = None) -> str:
     return (f"choices:    device {ec.device}, expert_backend {ec.expert_backend}"
             f"{f' ({ec.expert_format})' if ec.expert_backend == 'native' else ''}, gpu_memory_budget "
             f"{format_bytes(ec.gpu_memory_budget) if ec.gpu_memory_budget is not None else 'none'}, "
-            f"deferred_experts {ec.deferred_experts}{graph}")
+            f"deferred_experts {ec.deferred_experts}, prefill_streaming {ec.prefill_streaming}"
+            f"{f' ({ec.prefill_streaming_tokens}+ tokens)' if ec.prefill_streaming == 'on' else ''}{graph}")
 
 
 def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
