@@ -435,13 +435,18 @@ void MoeLayer::forward(const MoeCall& c) {
       const ActView a = act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
       const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows, cols = (it.b1 - it.b0) * kBlockRows;
       float* hrow = h + size_t(row_begin[it.j]) * ldh + col0;
-      thread_local AlignedVec<float> ubuf;
-      const int ldu = cols + 16;  // u [n, ldu]: not a multiple of 4 KiB either
-      float* u = grow(ubuf, size_t(a.n) * ldu);
-      const GemmFn gemm = gemm_of(kn, false, fmt);
-      gemm(view(gate, order[it.j], it.s), it.b0, it.b1, a, hrow, int(ldh));
-      gemm(view(up, order[it.j], it.s), it.b0, it.b1, a, u, ldu);
-      for (int t = 0; t < a.n; ++t) ops.silu_mul(hrow + size_t(t) * ldh, u + size_t(t) * ldu, cols);
+      if (kn.gate_up[int(fmt)]) {
+        kn.gate_up[int(fmt)](view(gate, order[it.j], it.s), view(up, order[it.j], it.s), it.b0, it.b1, a, hrow,
+                             int(ldh));
+      } else {
+        thread_local AlignedVec<float> ubuf;
+        const int ldu = cols + 16;  // u [n, ldu]: not a multiple of 4 KiB either
+        float* u = grow(ubuf, size_t(a.n) * ldu);
+        const GemmFn gemm = gemm_of(kn, false, fmt);
+        gemm(view(gate, order[it.j], it.s), it.b0, it.b1, a, hrow, int(ldh));
+        gemm(view(up, order[it.j], it.s), it.b0, it.b1, a, u, ldu);
+        for (int t = 0; t < a.n; ++t) ops.silu_mul(hrow + size_t(t) * ldh, u + size_t(t) * ldu, cols);
+      }
       // The last one of this expert (acq_rel: it sees every other item's h) converts h.
       if (pending[it.j].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         down_acts(it.j);

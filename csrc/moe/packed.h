@@ -89,6 +89,10 @@ struct Kernels {
   // reads x as int8 but h = silu(g) * u in bf16: h's heavy tail loses too much in int8.
   GemmFn down_gemm[3] = {};
   ActKind down_act[3] = {};
+  // h = silu(x Wg^T) * (x Wu^T) in one pass over x, where a kernel set has it (null: two GEMMs
+  // and RowOps::silu_mul). Blocks [b0, b1) of both; h like GemmFn's out.
+  void (*gate_up[3])(const PackedView& gate, const PackedView& up, int b0, int b1, const ActView& a, float* h,
+                     int ldh) = {};
 };
 
 static inline GemmFn gemm_of(const Kernels& k, bool down, Format f) {
