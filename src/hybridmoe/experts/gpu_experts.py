@@ -3,8 +3,8 @@
 weighted_experts is the reference (any device, any T; it groups slots by expert with one host
 sync). fixed_shape_experts computes the same sum in shapes fixed by T, K and E with no host sync,
 so a CUDA graph can capture it: on CUDA with triton and SiLU experts, two grouped Triton kernels
-that read only the routed experts' weights (gpu_experts_triton.py, over the slot blocks made
-here); elsewhere (the CPU in CI, no triton, another activation) its torch version.
+that read only the routed experts' weights (gpu_experts_triton.py: expert-major for decode, over
+the slot blocks made here for longer steps); elsewhere (the CPU in CI, no triton, another activation) its torch version.
 
 T tokens, K experts per token, S = T * K slots, E experts here, H hidden, I expert intermediate size.
 """

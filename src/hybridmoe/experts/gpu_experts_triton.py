@@ -1,11 +1,14 @@
 """The GPU share of a MoE layer as two Triton kernels that read only the routed experts' weights.
 
-The slots are sorted by expert and cut into blocks of BLOCK_S slots of one expert each (each
-expert's run padded to a whole block), the way grouped MoE GEMMs are laid out; the number of
-blocks is bounded by S / BLOCK_S + E, so every shape depends on T, K and E alone and nothing
-waits on the host: a CUDA graph captures it. A program works on one block: it reads its
-expert's rows once for up to BLOCK_S slots; the blocks past the last used one return at once, so
-an expert no slot routes to costs no weight reads.
+Two ways to hand programs their slots, both in shapes fixed by T, K and E with nothing waiting on
+the host (a CUDA graph captures either):
+- expert-major (S <= MAX_EXPERT_MAJOR_SLOTS, decode): program e reads the S slots' expert ids and
+  works on those that are e; an expert no slot routes to returns after reading S ids. Each routed
+  expert's weights are read exactly once, and the only other work is a few tiny torch ops.
+- sorted blocks (longer steps, prefill): the slots are sorted by expert and cut into blocks of
+  BLOCK_S slots of one expert each (slot_blocks in gpu_experts.py), so an expert's weights are read
+  once per BLOCK_S of its slots; building the blocks takes a few dozen tiny torch ops, which a
+  long step does not notice.
 
 T tokens, K slots per token, S = T * K slots (slot s is token s // K), E experts here,
 H hidden, I expert intermediate size, NB blocks.
@@ -19,20 +22,40 @@ import triton.language as tl
 
 from hybridmoe.experts.gpu_experts import block_size, slot_blocks
 
+MAX_EXPERT_MAJOR_SLOTS = 64
+"""Steps of at most this many slots (a batch of 8 with 8 experts per token) run expert-major: one
+block of slots that every expert's programs scan."""
+
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, block_expert_ptr, block_slots_ptr, h_ptr, H, I, K,
+def _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+    """This program's expert, its BLOCK_S slot indices and which of them it works on (sel).
+
+    EXPERT_MAJOR: block_slots_ptr holds each slot's expert id [S] (-1: not here) and program b is
+    expert b. Otherwise block_expert [NB] and block_slots [NB, BLOCK_S] from slot_blocks.
+    """
+    b = tl.program_id(0)
+    if EXPERT_MAJOR:
+        slots = tl.arange(0, BLOCK_S)
+        sel = tl.load(block_slots_ptr + slots, mask=slots < S, other=-1) == b
+        e = b
+    else:
+        slots = tl.load(block_slots_ptr + b * BLOCK_S + tl.arange(0, BLOCK_S))  # -1: padding
+        sel = slots >= 0
+        e = tl.load(block_expert_ptr + b)
+    return e, tl.where(sel, slots, 0), sel
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, block_expert_ptr, block_slots_ptr, h_ptr, S, H, I, K,
                     stride_x, stride_we, stride_wi, stride_h,
                     BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """h[s, i-block] = silu(x[s // K] . gate[e, i]) * (x[s // K] . up[e, i]) for the block's slots s."""
-    block = tl.program_id(0)
-    e = tl.load(block_expert_ptr + block)
-    if e >= 0:
+                    PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+    """h[s, i-block] = silu(x[s // K] . gate[e, i]) * (x[s // K] . up[e, i]) for the program's slots s."""
+    e, slots, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
+    if tl.max(sel.to(tl.int32), axis=0) > 0:
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] intermediate rows
-        slots = tl.load(block_slots_ptr + block * BLOCK_S + tl.arange(0, BLOCK_S))  # [BLOCK_S], -1: padding
-        sel = slots >= 0
-        tok = tl.where(sel, slots, 0) // K
+        tok = slots // K
         acc_g = tl.zeros((BLOCK_S, BLOCK_I), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_S, BLOCK_I), dtype=tl.float32)
         w_off = e.to(tl.int64) * stride_we + rows[None, :] * stride_wi  # [1, BLOCK_I]
@@ -47,23 +70,19 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, block_expert_ptr, block_slots_ptr, 
             acc_g = tl.dot(xs, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xs, wu, acc_u, input_precision=PRECISION)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h_ptr + tl.where(sel, slots, 0)[:, None] * stride_h + rows[None, :], act,
+        tl.store(h_ptr + slots[:, None] * stride_h + rows[None, :], act,
                  mask=sel[:, None] & (rows[None, :] < I))
 
 
 @triton.jit
-def _down_kernel(h_ptr, down_ptr, block_expert_ptr, block_slots_ptr, w_ptr, y_ptr, H, I,
+def _down_kernel(h_ptr, down_ptr, block_expert_ptr, block_slots_ptr, w_ptr, y_ptr, S, H, I,
                  stride_h, stride_de, stride_dh, stride_y,
                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """y[s, h-block] = w[s] * (down[e, h-block] . h[s]) for the block's slots s."""
-    block = tl.program_id(0)
-    e = tl.load(block_expert_ptr + block)
-    if e >= 0:
+                 PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr):
+    """y[s, h-block] = w[s] * (down[e, h-block] . h[s]) for the program's slots s."""
+    e, row, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
+    if tl.max(sel.to(tl.int32), axis=0) > 0:
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] hidden rows of down
-        slots = tl.load(block_slots_ptr + block * BLOCK_S + tl.arange(0, BLOCK_S))
-        sel = slots >= 0
-        row = tl.where(sel, slots, 0)
         acc = tl.zeros((BLOCK_S, BLOCK_H), dtype=tl.float32)
         d_off = e.to(tl.int64) * stride_de + cols[None, :] * stride_dh  # [1, BLOCK_H]
         for i0 in range(0, I, BLOCK_I):
@@ -88,10 +107,15 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     T, K = ids.shape
     E, I, H = gate.shape
     S = T * K
-    sid = torch.where(mask, ids.long(), E).reshape(S)  # [S], E: not on this GPU
-    block = block_size(S, E)
-    block_expert, block_slots = slot_blocks(sid, E, block)
-    NB = block_expert.numel()
+    expert_major = S <= MAX_EXPERT_MAJOR_SLOTS
+    if expert_major:
+        block = max(16, triton.next_power_of_2(S))  # tl.dot needs 16 rows
+        block_slots = torch.where(mask, ids, -1).to(torch.int32).reshape(S)  # [S] each slot's expert
+        block_expert, NB = block_slots, E  # (unread)
+    else:
+        block = block_size(S, E)
+        block_expert, block_slots = slot_blocks(torch.where(mask, ids.long(), E).reshape(S), E, block)
+        NB = block_expert.numel()
     w = weights.float().reshape(S)
     xw = x.to(gate.dtype).contiguous()
     h = torch.empty(S, I, dtype=torch.float32, device=x.device)  # rows of slots not here stay unread
@@ -99,9 +123,9 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     # fp32 models keep fp32 products (tf32 would miss the reference by ~1e-3)
     precision = "ieee" if gate.dtype == torch.float32 else "tf32"
     _gate_up_kernel[(NB, triton.cdiv(I, 16))](
-        xw, gate, up, block_expert, block_slots, h, H, I, K, xw.stride(0), gate.stride(0), gate.stride(1),
-        h.stride(0), BLOCK_S=block, BLOCK_I=16, BLOCK_H=128, PRECISION=precision)
+        xw, gate, up, block_expert, block_slots, h, S, H, I, K, xw.stride(0), gate.stride(0), gate.stride(1),
+        h.stride(0), BLOCK_S=block, BLOCK_I=16, BLOCK_H=128, PRECISION=precision, EXPERT_MAJOR=expert_major)
     _down_kernel[(NB, triton.cdiv(H, 32))](
-        h, down, block_expert, block_slots, w, y, H, I, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BLOCK_S=block, BLOCK_H=32, BLOCK_I=64, PRECISION=precision)
+        h, down, block_expert, block_slots, w, y, S, H, I, h.stride(0), down.stride(0), down.stride(1),
+        y.stride(0), BLOCK_S=block, BLOCK_H=32, BLOCK_I=64, PRECISION=precision, EXPERT_MAJOR=expert_major)
     return y.view(T, K, H).sum(dim=1)
