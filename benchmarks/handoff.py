@@ -9,6 +9,8 @@ layer), copies its output back (H2D) and adds it on the GPU. Variants, all in th
                    our polling thread runs the layer, the stream waits for the done word (graph)
   memops_split     the same with enqueue_submit + enqueue_wait (graph)
   memops_eager     memops launched from Python every step (no graph)
+  memops_blocking  memops, timed while this thread sleeps in its wait for the GPU (a blocking
+                   event) instead of spinning: with as many workers as CPUs, the core it frees
   native           CudaHandoff(path="host_function").enqueue: one native host function per layer (graph)
   native_split     enqueue_submit + enqueue_wait: two native host functions per layer (graph)
   native_eager     native launched from Python every step (no graph)
@@ -24,6 +26,7 @@ ordering the CPU work on the stream costs beyond the copies and the CPU work its
 the native handoff: <= 10 µs.
 
     python benchmarks/handoff.py --layers 48 --tokens 1,4 --json out/handoff.json
+    python benchmarks/handoff.py --threads 16,15 --variants gpu_only,cpu_step,cpu_step_here,memops,native
 """
 
 from __future__ import annotations
@@ -52,23 +55,36 @@ def parse_args():
     p.add_argument("--experts", type=int, default=8, help="E of the toy CPU step")
     p.add_argument("--intermediate", type=int, default=32, help="I of the toy CPU step")
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--threads", type=int, default=4, help="CPU expert workers of the toy step")
+    p.add_argument("--threads", default="4", help="CPU expert workers of the toy step (comma-separated: one "
+                   "table each; as many as the CPUs shows what a pool that leaves none free costs)")
+    p.add_argument("--variants", help="comma-separated variants to run (default: all)")
     p.add_argument("--reps", type=int, default=100, help="steps per timed trial")
     p.add_argument("--trials", type=int, default=5, help="timed trials (the median is reported)")
     p.add_argument("--json", help="write the results here")
     return p.parse_args()
 
 
-def seconds_per_call(fn, reps: int, trials: int) -> float:
+def seconds_per_call(fn, reps: int, trials: int, blocking: bool = False) -> float:
+    """Median seconds per call. blocking: this thread sleeps while it waits for the GPU (an event
+    with blocking sync) instead of spinning in torch.cuda.synchronize, leaving its core free."""
+
+    def sync():
+        if blocking:
+            done = torch.cuda.Event(blocking=True)
+            done.record()
+            done.synchronize()
+        else:
+            torch.cuda.synchronize()
+
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(trials):
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
+        sync()
         samples.append((time.perf_counter() - t0) / reps)
     return statistics.median(samples)
 
@@ -142,17 +158,61 @@ class Baselines:
 def main():
     args = parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    wanted = set(args.variants.split(",")) if args.variants else None
     E, H, I, K, L = args.experts, args.hidden, args.intermediate, args.top_k, args.layers
-    g = torch.Generator().manual_seed(0)
-    experts = CpuExperts(torch.randn(E, I, H, generator=g) / H**0.5, torch.randn(E, I, H, generator=g) / H**0.5,
-                         torch.randn(E, H, I, generator=g) / I**0.5, format="bf16", threads=args.threads)
-    # One toy layer behind every handoff layer: the CPU step stays small and cached.
-    handoff = CudaHandoff([experts] * L, max_tokens=max(tokens), top_k=K, path="host_function")
-    try:
-        memops = CudaHandoff([experts] * L, max_tokens=max(tokens), top_k=K, path="stream_mem_ops")
-    except Exception as e:  # reported in the table, the other variants still run
-        memops, memops_error = None, f"{type(e).__name__}: {e}"
-    base = Baselines(experts, L, max(tokens), H, K, handoff.runtime)
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cpus": len(os.sched_getaffinity(0)), "layers": L, "H": H, "E": E, "I": I, "K": K,
+            "reps": args.reps, "trials": args.trials}
+    rows = []
+    for n in threads:
+        g = torch.Generator().manual_seed(0)
+        experts = CpuExperts(torch.randn(E, I, H, generator=g) / H**0.5, torch.randn(E, I, H, generator=g) / H**0.5,
+                             torch.randn(E, H, I, generator=g) / I**0.5, format="bf16", threads=n)
+        # One toy layer behind every handoff layer: the CPU step stays small and cached.
+        handoff = CudaHandoff([experts] * L, max_tokens=max(tokens), top_k=K, path="host_function")
+        try:
+            memops, memops_error = CudaHandoff([experts] * L, max_tokens=max(tokens), top_k=K,
+                                               path="stream_mem_ops"), None
+        except Exception as e:  # reported in the table, the other variants still run
+            memops, memops_error = None, f"{type(e).__name__}: {e}"
+        info.update(cudart=handoff.runtime, isa=experts.isa, memops_path=memops.path if memops else memops_error)
+        print(f"{info['gpu']}, torch {info['torch']}, cudart {info['cudart']}, {info['cpus']} CPUs, "
+              f"isa {info['isa']}; {L} layers, H={H}, toy CPU step E={E} I={I} K={K} on {n} threads; "
+              f"stream_mem_ops: {info['memops_path']}")
+        print(f"{'T':>3} {'variant':<16} {'us/step':>10} {'us/layer':>9} {'handoff us/layer':>17}", flush=True)
+        base = Baselines(experts, L, max(tokens), H, K, handoff.runtime)
+        for T in tokens:
+            x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+            w = torch.softmax(torch.randn(T, K, generator=g), dim=-1).cuda()
+            runs = variants(L, T, x, ids, w, base, handoff, memops, memops_error)
+            times = {}
+            for name, (make, blocking) in runs.items():
+                if wanted is not None and name not in wanted:
+                    continue
+                row = {"threads": n, "T": T, "variant": name}
+                try:
+                    t = times[name] = seconds_per_call(make(), args.reps, args.trials, blocking)
+                    for h in (handoff, memops):
+                        if h is not None:
+                            h.check()
+                    row.update(us_per_step=t * 1e6, us_per_layer=t * 1e6 / L)
+                    cpu = "cpu_step_here" if name.startswith("memops") else "cpu_step"
+                    if not name.startswith(("gpu_only", "cpu_step")) and "gpu_only" in times and cpu in times:
+                        row["handoff_us_per_layer"] = (t - times["gpu_only"] - times[cpu]) * 1e6 / L
+                except Exception as e:  # one variant failing must not hide the others' numbers
+                    row["error"] = f"{type(e).__name__}: {e}"
+                rows.append(row)
+                print_row(row)
+                if args.json:
+                    write_json(args.json, info, rows)
+        del handoff, memops, base
+        torch.cuda.synchronize()
+
+
+def variants(L, T, x, ids, w, base, handoff, memops, memops_error) -> dict:
+    """name -> (make: () -> the step to time, blocking: whether the timer sleeps in its waits)."""
 
     def chain(h):
         def step(x, ids, w):
@@ -169,7 +229,7 @@ def main():
             return x
         return step
 
-    def cpu_step(h, T):
+    def cpu_step(h):
         chain(h)(x, ids, w)  # stage real inputs for the CPU work to run on
         torch.cuda.synchronize()
         return lambda: h.run_on_host(range(L), T)
@@ -181,51 +241,21 @@ def main():
             return make()
         return checked
 
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudart": handoff.runtime,
-            "memops_path": memops.path if memops else memops_error,
-            "cpus": len(os.sched_getaffinity(0)), "isa": experts.isa, "layers": L, "H": H, "E": E, "I": I, "K": K,
-            "threads": args.threads, "reps": args.reps, "trials": args.trials}
-    print(f"{info['gpu']}, torch {info['torch']}, cudart {info['cudart']}, {info['cpus']} CPUs, isa {info['isa']}; "
-          f"{L} layers, H={H}, toy CPU step E={E} I={I} K={K} on {args.threads} threads; "
-          f"stream_mem_ops: {info['memops_path']}")
-    print(f"{'T':>3} {'variant':<16} {'us/step':>10} {'us/layer':>9} {'handoff us/layer':>17}", flush=True)
-    rows = []
-    for T in tokens:
-        x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
-        w = torch.softmax(torch.randn(T, K, generator=g), dim=-1).cuda()
-        # The Python host callback last: if it stalls, the native figures are already out.
-        runs = {
-            "gpu_only": lambda: graphed(base.gpu_only, x, ids, w),
-            "cpu_step": lambda: cpu_step(handoff, T),
-            "cpu_step_here": needs_memops(lambda: cpu_step(memops, T)),
-            "memops": needs_memops(lambda: graphed(chain(memops), x, ids, w)),
-            "memops_split": needs_memops(lambda: graphed(chain_split(memops), x, ids, w)),
-            "memops_eager": needs_memops(lambda: (lambda: chain(memops)(x, ids, w))),
-            "native": lambda: graphed(chain(handoff), x, ids, w),
-            "native_split": lambda: graphed(chain_split(handoff), x, ids, w),
-            "native_eager": lambda: (lambda: chain(handoff)(x, ids, w)),
-            "python_sync": lambda: (lambda: base.python_sync(x, ids, w)),
-            "python_callback": lambda: graphed(base.python_callback, x, ids, w),
-        }
-        times = {}
-        for name, make in runs.items():
-            row = {"T": T, "variant": name}
-            try:
-                t = times[name] = seconds_per_call(make(), args.reps, args.trials)
-                for h in (handoff, memops):
-                    if h is not None:
-                        h.check()
-                row.update(us_per_step=t * 1e6, us_per_layer=t * 1e6 / L)
-                cpu = "cpu_step_here" if name.startswith("memops") else "cpu_step"
-                if not name.startswith(("gpu_only", "cpu_step")) and "gpu_only" in times and cpu in times:
-                    row["handoff_us_per_layer"] = (t - times["gpu_only"] - times[cpu]) * 1e6 / L
-            except Exception as e:  # one variant failing must not hide the others' numbers
-                row["error"] = f"{type(e).__name__}: {e}"
-            rows.append(row)
-            print_row(row)
-            if args.json:
-                write_json(args.json, info, rows)
+    # The Python host callback last: if it stalls, the native figures are already out.
+    return {
+        "gpu_only": (lambda: graphed(base.gpu_only, x, ids, w), False),
+        "cpu_step": (lambda: cpu_step(handoff), False),
+        "cpu_step_here": (needs_memops(lambda: cpu_step(memops)), False),
+        "memops": (needs_memops(lambda: graphed(chain(memops), x, ids, w)), False),
+        "memops_blocking": (needs_memops(lambda: graphed(chain(memops), x, ids, w)), True),
+        "memops_split": (needs_memops(lambda: graphed(chain_split(memops), x, ids, w)), False),
+        "memops_eager": (needs_memops(lambda: (lambda: chain(memops)(x, ids, w))), False),
+        "native": (lambda: graphed(chain(handoff), x, ids, w), False),
+        "native_split": (lambda: graphed(chain_split(handoff), x, ids, w), False),
+        "native_eager": (lambda: (lambda: chain(handoff)(x, ids, w)), False),
+        "python_sync": (lambda: (lambda: base.python_sync(x, ids, w)), False),
+        "python_callback": (lambda: graphed(base.python_callback, x, ids, w), False),
+    }
 
 
 def print_row(r: dict) -> None:
