@@ -21,9 +21,12 @@ T tokens, K experts per token, R = routed (token, slot) pairs, E experts, H hidd
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import math
+import os
+import weakref
 
 import torch
 
@@ -112,7 +115,8 @@ class _HostLayer:
             self.offsets[name] = offset
             offset += _aligned(buf.numel())
         self.nbytes = offset
-        self.registered: list[int] = []  # host pointers registered with CUDA (freed with the streamer)
+        self.registered: list[int] = []  # host pointers registered with CUDA (until the streamer goes)
+        self.tried = False  # registration attempted
 
 
 class PrefillStreamer:
@@ -136,6 +140,10 @@ class PrefillStreamer:
         self.current: int | None = None  # the layer whose experts are being computed
         self.prefetch_next = True  # copy layer L+1 while L computes (off: every copy waited for, to measure)
         self._pinned_failed = False
+        self._unregister = None
+        if cuda:
+            self._unregister = weakref.finalize(self, _unregister, [h.registered for h in self.layers.values()])
+            self._unregister.atexit = False  # the process's end frees it all
 
     @property
     def slot_bytes(self) -> int:
@@ -189,28 +197,46 @@ class PrefillStreamer:
 
     def _register(self, host: _HostLayer) -> None:
         """Page-lock the layer's host buffers once, so copies are DMA from them (no staging copy)."""
-        if host.registered or self._pinned_failed:
+        if host.tried or self._pinned_failed:
             return
+        host.tried = True
         cudart = torch.cuda.cudart()
         for buf in host.buffers.values():
-            if buf.is_pinned():
-                continue
             err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
             if int(err) != 0:
+                _clear_cuda_error()
                 self._pinned_failed = True
-                log.warning("prefill streaming copies from pageable memory (cudaHostRegister failed: %s): slower", err)
+                log.warning("prefill streaming copies from pageable memory, slower (cudaHostRegister failed: %s)",
+                            cudart.cudaGetErrorString(err))
                 return
             host.registered.append(buf.data_ptr())
 
     def close(self) -> None:
-        """Unregister the host memory (before the CPU engines free it)."""
-        if self.copy_stream is not None:
-            torch.cuda.synchronize(self.device)
-            cudart = torch.cuda.cudart()
-            for host in self.layers.values():
-                for ptr in host.registered:
-                    cudart.cudaHostUnregister(ptr)
-                host.registered.clear()
+        """Unregister the host memory now (else when the streamer is collected, before the CPU engines
+        it keeps alive can free that memory: a later mapping at the same addresses must not find the
+        registration still there)."""
+        if self._unregister is not None:
+            self._unregister()
+
+
+def _unregister(registered: list[list[int]]) -> None:
+    torch.cuda.synchronize()  # no copy may still read the pages
+    cudart = torch.cuda.cudart()
+    for ptrs in registered:
+        for ptr in ptrs:
+            cudart.cudaHostUnregister(ptr)
+        ptrs.clear()
+
+
+def _clear_cuda_error() -> None:
+    """A failed cudaHostRegister stays the CUDA runtime's last error, which torch would raise at its next
+    check: read it off with cudaGetLastError, in the runtime torch already loaded (if it is found)."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_NOW).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
