@@ -22,9 +22,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -226,7 +229,12 @@ class Handoff : public hmoe::FlagChannel {
       if (T == 0) continue;
       hmoe::store_flag(&flags_[go_word(layer)], 0);
       if (T <= uint32_t(max_tokens_)) {
+        const auto t0 = std::chrono::steady_clock::now();
         serve(served_[size_t(layer) * max_tokens_ + T - 1]);
+        serve_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - t0).count(),
+                            std::memory_order_relaxed);
+        served_count_.fetch_add(1, std::memory_order_relaxed);
       } else {
         record("layer " + std::to_string(layer) + ": the stream asked for " + std::to_string(T) + " tokens");
       }
@@ -246,6 +254,12 @@ class Handoff : public hmoe::FlagChannel {
   // step's first layer (after the sampler, the scheduler, a graph launch) finds them spinning.
   void idle() override {
     for (auto& l : layers_) l->moe->prewake();
+  }
+
+  // Polling mode: (layers served, nanoseconds spent serving them) since the last call, then
+  // zeroed: the CPU work's own time inside a running pipeline, apart from the handoff's.
+  std::pair<int64_t, int64_t> take_stats() {
+    return {served_count_.exchange(0), serve_ns_.exchange(0)};
   }
 
   std::string mode() const { return polling_ ? "stream_mem_ops" : "host_function"; }
@@ -375,6 +389,7 @@ class Handoff : public hmoe::FlagChannel {
   uint32_t* flags_ = nullptr;
   uint64_t flags_dev_ = 0;
   std::vector<Job*> served_;
+  std::atomic<int64_t> served_count_{0}, serve_ns_{0};
   std::mutex error_mu_;
   std::optional<std::string> error_;
 };
@@ -413,6 +428,7 @@ void register_cuda_host(nb::module_& m) {
       .def("done_word", [](const Handoff& h, int layer) { return h.done_word(h.checked(layer)); }, "layer"_a)
       .def_prop_ro("flag_words", &Handoff::flag_words)
       .def_prop_ro("mode", &Handoff::mode)
+      .def("take_stats", &Handoff::take_stats)
       .def("take_error", &Handoff::take_error)
       .def_prop_ro("num_layers", &Handoff::num_layers)
       .def_prop_ro("max_tokens", &Handoff::max_tokens)

@@ -89,6 +89,9 @@ def test_poller_answers_the_stream_round_after_round():
             assert (layer.out[T:] == 7.0).all()  # only the T rows asked for were written
     assert handoff.take_error() is None
     assert not any(flags[handoff.go_word(i)].item() for i in range(2))
+    served, ns = handoff.take_stats()
+    assert served == 10 and ns > 0
+    assert handoff.take_stats() == (0, 0)
 
 
 def test_a_go_never_waited_for_leaves_no_stale_done():

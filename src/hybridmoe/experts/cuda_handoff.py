@@ -252,6 +252,15 @@ class CudaHandoff:
             raise HybridMoEError(f"layers {unknown} have no CPU experts in this handoff (layers: {self.layers})")
         self._call(self._native.run, [self._index[layer] for layer in layers], int(T))
 
+    def take_stats(self) -> dict | None:
+        """stream_mem_ops path: {"layers": n, "cpu_us": total} for the layers the polling thread
+        ran since the last call (the CPU work's own time inside the pipeline), then zeroed; None on
+        the host_function path."""
+        if self.path != "stream_mem_ops":
+            return None
+        n, ns = self._native.take_stats()
+        return {"layers": n, "cpu_us": ns / 1e3}
+
     def check(self) -> None:
         """Raise the first error the CPU work recorded since the last check (after a sync)."""
         err = self._native.take_error()
