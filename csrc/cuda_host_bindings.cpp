@@ -250,12 +250,6 @@ class Handoff : public hmoe::FlagChannel {
     return layer;
   }
 
-  // Called by the poller while it spins idle: keep the pool's workers awake too, so that a
-  // step's first layer (after the sampler, the scheduler, a graph launch) finds them spinning.
-  void idle() override {
-    for (auto& l : layers_) l->moe->prewake();
-  }
-
   // Polling mode: (layers served, nanoseconds spent serving them) since the last call, then
   // zeroed: the CPU work's own time inside a running pipeline, apart from the handoff's.
   std::pair<int64_t, int64_t> take_stats() {

@@ -315,10 +315,6 @@ void FlagPoller::main() {
     const int64_t t = now_ns(), idle = t - last_work;
     if (idle < kSpinNs) {
       if (t > next_yield) {
-        {
-          std::lock_guard<std::mutex> lk(mu_);
-          for (FlagChannel* c : channels_) c->idle();
-        }
         sched_yield();  // a thread sharing this core (Python, a CUDA thread) is never starved long
         next_yield = t + 50'000;
       }

@@ -87,21 +87,22 @@ inline void store_flag(uint32_t* w, uint32_t v) { __atomic_store_n(w, v, __ATOMI
 
 // One thread for the whole process that calls poll() on every registered channel in turn: a
 // channel looks at its flag words, serves what it finds and says whether it did. After work it
-// spins (pause, a yield every ~50 us) for kSpin, so the layers of a decode step (one every tens
-// to hundreds of microseconds) and the gap between steps find it awake, and calls idle() on
-// every channel at each yield (a channel keeps its CPU workers awake with it); idle longer, it naps
-// 50 us at a time, and after 100 ms idle 1 ms at a time, so an idle server costs next to nothing
-// (the first layer after a long idle waits at most one nap). With no channel it sleeps.
+// spins (pause, a yield every ~50 us) for kSpin, as long as the engine pool's longest spin
+// window, so the layers of a decode step (one every tens to hundreds of microseconds) find it
+// awake; idle longer, it naps 50 us at a time (the core is free for the thread that runs the
+// step between GPU launches: the pool's workers already fill the others), and after 100 ms idle
+// 1 ms at a time, so an idle server costs next to nothing (the first layer after a long idle
+// waits at most one nap). With no channel it sleeps. It does not keep the pool's workers awake
+// past their own window: a step's driver can wake them (MoeLayer::prewake, the wake word).
 class FlagChannel {
  public:
   virtual ~FlagChannel() = default;
   virtual bool poll() = 0;
-  virtual void idle() = 0;
 };
 
 class FlagPoller {
  public:
-  static constexpr int64_t kSpinNs = 5'000'000;
+  static constexpr int64_t kSpinNs = 2'000'000;
   static constexpr int64_t kShortNapNs = 50'000;
   static constexpr int64_t kLongNapAfterNs = 100'000'000;
   static constexpr int64_t kLongNapNs = 1'000'000;

@@ -141,7 +141,7 @@ def test_a_deleted_handoff_is_no_longer_polled():
 
 def test_idle_poller_naps_instead_of_spinning():
     handoff, _ = polling_handoff([Layer(0)])
-    time.sleep(0.25)  # past the spin window (5 ms) and into the long naps (after 100 ms)
+    time.sleep(0.25)  # past the spin window (2 ms) and into the long naps (after 100 ms)
     assert native.flag_poller_napping()
     cpu0, wall0 = time.process_time(), time.monotonic()
     time.sleep(0.5)
