@@ -117,11 +117,15 @@ def test_graph_replay_equals_eager(handoff, routers, T):
         assert torch.equal(replayed, eager)
         outs.append(replayed)
     assert not torch.equal(outs[0], outs[1])  # each replay computed its own input
+    handoff.take_stats()
     for _ in range(20):  # replays queued back to back: the flag protocol holds across them
         graph.replay()
     torch.cuda.synchronize()
     handoff.check()
     assert torch.equal(static_out, outs[-1])
+    if handoff.path == "stream_mem_ops":  # the polling thread ran each layer of each replay once
+        stats = handoff.take_stats()
+        assert stats["layers"] == 20 * L and stats["cpu_us"] > 0
 
 
 def test_two_handoffs_interleaved_in_one_graph(layers, routers):
