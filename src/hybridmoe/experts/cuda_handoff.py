@@ -14,11 +14,12 @@ CPU's: enqueue_submit(stream, layer, ...) ... enqueue_wait(stream, layer) -> out
 How the stream hands the rows to the CPU and gets the result back (`path`, C++ in
 csrc/cuda_host_bindings.cpp and csrc/runtime/cuda_host.cpp):
 
-  stream_mem_ops  after the D2H copies the stream writes the layer's go word (T) in pinned,
-                  device-mapped host memory (cuStreamWriteValue32, libcuda via dlopen); one
-                  native thread of the process spins on such words, runs the layer on its own
-                  thread (as a worker of the engine's pool) and sets the done word; the stream
-                  waits for it (cuStreamWaitValue32), clears it and copies the output H2D.
+  stream_mem_ops  after the D2H copies the stream clears the layer's done word and writes its
+                  go word (T) in pinned, device-mapped host memory (cuStreamWriteValue32,
+                  libcuda via dlopen); one native thread of the process spins on such words,
+                  runs the layer on its own thread (as a worker of the engine's pool) and sets
+                  the done word; the stream waits for it (cuStreamWaitValue32) and copies the
+                  output H2D.
   host_function   the CPU work as native host functions (cudaLaunchHostFunc): submit and wait
                   run by CUDA's callback thread in stream order.
 
