@@ -29,12 +29,13 @@ import math
 import signal
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from hybridmoe.bench import DepthInfo, run_suite
+from hybridmoe.bench_suite import DepthInfo, run_suite
 from hybridmoe.bench_floor import ASSUMPTION, floor_ratio
 from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
 from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
@@ -133,21 +134,43 @@ def full_depth_gpu_experts(raw_full: dict, kwargs: dict) -> tuple[int, str]:
                        "experts per MoE layer to match")
 
 
-def configurations(kwargs: dict, formats: list[str | None], ablation: bool) -> list[tuple[str, dict, bool]]:
-    """(label, engine kwargs, every prompt length?) per run: each format; with ablation, the first format
-    "all on" and without each technique (those rows prefill the first prompt length only)."""
+def configurations(kwargs: dict, formats: list[str | None], ablation: bool
+                   ) -> list[tuple[str, dict, str | None, bool]]:
+    """(label, engine kwargs, label of the same engine with graphs off or None, every prompt length?) per
+    load: each format; with ablation, the first format "all on" (then graphs off), without deferral and
+    without GPU experts, those last three prefilling the first prompt length only."""
     runs = []
     for k, fmt in enumerate(formats):
         base = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
         name = fmt or kwargs.get("expert_format") or "auto format"
         if not ablation or k > 0:
-            runs.append((name, base, True))
+            runs.append((name, base, None, True))
             continue
         base.setdefault("deferred_experts", DEFAULT_DEFERRED)
-        runs += [(f"{name} all on", base, True), (f"{name} no CUDA graph", dict(base, cuda_graph=False), False),
-                 (f"{name} no deferral", dict(base, deferred_experts=0), False),
-                 (f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), False)]
+        runs += [(f"{name} all on", base, f"{name} no CUDA graph", True),
+                 (f"{name} no deferral", dict(base, deferred_experts=0), None, False),
+                 (f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), None, False)]
     return runs
+
+
+def run_configuration(model_dir: str, label: str, run_kwargs: dict, eager_label: str | None, lens: list[int],
+                      **suite) -> list:
+    """run_suite for one load; a failure is printed (traceback on stderr) and retried once with prefill
+    streaming off, the rows then labelled so; a second failure gives no rows."""
+    for extra in ({}, {"prefill_streaming": "off"}):
+        if extra and run_kwargs.get("prefill_streaming") == "off":
+            break
+        tag = " (streaming off)" if extra else ""
+        try:
+            ec = EngineConfig.from_kwargs(**{**run_kwargs, **extra})
+            return run_suite(label + tag, model_dir, ec, lens, eager_label=eager_label and eager_label + tag,
+                             **suite)
+        except HybridMoEError:
+            raise
+        except Exception as e:  # noqa: BLE001 (one configuration's crash must not lose the others' rows)
+            traceback.print_exc()
+            print(f"  {label}{tag}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
+    return []
 
 
 def _fmt(v: float | None, spec: str = ".1f") -> str:
@@ -157,7 +180,7 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 def results_table(results, prompt_lens: list[int]) -> list[str]:
     head = (["config"] + [f"prefill {n}" for n in prompt_lens] + [f"TTFT {prompt_lens[0]} ms", "decode tok/s",
             "ms/token", "floor ms", "decode/floor", "CPU exp/token", "GPU exp/layer", "graph", "peak GPU GiB",
-            "RSS GiB", "load s"])
+            "RSS GiB", "peak RSS GiB", "load s"])
     rows = []
     for r in results:
         gpu = sorted({layer.on_gpu for layer in r.floor.layers})
@@ -165,45 +188,55 @@ def results_table(results, prompt_lens: list[int]) -> list[str]:
                     + [_fmt(1e3 * r.ttft_s[prompt_lens[0]], ".0f"), _fmt(r.decode_tok_s), _fmt(1e3 * r.decode_s, ".2f"),
                        _fmt(1e3 * r.floor.seconds, ".3f"), _fmt(floor_ratio(r.decode_s, r.floor), ".2f"),
                        _fmt(r.floor.cpu_experts_per_token), "/".join(map(str, gpu)) or "-",
-                       "on" if r.cuda_graph else "off", _fmt(r.peak_gpu_gib, ".2f"), _fmt(r.peak_rss_gib, ".2f"),
+                       "on" if r.cuda_graph else "off", _fmt(r.peak_gpu_gib, ".2f"), _fmt(r.rss_gib, ".2f"),
+                       _fmt(r.peak_rss_gib, ".2f"),
                        _fmt(r.load_s)])
     return _table(head, rows)
 
 
 def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
-    head = ["config (extrapolated)", "layers", "decode tok/s", "ms/token", "floor ms", "decode/floor",
-            f"prefill {prompt_lens[0]}", "MoE layer ms", "floor/MoE layer ms", "dense layer ms", "non-layer ms"]
+    head = (["config (extrapolated)", "layers"] + [f"prefill {n}" for n in prompt_lens]
+            + ["decode tok/s", "ms/token", "floor ms", "decode/floor", "MoE layer ms (eager)", "floor/MoE layer ms",
+               "dense layer ms (eager)", "non-layer ms (eager)"])
     rows = []
     for r in results:
         full = r.full_depth()
         if full is None:
             continue
-        lt, cut_layers = r.layer_times, len(r.layer_times.layer_s)
-        prefill = r.prefill_tok_s[prompt_lens[0]] * cut_layers / full["layers"]  # layers alike in prefill
+        lt = r.layer_times
         dense = lt.to_json()["dense_layer_s"]
-        rows.append([r.label, str(full["layers"]), _fmt(full["decode_tok_s"]), _fmt(1e3 * full["decode_s"], ".2f"),
-                     _fmt(1e3 * full["floor_s"], ".3f"), _fmt(full["decode_over_floor"], ".2f"), _fmt(prefill, ".0f"),
-                     _fmt(1e3 * lt.mean_s(True), ".3f"), _fmt(1e3 * r.floor.per_moe_layer_seconds(), ".3f"),
-                     _fmt(None if dense is None else 1e3 * dense, ".3f"),
-                     _fmt(1e3 * lt.non_layer_s, ".3f")])
+        rows.append([r.label, str(full["layers"])] + [_fmt(full["prefill_tok_s"].get(n), ".0f") for n in prompt_lens]
+                    + [_fmt(full["decode_tok_s"]), _fmt(1e3 * full["decode_s"], ".2f"),
+                       _fmt(1e3 * full["floor_s"], ".3f"), _fmt(full["decode_over_floor"], ".2f"),
+                       _fmt(1e3 * lt.mean_s(True), ".3f"),
+                       _fmt(1e3 * r.floor.per_moe_layer_seconds(), ".3f"),
+                       _fmt(None if dense is None else 1e3 * dense, ".3f"), _fmt(1e3 * lt.non_layer_s, ".3f")])
     return _table(head, rows) if rows else []
 
 
-def llama_cpp_lines(results, prompt_lens: list[int]) -> list[str]:
+def headline(r) -> dict:
+    """The figures targets are judged on: full depth when the model was cut, else as measured."""
+    full = r.full_depth()
+    if full:
+        return {"prefill_tok_s": full["prefill_tok_s"], "decode_tok_s": full["decode_tok_s"],
+                "decode_over_floor": full["decode_over_floor"], "extrapolated": full["layers"]}
+    return {"prefill_tok_s": r.prefill_tok_s, "decode_tok_s": r.decode_tok_s,
+            "decode_over_floor": floor_ratio(r.decode_s, r.floor), "extrapolated": None}
+
+
+def llama_cpp_lines(results) -> list[str]:
     """Our figure / llama.cpp's, at 48 layers (extrapolated when the model is cut)."""
     lines = []
     lo, hi = LLAMA_CPP["prefill512_tok_s"]
     for r in results:
-        full = r.full_depth()
-        decode = full["decode_tok_s"] if full else r.decode_tok_s
-        line = (f"  {r.label}: decode {decode:.1f} / {LLAMA_CPP['decode_tok_s']:.0f} = "
-                f"{decode / LLAMA_CPP['decode_tok_s']:.2f}x (target >= {TARGETS['vs_llama_decode']}x)")
-        if 512 in r.prefill_tok_s:
-            scale = len(r.layer_times.layer_s) / full["layers"] if full else 1.0
-            p = r.prefill_tok_s[512] * scale
+        h = headline(r)
+        line = (f"  {r.label}: decode {h['decode_tok_s']:.1f} / {LLAMA_CPP['decode_tok_s']:.0f} = "
+                f"{h['decode_tok_s'] / LLAMA_CPP['decode_tok_s']:.2f}x (target >= {TARGETS['vs_llama_decode']}x)")
+        p = h["prefill_tok_s"].get(512)
+        if p is not None:
             line += (f"; prefill 512 {p:.0f} / {lo:.0f}-{hi:.0f} = {p / hi:.2f}-{p / lo:.2f}x "
                      f"(target >= {TARGETS['vs_llama_prefill']}x)")
-        lines.append(line + (" [extrapolated to 48 layers]" if full else ""))
+        lines.append(line + (f" [extrapolated to {h['extrapolated']} layers]" if h["extrapolated"] else ""))
     return lines
 
 
@@ -214,14 +247,13 @@ def target_lines(results, budget: int | None) -> list[str]:
             within = "within" if r.peak_gpu_gib * 2**30 <= budget else "OVER"
             lines.append(f"  {r.label}: peak GPU memory {r.peak_gpu_gib:.2f} GiB, {within} the budget "
                          f"{budget / 2**30:.2f} GiB")
-        ratio = floor_ratio(r.decode_s, r.floor)
-        full = r.full_depth()
-        if full:
-            ratio = full["decode_over_floor"]
-        p2048 = r.prefill_tok_s.get(2048)
-        lines.append(f"  {r.label}: decode/floor {_fmt(ratio, '.2f')} (target <= {TARGETS['decode_over_floor']})"
-                     + (f"; prefill 2048 / decode = {p2048 / r.decode_tok_s:.1f}x (target >= "
-                        f"{TARGETS['prefill2048_over_decode']:.0f}x)" if p2048 else ""))
+        h = headline(r)
+        p2048 = h["prefill_tok_s"].get(2048)
+        lines.append(f"  {r.label}: decode/floor {_fmt(h['decode_over_floor'], '.2f')} (target <= "
+                     f"{TARGETS['decode_over_floor']})"
+                     + (f"; prefill 2048 / decode = {p2048 / h['decode_tok_s']:.1f}x (target >= "
+                        f"{TARGETS['prefill2048_over_decode']:.0f}x)" if p2048 else "")
+                     + (f" [{h['extrapolated']} layers, extrapolated]" if h["extrapolated"] else ""))
     return lines
 
 
@@ -275,14 +307,18 @@ def _main(args) -> int:
             print(f"synthetic {args.synthetic}: {raw_cut['num_hidden_layers']} layers, "
                   f"{synthetic.total_bytes / 1e9:.1f} GB written to {synthetic.out_dir} in "
                   f"{time.perf_counter() - start:.1f} s", flush=True)
-        for label, run_kwargs, every_length in configurations(kwargs, formats, args.ablation):
-            ec = EngineConfig.from_kwargs(**run_kwargs)
-            lens = prompt_lens if every_length else prompt_lens[:1]
-            r = run_suite(label, model_dir, ec, lens, args.gen_len, bandwidth, method,
-                          decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth)
-            print(f"  {label}: decode {r.decode_tok_s:.1f} tok/s, floor {1e3 * r.floor.seconds:.2f} ms, "
-                  f"prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())} tok/s", flush=True)
-            results.append(r)
+        for label, run_kwargs, eager_label, every_length in configurations(kwargs, formats, args.ablation):
+            rows = run_configuration(model_dir, label, run_kwargs, eager_label,
+                                     prompt_lens if every_length else prompt_lens[:1], gen_len=args.gen_len,
+                                     bandwidth=bandwidth, bandwidth_method=method,
+                                     decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth)
+            for r in rows:
+                print(f"  {r.label}: decode {r.decode_tok_s:.1f} tok/s, floor {1e3 * r.floor.seconds:.2f} ms, "
+                      f"prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())} tok/s, "
+                      f"load {r.load_s:.1f} s (+{time.perf_counter() - start:.0f} s)", flush=True)
+            results += rows
+    if not results:
+        raise HybridMoEError("every configuration failed (tracebacks above)")
     lines = [f"# {args.synthetic or args.model}: {raw_cut.get('model_type')}, {raw_cut['num_hidden_layers']} layers"
              f"{f' (cut from {depth.layers})' if depth else ''}, batch 1, device {results[0].resolved.device}, "
              f"budget {kwargs.get('gpu_memory_budget', 'none')}, {torch.get_num_threads()} torch threads",
@@ -296,7 +332,7 @@ def _main(args) -> int:
                   *full]
     if raw_cut.get("model_type") == "qwen3_moe" and raw_cut.get("num_experts") == 128:
         lines += ["", "# vs llama.cpp (same host, Qwen3-30B-A3B Q4_K_M, all experts on CPU, 48 layers): ours / theirs",
-                  *llama_cpp_lines(results, prompt_lens)]
+                  *llama_cpp_lines(results)]
     lines += ["", "# targets (issue #4)", *target_lines(results, results[0].resolved.gpu_memory_budget)]
     print("\n".join(lines))
     if args.json:

@@ -52,3 +52,22 @@ def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     assert (args.synthetic, args.layers, args.formats, args.ablation) == ("qwen3-30b-a3b", 8, "int4,bf16", True)
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
+
+
+def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monkeypatch, capsys):
+    calls = []
+
+    def flaky(label, model_dir, ec, lens, **kw):
+        calls.append((label, ec.prefill_streaming, kw["eager_label"]))
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: invalid argument\nmore")
+        return ["rows"]
+
+    run = E2E["run_configuration"]
+    monkeypatch.setitem(run.__globals__, "run_suite", flaky)  # the script's own namespace, not run_path's copy
+    assert run("M", "int4 all on", {"device": "cpu"}, "int4 no CUDA graph", [16]) == ["rows"]
+    assert calls == [("int4 all on", "auto", "int4 no CUDA graph"),
+                     ("int4 all on (streaming off)", "off", "int4 no CUDA graph (streaming off)")]
+    assert "int4 all on: FAILED (RuntimeError: CUDA error: invalid argument)" in capsys.readouterr().out
+    monkeypatch.setitem(run.__globals__, "run_suite", lambda *a, **k: 1 / 0)
+    assert run("M", "bf16", {"device": "cpu", "prefill_streaming": "off"}, None, [16]) == []  # no second try

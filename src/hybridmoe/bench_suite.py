@@ -1,0 +1,155 @@
+"""One loaded engine measured the way issue #4 reports it, at batch 1 (benchmarks/e2e.py prints the tables).
+
+Per engine: prefill tok/s and time to first token of one prompt per length; decode seconds per token
+(gen_len tokens after a short prompt, run once untimed first so every CUDA graph it replays is
+captured); the decode floor of the loaded placement (bench_floor.py, with the routing measured over
+the same decode); peak GPU memory and RSS; with a DepthInfo, per-layer times for the full-depth
+extrapolation (bench_layers.py). Optionally the same engine again with CUDA graphs off: the runner
+then runs the same fixed shapes eagerly, which is what --no-cuda-graph loads.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from hybridmoe.bench import _measure
+from hybridmoe.bench_floor import DecodeFloor, decode_floor, decode_routing, floor_ratio
+from hybridmoe.bench_layers import LayerTimes, measure_layer_times
+from hybridmoe.config import EngineConfig
+from hybridmoe.errors import HybridMoEError
+
+
+@dataclass
+class DepthInfo:
+    """The full model a cut (fewer-layer) checkpoint stands for: extrapolation targets."""
+
+    layers: int
+    dense_layers: int
+    moe_layers: int
+
+
+@dataclass
+class SuiteResult:
+    label: str
+    prefill_tok_s: dict[int, float]
+    """Prompt length -> prompt tokens/s (one request, time to its first token)."""
+    ttft_s: dict[int, float]
+    decode_s: float
+    """Seconds per decoded token (mean over the gen_len - 1 steps after the first token)."""
+    load_s: float
+    rss_gib: float
+    """Resident memory once loaded and warmed up."""
+    peak_rss_gib: float
+    """The process's peak so far (loading included: source and packed experts at once)."""
+    peak_gpu_gib: float | None
+    """torch.cuda.max_memory_allocated over this engine's load and runs; None on the CPU."""
+    floor: DecodeFloor
+    """The loaded placement's floor, with the GPU share of the routing measured over the decode."""
+    uniform_floor: DecodeFloor
+    """The same with uniform routing (g/E of a token's experts on the GPU), for comparison."""
+    layer_times: LayerTimes | None
+    depth: DepthInfo | None
+    resolved: EngineConfig
+    cuda_graph: bool
+
+    @property
+    def decode_tok_s(self) -> float:
+        return 1.0 / self.decode_s
+
+    def full_depth(self) -> dict | None:
+        """Decode step and floor of the full-depth model (None unless this model was cut and timed per layer)."""
+        lt, d = self.layer_times, self.depth
+        if lt is None or d is None:
+            return None
+        step = lt.full_depth_s(self.decode_s, d.dense_layers, d.moe_layers)
+        floor = self.floor.per_moe_layer_seconds() * d.moe_layers
+        prefill = {n: v * len(lt.layer_s) / d.layers for n, v in self.prefill_tok_s.items()}  # layers alike
+        return {"layers": d.layers, "decode_s": step, "decode_tok_s": 1.0 / step, "floor_s": floor,
+                "decode_over_floor": step / floor if floor > 0 else float("nan"), "prefill_tok_s": prefill}
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "prefill_tok_s": self.prefill_tok_s, "ttft_s": self.ttft_s,
+                "decode_tok_s": self.decode_tok_s, "decode_s": self.decode_s, "load_s": self.load_s,
+                "rss_gib": self.rss_gib, "peak_rss_gib": self.peak_rss_gib, "peak_gpu_gib": self.peak_gpu_gib,
+                "floor": self.floor.to_json(), "decode_over_floor": floor_ratio(self.decode_s, self.floor),
+                "uniform_routing_floor": self.uniform_floor.to_json(),
+                "layer_times": self.layer_times.to_json() if self.layer_times is not None else None,
+                "full_depth": self.full_depth(), "cuda_graph": self.cuda_graph, "engine": vars(self.resolved)}
+
+
+def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_lens: list[int], gen_len: int,
+              bandwidth: float, bandwidth_method: str, *, decode_prompt_len: int = 64, seed: int = 0,
+              depth: DepthInfo | None = None, eager_label: str | None = None) -> list[SuiteResult]:
+    """Load model_dir with engine_config and measure it; with eager_label, measure the same engine again
+    with CUDA graphs off (prefill at prompt_lens[0] only) as a second result. The engine is dropped after."""
+    from hybridmoe.engine.llm_engine import LLMEngine
+
+    if gen_len < 2:
+        raise HybridMoEError(f"gen_len must be at least 2 to time decoding, got {gen_len}")
+    cuda = torch.device(engine_config.device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine = LLMEngine(model_dir, engine_config)
+    load_s = time.perf_counter() - t0
+    try:
+        g = torch.Generator().manual_seed(seed)
+
+        def prompt(n: int) -> list[int]:
+            return torch.randint(0, engine.vocab_size, (n,), generator=g).tolist()
+
+        _measure(engine, [prompt(8)], 2)  # warm-up: lazy initialisation out of the numbers
+        decode_prompt = prompt(decode_prompt_len)
+        common = dict(load_s=load_s, depth=depth, resolved=_resolved(engine))
+        results = [_measure_engine(engine, label, {n: prompt(n) for n in prompt_lens}, decode_prompt, gen_len,
+                                   bandwidth, bandwidth_method, cuda, **common)]
+        if eager_label is not None:
+            engine.runner.cuda_graph = False
+            common["resolved"] = replace(common["resolved"], cuda_graph=False)
+            results.append(_measure_engine(engine, eager_label, {prompt_lens[0]: prompt(prompt_lens[0])},
+                                           decode_prompt, gen_len, bandwidth, bandwidth_method, cuda, **common))
+    finally:
+        del engine
+        gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return results
+
+
+def _measure_engine(engine, label: str, prompts: dict[int, list[int]], decode_prompt: list[int], gen_len: int,
+                    bandwidth: float, bandwidth_method: str, cuda: bool, **common) -> SuiteResult:
+    prefill, ttft = {}, {}
+    for n, p in prompts.items():
+        timing = _measure(engine, [p], 1)
+        prefill[n], ttft[n] = timing["prefill_tok_s"], timing["ttft_mean_s"]
+    _measure(engine, [decode_prompt], gen_len)  # captures the graphs these lengths replay
+    decode_s = 1.0 / _measure(engine, [decode_prompt], gen_len)["decode_tok_s"]
+    layer_times = measure_layer_times(engine, decode_prompt, gen_len) if common["depth"] is not None else None
+    model = engine.runner.model
+    floor = decode_floor(model, bandwidth, bandwidth_method, decode_routing(engine, decode_prompt, gen_len))
+    return SuiteResult(label, prefill, ttft, decode_s, rss_gib=_rss_gib(),
+                       peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
+                       peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, floor=floor,
+                       uniform_floor=decode_floor(model, bandwidth, bandwidth_method), layer_times=layer_times,
+                       cuda_graph=engine.runner.cuda_graph, **common)
+
+
+def _rss_gib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def _resolved(engine) -> EngineConfig:
+    """engine's options with "auto" resolved as the loader resolved them (it reads config.json only)."""
+    from hybridmoe.models.registry import load_config
+    from hybridmoe.system.auto import resolve_engine_config
+    from hybridmoe.weights.loader import resolve_dtype
+
+    _, config = load_config(engine.model_dir)
+    return resolve_engine_config(engine.config, config, resolve_dtype(engine.config.dtype, config), engine.model_dir)
