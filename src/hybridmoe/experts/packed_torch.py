@@ -92,23 +92,26 @@ class PackedLayout:
 
     def _slice(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor) -> torch.Tensor:
         n, nb, Kp = experts.numel(), sl.blocks, mat.Kp
+        # Each block's rows and K pairs are transposed as whole pairs (int32 bf16 pairs, int16 int8 or
+        # int4 byte pairs): a 4-d copy of few wide elements, where one over every weight was slow on GPUs.
         w = buffers[sl.w].view(self.E, -1)[experts]  # [n, nb * block bytes]
         if self.format == "bf16":
-            q = w.view(torch.bfloat16).view(n, nb, Kp // 2, BLOCK_ROWS, 2).permute(0, 1, 3, 2, 4)
-            return q.reshape(n, nb * BLOCK_ROWS, Kp)[..., :mat.K].float()
+            q = w.view(torch.int32).view(n, nb, Kp // 2, BLOCK_ROWS).transpose(2, 3).contiguous()
+            return q.view(torch.bfloat16).view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K].float()
         scale = buffers[sl.scale].view(torch.float32).view(self.E, nb, -1)[experts]  # [n, nb, 32 or G * 32]
         if self.format == "int8":
-            q = w.view(torch.int8).view(n, nb, Kp // 2, BLOCK_ROWS, 2).permute(0, 1, 3, 2, 4)
-            W = q.reshape(n, nb, BLOCK_ROWS, Kp).float() * scale.unsqueeze(-1)
-            return W.reshape(n, nb * BLOCK_ROWS, Kp)[..., :mat.K]
-        b = w.view(n, nb, Kp // 8, 2, 2, 16, 2)  # [n, nb, step, half, quad, r, j]
-        q = torch.stack((b & 0xF, b >> 4), dim=-1)  # [..., hi]: k8 = 4 * hi + 2 * quad + j
-        q = q.permute(0, 1, 3, 5, 2, 7, 4, 6).reshape(n, nb, BLOCK_ROWS, Kp // self.group, self.group)
+            q = w.view(torch.int16).view(n, nb, Kp // 2, BLOCK_ROWS).transpose(2, 3).contiguous()
+            W = q.view(torch.int8).float().mul_(scale.unsqueeze(-1))  # [n, nb, 32, Kp]
+            return W.view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K]
+        pairs = w.view(torch.int16).view(n, nb, Kp // 8, 2, 2, 16)  # [n, nb, step, half, quad, r] of (j) pairs
+        b = pairs.permute(0, 1, 3, 5, 2, 4).contiguous().view(torch.uint8)  # [n, nb, half, r, step, 2 quad x 2 j]
+        q = torch.stack((b & 0xF, b >> 4), dim=-2)  # [n, nb, half, r, step, hi, 4]: k8 = 4 * hi + 2 * quad + j
         G = Kp // self.group
+        W = q.view(n, nb, BLOCK_ROWS, G, self.group).float()
         scale = scale.view(n, nb, G, BLOCK_ROWS).transpose(2, 3).unsqueeze(-1)  # [n, nb, 32, G, 1]
         if sl.zero is not None:
             zero = buffers[sl.zero].view(torch.float32).view(self.E, nb, G, BLOCK_ROWS)[experts]
-            W = (q.float() - zero.transpose(2, 3).unsqueeze(-1)) * scale
+            W.sub_(zero.transpose(2, 3).unsqueeze(-1))
         else:
-            W = (q.float() - 8.0) * scale
-        return W.reshape(n, nb * BLOCK_ROWS, Kp)
+            W.sub_(8.0)
+        return W.mul_(scale).view(n, nb * BLOCK_ROWS, Kp)
