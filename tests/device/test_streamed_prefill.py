@@ -37,10 +37,11 @@ def test_dequantized_on_cuda_equals_the_engines_weights(fmt, zero_points):
     engine = _engine(fmt, 0, zero_points)
     state = engine.packed_state()
     buffers = {n: torch.from_numpy(a).view(torch.uint8).cuda() for n, a in state["buffers"].items()}
-    got = PackedLayout(state).dequantize(buffers, torch.tensor([3, 15], device="cuda"), torch.float32)
-    for i, e in enumerate((3, 15)):
-        for mine, theirs in zip(got, engine.dequantized(e)):
-            assert torch.equal(mine[i].cpu(), theirs)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = PackedLayout(state).dequantize(buffers, torch.tensor([3, 15], device="cuda"), dtype)
+        for i, e in enumerate((3, 15)):
+            for mine, theirs in zip(got, engine.dequantized(e)):
+                assert torch.equal(mine[i].cpu(), theirs.to(dtype))
 
 
 def test_layers_in_a_row_with_prefetch_equal_the_reference():

@@ -45,10 +45,11 @@ def test_dequantized_equals_the_engines_unpacking(fmt, group, zero_points, numa,
             assert torch.equal(mine[i], theirs)
 
 
-def test_dequantized_to_bf16_is_the_rounded_float32():
-    E, H, I = 2, 64, 64
+@pytest.mark.parametrize("fmt, zero_points", [("bf16", False), ("int8", False), ("int4", False), ("int4", True)])
+def test_dequantized_to_bf16_is_the_rounded_float32(fmt, zero_points):
+    E, H, I = 2, 64, 96
     experts = cpu_experts.CpuExperts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I),
-                                     format="int4", group_size=32, threads=1)
+                                     format=fmt, group_size=32, zero_points=zero_points, threads=1)
     state = experts.packed_state()
     got = PackedLayout(state).dequantize(torch_buffers(state), torch.tensor([1]), torch.bfloat16)
     for mine, theirs in zip(got, experts.dequantized(1)):

@@ -84,34 +84,38 @@ class PackedLayout:
 
         buffers: name -> the flat packed buffer as uint8 bytes, on the device that does the work.
         """
-        return tuple(self._matrix(mat, buffers, experts).to(dtype) for mat in self.matrices)
+        return tuple(self._matrix(mat, buffers, experts, dtype) for mat in self.matrices)
 
-    def _matrix(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor) -> torch.Tensor:
-        rows = [self._slice(mat, sl, buffers, experts) for sl in mat.slices]  # each [n, nb * 32, K]
+    def _matrix(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor, dtype) -> torch.Tensor:
+        rows = [self._slice(mat, sl, buffers, experts, dtype) for sl in mat.slices]  # each [n, nb * 32, K]
         return torch.cat(rows, dim=1)[:, :mat.N] if len(rows) > 1 else rows[0][:, :mat.N]
 
-    def _slice(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor) -> torch.Tensor:
+    def _slice(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor, dtype) -> torch.Tensor:
+        # The products are float32, as the engine's, and rounded to dtype by the multiplication that
+        # makes them (one pass; what .to(dtype) of the float32 result gives).
         n, nb, Kp = experts.numel(), sl.blocks, mat.Kp
         # Each block's rows and K pairs are transposed as whole pairs (int32 bf16 pairs, int16 int8 or
         # int4 byte pairs): a 4-d copy of few wide elements, where one over every weight was slow on GPUs.
         w = buffers[sl.w].view(self.E, -1)[experts]  # [n, nb * block bytes]
         if self.format == "bf16":
             q = w.view(torch.int32).view(n, nb, Kp // 2, BLOCK_ROWS).transpose(2, 3).contiguous()
-            return q.view(torch.bfloat16).view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K].float()
+            return q.view(torch.bfloat16).view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K].to(dtype)
         scale = buffers[sl.scale].view(torch.float32).view(self.E, nb, -1)[experts]  # [n, nb, 32 or G * 32]
         if self.format == "int8":
             q = w.view(torch.int16).view(n, nb, Kp // 2, BLOCK_ROWS).transpose(2, 3).contiguous()
-            W = q.view(torch.int8).float().mul_(scale.unsqueeze(-1))  # [n, nb, 32, Kp]
+            W = torch.empty(n, nb, BLOCK_ROWS, Kp, dtype=dtype, device=w.device)
+            torch.mul(q.view(torch.int8), scale.unsqueeze(-1), out=W)  # float(code) * scale
             return W.view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K]
         pairs = w.view(torch.int16).view(n, nb, Kp // 8, 2, 2, 16)  # [n, nb, step, half, quad, r] of (j) pairs
         b = pairs.permute(0, 1, 3, 5, 2, 4).contiguous().view(torch.uint8)  # [n, nb, half, r, step, 2 quad x 2 j]
         q = torch.stack((b & 0xF, b >> 4), dim=-2)  # [n, nb, half, r, step, hi, 4]: k8 = 4 * hi + 2 * quad + j
         G = Kp // self.group
-        W = q.view(n, nb, BLOCK_ROWS, G, self.group).float()
+        q = q.view(n, nb, BLOCK_ROWS, G, self.group)
         scale = scale.view(n, nb, G, BLOCK_ROWS).transpose(2, 3).unsqueeze(-1)  # [n, nb, 32, G, 1]
         if sl.zero is not None:
             zero = buffers[sl.zero].view(torch.float32).view(self.E, nb, G, BLOCK_ROWS)[experts]
-            W.sub_(zero.transpose(2, 3).unsqueeze(-1))
+            q = q - zero.transpose(2, 3).unsqueeze(-1)  # float32 code - zero point
         else:
-            W.sub_(8.0)
-        return W.mul_(scale).view(n, nb * BLOCK_ROWS, Kp)
+            q = q.view(torch.int8) - 8  # code - 8, exact in int8 (and so in float32)
+        W = torch.empty(q.shape, dtype=dtype, device=w.device)
+        return torch.mul(q, scale, out=W).view(n, nb * BLOCK_ROWS, Kp)
