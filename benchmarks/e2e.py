@@ -297,7 +297,7 @@ def _main(args) -> int:
           f"{threads or 'all'} threads)", flush=True)
     source = (synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) if args.synthetic
               else nullcontext(None))
-    results = []
+    results, stopped = [], False
     start = time.perf_counter()
     with source as synthetic:
         model_dir = str(synthetic.out_dir) if synthetic else args.model
@@ -308,17 +308,23 @@ def _main(args) -> int:
                   f"{synthetic.total_bytes / 1e9:.1f} GB written to {synthetic.out_dir} in "
                   f"{time.perf_counter() - start:.1f} s", flush=True)
         for label, run_kwargs, eager_label, every_length in configurations(kwargs, formats, args.ablation):
-            rows = run_configuration(model_dir, label, run_kwargs, eager_label,
-                                     prompt_lens if every_length else prompt_lens[:1], gen_len=args.gen_len,
-                                     bandwidth=bandwidth, bandwidth_method=method,
-                                     decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth)
+            if stopped:
+                break
+            try:
+                rows = run_configuration(model_dir, label, run_kwargs, eager_label,
+                                         prompt_lens if every_length else prompt_lens[:1], gen_len=args.gen_len,
+                                         bandwidth=bandwidth, bandwidth_method=method,
+                                         decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth)
+            except Stopped:
+                notes.append(f"stopped by SIGTERM (time limit) during {label}: later configurations not run")
+                stopped, rows = True, []
             for r in rows:
                 print(f"  {r.label}: decode {r.decode_tok_s:.1f} tok/s, floor {1e3 * r.floor.seconds:.2f} ms, "
                       f"prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())} tok/s, "
                       f"load {r.load_s:.1f} s (+{time.perf_counter() - start:.0f} s)", flush=True)
             results += rows
     if not results:
-        raise HybridMoEError("every configuration failed (tracebacks above)")
+        raise HybridMoEError(f"no configuration finished ({'; '.join(notes) or 'tracebacks above'})")
     lines = [f"# {args.synthetic or args.model}: {raw_cut.get('model_type')}, {raw_cut['num_hidden_layers']} layers"
              f"{f' (cut from {depth.layers})' if depth else ''}, batch 1, device {results[0].resolved.device}, "
              f"budget {kwargs.get('gpu_memory_budget', 'none')}, {torch.get_num_threads()} torch threads",
@@ -345,7 +351,16 @@ def _main(args) -> int:
     return 0
 
 
+class Stopped(BaseException):
+    """SIGTERM (a `timeout`): not an Exception, so no retry catches it; the run prints what it has."""
+
+
+def _stop(signum, frame):
+    raise Stopped
+
+
 if __name__ == "__main__":
-    # a `timeout` kill unwinds like an error, so the in-memory checkpoint (tens of GB of tmpfs) is deleted
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # a `timeout` kill unwinds: the in-memory checkpoint (tens of GB of tmpfs) is deleted and the
+    # configurations measured so far are still reported
+    signal.signal(signal.SIGTERM, _stop)
     sys.exit(main())
