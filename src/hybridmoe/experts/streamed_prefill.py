@@ -264,14 +264,23 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     for c in range(0, len(busiest), chunk):
         part = busiest[c:c + chunk]
         n, m = len(part), counts[part[0]]
-        rows = torch.cat([torch.arange(starts[e], starts[e + 1]) for e in part]).to(x.device, non_blocking=True)
-        slot = torch.cat([torch.arange(counts[e]) + j * m for j, e in enumerate(part)]).to(x.device, non_blocking=True)
-        gate, up, down = layout.dequantize(buffers, torch.tensor(part, device=x.device), cdtype)
+        rows, slot, ids_d = _to_device(torch.cat([torch.arange(starts[e], starts[e + 1]) for e in part]),
+                                       torch.cat([torch.arange(counts[e]) + j * m for j, e in enumerate(part)]),
+                                       torch.tensor(part), device=x.device)
+        gate, up, down = layout.dequantize(buffers, ids_d, cdtype)
         padded = xs.new_zeros(n * m, H).index_copy_(0, slot, xs[rows]).view(n, m, H)
         h = act(torch.bmm(padded, gate.transpose(1, 2))) * torch.bmm(padded, up.transpose(1, 2))  # [n, m, I]
         ys.index_copy_(0, rows, torch.bmm(h, down.transpose(1, 2)).view(n * m, H)[slot])
     out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     return out.index_add_(0, tok, ys.float().mul_(weights.flatten()[pairs].float().unsqueeze(1)))
+
+
+def _to_device(*tensors: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Host index tensors on device; to a GPU through page-locked memory, so the copy does not wait
+    for the work queued before it."""
+    if device.type != "cuda":
+        return tuple(t.to(device) for t in tensors)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
 def break_even_tokens(layer_bytes: int, pcie_bytes_per_s: float, cpu_flops: float, flops_per_token: float) -> int:
