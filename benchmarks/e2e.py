@@ -15,8 +15,9 @@ kind's measured time (bench_layers.py); prefill = measured time x full depth / N
 model would under the same budget, so its per-layer figures stand for the full model's.
 
 --formats runs each expert format in turn, one engine at a time, in this process. --ablation runs the
-first format "all on" (deferred experts 1 unless given) and, on the same model, with: no CUDA graph; no
-deferral (deferred experts 0); no GPU experts (--gpu-experts-per-layer 0). Qwen3-30B-A3B rows are also
+first format "all on" (deferred experts 1 unless given) and, on the same model, with: no CUDA graph (the
+same engine, graphs off); no deferral (deferred experts 0); no GPU experts (--gpu-experts-per-layer 0).
+A SIGTERM (e.g. `timeout`) ends the run with the tables of the configurations measured so far. Qwen3-30B-A3B rows are also
 set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s
 prefill at 512 (48 layers).
 """
@@ -137,20 +138,22 @@ def full_depth_gpu_experts(raw_full: dict, kwargs: dict) -> tuple[int, str]:
 def configurations(kwargs: dict, formats: list[str | None], ablation: bool
                    ) -> list[tuple[str, dict, str | None, bool]]:
     """(label, engine kwargs, label of the same engine with graphs off or None, every prompt length?) per
-    load: each format; with ablation, the first format "all on" (then graphs off), without deferral and
-    without GPU experts, those last three prefilling the first prompt length only."""
-    runs = []
+    load: each format; with ablation, each format "all on" (deferral on), the first then with graphs off,
+    and after every format the first without deferral and without GPU experts (these two prefill the
+    first prompt length only), so that a time limit cuts the ablation before a format."""
+    runs, variants = [], []
     for k, fmt in enumerate(formats):
         base = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
         name = fmt or kwargs.get("expert_format") or "auto format"
-        if not ablation or k > 0:
+        if not ablation:
             runs.append((name, base, None, True))
             continue
         base.setdefault("deferred_experts", DEFAULT_DEFERRED)
-        runs += [(f"{name} all on", base, f"{name} no CUDA graph", True),
-                 (f"{name} no deferral", dict(base, deferred_experts=0), None, False),
-                 (f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), None, False)]
-    return runs
+        runs.append((f"{name} all on", base, None if k else f"{name} no CUDA graph", True))
+        if k == 0:
+            variants += [(f"{name} no deferral", dict(base, deferred_experts=0), None, False),
+                         (f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), None, False)]
+    return runs + variants
 
 
 def run_configuration(model_dir: str, label: str, run_kwargs: dict, eager_label: str | None, lens: list[int],

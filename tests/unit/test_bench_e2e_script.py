@@ -71,3 +71,13 @@ def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monk
     assert "int4 all on: FAILED (RuntimeError: CUDA error: invalid argument)" in capsys.readouterr().out
     monkeypatch.setitem(run.__globals__, "run_suite", lambda *a, **k: 1 / 0)
     assert run("M", "bf16", {"device": "cpu", "prefill_streaming": "off"}, None, [16]) == []  # no second try
+
+
+def test_ablation_variants_come_after_every_format():
+    runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], ablation=True)
+    assert [(label, eager, every) for label, _, eager, every in runs] == [
+        ("int4 all on", "int4 no CUDA graph", True), ("bf16 all on", None, True),
+        ("int4 no deferral", None, False), ("int4 no GPU experts", None, False)]
+    kwargs = {label: kw for label, kw, _, _ in runs}
+    assert kwargs["int4 all on"]["deferred_experts"] == 1 and kwargs["bf16 all on"]["deferred_experts"] == 1
+    assert kwargs["int4 no GPU experts"] == dict(kwargs["int4 all on"], gpu_experts_per_layer=0)
