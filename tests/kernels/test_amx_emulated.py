@@ -97,3 +97,19 @@ def test_emulated_amx_many_chunks_and_panels(make_weights, tolerance, rel_err, d
     weights = torch.rand(T, 1, generator=g)
     out = experts.forward(x, ids, weights)
     assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_tolerance(tolerance, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_emulated_amx_error_at_qwen3_shape(make_weights, tolerance, rel_err, dequantized_layer, fmt):
+    # The table's bounds at a real width (H 2048, I 768), where int8 activations lose the most.
+    E, H, I, T = 2, 2048, 768, 64
+    gate, up, down = make_weights(E, H, I)
+    experts = CpuExperts(gate, up, down, format=fmt, group_size=128, threads=2, isa="amx_emulated")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.arange(T).remainder(E).reshape(T, 1)
+    weights = torch.rand(T, 1, generator=g)
+    out = experts.forward(x, ids, weights)
+    assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_tolerance(tolerance, fmt)
+    vs_fp32 = tolerance[fmt]["vs_fp32"][128] if fmt == "int4" else tolerance[fmt]["vs_fp32"]
+    assert rel_err(out, ref_moe(x, gate, up, down, ids, weights)) < vs_fp32
