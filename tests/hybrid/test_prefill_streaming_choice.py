@@ -8,7 +8,8 @@ from hybridmoe.cli import main
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.placement import model_footprint, placement_for
-from hybridmoe.experts.streamed_prefill import break_even_tokens, layer_packed_bytes, reserved_bytes
+from hybridmoe.experts.streamed_prefill import (GPU_SECONDS_PER_WEIGHT, break_even_tokens, layer_packed_bytes,
+                                                reserved_bytes, streamed_layer_seconds)
 from hybridmoe.models.registry import load_config
 from hybridmoe.system import auto
 
@@ -18,7 +19,11 @@ pytest.importorskip("hybridmoe.experts.cpu_experts")
 def test_break_even_of_a_qwen3_30b_a3b_int4_layer():
     # 302 MB at 50 GB/s is 6.04 ms; 8 experts x 3 x 2048 x 768 x 2 FLOP a token at 3 TFLOP/s
     flops = 2 * 3 * 2048 * 768 * 8
-    assert break_even_tokens(302_000_000, 50e9, 3e12, flops) == 241
+    assert break_even_tokens(302_000_000 / 50e9, 3e12, flops) == 241
+    # the device's share of 128 experts' 604M weights outlasts the copy
+    weights = 128 * 3 * 2048 * 768
+    assert streamed_layer_seconds(302_000_000, weights, 50e9) == weights * GPU_SECONDS_PER_WEIGHT
+    assert streamed_layer_seconds(302_000_000, weights, 5e9) == 302_000_000 / 5e9
 
 
 def test_packed_bytes_count_the_engines_padding():
@@ -52,7 +57,8 @@ def test_auto_streams_when_pcie_beats_the_cpu_within_a_step(tiny_checkpoints, me
     measured(pcie=1e9, cpu=1e9)
     d = _decide(path, _cuda_config(gpu_memory_budget="1GiB"))
     layer = layer_packed_bytes("int4", 8, 64, 32, 32, False)
-    assert d.on and d.min_tokens == break_even_tokens(layer, 1e9, 1e9, 2 * 3 * 64 * 32 * 2)
+    streamed = streamed_layer_seconds(layer, 8 * 3 * 64 * 32, 1e9)
+    assert d.on and d.min_tokens == break_even_tokens(streamed, 1e9, 2 * 3 * 64 * 32 * 2)
     assert d.min_tokens <= 2048 and d.fits
 
 

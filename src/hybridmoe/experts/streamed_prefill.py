@@ -283,7 +283,18 @@ def _to_device(*tensors: torch.Tensor, device: torch.device) -> tuple[torch.Tens
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
-def break_even_tokens(layer_bytes: int, pcie_bytes_per_s: float, cpu_flops: float, flops_per_token: float) -> int:
+GPU_SECONDS_PER_WEIGHT = 48e-12
+"""Device time a streamed layer takes per expert weight (dequantize + matmuls), measured on the H200:
+a Qwen3-30B-A3B int4 layer (604M weights, T=2048) took 29 ms with its 6 ms copy overlapped, before
+the dequantization was made cheaper, so an upper bound (benchmarks/streamed_prefill.py)."""
+
+
+def streamed_layer_seconds(layer_bytes: int, layer_weights: int, pcie_bytes_per_s: float) -> float:
+    """Time of one streamed layer when the next layer's copy overlaps this one's device work."""
+    return max(layer_bytes / pcie_bytes_per_s, layer_weights * GPU_SECONDS_PER_WEIGHT)
+
+
+def break_even_tokens(stream_seconds: float, cpu_flops: float, flops_per_token: float) -> int:
     """Fewest tokens for which a layer's CPU expert time (tokens x flops_per_token / cpu_flops) exceeds
-    the time its packed experts take over PCIe (layer_bytes / pcie_bytes_per_s)."""
-    return max(1, math.ceil(layer_bytes / pcie_bytes_per_s * cpu_flops / flops_per_token))
+    stream_seconds, the layer's time streamed."""
+    return max(1, math.ceil(stream_seconds * cpu_flops / flops_per_token))

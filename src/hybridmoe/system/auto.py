@@ -6,10 +6,10 @@
 - expert_format "auto": the native format nearest the checkpoint's (weights/native_format.py).
 - gpu_memory_budget None on a GPU with the native engine: 90% of the GPU's free memory, so the
   routed experts the GPU can hold run there and the rest on the CPU.
-- prefill_streaming "auto": on (from the break-even token count) when a layer's packed experts cross
-  PCIe, at the bandwidth measured once per process, faster than the CPU would compute a
-  max_num_batched_tokens step of them, and the device buffers fit the budget
-  (experts/streamed_prefill.py).
+- prefill_streaming "auto": on (from the break-even token count) when a layer streamed (its packed
+  experts over PCIe at the bandwidth measured once per process, overlapped with the device's work
+  on the previous layer) beats the CPU on a max_num_batched_tokens step, and the device buffers fit
+  the budget (experts/streamed_prefill.py).
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def prefill_streaming_decision(ec: EngineConfig, config, dtype: torch.dtype, mod
     """Whether (and from how many tokens) steps stream their layers' CPU experts to the device, for
     ec with its other choices already resolved."""
     from hybridmoe.experts.placement import format_bytes, model_footprint
-    from hybridmoe.experts.streamed_prefill import break_even_tokens, device_bytes, layer_packed_bytes
+    from hybridmoe.experts.streamed_prefill import (break_even_tokens, device_bytes, layer_packed_bytes,
+                                                    streamed_layer_seconds)
     from hybridmoe.models.registry import load_config
 
     if not uses_hybrid(ec) or ec.prefill_streaming == "off":
@@ -148,10 +149,12 @@ def prefill_streaming_decision(ec: EngineConfig, config, dtype: torch.dtype, mod
         return StreamingDecision(False, None, "off (no GPU)")
     pcie, cpu = measured_pcie_bandwidth(ec.device), estimated_cpu_flops(ec.cpu_threads)
     flops = 2 * 3 * H * I * K
-    break_even = break_even_tokens(layer_bytes, pcie, cpu, flops)
+    streamed = streamed_layer_seconds(layer_bytes, 3 * H * I * fp.num_experts, pcie)
+    break_even = break_even_tokens(streamed, cpu, flops)
     steps = ec.max_num_batched_tokens
     why = (f"a layer's {format_bytes(layer_bytes)} of packed experts take {1e3 * layer_bytes / pcie:.1f} ms over "
-           f"PCIe at {pcie / 1e9:.1f} GB/s; the CPU (~{cpu / 1e12:.2f} TFLOP/s) takes as long at {break_even} "
+           f"PCIe at {pcie / 1e9:.1f} GB/s, {1e3 * streamed:.1f} ms streamed with the device's share; the CPU "
+           f"(~{cpu / 1e12:.2f} TFLOP/s) takes as long at {break_even} "
            f"tokens and {1e3 * steps * flops / cpu:.1f} ms at a {steps}-token step")
     if ec.prefill_streaming == "on":
         tokens = ec.prefill_streaming_tokens or break_even
