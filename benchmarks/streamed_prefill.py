@@ -179,6 +179,7 @@ def e2e_part(args) -> dict:
         timed = streamed_s if mode == "on" else prefill_s
         timed()
         out.setdefault(mode, []).append(min(timed() for _ in range(args.reps)))
+        print(f"(prefill streaming {mode}: {args.prompt_len / out[mode][-1]:.0f} tok/s)")
     return {"model": args.model, "prompt_len": args.prompt_len,
             "prefill_tok_s_streamed": args.prompt_len / min(out["on"]),
             "prefill_tok_s_cpu": args.prompt_len / min(out["off"])}
