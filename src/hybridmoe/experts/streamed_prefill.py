@@ -200,6 +200,8 @@ class PrefillStreamer:
         if host.tried or self._pinned_failed:
             return
         host.tried = True
+        if _PENDING:
+            _unregister([])
         cudart = torch.cuda.cudart()
         for buf in host.buffers.values():
             err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
@@ -216,16 +218,26 @@ class PrefillStreamer:
         it keeps alive can free that memory: a later mapping at the same addresses must not find the
         registration still there)."""
         if self._unregister is not None:
+            torch.cuda.synchronize(self.device)  # no copy may still read the pages
             self._unregister()
 
 
+_PENDING: list[list[int]] = []
+"""Registrations of streamers collected during a CUDA-graph capture (where unregistering may not run),
+undone before the next registration."""
+
+
 def _unregister(registered: list[list[int]]) -> None:
-    torch.cuda.synchronize()  # no copy may still read the pages
+    # A collected streamer has no copy in flight: every engine step ends in a host sync (sampling).
+    if torch.cuda.is_current_stream_capturing():
+        _PENDING.extend(registered)
+        return
     cudart = torch.cuda.cudart()
-    for ptrs in registered:
+    for ptrs in [*_PENDING, *registered]:
         for ptr in ptrs:
             cudart.cudaHostUnregister(ptr)
         ptrs.clear()
+    _PENDING.clear()
 
 
 def _clear_cuda_error() -> None:
