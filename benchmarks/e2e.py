@@ -51,7 +51,7 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
 DEFAULT_DEFERRED = 1
 
 SUITES = {
-    "qwen3": dict(synthetic="qwen3-30b-a3b", layers=8, formats="int4,bf16", prompt_lens="512,2048,8192",
+    "qwen3": dict(synthetic="qwen3-30b-a3b", layers=4, formats="int4,bf16", prompt_lens="512,2048,8192",
                   gen_len=32, ablation=True, engine=dict(gpu_memory_budget="16GiB")),
     "dsv2lite": dict(synthetic="deepseek-v2-lite", layers=8, formats="int4", prompt_lens="512,2048,8192", gen_len=32,
                      ablation=False, engine=dict(gpu_memory_budget="16GiB")),

@@ -49,7 +49,7 @@ def test_bad_prompt_lengths_are_a_one_line_error(capsys):
 
 def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     args = E2E["parse_args"](["--suite", "qwen3", "--gpu-memory-budget", "8GiB"])
-    assert (args.synthetic, args.layers, args.formats, args.ablation) == ("qwen3-30b-a3b", 8, "int4,bf16", True)
+    assert (args.synthetic, args.layers, args.formats, args.ablation) == ("qwen3-30b-a3b", 4, "int4,bf16", True)
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
 
