@@ -9,6 +9,7 @@ streamed from DRAM once. Both at the same threads, side by side in one run.
 """
 
 import argparse
+import json
 import statistics
 import time
 
@@ -52,12 +53,14 @@ def main():
     ap.add_argument("--experts", default="8,all", help="E values (K = min(K, E)); 'all' = the shape's E")
     ap.add_argument("--threads", default=None, help="comma list; default: every allowed CPU")
     ap.add_argument("--isa", default=None)
+    ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     s = SHAPES[args.shape]
     H, I, T = s["H"], s["I"], args.tokens
     threads = [int(t) for t in args.threads.split(",")] if args.threads else [default_threads()]
     torch.set_num_threads(1)
     print(f"# {args.shape} H={H} I={I} T={T}")
+    rows = []
     print(f"{'format':<6} {'E':>4} {'K':>2} {'tok/expert':>10} {'threads':>7} {'ms':>9} {'TFLOP/s':>8}")
     for E in [s["E"] if e == "all" else int(e) for e in args.experts.split(",")]:
         K = min(s["K"], E)
@@ -69,7 +72,12 @@ def main():
                 ms = median_ms(lambda: ex.forward(x, ids, tw))
                 tf = 2 * 3 * H * I * T * K / ms / 1e9
                 print(f"{fmt:<6} {E:>4} {K:>2} {T * K // E:>10} {th:>7} {ms:>9.2f} {tf:>8.2f}", flush=True)
+                rows.append(dict(shape=args.shape, format=fmt, experts=E, k=K, tokens=T, threads=th, isa=ex.isa,
+                                 ms=ms, tflops=tf))
                 del ex
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "dims": s, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
