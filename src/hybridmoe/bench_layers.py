@@ -1,8 +1,9 @@
 """Per-layer decode time, so that a model cut to fewer layers reports full-depth figures.
 
-One eager decode run (no CUDA graph) with a timer around every decoder layer: CUDA events on the
-GPU (no synchronization inside the step), wall clock on the CPU. What the layers leave of the
-step's time is the non-layer part (embedding, final norm, lm_head, sampling, step overhead).
+One eager decode run (no CUDA graph) with a mark before every decoder layer and before the final
+norm: CUDA events on the GPU (no synchronization inside the step), wall clock on the CPU. A layer
+runs from its mark to the next (deferred experts joined after it included). What the layers leave
+of the step's time is the non-layer part (embedding, final norm, lm_head, sampling, step overhead).
 Full depth = non-layer part + each full-depth layer at its kind's mean time (dense / MoE), scaled
 by (measured step time / eager step time) so that a graph-replayed run extrapolates as itself.
 """
@@ -45,15 +46,16 @@ class LayerTimes:
 
 
 class _LayerTimer:
-    """Forward hooks around each decoder layer that time single-token (decode) calls."""
+    """Pre-forward hooks on each decoder layer and on the final norm that mark single-token (decode) calls.
 
-    def __init__(self, layers: torch.nn.ModuleList, device: torch.device):
+    A layer's time runs from its own mark to the next one, so it includes what the backend does after it
+    (after_layer: joining deferred experts), which is per-layer work a full-depth model repeats."""
+
+    def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.marks: list[list[tuple]] = [[] for _ in layers]  # per layer: (start, end) per decode call
-        self.handles = []
-        for i, layer in enumerate(layers):
-            self.handles.append(layer.register_forward_pre_hook(self._pre(i)))
-            self.handles.append(layer.register_forward_hook(self._post(i)))
+        self.steps: list[list] = []  # per decode step: a mark before each layer, then one before the norm
+        self.handles = [m.register_forward_pre_hook(self._mark(first=i == 0))
+                        for i, m in enumerate([*layers, norm])]
 
     def _now(self):
         if self.cuda:
@@ -62,16 +64,13 @@ class _LayerTimer:
             return event
         return time.perf_counter()
 
-    def _pre(self, i):
+    def _mark(self, first: bool):
         def hook(module, args):
-            if args[0].shape[0] == 1:
-                self.marks[i].append([self._now(), None])
-        return hook
-
-    def _post(self, i):
-        def hook(module, args, output):
-            if args[0].shape[0] == 1:
-                self.marks[i][-1][1] = self._now()
+            if args[0].shape[0] != 1:
+                return
+            if first:
+                self.steps.append([])
+            self.steps[-1].append(self._now())
         return hook
 
     def mean_seconds(self) -> dict[int, float]:
@@ -80,7 +79,12 @@ class _LayerTimer:
             span = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731 (ms -> s)
         else:
             span = lambda a, b: b - a  # noqa: E731
-        return {i: sum(span(a, b) for a, b in m) / len(m) for i, m in enumerate(self.marks) if m}
+        layers = len(self.handles) - 1
+        totals = [0.0] * layers
+        for marks in self.steps:
+            for i in range(layers):
+                totals[i] += span(marks[i], marks[i + 1])
+        return {i: t / len(self.steps) for i, t in enumerate(totals)}
 
     def remove(self) -> None:
         for h in self.handles:
@@ -93,7 +97,7 @@ def measure_layer_times(engine, prompt: list[int], gen_len: int) -> LayerTimes:
 
     runner, model = engine.runner, engine.runner.model
     graphs, runner.cuda_graph = runner.cuda_graph, False
-    timer = _LayerTimer(model.model.layers, runner.device)
+    timer = _LayerTimer(model.model.layers, model.model.norm, runner.device)
     steps: list[float] = []
     try:
         engine.add_request(prompt, SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True))

@@ -16,3 +16,19 @@ def test_a_kind_the_cut_model_lacks_takes_the_other_kinds_time():
     lt = LayerTimes(step_s=4e-3, layer_s={0: 1e-3, 1: 1e-3}, moe_layers=[0, 1])
     assert lt.mean_s(moe=False) == pytest.approx(1e-3)
     assert lt.to_json()["dense_layer_s"] is None
+
+
+def test_layer_timer_spans_every_decoder_layer_of_a_decode_step(tmp_path):
+    from hybridmoe.bench_layers import measure_layer_times
+    from hybridmoe.checkpoint.make import make_checkpoint
+    from hybridmoe.config import EngineConfig
+    from hybridmoe.engine.llm_engine import LLMEngine
+
+    make_checkpoint("deepseek_v3", "tiny", tmp_path, progress=False)  # 3 layers, the first dense
+    engine = LLMEngine(tmp_path, EngineConfig(device="cpu", max_num_seqs=1, expert_backend="torch"))
+    model = engine.runner.model
+    lt = measure_layer_times(engine, list(range(1, 9)), gen_len=4)
+    assert sorted(lt.layer_s) == [0, 1, 2] and lt.moe_layers == [1, 2]
+    assert all(t > 0 for t in lt.layer_s.values())
+    assert 0 < sum(lt.layer_s.values()) < lt.step_s  # the layers are part of each step
+    assert not any(m._forward_pre_hooks for m in [*model.model.layers, model.model.norm])  # hooks removed
