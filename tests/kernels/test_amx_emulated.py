@@ -86,9 +86,11 @@ def test_emulated_amx_is_never_picked_or_listed():
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_emulated_amx_many_chunks_and_panels(make_weights, tolerance, rel_err, dequantized_layer, fmt):
-    # H = 2112: K chunks of 1024 bf16 values (1024 + 1024 + 64) or 2048 int8 ones (2048 + 64);
-    # 270 tokens on expert 0: token panels of 256 + 14.
-    E, H, I, T = 2, 2112, 72 if fmt != "int4" else 96, 300
+    # H = 2112: several K chunks with a partial last one in every source (bf16 in place: 1024
+    # values; int8 quads: 512; int8 widened (down, I = 320) and int4 dequantized: 256), and 270
+    # tokens on expert 0: token panels of 256 + 14.
+    E, H, T = 2, 2112, 300
+    I = {"bf16": 72, "int8": 320, "int4": 96}[fmt]
     gate, up, down = make_weights(E, H, I)
     experts = CpuExperts(gate, up, down, format=fmt, group_size=32, threads=2, isa="amx_emulated")
     g = torch.Generator().manual_seed(9)
