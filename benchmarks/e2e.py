@@ -182,8 +182,8 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 def results_table(results, prompt_lens: list[int]) -> list[str]:
     head = (["config"] + [f"prefill {n}" for n in prompt_lens] + [f"TTFT {prompt_lens[0]} ms", "decode tok/s",
-            "ms/token", "floor ms", "decode/floor", "CPU exp/token", "GPU exp/layer", "graph", "peak GPU GiB",
-            "RSS GiB", "peak RSS GiB", "load s"])
+            "ms/token", "floor ms", "decode/floor", "CPU exp/token", "GPU exp/layer", "graph", "deferred",
+            "prefill streaming", "peak GPU GiB", "RSS GiB", "peak RSS GiB", "load s"])
     rows = []
     for r in results:
         gpu = sorted({layer.on_gpu for layer in r.floor.layers})
@@ -191,10 +191,16 @@ def results_table(results, prompt_lens: list[int]) -> list[str]:
                     + [_fmt(1e3 * r.ttft_s[prompt_lens[0]], ".0f"), _fmt(r.decode_tok_s), _fmt(1e3 * r.decode_s, ".2f"),
                        _fmt(1e3 * r.floor.seconds, ".3f"), _fmt(floor_ratio(r.decode_s, r.floor), ".2f"),
                        _fmt(r.floor.cpu_experts_per_token), "/".join(map(str, gpu)) or "-",
-                       "on" if r.cuda_graph else "off", _fmt(r.peak_gpu_gib, ".2f"), _fmt(r.rss_gib, ".2f"),
-                       _fmt(r.peak_rss_gib, ".2f"),
+                       "on" if r.cuda_graph else "off", str(r.resolved.deferred_experts), _streaming(r.resolved),
+                       _fmt(r.peak_gpu_gib, ".2f"), _fmt(r.rss_gib, ".2f"), _fmt(r.peak_rss_gib, ".2f"),
                        _fmt(r.load_s)])
     return _table(head, rows)
+
+
+def _streaming(ec) -> str:
+    """Whether long prefill steps stream their layers' experts to the device (the engine's own choice)."""
+    mode, tokens = ec.prefill_streaming, ec.prefill_streaming_tokens
+    return f"on (>= {tokens} tokens)" if mode == "on" and tokens else mode
 
 
 def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
