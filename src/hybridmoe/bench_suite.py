@@ -107,7 +107,7 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         # warm-up: lazy initialisation (allocator, kernel choices, pool wake-up) of every prefill step shape
         # measured below (longer prompts run in chunks of max_num_batched_tokens) kept out of the numbers
         for n in sorted({min(n, engine.config.max_num_batched_tokens) for n in prompt_lens}):
-            _measure(engine, [prompt(n)], 2)
+            _measure(engine, [prompt(n)], 1)  # the prompt only: decode graphs are captured below
         decode_prompt = prompt(decode_prompt_len)
         common = dict(load_s=load_s, depth=depth, resolved=_resolved(engine))
         results = [_measure_engine(engine, label, {n: prompt(n) for n in prompt_lens}, decode_prompt, gen_len,
