@@ -81,3 +81,22 @@ def test_ablation_variants_come_after_every_format():
     kwargs = {label: kw for label, kw, _, _ in runs}
     assert kwargs["int4 all on"]["deferred_experts"] == 1 and kwargs["bf16 all on"]["deferred_experts"] == 1
     assert kwargs["int4 no GPU experts"] == dict(kwargs["int4 all on"], gpu_experts_per_layer=0)
+
+
+def test_a_cut_model_gets_the_gpu_experts_per_layer_of_the_full_depth_plan():
+    import torch
+
+    from hybridmoe.checkpoint.synthetic import full_config
+    from hybridmoe.config import EngineConfig
+    from hybridmoe.experts.placement import model_footprint
+    from hybridmoe.models.registry import architecture_of, get_model_class
+
+    raw = full_config("qwen3_moe:tiny")  # 2 MoE layers of 8 experts
+    kwargs = {"device": "cpu", "dtype": "bfloat16", "max_num_seqs": 1, "max_model_len": 64}
+    cls = get_model_class(architecture_of(raw))
+    fp = model_footprint(cls, cls.make_config(raw), torch.bfloat16, EngineConfig(**kwargs))
+    per_layer, note = E2E["full_depth_gpu_experts"](raw, dict(kwargs, gpu_memory_budget=fp.fixed_bytes
+                                                              + 2 * 3 * fp.expert_bytes))
+    assert per_layer == 3 and "3 GPU experts per MoE layer" in note
+    per_layer, note = E2E["full_depth_gpu_experts"](raw, dict(kwargs, gpu_memory_budget=fp.fixed_bytes - 1))
+    assert per_layer == 0 and "does not fit the budget" in note
