@@ -295,10 +295,10 @@ def _to_device(*tensors: torch.Tensor, device: torch.device) -> tuple[torch.Tens
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
-GPU_SECONDS_PER_WEIGHT = 48e-12
-"""Device time a streamed layer takes per expert weight (dequantize + matmuls), measured on the H200:
-a Qwen3-30B-A3B int4 layer (604M weights, T=2048) took 29 ms with its 6 ms copy overlapped, before
-the dequantization was made cheaper, so an upper bound (benchmarks/streamed_prefill.py)."""
+GPU_SECONDS_PER_WEIGHT = 37e-12
+"""Device time a streamed layer takes per expert weight (dequantize + matmuls), measured on the H200
+with benchmarks/streamed_prefill.py: a Qwen3-30B-A3B int4 layer (604M weights, T=2048) took 22.3 ms
+a layer with the next layer's 6 ms copy overlapped (30.6 ms without the overlap)."""
 
 
 def streamed_layer_seconds(layer_bytes: int, layer_weights: int, pcie_bytes_per_s: float) -> float:

@@ -87,7 +87,7 @@ def uses_hybrid(engine_config: EngineConfig) -> bool:
 CPU_EXPERT_FLOPS_PER_CORE = {"amx": 190e9, "avx512": 60e9, "avx2": 25e9, "generic": 5e9}
 """Estimated FLOP/s per core of the native engine's routed experts in long steps, by the best kernel
 path. amx: benchmarks/moe_layer.py at T=2048 on the GPU host (2.8-3.3 TFLOP/s on 16 cores, every
-format); avx512: 59-71 GFLOP/s a core measured on the 2-core AMD development machine (E=16, H=1024,
+format; benchmarks/streamed_prefill.py's int4 layer read 2.4-3.9 in two runs); avx512: 59-71 GFLOP/s a core measured on the 2-core AMD development machine (E=16, H=1024,
 I=512, T=512, bf16/int8/int4); avx2 and generic are guesses (fewer, narrower lanes)."""
 
 DEFAULT_STREAMING_TOKENS = 1024
