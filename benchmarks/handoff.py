@@ -180,7 +180,8 @@ def main():
             memops, memops_error = None, f"{type(e).__name__}: {e}"
         info.update(cudart=handoff.runtime, isa=experts.isa, memops_path=memops.path if memops else memops_error)
         print(f"{info['gpu']}, torch {info['torch']}, cudart {info['cudart']}, {info['cpus']} CPUs, "
-              f"isa {info['isa']}; {L} layers, H={H}, toy CPU step E={E} I={I} K={K} on {n} threads; "
+              f"isa {info['isa']}; {L} layers, H={H}, toy CPU step E={E} I={I} K={K} on {n} threads "
+              f"({handoff.threads[0]} in the handoff's pool); "
               f"stream_mem_ops: {info['memops_path']}")
         print(f"{'T':>3} {'variant':<16} {'us/step':>10} {'us/layer':>9} {'handoff us/layer':>17}", flush=True)
         base = Baselines(experts, L, max(tokens), H, K, handoff.runtime)
