@@ -14,12 +14,14 @@ kind's measured time (bench_layers.py); prefill = measured time x full depth / N
 "extrapolated". With a GPU budget, the cut model holds as many GPU experts per layer as the full-depth
 model would under the same budget, so its per-layer figures stand for the full model's.
 
---formats runs each expert format in turn, one engine at a time, in this process. --ablation runs the
-first format "all on" (deferred experts 1 unless given) and, on the same model, with: no CUDA graph (the
-same engine, graphs off); no deferral (deferred experts 0); no GPU experts (--gpu-experts-per-layer 0).
-A SIGTERM (e.g. `timeout`) ends the run with the tables of the configurations measured so far. Qwen3-30B-A3B rows are also
-set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s
-prefill at 512 (48 layers).
+--formats runs each expert format in turn, one engine at a time, in this process. --ablation runs each
+format "all on" (graphs, GPU experts; deferred experts as given, else 0) and the first format, on the same
+model, also with: no CUDA graph (the same engine, graphs off); deferral toggled (deferred experts 1 when
+"all on" has 0, else 0); no GPU experts (--gpu-experts-per-layer 0). Deferral is not in "all on" by default
+because it lost on the GPU host: Qwen3-30B-A3B int4, 4 layers, 354 tok/s with 1 vs 370 with 0 (each
+deferred expert adds a CPU handoff per layer). A SIGTERM (e.g. `timeout`) ends the run with the tables
+of the configurations measured so far. Qwen3-30B-A3B rows are also set against llama.cpp's reference
+figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s prefill at 512 (48 layers).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ LLAMA_CPP = {"decode_tok_s": 47.0, "prefill512_tok_s": (650.0, 760.0)}
 """llama.cpp on the GPU host, every routed expert on the CPU, Qwen3-30B-A3B Q4_K_M, 48 layers (issue #4)."""
 TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama_decode": 1.75,
            "vs_llama_prefill": 1.5}
-DEFAULT_DEFERRED = 1
+DEFAULT_DEFERRED = 0
+"""Deferred experts of the "all on" rows unless given: 1 measured slower than 0 (see above)."""
 
 SUITES = {
     "qwen3": dict(synthetic="qwen3-30b-a3b", layers=4, formats="int4,bf16", prompt_lens="512,2048,8192",
@@ -138,9 +141,9 @@ def full_depth_gpu_experts(raw_full: dict, kwargs: dict) -> tuple[int, str]:
 def configurations(kwargs: dict, formats: list[str | None], ablation: bool
                    ) -> list[tuple[str, dict, str | None, bool]]:
     """(label, engine kwargs, label of the same engine with graphs off or None, every prompt length?) per
-    load: each format; with ablation, each format "all on" (deferral on), the first then with graphs off,
-    and after every format the first without deferral and without GPU experts (these two prefill the
-    first prompt length only), so that a time limit cuts the ablation before a format."""
+    load: each format; with ablation, each format "all on", the first then with graphs off, and after every
+    format the first with deferral toggled and without GPU experts (these two prefill the first prompt
+    length only), so that a time limit cuts the ablation before a format."""
     runs, variants = [], []
     for k, fmt in enumerate(formats):
         base = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
@@ -151,7 +154,8 @@ def configurations(kwargs: dict, formats: list[str | None], ablation: bool
         base.setdefault("deferred_experts", DEFAULT_DEFERRED)
         runs.append((f"{name} all on", base, None if k else f"{name} no CUDA graph", True))
         if k == 0:
-            variants += [(f"{name} no deferral", dict(base, deferred_experts=0), None, False),
+            deferral = (f"{name} deferral 1", 1) if base["deferred_experts"] == 0 else (f"{name} no deferral", 0)
+            variants += [(deferral[0], dict(base, deferred_experts=deferral[1]), None, False),
                          (f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), None, False)]
     return runs + variants
 

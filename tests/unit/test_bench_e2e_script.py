@@ -24,9 +24,9 @@ def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report
     text = capsys.readouterr().out
     data = json.loads(out.read_text())
     labels = [r["label"] for r in data["results"]]
-    assert labels == ["bf16 all on", "bf16 no CUDA graph", "bf16 no deferral", "bf16 no GPU experts"]
+    assert labels == ["bf16 all on", "bf16 no CUDA graph", "bf16 deferral 1", "bf16 no GPU experts"]
     engines = {r["label"]: r["engine"] for r in data["results"]}
-    assert engines["bf16 all on"]["deferred_experts"] == 1 and engines["bf16 no deferral"]["deferred_experts"] == 0
+    assert engines["bf16 all on"]["deferred_experts"] == 0 and engines["bf16 deferral 1"]["deferred_experts"] == 1
     assert engines["bf16 no CUDA graph"]["cuda_graph"] is False
     assert engines["bf16 no GPU experts"]["gpu_experts_per_layer"] == 0
     for r in data["results"]:
@@ -77,9 +77,12 @@ def test_ablation_variants_come_after_every_format():
     runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], ablation=True)
     assert [(label, eager, every) for label, _, eager, every in runs] == [
         ("int4 all on", "int4 no CUDA graph", True), ("bf16 all on", None, True),
-        ("int4 no deferral", None, False), ("int4 no GPU experts", None, False)]
+        ("int4 deferral 1", None, False), ("int4 no GPU experts", None, False)]
     kwargs = {label: kw for label, kw, _, _ in runs}
-    assert kwargs["int4 all on"]["deferred_experts"] == 1 and kwargs["bf16 all on"]["deferred_experts"] == 1
+    assert kwargs["int4 all on"]["deferred_experts"] == 0 and kwargs["bf16 all on"]["deferred_experts"] == 0
+    given = E2E["configurations"]({"deferred_experts": 2}, ["int4"], ablation=True)
+    assert [(label, kw["deferred_experts"]) for label, kw, _, _ in given] == [
+        ("int4 all on", 2), ("int4 no deferral", 0), ("int4 no GPU experts", 2)]
     assert kwargs["int4 no GPU experts"] == dict(kwargs["int4 all on"], gpu_experts_per_layer=0)
 
 
