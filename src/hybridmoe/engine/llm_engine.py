@@ -24,6 +24,12 @@ from hybridmoe.tokenizer import Tokenizer
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
+def max_model_len(model_config, engine_config: EngineConfig) -> int:
+    """engine_config.max_model_len, else the model's max_position_embeddings capped at DEFAULT_MAX_MODEL_LEN."""
+    return engine_config.max_model_len or min(
+        model_config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+
+
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         from hybridmoe.weights.gguf_model_dir import resolve_model_path
@@ -38,8 +44,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = _eos_token_ids(Path(model_dir), loaded.config, self.tokenizer)
-        self.max_model_len = self.config.max_model_len or min(
-            loaded.config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = max_model_len(loaded.config, self.config)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, self.config.max_num_seqs, self.max_model_len,
                                   self.config.device, cuda_graph=self.config.cuda_graph)

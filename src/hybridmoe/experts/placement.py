@@ -85,7 +85,7 @@ class Footprint:
 
 def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: EngineConfig) -> Footprint:
     """Build the model on the meta device (no memory) and add up what it would hold."""
-    from hybridmoe.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
+    from hybridmoe.engine.llm_engine import max_model_len
     from hybridmoe.experts.streamed_prefill import reserved_bytes as prefill_streaming_bytes
     from hybridmoe.experts.torch_ref import TorchExperts
 
@@ -94,9 +94,7 @@ def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: Engine
     model.tie_weights()
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     non_expert = sum(t.numel() * t.element_size() for t in tensors.values())
-    max_len = engine_config.max_model_len or min(config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN,
-                                                 DEFAULT_MAX_MODEL_LEN)
-    model.allocate_kv_cache(engine_config.max_num_seqs, max_len)
+    model.allocate_kv_cache(engine_config.max_num_seqs, max_model_len(config, engine_config))
     kv = 0
     for module in model.modules():
         cache = getattr(module, "kv_cache", None)
