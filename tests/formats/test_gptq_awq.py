@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from int4_packing import AWQ_ORDER, pack
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -17,16 +18,6 @@ from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 GROUP = 32
 PROMPT = [5, 17, 3, 60, 22, 9, 41]
 QUANTIZED = re.compile(r".*(self_attn\.[qkvo]_proj|experts\.\d+\.(gate|up|down)_proj)\.weight")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def pack(codes: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
-    """int codes 0..15 -> int32 with 8 per word along dim; slot j of a word holds element order[j] of its 8."""
-    c = codes.movedim(dim, -1)
-    c = c.reshape(*c.shape[:-1], -1, 8)[..., list(order)].to(torch.int64)
-    words = sum(c[..., j] << (4 * j) for j in range(8))
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.movedim(-1, dim).contiguous()
 
 
 def rtn(w: torch.Tensor, groups: torch.Tensor):

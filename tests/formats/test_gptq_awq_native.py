@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from int4_packing import AWQ_ORDER, pack
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -24,16 +25,7 @@ from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 GROUP = 32  # the tiny model's experts are [32, 64]: 32 is the one engine group size dividing both
 PROMPT = [5, 17, 3, 60, 22, 9, 41]
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 NATIVE = dict(dtype="float32", expert_backend="native", cache_dir="", cpu_threads=2)
-
-
-def pack(codes: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
-    """int codes 0..15 -> int32 with 8 per word along dim; slot j of a word holds element order[j] of its 8."""
-    c = codes.movedim(dim, -1).to(torch.int64)
-    c = c.reshape(*c.shape[:-1], -1, 8)[..., list(order)]
-    words = sum(c[..., j] << (4 * j) for j in range(8))
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def quantize(w: torch.Tensor, g_idx: torch.Tensor, zero_range: tuple[int, int]):
