@@ -62,10 +62,6 @@ def run_e2e(model_dir: str, engine_config: EngineConfig, workload: Workload) -> 
     import torch
 
     from hybridmoe.engine.llm_engine import LLMEngine
-    from hybridmoe.models.registry import load_config
-    from hybridmoe.system.auto import resolve_engine_config
-    from hybridmoe.weights.gguf_model_dir import resolve_model_path
-    from hybridmoe.weights.loader import resolve_dtype
 
     t0 = time.perf_counter()
     engine = LLMEngine(model_dir, engine_config)
@@ -74,17 +70,24 @@ def run_e2e(model_dir: str, engine_config: EngineConfig, workload: Workload) -> 
     prompts = torch.randint(0, engine.vocab_size, (workload.batch, workload.prompt_len), generator=g).tolist()
     _measure(engine, [prompts[0][:8]], 2)  # warm-up
     timings = _measure(engine, prompts, workload.gen_len)
-    # the same resolution the loader made (it reads config.json only), for reporting what "auto" became
-    resolved_dir = resolve_model_path(model_dir, engine.config)
-    _, config = load_config(resolved_dir)
-    resolved = resolve_engine_config(engine.config, config, resolve_dtype(engine.config.dtype, config), resolved_dir)
     setup = {"model": str(model_dir), "architecture": engine.model_config.get("architectures"),
              "dtype": str(engine.dtype).removeprefix("torch."), "prompt_len": workload.prompt_len,
              "gen_len": workload.gen_len, "batch": workload.batch, "engine": vars(engine.config),
              "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}
     return E2EResult(**timings, load_s=load_s,
                      peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
-                     setup=setup, resolved=resolved, cuda_graph=engine.runner.cuda_graph)
+                     setup=setup, resolved=resolved_config(engine), cuda_graph=engine.runner.cuda_graph)
+
+
+def resolved_config(engine) -> EngineConfig:
+    """engine's options with "auto" resolved as the loader resolved them (it reads config.json only), for
+    reporting what "auto" became."""
+    from hybridmoe.models.registry import load_config
+    from hybridmoe.system.auto import resolve_engine_config
+    from hybridmoe.weights.loader import resolve_dtype
+
+    _, config = load_config(engine.model_dir)
+    return resolve_engine_config(engine.config, config, resolve_dtype(engine.config.dtype, config), engine.model_dir)
 
 
 def _measure(engine, prompts: list[list[int]], gen_len: int) -> dict:

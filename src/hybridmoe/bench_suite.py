@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hybridmoe.bench import _measure
+from hybridmoe.bench import _measure, resolved_config
 from hybridmoe.bench_floor import DecodeFloor, decode_floor, decode_routing, floor_ratio
 from hybridmoe.bench_layers import LayerTimes, measure_layer_times
 from hybridmoe.config import EngineConfig
@@ -109,7 +109,7 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         for n in sorted({min(n, engine.config.max_num_batched_tokens) for n in prompt_lens}):
             _measure(engine, [prompt(n)], 1)  # the prompt only: decode graphs are captured below
         decode_prompt = prompt(decode_prompt_len)
-        common = dict(load_s=load_s, depth=depth, resolved=_resolved(engine))
+        common = dict(load_s=load_s, depth=depth, resolved=resolved_config(engine))
         results = [_measure_engine(engine, label, {n: prompt(n) for n in prompt_lens}, decode_prompt, gen_len,
                                    bandwidth, bandwidth_method, cuda, **common)]
         if eager_label is not None:
@@ -146,13 +146,3 @@ def _measure_engine(engine, label: str, prompts: dict[int, list[int]], decode_pr
 def _rss_gib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
-def _resolved(engine) -> EngineConfig:
-    """engine's options with "auto" resolved as the loader resolved them (it reads config.json only)."""
-    from hybridmoe.models.registry import load_config
-    from hybridmoe.system.auto import resolve_engine_config
-    from hybridmoe.weights.loader import resolve_dtype
-
-    _, config = load_config(engine.model_dir)
-    return resolve_engine_config(engine.config, config, resolve_dtype(engine.config.dtype, config), engine.model_dir)
