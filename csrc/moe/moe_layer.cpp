@@ -44,9 +44,9 @@ void* alloc_on_node(size_t bytes, int node, int nodes) {
 }
 
 // Scratch of the thread that runs a job (the pool's driver, or run()'s caller), reused by every
-// layer of the pool (jobs run one at a time).
-template <class T>
-T* grow(std::vector<T>& v, size_t n) {
+// layer of the pool (jobs run one at a time). Any std::vector, AlignedVec below included.
+template <class T, class Alloc>
+T* grow(std::vector<T, Alloc>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
@@ -68,12 +68,6 @@ struct Aligned64 {
 };
 template <class T>
 using AlignedVec = std::vector<T, Aligned64<T>>;
-
-template <class T>
-T* grow(AlignedVec<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
 
 // One side's activation rows (x for gate/up, h for down), each row in the kind its expert's
 // kernels read: bf16 and i16 rows at stride Kp + 32, i8 rows at Kq + 64 (Kq = Kp rounded up to
