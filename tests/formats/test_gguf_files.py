@@ -76,14 +76,19 @@ def test_wrong_magic(tmp_path):
         load(path, tmp_path)
 
 
-def test_unknown_tensor_type(tmp_path):
-    path = tmp_path / "model.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_tensor("zzz", np.zeros((4, 32), np.float32))
+def write_one_tensor(path, arch: str, name: str) -> None:
+    """A GGUF file of architecture arch holding one float32 [4, 32] tensor of zeros."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tensor(name, np.zeros((4, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_unknown_tensor_type(tmp_path):
+    path = tmp_path / "model.gguf"
+    write_one_tensor(path, "qwen3moe", "zzz")
     raw = bytearray(path.read_bytes())
     # tensor info: name, n_dims (u32), dims (u64 each), type (u32)
     at = raw.index(b"zzz") + 3 + 4 + 2 * 8
@@ -95,11 +100,6 @@ def test_unknown_tensor_type(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "model.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_one_tensor(path, "gemma3", "token_embd.weight")
     with pytest.raises(CheckpointError, match=r"GGUF architecture 'gemma3' is not supported"):
         load(path, tmp_path)
