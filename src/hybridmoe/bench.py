@@ -74,9 +74,8 @@ def run_e2e(model_dir: str, engine_config: EngineConfig, workload: Workload) -> 
              "dtype": str(engine.dtype).removeprefix("torch."), "prompt_len": workload.prompt_len,
              "gen_len": workload.gen_len, "batch": workload.batch, "engine": vars(engine.config),
              "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}
-    return E2EResult(**timings, load_s=load_s,
-                     peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
-                     setup=setup, resolved=resolved_config(engine), cuda_graph=engine.runner.cuda_graph)
+    return E2EResult(**timings, load_s=load_s, peak_rss_gib=peak_rss_gib(), setup=setup,
+                     resolved=resolved_config(engine), cuda_graph=engine.runner.cuda_graph)
 
 
 def resolved_config(engine) -> EngineConfig:
@@ -88,6 +87,11 @@ def resolved_config(engine) -> EngineConfig:
 
     _, config = load_config(engine.model_dir)
     return resolve_engine_config(engine.config, config, resolve_dtype(engine.config.dtype, config), engine.model_dir)
+
+
+def peak_rss_gib() -> float:
+    """The process's peak resident memory so far, in GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _measure(engine, prompts: list[list[int]], gen_len: int) -> dict:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import gc
 import os
-import resource
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from hybridmoe.bench import _measure, resolved_config
+from hybridmoe.bench import _measure, peak_rss_gib, resolved_config
 from hybridmoe.bench_floor import DecodeFloor, decode_floor, decode_routing, floor_ratio
 from hybridmoe.bench_layers import LayerTimes, measure_layer_times
 from hybridmoe.config import EngineConfig
@@ -137,7 +136,7 @@ def _measure_engine(engine, label: str, prompts: dict[int, list[int]], decode_pr
     model = engine.runner.model
     floor = decode_floor(model, bandwidth, bandwidth_method, decode_routing(engine, decode_prompt, gen_len))
     return SuiteResult(label, prefill, ttft, decode_s, rss_gib=_rss_gib(),
-                       peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
+                       peak_rss_gib=peak_rss_gib(),
                        peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, floor=floor,
                        uniform_floor=decode_floor(model, bandwidth, bandwidth_method), layer_times=layer_times,
                        cuda_graph=engine.runner.cuda_graph, **common)
