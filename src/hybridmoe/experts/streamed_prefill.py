@@ -168,8 +168,7 @@ class PrefillStreamer:
             if nxt < len(self.order):
                 self._stage(self.order[nxt])
         host = self.layers[layer]
-        views = {name: self.slots[slot][off:off + host.buffers[name].numel()] for name, off in host.offsets.items()}
-        out = routed_experts(host.layout, views, hidden, ids, weights, mask, act)
+        out = routed_experts(host.layout, self._slot_views(slot, host), hidden, ids, weights, mask, act)
         if self.freed[slot] is not None:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
         return out
@@ -182,18 +181,20 @@ class PrefillStreamer:
         self.slot_layer[slot] = layer
         host = self.layers[layer]
         if self.copy_stream is None:
-            for name, buf in host.buffers.items():
-                off = host.offsets[name]
-                self.slots[slot][off:off + buf.numel()].copy_(buf)
+            for name, view in self._slot_views(slot, host).items():
+                view.copy_(host.buffers[name])
             return slot
         self._register(host)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[slot])  # the slot's previous layer is done with it
-            for name, buf in host.buffers.items():
-                off = host.offsets[name]
-                self.slots[slot][off:off + buf.numel()].copy_(buf, non_blocking=True)
+            for name, view in self._slot_views(slot, host).items():
+                view.copy_(host.buffers[name], non_blocking=True)
             self.copied[slot].record(self.copy_stream)
         return slot
+
+    def _slot_views(self, slot: int, host: _HostLayer) -> dict[str, torch.Tensor]:
+        """Where each of host's packed buffers lies in the slot: uint8 views of the device slot."""
+        return {name: self.slots[slot][off:off + host.buffers[name].numel()] for name, off in host.offsets.items()}
 
     def _register(self, host: _HostLayer) -> None:
         """Page-lock the layer's host buffers once, so copies are DMA from them (no staging copy)."""
