@@ -207,7 +207,7 @@ void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(i
   }
   learn_gap();
   const uint32_t gen = generation_.fetch_add(1) + 1;
-  if (sleepers_.load() > 0) futex_wake_all(generation_);
+  prewake();
   work(0);
   // Every item is claimed now: close the run and wait only for the workers inside it (their
   // claimed items), not for those still waking up (a core leaving a deep idle state can take
