@@ -217,7 +217,7 @@ def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
         if full is None:
             continue
         lt = r.layer_times
-        dense = lt.to_json()["dense_layer_s"]
+        dense = lt.dense_layer_s
         rows.append([r.label, str(full["layers"])] + [_fmt(full["prefill_tok_s"].get(n), ".0f") for n in prompt_lens]
                     + [_fmt(full["decode_tok_s"]), _fmt(1e3 * full["decode_s"], ".2f"),
                        _fmt(1e3 * full["floor_s"], ".3f"), _fmt(full["decode_over_floor"], ".2f"),

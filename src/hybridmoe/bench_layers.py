@@ -34,6 +34,11 @@ class LayerTimes:
         times = times or list(self.layer_s.values())
         return sum(times) / len(times)
 
+    @property
+    def dense_layer_s(self) -> float | None:
+        """Mean time of a dense layer; None when the cut model has none."""
+        return self.mean_s(False) if len(self.layer_s) > len(self.moe_layers) else None
+
     def full_depth_s(self, measured_step_s: float, dense_layers: int, moe_layers: int) -> float:
         """A decode step of the full model, from this one's measured step time."""
         eager = self.non_layer_s + dense_layers * self.mean_s(False) + moe_layers * self.mean_s(True)
@@ -41,7 +46,7 @@ class LayerTimes:
 
     def to_json(self) -> dict:
         return {"eager_step_s": self.step_s, "non_layer_s": self.non_layer_s,
-                "dense_layer_s": self.mean_s(False) if len(self.layer_s) > len(self.moe_layers) else None,
+                "dense_layer_s": self.dense_layer_s,
                 "moe_layer_s": self.mean_s(True), "layer_s": {str(k): v for k, v in self.layer_s.items()}}
 
 
