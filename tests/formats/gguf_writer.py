@@ -118,6 +118,22 @@ def finish(w: gguf.GGUFWriter) -> None:
     w.close()
 
 
+def save_tiny_qwen3(tmp: Path, config: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """A transformers Qwen3-MoE of config, randomly initialized (seed 0), saved to tmp / "hf", with a
+    tokenizer in tmp -> (its tensors, the saved config.json)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hybridmoe.checkpoint.tokenizer import write_tokenizer
+    from hybridmoe.weights.safetensors import SafetensorsCheckpoint
+
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).save_pretrained(tmp / "hf")
+    with SafetensorsCheckpoint(tmp / "hf") as ckpt:
+        tensors = {n: ckpt.get(n) for n in ckpt.weight_names()}
+    write_tokenizer(tmp, "qwen3_moe", config["vocab_size"])
+    return tensors, json.loads((tmp / "hf" / "config.json").read_text())
+
+
 def write_qwen3_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_dir: Path, path: Path, types,
                      seed: int = 0, split_max_tensors: int = 0) -> dict[str, torch.Tensor]:
     """Write a Qwen3-MoE checkpoint (HF names -> float tensors) as GGUF; return what it decodes to (HF names).

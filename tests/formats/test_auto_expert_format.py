@@ -6,15 +6,13 @@ import logging
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_writer import write_qwen3_gguf
+from gguf_writer import save_tiny_qwen3, write_qwen3_gguf
 
-from hybridmoe.checkpoint.tokenizer import write_tokenizer
 from hybridmoe.config import EngineConfig
 from hybridmoe.models.registry import load_config
 from hybridmoe.system.auto import resolve_engine_config
 from hybridmoe.weights.convert import convert_checkpoint
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
-from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 # K-quants need rows of 256: every expert width of this model is 256
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=2,
@@ -31,16 +29,9 @@ def resolve(model_dir, **options):
 
 @pytest.fixture(scope="module")
 def qwen3_tensors(tmp_path_factory):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     tmp = tmp_path_factory.mktemp("auto")
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).save_pretrained(tmp / "hf")
-    with SafetensorsCheckpoint(tmp / "hf") as ckpt:
-        tensors = {n: ckpt.get(n) for n in ckpt.weight_names()}
-    write_tokenizer(tmp, "qwen3_moe", CONFIG["vocab_size"])
-    config = {**CONFIG, **json.loads((tmp / "hf" / "config.json").read_text())}
-    return tensors, config, tmp
+    tensors, saved = save_tiny_qwen3(tmp, CONFIG)
+    return tensors, {**CONFIG, **saved}, tmp
 
 
 @pytest.mark.parametrize("gate_up,down,want", [

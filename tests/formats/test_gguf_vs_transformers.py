@@ -6,17 +6,15 @@ import json
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_writer import write_qwen3_gguf
+from gguf_writer import save_tiny_qwen3, write_qwen3_gguf
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM
 
 from hybridmoe import LLM
-from hybridmoe.checkpoint.tokenizer import write_tokenizer
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.context import Context, use_context
 from hybridmoe.sampling_params import SamplingParams
 from hybridmoe.weights.loader import load_model
-from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 PROMPT = [5, 17, 3, 60, 22, 9, 41, 300, 2]
 # K-quants need rows of 256: every width of this model is 256
@@ -41,12 +39,7 @@ def tensor_type(name: str) -> Q:
 @pytest.fixture(scope="module")
 def gguf_and_reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gguf")
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).save_pretrained(tmp / "hf")
-    with SafetensorsCheckpoint(tmp / "hf") as ckpt:
-        tensors = {n: ckpt.get(n) for n in ckpt.weight_names()}
-    write_tokenizer(tmp, "qwen3_moe", CONFIG["vocab_size"])
-    config = json.loads((tmp / "hf" / "config.json").read_text())
+    tensors, config = save_tiny_qwen3(tmp, CONFIG)
     decoded = write_qwen3_gguf(tensors, {**CONFIG, **config}, tmp, tmp / "model.gguf", tensor_type)
     (tmp / "ref").mkdir()
     save_file(decoded, tmp / "ref" / "model.safetensors", metadata={"format": "pt"})
