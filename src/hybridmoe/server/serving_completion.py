@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from itertools import accumulate
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -106,7 +107,7 @@ async def _events(state: ServerState, req: CompletionRequest, request_id: str, p
 
 def _logprobs(state: ServerState, logprobs: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
     tokens = [token_text(state, lp.token_id) for lp in logprobs]
-    starts = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+    starts = list(accumulate(map(len, tokens), initial=offset))[:-1]  # each token's text offset
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs], text_offset=starts,
         top_logprobs=[_by_text(state, lp.top) for lp in logprobs])
