@@ -176,6 +176,14 @@ def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
     return rows
 
 
+def write_json(args, shape, threads, bw, rows):
+    """The rows of either mode, with the run's context, to --json (if given)."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "dims": shape, "threads": threads, "host_read_gbps": bw,
+                       "cpu_count": os.cpu_count(), "isas": available_isas(), "rows": rows}, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
@@ -208,11 +216,7 @@ def main():
         gate, up, down = make_weights(E, H, I)
         print(f"# {args.shape}: E={E} H={H} I={I} top-{K}; threads={threads}; host read bandwidth {bw:.1f} GB/s; "
               f"decode loop: {args.layers} layers, {args.gap_us:g} us between calls", flush=True)
-        rows = decode_loop(args, shape, threads, bw, gate, up, down, tokens)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"shape": args.shape, "dims": shape, "threads": threads, "host_read_gbps": bw,
-                           "cpu_count": os.cpu_count(), "isas": available_isas(), "rows": rows}, f, indent=1)
+        write_json(args, shape, threads, bw, decode_loop(args, shape, threads, bw, gate, up, down, tokens))
         return
     # Touch a buffer larger than the last-level cache from this thread alone (numpy): evicts
     # every cache level without waking torch's OpenMP workers, which would busy-wait on the
@@ -282,10 +286,7 @@ def main():
         print(f"#   {fmt}: packed {packed_gb:.2f} GiB in {pack_s:.1f} s, peak RSS growth while packing "
               f"{rss_gb:.2f} GiB (source bf16 {src_gb:.2f} GiB)", flush=True)
         del ex
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "dims": shape, "threads": threads, "host_read_gbps": bw,
-                       "cpu_count": os.cpu_count(), "isas": available_isas(), "rows": rows}, f, indent=1)
+    write_json(args, shape, threads, bw, rows)
 
 
 if __name__ == "__main__":
