@@ -310,6 +310,11 @@ class Handoff : public hmoe::FlagChannel {
     if (!error_) error_ = msg;
   }
 
+  // A failure of job j's layer, for take_error().
+  static void record_failure(Job& j, const std::string& what) {
+    j.owner->record("layer " + std::to_string(j.layer) + ": " + what);
+  }
+
   static int64_t id_at(const hmoe::MoeCall& c, int i) {
     return c.ids64 ? static_cast<const int64_t*>(c.ids)[i] : static_cast<const int32_t*>(c.ids)[i];
   }
@@ -320,9 +325,9 @@ class Handoff : public hmoe::FlagChannel {
     for (int i = 0; i < n; ++i) {
       const int64_t id = id_at(j.call, i);
       if (id < 0 || id >= j.l->E) {
-        j.owner->record("layer " + std::to_string(j.layer) + ": topk_ids[" + std::to_string(i / j.call.K) + ", " +
-                        std::to_string(i % j.call.K) + "] = " + std::to_string(id) + " is out of range for " +
-                        std::to_string(j.l->E) + " experts; its output was zeroed");
+        record_failure(j, "topk_ids[" + std::to_string(i / j.call.K) + ", " + std::to_string(i % j.call.K) +
+                              "] = " + std::to_string(id) + " is out of range for " + std::to_string(j.l->E) +
+                              " experts; its output was zeroed");
         return false;
       }
     }
@@ -337,7 +342,7 @@ class Handoff : public hmoe::FlagChannel {
         j.l->moe->run(j.call);
         return;
       } catch (const std::exception& e) {
-        j.owner->record("layer " + std::to_string(j.layer) + ": " + e.what());
+        record_failure(j, e.what());
       }
     }
     std::memset(j.call.out, 0, j.l->out_row_bytes * j.call.T);
@@ -351,7 +356,7 @@ class Handoff : public hmoe::FlagChannel {
       j.ticket = j.l->moe->submit(j.call);
       j.started = true;
     } catch (const std::exception& e) {
-      j.owner->record("layer " + std::to_string(j.layer) + ": " + e.what());
+      record_failure(j, e.what());
     }
   }
 
@@ -363,7 +368,7 @@ class Handoff : public hmoe::FlagChannel {
         j.l->moe->wait(j.ticket);
         return;
       } catch (const std::exception& e) {
-        j.owner->record("layer " + std::to_string(j.layer) + ": " + e.what());
+        record_failure(j, e.what());
       }
     }
     std::memset(j.call.out, 0, j.l->out_row_bytes * j.call.T);
