@@ -75,18 +75,7 @@ def run_e2e(model_dir: str, engine_config: EngineConfig, workload: Workload) -> 
              "gen_len": workload.gen_len, "batch": workload.batch, "engine": vars(engine.config),
              "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}
     return E2EResult(**timings, load_s=load_s, peak_rss_gib=peak_rss_gib(), setup=setup,
-                     resolved=resolved_config(engine), cuda_graph=engine.runner.cuda_graph)
-
-
-def resolved_config(engine) -> EngineConfig:
-    """engine's options with "auto" resolved as the loader resolved them (it reads config.json only), for
-    reporting what "auto" became."""
-    from hybridmoe.models.registry import load_config
-    from hybridmoe.system.auto import resolve_engine_config
-    from hybridmoe.weights.loader import resolve_dtype
-
-    _, config = load_config(engine.model_dir)
-    return resolve_engine_config(engine.config, config, resolve_dtype(engine.config.dtype, config), engine.model_dir)
+                     resolved=engine.resolved_config, cuda_graph=engine.runner.cuda_graph)
 
 
 def peak_rss_gib() -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hybridmoe.bench import _measure, peak_rss_gib, resolved_config
+from hybridmoe.bench import _measure, peak_rss_gib
 from hybridmoe.bench_floor import DecodeFloor, decode_floor, decode_routing, floor_ratio
 from hybridmoe.bench_layers import LayerTimes, measure_layer_times
 from hybridmoe.config import EngineConfig
@@ -108,7 +108,7 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         for n in sorted({min(n, engine.config.max_num_batched_tokens) for n in prompt_lens}):
             _measure(engine, [prompt(n)], 1)  # the prompt only: decode graphs are captured below
         decode_prompt = prompt(decode_prompt_len)
-        common = dict(load_s=load_s, depth=depth, resolved=resolved_config(engine))
+        common = dict(load_s=load_s, depth=depth, resolved=engine.resolved_config)
         results = [_measure_engine(engine, label, {n: prompt(n) for n in prompt_lens}, decode_prompt, gen_len,
                                    bandwidth, bandwidth_method, cuda, **common)]
         if eager_label is not None:

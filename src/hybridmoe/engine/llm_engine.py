@@ -41,6 +41,7 @@ class LLMEngine:
         loaded = load_model(model_dir, self.config)
         self.model_config = loaded.config
         self.dtype = loaded.dtype
+        self.resolved_config = loaded.engine_config  # self.config with "auto" as the load resolved it
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = _eos_token_ids(Path(model_dir), loaded.config, self.tokenizer)

@@ -44,6 +44,8 @@ class LoadedModel:
     experts: ExpertBackend
     """Holds the routed experts of every MoE layer (model.experts is the same object)."""
     dtype: torch.dtype
+    engine_config: EngineConfig
+    """The options the load ran with, every "auto" resolved (what the reports print as the choices)."""
 
 
 def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
@@ -190,7 +192,7 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
         load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
     packed.finish(experts)
     attach_prefill_streamer(experts, engine_config)
-    return LoadedModel(model=model, config=config, experts=experts, dtype=dtype)
+    return LoadedModel(model=model, config=config, experts=experts, dtype=dtype, engine_config=engine_config)
 
 
 def _plan_packed(model_dir: Path, engine_config: EngineConfig, model: MoECausalLM, experts: ExpertBackend):
