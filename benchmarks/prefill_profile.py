@@ -1,0 +1,277 @@
+"""Where one prefill step's time goes, per layer, with prefill streaming forced on and off, same engine.
+
+    python benchmarks/prefill_profile.py --synthetic qwen3-30b-a3b --layers 4 --formats int4,bf16 \\
+        --prompt-lens 512,2048 --device cuda --gpu-memory-budget 16GiB
+    python benchmarks/prefill_profile.py --synthetic qwen3_moe:tiny --prompt-lens 16,32 --device cpu \\
+        --dtype bfloat16 --expert-format bf16 --gpu-experts-per-layer 1          # CPU smoke run
+
+One load per format (prefill_streaming "on", the streamer detached for "off"; GPU experts per layer as
+the full-depth model gets under the budget, as benchmarks/e2e.py does), one prompt per length,
+warmed up once, then the fastest of --reps prefills (one request, max_tokens 1) is shown. Each part
+is timed where it runs, without adding a host sync: CUDA events on the compute stream for the decoder
+layer, its attention and its MoE block (router, both expert shares, the join), the GPU-resident
+experts' share and the streamed share (its wait for the copy, then "stream math": grouping,
+dequantizing and the expert matmuls); CUDA events on the copy stream for each layer's copy (GB/s
+from its bytes); the host clock from the CPU engine's submit to its wait's return ("CPU experts").
+"rest" is the layer minus attention and MoE block (norms, residuals); "non-layer" is the request's
+wall time minus its layers (embedding, lm_head, sampling, scheduling). On the CPU device every time
+is the host clock. Then one more prefill of each under torch.profiler prints its costliest ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import hybridmoe.experts.hybrid as hybrid_mod
+import hybridmoe.experts.streamed_prefill as streamed_mod
+from hybridmoe import LLM, SamplingParams
+from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
+from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
+from hybridmoe.errors import HybridMoEError
+
+PARTS = ("layer", "attention", "MoE block", "CPU experts", "GPU-expert share", "streamed share", "stream math")
+
+
+class Spans:
+    """Named intervals keyed (layer, part): CUDA events on a stream, or host clock readings."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.done: dict[tuple[int, str], list] = defaultdict(list)
+        self.open: dict[tuple[int, str], object] = {}
+        self.copied_bytes: dict[int, int] = defaultdict(int)
+
+    def begin(self, key, stream=None, host=False) -> None:
+        self.open[key] = self._mark(stream, host)
+
+    def end(self, key, stream=None, host=False) -> None:
+        self.done[key].append((self.open.pop(key), self._mark(stream, host)))
+
+    def _mark(self, stream, host: bool):
+        if host or not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def totals_ms(self) -> dict[tuple[int, str], float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return {key: sum((b - a) * 1e3 if isinstance(a, float) else a.elapsed_time(b) for a, b in spans)
+                for key, spans in self.done.items()}
+
+
+class Probe:
+    """Hooks on one engine's layers, CPU engines and streamer that fill `spans` while installed."""
+
+    def __init__(self, llm: LLM):
+        runner = llm.engine.runner
+        self.model, self.backend = runner.model, runner.model.experts
+        self.cuda = torch.device(llm.engine.config.device).type == "cuda"
+        self.spans = Spans(self.cuda)
+        self.layer = -1  # the decoder layer running now (parts without a layer argument belong to it)
+        self.streamer = next((st.streamer for st in self.backend._layers.values() if st.streamer is not None), None)
+        for i, layer in enumerate(self.model.model.layers):
+            self._hook(layer, i, "layer", set_layer=True)
+            self._hook(layer.self_attn, i, "attention")
+            self._hook(getattr(layer, layer.mlp_name), i, "MoE block")
+        for i in self.backend.layers():
+            engine = self.backend.cpu_engine(i)
+            if engine is not None and hasattr(engine, "submit"):
+                self._wrap_cpu_engine(engine, i)
+        hybrid_mod.gpu_share = self._timed(hybrid_mod.gpu_share, "GPU-expert share")
+        streamed_mod.routed_experts = self._timed(streamed_mod.routed_experts, "stream math")
+        if self.streamer is not None:
+            self.streamer.run = self._timed(self.streamer.run, "streamed share")
+            self._wrap_stage(self.streamer)
+
+    def reset(self) -> None:
+        self.spans = Spans(self.cuda)
+
+    def _hook(self, module, layer: int, part: str, set_layer: bool = False) -> None:
+        def pre(mod, args):
+            if set_layer:
+                self.layer = layer
+            self.spans.begin((layer, part))
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(lambda mod, args, out: self.spans.end((layer, part)))
+
+    def _timed(self, fn, part: str):
+        def timed(*args, **kwargs):
+            self.spans.begin((self.layer, part))
+            out = fn(*args, **kwargs)
+            self.spans.end((self.layer, part))
+            return out
+
+        return timed
+
+    def _wrap_cpu_engine(self, engine, layer: int) -> None:
+        submit, wait = engine.submit, engine.wait
+
+        def timed_submit(*args):
+            self.spans.begin((layer, "CPU experts"), host=True)
+            submit(*args)
+
+        def timed_wait():
+            out = wait()
+            self.spans.end((layer, "CPU experts"), host=True)
+            return out
+
+        engine.submit, engine.wait = timed_submit, timed_wait
+
+    def _wrap_stage(self, streamer) -> None:
+        stage = streamer._stage
+
+        def timed_stage(layer: int) -> int:
+            if layer in streamer.slot_layer:
+                return stage(layer)
+            self.spans.copied_bytes[layer] += streamer.layers[layer].nbytes
+            stream = streamer.copy_stream
+            if stream is not None:  # the copy starts once the slot is free: time it from there
+                slot = 1 if streamer.slot_layer[0] == streamer.current else 0
+                stream.wait_event(streamer.freed[slot])
+            self.spans.begin((layer, "copy"), stream=stream)
+            slot = stage(layer)
+            self.spans.end((layer, "copy"), stream=stream)
+            return slot
+
+        streamer._stage = timed_stage
+
+
+def prefill_seconds(llm: LLM, prompt: list[int], probe: Probe) -> float:
+    """Wall time of one request of max_tokens 1 (its prefill), with both streamer slots empty."""
+    if probe.streamer is not None:
+        probe.streamer.slot_layer = [None, None]  # every layer copied, as in a model deeper than two layers
+    if probe.cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    if probe.cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def profile_once(llm: LLM, prompt: list[int], probe: Probe, reps: int) -> tuple[float, dict, dict]:
+    """(wall s, part ms, copied bytes) of the fastest of reps prefills after a warm-up."""
+    prefill_seconds(llm, prompt, probe)
+    best = None
+    for _ in range(reps):
+        probe.reset()
+        wall = prefill_seconds(llm, prompt, probe)
+        if best is None or wall < best[0]:
+            best = (wall, probe.spans.totals_ms(), dict(probe.spans.copied_bytes))
+    return best
+
+
+def table(title: str, wall: float, ms: dict, copied: dict, layers: list[int], tokens: int) -> list[str]:
+    layer_total = sum(ms.get((i, "layer"), 0.0) for i in layers)
+    lines = [f"## {title}: {1e3 * wall:.2f} ms ({tokens / wall:.0f} tok/s); layers {layer_total:.2f} ms, "
+             f"non-layer {1e3 * wall - layer_total:.2f} ms",
+             "| layer | " + " | ".join(PARTS) + " | rest | copy | copy GB/s |",
+             "|---" * (len(PARTS) + 4) + "|"]
+    rows = []
+    for i in layers:
+        row = [ms.get((i, p), 0.0) for p in PARTS]
+        row.append(row[0] - row[1] - row[2])
+        copy = ms.get((i, "copy"), 0.0)
+        row += [copy, copied.get(i, 0) / copy / 1e6 if copy else 0.0]
+        rows.append(row)
+        lines.append(f"| {i} | " + " | ".join(f"{v:.2f}" for v in row) + " |")
+    mean = [sum(col) / len(rows) for col in zip(*rows)]
+    lines.append("| mean | " + " | ".join(f"{v:.2f}" for v in mean) + " |")
+    return lines
+
+
+def top_ops(llm: LLM, prompt: list[int], probe: Probe, rows: int) -> str:
+    """torch.profiler's costliest ops (self time on the device, or on the CPU) over one prefill."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if probe.cuda else [])
+    with profile(activities=activities) as prof:
+        prefill_seconds(llm, prompt, probe)
+    key = "self_device_time_total" if probe.cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+
+
+def full_depth_gpu_experts(args, kwargs: dict) -> None:
+    """Give a cut model the GPU experts per layer its full depth gets under the budget (as e2e.py does)."""
+    raw_full = full_config(args.synthetic)
+    if args.layers is None or args.layers >= raw_full["num_hidden_layers"] or "gpu_experts_per_layer" in kwargs \
+            or kwargs.get("gpu_memory_budget") is None:
+        return
+    e2e = runpy.run_path(str(Path(__file__).with_name("e2e.py")), run_name="e2e")
+    per_layer, note = e2e["full_depth_gpu_experts"](raw_full, {k: v for k, v in kwargs.items() if k != "cache_dir"})
+    kwargs["gpu_experts_per_layer"] = per_layer
+    print(note, flush=True)
+
+
+def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], args) -> None:
+    run_kwargs = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, **run_kwargs)
+    ec = llm.engine.resolved_config
+    probe = Probe(llm)
+    print(f"# {fmt or ec.expert_format}: loaded in {time.perf_counter() - t0:.1f} s; {ec.gpu_experts_per_layer} GPU "
+          f"experts per layer, {ec.cpu_threads or 'all'} CPU threads, streamer "
+          f"{'attached' if probe.streamer else 'none'}", flush=True)
+    if probe.streamer is None:
+        raise HybridMoEError("no prefill streamer was attached (streaming needs the native engine and a GPU "
+                             "split: --gpu-memory-budget or --gpu-experts-per-layer)")
+    layers = list(range(len(probe.model.model.layers)))
+    gen = torch.Generator().manual_seed(args.seed)
+    for n in lens:
+        prompt = torch.randint(0, llm.engine.vocab_size, (n,), generator=gen).tolist()
+        for mode in ("on", "off"):
+            probe.backend.stream_long_steps(probe.streamer if mode == "on" else None)
+            wall, ms, copied = profile_once(llm, prompt, probe, args.reps)
+            print("\n".join(table(f"{fmt or ec.expert_format}, {n} tokens, streaming {mode}", wall, ms, copied,
+                                  layers, n)), flush=True)
+            if args.top_ops:
+                probe.reset()
+                print(top_ops(llm, prompt, probe, args.top_ops), flush=True)
+    probe.streamer.close()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--synthetic", metavar="PRESET", required=True, help="a make-model preset, written to memory")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: full depth)")
+    parser.add_argument("--formats", help="expert formats to run in turn, e.g. int4,bf16 (default: the engine's)")
+    parser.add_argument("--prompt-lens", default="512,2048", help="prompt lengths (default 512,2048)")
+    parser.add_argument("--reps", type=int, default=2, help="timed prefills per case, the fastest shown (default 2)")
+    parser.add_argument("--top-ops", type=int, default=12, help="torch.profiler rows per case (0: no profiler run)")
+    parser.add_argument("--seed", type=int, default=0)
+    add_engine_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        lens = [int(v) for v in args.prompt_lens.split(",")]
+        kwargs = engine_kwargs(args)
+        kwargs.update(cache_dir="", max_num_seqs=1, prefill_streaming="on",
+                      prefill_streaming_tokens=min(lens), max_model_len=max(lens) + 8)
+        kwargs.setdefault("max_num_batched_tokens", max(lens + [2048]))
+        full_depth_gpu_experts(args, kwargs)
+        formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
+        with synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) as synthetic:
+            for fmt in formats:
+                run_format(str(synthetic.out_dir), fmt, kwargs, lens, args)
+    except HybridMoEError as e:
+        print(f"prefill_profile.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
