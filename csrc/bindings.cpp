@@ -29,6 +29,13 @@ using Array = nb::ndarray<nb::ro>;
 using MutArray = nb::ndarray<>;
 using namespace hmoe::args;
 
+// A numpy array that owns `v` (freed with the array).
+template <class T>
+nb::ndarray<nb::numpy, T> owned_array(std::vector<T>* v, std::initializer_list<size_t> shape) {
+  nb::capsule owner(v, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy, T>(v->data(), shape.size(), shape.begin(), owner);
+}
+
 std::string dtype_name(nb::dlpack::dtype d) {
   const char* kind[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
   return std::string(d.code < 7 ? kind[d.code] : "?") + std::to_string(d.bits);
@@ -205,6 +212,40 @@ class Engine {
 
   void prewake() { layer_->prewake(); }
 
+  void trace(int calls) {
+    if (calls < 0) fail("trace takes a number of calls >= 0, got " + std::to_string(calls));
+    layer_->trace(calls);
+  }
+
+  // The traced calls (moe_trace.h) as dicts: phase times (ns, time.monotonic_ns's clock),
+  // items int64 [n, 10] (worker, down, expert, slice, b0, b1, start, end, wait, convert),
+  // join_ns int64 [threads] and slept uint8 [threads].
+  nb::list take_trace() {
+    nb::list out;
+    for (hmoe::TraceCall& t : layer_->take_trace()) {
+      nb::dict d;
+      d["T"] = t.T;
+      d["K"] = t.K;
+      d["A"] = t.A;
+      d["call_ns"] = t.call_ns;
+      d["entry_ns"] = t.entry_ns;
+      d["grouped_ns"] = t.grouped_ns;
+      d["acts_ns"] = t.acts_ns;
+      d["items_ns"] = t.items_ns;
+      d["gemm_end_ns"] = t.gemm_end_ns;
+      d["end_ns"] = t.end_ns;
+      auto* items = new std::vector<int64_t>();
+      for (const hmoe::TraceItem& it : t.items)
+        items->insert(items->end(), {it.worker, it.down, it.expert, it.slice, it.b0, it.b1, it.start_ns, it.end_ns,
+                                     it.wait_ns, it.convert_ns});
+      d["items"] = owned_array(items, {t.items.size(), 10});
+      d["join_ns"] = owned_array(new std::vector<int64_t>(t.join_ns), {t.join_ns.size()});
+      d["slept"] = owned_array(new std::vector<uint8_t>(t.slept), {t.slept.size()});
+      out.append(d);
+    }
+    return out;
+  }
+
  private:
   void check_expert(int e) const {
     if (e < 0 || e >= cfg().E)
@@ -251,6 +292,8 @@ NB_MODULE(_native, m) {
       .def("submit", &Engine::submit, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a)
       .def("wait", &Engine::wait, "ticket"_a)
       .def("prewake", &Engine::prewake, "Wake sleeping workers ahead of a call (no-op while they spin).")
+      .def("trace", &Engine::trace, "calls"_a, "Record the next `calls` forwards (see take_trace).")
+      .def("take_trace", &Engine::take_trace, "The records of the traced calls since the last take (moe_trace.h).")
       .def("run", &Engine::run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
            "submit + wait on the calling thread (GIL released), without the driver thread.")
       .def_prop_ro("isa", [](const Engine& e) { return std::string(kIsaNames[int(e.cfg().isa)]); })

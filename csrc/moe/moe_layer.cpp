@@ -288,8 +288,9 @@ void MoeLayer::unpack_expert(int e, float* gate, float* up, float* down) const {
 }
 
 uint64_t MoeLayer::submit(const MoeCall& call) {
+  const int64_t call_ns = tracer_.armed() ? trace_now_ns() : 0;
   pool_->prewake();
-  last_ticket_ = pool_->submit([this, call] { forward(call); });
+  last_ticket_ = pool_->submit([this, call, call_ns] { forward(call, call_ns); });
   return last_ticket_;
 }
 
@@ -298,13 +299,20 @@ void MoeLayer::wait(uint64_t ticket) { pool_->wait(ticket); }
 void MoeLayer::prewake() { pool_->prewake(); }
 
 void MoeLayer::run(const MoeCall& call) {
+  const int64_t call_ns = tracer_.armed() ? trace_now_ns() : 0;
   pool_->prewake();
-  pool_->run_here([&] { forward(call); });
+  pool_->run_here([&] { forward(call, call_ns); });
 }
 
-void MoeLayer::forward(const MoeCall& c) {
+void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   const int T = c.T, K = c.K, E = cfg_.E, H = cfg_.H, I = cfg_.I, S = cfg_.numa_nodes;
   if (T == 0) return;
+  TraceCall trace;  // filled only when this call is traced (tr); empty vectors cost nothing
+  TraceCall* const tr = tracer_.claim() ? &trace : nullptr;
+  if (tr) {
+    tr->call_ns = call_ns;
+    tr->entry_ns = trace_now_ns();
+  }
   const int R = T * K;
   const Matrix &gate = mats_[0], &up = mats_[1], &down = mats_[2];
   auto id_at = [&](int i) {
@@ -338,6 +346,7 @@ void MoeLayer::forward(const MoeCall& c) {
     tok[fill[j]] = i / K;
     pos[i] = fill[j]++;
   }
+  if (tr) tr->grouped_ns = trace_now_ns();
   auto n_of = [&](int j) { return row_begin[j + 1] - row_begin[j]; };
   auto kernels_of = [&](int j) -> const Kernels& { return n_of(j) >= kAmxMinTokens ? *many_ : *base_; };
   const Format fmt = cfg_.format;
@@ -386,6 +395,7 @@ void MoeLayer::forward(const MoeCall& c) {
       act1.write(ops, ops8, kind, r, src, c.x_bf16, pad ? 0 : H);
     }
   });
+  if (tr) tr->acts_ns = trace_now_ns();
 
   // Gate/up and down in one pool run, without a barrier between them. Items (expert, slice,
   // block range): per slice, all gate/up items (largest experts first), then all down items.
@@ -412,6 +422,17 @@ void MoeLayer::forward(const MoeCall& c) {
         }
       if (m) offsets.push_back(int(gemm_items.size()));
     }
+  TraceItem* titems = nullptr;  // tracing: one record per GEMM item, written by its worker
+  if (tr) {
+    tr->T = T;
+    tr->K = K;
+    tr->A = A;
+    tr->items.resize(gemm_items.size());
+    titems = tr->items.data();
+    tr->join_ns.assign(pool_->threads(), 0);
+    tr->slept.assign(pool_->threads(), 0);
+    pool_->set_join_log(tr->join_ns.data(), tr->slept.data());
+  }
   auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding rows: zeros)
     const ActKind kind = act_of(kernels_of(j), true, fmt);
     for (size_t r = act_begin[j]; r < size_t(act_begin[j + 1]); ++r) {
@@ -422,8 +443,10 @@ void MoeLayer::forward(const MoeCall& c) {
     }
   };
 
-  pool_->run(offsets, [&](int i, int) {
+  if (tr) tr->items_ns = trace_now_ns();
+  pool_->run(offsets, [&](int i, int worker) {
     const Item it = gemm_items[i];
+    const int64_t t0 = titems ? trace_now_ns() : 0;
     const Kernels& kn = kernels_of(it.j);
     if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
       const ActView a = act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
@@ -442,20 +465,29 @@ void MoeLayer::forward(const MoeCall& c) {
         for (int t = 0; t < a.n; ++t) ops.silu_mul(hrow + size_t(t) * ldh, u + size_t(t) * ldu, cols);
       }
       // The last one of this expert (acq_rel: it sees every other item's h) converts h.
+      // Traced: the item's end is stamped before it lets its expert's down items go.
+      if (titems) titems[i] = {worker, 0, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), 0, 0};
       if (pending[it.j].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         down_acts(it.j);
         pending[it.j].store(-1, std::memory_order_release);
+        if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
       }
       return;
     }
     // y = h Wd^T for this item's rows of H, once expert j's down activations exist.
     for (int spin = 0; pending[it.j].load(std::memory_order_acquire) != -1; ++spin)
       if (spin > 64) std::this_thread::yield(); else cpu_relax();
+    const int64_t waited_ns = titems ? trace_now_ns() - t0 : 0;
     const ActView a = act2.view(act_of(kn, true, fmt), act_begin[it.j], n_of(it.j));
     const int col0 = (down.slice_begin[it.s] + it.b0) * kBlockRows;
     gemm_of(kn, true, fmt)(view(down, order[it.j], it.s), it.b0, it.b1, a, y + size_t(row_begin[it.j]) * ldy + col0,
                            int(ldy));
+    if (titems) titems[i] = {worker, 1, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0};
   });
+  if (tr) {
+    tr->gemm_end_ns = trace_now_ns();
+    pool_->set_join_log(nullptr, nullptr);
+  }
 
   // Phase C: out[t] = sum_k w[t, k] * y[row of (t, k)], k in order (deterministic).
   constexpr int kCols = 512;
@@ -468,6 +500,10 @@ void MoeLayer::forward(const MoeCall& c) {
     char* o = static_cast<char*>(c.out) + (size_t(t) * H + c0) * (c.x_bf16 ? 2 : 4);
     ops.combine(K, src, c.weights + size_t(t) * K, c1 - c0, o, c.x_bf16);
   });
+  if (tr) {
+    tr->end_ns = trace_now_ns();
+    tracer_.finish(std::move(trace));
+  }
 }
 
 }  // namespace hmoe

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/moe_trace.h"
 #include "moe/packed.h"
 #include "runtime/thread_pool.h"
 
@@ -64,6 +65,9 @@ class MoeLayer {
   void prewake();
   // forward on the calling thread (it works as one of the pool's threads); blocks until done.
   void run(const MoeCall& call);
+  // Tracing (moe_trace.h): record the next `calls` forwards; take_trace() hands the records over.
+  void trace(int calls) { tracer_.arm(calls); }
+  std::vector<TraceCall> take_trace() { return tracer_.take(); }
 
  private:
   struct Matrix {
@@ -74,7 +78,7 @@ class MoeLayer {
   };
   size_t scale_floats(const Matrix& m, int blocks) const;
   PackedView view(const Matrix& m, int e, int s) const;
-  void forward(const MoeCall& call);
+  void forward(const MoeCall& call, int64_t call_ns);
 
   MoeConfig cfg_;
   Matrix mats_[3];  // gate, up, down
@@ -84,6 +88,7 @@ class MoeLayer {
   const Kernels* base_;   // few tokens
   const Kernels* many_;   // many tokens (AMX where present, else base_)
   uint64_t last_ticket_ = 0;
+  Tracer tracer_;
 };
 
 }  // namespace hmoe

@@ -170,6 +170,7 @@ void ThreadPool::work(int worker) {
 
 void ThreadPool::worker_main(int worker) {
   uint32_t seen = 0;
+  bool slept = false;  // since the last run this worker joined (for the join log)
   auto window = [this] { return spin_ns_.load(std::memory_order_relaxed); };
   for (;;) {
     auto changed = [&] { return generation_.load() != seen; };
@@ -177,7 +178,10 @@ void ThreadPool::worker_main(int worker) {
       // Dekker with run(): it bumps generation_ then reads sleepers_; we count ourselves in
       // and then read generation_ (all seq_cst), so one of us sees the other.
       sleepers_.fetch_add(1);
-      if (!changed()) futex_wait(generation_, seen);
+      if (!changed()) {
+        slept = true;
+        futex_wait(generation_, seen);
+      }
       sleepers_.fetch_sub(1);
       continue;  // woken by run(), prewake() or spuriously: spin again before sleeping
     }
@@ -186,7 +190,15 @@ void ThreadPool::worker_main(int worker) {
     // Join run `seen` unless it has closed (or a newer one is being set up): Dekker with
     // run(), which closes then reads active_ (all seq_cst), so it waits for us or we skip.
     active_.fetch_add(1);
-    if (generation_.load() == seen && closed_.load() != seen) work(worker);
+    if (generation_.load() == seen && closed_.load() != seen) {
+      // Inside the run (counted in active_): run() waits for us before it clears the log.
+      if (int64_t* log = join_ns_.load(std::memory_order_relaxed)) {
+        log[worker] = now_ns();
+        join_slept_[worker] = slept;
+      }
+      slept = false;
+      work(worker);
+    }
     if (active_.fetch_sub(1) == 1 && driver_sleeps_.load()) futex_wake_all(active_);
   }
 }
@@ -201,6 +213,7 @@ void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(i
     counters_[g].end = own ? offsets[gi + 1] : 0;
   }
   fn_ = &fn;
+  if (int64_t* log = join_ns_.load(std::memory_order_relaxed)) log[0] = now_ns();
   if (workers_.empty() || total == 1) {
     work(0);
     return;

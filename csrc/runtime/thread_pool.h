@@ -47,6 +47,13 @@ class ThreadPool {
   // Wakes sleeping workers so that they spin (a run() is coming): their wake-up latency then
   // overlaps the caller's own preparation. Any thread may call it.
   void prewake();
+  // Tracing (moe_trace.h): while set, the next run() writes, per worker w that enters its work,
+  // join_ns[w] (when; the clock of trace_now_ns) and slept[w] (whether w had gone to sleep
+  // since its last run). Arrays of threads() entries, set before run() and cleared after it.
+  void set_join_log(int64_t* join_ns, uint8_t* slept) {
+    join_slept_ = slept;
+    join_ns_.store(join_ns, std::memory_order_relaxed);
+  }
 
   // Queue a job for the driver; returns its ticket. wait(ticket) blocks until it has run and
   // rethrows what it threw.
@@ -87,6 +94,9 @@ class ThreadPool {
   std::atomic<int64_t> spin_ns_{100'000};
   std::atomic<int64_t> last_end_ns_{0};
   int64_t gap_ns_ = 0;
+  // The join log (set_join_log): published to the workers by run()'s generation_ bump.
+  std::atomic<int64_t*> join_ns_{nullptr};
+  uint8_t* join_slept_ = nullptr;
 
   std::mutex exec_mu_;  // held while a job runs (driver or run_here)
   std::mutex jobs_mu_;

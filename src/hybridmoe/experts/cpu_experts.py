@@ -215,3 +215,25 @@ class CpuExperts:
         return out
 
     __call__ = forward
+
+    def trace(self, calls: int) -> None:
+        """Record the next `calls` forward()/submit() calls of this layer (off again after them).
+
+        Costs nothing measurable when off; see take_trace() for what a record holds.
+        """
+        self._call(self._engine.trace, int(calls))
+
+    def take_trace(self) -> list[dict]:
+        """The records of the traced calls since the last take, oldest first.
+
+        Each: T, K, A (distinct experts); times in ns on time.monotonic_ns()'s clock: call_ns
+        (submit/forward entered the engine), entry_ns (the layer started on its thread),
+        grouped_ns, acts_ns (x rows quantized), items_ns (GEMM run starts), gemm_end_ns, end_ns
+        (combine done); items int64 [n, 10] per GEMM item: worker, down (0 gate/up, 1 down),
+        expert, slice, b0, b1 (32-row blocks of the slice), start, end, wait (a down item waiting
+        for its expert's h), convert (the gate/up item that turned its expert's h into down
+        activations); join_ns int64 [threads] (when each pool worker joined the GEMM run, 0:
+        never) and slept bool [threads] (it had gone to sleep before).
+        """
+        return [{**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
+                 "slept": torch.from_numpy(rec["slept"]).bool()} for rec in self._engine.take_trace()]

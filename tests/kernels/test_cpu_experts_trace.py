@@ -1,0 +1,100 @@
+"""CpuExperts.trace / take_trace: the records of a traced call are complete and consistent.
+
+Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
+Blocks are 32 output rows: gate/up have ceil(I / 32) per expert, down ceil(H / 32), split
+over the numa_nodes slices.
+"""
+
+import pytest
+import torch
+
+from hybridmoe import CpuExperts
+from hybridmoe.errors import HybridMoEError
+
+E, H, I, K = 8, 160, 96, 3
+BLOCK = 32
+# items columns (CpuExperts.take_trace)
+WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT = range(10)
+
+
+def slice_blocks(rows, slices):
+    """Blocks of each slice: the engine cuts a matrix's blocks evenly over the slices."""
+    blocks = -(-rows // BLOCK)
+    return [blocks * (s + 1) // slices - blocks * s // slices for s in range(slices)]
+
+
+def check_call(rec, ids, threads, slices):
+    items = rec["items"]
+    touched = sorted(set(ids.flatten().tolist()))
+    assert (rec["T"], rec["K"], rec["A"]) == (ids.shape[0], K, len(touched))
+
+    # Every block of every touched expert, in both matrices and every slice, exactly once.
+    for down, rows in ((0, I), (1, H)):
+        for s, nb in enumerate(slice_blocks(rows, slices)):
+            for e in touched:
+                mine = items[(items[:, DOWN] == down) & (items[:, EXPERT] == e) & (items[:, SLICE] == s)]
+                covered = torch.zeros(nb, dtype=torch.int64)
+                for b0, b1 in mine[:, [B0, B1]].tolist():
+                    covered[b0:b1] += 1
+                assert covered.tolist() == [1] * nb, (down, s, e)
+    assert set(items[:, EXPERT].tolist()) == set(touched)
+
+    # The phases in order, the items inside the GEMM run.
+    phases = [rec[k] for k in ("call_ns", "entry_ns", "grouped_ns", "acts_ns", "items_ns")]
+    assert phases == sorted(phases) and phases[0] > 0
+    assert rec["items_ns"] <= items[:, START].min() and items[:, START].le(items[:, END]).all()
+    assert (items[:, END] + items[:, CONVERT]).max() <= rec["gemm_end_ns"] <= rec["end_ns"]
+    assert items[:, WORKER].ge(0).all() and items[:, WORKER].lt(threads).all()
+
+    # A down item computes only after every gate/up item of its expert; exactly one gate/up
+    # item per expert (the last to finish) converts h, and only down items wait.
+    up, dn = items[items[:, DOWN] == 0], items[items[:, DOWN] == 1]
+    for e in touched:
+        assert (dn[dn[:, EXPERT] == e][:, [START, WAIT]].sum(1) >= up[up[:, EXPERT] == e][:, END].max()).all()
+        assert int(up[up[:, EXPERT] == e][:, CONVERT].gt(0).sum()) == 1
+    assert up[:, WAIT].eq(0).all() and dn[:, CONVERT].eq(0).all() and dn[:, WAIT].ge(0).all()
+
+    # Worker 0 (the caller or the driver) always joins; a worker joined before its first item.
+    joins = rec["join_ns"]
+    assert joins.shape == (threads,) and rec["slept"].shape == (threads,) and joins[0] > 0
+    for w in range(threads):
+        own = items[items[:, WORKER] == w]
+        if len(own):
+            assert 0 < joins[w] <= own[:, START].min()
+        if joins[w]:
+            assert rec["items_ns"] <= joins[w] <= rec["gemm_end_ns"]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("numa_nodes", [1, 2])
+def test_traced_calls_record_every_block_once_in_time_order(make_weights, make_routing, fmt, T, numa_nodes):
+    experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2, numa_nodes=numa_nodes)
+    x, ids, weights = make_routing(T, H, K, range(E))
+    expected = experts.forward(x, ids, weights)
+    experts.trace(2)
+    assert torch.equal(experts.forward(x, ids, weights), expected)
+    experts.submit(x, ids, weights)
+    assert torch.equal(experts.wait(), expected)
+    records = experts.take_trace()
+    assert len(records) == 2
+    for rec in records:
+        check_call(rec, ids, threads=2, slices=numa_nodes)
+
+
+def test_tracing_stops_after_its_calls_and_take_empties(make_weights, make_routing):
+    experts = CpuExperts(*make_weights(E, H, I), threads=2)
+    x, ids, weights = make_routing(2, H, K, range(E))
+    experts.trace(1)
+    for _ in range(3):
+        experts.forward(x, ids, weights)
+    assert len(experts.take_trace()) == 1
+    assert experts.take_trace() == []
+    experts.forward(x, ids, weights)
+    assert experts.take_trace() == []
+
+
+def test_trace_rejects_a_negative_count(make_weights):
+    experts = CpuExperts(*make_weights(E, H, I), threads=1)
+    with pytest.raises(HybridMoEError, match="trace takes"):
+        experts.trace(-1)
