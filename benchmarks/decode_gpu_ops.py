@@ -1,0 +1,291 @@
+"""GPU kernels per decoder layer of one decode step, their GPU time, and the captured step's replay time.
+
+    python benchmarks/decode_gpu_ops.py [--synthetic PRESET] [--layers N] [--format int4]
+        [--gpu-experts-per-layer G] [--batch B] [--reps R] [--json F]
+
+Loads a random-weight checkpoint of PRESET cut to N layers (written to /dev/shm, as e2e.py does), prefills
+one prompt per batch row and decodes one token through the engine (so the decode step's buffers hold a real
+step), then, on the decode step the engine runs (fixed shapes on CUDA, the model's eager forward elsewhere):
+  - profiles one eager step: per decoder layer the GPU kernels, copies and memsets it launches and their
+    GPU time (torch profiler; a launch belongs to the layer whose forward was running on the host), the
+    ten largest kernels of the last MoE layer by count; on the CPU, the aten ops per layer;
+  - on CUDA, captures the step as a CUDA graph: its nodes by type, the median replay time over R replays
+    (per layer: that time / N, lm_head's share included), and the GPU activities one profiled replay shows.
+Inside a graph each kernel still costs its launch and drain (~2-4 us), and a MoE layer's GPU part is
+serial with its CPU part, so the kernel count per layer is what this script is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from hybridmoe.checkpoint.synthetic import synthetic_checkpoint
+from hybridmoe.config import EngineConfig
+from hybridmoe.engine.context import Context, DecodeBatch, use_context
+from hybridmoe.engine.llm_engine import LLMEngine
+from hybridmoe.engine.model_runner import MIN_PAD_LEN
+from hybridmoe.sampling_params import SamplingParams
+
+PROMPT_LEN = 16
+GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+GRAPH_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty",
+                    6: "wait event", 7: "event record", 10: "mem alloc", 11: "mem free", 12: "stream mem op"}
+"""cudaGraphNodeType / CUgraphNodeType values."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--synthetic", default="qwen3-30b-a3b" if cuda else "qwen3_moe:tiny",
+                        help="make-model preset (default: qwen3-30b-a3b on CUDA, qwen3_moe:tiny on the CPU)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--format", default="int4" if cuda else "bf16", help="expert format (default int4; CPU: bf16)")
+    parser.add_argument("--gpu-experts-per-layer", type=int, default=26 if cuda else 0,
+                        help="routed experts per layer on the GPU (default 26: Qwen3-30B-A3B under 16 GiB; CPU: 0)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    parser.add_argument("--reps", type=int, default=200, help="graph replays timed (default 200)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results here")
+    return parser.parse_args(argv)
+
+
+class LayerMarks:
+    """A profiler range "layer i" around each decoder layer's forward (forward hooks)."""
+
+    def __init__(self, layers: torch.nn.ModuleList):
+        self.open: list = []
+        self.handles = []
+        for i, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._enter(i)))
+            self.handles.append(layer.register_forward_hook(self._exit))
+
+    def _enter(self, i: int):
+        def hook(module, args):
+            rf = torch.profiler.record_function(f"layer {i}")
+            rf.__enter__()
+            self.open.append(rf)
+        return hook
+
+    def _exit(self, module, args, out):
+        self.open.pop().__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def profile_step(step, model, cuda: bool) -> dict:
+    """One call of step() under the profiler -> per "layer i": counts of kernel, gpu_memcpy, gpu_memset and
+    top-level cpu_ops, gpu_us, and Counters names / name_us (GPU activities) and ops (top-level CPU ops)."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    marks = LayerMarks(model.model.layers)
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        marks.remove()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return per_layer(events)
+
+
+def per_layer(events: list[dict]) -> dict:
+    """Chrome-trace events -> per "layer i" range: GPU activities launched inside it (by the launching
+    runtime call's correlation id and host time) and CPU ops inside it."""
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                    if e.get("cat") == "user_annotation" and e.get("name", "").startswith("layer "))
+
+    def layer_at(ts: float) -> str | None:
+        for start, end, name in ranges:
+            if start <= ts <= end:
+                return name
+        return None
+
+    launch_ts = {e["args"]["correlation"]: e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    out = {name: {"kernel": 0, "gpu_memcpy": 0, "gpu_memset": 0, "gpu_us": 0.0, "cpu_ops": 0,
+                  "names": collections.Counter(), "name_us": collections.Counter(),
+                  "ops": collections.Counter()} for _, _, name in ranges}
+    for e in events:
+        cat = e.get("cat")
+        if cat in GPU_KINDS:
+            layer = layer_at(launch_ts.get(e.get("args", {}).get("correlation"), -1.0))
+            if layer is None:
+                continue
+            row = out[layer]
+            row[cat] += 1
+            row["gpu_us"] += e.get("dur", 0.0)
+            row["names"][e["name"][:60]] += 1
+            row["name_us"][e["name"][:60]] += e.get("dur", 0.0)
+    # top-level ops only: an op inside another (aten::linear -> aten::addmm) is part of it
+    reach = -1.0
+    for e in sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] < reach:
+            continue
+        reach = e["ts"] + e["dur"]
+        layer = layer_at(e["ts"])
+        if layer is not None:
+            out[layer]["cpu_ops"] += 1
+            out[layer]["ops"][e["name"]] += 1
+    return out
+
+
+def graph_node_types(graph: torch.cuda.CUDAGraph) -> dict[str, int] | str:
+    """The captured graph's nodes by type (cudaGraphGetNodes through the CUDA runtime torch loaded), or why not."""
+    from hybridmoe.experts.cuda_handoff import cudart_candidates
+
+    candidates = cudart_candidates()
+    if not candidates:
+        return "no libcudart found"
+    rt = ctypes.CDLL(candidates[0])
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    n = ctypes.c_size_t(0)
+    if rt.cudaGraphGetNodes(handle, None, ctypes.byref(n)) != 0:
+        return "cudaGraphGetNodes failed"
+    nodes = (ctypes.c_void_p * n.value)()
+    rt.cudaGraphGetNodes(handle, nodes, ctypes.byref(n))
+    counts: collections.Counter = collections.Counter()
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        rt.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        counts[GRAPH_NODE_TYPES.get(kind.value, f"type {kind.value}")] += 1
+    return dict(counts)
+
+
+def capture(step, device: torch.device) -> torch.cuda.CUDAGraph:
+    """step() captured as a CUDA graph that keeps its cudaGraph_t (for graph_node_types)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def profile_replay(graph: torch.cuda.CUDAGraph) -> dict:
+    """One replay under the profiler: the GPU activities it shows by kind, and their summed GPU time."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in GPU_KINDS]
+    counts = collections.Counter(e["cat"] for e in events)
+    return {**counts, "gpu_us": sum(e.get("dur", 0.0) for e in events)}
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median microseconds of one replay (CUDA events around each)."""
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def decode_step(engine: LLMEngine, seqs: list, cuda_fixed: bool):
+    """The decode step the engine just ran for seqs (their last token again), as a callable."""
+    runner, model = engine.runner, engine.runner.model
+    lens = [s.num_computed for s in seqs]  # the last decoded token sits at lens - 1
+    if cuda_fixed:
+        pad_len = max(MIN_PAD_LEN, 1 << (max(lens) - 1).bit_length())
+        # the runner's static buffers still hold this step's rows (batch <= SMALL_BATCHES: no padding rows)
+        ctx = Context(slot_ids=[], start_pos=[], cu_seqlens=[0],
+                      decode=DecodeBatch(runner._slots[:len(seqs)], runner._lens[:len(seqs)], pad_len))
+        ids, positions = runner._ids[:len(seqs)], runner._positions[:len(seqs)]
+    else:
+        ctx = Context(slot_ids=[s.slot for s in seqs], start_pos=[n - 1 for n in lens],
+                      cu_seqlens=list(range(len(seqs) + 1)))
+        ids = torch.tensor([s.token_ids(n - 1, n)[0] for s, n in zip(seqs, lens)], device=runner.device)
+        positions = torch.tensor([n - 1 for n in lens], device=runner.device)
+
+    @torch.inference_mode()
+    def step():
+        with use_context(ctx):
+            return model.compute_logits(model(ids, positions))
+    return step
+
+
+def print_profile(title: str, prof: dict, moe_layers: list[int]) -> None:
+    print(f"\n{title}: per decoder layer (eager step, torch profiler)")
+    print(f"{'layer':>8} {'kernels':>8} {'memcpy':>7} {'memset':>7} {'GPU us':>8} {'cpu ops':>8}")
+    for name, row in prof.items():
+        print(f"{name:>8} {row['kernel']:>8} {row['gpu_memcpy']:>7} {row['gpu_memset']:>7} "
+              f"{row['gpu_us']:>8.1f} {row['cpu_ops']:>8}")
+    last = f"layer {moe_layers[-1]}" if moe_layers else None
+    if last in prof:
+        print(f"  {last}, GPU activities by name (count, GPU us):")
+        for name, n in prof[last]["names"].most_common():
+            print(f"    {n:>3} {prof[last]['name_us'][name]:>8.1f}  {name}")
+        print(f"  {last}, top-level ops: " + ", ".join(f"{n} {op}" for op, n in prof[last]["ops"].most_common()))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    t0 = time.perf_counter()
+    with synthetic_checkpoint(args.synthetic, args.layers) as ckpt:
+        config = EngineConfig.from_kwargs(
+            device=device.type, expert_format=args.format, gpu_experts_per_layer=args.gpu_experts_per_layer,
+            max_num_seqs=args.batch, max_model_len=256, cache_dir="", prefill_streaming="off")
+        engine = LLMEngine(ckpt.out_dir, config)
+    print(f"{args.synthetic}, {args.layers} layers, {args.format} experts, {args.gpu_experts_per_layer} GPU experts "
+          f"per layer, batch {args.batch}, device {device}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    for b in range(args.batch):
+        engine.add_request([(7 * b + i) % engine.vocab_size for i in range(PROMPT_LEN)],
+                           SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()  # prompts
+    engine.step()  # one decode step: on CUDA fixed shapes (and its graph captured)
+    seqs = list(engine._requests.values())
+    model = engine.runner.model
+    moe_layers = list(model.moe_layers)
+    cuda_fixed = cuda and engine.runner.fixed
+    print(f"decode step in fixed shapes: {cuda_fixed}; MoE layers {moe_layers}", flush=True)
+    step = decode_step(engine, seqs, cuda_fixed)
+    step()  # warm-up
+    result: dict = {"preset": args.synthetic, "layers": args.layers, "format": args.format,
+                    "gpu_experts_per_layer": args.gpu_experts_per_layer, "batch": args.batch,
+                    "device": str(device), "fixed_shapes": cuda_fixed}
+    prof = profile_step(step, model, cuda)
+    print_profile("unfused", prof, moe_layers)
+    result["profile"] = prof
+    if cuda_fixed:
+        graph = capture(step, device)
+        nodes = graph_node_types(graph)
+        us = replay_us(graph, args.reps)
+        seen = profile_replay(graph)
+        print(f"\ncaptured step: nodes {nodes}; replay {us:.1f} us = {us / args.layers:.1f} us per layer "
+              f"(median of {args.reps}); one replay under the profiler: {seen}")
+        result.update(graph_nodes=nodes, replay_us=us, replay_profile=seen)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
