@@ -22,11 +22,9 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
-#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -219,28 +217,29 @@ class Handoff : public hmoe::FlagChannel {
   // Called by the poller thread only: serve every layer whose go word is set.
   bool poll() override {
     bool served = false;
+    const int64_t look = now_ns();
     if (hmoe::load_flag(&flags_[kWakeWord])) {
       hmoe::store_flag(&flags_[kWakeWord], 0);
       for (auto& l : layers_) l->moe->prewake();  // one pool in practice: a no-op past the first
+      wake_seen_ns_ = look;
       served = true;
     }
     for (int layer = 0; layer < num_layers(); ++layer) {
       const uint32_t T = hmoe::load_flag(&flags_[go_word(layer)]);
       if (T == 0) continue;
       hmoe::store_flag(&flags_[go_word(layer)], 0);
+      const int64_t seen = now_ns();
       if (T <= uint32_t(max_tokens_)) {
-        const auto t0 = std::chrono::steady_clock::now();
         serve(served_[size_t(layer) * max_tokens_ + T - 1]);
-        serve_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                std::chrono::steady_clock::now() - t0).count(),
-                            std::memory_order_relaxed);
-        served_count_.fetch_add(1, std::memory_order_relaxed);
       } else {
         record("layer " + std::to_string(layer) + ": the stream asked for " + std::to_string(T) + " tokens");
       }
+      const int64_t done = now_ns();
       hmoe::store_flag(&flags_[done_word(layer)], 1);
+      note_layer(layer, look, seen, done);
       served = true;
     }
+    last_look_ns_ = now_ns();
     return served;
   }
 
@@ -250,10 +249,27 @@ class Handoff : public hmoe::FlagChannel {
     return layer;
   }
 
-  // Polling mode: (layers served, nanoseconds spent serving them) since the last call, then
-  // zeroed: the CPU work's own time inside a running pipeline, apart from the handoff's.
-  std::pair<int64_t, int64_t> take_stats() {
-    return {served_count_.exchange(0), serve_ns_.exchange(0)};
+  // Polling mode: what the poller saw since the last call (then zeroed), as {name: int}; see
+  // Anatomy. The CPU work's own time inside a running pipeline, apart from the GPU's and the
+  // handoff's.
+  nb::dict take_stats() {
+    Anatomy a;
+    {
+      std::lock_guard<std::mutex> lk(stats_mu_);
+      std::swap(a, stats_);
+    }
+    nb::dict d;
+    d["layers"] = a.layers;
+    d["cpu_ns"] = a.cpu_ns;
+    d["late_ns"] = a.late_ns;
+    d["steps"] = a.steps;
+    d["first_cpu_ns"] = a.first_cpu_ns;
+    d["first_late_ns"] = a.first_late_ns;
+    d["gaps"] = a.gaps;
+    d["between_ns"] = a.between_ns;
+    d["woken_gaps"] = a.woken_gaps;
+    d["back_ns"] = a.back_ns;
+    return d;
   }
 
   std::string mode() const { return polling_ ? "stream_mem_ops" : "host_function"; }
@@ -288,6 +304,42 @@ class Handoff : public hmoe::FlagChannel {
   }
 
   static void launch(uintptr_t stream, hmoe::CudaHostFn fn, Job* j) { hmoe::launch_host_func(stream, fn, j); }
+
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  // Books one served layer: `look` is when this poll began, `seen` when it found the layer's go,
+  // `done` when the layer's work ended (just before done was written). A step is a run of
+  // layers in increasing order (a decode step serves its layers 0..n-1 once each), so a layer
+  // not above the previous one starts a new step.
+  void note_layer(int layer, int64_t look, int64_t seen, int64_t done) {
+    const bool first = layer <= last_layer_;
+    // The go was written after the poller's previous look at the flags, so it waited at most
+    // this long to be seen (a poller napping between looks shows here).
+    const int64_t late = last_look_ns_ ? look - last_look_ns_ : 0;
+    std::lock_guard<std::mutex> lk(stats_mu_);
+    Anatomy& a = stats_;
+    a.layers += 1;
+    a.cpu_ns += done - seen;
+    a.late_ns += late;
+    if (first || last_layer_ < 0) {
+      a.steps += 1;
+      a.first_cpu_ns += done - seen;
+      a.first_late_ns += late;
+    } else {
+      a.gaps += 1;
+      a.between_ns += seen - last_done_ns_;
+      if (wake_seen_ns_ > last_done_ns_) {  // the stream woke the pool after the last layer's done
+        a.woken_gaps += 1;
+        a.back_ns += wake_seen_ns_ - last_done_ns_;
+      }
+    }
+    last_layer_ = layer;
+    last_done_ns_ = done;
+  }
 
   void check_flags(const MutArray& flags) const {
     if (!in_host_memory(flags)) fail("flag words must be in host memory");
@@ -388,7 +440,23 @@ class Handoff : public hmoe::FlagChannel {
   uint32_t* flags_ = nullptr;
   uint64_t flags_dev_ = 0;
   std::vector<Job*> served_;
-  std::atomic<int64_t> served_count_{0}, serve_ns_{0};
+  // What the poller saw of the steps it served, summed (nanoseconds of the steady clock).
+  struct Anatomy {
+    int64_t layers = 0, cpu_ns = 0;  // layers served; their CPU work (go seen -> done written)
+    int64_t late_ns = 0;             // how late each go may have been seen (since the previous look)
+    int64_t steps = 0, first_cpu_ns = 0, first_late_ns = 0;  // the first layer of each step alone
+    // Within a step: one layer's done -> the next one's go seen (the stream sees done, copies
+    // the output back, runs the next layer's GPU work, copies its rows out and writes go).
+    int64_t gaps = 0, between_ns = 0;
+    // Gaps in which the stream wrote the wake word: done -> wake seen (the way back, up to the
+    // next layer's GPU work), the rest of the gap being that GPU work and the way out.
+    int64_t woken_gaps = 0, back_ns = 0;
+  };
+  std::mutex stats_mu_;
+  Anatomy stats_;
+  // The poller's own bookkeeping (only its thread touches these).
+  int last_layer_ = -1;
+  int64_t last_done_ns_ = 0, last_look_ns_ = 0, wake_seen_ns_ = 0;
   std::mutex error_mu_;
   std::optional<std::string> error_;
 };

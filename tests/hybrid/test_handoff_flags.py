@@ -89,9 +89,9 @@ def test_poller_answers_the_stream_round_after_round():
             assert (layer.out[T:] == 7.0).all()  # only the T rows asked for were written
     assert handoff.take_error() is None
     assert not any(flags[handoff.go_word(i)].item() for i in range(2))
-    served, ns = handoff.take_stats()
-    assert served == 10 and ns > 0
-    assert handoff.take_stats() == (0, 0)
+    stats = handoff.take_stats()
+    assert stats["layers"] == 10 and stats["cpu_ns"] > 0
+    assert set(handoff.take_stats().values()) == {0}
 
 
 def test_a_go_never_waited_for_leaves_no_stale_done():
@@ -176,3 +176,40 @@ def test_flag_word_errors():
         handoff.add_layer(*args)
     with pytest.raises(ValueError, match="not device-mapped"):
         handoff.enqueue_forward(0, 0, 1)
+
+
+def test_stats_split_each_step_into_cpu_work_and_the_gaps_between_layers():
+    """The stand-in stream runs 3 steps of 3 layers, one after another (as a decode step does), with
+    a known gap between one layer's done and the next layer's go, the wake word written halfway."""
+    layers = [Layer(i) for i in range(3)]
+    handoff, flags = polling_handoff(layers)
+    gap_s, steps = 0.004, 3
+    handoff.take_stats()
+    for step in range(steps):
+        for i, layer in enumerate(layers):
+            layer.fill(1, seed=10 * step + i)
+            if i:
+                time.sleep(gap_s / 2)
+                flags[0] = 1  # the wake word
+                time.sleep(gap_s / 2)
+            stream_round(handoff, flags, [i], 1)
+            assert torch.equal(layer.out[:1], layer.expected(1))
+    stats = handoff.take_stats()
+    assert (stats["layers"], stats["steps"], stats["gaps"], stats["woken_gaps"]) == (9, 3, 6, 6)
+    assert stats["first_cpu_ns"] > 0 and stats["cpu_ns"] > stats["first_cpu_ns"]
+    # each gap holds the sleeps; its first half (done -> wake) the first sleep
+    assert gap_s * 1e9 <= stats["between_ns"] / 6 < 20 * gap_s * 1e9
+    assert gap_s / 2 * 1e9 <= stats["back_ns"] / 6 < stats["between_ns"] / 6
+    assert flags[0].item() == 0  # the poller took the wake word
+
+
+def test_a_go_that_finds_the_poller_napping_is_late_by_about_a_nap():
+    layer = Layer(0)
+    handoff, flags = polling_handoff([layer])
+    time.sleep(0.25)  # the poller naps 1 ms at a time now
+    handoff.take_stats()
+    layer.fill(1, seed=0)
+    stream_round(handoff, flags, [0], 1)
+    stats = handoff.take_stats()
+    assert (stats["steps"], stats["gaps"]) == (1, 0)
+    assert stats["first_late_ns"] == stats["late_ns"] >= 500_000

@@ -144,6 +144,10 @@ class CudaHandoff:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.runtime = load_cuda_runtime()
         self.dtype, self.max_tokens, self.top_k = dtype, int(max_tokens), int(top_k)
+        self.prewake_layers = False
+        """stream_mem_ops path: after each layer's wait, the stream also writes the wake word, so
+        the pool's workers spin when the next layer's rows arrive, and take_stats can split the
+        gap between layers (back_us). Set before the work is enqueued (or a graph captured)."""
         self._native = self._call(_native().CudaHandoff, self.max_tokens, self.top_k)
         self._experts = experts  # their packed buffers are the ones the native layers compute with
         self._index: dict[int, int] = {}
@@ -232,6 +236,7 @@ class CudaHandoff:
         out = self._out(stream, layer, T, out)
         self._call(self._native.enqueue_wait, stream.cuda_stream, self._index[layer], T)
         del self._pending[layer]
+        self._wake_after_wait(stream)
         with torch.cuda.stream(stream):
             out.copy_(self._staging[layer].out[:T], non_blocking=True)
         return out
@@ -246,6 +251,7 @@ class CudaHandoff:
         T = self._stage(stream, layer, hidden, topk_ids, topk_weights)
         out = self._out(stream, layer, T, out)
         self._call(self._native.enqueue_forward, stream.cuda_stream, self._index[layer], T)
+        self._wake_after_wait(stream)
         with torch.cuda.stream(stream):
             out.copy_(self._staging[layer].out[:T], non_blocking=True)
         return out
@@ -255,6 +261,12 @@ class CudaHandoff:
         e.g. at the start of a layer's attention, so that they spin when its rows arrive."""
         if self.path == "stream_mem_ops":
             self._call(self._native.enqueue_prewake, self._stream(stream).cuda_stream)
+
+    def _wake_after_wait(self, stream: torch.cuda.Stream) -> None:
+        # right after the wait, before the output's copy: the earliest point of the next layer's
+        # GPU work, so the wake also times the flag's way back alone (done -> the stream's write)
+        if self.prewake_layers:
+            self.enqueue_prewake(stream)
 
     def run_on_host(self, layers: Sequence[int], T: int) -> None:
         """What the stream's CPU work does, here and without CUDA: each layer's CPU work on the first
@@ -266,13 +278,24 @@ class CudaHandoff:
         self._call(self._native.run, [self._index[layer] for layer in layers], int(T))
 
     def take_stats(self) -> dict | None:
-        """stream_mem_ops path: {"layers": n, "cpu_us": total} for the layers the polling thread
-        ran since the last call (the CPU work's own time inside the pipeline), then zeroed; None on
-        the host_function path."""
+        """stream_mem_ops path: what the polling thread saw since the last call (then zeroed);
+        None on the host_function path. Counts, and totals in µs:
+
+          layers, cpu_us         layers served; their CPU work (go seen -> done written)
+          late_us                how late their go words may have been seen (the time since the
+                                 poller's previous look at the flags: its reaction time)
+          steps, first_cpu_us,   steps (runs of layers in increasing order); their first layers'
+          first_late_us          CPU work and lateness alone (after the gap between steps)
+          gaps, between_us       within a step, one layer's done -> the next one's go seen: the
+                                 stream sees done, copies the output back, runs the next layer's
+                                 GPU work (attention, router, ...), copies its rows out, writes go
+          woken_gaps, back_us    gaps in which the stream wrote the wake word (prewake_layers):
+                                 done -> wake seen, the way back up to the next layer's GPU work
+        """
         if self.path != "stream_mem_ops":
             return None
-        n, ns = self._native.take_stats()
-        return {"layers": n, "cpu_us": ns / 1e3}
+        return {k.replace("_ns", "_us"): v / 1e3 if k.endswith("_ns") else v
+                for k, v in self._native.take_stats().items()}
 
     def check(self) -> None:
         """Raise the first error the CPU work recorded since the last check (after a sync)."""
