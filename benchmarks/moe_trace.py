@@ -1,0 +1,211 @@
+"""Where one CPU MoE decode call's time goes, from the engine's own trace (CpuExperts.trace).
+
+    python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
+        --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--json out.json]
+
+Modes (each call gets a fresh routing, as in moe_layer.py):
+  loop   moe_layer.py's --gap-us decode loop: --layers layers (own packed copies, so weights come
+         from DRAM) called in turn, --gap-us of busy work between calls; the workers spin.
+  sleep  the same layers, --sleep-ms of sleep between calls: the workers have gone to sleep.
+  flush  one layer, caches flushed (a 256 MiB write, as moe_layer.py's table mode) before each
+         call: dirty caches and sleeping workers.
+
+Per cell, the median over the traced calls of (all in us):
+  wall      python time of the call (the same loop untraced beside it: `untraced`)
+  floor     bytes read / host read bandwidth (the native probe, as moe_layer.py); %bw = floor / wall
+  py>eng    python entry -> the engine got the call;  hand   -> forward() started (submit: driver)
+  group     tokens grouped by expert;  acts  x -> activation rows (on one thread);  build  items
+  first     GEMM run start -> first item starts;  gemm  the gate/up + down run
+  tail      first worker out of items -> last worker out;  close  last out -> run returns
+  comb      combine;  ret  forward() done -> back in python
+  before / gemm-floor / after: the excess over the floor, split by where it lies
+Per worker over the GEMM run (median call; means over workers, and the worst worker):
+  late      join - run start (worker 0 is the thread calling run);  slept: workers that had slept
+  busy / wait / idle: % of the run spent computing items, waiting for an expert's h, outside items
+  gu, dn    GB/s per core while computing gate/up resp. down items;  run  GB/s over the GEMM run
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from hybridmoe import CpuExperts
+from hybridmoe.experts.cpu_experts import default_threads
+from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, routing
+
+WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT = range(10)  # take_trace()'s item columns
+N_ROUTINGS = 16
+
+
+def med(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def matrix_block_bytes(layer):
+    """Packed bytes of one 32-row block of one expert: (gate + up, down), from the buffer sizes."""
+    E, H, I = layer._engine.shape
+    size = {m: sum(b.nbytes for n, b in layer.packed_state()["buffers"].items() if n.startswith(m + "."))
+            for m in ("gate", "up", "down")}
+    return (size["gate"] + size["up"]) / (E * -(-I // 32)), size["down"] / (E * -(-H // 32))
+
+
+def call_breakdown(rec, py0, py1, threads, block_bytes, call_bytes):
+    """One traced call -> its numbers (us, GB/s, fractions)."""
+    it = rec["items"].numpy()
+    us = lambda ns: ns / 1e3
+    run_ns = rec["gemm_end_ns"] - rec["items_ns"]
+    comp = it[:, END] - it[:, START] - it[:, WAIT]  # computing (down: after its wait)
+    out_ns = [int((it[it[:, WORKER] == w][:, END] + it[it[:, WORKER] == w][:, CONVERT]).max())
+              for w in range(threads) if (it[:, WORKER] == w).any()]
+    busy = np.array([(comp + it[:, CONVERT])[it[:, WORKER] == w].sum() for w in range(threads)])
+    wait = np.array([it[it[:, WORKER] == w][:, WAIT].sum() for w in range(threads)])
+    joins = rec["join_ns"].numpy()
+    late = [us(j - rec["items_ns"]) for j in joins if j]
+    gu, dn = it[:, DOWN] == 0, it[:, DOWN] == 1
+    nblk = it[:, B1] - it[:, B0]
+    gbps = lambda sel, bb: (nblk[sel].sum() * bb) / max(comp[sel].sum(), 1)  # bytes/ns = GB/s
+    wall = us(py1 - py0)
+    before = us(rec["items_ns"] - py0)
+    return dict(
+        wall=wall, py_eng=us(rec["call_ns"] - py0), hand=us(rec["entry_ns"] - rec["call_ns"]),
+        group=us(rec["grouped_ns"] - rec["entry_ns"]), acts=us(rec["acts_ns"] - rec["grouped_ns"]),
+        build=us(rec["items_ns"] - rec["acts_ns"]), first=us(it[:, START].min() - rec["items_ns"]),
+        gemm=us(run_ns), tail=us(max(out_ns) - min(out_ns)), close=us(rec["gemm_end_ns"] - max(out_ns)),
+        comb=us(rec["end_ns"] - rec["gemm_end_ns"]), ret=us(py1 - rec["end_ns"]), before=before,
+        after=us(py1 - rec["gemm_end_ns"]),
+        late_mean=statistics.mean(late), late_max=max(late), joined=len(late),
+        slept=int(rec["slept"].sum()),
+        busy=busy.mean() / run_ns, wait=wait.mean() / run_ns, idle=1 - (busy + wait).mean() / run_ns,
+        busy_min=busy.min() / run_ns, wait_max=wait.max() / run_ns,
+        gu_gbps=gbps(gu, block_bytes[0]), dn_gbps=gbps(dn, block_bytes[1]),
+        run_gbps=call_bytes / run_ns, items=len(it), bytes=call_bytes,
+        late_by_worker=[us(j - rec["items_ns"]) if j else float("nan") for j in joins])
+
+
+def timed_calls(layers, calls, api, mode, reps, gap_s, sleep_s, flush, traced):
+    """(py0, py1, record or None) per call after one warm-up cycle."""
+    out = []
+    for rep in range(reps + 1):
+        for li, layer in enumerate(layers):
+            x, ids, w = calls[(rep * len(layers) + li) % N_ROUTINGS]
+            if mode == "loop":
+                busy_wait(gap_s)
+            elif mode == "sleep":
+                time.sleep(sleep_s)
+            else:
+                flush()
+            if traced:
+                layer.trace(1)
+            py0 = time.monotonic_ns()
+            if api == "forward":
+                layer.forward(x, ids, w)
+            else:
+                layer.submit(x, ids, w)
+                layer.wait()
+            py1 = time.monotonic_ns()
+            rec = layer.take_trace()[0] if traced else None
+            if rep > 0:  # the first cycle warms up (and teaches the pool the gap)
+                out.append((py0, py1, rec))
+    return out
+
+
+def print_cell(key, n, untraced, floor_us, s, lateness):
+    pct = lambda v: f"{100 * v:5.1f}"
+    print(f"{key:<28} {n:>4} {untraced:>8.1f} {s['wall']:>7.1f} {floor_us:>6.1f} {100 * floor_us / untraced:>4.0f}% |"
+          f" {s['py_eng']:>6.1f} {s['hand']:>5.1f} {s['group']:>5.1f} {s['acts']:>5.1f} {s['build']:>5.1f}"
+          f" {s['first']:>5.1f} | {s['gemm']:>6.1f} {s['tail']:>5.1f} {s['close']:>5.1f} | {s['comb']:>5.1f}"
+          f" {s['ret']:>5.1f} | {s['before']:>6.1f} {s['gemm'] - floor_us:>6.1f} {s['after']:>5.1f}")
+    print(f"{'':<28} workers: late mean {s['late_mean']:.1f} max {s['late_max']:.1f} us, joined {s['joined']:.0f},"
+          f" slept {s['slept']:.0f}; busy {pct(s['busy'])}% (least busy {pct(s['busy_min'])}%) wait"
+          f" {pct(s['wait'])}% (most {pct(s['wait_max'])}%) idle {pct(s['idle'])}%; GB/s per core gu"
+          f" {s['gu_gbps']:.1f} dn {s['dn_gbps']:.1f}; run {s['run_gbps']:.1f} GB/s; {s['items']:.0f} items")
+    print(f"{'':<28} late by worker (us, median of the calls it joined; -: none): " +
+          " ".join("-" if v != v else f"{v:.0f}" for v in lateness), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
+    ap.add_argument("--format", default="int4,int8,bf16")
+    ap.add_argument("--tokens", default="1,4")
+    ap.add_argument("--threads", default=None, help="comma list (default: every allowed CPU)")
+    ap.add_argument("--modes", default="loop,sleep,flush")
+    ap.add_argument("--api", default="forward", help="forward and/or submit (submit + wait)")
+    ap.add_argument("--isa", default=None, choices=["generic", "avx2", "avx512", "amx"])
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--experts", type=int, default=None, help="override E (to fit a small machine)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--gap-us", type=float, default=100.0)
+    ap.add_argument("--sleep-ms", type=float, default=5.0)
+    ap.add_argument("--reps", type=int, default=6, help="cycles over the layers per cell (flush: 2 x reps calls)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    shape = dict(SHAPES[args.shape])
+    if args.experts:
+        shape["E"] = args.experts
+    E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
+    thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [default_threads()]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    torch.set_num_threads(1)
+    flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
+    flush = lambda: np.add(flush_buf, 1, out=flush_buf)
+    bw = {t: host_read_gbps(t) for t in thread_counts}
+    gate, up, down = make_weights(E, H, I)
+    print(f"# {args.shape}: E={E} H={H} I={I} top-{K}; host read GB/s " +
+          ", ".join(f"{bw[t]:.1f} at {t} threads" for t in thread_counts) +
+          f"; loop gap {args.gap_us:g} us, sleep {args.sleep_ms:g} ms, {args.layers} layers", flush=True)
+    print(f"{'fmt T thr mode api':<28} {'n':>4} {'untraced':>8} {'wall':>7} {'floor':>6} {'%bw':>5} |"
+          f" {'py>eng':>6} {'hand':>5} {'group':>5} {'acts':>5} {'build':>5} {'first':>5} | {'gemm':>6} {'tail':>5}"
+          f" {'close':>5} | {'comb':>5} {'ret':>5} | {'before':>6} {'g-flr':>6} {'after':>5}   (us, medians)")
+    rows = []
+    for fmt in args.format.split(","):
+        t0 = time.perf_counter()
+        first = CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=thread_counts[0],
+                           isa=args.isa)
+        state = first.packed_state()
+        copies = [state] + [{**state, "buffers": {k: torch.from_numpy(v).clone() for k, v in state["buffers"].items()}}
+                            for _ in range(args.layers - 1)]
+        print(f"# {fmt}: {args.layers} layers packed in {time.perf_counter() - t0:.1f} s, isa {first.isa}",
+              flush=True)
+        block_bytes = matrix_block_bytes(first)
+        per_expert = first.packed_bytes / E
+        for threads in thread_counts:
+            layers = [CpuExperts.from_packed(c, threads=threads, isa=args.isa) for c in copies]
+            time.sleep(0.05)  # the other thread count's pool goes to sleep
+            for T in tokens:
+                calls = [routing(T, H, E, K, seed=1000 * T + r) for r in range(N_ROUTINGS)]
+                for mode in args.modes.split(","):
+                    cell_layers = layers[:1] if mode == "flush" else layers
+                    reps = 2 * args.reps if mode == "flush" else args.reps
+                    for api in args.api.split(","):
+                        run = lambda traced: timed_calls(cell_layers, calls, api, mode, reps, args.gap_us * 1e-6,
+                                                         args.sleep_ms * 1e-3, flush, traced)
+                        untraced = med([(p1 - p0) / 1e3 for p0, p1, _ in run(False)])
+                        stats = []
+                        for py0, py1, rec in run(True):
+                            touched = len(set(rec["items"][:, EXPERT].tolist()))
+                            stats.append(call_breakdown(rec, py0, py1, threads, block_bytes, touched * per_expert))
+                        s = {k: med([c[k] for c in stats]) for k in stats[0] if k != "late_by_worker"}
+                        # per worker, over the calls it joined (nan: it joined none)
+                        lateness = [med([c["late_by_worker"][w] for c in stats if c["late_by_worker"][w] == c["late_by_worker"][w]])
+                                    for w in range(threads)]
+                        floor_us = s["bytes"] / (bw[threads] * 1e3)
+                        key = f"{fmt} {T} {threads} {mode} {api}"
+                        print_cell(key, len(stats), untraced, floor_us, s, lateness)
+                        rows.append(dict(shape=args.shape, format=fmt, tokens=T, threads=threads, mode=mode, api=api,
+                                         calls=len(stats), untraced_us=untraced, floor_us=floor_us,
+                                         host_read_gbps=bw[threads], late_by_worker_us=lateness, **s))
+            del layers
+        del first, state, copies
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": args.shape, "dims": shape, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
