@@ -1,4 +1,5 @@
-"""The native engine's packed expert layouts (csrc/moe/packed.h), dequantized with torch on any device.
+"""The native engine's packed expert layouts (csrc/moe/packed.h), dequantized with torch on any device
+(on CUDA with triton, by one kernel instead: experts/packed_triton.py, the same values).
 
 The CPU engine keeps each layer's experts packed (CpuExperts.packed_state()); a long prefill can copy
 those bytes to the GPU as they are (a quarter of bf16's for int4) and unpack them there. The values
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.gpu_experts import HAVE_TRITON
 
 BLOCK_ROWS = 32
 MATRICES = ("gate", "up", "down")
@@ -87,8 +89,23 @@ class PackedLayout:
         return tuple(self._matrix(mat, buffers, experts, dtype) for mat in self.matrices)
 
     def _matrix(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor, dtype) -> torch.Tensor:
+        if experts.device.type == "cuda" and HAVE_TRITON:
+            return self._matrix_triton(mat, buffers, experts, dtype)
         rows = [self._slice(mat, sl, buffers, experts, dtype) for sl in mat.slices]  # each [n, nb * 32, K]
         return torch.cat(rows, dim=1)[:, :mat.N] if len(rows) > 1 else rows[0][:, :mat.N]
+
+    def _matrix_triton(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor, dtype
+                       ) -> torch.Tensor:
+        from hybridmoe.experts.packed_triton import dequantize_slice
+
+        blocks = sum(sl.blocks for sl in mat.slices)
+        out = torch.empty(experts.numel(), blocks * BLOCK_ROWS, mat.Kp, dtype=dtype, device=experts.device)
+        row0 = 0
+        for sl in mat.slices:
+            dequantize_slice(self.format, buffers[sl.w], sl.scale and buffers[sl.scale], sl.zero and buffers[sl.zero],
+                             experts, sl.blocks, mat.Kp, self.group, out, row0)
+            row0 += sl.blocks * BLOCK_ROWS
+        return out[:, :mat.N, :mat.K]  # [n, N, K], rows padded to blocks and columns to Kp left out
 
     def _slice(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor, dtype) -> torch.Tensor:
         # The products are float32, as the engine's, and rounded to dtype by the multiplication that

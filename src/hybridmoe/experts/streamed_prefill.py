@@ -13,8 +13,10 @@ The packed bytes are copied as the CPU engine holds them (CpuExperts.packed_stat
 of bf16's for int4), from host memory registered with cudaHostRegister (async DMA, no bounce
 copy; pageable copies with a log line when registering fails), into two device slots each the
 size of the largest layer, and dequantized on the GPU a chunk of experts at a time
-(experts/packed_torch.py, bit-exact with the CPU engine's weights). On the CPU device the same
-code runs with plain copies, which is how CI checks it.
+(experts/packed_torch.py: one Triton pass on CUDA, experts/packed_triton.py; bit-exact with the CPU
+engine's weights), whose slots run through the GPU share's grouped kernels (gpu_experts.gpu_share):
+no host sync and nothing per expert on the host. On the CPU device the same code runs with plain
+copies and the torch references, which is how CI checks it.
 
 T tokens, K experts per token, R = routed (token, slot) pairs, E experts, H hidden, I intermediate.
 """
@@ -22,7 +24,6 @@ T tokens, K experts per token, R = routed (token, slot) pairs, E experts, H hidd
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ import weakref
 
 import torch
 
+from hybridmoe.experts.gpu_experts import HAVE_TRITON, gpu_share
 from hybridmoe.experts.packed_torch import PackedLayout
 from hybridmoe.experts.placement import format_bytes
 
@@ -42,30 +44,31 @@ DEQUANT_WORKSPACE_BYTES = 256 << 20
 """Device memory one chunk of experts may take while dequantized (with its temporaries)."""
 
 DEQUANT_BYTES_PER_WEIGHT = 14
-"""Peak bytes per weight of one matrix while an int4 chunk dequantizes (codes, nibbles, float32
-codes, the float32 result), besides the compute-dtype copy the chunk keeps (2 bytes)."""
+"""Peak bytes per weight of one matrix while an int4 chunk dequantizes with torch (codes, nibbles,
+float32 codes, the float32 result), besides the compute-dtype copy the chunk keeps (2 bytes). The
+Triton pass (experts/packed_triton.py) takes none."""
 
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def dequant_chunk_experts(H: int, I: int) -> int:
-    """Experts dequantized at once, so one chunk stays within DEQUANT_WORKSPACE_BYTES."""
-    per_expert = 3 * H * I * 2 + H * I * DEQUANT_BYTES_PER_WEIGHT
+def dequant_chunk_experts(H: int, I: int, fused: bool) -> int:
+    """Experts dequantized at once, so one chunk stays within DEQUANT_WORKSPACE_BYTES; fused: by the
+    Triton pass (no temporaries)."""
+    per_expert = 3 * H * I * 2 + (0 if fused else H * I * DEQUANT_BYTES_PER_WEIGHT)
     return max(1, DEQUANT_WORKSPACE_BYTES // per_expert)
 
 
 def device_bytes(layer_bytes: int, E: int, H: int, I: int, top_k: int, max_tokens: int) -> int:
-    """Device memory streaming takes: two slots of layer_bytes, one dequantized chunk, and a max_tokens
-    step's rows: R routed rows' inputs and outputs, and the outputs' float32 weighted copy (8 bytes an
-    element in bf16 or float32), a chunk's padded rows (at most chunk x max_tokens: inputs, gate, up,
-    their product, outputs; 6 H + 8 I bytes a row in bf16, twice that for float32 models, which only
-    tiny test models are), and the float32 [T, H] sum."""
-    chunk = min(E, dequant_chunk_experts(H, I))
-    dequant = chunk * (3 * H * I * 2 + H * I * DEQUANT_BYTES_PER_WEIGHT)
-    R = max_tokens * top_k
-    rows = R * H * 8 + chunk * max_tokens * (6 * H + 8 * I) + max_tokens * H * 4
+    """Device memory streaming takes: two slots of layer_bytes, one dequantized chunk (at most
+    DEQUANT_WORKSPACE_BYTES), and a max_tokens step's rows: per slot (S = max_tokens x top_k) the
+    grouped kernels' float32 h [S, I] and outputs [S, H], per token the input in the compute dtype,
+    the chunk's float32 sum and the layer's (2 + 4 + 4 bytes an element; float32 models, which only
+    tiny test models are, take 2 more)."""
+    dequant = max(min(E, dequant_chunk_experts(H, I, fused)) * (3 * H * I * 2 + (0 if fused else
+                  H * I * DEQUANT_BYTES_PER_WEIGHT)) for fused in (False, True))
+    rows = max_tokens * top_k * (H + I) * 4 + max_tokens * H * 12
     return 2 * _aligned(layer_bytes) + dequant + rows
 
 
@@ -256,44 +259,27 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
                    weights: torch.Tensor, mask: torch.Tensor, act) -> torch.Tensor:
     """The masked routed experts of one layer computed from its packed buffers on x's device; float32 [T, H].
 
-    Pairs are grouped by expert (one sort, one host sync for the counts). The experts that have tokens,
-    busiest first, are dequantized a chunk of n at a time into x's dtype (bf16/fp16; float32 stays
-    float32) and run as three batched matmuls over their rows padded to the chunk's busiest expert's m
-    (a few kernel launches a chunk, not a few an expert: 128 experts a layer would be launch-bound).
+    The layer's experts are dequantized a chunk of consecutive ids at a time into x's dtype (bf16/fp16;
+    float32 stays float32), and the chunk's slots run through gpu_share (experts/gpu_experts.py): on
+    CUDA with triton, grouped kernels over blocks of slots sorted by expert, with no host sync and
+    nothing per expert on the host (a layer is a few dozen launches); elsewhere its torch reference.
     """
-    T, K = ids.shape
-    H = x.shape[1]
     cdtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    pairs = mask.flatten().nonzero().squeeze(1)  # [R] indices into [T * K]
-    expert, order = torch.sort(ids.flatten()[pairs].long(), stable=True)
-    pairs = pairs[order]
-    counts = torch.bincount(expert, minlength=layout.E).tolist()
-    tok = pairs // K
-    xs = x[tok].to(cdtype)  # [R, H], grouped by expert
-    ys = torch.empty(xs.shape, dtype=cdtype, device=x.device)  # expert outputs, then weighted
-    starts = [0, *itertools.accumulate(counts)]
-    busiest = sorted((e for e in range(layout.E) if counts[e]), key=lambda e: -counts[e])
-    chunk = dequant_chunk_experts(layout.H, layout.I)
-    for c in range(0, len(busiest), chunk):
-        part = busiest[c:c + chunk]
-        n, m = len(part), counts[part[0]]
-        rows, slot, ids_d = _to_device(torch.cat([torch.arange(starts[e], starts[e + 1]) for e in part]),
-                                       torch.cat([torch.arange(counts[e]) + j * m for j, e in enumerate(part)]),
-                                       torch.tensor(part), device=x.device)
-        gate, up, down = layout.dequantize(buffers, ids_d, cdtype)
-        padded = xs.new_zeros(n * m, H).index_copy_(0, slot, xs[rows]).view(n, m, H)
-        h = act(torch.bmm(padded, gate.transpose(1, 2))) * torch.bmm(padded, up.transpose(1, 2))  # [n, m, I]
-        ys.index_copy_(0, rows, torch.bmm(h, down.transpose(1, 2)).view(n * m, H)[slot])
-    out = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-    return out.index_add_(0, tok, ys.float().mul_(weights.flatten()[pairs].float().unsqueeze(1)))
+    xc, ids = x.to(cdtype), ids.long()
+    chunk = dequant_chunk_experts(layout.H, layout.I, fused=_fused_dequant(x.device))
+    out = None
+    for c0 in range(0, layout.E, chunk):
+        c1 = min(layout.E, c0 + chunk)
+        gate, up, down = layout.dequantize(buffers, torch.arange(c0, c1, device=x.device), cdtype)
+        inside = mask & (ids >= c0) & (ids < c1)  # [T, K] the chunk's slots
+        part = gpu_share(xc, gate, up, down, ids - c0, weights, inside, act)
+        out = part if out is None else out.add_(part)
+    return out
 
 
-def _to_device(*tensors: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Host index tensors on device; to a GPU through page-locked memory, so the copy does not wait
-    for the work queued before it."""
-    if device.type != "cuda":
-        return tuple(t.to(device) for t in tensors)
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+def _fused_dequant(device: torch.device) -> bool:
+    """Whether PackedLayout.dequantize runs as one Triton pass here (no torch temporaries)."""
+    return device.type == "cuda" and HAVE_TRITON
 
 
 GPU_SECONDS_PER_WEIGHT = 37e-12
