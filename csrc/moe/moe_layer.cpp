@@ -349,6 +349,10 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   if (tr) tr->grouped_ns = trace_now_ns();
   auto n_of = [&](int j) { return row_begin[j + 1] - row_begin[j]; };
   auto kernels_of = [&](int j) -> const Kernels& { return n_of(j) >= kAmxMinTokens ? *many_ : *base_; };
+  // Activation rows expert j's kernels read: AMX tiles read whole 16-row panels (padding rows
+  // zeros), the other kernels n rows only; a decode step's experts (1 token each) would
+  // otherwise write 15 rows of zeros per token, on the critical path.
+  auto rows_read = [&](int j) { return many_ != base_ && n_of(j) >= kAmxMinTokens ? round_up(n_of(j), 16) : n_of(j); };
   const Format fmt = cfg_.format;
   const RowOps& ops = base_->ops;
   const RowOps& ops8 = many_->ops;  // to_i8, where a kernel set reads i8 rows
@@ -383,11 +387,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     }
   };
 
-  // Phase A: x rows -> each expert's activation rows (padding rows: zeros).
+  // Phase A: x rows -> each expert's activation rows (padding rows its kernels read: zeros).
   parallel_or_inline(chunks, size_t(R) * H, [&](int i, int) {
     const int j = items[i], a0 = chunk_first[i];
     const ActKind kind = act_of(kernels_of(j), false, fmt);
-    for (size_t r = a0; r < a0 + 16; ++r) {
+    for (size_t r = a0; r < std::min<size_t>(a0 + 16, act_begin[j] + rows_read(j)); ++r) {
       const int local = r - act_begin[j];
       const bool pad = local >= n_of(j);
       const int t = pad ? 0 : tok[row_begin[j] + local];
@@ -433,9 +437,9 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     tr->slept.assign(pool_->threads(), 0);
     pool_->set_join_log(tr->join_ns.data(), tr->slept.data());
   }
-  auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding rows: zeros)
+  auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding as in phase A)
     const ActKind kind = act_of(kernels_of(j), true, fmt);
-    for (size_t r = act_begin[j]; r < size_t(act_begin[j + 1]); ++r) {
+    for (size_t r = act_begin[j]; r < size_t(act_begin[j] + rows_read(j)); ++r) {
       const int local = r - act_begin[j];
       const bool pad = local >= n_of(j);
       const float* src = h + size_t(pad ? 0 : row_begin[j] + local) * ldh;
