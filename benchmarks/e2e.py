@@ -2,22 +2,32 @@
 memory, RSS, and the decode floor (CPU-resident expert bytes read per token / host read bandwidth measured
 in this run), at batch 1; one table, and (with --json) a JSON file that carries the floor.
 
-    python benchmarks/e2e.py --model DIR | --synthetic PRESET [--layers N]
-        [--formats int4,bf16] [--prompt-lens 512,2048,8192] [--gen-len 32] [--ablation] [--json F]
+    python benchmarks/e2e.py --model DIR | --synthetic PRESET [--layers N[,N2,...]]
+        [--formats int4,bf16] [--prompt-lens 512,2048,8192] [--gen-len 32] [--ablation [ROWS]] [--json F]
         [engine options: --device, --gpu-memory-budget, --deferred-experts, ...]
     python benchmarks/e2e.py --suite qwen3 | dsv2lite | dsv3    # the issue's tables on the GPU host
 
 --synthetic writes a random-weight checkpoint of a make-model preset (qwen3-30b-a3b, deepseek-v2-lite,
 deepseek-v3, ...) into memory (/dev/shm) and loads it like any directory. Cut to --layers N, it reports
 per-layer times and full-depth figures: decode = non-layer part + each layer of the full model at its
-kind's measured time (bench_layers.py); prefill = measured time x full depth / N. Those rows say
-"extrapolated". With a GPU budget, the cut model holds as many GPU experts per layer as the full-depth
-model would under the same budget, so its per-layer figures stand for the full model's.
+kind's measured time (bench_layers.py, scaled by graph/eager step time); prefill = measured time x full
+depth / N. Given two or more depths (--layers 4,16: each built, loaded, measured and deleted in turn),
+it also fits decode time per token and each prompt's time to first token as fixed + per MoE layer x MoE
+layers over the depths (bench_fit.py) and reports full depth from the fit; both kinds of rows say
+"extrapolated" and from which depths. With a GPU budget, the cut model holds as many GPU experts per
+layer as the full-depth model would under the same budget, so its per-layer figures stand for the full
+model's.
+
+On CUDA with the stream_mem_ops handoff, every row also says where its decode step's time went
+(bench_anatomy.py): per MoE layer the CPU work, the GPU gap to the next layer's go (and its first part,
+the flag's way back, when the wake word is written), how late the poller saw the go; per token the rest.
 
 --formats runs each expert format in turn, one engine at a time, in this process. --ablation runs each
 format "all on" (graphs, GPU experts; deferred experts as given, else 0) and the first format, on the same
-model, also with: no CUDA graph (the same engine, graphs off); deferral toggled (deferred experts 1 when
-"all on" has 0, else 0); no GPU experts (--gpu-experts-per-layer 0). Deferral is not in "all on" by default
+model, also with (ROWS, comma-separated, default all): graph: no CUDA graph (the same engine, graphs off);
+prewake: the same engine with the CPU pool woken by the stream after every layer's wait (graphs captured
+again); deferral: deferral toggled (deferred experts 1 when "all on" has 0, else 0); gpu-experts: no GPU
+experts (--gpu-experts-per-layer 0). Deferral is not in "all on" by default
 because it lost on the GPU host: Qwen3-30B-A3B int4, 4 layers, 354 tok/s with 1 vs 370 with 0 (each
 deferred expert adds a CPU handoff per layer). A SIGTERM (e.g. `timeout`) ends the run with the tables
 of the configurations measured so far. Qwen3-30B-A3B rows are also set against llama.cpp's reference
@@ -34,12 +44,14 @@ import sys
 import time
 import traceback
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hybridmoe.bench_suite import DepthInfo, run_suite
+from hybridmoe.bench_fit import depth_fits
 from hybridmoe.bench_floor import ASSUMPTION, floor_ratio
+from hybridmoe.bench_suite import DepthInfo, run_suite
 from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
 from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
 from hybridmoe.config import EngineConfig
@@ -52,14 +64,15 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
            "vs_llama_prefill": 1.5}
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 1 measured slower than 0 (see above)."""
+ABLATION_ROWS = ("graph", "prewake", "deferral", "gpu-experts")
 
 SUITES = {
-    "qwen3": dict(synthetic="qwen3-30b-a3b", layers=4, formats="int4,bf16", prompt_lens="512,2048,8192",
-                  gen_len=32, ablation=True, engine=dict(gpu_memory_budget="16GiB")),
-    "dsv2lite": dict(synthetic="deepseek-v2-lite", layers=8, formats="int4", prompt_lens="512,2048,8192", gen_len=32,
-                     ablation=False, engine=dict(gpu_memory_budget="16GiB")),
-    "dsv3": dict(synthetic="deepseek-v3", layers=4, formats="int4", prompt_lens="512,2048", gen_len=16,
-                 ablation=False, engine=dict(gpu_memory_budget="16GiB")),
+    "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4", formats="int4,bf16", prompt_lens="512,2048,8192",
+                  gen_len=32, ablation=",".join(ABLATION_ROWS), engine=dict(gpu_memory_budget="16GiB")),
+    "dsv2lite": dict(synthetic="deepseek-v2-lite", layers="8", formats="int4", prompt_lens="512,2048,8192",
+                     gen_len=32, ablation=None, engine=dict(gpu_memory_budget="16GiB")),
+    "dsv3": dict(synthetic="deepseek-v3", layers="4", formats="int4", prompt_lens="512,2048", gen_len=16,
+                 ablation=None, engine=dict(gpu_memory_budget="16GiB")),
 }
 
 
@@ -70,14 +83,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument("--model", metavar="DIR")
     source.add_argument("--synthetic", metavar="PRESET", help="a make-model preset, written to memory")
     source.add_argument("--suite", choices=sorted(SUITES), help="the issue's preset runs (see above)")
-    parser.add_argument("--layers", type=int, help="with --synthetic: decoder layers (default: full depth)")
+    parser.add_argument("--layers", help="with --synthetic: decoder layers (default: full depth); two or more "
+                        "depths, comma-separated, are each measured and fitted (e.g. 4,16)")
     parser.add_argument("--formats", help="expert formats to run in turn, e.g. int4,bf16 (default: the engine's)")
     parser.add_argument("--prompt-lens", default="512,2048,8192", help="prefill prompt lengths (default 512,2048,8192)")
     parser.add_argument("--gen-len", type=int, default=32, help="decoded tokens per timed run (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64, help="prompt before the decode run (default 64)")
     parser.add_argument("--prompt-len", type=int, metavar="N",
                         help="one length for both: --prompt-lens N --decode-prompt-len N (the earlier interface)")
-    parser.add_argument("--ablation", action="store_true", help="also: no CUDA graph, no deferral, no GPU experts")
+    parser.add_argument("--ablation", nargs="?", const=",".join(ABLATION_ROWS), metavar="ROWS",
+                        help=f"also these rows (default all: {','.join(ABLATION_ROWS)}; see above)")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="host read probe buffer (default 1 GiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the setup and results here")
@@ -105,15 +120,13 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def depth_of(raw_full: dict, raw_cut: dict) -> DepthInfo | None:
-    """The full model's dense / MoE layer counts when raw_cut has fewer layers than raw_full, else None."""
+def layer_counts(raw: dict) -> DepthInfo:
+    """Decoder, dense and MoE layer counts of a config.json."""
     from hybridmoe.experts.torch_ref import TorchExperts
     from hybridmoe.models.registry import architecture_of, get_model_class
 
-    if raw_cut["num_hidden_layers"] >= raw_full["num_hidden_layers"]:
-        return None
-    cls = get_model_class(architecture_of(raw_full))
-    config = cls.make_config(raw_full)
+    cls = get_model_class(architecture_of(raw))
+    config = cls.make_config(raw)
     with torch.device("meta"):
         model = cls(config, TorchExperts())
     moe = len(model.moe_layers)
@@ -138,45 +151,71 @@ def full_depth_gpu_experts(raw_full: dict, kwargs: dict) -> tuple[int, str]:
                        "experts per MoE layer to match")
 
 
-def configurations(kwargs: dict, formats: list[str | None], ablation: bool
-                   ) -> list[tuple[str, dict, str | None, bool]]:
-    """(label, engine kwargs, label of the same engine with graphs off or None, every prompt length?) per
-    load: each format; with ablation, each format "all on", the first then with graphs off, and after every
-    format the first with deferral toggled and without GPU experts (these two prefill the first prompt
-    length only), so that a time limit cuts the ablation before a format."""
+@dataclass(frozen=True)
+class Load:
+    """One engine load and what is measured on it."""
+
+    label: str
+    kwargs: dict
+    """Engine options."""
+    eager_label: str | None = None
+    """Also measure the same engine with graphs off, under this label."""
+    prewake_label: str | None = None
+    """Also measure the same engine with the CPU pool woken after every layer's wait, under this label."""
+    every_length: bool = True
+    """Prefill every prompt length (else the first only)."""
+
+
+def ablation_rows(text: str | None) -> list[str]:
+    rows = [r.strip() for r in text.split(",")] if text else []
+    unknown = [r for r in rows if r not in ABLATION_ROWS]
+    if unknown:
+        raise HybridMoEError(f"--ablation takes rows among {','.join(ABLATION_ROWS)}, got {','.join(unknown)}")
+    return rows
+
+
+def configurations(kwargs: dict, formats: list[str | None], ablation: list[str]) -> list[Load]:
+    """Each format; with ablation rows, each format "all on", the first also with graphs off and with the
+    prewake (same engine), and after every format the first with deferral toggled and without GPU experts
+    (these prefill the first prompt length only), so that a time limit cuts the ablation before a format."""
     runs, variants = [], []
     for k, fmt in enumerate(formats):
         base = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
         name = fmt or kwargs.get("expert_format") or "auto format"
         if not ablation:
-            runs.append((name, base, None, True))
+            runs.append(Load(name, base))
             continue
         base.setdefault("deferred_experts", DEFAULT_DEFERRED)
-        runs.append((f"{name} all on", base, None if k else f"{name} no CUDA graph", True))
-        if k == 0:
+        first = k == 0
+        runs.append(Load(f"{name} all on", base,
+                         eager_label=f"{name} no CUDA graph" if first and "graph" in ablation else None,
+                         prewake_label=f"{name} prewake" if first and "prewake" in ablation else None))
+        if first and "deferral" in ablation:
             deferral = (f"{name} deferral 1", 1) if base["deferred_experts"] == 0 else (f"{name} no deferral", 0)
-            variants += [(deferral[0], dict(base, deferred_experts=deferral[1]), None, False),
-                         (f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), None, False)]
+            variants.append(Load(deferral[0], dict(base, deferred_experts=deferral[1]), every_length=False))
+        if first and "gpu-experts" in ablation:
+            variants.append(Load(f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), every_length=False))
     return runs + variants
 
 
-def run_configuration(model_dir: str, label: str, run_kwargs: dict, eager_label: str | None, lens: list[int],
-                      **suite) -> list:
+def run_configuration(model_dir: str, load: Load, lens: list[int], **suite) -> list:
     """run_suite for one load; a failure is printed (traceback on stderr) and retried once with prefill
     streaming off, the rows then labelled so; a second failure gives no rows."""
     for extra in ({}, {"prefill_streaming": "off"}):
-        if extra and run_kwargs.get("prefill_streaming") == "off":
+        if extra and load.kwargs.get("prefill_streaming") == "off":
             break
         tag = " (streaming off)" if extra else ""
         try:
-            ec = EngineConfig.from_kwargs(**{**run_kwargs, **extra})
-            return run_suite(label + tag, model_dir, ec, lens, eager_label=eager_label and eager_label + tag,
-                             **suite)
+            ec = EngineConfig.from_kwargs(**{**load.kwargs, **extra})
+            return run_suite(load.label + tag, model_dir, ec, lens if load.every_length else lens[:1],
+                             eager_label=load.eager_label and load.eager_label + tag,
+                             prewake_label=load.prewake_label and load.prewake_label + tag, **suite)
         except HybridMoEError:
             raise
         except Exception as e:  # noqa: BLE001 (one configuration's crash must not lose the others' rows)
             traceback.print_exc()
-            print(f"  {label}{tag}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
+            print(f"  {load.label}{tag}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})",
+                  flush=True)
     return []
 
 
@@ -185,17 +224,19 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 
 def results_table(results, prompt_lens: list[int]) -> list[str]:
-    head = (["config"] + [f"prefill {n}" for n in prompt_lens] + [f"TTFT {prompt_lens[0]} ms", "decode tok/s",
-            "ms/token", "floor ms", "decode/floor", "CPU exp/token", "GPU exp/layer", "graph", "deferred",
-            "prefill streaming", "peak GPU GiB", "RSS GiB", "peak RSS GiB", "load s"])
+    head = (["config", "layers"] + [f"prefill {n}" for n in prompt_lens]
+            + [f"TTFT {prompt_lens[0]} ms", "decode tok/s", "ms/token", "floor ms", "decode/floor", "CPU exp/token",
+               "GPU exp/layer", "graph", "deferred", "prewake", "prefill streaming", "peak GPU GiB", "RSS GiB",
+               "peak RSS GiB", "load s"])
     rows = []
     for r in results:
         gpu = sorted({layer.on_gpu for layer in r.floor.layers})
-        rows.append([r.label] + [_fmt(r.prefill_tok_s.get(n), ".0f") for n in prompt_lens]
+        rows.append([r.label, str(r.model_layers)] + [_fmt(r.prefill_tok_s.get(n), ".0f") for n in prompt_lens]
                     + [_fmt(1e3 * r.ttft_s[prompt_lens[0]], ".0f"), _fmt(r.decode_tok_s), _fmt(1e3 * r.decode_s, ".2f"),
                        _fmt(1e3 * r.floor.seconds, ".3f"), _fmt(floor_ratio(r.decode_s, r.floor), ".2f"),
                        _fmt(r.floor.cpu_experts_per_token), "/".join(map(str, gpu)) or "-",
-                       "on" if r.cuda_graph else "off", str(r.resolved.deferred_experts), _streaming(r.resolved),
+                       "on" if r.cuda_graph else "off", str(r.resolved.deferred_experts),
+                       "on" if r.prewake_layers else "off", _streaming(r.resolved),
                        _fmt(r.peak_gpu_gib, ".2f"), _fmt(r.rss_gib, ".2f"), _fmt(r.peak_rss_gib, ".2f"),
                        _fmt(r.load_s)])
     return _table(head, rows)
@@ -207,8 +248,27 @@ def _streaming(ec) -> str:
     return f"on (>= {tokens} tokens)" if mode == "on" and tokens else mode
 
 
+def anatomy_table(results) -> list[str]:
+    """Per row with an anatomy: per MoE layer through the handoff, CPU work, the gap to the next layer's
+    go and the handoff's share of it; per token, what the layers leave of the measured step."""
+    head = ["config", "layers", "steps", "CPU layers/step", "CPU us/layer", "first layer CPU us",
+            "gap us/layer", "flag back us", "go late us", "first go late us", "handoff us/layer",
+            "layers ms/token", "rest ms/token", "step ms/token"]
+    rows = []
+    for r in results:
+        a = r.anatomy
+        if a is None:
+            continue
+        per_layers = a.step_us - a.rest_us
+        rows.append([r.label, str(r.model_layers), str(a.steps), _fmt(a.layers_per_step), _fmt(a.cpu_us),
+                     _fmt(a.first_cpu_us), _fmt(a.gap_us), _fmt(a.back_us), _fmt(a.late_us, ".2f"),
+                     _fmt(a.first_late_us, ".2f"), _fmt(a.handoff_us), _fmt(per_layers / 1e3, ".3f"),
+                     _fmt(a.rest_us / 1e3, ".3f"), _fmt(a.step_us / 1e3, ".3f")])
+    return _table(head, rows) if rows else []
+
+
 def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
-    head = (["config (extrapolated)", "layers"] + [f"prefill {n}" for n in prompt_lens]
+    head = (["config (extrapolated)", "from layers", "layers"] + [f"prefill {n}" for n in prompt_lens]
             + ["decode tok/s", "ms/token", "floor ms", "decode/floor", "MoE layer ms (eager)", "floor/MoE layer ms",
                "dense layer ms (eager)", "non-layer ms (eager)"])
     rows = []
@@ -218,7 +278,8 @@ def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
             continue
         lt = r.layer_times
         dense = lt.dense_layer_s
-        rows.append([r.label, str(full["layers"])] + [_fmt(full["prefill_tok_s"].get(n), ".0f") for n in prompt_lens]
+        rows.append([r.label, str(r.model_layers), str(full["layers"])]
+                    + [_fmt(full["prefill_tok_s"].get(n), ".0f") for n in prompt_lens]
                     + [_fmt(full["decode_tok_s"]), _fmt(1e3 * full["decode_s"], ".2f"),
                        _fmt(1e3 * full["floor_s"], ".3f"), _fmt(full["decode_over_floor"], ".2f"),
                        _fmt(1e3 * lt.mean_s(True), ".3f"),
@@ -227,46 +288,78 @@ def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
     return _table(head, rows) if rows else []
 
 
-def headline(r) -> dict:
-    """The figures targets are judged on: full depth when the model was cut, else as measured."""
-    full = r.full_depth()
-    if full:
-        return {"prefill_tok_s": full["prefill_tok_s"], "decode_tok_s": full["decode_tok_s"],
-                "decode_over_floor": full["decode_over_floor"], "extrapolated": full["layers"]}
-    return {"prefill_tok_s": r.prefill_tok_s, "decode_tok_s": r.decode_tok_s,
-            "decode_over_floor": floor_ratio(r.decode_s, r.floor), "extrapolated": None}
+def fit_table(fits, prompt_lens: list[int]) -> list[str]:
+    head = (["config (fit)", "from layers", "layers", "decode fixed ms", "decode ms/MoE layer", "fit max resid ms"]
+            + [f"prefill {n}" for n in prompt_lens]
+            + ["decode tok/s", "ms/token", "floor ms", "decode/floor", "floor/MoE layer ms"])
+    rows = []
+    for f in fits:
+        prefill = f.prefill_tok_s
+        rows.append([f.label, ",".join(map(str, f.depths)), str(f.full_layers), _fmt(1e3 * f.decode.fixed, ".3f"),
+                     _fmt(1e3 * f.decode.per_layer, ".3f"), _fmt(1e3 * f.decode.max_residual, ".3f")]
+                    + [_fmt(prefill.get(n), ".0f") for n in prompt_lens]
+                    + [_fmt(1.0 / f.decode_s), _fmt(1e3 * f.decode_s, ".2f"), _fmt(1e3 * f.floor_s, ".3f"),
+                       _fmt(f.decode_s / f.floor_s if f.floor_s > 0 else None, ".2f"),
+                       _fmt(1e3 * f.floor_per_moe_layer_s, ".3f")])
+    return _table(head, rows)
 
 
-def llama_cpp_lines(results) -> list[str]:
+def headlines(results, fits) -> list[dict]:
+    """Per label, the figures targets are judged on: the depth fit's full depth when there is one, else the
+    deepest measurement's own extrapolation when the model was cut, else as measured."""
+    fit_of = {f.label: f for f in fits}
+    deepest: dict[str, object] = {}
+    for r in results:
+        if r.label not in deepest or r.model_layers > deepest[r.label].model_layers:
+            deepest[r.label] = r
+    out = []
+    for label, r in deepest.items():
+        h = {"label": label, "peak_gpu_gib": r.peak_gpu_gib}
+        f, full = fit_of.get(label), r.full_depth()
+        if f is not None:
+            h.update(prefill_tok_s=f.prefill_tok_s, decode_tok_s=1.0 / f.decode_s,
+                     decode_over_floor=f.decode_s / f.floor_s if f.floor_s > 0 else float("nan"),
+                     extrapolated=f"extrapolated to {f.full_layers} layers by the fit over "
+                                  f"{','.join(map(str, f.depths))} layers")
+        elif full:
+            h.update(prefill_tok_s=full["prefill_tok_s"], decode_tok_s=full["decode_tok_s"],
+                     decode_over_floor=full["decode_over_floor"],
+                     extrapolated=f"extrapolated to {full['layers']} layers from {r.model_layers}")
+        else:
+            h.update(prefill_tok_s=r.prefill_tok_s, decode_tok_s=r.decode_tok_s,
+                     decode_over_floor=floor_ratio(r.decode_s, r.floor), extrapolated=None)
+        out.append(h)
+    return out
+
+
+def llama_cpp_lines(final: list[dict]) -> list[str]:
     """Our figure / llama.cpp's, at 48 layers (extrapolated when the model is cut)."""
     lines = []
     lo, hi = LLAMA_CPP["prefill512_tok_s"]
-    for r in results:
-        h = headline(r)
-        line = (f"  {r.label}: decode {h['decode_tok_s']:.1f} / {LLAMA_CPP['decode_tok_s']:.0f} = "
+    for h in final:
+        line = (f"  {h['label']}: decode {h['decode_tok_s']:.1f} / {LLAMA_CPP['decode_tok_s']:.0f} = "
                 f"{h['decode_tok_s'] / LLAMA_CPP['decode_tok_s']:.2f}x (target >= {TARGETS['vs_llama_decode']}x)")
         p = h["prefill_tok_s"].get(512)
         if p is not None:
             line += (f"; prefill 512 {p:.0f} / {lo:.0f}-{hi:.0f} = {p / hi:.2f}-{p / lo:.2f}x "
                      f"(target >= {TARGETS['vs_llama_prefill']}x)")
-        lines.append(line + (f" [extrapolated to {h['extrapolated']} layers]" if h["extrapolated"] else ""))
+        lines.append(line + (f" [{h['extrapolated']}]" if h["extrapolated"] else ""))
     return lines
 
 
-def target_lines(results, budget: int | None) -> list[str]:
+def target_lines(final: list[dict], budget: int | None) -> list[str]:
     lines = []
-    for r in results:
-        if r.peak_gpu_gib is not None and budget is not None:
-            within = "within" if r.peak_gpu_gib * 2**30 <= budget else "OVER"
-            lines.append(f"  {r.label}: peak GPU memory {r.peak_gpu_gib:.2f} GiB, {within} the budget "
+    for h in final:
+        if h["peak_gpu_gib"] is not None and budget is not None:
+            within = "within" if h["peak_gpu_gib"] * 2**30 <= budget else "OVER"
+            lines.append(f"  {h['label']}: peak GPU memory {h['peak_gpu_gib']:.2f} GiB, {within} the budget "
                          f"{budget / 2**30:.2f} GiB")
-        h = headline(r)
         p2048 = h["prefill_tok_s"].get(2048)
-        lines.append(f"  {r.label}: decode/floor {_fmt(h['decode_over_floor'], '.2f')} (target <= "
+        lines.append(f"  {h['label']}: decode/floor {_fmt(h['decode_over_floor'], '.2f')} (target <= "
                      f"{TARGETS['decode_over_floor']})"
                      + (f"; prefill 2048 / decode = {p2048 / h['decode_tok_s']:.1f}x (target >= "
                         f"{TARGETS['prefill2048_over_decode']:.0f}x)" if p2048 else "")
-                     + (f" [{h['extrapolated']} layers, extrapolated]" if h["extrapolated"] else ""))
+                     + (f" [{h['extrapolated']}]" if h["extrapolated"] else ""))
     return lines
 
 
@@ -290,6 +383,10 @@ def _main(args) -> int:
     if args.gen_len < 2:
         raise HybridMoEError(f"--gen-len must be at least 2 to time decoding, got {args.gen_len}")
     formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
+    ablation = ablation_rows(args.ablation)
+    depths = _ints(args.layers, "--layers") if args.layers is not None else [None]
+    if depths != [None] and not args.synthetic:
+        raise HybridMoEError("--layers cuts a --synthetic model; a --model directory runs at its own depth")
     kwargs = engine_kwargs(args)
     kwargs.setdefault("max_num_seqs", 1)  # batch 1: no KV cache (or graph) for rows never used
     kwargs.setdefault("max_model_len", max(prompt_lens + [args.decode_prompt_len]) + args.gen_len)
@@ -298,7 +395,7 @@ def _main(args) -> int:
     if args.synthetic:
         kwargs.setdefault("cache_dir", "")  # a throwaway model: nothing to keep packed on disk
         raw_full = full_config(args.synthetic)
-        if args.layers is not None and args.layers < raw_full["num_hidden_layers"] \
+        if any(d is not None and d < raw_full["num_hidden_layers"] for d in depths) \
                 and kwargs.get("gpu_memory_budget") is not None and "gpu_experts_per_layer" not in kwargs:
             per_layer, note = full_depth_gpu_experts(raw_full, {k: v for k, v in kwargs.items() if k != "cache_dir"})
             kwargs["gpu_experts_per_layer"] = per_layer
@@ -308,60 +405,90 @@ def _main(args) -> int:
     method = host_read_method()
     print(f"host read bandwidth: {bandwidth / 1e9:.1f} GB/s ({method}, {args.bandwidth_bytes >> 20} MiB, "
           f"{threads or 'all'} threads)", flush=True)
-    source = (synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) if args.synthetic
-              else nullcontext(None))
-    results, stopped = [], False
+    full = layer_counts(raw_full) if raw_full else None
+    results, stopped, raw_cut = [], False, {}
     start = time.perf_counter()
-    with source as synthetic:
-        model_dir = str(synthetic.out_dir) if synthetic else args.model
-        raw_cut = json.loads((Path(model_dir) / "config.json").read_text())
-        depth = depth_of(raw_full, raw_cut) if raw_full else None
-        if synthetic:
-            print(f"synthetic {args.synthetic}: {raw_cut['num_hidden_layers']} layers, "
-                  f"{synthetic.total_bytes / 1e9:.1f} GB written to {synthetic.out_dir} in "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
-        for label, run_kwargs, eager_label, every_length in configurations(kwargs, formats, args.ablation):
-            if stopped:
-                break
-            try:
-                rows = run_configuration(model_dir, label, run_kwargs, eager_label,
-                                         prompt_lens if every_length else prompt_lens[:1], gen_len=args.gen_len,
-                                         bandwidth=bandwidth, bandwidth_method=method,
-                                         decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth)
-            except Stopped:
-                notes.append(f"stopped by SIGTERM (time limit) during {label}: later configurations not run")
-                stopped, rows = True, []
-            for r in rows:
-                print(f"  {r.label}: decode {r.decode_tok_s:.1f} tok/s, floor {1e3 * r.floor.seconds:.2f} ms, "
-                      f"prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())} tok/s, "
-                      f"load {r.load_s:.1f} s (+{time.perf_counter() - start:.0f} s)", flush=True)
-            results += rows
+    for layers in depths:  # one model in memory at a time
+        if stopped:
+            break
+        source = (synthetic_checkpoint(args.synthetic, layers, seed=args.seed) if args.synthetic
+                  else nullcontext(None))
+        written = time.perf_counter()
+        with source as synthetic:
+            model_dir = str(synthetic.out_dir) if synthetic else args.model
+            raw_cut = json.loads((Path(model_dir) / "config.json").read_text())
+            cut = full is not None and raw_cut["num_hidden_layers"] < full.layers
+            depth = full if cut else None  # what a cut model's per-layer figures extrapolate to
+            if synthetic:
+                print(f"synthetic {args.synthetic}: {raw_cut['num_hidden_layers']} layers, "
+                      f"{synthetic.total_bytes / 1e9:.1f} GB written to {synthetic.out_dir} in "
+                      f"{time.perf_counter() - written:.1f} s (+{time.perf_counter() - start:.0f} s)", flush=True)
+            for load in configurations(kwargs, formats, ablation):
+                try:
+                    rows = run_configuration(model_dir, load, prompt_lens, gen_len=args.gen_len,
+                                             bandwidth=bandwidth, bandwidth_method=method,
+                                             decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth)
+                except Stopped:
+                    notes.append(f"stopped by SIGTERM (time limit) during {load.label} at "
+                                 f"{raw_cut['num_hidden_layers']} layers: later configurations not run")
+                    stopped, rows = True, []
+                for r in rows:
+                    print(progress_line(r, start), flush=True)
+                results += rows
+                if stopped:
+                    break
     if not results:
         raise HybridMoEError(f"no configuration finished ({'; '.join(notes) or 'tracebacks above'})")
-    lines = [f"# {args.synthetic or args.model}: {raw_cut.get('model_type')}, {raw_cut['num_hidden_layers']} layers"
-             f"{f' (cut from {depth.layers})' if depth else ''}, batch 1, device {results[0].resolved.device}, "
+    measured = sorted({r.model_layers for r in results})
+    cut = full is not None and measured[0] < full.layers
+    fits = depth_fits(results, full.layers, full.moe_layers) if cut else []
+    lines = [f"# {args.synthetic or args.model}: {raw_cut.get('model_type')}, "
+             f"{' and '.join(map(str, measured))} layers"
+             f"{f' (cut from {full.layers})' if cut else ''}, batch 1, device {results[0].resolved.device}, "
              f"budget {kwargs.get('gpu_memory_budget', 'none')}, {torch.get_num_threads()} torch threads",
              f"# floor: CPU-resident expert bytes read per token / {bandwidth / 1e9:.1f} GB/s ({method}); "
              f"assumption: {ASSUMPTION}", *[f"# {n}" for n in notes], ""]
     lines += results_table(results, prompt_lens)
-    full = full_depth_table(results, prompt_lens)
-    if full:
-        lines += ["", f"# extrapolated to {depth.layers} layers: decode = non-layer part + each layer at its kind's "
-                      "measured time (scaled by graph/eager step time); prefill = measured x layers / full depth",
-                  *full]
+    anatomy = anatomy_table(results)
+    if anatomy:
+        lines += ["", "# where a decode step goes (stream_mem_ops handoff, the polling thread's clock; see "
+                      "bench_anatomy.py): per MoE layer through the handoff, then per token", *anatomy]
+    scaled = full_depth_table(results, prompt_lens)
+    if scaled:
+        lines += ["", f"# extrapolated to {full.layers} layers from each depth alone: decode = non-layer part + "
+                      "each layer at its kind's measured time (scaled by graph/eager step time); prefill = "
+                      "measured x layers / full depth", *scaled]
+    if fits:
+        lines += ["", f"# extrapolated to {full.layers} layers ({full.moe_layers} MoE) by a least-squares fit "
+                      f"over the depths measured ({', '.join(map(str, measured))} layers): time = fixed + per MoE "
+                      "layer x MoE layers, for decode per token and for each prompt's time to first token",
+                  *fit_table(fits, prompt_lens)]
+    final = headlines(results, fits)
     if raw_cut.get("model_type") == "qwen3_moe" and raw_cut.get("num_experts") == 128:
         lines += ["", "# vs llama.cpp (same host, Qwen3-30B-A3B Q4_K_M, all experts on CPU, 48 layers): ours / theirs",
-                  *llama_cpp_lines(results)]
-    lines += ["", "# targets (issue #4)", *target_lines(results, results[0].resolved.gpu_memory_budget)]
+                  *llama_cpp_lines(final)]
+    lines += ["", "# targets (issue #4)", *target_lines(final, results[0].resolved.gpu_memory_budget)]
     print("\n".join(lines))
     if args.json:
-        setup = {"model": args.model, "synthetic": args.synthetic, "layers": raw_cut["num_hidden_layers"],
-                 "full_layers": depth.layers if depth else None, "engine_options": kwargs, "notes": notes,
+        setup = {"model": args.model, "synthetic": args.synthetic, "layers": measured,
+                 "full_layers": full.layers if cut else None, "engine_options": kwargs, "notes": notes,
                  "prompt_lens": prompt_lens, "gen_len": args.gen_len, "bandwidth_gbps": bandwidth / 1e9,
                  "bandwidth_method": method, "torch": torch.__version__, "llama_cpp": LLAMA_CPP, "targets": TARGETS}
         with open(args.json, "w") as f:
-            json.dump({"setup": setup, "results": [r.to_json() for r in results]}, f, indent=2, default=str)
+            json.dump({"setup": setup, "results": [r.to_json() for r in results],
+                       "depth_fits": [f.to_json() for f in fits]}, f, indent=2, default=str)
     return 0
+
+
+def progress_line(r, start: float) -> str:
+    line = (f"  {r.label} ({r.model_layers} layers): decode {r.decode_tok_s:.1f} tok/s, floor "
+            f"{1e3 * r.floor.seconds:.2f} ms, prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())}"
+            f" tok/s, load {r.load_s:.1f} s (+{time.perf_counter() - start:.0f} s)")
+    a = r.anatomy
+    if a is not None:
+        line += (f"\n    anatomy: {a.layers_per_step:.0f} MoE layers x (CPU {a.cpu_us:.0f} us + gap {_fmt(a.gap_us, '.0f')}"
+                 f" us) + rest {a.rest_us:.0f} us = {a.step_us:.0f} us/token")
+    return line
 
 
 class Stopped(BaseException):

@@ -4,8 +4,10 @@ Per engine: prefill tok/s and time to first token of one prompt per length; deco
 (gen_len tokens after a short prompt, run once untimed first so every CUDA graph it replays is
 captured); the decode floor of the loaded placement (bench_floor.py, with the routing measured over
 the same decode); peak GPU memory and RSS; with a DepthInfo, per-layer times for the full-depth
-extrapolation (bench_layers.py). Optionally the same engine again with CUDA graphs off: the runner
-then runs the same fixed shapes eagerly, which is what --no-cuda-graph loads.
+extrapolation (bench_layers.py); on the CUDA handoff's stream_mem_ops path, where the decode step's time
+goes (bench_anatomy.py). Optionally the same engine again with CUDA graphs off (the runner then runs the
+same fixed shapes eagerly, which is what --no-cuda-graph loads), and with graphs on again and the wake
+word written after every layer's wait (CudaHandoff.prewake_layers; the graphs captured anew).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hybridmoe.bench import _measure, peak_rss_gib
+from hybridmoe.bench_anatomy import StepAnatomy, step_anatomy
 from hybridmoe.bench_floor import DecodeFloor, decode_floor, decode_routing, floor_ratio
 from hybridmoe.bench_layers import LayerTimes, measure_layer_times
 from hybridmoe.config import EngineConfig
@@ -56,6 +59,12 @@ class SuiteResult:
     depth: DepthInfo | None
     resolved: EngineConfig
     cuda_graph: bool
+    model_layers: int
+    """Decoder layers of the model measured (the cut model's when cut)."""
+    anatomy: StepAnatomy | None = None
+    """Where the decode step's time went (stream_mem_ops handoff only)."""
+    prewake_layers: bool = False
+    """Whether the stream woke the CPU pool after every layer's wait."""
 
     @property
     def decode_tok_s(self) -> float:
@@ -79,14 +88,19 @@ class SuiteResult:
                 "floor": self.floor.to_json(), "decode_over_floor": floor_ratio(self.decode_s, self.floor),
                 "uniform_routing_floor": self.uniform_floor.to_json(),
                 "layer_times": self.layer_times.to_json() if self.layer_times is not None else None,
-                "full_depth": self.full_depth(), "cuda_graph": self.cuda_graph, "engine": vars(self.resolved)}
+                "full_depth": self.full_depth(), "cuda_graph": self.cuda_graph, "engine": vars(self.resolved),
+                "model_layers": self.model_layers, "prewake_layers": self.prewake_layers,
+                "anatomy": self.anatomy.to_json() if self.anatomy is not None else None}
 
 
 def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_lens: list[int], gen_len: int,
               bandwidth: float, bandwidth_method: str, *, decode_prompt_len: int = 64, seed: int = 0,
-              depth: DepthInfo | None = None, eager_label: str | None = None) -> list[SuiteResult]:
+              depth: DepthInfo | None = None, eager_label: str | None = None,
+              prewake_label: str | None = None) -> list[SuiteResult]:
     """Load model_dir with engine_config and measure it; with eager_label, measure the same engine again
-    with CUDA graphs off (prefill at prompt_lens[0] only) as a second result. The engine is dropped after."""
+    with CUDA graphs off (prefill at prompt_lens[0] only) as a further result; with prewake_label, again
+    with graphs on and the CPU pool woken after every layer's wait (when the model has stream_mem_ops
+    handoffs; prefill at prompt_lens[0] only). The engine is dropped after."""
     from hybridmoe.engine.llm_engine import LLMEngine
 
     if gen_len < 2:
@@ -111,17 +125,34 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         common = dict(load_s=load_s, depth=depth, resolved=engine.resolved_config)
         results = [_measure_engine(engine, label, {n: prompt(n) for n in prompt_lens}, decode_prompt, gen_len,
                                    bandwidth, bandwidth_method, cuda, **common)]
+        graphs = engine.runner.cuda_graph
         if eager_label is not None:
             engine.runner.cuda_graph = False
-            common["resolved"] = replace(common["resolved"], cuda_graph=False)
             results.append(_measure_engine(engine, eager_label, {prompt_lens[0]: prompt(prompt_lens[0])},
-                                           decode_prompt, gen_len, bandwidth, bandwidth_method, cuda, **common))
+                                           decode_prompt, gen_len, bandwidth, bandwidth_method, cuda,
+                                           **dict(common, resolved=replace(common["resolved"], cuda_graph=False))))
+            engine.runner.cuda_graph = graphs
+        memops = [h for h in handoffs(engine.runner.model) if h.path == "stream_mem_ops"]
+        if prewake_label is not None and memops:
+            for h in memops:
+                h.prewake_layers = True
+            if graphs:
+                engine.runner._graphs.clear()  # captured without the wake writes: capture them again
+            results.append(_measure_engine(engine, prewake_label, {prompt_lens[0]: prompt(prompt_lens[0])},
+                                           decode_prompt, gen_len, bandwidth, bandwidth_method, cuda,
+                                           prewake_layers=True, **common))
     finally:
         del engine
         gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return results
+
+
+def handoffs(model) -> list:
+    """The CUDA handoffs of a model's hybrid experts (fixed-shape steps on CUDA), each once; [] if none."""
+    found = getattr(model.experts, "_handoffs", {})  # HybridExperts: (deferred?, layer) -> (handoff, width)
+    return list({id(h): h for h, _ in found.values()}.values())
 
 
 def _measure_engine(engine, label: str, prompts: dict[int, list[int]], decode_prompt: list[int], gen_len: int,
@@ -131,7 +162,11 @@ def _measure_engine(engine, label: str, prompts: dict[int, list[int]], decode_pr
         timing = _measure(engine, [p], 1)
         prefill[n], ttft[n] = timing["prefill_tok_s"], timing["ttft_mean_s"]
     _measure(engine, [decode_prompt], gen_len)  # captures the graphs these lengths replay
+    hs = handoffs(engine.runner.model)
+    for h in hs:
+        h.take_stats()
     decode_s = 1.0 / _measure(engine, [decode_prompt], gen_len)["decode_tok_s"]
+    anatomy = step_anatomy([h.take_stats() for h in hs], decode_s)
     layer_times = measure_layer_times(engine, decode_prompt, gen_len) if common["depth"] is not None else None
     model = engine.runner.model
     floor = decode_floor(model, bandwidth, bandwidth_method, decode_routing(engine, decode_prompt, gen_len))
@@ -139,7 +174,8 @@ def _measure_engine(engine, label: str, prompts: dict[int, list[int]], decode_pr
                        peak_rss_gib=peak_rss_gib(),
                        peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, floor=floor,
                        uniform_floor=decode_floor(model, bandwidth, bandwidth_method), layer_times=layer_times,
-                       cuda_graph=engine.runner.cuda_graph, **common)
+                       cuda_graph=engine.runner.cuda_graph, model_layers=len(model.model.layers), anatomy=anatomy,
+                       **common)
 
 
 def _rss_gib() -> float:

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridmoe.errors import HybridMoEError
+
 E2E = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "e2e.py"), run_name="e2e")
 
 
@@ -49,7 +51,8 @@ def test_bad_prompt_lengths_are_a_one_line_error(capsys):
 
 def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     args = E2E["parse_args"](["--suite", "qwen3", "--gpu-memory-budget", "8GiB"])
-    assert (args.synthetic, args.layers, args.formats, args.ablation) == ("qwen3-30b-a3b", 4, "int4,bf16", True)
+    assert (args.synthetic, args.layers, args.formats) == ("qwen3-30b-a3b", "4", "int4,bf16")
+    assert args.ablation == "graph,prewake,deferral,gpu-experts"
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
 
@@ -58,32 +61,43 @@ def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monk
     calls = []
 
     def flaky(label, model_dir, ec, lens, **kw):
-        calls.append((label, ec.prefill_streaming, kw["eager_label"]))
+        calls.append((label, ec.prefill_streaming, kw["eager_label"], kw["prewake_label"]))
         if len(calls) == 1:
             raise RuntimeError("CUDA error: invalid argument\nmore")
         return ["rows"]
 
-    run = E2E["run_configuration"]
+    run, load = E2E["run_configuration"], E2E["Load"]
     monkeypatch.setitem(run.__globals__, "run_suite", flaky)  # the script's own namespace, not run_path's copy
-    assert run("M", "int4 all on", {"device": "cpu"}, "int4 no CUDA graph", [16]) == ["rows"]
-    assert calls == [("int4 all on", "auto", "int4 no CUDA graph"),
-                     ("int4 all on (streaming off)", "off", "int4 no CUDA graph (streaming off)")]
+    assert run("M", load("int4 all on", {"device": "cpu"}, "int4 no CUDA graph", "int4 prewake"), [16]) == ["rows"]
+    assert calls == [("int4 all on", "auto", "int4 no CUDA graph", "int4 prewake"),
+                     ("int4 all on (streaming off)", "off", "int4 no CUDA graph (streaming off)",
+                      "int4 prewake (streaming off)")]
     assert "int4 all on: FAILED (RuntimeError: CUDA error: invalid argument)" in capsys.readouterr().out
     monkeypatch.setitem(run.__globals__, "run_suite", lambda *a, **k: 1 / 0)
-    assert run("M", "bf16", {"device": "cpu", "prefill_streaming": "off"}, None, [16]) == []  # no second try
+    assert run("M", load("bf16", {"device": "cpu", "prefill_streaming": "off"}), [16]) == []  # no second try
 
 
 def test_ablation_variants_come_after_every_format():
-    runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], ablation=True)
-    assert [(label, eager, every) for label, _, eager, every in runs] == [
-        ("int4 all on", "int4 no CUDA graph", True), ("bf16 all on", None, True),
-        ("int4 deferral 1", None, False), ("int4 no GPU experts", None, False)]
-    kwargs = {label: kw for label, kw, _, _ in runs}
+    every = E2E["ablation_rows"]("graph,prewake,deferral,gpu-experts")
+    runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
+    assert [(r.label, r.eager_label, r.prewake_label, r.every_length) for r in runs] == [
+        ("int4 all on", "int4 no CUDA graph", "int4 prewake", True), ("bf16 all on", None, None, True),
+        ("int4 deferral 1", None, None, False), ("int4 no GPU experts", None, None, False)]
+    kwargs = {r.label: r.kwargs for r in runs}
     assert kwargs["int4 all on"]["deferred_experts"] == 0 and kwargs["bf16 all on"]["deferred_experts"] == 0
-    given = E2E["configurations"]({"deferred_experts": 2}, ["int4"], ablation=True)
-    assert [(label, kw["deferred_experts"]) for label, kw, _, _ in given] == [
+    given = E2E["configurations"]({"deferred_experts": 2}, ["int4"], every)
+    assert [(r.label, r.kwargs["deferred_experts"]) for r in given] == [
         ("int4 all on", 2), ("int4 no deferral", 0), ("int4 no GPU experts", 2)]
     assert kwargs["int4 no GPU experts"] == dict(kwargs["int4 all on"], gpu_experts_per_layer=0)
+
+
+def test_ablation_rows_can_be_chosen():
+    runs = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("graph"))
+    assert [(r.label, r.eager_label, r.prewake_label) for r in runs] == [("int4 all on", "int4 no CUDA graph", None)]
+    assert E2E["parse_args"](["--synthetic", "x", "--ablation"]).ablation == "graph,prewake,deferral,gpu-experts"
+    with pytest.raises(HybridMoEError, match="--ablation takes rows among graph,prewake,deferral,gpu-experts, got "
+                                             "graphs"):
+        E2E["ablation_rows"]("graphs,prewake")
 
 
 def test_a_cut_model_gets_the_gpu_experts_per_layer_of_the_full_depth_plan():
@@ -103,3 +117,28 @@ def test_a_cut_model_gets_the_gpu_experts_per_layer_of_the_full_depth_plan():
     assert per_layer == 3 and "3 GPU experts per MoE layer" in note
     per_layer, note = E2E["full_depth_gpu_experts"](raw, dict(kwargs, gpu_memory_budget=fp.fixed_bytes - 1))
     assert per_layer == 0 and "does not fit the budget" in note
+
+
+def test_two_depths_are_measured_in_turn_and_fitted(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    argv = ["--synthetic", "qwen3_moe:tiny", "--layers", "1,2", "--prompt-lens", "16", "--gen-len", "4",
+            "--decode-prompt-len", "8", "--device", "cpu", "--dtype", "bfloat16", "--expert-backend", "native",
+            "--expert-format", "bf16", "--bandwidth-bytes", str(16 << 20), "--json", str(out)]
+    assert E2E["main"](argv) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [(r["label"], r["model_layers"]) for r in data["results"]] == [("bf16", 1), ("bf16", 2)]
+    (fit,) = data["depth_fits"]
+    assert fit["depths"] == [1, 2] and fit["full_layers"] == fit["full_moe_layers"] == 2
+    # two depths: the line goes through both points, so full depth (2 layers) is the 2-layer measurement
+    one, two = (r["decode_s"] for r in data["results"])
+    assert fit["decode_fit"]["per_moe_layer_s"] == pytest.approx(two - one)
+    assert fit["decode_s"] == pytest.approx(two)
+    assert fit["prefill_tok_s"]["16"] == pytest.approx(data["results"][1]["prefill_tok_s"]["16"])
+    assert "by a least-squares fit over the depths measured (1, 2 layers)" in text
+    assert "[extrapolated to 2 layers by the fit over 1,2 layers]" in text
+
+
+def test_layers_of_a_model_directory_are_an_error(capsys):
+    assert E2E["main"](["--model", "M", "--layers", "4"]) == 2
+    assert "--layers cuts a --synthetic model" in capsys.readouterr().err
