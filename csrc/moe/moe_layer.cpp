@@ -70,33 +70,38 @@ template <class T>
 using AlignedVec = std::vector<T, Aligned64<T>>;
 
 // One side's activation rows (x for gate/up, h for down), each row in the kind its expert's
-// kernels read: bf16 and i16 rows at stride Kp + 32, i8 rows at Kq + 64 (Kq = Kp rounded up to
-// 64, a whole AMX-INT8 step). Strides are not multiples of 4 KiB: rows that far apart would put
-// all 16 rows of an AMX A tile (and the kernels' per-token loads) into one L1 set.
+// kernels read: bf16 and i16 rows at stride Kp + 32, i8 and i8_groups rows at Kq + 64 (Kq = Kp
+// rounded up to 64, a whole AMX-INT8 step). Strides are not multiples of 4 KiB: rows that far
+// apart would put all 16 rows of an AMX A tile (and the kernels' per-token loads) into one L1 set.
 struct ActRows {
   AlignedVec<uint16_t> bf16;
   AlignedVec<int16_t> q;
   AlignedVec<int8_t> q8;
   AlignedVec<float> scale;
+  AlignedVec<float> gscale;  // i8_groups: [rows][Kq / kActGroupK rounded up]
   AlignedVec<int32_t> sums;
 };
 
 struct ActLayout {
   int Kp = 0, Kq = 0, group = 0;  // group: int4 groups of i16 rows (0: no sums)
+  int ng = 0;                      // i8_groups scales per row
   size_t ld = 0, ld8 = 0;
   uint16_t* bf16 = nullptr;
   int16_t* q = nullptr;
   int8_t* q8 = nullptr;
   float* scale = nullptr;
+  float* gscale = nullptr;
   int32_t* sums = nullptr;
 
   // Rows for Ra activation rows, buffers only for the kinds in use[].
-  ActLayout(ActRows& rows, int Kp_, int group_, size_t Ra, const bool use[3])
-      : Kp(Kp_), Kq(round_up(Kp_, 64)), group(group_), ld(Kp_ + 32), ld8(round_up(Kp_, 64) + 64) {
+  ActLayout(ActRows& rows, int Kp_, int group_, size_t Ra, const bool use[kActKinds])
+      : Kp(Kp_), Kq(round_up(Kp_, 64)), group(group_), ng((Kq + kActGroupK - 1) / kActGroupK), ld(Kp_ + 32),
+        ld8(Kq + 64) {
     if (use[int(ActKind::bf16)]) bf16 = grow(rows.bf16, Ra * ld);
     if (use[int(ActKind::i16)]) q = grow(rows.q, Ra * ld);
-    if (use[int(ActKind::i8)]) q8 = grow(rows.q8, Ra * ld8);
+    if (use[int(ActKind::i8)] || use[int(ActKind::i8_groups)]) q8 = grow(rows.q8, Ra * ld8);
     scale = grow(rows.scale, Ra);
+    if (use[int(ActKind::i8_groups)]) gscale = grow(rows.gscale, Ra * ng);
     if (group && use[int(ActKind::i16)]) sums = grow(rows.sums, Ra * (Kp / group));
   }
 
@@ -107,7 +112,8 @@ struct ActLayout {
       case ActKind::i16:
         ops.to_i16(src, src_bf16, n, Kp, group, q + r * ld, scale + r, sums ? sums + r * (Kp / group) : nullptr);
         break;
-      case ActKind::i8: ops8.to_i8(src, src_bf16, n, Kq, q8 + r * ld8, scale + r); break;
+      case ActKind::i8: ops8.to_i8(src, src_bf16, n, Kq, 0, q8 + r * ld8, scale + r); break;
+      case ActKind::i8_groups: ops8.to_i8(src, src_bf16, n, Kq, kActGroupK, q8 + r * ld8, gscale + r * ng); break;
     }
   }
 
@@ -115,11 +121,15 @@ struct ActLayout {
   ActView view(ActKind kind, size_t r0, int n) const {
     ActView a;
     a.n = n;
-    a.ld = int(kind == ActKind::i8 ? ld8 : ld);
+    a.ld = int(kind == ActKind::i8 || kind == ActKind::i8_groups ? ld8 : ld);
     if (bf16) a.bf16 = bf16 + r0 * ld;
     if (q) a.q = q + r0 * ld;
     if (q8) a.q8 = q8 + r0 * ld8;
     a.qscale = scale + r0;
+    if (kind == ActKind::i8_groups) {
+      a.qscale = gscale + r0 * ng;
+      a.qgroups = ng;
+    }
     if (sums) a.qsum = sums + r0 * (Kp / group);
     return a;
   }
@@ -361,7 +371,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // h [R, ldh] and y [R, ldy] fp32 rows, one per (token, slot); 64 bytes past the padded
   // width, so that neither stride is a multiple of 4 KiB (L1 sets, as for activations).
   const size_t ldh = size_t(gate.blocks) * kBlockRows + 16, ldy = size_t(down.blocks) * kBlockRows + 16;
-  bool use1[3] = {}, use2[3] = {};
+  bool use1[kActKinds] = {}, use2[kActKinds] = {};
   for (const Kernels* k : {base_, many_}) {
     use1[int(act_of(*k, false, fmt))] = true;
     use2[int(act_of(*k, true, fmt))] = true;

@@ -3,7 +3,9 @@
 isa="amx_emulated" runs amx_kernels.inc over tile registers emulated in memory (experts with
 >= 16 tokens; the others take the AVX-512 kernels, as on the AMX host). Shapes are not tile
 multiples: bf16/int8 pad K=200 to 224 (and int8 gate/up to 256, a whole AMX-INT8 step), I=72
-is 3 blocks of 32 rows with the last one partial; int4 runs H=192, I=96 (groups of 32).
+is 3 blocks of 32 rows with the last one partial; int4 runs H=192, I=96 (groups of 32). int8
+reads x in int8 with one scale per token and h with one per (token, 128 K): the shapes with
+I > 128 (several groups, a partial last one) are where the second matters.
 """
 
 import pytest
@@ -20,7 +22,7 @@ K = 3
 
 
 def kernel_tolerance(tolerance, fmt):
-    """AMX int8 reads int8 activations for gate/up: the table's bound for that."""
+    """AMX int8 reads int8 activations: the table's bound for that."""
     tol = tolerance[fmt]
     return tol["vs_dequantized_int8_activations"] if fmt == "int8" else tol["vs_dequantized"]
 
@@ -115,3 +117,22 @@ def test_emulated_amx_error_at_qwen3_shape(make_weights, tolerance, rel_err, deq
     assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_tolerance(tolerance, fmt)
     vs_fp32 = tolerance[fmt]["vs_fp32"][128] if fmt == "int4" else tolerance[fmt]["vs_fp32"]
     assert rel_err(out, ref_moe(x, gate, up, down, ids, weights)) < vs_fp32
+
+
+def test_emulated_amx_int8_down_scales_each_group_of_h(tolerance, rel_err, dequantized_layer):
+    # h's first 128 columns are ~100x the others (gate/up rows x10) and down's matching columns
+    # /100, so every group of h carries a like share of the output: one scale per token would
+    # round the small groups to zero (rel. error 0.48); one per (token, 128 K) keeps them.
+    E, H, I, T = 1, 256, 320, 40
+    g = torch.Generator().manual_seed(11)
+    big = torch.ones(I)
+    big[:128] = 10
+    gate = torch.randn(E, I, H, generator=g) / H**0.5 * big[:, None]
+    up = torch.randn(E, I, H, generator=g) / H**0.5 * big[:, None]
+    down = torch.randn(E, H, I, generator=g) / I**0.5 / big**2
+    experts = CpuExperts(gate, up, down, format="int8", threads=2, isa="amx_emulated")
+    x = torch.randn(T, H, generator=g)
+    ids, weights = torch.zeros(T, 1, dtype=torch.long), torch.rand(T, 1, generator=g)
+    out = experts.forward(x, ids, weights)
+    ref = ref_moe(x, *dequantized_layer(experts), ids, weights)
+    assert rel_err(out, ref) < kernel_tolerance(tolerance, "int8")
