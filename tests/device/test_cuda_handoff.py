@@ -195,3 +195,40 @@ def test_unknown_path_is_an_error(layers):
 def test_wait_without_submit_is_an_error(handoff):
     with pytest.raises(HybridMoEError, match="no enqueue_submit to wait for"):
         handoff.enqueue_wait(None, 0)
+
+
+def test_prewake_after_each_wait_replays_the_same_and_splits_the_gaps(layers, routers):
+    """With the wake word written after every layer's wait, a replayed step gives what the step gives
+    without it, and the poller books each gap's way back (done -> wake) inside the gap."""
+    handoff = CudaHandoff(layers, max_tokens=TMAX, top_k=K, path="stream_mem_ops")
+    x = hidden(1, seed=5)
+    expected = decode_step(handoff, routers, x)
+    torch.cuda.synchronize()
+    handoff.prewake_layers = True
+    step = graph_of(lambda: decode_step(handoff, routers, x))
+    handoff.take_stats()
+    for _ in range(20):
+        step.replay()
+    torch.cuda.synchronize()
+    handoff.check()
+    assert torch.equal(step.out, expected)
+    stats = handoff.take_stats()
+    assert (stats["steps"], stats["gaps"], stats["woken_gaps"]) == (20, 20 * (L - 1), 20 * (L - 1))
+    assert 0 < stats["back_us"] < stats["between_us"]
+
+
+class graph_of:
+    """fn captured in a CUDA graph after a warm-up on a side stream: replay(), out."""
+
+    def __init__(self, fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn()
+
+    def replay(self):
+        self.graph.replay()
