@@ -32,6 +32,12 @@ def packed(dequantized_layer):
     return get
 
 
+def kernel_bound(tolerance, fmt, isa):
+    """vs the held weights; AMX int8 reads int8 activations (AMX-INT8): the table's bound for that."""
+    tol = tolerance[fmt]
+    return tol["vs_dequantized_int8_activations"] if fmt == "int8" and isa == "amx" else tol["vs_dequantized"]
+
+
 @pytest.mark.parametrize("T", TOKENS)
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_layer_matches_fp32_reference(packed, make_routing, tolerance, rel_err, fmt, isa, T):
@@ -41,7 +47,7 @@ def test_layer_matches_fp32_reference(packed, make_routing, tolerance, rel_err, 
     out = experts.forward(x, ids, weights)
     assert out.shape == (T, H) and out.dtype == torch.float32
     tol = tolerance[fmt]
-    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < tol["vs_dequantized"]
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(tolerance, fmt, isa)
     vs_fp32 = tol["vs_fp32"][32] if fmt == "int4" else tol["vs_fp32"]
     assert rel_err(out, ref_moe(x, gate, up, down, ids, weights)) < vs_fp32
 
@@ -55,4 +61,4 @@ def test_bf16_input_gives_bf16_output(packed, make_routing, tolerance, rel_err, 
     out = experts.forward(x, ids, weights)
     assert out.dtype == torch.bfloat16
     # Output rounding to bf16 adds up to ~0.4% on top of the kernel's own error.
-    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < tolerance[fmt]["vs_dequantized"] + 0.005
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(tolerance, fmt, isa) + 0.005
