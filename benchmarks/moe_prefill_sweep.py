@@ -6,6 +6,11 @@ memory does not limit them; rows with all E experts show the same call with the 
 streamed from DRAM once. Both at the same threads, side by side in one run.
 
     python3 benchmarks/moe_prefill_sweep.py --shape qwen3-30b-a3b --format bf16,int8 --threads 16,8
+
+--split also traces one call per row (CpuExperts.trace) and prints where its time went: the
+phases (grouping, x rows, GEMMs, combine, ms) and, summed over the GEMM items, the rate of one
+thread in gate/up and in down (TFLOP/s per thread busy in them), the down items' waits for h
+and the h conversions (ms of thread time).
 """
 
 import argparse
@@ -35,6 +40,25 @@ def routing(T, H, E, K):
     return torch.randn(T, H, generator=g).bfloat16(), ids, torch.softmax(torch.randn(T, K, generator=g), -1)
 
 
+def split(ex, x, ids, tw, H, I):
+    """One traced call: its phases (ms) and per-thread rates of the gate/up and down items."""
+    ex.trace(1)
+    ex.forward(x, ids, tw)
+    rec = ex.take_trace()[0]
+    tokens = torch.bincount(ids.flatten().long(), minlength=ex.num_experts)
+    it = rec["items"]
+    worker, down, expert, b0, b1, start, end, wait, convert = (it[:, c] for c in (0, 1, 2, 4, 5, 6, 7, 8, 9))
+    # FLOPs of an item: its rows x K x its expert's tokens x 2 (gate/up: two matrices)
+    flops = 2 * 32 * (b1 - b0).double() * tokens[expert].double() * torch.where(down == 1, I, 2 * H)
+    busy = (end - start - wait).double()
+    rate = lambda d: (flops[down == d].sum() / busy[down == d].sum() / 1e3).item()  # FLOP/ns -> TFLOP/s
+    ms = lambda a, b: (rec[b] - rec[a]) / 1e6
+    return (f"grouping {ms('entry_ns', 'grouped_ns'):.2f}  x rows {ms('grouped_ns', 'acts_ns'):.2f}  "
+            f"gemm {ms('items_ns', 'gemm_end_ns'):.2f}  combine {ms('gemm_end_ns', 'end_ns'):.2f} ms | per thread: "
+            f"gate/up {rate(0):.3f}  down {rate(1):.3f} TFLOP/s | down waits {wait.sum().item() / 1e6:.2f}  "
+            f"h conversion {convert.sum().item() / 1e6:.2f} ms (thread time)")
+
+
 def median_ms(fn, reps=5):
     fn()
     times = []
@@ -54,6 +78,7 @@ def main():
     ap.add_argument("--threads", default=None, help="comma list; default: every allowed CPU")
     ap.add_argument("--isa", default=None)
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--split", action="store_true", help="also trace one call per row: where its time went")
     args = ap.parse_args()
     s = SHAPES[args.shape]
     H, I, T = s["H"], s["I"], args.tokens
@@ -72,6 +97,8 @@ def main():
                 ms = median_ms(lambda: ex.forward(x, ids, tw))
                 tf = 2 * 3 * H * I * T * K / ms / 1e9
                 print(f"{fmt:<6} {E:>4} {K:>2} {T * K // E:>10} {th:>7} {ms:>9.2f} {tf:>8.2f}", flush=True)
+                if args.split:
+                    print("   ", split(ex, x, ids, tw, H, I), flush=True)
                 rows.append(dict(shape=args.shape, format=fmt, experts=E, k=K, tokens=T, threads=th, isa=ex.isa,
                                  ms=ms, tflops=tf))
                 del ex
