@@ -1,5 +1,8 @@
-"""The automatic prefill-streaming decision (system/auto.py) and the device memory placement sets aside
-for it (experts/placement.py through streamed_prefill.reserved_bytes)."""
+"""The automatic prefill-streaming decision (system/auto.py), the token count the loader then measures
+(streamed_prefill.measured_threshold, attach), and the device memory placement sets aside for it
+(experts/placement.py through streamed_prefill.reserved_bytes)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,12 +11,13 @@ from hybridmoe.cli import main
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.placement import model_footprint, placement_for
+from hybridmoe.experts import streamed_prefill
 from hybridmoe.experts.streamed_prefill import (GPU_SECONDS_PER_WEIGHT, break_even_tokens, layer_packed_bytes,
                                                 reserved_bytes, streamed_layer_seconds)
 from hybridmoe.models.registry import load_config
 from hybridmoe.system import auto
 
-pytest.importorskip("hybridmoe.experts.cpu_experts")
+cpu_experts = pytest.importorskip("hybridmoe.experts.cpu_experts")
 
 
 def test_break_even_of_a_qwen3_30b_a3b_int4_layer():
@@ -59,7 +63,7 @@ def test_auto_streams_when_pcie_beats_the_cpu_within_a_step(tiny_checkpoints, me
     layer = layer_packed_bytes("int4", 8, 64, 32, 32, False)
     streamed = streamed_layer_seconds(layer, 8 * 3 * 64 * 32, 1e9)
     assert d.on and d.min_tokens == break_even_tokens(streamed, 1e9, 2 * 3 * 64 * 32 * 2)
-    assert d.min_tokens <= 2048 and d.fits
+    assert d.min_tokens <= 2048 and d.fits and d.measure_at_load  # the estimate; the loader measures
 
 
 def test_auto_stays_off_when_the_cpu_wins_or_the_buffers_do_not_fit(tiny_checkpoints, measured):
@@ -73,7 +77,7 @@ def test_auto_stays_off_when_the_cpu_wins_or_the_buffers_do_not_fit(tiny_checkpo
     tight = _decide(path, _cuda_config(gpu_memory_budget=fixed + 1000))
     assert tight.on is False and not tight.fits
     asked = _decide(path, _cuda_config(gpu_memory_budget="1GiB", prefill_streaming="on", prefill_streaming_tokens=7))
-    assert asked.on and asked.min_tokens == 7
+    assert asked.on and asked.min_tokens == 7 and not asked.measure_at_load
 
 
 def test_the_cpu_device_streams_only_when_asked_and_torch_experts_cannot(tiny_checkpoints):
@@ -112,3 +116,49 @@ def test_doctor_prints_the_streaming_decision(tiny_checkpoints, capsys):
     assert "streaming:  long prefill steps on from 64 tokens" in out and "prefill_streaming on (64+ tokens)" in out
     assert main(common) == 0
     assert "streaming:  long prefill steps off (no GPU)" in capsys.readouterr().out
+
+
+@pytest.fixture
+def cpu_time(monkeypatch):
+    """The CPU engine's measured step time as a + b x tokens, and the PCIe bandwidth, both fixed."""
+    def set_times(fixed: float, per_token: float, pcie: float):
+        monkeypatch.setattr(streamed_prefill, "cpu_step_seconds",
+                            lambda engine, tokens, top_k, repeats=2: fixed + per_token * tokens)
+        monkeypatch.setattr(auto, "measured_pcie_bandwidth", lambda device: pcie)
+    return set_times
+
+
+def test_the_measured_threshold_is_where_the_fitted_cpu_time_passes_a_streamed_layer(cpu_time):
+    E, H, I = 4, 64, 32
+    engine = cpu_experts.CpuExperts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I),
+                                    format="int8", threads=1)
+    cpu_time(fixed=0.004, per_token=1e-5, pcie=engine.packed_bytes / 0.01)  # a layer's copy: 10 ms
+    tokens, why = streamed_prefill.measured_threshold({0: engine}, 2, "cuda")
+    assert abs(tokens - 600) <= 1  # 4 ms + 600 x 10 us = 10 ms
+    assert "measured at load" in why
+
+
+def test_a_real_cpu_step_is_timed():
+    engine = cpu_experts.CpuExperts(torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32),
+                                    format="bf16", threads=1)
+    assert 0 < streamed_prefill.cpu_step_seconds(engine, 16, top_k=2, repeats=1) < 1
+
+
+def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, cpu_time):
+    from hybridmoe.weights.loader import load_model
+
+    path = tiny_checkpoints("qwen3_moe")
+    ec = EngineConfig(device="cpu", expert_backend="native", expert_format="int8", gpu_experts_per_layer=2,
+                      prefill_streaming="off", max_num_batched_tokens=1024)
+    backend = load_model(path, ec).experts
+    auto_on = replace(ec, prefill_streaming="on", prefill_streaming_tokens=None)
+    layer_bytes = max(backend.cpu_engine(layer).packed_bytes for layer in backend.layers())
+    cpu_time(fixed=0.0, per_token=1e-5, pcie=layer_bytes / 0.002)  # 2 ms a layer: from 200 tokens
+    attached = streamed_prefill.attach(backend, auto_on)
+    assert attached.prefill_streaming == "on" and abs(attached.prefill_streaming_tokens - 200) <= 1
+    streamers = {backend._layers[layer].streamer for layer in backend.layers()}
+    assert len(streamers) == 1 and next(iter(streamers)).min_tokens == attached.prefill_streaming_tokens
+    backend.stream_long_steps(None)
+    cpu_time(fixed=0.0, per_token=1e-5, pcie=layer_bytes / 0.1)  # 100 ms a layer: 10000 tokens > 1024
+    assert streamed_prefill.attach(backend, auto_on).prefill_streaming == "off"
+    assert all(backend._layers[layer].streamer is None for layer in backend.layers())

@@ -75,11 +75,12 @@ def choices_line(ec, cuda_graph: bool | None = None) -> str:
     from hybridmoe.experts.placement import format_bytes
 
     graph = "" if cuda_graph is None else f", cuda_graph {'on' if cuda_graph else 'off'}"
+    tokens = ec.prefill_streaming_tokens if ec.prefill_streaming == "on" else None  # None: measured at load
     return (f"choices:    device {ec.device}, expert_backend {ec.expert_backend}"
             f"{f' ({ec.expert_format})' if ec.expert_backend == 'native' else ''}, gpu_memory_budget "
             f"{format_bytes(ec.gpu_memory_budget) if ec.gpu_memory_budget is not None else 'none'}, "
             f"deferred_experts {ec.deferred_experts}, prefill_streaming {ec.prefill_streaming}"
-            f"{f' ({ec.prefill_streaming_tokens}+ tokens)' if ec.prefill_streaming == 'on' else ''}{graph}")
+            f"{f' ({tokens}+ tokens)' if tokens else ''}{graph}")
 
 
 def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:

@@ -27,7 +27,9 @@ import ctypes
 import logging
 import math
 import os
+import time
 import weakref
+from dataclasses import replace
 
 import torch
 
@@ -89,20 +91,73 @@ def reserved_bytes(engine_config, E: int, H: int, I: int, top_k: int) -> int:
     return device_bytes(layer_bytes, E, H, I, top_k, engine_config.max_num_batched_tokens)
 
 
-def attach(backend, engine_config) -> PrefillStreamer | None:
-    """Give a HybridExperts backend a PrefillStreamer when engine_config (resolved) says "on" and
-    its CPU engines are native; None otherwise."""
+def attach(backend, engine_config):
+    """Give a HybridExperts backend a PrefillStreamer when engine_config (resolved) says "on" and its CPU
+    engines are native. Returns engine_config as attached: with prefill_streaming_tokens measured here
+    when it was left None (measured_threshold), or prefill_streaming "off" when that measurement finds
+    the CPU faster on every step up to max_num_batched_tokens (or no streamer can run)."""
     if engine_config.prefill_streaming != "on" or not hasattr(backend, "stream_long_steps"):
-        return None
+        return engine_config
     engines = {layer: backend.cpu_engine(layer) for layer in backend.layers()}
     engines = {layer: e for layer, e in engines.items() if e is not None}
     if not engines or not all(hasattr(e, "packed_state") for e in engines.values()):
-        return None
-    streamer = PrefillStreamer(engines, backend.device, engine_config.prefill_streaming_tokens)
+        return replace(engine_config, prefill_streaming="off")
+    tokens = engine_config.prefill_streaming_tokens
+    if tokens is None:
+        tokens, why = measured_threshold(engines, backend.plan.footprint.top_k, backend.device)
+        if tokens > engine_config.max_num_batched_tokens:
+            log.info("prefill streaming off: %s", why)
+            return replace(engine_config, prefill_streaming="off")
+        log.info("prefill streaming from %d tokens: %s", tokens, why)
+    streamer = PrefillStreamer(engines, backend.device, tokens)
     backend.stream_long_steps(streamer)
     log.info("prefill steps of %d+ tokens stream each layer's CPU experts to %s (%s per layer slot)",
              streamer.min_tokens, backend.device, format_bytes(streamer.slot_bytes))
-    return streamer
+    return replace(engine_config, prefill_streaming_tokens=tokens)
+
+
+CPU_TIMING_TOKENS = (128, 512)
+"""Steps the CPU engine is timed at, at load, for measured_threshold: its time is near affine in the
+tokens (a part per weight read, a part per token), and two points fix both."""
+
+
+def cpu_step_seconds(engine, tokens: int, top_k: int, repeats: int = 2) -> float:
+    """Fastest of `repeats` runs of the CPU engine on a step of `tokens` tokens with random routing:
+    top_k distinct experts each (a prefill step computes that many slots a token on the CPU, the
+    ones routed to GPU experts padded in), bf16 activations of scale 0.1."""
+    E, H = (int(v) for v in engine.packed_state()["shape"][:2])
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :min(top_k, E)].contiguous()  # [T, K] distinct
+    weights = torch.rand(ids.shape, generator=g)
+    x = (torch.randn(tokens, H, generator=g) * 0.1).to(torch.bfloat16)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.forward(x, ids, weights)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measured_threshold(engines: dict, top_k: int, device) -> tuple[int, str]:
+    """Fewest tokens from which a streamed layer beats the CPU engine, and a line saying why.
+
+    The CPU side is measured: the engine of the layer with the most packed bytes, timed at
+    CPU_TIMING_TOKENS, fitted as a + b x tokens. The streamed side is the layer's copy at the PCIe
+    bandwidth measured once per process, or its device work if longer (streamed_layer_seconds)."""
+    from hybridmoe.system.auto import measured_pcie_bandwidth
+
+    engine = max(engines.values(), key=lambda e: e.packed_bytes)
+    E, H, I = (int(v) for v in engine.packed_state()["shape"])
+    cpu_step_seconds(engine, CPU_TIMING_TOKENS[0], top_k, repeats=1)  # wake the pool, warm the caches
+    (t1, s1), (t2, s2) = ((t, cpu_step_seconds(engine, t, top_k)) for t in CPU_TIMING_TOKENS)
+    per_token = max((s2 - s1) / (t2 - t1), 1e-9)
+    fixed = max(0.0, s1 - per_token * t1)
+    pcie = measured_pcie_bandwidth(str(device))
+    streamed = streamed_layer_seconds(engine.packed_bytes, 3 * E * H * I, pcie)
+    tokens = max(1, math.ceil((streamed - fixed) / per_token))
+    return tokens, (f"the CPU engine took {1e3 * s1:.1f} ms at {t1} tokens and {1e3 * s2:.1f} ms at {t2} "
+                    f"(measured at load); a layer streamed takes ~{1e3 * streamed:.1f} ms ("
+                    f"{format_bytes(engine.packed_bytes)} over PCIe at {pcie / 1e9:.1f} GB/s)")
 
 
 class _HostLayer:

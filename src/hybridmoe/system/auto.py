@@ -6,10 +6,12 @@
 - expert_format "auto": the native format nearest the checkpoint's (weights/native_format.py).
 - gpu_memory_budget None on a GPU with the native engine: 90% of the GPU's free memory, so the
   routed experts the GPU can hold run there and the rest on the CPU.
-- prefill_streaming "auto": on (from the break-even token count) when a layer streamed (its packed
-  experts over PCIe at the bandwidth measured once per process, overlapped with the device's work
-  on the previous layer) beats the CPU on a max_num_batched_tokens step, and the device buffers fit
-  the budget (experts/streamed_prefill.py).
+- prefill_streaming "auto": on when a layer streamed (its packed experts over PCIe at the bandwidth
+  measured once per process, overlapped with the device's work on the previous layer) beats the CPU
+  (CPU_EXPERT_FLOPS_PER_CORE, an estimate) on a max_num_batched_tokens step, and the device buffers
+  fit the budget; then, unless prefill_streaming_tokens is given, the loader times the CPU engine
+  itself and streams from the measured break-even (streamed_prefill.measured_threshold), or not at
+  all if the CPU wins every step.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def resolve_engine_config(engine_config: EngineConfig, config, dtype: torch.dtyp
     if not decision.fits:
         log.warning("prefill streaming %s", decision.reason)
     return replace(resolved, prefill_streaming="on" if decision.on else "off",
-                   prefill_streaming_tokens=decision.min_tokens)
+                   prefill_streaming_tokens=None if decision.measure_at_load else decision.min_tokens)
 
 
 def uses_hybrid(engine_config: EngineConfig) -> bool:
@@ -103,6 +105,9 @@ class StreamingDecision:
     """One line for `hybridmoe doctor`."""
     fits: bool = True
     """False: "auto" would stream but the device buffers do not fit the budget (a warning at load)."""
+    measure_at_load: bool = False
+    """"auto" on, from a token count the loader measures (streamed_prefill.measured_threshold) in place
+    of min_tokens, the estimate."""
 
 
 @functools.cache
@@ -164,5 +169,8 @@ def prefill_streaming_decision(ec: EngineConfig, config, dtype: torch.dtype, mod
     if ec.gpu_memory_budget is not None and fp.fixed_bytes + reserve > ec.gpu_memory_budget:
         return StreamingDecision(False, None, f"off: its device buffers ({format_bytes(reserve)}) do not fit "
                                  f"the budget after the fixed {format_bytes(fp.fixed_bytes)}; {why}", fits=False)
-    tokens = ec.prefill_streaming_tokens or break_even
-    return StreamingDecision(True, tokens, f"on from {tokens} tokens: {why}")
+    if ec.prefill_streaming_tokens:
+        return StreamingDecision(True, ec.prefill_streaming_tokens, f"on from {ec.prefill_streaming_tokens} "
+                                 f"tokens (asked): {why}")
+    return StreamingDecision(True, break_even, f"on, from the token count measured at load (estimated "
+                             f"{break_even}): {why}", measure_at_load=True)

@@ -191,7 +191,7 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     with open_checkpoint(model_dir, config) as ckpt:
         load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
     packed.finish(experts)
-    attach_prefill_streamer(experts, engine_config)
+    engine_config = attach_prefill_streamer(experts, engine_config)  # the token count it measured, if any
     return LoadedModel(model=model, config=config, experts=experts, dtype=dtype, engine_config=engine_config)
 
 
