@@ -145,8 +145,10 @@ inline void cpu_relax() {
 }
 
 struct Workspace {
-  std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets;
+  std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets, slot_of, fill, chunk_first;
   std::vector<Item> gemm_items;
+  std::unique_ptr<std::atomic<int>[]> pending;  // per active expert (atomics: no std::vector)
+  int pending_size = 0;
   ActRows act, act2;  // activations of gate/up (x) and of down (h)
   AlignedVec<float> h, y;
 };
@@ -341,7 +343,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   const int A = int(order.size());
   int* row_begin = grow(ws.row_begin, A + 1);  // rows of active expert j: [row_begin[j], row_begin[j+1])
   int* act_begin = grow(ws.act_begin, A + 1);  // the same, each expert padded to 16 rows
-  std::vector<int> slot_of(E, -1);
+  int* slot_of = grow(ws.slot_of, E);  // read only for active experts, all set below
   row_begin[0] = act_begin[0] = 0;
   for (int j = 0; j < A; ++j) {
     slot_of[order[j]] = j;
@@ -350,7 +352,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   }
   int* tok = grow(ws.tok, R);  // token of each row
   int* pos = grow(ws.pos, R);  // row of each (t, k)
-  std::vector<int> fill(row_begin, row_begin + A);
+  int* fill = std::copy(row_begin, row_begin + A, grow(ws.fill, A)) - A;
   for (int i = 0; i < R; ++i) {
     const int j = slot_of[id_at(i)];
     tok[fill[j]] = i / K;
@@ -381,8 +383,9 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   float* y = grow(ws.y, size_t(R) * ldy);
   // Chunks of 16 activation rows for phase A: (expert, first row).
   std::vector<int>& items = ws.items;
-  std::vector<int> chunk_first;
+  std::vector<int>& chunk_first = ws.chunk_first;
   items.clear();
+  chunk_first.clear();
   for (int j = 0; j < A; ++j)
     for (int r = act_begin[j]; r < act_begin[j + 1]; r += 16) {
       items.push_back(j);
@@ -423,7 +426,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   offsets.assign(1, 0);
   const int64_t total_blocks = int64_t(gate.blocks + down.blocks) * A;
   const int per_item = int(std::clamp<int64_t>(total_blocks / (8 * pool_->threads()), 1, 8));
-  std::unique_ptr<std::atomic<int>[]> pending(new std::atomic<int>[A]);
+  if (ws.pending_size < A) {
+    ws.pending.reset(new std::atomic<int>[A]);
+    ws.pending_size = A;
+  }
+  std::atomic<int>* pending = ws.pending.get();
   for (int j = 0; j < A; ++j) pending[j].store(0, std::memory_order_relaxed);
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < 2; ++m) {
