@@ -31,6 +31,7 @@ import torch
 
 import hybridmoe.experts.hybrid as hybrid_mod
 import hybridmoe.experts.streamed_prefill as streamed_mod
+from hybridmoe.experts.streamed_prefill import measured_threshold
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
 from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
@@ -86,6 +87,8 @@ class Probe:
             engine = self.backend.cpu_engine(i)
             if engine is not None and hasattr(engine, "submit"):
                 self._wrap_cpu_engine(engine, i)
+        self._restore = [(hybrid_mod, "gpu_share", hybrid_mod.gpu_share),
+                         (streamed_mod, "routed_experts", streamed_mod.routed_experts)]
         hybrid_mod.gpu_share = self._timed(hybrid_mod.gpu_share, "GPU-expert share")
         streamed_mod.routed_experts = self._timed(streamed_mod.routed_experts, "stream math")
         if self.streamer is not None:
@@ -94,6 +97,11 @@ class Probe:
 
     def reset(self) -> None:
         self.spans = Spans(self.cuda)
+
+    def close(self) -> None:
+        """Put back the module functions wrapped for timing (the engine's own hooks go with it)."""
+        for module, name, fn in self._restore:
+            setattr(module, name, fn)
 
     def _hook(self, module, layer: int, part: str, set_layer: bool = False) -> None:
         def pre(mod, args):
@@ -171,10 +179,14 @@ def profile_once(llm: LLM, prompt: list[int], probe: Probe, reps: int) -> tuple[
     return best
 
 
-def table(title: str, wall: float, ms: dict, copied: dict, layers: list[int], tokens: int) -> list[str]:
+def table(title: str, wall: float, ms: dict, copied: dict, layers: list[int], tokens: int, depth: int) -> list[str]:
+    """The per-layer table; its title line adds the prefill rate at `depth` layers, each at the mean
+    time of these (the first one's unhidden copy included) after the same non-layer part."""
     layer_total = sum(ms.get((i, "layer"), 0.0) for i in layers)
+    non_layer = 1e3 * wall - layer_total
+    at_depth = tokens / ((non_layer + depth * layer_total / len(layers)) / 1e3)
     lines = [f"## {title}: {1e3 * wall:.2f} ms ({tokens / wall:.0f} tok/s); layers {layer_total:.2f} ms, "
-             f"non-layer {1e3 * wall - layer_total:.2f} ms",
+             f"non-layer {non_layer:.2f} ms; at {depth} layers ~{at_depth:.0f} tok/s",
              "| layer | " + " | ".join(PARTS) + " | rest | copy | copy GB/s |",
              "|---" * (len(PARTS) + 4) + "|"]
     rows = []
@@ -225,19 +237,27 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
     if probe.streamer is None:
         raise HybridMoEError("no prefill streamer was attached (streaming needs the native engine and a GPU "
                              "split: --gpu-memory-budget or --gpu-experts-per-layer)")
+    if probe.cuda:
+        engines = {i: probe.backend.cpu_engine(i) for i in probe.backend.layers()}
+        tokens, why = measured_threshold({i: e for i, e in engines.items() if e is not None},
+                                         probe.backend.plan.footprint.top_k, probe.backend.device)
+        print(f"# auto would stream from {tokens} tokens: {why}", flush=True)
     layers = list(range(len(probe.model.model.layers)))
     gen = torch.Generator().manual_seed(args.seed)
-    for n in lens:
-        prompt = torch.randint(0, llm.engine.vocab_size, (n,), generator=gen).tolist()
-        for mode in ("on", "off"):
-            probe.backend.stream_long_steps(probe.streamer if mode == "on" else None)
-            wall, ms, copied = profile_once(llm, prompt, probe, args.reps)
-            print("\n".join(table(f"{fmt or ec.expert_format}, {n} tokens, streaming {mode}", wall, ms, copied,
-                                  layers, n)), flush=True)
-            if args.top_ops:
-                probe.reset()
-                print(top_ops(llm, prompt, probe, args.top_ops), flush=True)
-    probe.streamer.close()
+    try:
+        for n in lens:
+            prompt = torch.randint(0, llm.engine.vocab_size, (n,), generator=gen).tolist()
+            for mode in ("on", "off"):
+                probe.backend.stream_long_steps(probe.streamer if mode == "on" else None)
+                wall, ms, copied = profile_once(llm, prompt, probe, args.reps)
+                print("\n".join(table(f"{fmt or ec.expert_format}, {n} tokens, streaming {mode}", wall, ms,
+                                      copied, layers, n, args.depth)), flush=True)
+                if args.top_ops:
+                    probe.reset()
+                    print(top_ops(llm, prompt, probe, args.top_ops), flush=True)
+    finally:
+        probe.close()
+        probe.streamer.close()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -263,6 +283,7 @@ def main(argv=None) -> int:
                       prefill_streaming_tokens=min(lens), max_model_len=max(lens) + 8)
         kwargs.setdefault("max_num_batched_tokens", max(lens + [2048]))
         full_depth_gpu_experts(args, kwargs)
+        args.depth = full_config(args.synthetic)["num_hidden_layers"]
         formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
         with synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) as synthetic:
             for fmt in formats:
