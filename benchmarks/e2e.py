@@ -25,8 +25,10 @@ the flag's way back, when the wake word is written), how late the poller saw the
 --formats runs each expert format in turn, one engine at a time, in this process. --ablation runs each
 format "all on" (graphs, GPU experts; deferred experts as given, else 0) and the first format, on the same
 model, also with (ROWS, comma-separated, default all): graph: no CUDA graph (the same engine, graphs off);
-prewake: the same engine with the CPU pool woken by the stream after every layer's wait (graphs captured
-again); deferral: deferral toggled (deferred experts 1 when "all on" has 0, else 0); gpu-experts: no GPU
+prewake: the same engine with the CPU pool woken by the stream after every layer's wait; zero-copy: the
+same engine with the handoff's rows staged by one kernel through the device's mapping of the pinned
+buffers and the output read there (no copies; both with graphs captured again, stream_mem_ops handoff
+only); deferral: deferral toggled (deferred experts 1 when "all on" has 0, else 0); gpu-experts: no GPU
 experts (--gpu-experts-per-layer 0). Deferral is not in "all on" by default
 because it lost on the GPU host: Qwen3-30B-A3B int4, 4 layers, 354 tok/s with 1 vs 370 with 0 (each
 deferred expert adds a CPU handoff per layer). A SIGTERM (e.g. `timeout`) ends the run with the tables
@@ -64,7 +66,9 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
            "vs_llama_prefill": 1.5}
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 1 measured slower than 0 (see above)."""
-ABLATION_ROWS = ("graph", "prewake", "deferral", "gpu-experts")
+ABLATION_ROWS = ("graph", "prewake", "zero-copy", "deferral", "gpu-experts")
+HANDOFF_ROWS = {"prewake": {"prewake_layers": True}, "zero-copy": {"zero_copy": True}}
+"""Ablation rows measured on the "all on" engine with these CudaHandoff options (bench_suite.HANDOFF_OPTIONS)."""
 
 SUITES = {
     "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4", formats="int4,bf16", prompt_lens="512,2048,8192",
@@ -160,8 +164,8 @@ class Load:
     """Engine options."""
     eager_label: str | None = None
     """Also measure the same engine with graphs off, under this label."""
-    prewake_label: str | None = None
-    """Also measure the same engine with the CPU pool woken after every layer's wait, under this label."""
+    handoff_variants: tuple[tuple[str, dict], ...] = ()
+    """Also measure the same engine with these (label, CudaHandoff options)."""
     every_length: bool = True
     """Prefill every prompt length (else the first only)."""
 
@@ -176,7 +180,7 @@ def ablation_rows(text: str | None) -> list[str]:
 
 def configurations(kwargs: dict, formats: list[str | None], ablation: list[str]) -> list[Load]:
     """Each format; with ablation rows, each format "all on", the first also with graphs off and with the
-    prewake (same engine), and after every format the first with deferral toggled and without GPU experts
+    handoff options (same engine), and after every format the first with deferral toggled and without GPU experts
     (these prefill the first prompt length only), so that a time limit cuts the ablation before a format."""
     runs, variants = [], []
     for k, fmt in enumerate(formats):
@@ -189,7 +193,8 @@ def configurations(kwargs: dict, formats: list[str | None], ablation: list[str])
         first = k == 0
         runs.append(Load(f"{name} all on", base,
                          eager_label=f"{name} no CUDA graph" if first and "graph" in ablation else None,
-                         prewake_label=f"{name} prewake" if first and "prewake" in ablation else None))
+                         handoff_variants=tuple((f"{name} {row}", HANDOFF_ROWS[row]) for row in HANDOFF_ROWS
+                                                if first and row in ablation)))
         if first and "deferral" in ablation:
             deferral = (f"{name} deferral 1", 1) if base["deferred_experts"] == 0 else (f"{name} no deferral", 0)
             variants.append(Load(deferral[0], dict(base, deferred_experts=deferral[1]), every_length=False))
@@ -209,7 +214,8 @@ def run_configuration(model_dir: str, load: Load, lens: list[int], **suite) -> l
             ec = EngineConfig.from_kwargs(**{**load.kwargs, **extra})
             return run_suite(load.label + tag, model_dir, ec, lens if load.every_length else lens[:1],
                              eager_label=load.eager_label and load.eager_label + tag,
-                             prewake_label=load.prewake_label and load.prewake_label + tag, **suite)
+                             handoff_variants=tuple((label + tag, options) for label, options in load.handoff_variants),
+                             **suite)
         except HybridMoEError:
             raise
         except Exception as e:  # noqa: BLE001 (one configuration's crash must not lose the others' rows)
@@ -226,7 +232,7 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 def results_table(results, prompt_lens: list[int]) -> list[str]:
     head = (["config", "layers"] + [f"prefill {n}" for n in prompt_lens]
             + [f"TTFT {prompt_lens[0]} ms", "decode tok/s", "ms/token", "floor ms", "decode/floor", "CPU exp/token",
-               "GPU exp/layer", "graph", "deferred", "prewake", "prefill streaming", "peak GPU GiB", "RSS GiB",
+               "GPU exp/layer", "graph", "deferred", "handoff options", "prefill streaming", "peak GPU GiB", "RSS GiB",
                "peak RSS GiB", "load s"])
     rows = []
     for r in results:
@@ -236,7 +242,7 @@ def results_table(results, prompt_lens: list[int]) -> list[str]:
                        _fmt(1e3 * r.floor.seconds, ".3f"), _fmt(floor_ratio(r.decode_s, r.floor), ".2f"),
                        _fmt(r.floor.cpu_experts_per_token), "/".join(map(str, gpu)) or "-",
                        "on" if r.cuda_graph else "off", str(r.resolved.deferred_experts),
-                       "on" if r.prewake_layers else "off", _streaming(r.resolved),
+                       ",".join(k for k, v in (r.handoff_options or {}).items() if v) or "-", _streaming(r.resolved),
                        _fmt(r.peak_gpu_gib, ".2f"), _fmt(r.rss_gib, ".2f"), _fmt(r.peak_rss_gib, ".2f"),
                        _fmt(r.load_s)])
     return _table(head, rows)

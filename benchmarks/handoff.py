@@ -8,6 +8,8 @@ layer), copies its output back (H2D) and adds it on the GPU. Variants, all in th
   memops           CudaHandoff(path="stream_mem_ops").enqueue: go word written by the stream,
                    our polling thread runs the layer, the stream waits for the done word (graph)
   memops_split     the same with enqueue_submit + enqueue_wait (graph)
+  memops_zero_copy memops with zero-copy staging: one kernel writes the rows through the device's
+                   mapping of the pinned buffers, the add reads the output there (no copies; graph)
   memops_eager     memops launched from Python every step (no graph)
   memops_blocking  memops, timed while this thread sleeps in its wait for the GPU (a blocking
                    event) instead of spinning: with as many workers as CPUs, the core it frees
@@ -245,6 +247,13 @@ def variants(L, T, x, ids, w, base, handoff, memops, memops_error) -> dict:
         torch.cuda.synchronize()
         return lambda: h.run_on_host(range(L), T)
 
+    def zero_copy(make):
+        memops.zero_copy = True
+        try:
+            return make()  # captured with zero-copy staging; the flag only matters while enqueueing
+        finally:
+            memops.zero_copy = False
+
     def needs_memops(make):
         def checked():
             if memops is None:
@@ -260,6 +269,7 @@ def variants(L, T, x, ids, w, base, handoff, memops, memops_error) -> dict:
         "memops": (needs_memops(lambda: graphed(chain(memops), x, ids, w)), False),
         "memops_blocking": (needs_memops(lambda: graphed(chain(memops), x, ids, w)), True),
         "memops_split": (needs_memops(lambda: graphed(chain_split(memops), x, ids, w)), False),
+        "memops_zero_copy": (needs_memops(lambda: zero_copy(lambda: graphed(chain(memops), x, ids, w))), False),
         "memops_eager": (needs_memops(lambda: (lambda: chain(memops)(x, ids, w))), False),
         "native": (lambda: graphed(chain(handoff), x, ids, w), False),
         "native_split": (lambda: graphed(chain_split(handoff), x, ids, w), False),

@@ -6,8 +6,9 @@ captured); the decode floor of the loaded placement (bench_floor.py, with the ro
 the same decode); peak GPU memory and RSS; with a DepthInfo, per-layer times for the full-depth
 extrapolation (bench_layers.py); on the CUDA handoff's stream_mem_ops path, where the decode step's time
 goes (bench_anatomy.py). Optionally the same engine again with CUDA graphs off (the runner then runs the
-same fixed shapes eagerly, which is what --no-cuda-graph loads), and with graphs on again and the wake
-word written after every layer's wait (CudaHandoff.prewake_layers; the graphs captured anew).
+same fixed shapes eagerly, which is what --no-cuda-graph loads), and with graphs on again and options of
+the stream_mem_ops handoffs changed (HANDOFF_OPTIONS: the wake word after every layer's wait, zero-copy
+staging; the graphs captured anew).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import traceback
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,6 +27,10 @@ from hybridmoe.bench_floor import DecodeFloor, decode_floor, decode_routing, flo
 from hybridmoe.bench_layers import LayerTimes, measure_layer_times
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
+
+
+HANDOFF_OPTIONS = {"prewake_layers": False, "zero_copy": False}
+"""CudaHandoff attributes a variant may set, with their defaults (cuda_handoff.py)."""
 
 
 @dataclass
@@ -63,8 +69,8 @@ class SuiteResult:
     """Decoder layers of the model measured (the cut model's when cut)."""
     anatomy: StepAnatomy | None = None
     """Where the decode step's time went (stream_mem_ops handoff only)."""
-    prewake_layers: bool = False
-    """Whether the stream woke the CPU pool after every layer's wait."""
+    handoff_options: dict | None = None
+    """The stream_mem_ops handoffs' options a variant changed (HANDOFF_OPTIONS), None if none."""
 
     @property
     def decode_tok_s(self) -> float:
@@ -89,18 +95,19 @@ class SuiteResult:
                 "uniform_routing_floor": self.uniform_floor.to_json(),
                 "layer_times": self.layer_times.to_json() if self.layer_times is not None else None,
                 "full_depth": self.full_depth(), "cuda_graph": self.cuda_graph, "engine": vars(self.resolved),
-                "model_layers": self.model_layers, "prewake_layers": self.prewake_layers,
+                "model_layers": self.model_layers, "handoff_options": self.handoff_options,
                 "anatomy": self.anatomy.to_json() if self.anatomy is not None else None}
 
 
 def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_lens: list[int], gen_len: int,
               bandwidth: float, bandwidth_method: str, *, decode_prompt_len: int = 64, seed: int = 0,
               depth: DepthInfo | None = None, eager_label: str | None = None,
-              prewake_label: str | None = None) -> list[SuiteResult]:
+              handoff_variants: tuple[tuple[str, dict], ...] = ()) -> list[SuiteResult]:
     """Load model_dir with engine_config and measure it; with eager_label, measure the same engine again
-    with CUDA graphs off (prefill at prompt_lens[0] only) as a further result; with prewake_label, again
-    with graphs on and the CPU pool woken after every layer's wait (when the model has stream_mem_ops
-    handoffs; prefill at prompt_lens[0] only). The engine is dropped after."""
+    with CUDA graphs off (prefill at prompt_lens[0] only) as a further result; for each (label, options)
+    of handoff_variants, again with graphs on and those HANDOFF_OPTIONS set on the stream_mem_ops handoffs
+    (when the model has any; prefill at prompt_lens[0] only; a variant that fails is reported and
+    skipped). The engine is dropped after."""
     from hybridmoe.engine.llm_engine import LLMEngine
 
     if gen_len < 2:
@@ -133,14 +140,19 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
                                            **dict(common, resolved=replace(common["resolved"], cuda_graph=False))))
             engine.runner.cuda_graph = graphs
         memops = [h for h in handoffs(engine.runner.model) if h.path == "stream_mem_ops"]
-        if prewake_label is not None and memops:
+        for variant, options in handoff_variants if memops else ():
             for h in memops:
-                h.prewake_layers = True
+                for name, default in HANDOFF_OPTIONS.items():
+                    setattr(h, name, options.get(name, default))
             if graphs:
-                engine.runner._graphs.clear()  # captured without the wake writes: capture them again
-            results.append(_measure_engine(engine, prewake_label, {prompt_lens[0]: prompt(prompt_lens[0])},
-                                           decode_prompt, gen_len, bandwidth, bandwidth_method, cuda,
-                                           prewake_layers=True, **common))
+                engine.runner._graphs.clear()  # captured with the previous options: capture them again
+            try:
+                results.append(_measure_engine(engine, variant, {prompt_lens[0]: prompt(prompt_lens[0])},
+                                               decode_prompt, gen_len, bandwidth, bandwidth_method, cuda,
+                                               handoff_options=options, **common))
+            except Exception as e:  # noqa: BLE001 (a variant's crash must not lose the rows measured)
+                traceback.print_exc()
+                print(f"  {variant}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
     finally:
         del engine
         gc.collect()

@@ -1,6 +1,7 @@
 """The native CPU/GPU handoff on a CUDA GPU; run by scripts/device_check.sh on the GPU host.
 
-For both paths (stream memory operations + our polling thread; CUDA host functions), eager
+For both paths (stream memory operations + our polling thread; CUDA host functions; the first also
+with zero-copy staging through the device's mapping of the pinned buffers), eager
 enqueue must give what CpuExperts.forward gives on the same rows (same engine, same kernels: bit
 for bit), and a decode-like chain of layers captured in a CUDA graph must replay to what the same
 chain gives eagerly, for T = 1 and T = 4.
@@ -37,10 +38,12 @@ def routers() -> torch.Tensor:
     return torch.randn(L, H, E, generator=torch.Generator().manual_seed(99)).cuda()
 
 
-@pytest.fixture(params=["stream_mem_ops", "host_function"])
+@pytest.fixture(params=["stream_mem_ops", "host_function", "stream_mem_ops+zero_copy"])
 def handoff(layers, request) -> CudaHandoff:
-    handoff = CudaHandoff(layers, max_tokens=TMAX, top_k=K, path=request.param)
-    assert handoff.path == request.param
+    path, _, zero_copy = request.param.partition("+")
+    handoff = CudaHandoff(layers, max_tokens=TMAX, top_k=K, path=path)
+    assert handoff.path == path
+    handoff.zero_copy = bool(zero_copy)  # rows staged and the output read through the mapped buffers
     return handoff
 
 

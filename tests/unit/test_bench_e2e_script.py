@@ -52,7 +52,7 @@ def test_bad_prompt_lengths_are_a_one_line_error(capsys):
 def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     args = E2E["parse_args"](["--suite", "qwen3", "--gpu-memory-budget", "8GiB"])
     assert (args.synthetic, args.layers, args.formats) == ("qwen3-30b-a3b", "4", "int4,bf16")
-    assert args.ablation == "graph,prewake,deferral,gpu-experts"
+    assert args.ablation == "graph,prewake,zero-copy,deferral,gpu-experts"
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
 
@@ -61,28 +61,30 @@ def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monk
     calls = []
 
     def flaky(label, model_dir, ec, lens, **kw):
-        calls.append((label, ec.prefill_streaming, kw["eager_label"], kw["prewake_label"]))
+        calls.append((label, ec.prefill_streaming, kw["eager_label"], kw["handoff_variants"]))
         if len(calls) == 1:
             raise RuntimeError("CUDA error: invalid argument\nmore")
         return ["rows"]
 
     run, load = E2E["run_configuration"], E2E["Load"]
     monkeypatch.setitem(run.__globals__, "run_suite", flaky)  # the script's own namespace, not run_path's copy
-    assert run("M", load("int4 all on", {"device": "cpu"}, "int4 no CUDA graph", "int4 prewake"), [16]) == ["rows"]
-    assert calls == [("int4 all on", "auto", "int4 no CUDA graph", "int4 prewake"),
+    prewake = (("int4 prewake", {"prewake_layers": True}),)
+    assert run("M", load("int4 all on", {"device": "cpu"}, "int4 no CUDA graph", prewake), [16]) == ["rows"]
+    assert calls == [("int4 all on", "auto", "int4 no CUDA graph", prewake),
                      ("int4 all on (streaming off)", "off", "int4 no CUDA graph (streaming off)",
-                      "int4 prewake (streaming off)")]
+                      (("int4 prewake (streaming off)", {"prewake_layers": True}),))]
     assert "int4 all on: FAILED (RuntimeError: CUDA error: invalid argument)" in capsys.readouterr().out
     monkeypatch.setitem(run.__globals__, "run_suite", lambda *a, **k: 1 / 0)
     assert run("M", load("bf16", {"device": "cpu", "prefill_streaming": "off"}), [16]) == []  # no second try
 
 
 def test_ablation_variants_come_after_every_format():
-    every = E2E["ablation_rows"]("graph,prewake,deferral,gpu-experts")
+    every = E2E["ablation_rows"]("graph,prewake,zero-copy,deferral,gpu-experts")
     runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
-    assert [(r.label, r.eager_label, r.prewake_label, r.every_length) for r in runs] == [
-        ("int4 all on", "int4 no CUDA graph", "int4 prewake", True), ("bf16 all on", None, None, True),
-        ("int4 deferral 1", None, None, False), ("int4 no GPU experts", None, None, False)]
+    assert [(r.label, r.eager_label, r.handoff_variants, r.every_length) for r in runs] == [
+        ("int4 all on", "int4 no CUDA graph", (("int4 prewake", {"prewake_layers": True}),
+                                               ("int4 zero-copy", {"zero_copy": True})), True),
+        ("bf16 all on", None, (), True), ("int4 deferral 1", None, (), False), ("int4 no GPU experts", None, (), False)]
     kwargs = {r.label: r.kwargs for r in runs}
     assert kwargs["int4 all on"]["deferred_experts"] == 0 and kwargs["bf16 all on"]["deferred_experts"] == 0
     given = E2E["configurations"]({"deferred_experts": 2}, ["int4"], every)
@@ -93,10 +95,10 @@ def test_ablation_variants_come_after_every_format():
 
 def test_ablation_rows_can_be_chosen():
     runs = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("graph"))
-    assert [(r.label, r.eager_label, r.prewake_label) for r in runs] == [("int4 all on", "int4 no CUDA graph", None)]
-    assert E2E["parse_args"](["--synthetic", "x", "--ablation"]).ablation == "graph,prewake,deferral,gpu-experts"
-    with pytest.raises(HybridMoEError, match="--ablation takes rows among graph,prewake,deferral,gpu-experts, got "
-                                             "graphs"):
+    assert [(r.label, r.eager_label, r.handoff_variants) for r in runs] == [("int4 all on", "int4 no CUDA graph", ())]
+    every = "graph,prewake,zero-copy,deferral,gpu-experts"
+    assert E2E["parse_args"](["--synthetic", "x", "--ablation"]).ablation == every
+    with pytest.raises(HybridMoEError, match=f"--ablation takes rows among {every}, got graphs"):
         E2E["ablation_rows"]("graphs,prewake")
 
 

@@ -100,13 +100,22 @@ def load_cuda_runtime() -> str:
 
 
 class _Staging:
-    """One layer's pinned buffers: hidden, output [max_tokens, H]; ids, weights [max_tokens, K]."""
+    """One layer's pinned buffers: hidden, output [max_tokens, H]; ids, weights [max_tokens, K]; and
+    (zero_copy) the same memory as the GPU sees it."""
 
     def __init__(self, max_tokens: int, H: int, K: int, dtype: torch.dtype, ids_dtype: torch.dtype):
         self.x = torch.zeros(max_tokens, H, dtype=dtype, pin_memory=True)
         self.ids = torch.zeros(max_tokens, K, dtype=ids_dtype, pin_memory=True)
         self.weights = torch.zeros(max_tokens, K, dtype=torch.float32, pin_memory=True)
         self.out = torch.zeros(max_tokens, H, dtype=dtype, pin_memory=True)
+        self.mapped: _Staging | None = None
+
+    def map(self, device: torch.device) -> None:
+        from hybridmoe.experts.mapped_staging import device_view
+
+        self.mapped = object.__new__(_Staging)
+        for name in ("x", "ids", "weights", "out"):
+            setattr(self.mapped, name, device_view(getattr(self, name), device))
 
 
 class CudaHandoff:
@@ -148,6 +157,7 @@ class CudaHandoff:
         """stream_mem_ops path: after each layer's wait, the stream also writes the wake word, so
         the pool's workers spin when the next layer's rows arrive, and take_stats can split the
         gap between layers (back_us). Set before the work is enqueued (or a graph captured)."""
+        self._zero_copy = False
         self._native = self._call(_native().CudaHandoff, self.max_tokens, self.top_k)
         self._experts = experts  # their packed buffers are the ones the native layers compute with
         self._index: dict[int, int] = {}
@@ -187,6 +197,22 @@ class CudaHandoff:
             raise HybridMoEError(f"the CUDA handoff cannot use stream memory operations here: {why}")
         log.warning("CUDA handoff: host functions (stream memory operations unavailable: %s)", why)
         return "host_function"
+
+    @property
+    def zero_copy(self) -> bool:
+        """Stage the rows with one kernel that writes the pinned buffers through the device's mapping of
+        them, and hand the output back as that mapping (enqueue_wait/enqueue without `out`: a tensor
+        over the staging buffer, valid until the layer is enqueued again), instead of four copies.
+        Needs triton. Set before the work is enqueued (or a graph captured)."""
+        return self._zero_copy
+
+    @zero_copy.setter
+    def zero_copy(self, on: bool) -> None:
+        if on:
+            for s in self._staging.values():
+                if s.mapped is None:
+                    s.map(self.device)
+        self._zero_copy = bool(on)
 
     @staticmethod
     def _call(fn, *args):
@@ -228,7 +254,7 @@ class CudaHandoff:
     def enqueue_wait(self, stream: torch.cuda.Stream | None, layer: int,
                      out: torch.Tensor | None = None) -> torch.Tensor:
         """On `stream`: block until the layer's CPU work is done, then copy its output [T, H] to
-        `out` (allocated on the GPU if None) and return it."""
+        `out` (allocated on the GPU if None; with zero_copy, None hands back the mapping) and return it."""
         stream = self._stream(stream)
         if layer not in self._pending:
             raise HybridMoEError(f"layer {layer} has no enqueue_submit to wait for")
@@ -237,14 +263,12 @@ class CudaHandoff:
         self._call(self._native.enqueue_wait, stream.cuda_stream, self._index[layer], T)
         del self._pending[layer]
         self._wake_after_wait(stream)
-        with torch.cuda.stream(stream):
-            out.copy_(self._staging[layer].out[:T], non_blocking=True)
-        return out
+        return self._give_out(stream, layer, T, out)
 
     def enqueue(self, stream: torch.cuda.Stream | None, layer: int, hidden: torch.Tensor,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """D2H copies, the layer on the CPU (one host function: submit and wait), H2D copy; all on
-        `stream`. Returns out [T, H] (allocated on the GPU if None)."""
+        `stream`. Returns out [T, H] (allocated on the GPU if None; with zero_copy, see enqueue_wait)."""
         stream = self._stream(stream)
         if layer in self._pending:
             raise HybridMoEError(f"layer {layer} has an enqueue_submit not yet waited for; enqueue_wait it first")
@@ -252,8 +276,15 @@ class CudaHandoff:
         out = self._out(stream, layer, T, out)
         self._call(self._native.enqueue_forward, stream.cuda_stream, self._index[layer], T)
         self._wake_after_wait(stream)
+        return self._give_out(stream, layer, T, out)
+
+    def _give_out(self, stream, layer: int, T: int, out: torch.Tensor | None) -> torch.Tensor:
+        """The layer's output [T, H] on the device: copied into out, or (zero_copy, no out) the mapping."""
+        s = self._staging[layer]
+        if out is None and self._zero_copy:
+            return s.mapped.out[:T]
         with torch.cuda.stream(stream):
-            out.copy_(self._staging[layer].out[:T], non_blocking=True)
+            out.copy_((s.mapped if self._zero_copy else s).out[:T], non_blocking=True)
         return out
 
     def enqueue_prewake(self, stream: torch.cuda.Stream | None = None) -> None:
@@ -316,14 +347,24 @@ class CudaHandoff:
         self._check_gpu("topk_ids", topk_ids, (T, self.top_k), _IDS_DTYPES)
         self._check_gpu("topk_weights", topk_weights, (T, self.top_k), _WEIGHT_DTYPES)
         with torch.cuda.stream(stream):
-            s.x[:T].copy_(hidden, non_blocking=True)
-            s.ids[:T].copy_(topk_ids, non_blocking=True)
-            s.weights[:T].copy_(topk_weights, non_blocking=True)
+            if self._zero_copy:
+                from hybridmoe.experts.mapped_staging import copy_words
+
+                m = s.mapped
+                copy_words([(hidden.contiguous(), m.x[:T]), (topk_ids.to(m.ids.dtype).contiguous(), m.ids[:T]),
+                            (topk_weights.float().contiguous(), m.weights[:T])])
+            else:
+                s.x[:T].copy_(hidden, non_blocking=True)
+                s.ids[:T].copy_(topk_ids, non_blocking=True)
+                s.weights[:T].copy_(topk_weights, non_blocking=True)
         return T
 
-    def _out(self, stream, layer: int, T: int, out: torch.Tensor | None) -> torch.Tensor:
+    def _out(self, stream, layer: int, T: int, out: torch.Tensor | None) -> torch.Tensor | None:
+        """out checked, or a new device tensor for it (None with zero_copy: the mapping is handed back)."""
         H = self._staging[layer].out.shape[1]
         if out is None:
+            if self._zero_copy:
+                return None
             with torch.cuda.stream(stream):
                 return torch.empty(T, H, dtype=self.dtype, device=self.device)
         self._check_gpu("out", out, (T, H), (self.dtype,))
