@@ -1,16 +1,19 @@
 """GPU kernels per decoder layer of one decode step, their GPU time, and the captured step's replay time.
 
     python benchmarks/decode_gpu_ops.py [--synthetic PRESET] [--layers N] [--format int4]
-        [--gpu-experts-per-layer G] [--batch B] [--reps R] [--json F]
+        [--gpu-experts-per-layer G] [--batch B] [--reps R] [--paths unfused,fused] [--json F]
 
 Loads a random-weight checkpoint of PRESET cut to N layers (written to /dev/shm, as e2e.py does), prefills
 one prompt per batch row and decodes one token through the engine (so the decode step's buffers hold a real
-step), then, on the decode step the engine runs (fixed shapes on CUDA, the model's eager forward elsewhere):
+step), then, on the decode step the engine runs (fixed shapes on CUDA, the model's eager forward elsewhere),
+for each path (fused: RMSNorm with its residual add, the router's top-k and the hybrid split and sum as
+one Triton kernel each, MoECausalLM.fuse_decode_kernels; unfused: the torch ops they replace):
   - profiles one eager step: per decoder layer the GPU kernels, copies and memsets it launches and their
     GPU time (torch profiler; a launch belongs to the layer whose forward was running on the host), the
-    ten largest kernels of the last MoE layer by count; on the CPU, the aten ops per layer;
-  - on CUDA, captures the step as a CUDA graph: its nodes by type, the median replay time over R replays
-    (per layer: that time / N, lm_head's share included), and the GPU activities one profiled replay shows.
+    last MoE layer's kernels by name, and its top-level torch ops (on the CPU, the only column);
+  - on CUDA, captures the step as a CUDA graph: its nodes by type, the GPU activities one profiled replay
+    shows, and the replay time (the least of 3 medians of R replays, the paths interleaved; per layer:
+    that time / N, lm_head's share included); then the time saved per layer, unfused - fused.
 Inside a graph each kernel still costs its launch and drain (~2-4 us), and a MoE layer's GPU part is
 serial with its CPU part, so the kernel count per layer is what this script is for.
 """
@@ -24,6 +27,7 @@ import json
 import os
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -53,8 +57,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="routed experts per layer on the GPU (default 26: Qwen3-30B-A3B under 16 GiB; CPU: 0)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     parser.add_argument("--reps", type=int, default=200, help="graph replays timed (default 200)")
+    parser.add_argument("--paths", default="unfused,fused",
+                        help="fused (one kernel per norm, router, hybrid split and sum), unfused (their torch ops), "
+                             "or both, measured side by side (default unfused,fused)")
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.paths = args.paths.split(",")
+    if not args.paths or any(p not in ("fused", "unfused") for p in args.paths):
+        parser.error(f"--paths takes fused, unfused or both, got {','.join(args.paths)!r}")
+    return args
 
 
 class LayerMarks:
@@ -254,6 +265,7 @@ def main(argv=None) -> None:
             device=device.type, expert_format=args.format, gpu_experts_per_layer=args.gpu_experts_per_layer,
             max_num_seqs=args.batch, max_model_len=256, cache_dir="", prefill_streaming="off")
         engine = LLMEngine(ckpt.out_dir, config)
+    engine.runner.model.fuse_decode_kernels(args.paths == ["fused"])  # the engine's own steps: unfused if asked for
     print(f"{args.synthetic}, {args.layers} layers, {args.format} experts, {args.gpu_experts_per_layer} GPU experts "
           f"per layer, batch {args.batch}, device {device}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     for b in range(args.batch):
@@ -267,21 +279,47 @@ def main(argv=None) -> None:
     cuda_fixed = cuda and engine.runner.fixed
     print(f"decode step in fixed shapes: {cuda_fixed}; MoE layers {moe_layers}", flush=True)
     step = decode_step(engine, seqs, cuda_fixed)
-    step()  # warm-up
     result: dict = {"preset": args.synthetic, "layers": args.layers, "format": args.format,
                     "gpu_experts_per_layer": args.gpu_experts_per_layer, "batch": args.batch,
-                    "device": str(device), "fixed_shapes": cuda_fixed}
-    prof = profile_step(step, model, cuda)
-    print_profile("unfused", prof, moe_layers)
-    result["profile"] = prof
-    if cuda_fixed:
-        graph = capture(step, device)
-        nodes = graph_node_types(graph)
-        us = replay_us(graph, args.reps)
-        seen = profile_replay(graph)
-        print(f"\ncaptured step: nodes {nodes}; replay {us:.1f} us = {us / args.layers:.1f} us per layer "
-              f"(median of {args.reps}); one replay under the profiler: {seen}")
-        result.update(graph_nodes=nodes, replay_us=us, replay_profile=seen)
+                    "device": str(device), "fixed_shapes": cuda_fixed, "paths": {}}
+    graphs = {}
+    for path in args.paths:
+        model.fuse_decode_kernels(path == "fused")
+        try:
+            step()  # warm-up (Triton compiles here)
+            prof = profile_step(step, model, cuda)
+            print_profile(path, prof, moe_layers)
+            result["paths"][path] = {"profile": prof}
+            if cuda_fixed:
+                graphs[path] = capture(step, device)
+                result["paths"][path]["graph_nodes"] = graph_node_types(graphs[path])
+                result["paths"][path]["replay_profile"] = profile_replay(graphs[path])
+        except Exception:  # noqa: BLE001 (one path's failure must not lose the other's rows)
+            traceback.print_exc()
+            print(f"{path}: FAILED", flush=True)
+            result["paths"].pop(path, None)
+            graphs.pop(path, None)
+    if graphs:
+        us = {path: [] for path in graphs}
+        for _ in range(3):  # interleaved, so that both paths see the same machine state
+            for path, graph in graphs.items():
+                us[path].append(replay_us(graph, args.reps))
+        print(f"\ncaptured step, replay time: the least of 3 medians of {args.reps} replays")
+        for path in graphs:
+            r = result["paths"][path]
+            r["replay_us"] = min(us[path])
+            print(f"  {path:>8}: {r['replay_us']:8.1f} us = {r['replay_us'] / args.layers:6.1f} us per layer; "
+                  f"nodes {r['graph_nodes']}; one profiled replay: {r['replay_profile']}")
+    if len(result["paths"]) == 2 and moe_layers:
+        a, b = (result["paths"][p] for p in ("unfused", "fused"))
+        last = f"layer {moe_layers[-1]}"
+        line = (f"\nlast MoE layer: kernels {a['profile'][last]['kernel']} -> {b['profile'][last]['kernel']}, "
+                f"top-level ops {a['profile'][last]['cpu_ops']} -> {b['profile'][last]['cpu_ops']}")
+        if graphs:
+            saved = a["replay_us"] - b["replay_us"]
+            line += (f"; replay {a['replay_us']:.1f} -> {b['replay_us']:.1f} us ({a['replay_us'] / b['replay_us']:.3f}x), "
+                     f"{saved / args.layers:.1f} us saved per layer")
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -10,7 +10,8 @@ import torch
 
 import hybridmoe._native as native
 from hybridmoe import CpuExperts
-from hybridmoe.experts.hybrid import compact_slots, fixed_cpu_slots
+from hybridmoe.experts.decode_fused import fixed_cpu_slots
+from hybridmoe.experts.hybrid import compact_slots
 
 E, H, I, K = 8, 64, 32, 3
 ON_GPU = torch.tensor([True, False, True, False, False, True, False, False])  # C = 5 on the CPU

@@ -13,7 +13,8 @@ most max_tokens tokens runs in shapes fixed by T alone, with no host sync, so a 
 capture it: the CPU share goes through the CUDA handoff (experts/cuda_handoff.py: D2H, the native
 engine as a host function, H2D, all ordered on the stream; submitted before the GPU share, waited
 for after it) and the GPU share through fixed_shape_experts (experts/gpu_experts.py: Triton
-kernels that read only the routed experts' weights). Longer steps (prefill) and the CPU device
+kernels that read only the routed experts' weights); the glue around them (splitting the slots,
+summing the parts) is one Triton kernel each (experts/decode_fused.py). Longer steps (prefill) and the CPU device
 take the path above. Deferred experts use a second handoff of their own width; their
 submit and join points are the same as without it.
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.experts.decode_fused import split_slots, sum_parts
 from hybridmoe.experts.deferral import DeferredOutputs, split_deferred
 from hybridmoe.experts.gpu_experts import fixed_shape_experts, gpu_share, weighted_experts
 from hybridmoe.experts.placement import PlacementPlan
@@ -93,33 +95,17 @@ class _Layer:
         self.streamer = None  # PrefillStreamer (experts/streamed_prefill.py): long steps' CPU share on the device
 
 
-def fixed_cpu_slots(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, width: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kept slots of each token as a dense [T, width] in fixed shapes (no host sync).
-
-    ids [T, K] local to the CPU engine where keep; width >= the most any token keeps. Kept slots
-    come first; the rest repeat the token's first kept expert (else the batch's first kept one,
-    else 0) with weight 0, so padding reads no expert weights the step does not read anyway.
-    The native engine computes a repeated expert once per slot (only its Python entry point
-    insists on distinct ids).
-    """
-    order = torch.sort((~keep).to(torch.int32), dim=1, stable=True).indices[:, :width]  # kept slots first
-    cids, cw, valid = ids.gather(1, order), weights.float().gather(1, order), keep.gather(1, order)
-    first, has = cids[:, 0], valid[:, 0]  # [T]
-    batch_first = torch.where(has.any(), first.gather(0, has.to(torch.int32).argmax().view(1)), 0)  # [1]
-    pad = torch.where(has, first, batch_first)
-    return torch.where(valid, cids, pad.unsqueeze(1)), torch.where(valid, cw, 0.0)
-
-
 class _Partial:
     """One submitted computation (a layer's experts, or its deferred ones): CPU part in flight + GPU part.
 
     handoff: (CudaHandoff, width) to run in fixed shapes on CUDA, or None for the synchronous path.
+    fused: the fixed shapes' glue (split_slots, sum_parts) as one kernel each where it can.
     """
 
     def __init__(self, layer: int, st: _Layer, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 act, handoff=None):
+                 act, handoff=None, fused: bool = False):
         self.layer, self.device, self.dtype, self.shape = layer, hidden.device, hidden.dtype, hidden.shape
+        self.fused = fused
         self.cpu, self.handoff, self.cpu_out, self.gpu_out = None, None, None, None
         if handoff is not None:
             self._start_fixed(st, hidden, ids, weights, act, *handoff)
@@ -137,10 +123,9 @@ class _Partial:
             self.gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, st.on_gpu[ids], act)
 
     def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int) -> None:
-        mask = st.on_gpu[ids]  # [T, K]
-        local = st.local[ids]
+        local, mask, cids, cw = split_slots(ids, weights, st.on_gpu, st.local, width if st.cpu is not None else 0,
+                                            self.fused)
         if st.cpu is not None:
-            cids, cw = fixed_cpu_slots(local, weights, ~mask, width)
             handoff.enqueue_submit(None, self.layer, hidden.to(handoff.dtype), cids, cw)
             self.handoff = handoff
         if st.gpu_weights is not None:
@@ -155,13 +140,12 @@ class _Partial:
     def finish(self) -> torch.Tensor:
         """[T, H] in the hidden state's dtype and device."""
         self.join_cpu()
-        parts = [p for p in (self.cpu_out, self.gpu_out) if p is not None]
+        parts = [p.to(self.device) for p in (self.cpu_out, self.gpu_out) if p is not None]
         if not parts:
             return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        out = parts[0].to(self.device, torch.float32)
-        for p in parts[1:]:
-            out = out + p.to(self.device, torch.float32)
-        return out.to(self.dtype)
+        if len(parts) == 1:
+            return parts[0].to(self.dtype)  # one rounding, as through float32
+        return sum_parts(*parts, self.dtype, self.fused)
 
 
 class HybridExperts(ExpertBackend):
@@ -181,6 +165,7 @@ class HybridExperts(ExpertBackend):
         self._deferred = DeferredOutputs(num_layers)
         self._fixed_tokens = 0  # steps of at most this many tokens run in fixed shapes (use_fixed_shapes)
         self._handoffs: dict[tuple[bool, int], tuple] = {}  # (deferred?, layer) -> (CudaHandoff, width)
+        self.fused = True  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
 
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
         E = gate_proj.shape[0]
@@ -279,14 +264,14 @@ class HybridExperts(ExpertBackend):
             topk_ids, topk_weights, *later = split_deferred(topk_ids, topk_weights, self.deferred_experts)
         st = self._layers[layer]
         self._inflight[layer] = (_Partial(layer, st, hidden, topk_ids, topk_weights, self.act,
-                                          self._handoff(False, layer, hidden)), hidden, later)
+                                          self._handoff(False, layer, hidden), self.fused), hidden, later)
 
     def wait(self, layer):
         partial, hidden, later = self._inflight.pop(layer)
         out = partial.finish()
         if later is not None:
             self._deferred.add(layer, _Partial(layer, self._layers[layer], hidden, *later, self.act,
-                                               self._handoff(True, layer, hidden)))
+                                               self._handoff(True, layer, hidden), self.fused))
         return out
 
     def after_layer(self, layer, hidden):

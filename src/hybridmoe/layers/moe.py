@@ -10,13 +10,20 @@ import torch
 from torch import nn
 
 from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.experts.gpu_experts import HAVE_TRITON
 
 
-def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                 fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all E experts in float32, keep the K largest, optionally rescale them to sum to 1.
 
-    router_logits [T, E] -> (weights [T, K] float32, ids [T, K] int64).
+    router_logits [T, E] -> (weights [T, K] float32, ids [T, K] int64). On CUDA with triton and
+    fused, one kernel (router_triton.py); else these torch ops.
     """
+    if fused and HAVE_TRITON and router_logits.is_cuda:
+        from hybridmoe.layers.router_triton import triton_softmax_topk
+
+        return triton_softmax_topk(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -36,8 +43,9 @@ class SparseMoeBlock(nn.Module):
         self.layer_idx, self.top_k, self.renormalize = layer_idx, top_k, renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = experts
+        self.fused = True  # the router in one kernel on CUDA (softmax_topk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize, self.fused)
         return self.experts.forward(self.layer_idx, x, ids, weights)

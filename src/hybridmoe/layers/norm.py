@@ -1,9 +1,16 @@
-"""RMSNorm as Llama-family checkpoints define it: normalize in float32, scale in the input dtype."""
+"""RMSNorm as Llama-family checkpoints define it: normalize in float32, scale in the input dtype.
+
+On CUDA with triton (and `fused`, the default) it runs as one kernel (norm_triton.py), with the
+residual add before it folded in when a residual is passed; elsewhere, and with fused False, as
+the torch ops below (the reference, and what the CPU runs).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hybridmoe.experts.gpu_experts import HAVE_TRITON
 
 
 class RMSNorm(nn.Module):
@@ -11,8 +18,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., D] -> norm(x); with residual [..., D]: (norm(x + residual), x + residual)."""
+        if self.fused and HAVE_TRITON and x.is_cuda:
+            from hybridmoe.layers.norm_triton import triton_rms_norm
+
+            out, total = triton_rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, total)
+        if residual is None:
+            return self._norm(x)
+        total = x + residual
+        return self._norm(total), total
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

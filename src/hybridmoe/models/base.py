@@ -71,8 +71,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions)
-        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), positions)
+        x, h = self.post_attention_layernorm(a, residual=h)  # h + a and its norm: one kernel on CUDA
+        return h + getattr(self, self.mlp_name)(x)
 
 
 class MoECausalLM(nn.Module):
@@ -174,6 +175,14 @@ class MoECausalLM(nn.Module):
             if hidden_states_out is not None:
                 hidden_states_out.append(h)
         return self.model.norm(h)
+
+    def fuse_decode_kernels(self, on: bool) -> None:
+        """On CUDA with triton, run RMSNorm (with its residual add), the router's top-k and the hybrid
+        experts' fixed-shape glue as one kernel each (on: the default), or as the torch ops they
+        stand for (off: the reference, which benchmarks/decode_gpu_ops.py sets side by side)."""
+        for module in [*self.modules(), self.experts]:
+            if hasattr(module, "fused"):
+                module.fused = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""

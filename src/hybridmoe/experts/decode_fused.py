@@ -1,0 +1,69 @@
+"""The fixed-shape (decode) glue of a hybrid MoE layer, around its experts, in as few kernels as it takes.
+
+Between the router and the experts, split_slots says which of each token's K slots run on the GPU
+(mask, local ids) and lays the CPU's out as the dense [T, width] the CUDA handoff copies
+(fixed_cpu_slots); after them, sum_parts adds the two partial outputs. In torch that is ~15
+small kernels and 3; on CUDA with triton (fused) one each (decode_fused_triton.py). In a decode
+step every kernel costs its launch and drain even inside a CUDA graph, and the GPU part of a
+layer is serial with its CPU part, so they add up per layer. The torch versions here are the
+reference the kernels are tested against, and what runs elsewhere.
+
+T tokens, K experts per token, E experts of the layer, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.experts.gpu_experts import HAVE_TRITON
+
+
+def _triton(t: torch.Tensor, fused: bool) -> bool:
+    return fused and HAVE_TRITON and t.is_cuda
+
+
+def fixed_cpu_slots(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, width: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept slots of each token as a dense [T, width] in fixed shapes (no host sync).
+
+    ids [T, K] local to the CPU engine where keep; width >= the most any token keeps. Kept slots
+    come first; the rest repeat the token's first kept expert (else the batch's first kept one,
+    else 0) with weight 0, so padding reads no expert weights the step does not read anyway.
+    The native engine computes a repeated expert once per slot (only its Python entry point
+    insists on distinct ids).
+    """
+    order = torch.sort((~keep).to(torch.int32), dim=1, stable=True).indices[:, :width]  # kept slots first
+    cids, cw, valid = ids.gather(1, order), weights.float().gather(1, order), keep.gather(1, order)
+    first, has = cids[:, 0], valid[:, 0]  # [T]
+    batch_first = torch.where(has.any(), first.gather(0, has.to(torch.int32).argmax().view(1)), 0)  # [1]
+    pad = torch.where(has, first, batch_first)
+    return torch.where(valid, cids, pad.unsqueeze(1)), torch.where(valid, cw, 0.0)
+
+
+def split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, local: torch.Tensor,
+                width: int, fused: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each token's slots split by where their experts live: (gpu_ids, gpu_mask, cpu_ids, cpu_weights).
+
+    ids [T, K] global expert ids, weights [T, K]; on_gpu [E] bool; local [E] an expert's index among
+    its side's experts. gpu_mask [T, K] bool: the slot's expert is on the GPU; gpu_ids [T, K] its
+    local id there (anything where gpu_mask is False). cpu_ids [T, width] int64, cpu_weights
+    [T, width] float32: fixed_cpu_slots of the others; both None when width is 0.
+    """
+    if _triton(ids, fused):
+        from hybridmoe.experts.decode_fused_triton import triton_split_slots
+
+        return triton_split_slots(ids, weights, on_gpu, local, width)
+    mask, lid = on_gpu[ids], local[ids]
+    if width == 0:
+        return lid, mask, None, None
+    return (lid, mask, *fixed_cpu_slots(lid, weights, ~mask, width))
+
+
+def sum_parts(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, fused: bool = True) -> torch.Tensor:
+    """a + b summed in float32, rounded once to dtype; a, b [T, H] on one device, any float dtypes."""
+    if _triton(a, fused):
+        from hybridmoe.experts.decode_fused_triton import triton_sum_parts
+
+        return triton_sum_parts(a, b, dtype)
+    return (a.float() + b.float()).to(dtype)

@@ -1,0 +1,80 @@
+"""split_slots and sum_parts (decode_fused.py) as one Triton kernel each.
+
+split_slots runs as one program over the whole step (the padding of a token with no CPU slot
+takes the batch's first CPU expert, a reduction across tokens). A token's kept slots are placed
+by their running count (a cumulative sum over its K slots), so the kernel needs no sort.
+
+T tokens, K experts per token, W = width CPU slots per token, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_slots_kernel(ids_ptr, w_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr,
+                        T, K, W, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                        HAS_CPU: tl.constexpr):
+    tt = tl.arange(0, BLOCK_T)
+    t = tt[:, None]  # [BLOCK_T, 1]
+    k = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+    valid = (t < T) & (k < K)
+    e = tl.load(ids_ptr + t * K + k, mask=valid, other=0)
+    here = tl.load(on_gpu_ptr + e, mask=valid, other=0) != 0  # [BLOCK_T, BLOCK_K]
+    lid = tl.load(local_ptr + e, mask=valid, other=0)
+    tl.store(gpu_ids_ptr + t * K + k, tl.where(here, lid, -1).to(tl.int32), mask=valid)
+    tl.store(gpu_mask_ptr + t * K + k, here.to(tl.int8), mask=valid)
+    if HAS_CPU:
+        keep = valid & (here == 0)
+        pos = tl.cumsum(keep.to(tl.int32), axis=1) - 1  # a kept slot's column among the token's CPU slots
+        count = tl.sum(keep.to(tl.int32), axis=1)  # [BLOCK_T]
+        j = tl.arange(0, BLOCK_W)
+        sel = keep[:, :, None] & (pos[:, :, None] == j[None, None, :])  # [BLOCK_T, BLOCK_K, BLOCK_W]
+        w = tl.load(w_ptr + t * K + k, mask=valid, other=0.0).to(tl.float32)
+        cid = tl.sum(tl.where(sel, lid[:, :, None], 0), axis=1)  # [BLOCK_T, BLOCK_W]
+        cw = tl.sum(tl.where(sel, w[:, :, None], 0.0), axis=1)
+        filled = tl.sum(sel.to(tl.int32), axis=1) > 0
+        first = tl.sum(tl.where(j[None, :] == 0, cid, 0), axis=1)  # [BLOCK_T] a token's first CPU expert
+        first_t = tl.min(tl.where(count > 0, tt, BLOCK_T), axis=0)  # the first token with one
+        batch_first = tl.sum(tl.where(tt == first_t, first, 0), axis=0)  # 0 when none has
+        pad = tl.where(count > 0, first, batch_first)
+        out = (t < T) & (j[None, :] < W)
+        tl.store(cpu_ids_ptr + t * W + j[None, :], tl.where(filled, cid, pad[:, None]).to(tl.int64), mask=out)
+        tl.store(cpu_w_ptr + t * W + j[None, :], tl.where(filled, cw, 0.0), mask=out)
+
+
+def triton_split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, local: torch.Tensor,
+                       width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """split_slots in one kernel; gpu_ids come out int32, -1 where the expert is not on the GPU."""
+    T, K = ids.shape
+    ids, weights = ids.contiguous(), weights.contiguous()
+    gpu_ids = torch.empty(T, K, dtype=torch.int32, device=ids.device)
+    gpu_mask = torch.empty(T, K, dtype=torch.bool, device=ids.device)
+    cpu_ids = torch.empty(T, width, dtype=torch.int64, device=ids.device) if width else None
+    cpu_w = torch.empty(T, width, dtype=torch.float32, device=ids.device) if width else None
+    _split_slots_kernel[(1,)](
+        ids, weights, on_gpu.view(torch.uint8), local, gpu_ids, gpu_mask.view(torch.uint8),
+        cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, T, K, width,
+        BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
+        BLOCK_W=triton.next_power_of_2(max(width, 1)), HAS_CPU=width > 0)
+    return gpu_ids, gpu_mask, cpu_ids, cpu_w
+
+
+@triton.jit
+def _sum_parts_kernel(a_ptr, b_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, (a + b).to(out_ptr.dtype.element_ty), mask=i < N)
+
+
+def triton_sum_parts(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(a + b) in float32 rounded to dtype, one kernel; a, b [T, H]."""
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty(a.shape, dtype=dtype, device=a.device)
+    N, block = a.numel(), 1024
+    _sum_parts_kernel[(triton.cdiv(N, block),)](a, b, out, N, BLOCK=block)
+    return out

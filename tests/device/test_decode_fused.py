@@ -1,0 +1,174 @@
+"""The decode step's fused Triton kernels on CUDA against the torch ops they replace: RMSNorm with and
+without its residual add, the router's softmax top-k, the hybrid split of a step's slots and the sum
+of its two partial outputs; each eagerly and as a CUDA graph replay; then a model decoding with them
+against the same model with them off. Runs on the GPU host through scripts/device_check.sh.
+
+T tokens, E experts, K experts per token, H hidden, D normalized size.
+"""
+
+import pytest
+import torch
+
+from hybridmoe import LLM, SamplingParams
+from hybridmoe.checkpoint.make import make_checkpoint
+from hybridmoe.experts.decode_fused import split_slots, sum_parts
+from hybridmoe.layers.moe import softmax_topk
+from hybridmoe.layers.norm import RMSNorm
+
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def norm(D: int, dtype: torch.dtype, fused: bool) -> RMSNorm:
+    n = RMSNorm(D, 1e-6).cuda()
+    with torch.no_grad():
+        n.weight.copy_(1 + 0.1 * torch.randn(D, generator=torch.Generator().manual_seed(D)))
+    n.to(dtype).fused = fused
+    return n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4, 300])
+def test_rms_norm_and_its_residual_add_equal_torch(T, dtype):
+    g = torch.Generator().manual_seed(T)
+    x, res = (torch.randn(T, 2048, generator=g).to("cuda", dtype) for _ in range(2))
+    fused, ref = norm(2048, dtype, True), norm(2048, dtype, False)
+    torch.testing.assert_close(fused(x), ref(x), **TOL[dtype])
+    (out, total), (want, want_total) = fused(x, residual=res), ref(x, residual=res)
+    assert torch.equal(total, want_total)  # one float32 add, rounded once, either way
+    torch.testing.assert_close(out, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_of_head_views_into_a_merged_projection(dtype):
+    # q [T, Hq, D] and k [T, Hkv, D] as Attention makes them: views into qkv [T, (Hq + 2 Hkv) D]
+    T, Hq, Hkv, D = 3, 32, 4, 128
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=torch.Generator().manual_seed(0)).to("cuda", dtype)
+    q, k, _ = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    fused, ref = norm(D, dtype, True), norm(D, dtype, False)
+    for heads in (q.view(T, Hq, D), k.view(T, Hkv, D)):
+        torch.testing.assert_close(fused(heads), ref(heads), **TOL[dtype])
+
+
+@pytest.mark.parametrize("E,K,renormalize", [(8, 2, True), (60, 4, False), (128, 8, True)])
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_softmax_topk_kernel_gives_torchs_ids_and_weights(T, E, K, renormalize):
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(E + T)).to("cuda", torch.bfloat16)
+    w, ids = softmax_topk(logits, K, renormalize, fused=True)
+    want_w, want_ids = softmax_topk(logits, K, renormalize, fused=False)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
+
+
+def placement(E: int, on: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """on_gpu [E] bool with `on` experts set, local [E]: each expert's index among its side's."""
+    g = torch.Generator().manual_seed(seed)
+    on_gpu = torch.zeros(E, dtype=torch.bool)
+    on_gpu[torch.randperm(E, generator=g)[:on]] = True
+    local = torch.empty(E, dtype=torch.long)
+    for side in (on_gpu, ~on_gpu):
+        local[side] = torch.arange(int(side.sum()))
+    return on_gpu.cuda(), local.cuda()
+
+
+def routing(T: int, E: int, K: int, on_gpu: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    gpu = on_gpu.nonzero().flatten().cpu()
+    if T > 1 and len(gpu) >= K:
+        ids[1] = gpu[:K]  # a token whose experts are all on the GPU (its CPU slots are all padding)
+    return ids.cuda(), torch.rand(T, K, generator=g).cuda()
+
+
+def assert_split_equal(got, want) -> None:
+    (gid, gmask, gcid, gcw), (wid, wmask, wcid, wcw) = got, want
+    assert torch.equal(gmask, wmask)
+    assert torch.equal(gid[wmask].long(), wid[wmask])  # elsewhere: anything
+    if wcid is None:
+        assert gcid is None and gcw is None
+    else:
+        assert torch.equal(gcid, wcid) and torch.equal(gcw, wcw)
+
+
+@pytest.mark.parametrize("E,K,on", [(8, 3, 0), (8, 3, 3), (8, 3, 6), (8, 3, 8), (128, 8, 26)])
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_split_slots_kernel_equals_torch(T, E, K, on):
+    on_gpu, local = placement(E, on, seed=E + on)
+    ids, w = routing(T, E, K, on_gpu, seed=T)
+    width = min(K, E - on)
+    assert_split_equal(split_slots(ids, w, on_gpu, local, width, fused=True),
+                       split_slots(ids, w, on_gpu, local, width, fused=False))
+
+
+def test_sum_parts_kernel_equals_torch():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 2048, generator=g).to("cuda", torch.bfloat16)
+    b = torch.randn(4, 2048, generator=g).cuda()
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(sum_parts(a, b, dtype, fused=True), sum_parts(a, b, dtype, fused=False))
+
+
+def test_fused_kernels_replayed_in_a_graph_equal_eager():
+    T, E, K, H = 4, 128, 8, 2048
+    on_gpu, local = placement(E, 26, seed=1)
+    n = norm(H, torch.bfloat16, True)
+    gate = torch.randn(E, H, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16) / H ** 0.5
+    x = torch.zeros(T, H, dtype=torch.bfloat16, device="cuda")
+    res = torch.zeros_like(x)
+    cpu_out = torch.zeros_like(x)
+
+    def step():
+        h, total = n(x, residual=res)
+        w, ids = softmax_topk(h @ gate.t(), K, True)
+        gid, mask, cid, cw = split_slots(ids, w, on_gpu, local, K)
+        return total, ids, w, gid, mask, cid, cw, sum_parts(cpu_out, h.float(), torch.bfloat16)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step()
+    g = torch.Generator().manual_seed(3)
+    for t in (x, res, cpu_out):
+        t.copy_(torch.randn(T, H, generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(replayed, step()):
+        assert torch.equal(got, want)
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 13], [99, 2, 8, 31, 4], [11]]
+
+
+def decode(checkpoint, fused: bool) -> list[tuple[list[int], list]]:
+    llm = LLM(checkpoint, device="cuda", expert_backend="native", expert_format="bf16", gpu_experts_per_layer=3,
+              max_num_seqs=4, max_model_len=64)
+    llm.engine.runner.model.fuse_decode_kernels(fused)
+    engine = llm.engine
+    out = []
+    for batch in (PROMPTS[:1], PROMPTS):
+        ids = [engine.add_request(p, GREEDY) for p in batch]
+        tokens, logprobs = {i: [] for i in ids}, {i: [] for i in ids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens[o.request_id] += o.new_token_ids
+                logprobs[o.request_id] += o.new_logprobs
+        out += [(tokens[i], logprobs[i]) for i in ids]
+    assert engine.runner.captured == [(1, 64), (4, 64)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_model_decodes_with_fused_kernels_as_without(tmp_path, dtype):
+    """Graph-replayed greedy decoding, batch 1 and 4: the same tokens, except that the two may part at
+    a near-tie (each side's token among the other's 5 most likely; not compared after it)."""
+    make_checkpoint("qwen3_moe", "tiny", tmp_path, dtype=dtype, seed=1, progress=False)
+    fused, ref = decode(tmp_path, True), decode(tmp_path, False)
+    for (got, got_lp), (want, want_lp) in zip(fused, ref):
+        assert len(got) == len(want)
+        for i, (a, r) in enumerate(zip(got, want)):
+            if a != r:
+                assert a in [t for t, _ in want_lp[i].top] and r in [t for t, _ in got_lp[i].top]
+                break

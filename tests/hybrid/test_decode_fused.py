@@ -1,0 +1,77 @@
+"""The decode step's fused operations as the CPU runs them (their torch versions, the reference the
+Triton kernels are held to in tests/device/test_decode_fused.py): RMSNorm with its residual add,
+the hybrid split of a step's slots and the sum of its partial outputs, and the model's switch.
+
+T tokens, E experts, K experts per token, H hidden.
+"""
+
+import pytest
+import torch
+
+from hybridmoe.checkpoint.presets import model_config
+from hybridmoe.experts.decode_fused import split_slots, sum_parts
+from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
+from hybridmoe.experts.placement import Footprint, PlacementPlan
+from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.models.qwen_moe import Qwen3MoeForCausalLM
+
+E, K = 8, 3
+ON_GPU = torch.tensor([True, False, True, False, False, True, False, False])  # 5 on the CPU
+LOCAL = torch.tensor([0, 0, 1, 1, 2, 2, 3, 4])  # global id -> index among its side's experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_a_residual_normalizes_the_rounded_sum_and_returns_it(dtype):
+    g = torch.Generator().manual_seed(0)
+    n = RMSNorm(64)
+    n.weight.data = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
+    x, res = (torch.randn(3, 64, generator=g).to(dtype) for _ in range(2))
+    out, total = n(x, residual=res)
+    assert torch.equal(total, res + x)
+    assert torch.equal(out, n(res + x))
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_split_slots_sends_each_slot_to_its_experts_side(T):
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[0] = torch.tensor([0, 2, 5])  # every expert on the GPU: its CPU slots are all padding
+    w = torch.rand(T, K, generator=g)
+    gid, mask, cid, cw = split_slots(ids, w, ON_GPU, LOCAL, K)
+    assert torch.equal(mask, ON_GPU[ids])
+    assert torch.equal(gid[mask], LOCAL[ids][mask])
+    assert cid.shape == cw.shape == (T, K) and cid.dtype == torch.int64 and cw.dtype == torch.float32
+    for t in range(T):
+        want = sorted((int(LOCAL[e]), float(x)) for e, x, m in zip(ids[t], w[t], mask[t]) if not m)
+        assert sorted((int(e), float(x)) for e, x in zip(cid[t], cw[t]) if x != 0) == want
+        if t == 0 and T > 1:  # padding borrows an expert the batch reads anyway
+            assert set(cid[t].tolist()) <= set(cid[1:][cw[1:] != 0].tolist())
+
+
+def test_split_slots_without_cpu_experts_gives_no_cpu_slots():
+    ids = torch.tensor([[0, 2, 5]])
+    _, mask, cid, cw = split_slots(ids, torch.rand(1, K), ON_GPU, LOCAL, 0)
+    assert bool(mask.all()) and cid is None and cw is None
+
+
+def test_sum_parts_adds_in_float32_and_rounds_once():
+    a = torch.tensor([[256.0, 1.0]], dtype=torch.bfloat16)
+    b = torch.tensor([[1 + 2.0 ** -8, 2.0 ** -9]])
+    # 257.0039 rounds up to 258; b rounded to bfloat16 first (1.0) would give 256 + 1 -> 256 (ties to even)
+    assert torch.equal(sum_parts(a, b, torch.bfloat16), torch.tensor([[258.0, 1.0]], dtype=torch.bfloat16))
+    assert torch.equal(sum_parts(a, b, torch.float32), a.float() + b)
+
+
+def test_fuse_decode_kernels_switches_every_fused_part():
+    config = Qwen3MoeForCausalLM.make_config(model_config("qwen3_moe", "tiny"))
+    fp = Footprint(0, 0, 0, 0, [0, 1], config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                   config.moe_intermediate_size)
+    experts = HybridExperts(PlacementPlan(fp, None, "test", {}), "cpu", TorchCpuLayer, num_layers=2)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config, experts)
+    parts = [m for m in [*model.modules(), model.experts] if hasattr(m, "fused")]
+    assert {type(m).__name__ for m in parts} == {"RMSNorm", "SparseMoeBlock", "HybridExperts"}
+    model.fuse_decode_kernels(False)
+    assert not any(m.fused for m in parts)
+    model.fuse_decode_kernels(True)
+    assert all(m.fused for m in parts)
