@@ -1,7 +1,8 @@
 """Where one CPU MoE decode call's time goes, from the engine's own trace (CpuExperts.trace).
 
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
-        --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--json out.json]
+        --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2]
+        [--json out.json]
 
 Modes (each call gets a fresh routing, as in moe_layer.py):
   loop   moe_layer.py's --gap-us decode loop: --layers layers (own packed copies, so weights come
@@ -26,6 +27,7 @@ Per worker over the GEMM run (median call; means over workers, and the worst wor
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -135,6 +137,8 @@ def main():
     ap.add_argument("--threads", default=None, help="comma list (default: every allowed CPU)")
     ap.add_argument("--modes", default="loop,sleep,flush")
     ap.add_argument("--api", default="forward", help="forward and/or submit (submit + wait)")
+    ap.add_argument("--item-blocks", default="0",
+                    help="comma list: 32-row blocks per GEMM item (0: the engine's choice); key suffix ibN")
     ap.add_argument("--isa", default=None, choices=["generic", "avx2", "avx512", "amx"])
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--experts", type=int, default=None, help="override E (to fit a small machine)")
@@ -151,6 +155,7 @@ def main():
     E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
     thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [default_threads()]
     tokens = [int(t) for t in args.tokens.split(",")]
+    item_blocks = [int(b) for b in args.item_blocks.split(",")]
     torch.set_num_threads(1)
     flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
     flush = lambda: np.add(flush_buf, 1, out=flush_buf)
@@ -182,7 +187,9 @@ def main():
                 for mode in args.modes.split(","):
                     cell_layers = layers[:1] if mode == "flush" else layers
                     reps = 2 * args.reps if mode == "flush" else args.reps
-                    for api in args.api.split(","):
+                    for api, blocks in itertools.product(args.api.split(","), item_blocks):
+                        for layer in cell_layers:
+                            layer.set_item_blocks(blocks)
                         run = lambda traced: timed_calls(cell_layers, calls, api, mode, reps, args.gap_us * 1e-6,
                                                          args.sleep_ms * 1e-3, flush, traced)
                         untraced = med([(p1 - p0) / 1e3 for p0, p1, _ in run(False)])
@@ -195,9 +202,10 @@ def main():
                         lateness = [med([c["late_by_worker"][w] for c in stats if c["late_by_worker"][w] == c["late_by_worker"][w]])
                                     for w in range(threads)]
                         floor_us = s["bytes"] / (bw[threads] * 1e3)
-                        key = f"{fmt} {T} {threads} {mode} {api}"
+                        key = f"{fmt} {T} {threads} {mode} {api}" + (f" ib{blocks}" if blocks else "")
                         print_cell(key, len(stats), untraced, floor_us, s, lateness)
                         rows.append(dict(shape=args.shape, format=fmt, tokens=T, threads=threads, mode=mode, api=api,
+                                         item_blocks=blocks,
                                          calls=len(stats), untraced_us=untraced, floor_us=floor_us,
                                          host_read_gbps=bw[threads], late_by_worker_us=lateness, **s))
             del layers

@@ -211,6 +211,8 @@ class Engine {
   }
 
   void prewake() { layer_->prewake(); }
+  hmoe::MoeLayer& layer() { return *layer_; }
+  const hmoe::MoeLayer& layer() const { return *layer_; }
 
   void trace(int calls) {
     if (calls < 0) fail("trace takes a number of calls >= 0, got " + std::to_string(calls));
@@ -293,6 +295,11 @@ NB_MODULE(_native, m) {
       .def("wait", &Engine::wait, "ticket"_a)
       .def("prewake", &Engine::prewake, "Wake sleeping workers ahead of a call (no-op while they spin).")
       .def("trace", &Engine::trace, "calls"_a, "Record the next `calls` forwards (see take_trace).")
+      .def_prop_rw("item_blocks", [](const Engine& e) { return e.layer().item_blocks(); },
+                   [](Engine& e, int n) {
+                     if (n < 0) fail("item_blocks must be >= 0 (0: automatic), got " + std::to_string(n));
+                     e.layer().set_item_blocks(n);
+                   }, "32-row blocks per GEMM work item (0: automatic).")
       .def("take_trace", &Engine::take_trace, "The records of the traced calls since the last take (moe_trace.h).")
       .def("run", &Engine::run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
            "submit + wait on the calling thread (GIL released), without the driver thread.")

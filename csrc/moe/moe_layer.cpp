@@ -425,7 +425,8 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   gemm_items.clear();
   offsets.assign(1, 0);
   const int64_t total_blocks = int64_t(gate.blocks + down.blocks) * A;
-  const int per_item = int(std::clamp<int64_t>(total_blocks / (8 * pool_->threads()), 1, 8));
+  const int per_item = item_blocks_ > 0 ? item_blocks_
+                                        : int(std::clamp<int64_t>(total_blocks / (8 * pool_->threads()), 1, 8));
   if (ws.pending_size < A) {
     ws.pending.reset(new std::atomic<int>[A]);
     ws.pending_size = A;

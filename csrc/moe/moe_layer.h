@@ -68,6 +68,10 @@ class MoeLayer {
   // Tracing (moe_trace.h): record the next `calls` forwards; take_trace() hands the records over.
   void trace(int calls) { tracer_.arm(calls); }
   std::vector<TraceCall> take_trace() { return tracer_.take(); }
+  // 32-row blocks per GEMM work item (0: about 8 items per thread, 1 to 8 blocks): for
+  // benchmarks that weigh the tail against per-item costs.
+  void set_item_blocks(int blocks) { item_blocks_ = blocks; }
+  int item_blocks() const { return item_blocks_; }
 
  private:
   struct Matrix {
@@ -89,6 +93,7 @@ class MoeLayer {
   const Kernels* many_;   // many tokens (AMX where present, else base_)
   uint64_t last_ticket_ = 0;
   Tracer tracer_;
+  int item_blocks_ = 0;
 };
 
 }  // namespace hmoe

@@ -98,3 +98,23 @@ def test_trace_rejects_a_negative_count(make_weights):
     experts = CpuExperts(*make_weights(E, H, I), threads=1)
     with pytest.raises(HybridMoEError, match="trace takes"):
         experts.trace(-1)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 8])
+def test_item_blocks_change_the_items_not_the_result(make_weights, make_routing, blocks):
+    experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2)
+    x, ids, weights = make_routing(5, H, K, range(E))
+    expected = experts.forward(x, ids, weights)
+    experts.set_item_blocks(blocks)
+    experts.trace(1)
+    assert torch.equal(experts.forward(x, ids, weights), expected)
+    rec = experts.take_trace()[0]
+    check_call(rec, ids, threads=2, slices=1)
+    sizes = rec["items"][:, B1] - rec["items"][:, B0]
+    assert sizes.max() == min(blocks, -(-H // BLOCK)) and sizes.le(blocks).all()
+
+
+def test_item_blocks_must_not_be_negative(make_weights):
+    experts = CpuExperts(*make_weights(E, H, I), threads=1)
+    with pytest.raises(HybridMoEError, match="item_blocks"):
+        experts.set_item_blocks(-2)

@@ -239,6 +239,11 @@ class CpuExperts:
         return [{**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
                  "slept": torch.from_numpy(rec["slept"]).bool()} for rec in self._engine.take_trace()]
 
+    def set_item_blocks(self, blocks: int) -> None:
+        """32-row weight blocks per GEMM work item (0: automatic, the default), for benchmarks that
+        weigh a call's tail against its per-item costs; results do not depend on it."""
+        self._call(setattr, self._engine, "item_blocks", int(blocks))
+
     @staticmethod
     def _capsules(*tensors):
         """DLPack capsules of CPU torch tensors (anything else as is: the engine's checks refuse it
