@@ -12,7 +12,7 @@ is timed where it runs, without adding a host sync: CUDA events on the compute s
 layer, its attention and its MoE block (router, both expert shares, the join), the GPU-resident
 experts' share and the streamed share (its wait for the copy, then "stream math": grouping,
 dequantizing and the expert matmuls); CUDA events on the copy stream for each layer's copy (GB/s
-from its bytes); the host clock from the CPU engine's submit to its wait's return ("CPU experts").
+from its bytes; layer 0's is the one started by the previous prefill's last layer); the host clock from the CPU engine's submit to its wait's return ("CPU experts").
 "rest" is the layer minus attention and MoE block (norms, residuals); "non-layer" is the request's
 wall time minus its layers (embedding, lm_head, sampling, scheduling). On the CPU device every time
 is the host clock. Then one more prefill of each under torch.profiler prints its costliest ops.
@@ -154,10 +154,11 @@ class Probe:
         streamer._stage = timed_stage
 
 
-def prefill_seconds(llm: LLM, prompt: list[int], probe: Probe) -> float:
-    """Wall time of one request of max_tokens 1 (its prefill), with both streamer slots empty."""
-    if probe.streamer is not None:
-        probe.streamer.slot_layer = [None, None]  # every layer copied, as in a model deeper than two layers
+def prefill_seconds(llm: LLM, prompt: list[int], probe: Probe, cold: bool) -> float:
+    """Wall time of one request of max_tokens 1 (its prefill); the streamer's slots as the previous
+    prefill left them (its first layer staged after its last, as in serving), or emptied if cold."""
+    if cold and probe.streamer is not None:
+        probe.streamer.slot_layer = [None, None]  # every layer copied, the first with nothing to hide it
     if probe.cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -167,13 +168,13 @@ def prefill_seconds(llm: LLM, prompt: list[int], probe: Probe) -> float:
     return time.perf_counter() - start
 
 
-def profile_once(llm: LLM, prompt: list[int], probe: Probe, reps: int) -> tuple[float, dict, dict]:
+def profile_once(llm: LLM, prompt: list[int], probe: Probe, reps: int, cold: bool) -> tuple[float, dict, dict]:
     """(wall s, part ms, copied bytes) of the fastest of reps prefills after a warm-up."""
-    prefill_seconds(llm, prompt, probe)
+    prefill_seconds(llm, prompt, probe, cold)
     best = None
     for _ in range(reps):
         probe.reset()
-        wall = prefill_seconds(llm, prompt, probe)
+        wall = prefill_seconds(llm, prompt, probe, cold)
         if best is None or wall < best[0]:
             best = (wall, probe.spans.totals_ms(), dict(probe.spans.copied_bytes))
     return best
@@ -202,13 +203,13 @@ def table(title: str, wall: float, ms: dict, copied: dict, layers: list[int], to
     return lines
 
 
-def top_ops(llm: LLM, prompt: list[int], probe: Probe, rows: int) -> str:
+def top_ops(llm: LLM, prompt: list[int], probe: Probe, rows: int, cold: bool) -> str:
     """torch.profiler's costliest ops (self time on the device, or on the CPU) over one prefill."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if probe.cuda else [])
     with profile(activities=activities) as prof:
-        prefill_seconds(llm, prompt, probe)
+        prefill_seconds(llm, prompt, probe, cold)
     key = "self_device_time_total" if probe.cuda else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
@@ -249,12 +250,12 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
             prompt = torch.randint(0, llm.engine.vocab_size, (n,), generator=gen).tolist()
             for mode in ("on", "off"):
                 probe.backend.stream_long_steps(probe.streamer if mode == "on" else None)
-                wall, ms, copied = profile_once(llm, prompt, probe, args.reps)
+                wall, ms, copied = profile_once(llm, prompt, probe, args.reps, args.cold)
                 print("\n".join(table(f"{fmt or ec.expert_format}, {n} tokens, streaming {mode}", wall, ms,
                                       copied, layers, n, args.depth)), flush=True)
                 if args.top_ops:
                     probe.reset()
-                    print(top_ops(llm, prompt, probe, args.top_ops), flush=True)
+                    print(top_ops(llm, prompt, probe, args.top_ops, args.cold), flush=True)
     finally:
         probe.close()
         probe.streamer.close()
@@ -269,6 +270,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-lens", default="512,2048", help="prompt lengths (default 512,2048)")
     parser.add_argument("--reps", type=int, default=2, help="timed prefills per case, the fastest shown (default 2)")
     parser.add_argument("--top-ops", type=int, default=12, help="torch.profiler rows per case (0: no profiler run)")
+    parser.add_argument("--cold", action="store_true",
+                        help="empty the streamer's two slots before each prefill (every layer copied)")
     parser.add_argument("--seed", type=int, default=0)
     add_engine_arguments(parser)
     return parser.parse_args(argv)

@@ -76,7 +76,7 @@ def test_layers_alternate_between_two_slots_and_a_repeat_reuses_its_slot():
     for layer in (1, 2, 4, 4):
         outs.setdefault(layer, []).append(streamer.run(layer, x, ids, w, mask, F.silu))
         assert layer in streamer.slot_layer
-    assert streamer.slot_layer == [4, 2] or streamer.slot_layer == [2, 4]
+    assert sorted(streamer.slot_layer) == [1, 4]  # after the last layer, the first is staged for the next step
     assert torch.equal(outs[4][0], outs[4][1])
     fresh = PrefillStreamer({2: engines[2]}, "cpu", min_tokens=1).run(2, x, ids, w, mask, F.silu)
     assert torch.equal(outs[2][0], fresh)

@@ -20,7 +20,7 @@ def _mean_row(text: str, title: str) -> dict[str, float]:
 
 
 def test_streaming_on_and_off_put_the_experts_time_where_they_ran(capsys):
-    argv = ["--synthetic", "qwen3_moe:tiny", "--layers", "1", "--prompt-lens", "24", "--reps", "1", "--top-ops", "0",
+    argv = ["--synthetic", "qwen3_moe:tiny", "--layers", "1", "--prompt-lens", "24", "--reps", "1", "--top-ops", "0", "--cold",
             "--device", "cpu", "--dtype", "bfloat16", "--expert-backend", "native", "--expert-format", "int8",
             "--gpu-experts-per-layer", "1"]
     assert PROFILE["main"](argv) == 0

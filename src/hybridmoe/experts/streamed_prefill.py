@@ -9,6 +9,9 @@ decides whether and from where), a layer's CPU share runs on the GPU instead:
                compute      [wait copy L] [dequantize + experts of L from slot A]
     layer L+1: compute      [wait copy L+1] [... slot B] ; copy L+2 -> slot A after L's compute
 
+After the last layer comes the first again: its copy overlaps the end of this step and the start of
+the next (a long prompt's next chunk, or the next prompt), so no layer's copy waits in the open.
+
 The packed bytes are copied as the CPU engine holds them (CpuExperts.packed_state(): a quarter
 of bf16's for int4), from host memory registered with cudaHostRegister (async DMA, no bounce
 copy; pageable copies with a log line when registering fails), into two device slots each the
@@ -221,10 +224,8 @@ class PrefillStreamer:
         self.current = layer
         if self.copied[slot] is not None:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
-        if self.prefetch_next:
-            nxt = self.order.index(layer) + 1
-            if nxt < len(self.order):
-                self._stage(self.order[nxt])
+        if self.prefetch_next:  # after the last layer the first, whose copy then overlaps the next step's start
+            self._stage(self.order[(self.order.index(layer) + 1) % len(self.order)])
         host = self.layers[layer]
         out = routed_experts(host.layout, self._slot_views(slot, host), hidden, ids, weights, mask, act)
         if self.freed[slot] is not None:
