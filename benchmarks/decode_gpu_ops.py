@@ -6,8 +6,9 @@
 Loads a random-weight checkpoint of PRESET cut to N layers (written to /dev/shm, as e2e.py does), prefills
 one prompt per batch row and decodes one token through the engine (so the decode step's buffers hold a real
 step), then, on the decode step the engine runs (fixed shapes on CUDA, the model's eager forward elsewhere),
-for each path (fused: RMSNorm with its residual add, the router's top-k and the hybrid split and sum as
-one Triton kernel each, MoECausalLM.fuse_decode_kernels; unfused: the torch ops they replace):
+for each path (fused: RMSNorm with its residual add, attention's q/k norms + rotary + cache writes, the
+router's top-k, the hybrid split and sum as one Triton kernel each, MoECausalLM.fuse_decode_kernels;
+unfused: the torch ops they replace):
   - profiles one eager step: per decoder layer the GPU kernels, copies and memsets it launches and their
     GPU time (torch profiler; a launch belongs to the layer whose forward was running on the host), the
     last MoE layer's kernels by name, and its top-level torch ops (on the CPU, the only column);
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     parser.add_argument("--reps", type=int, default=200, help="graph replays timed (default 200)")
     parser.add_argument("--paths", default="unfused,fused",
-                        help="fused (one kernel per norm, router, hybrid split and sum), unfused (their torch ops), "
+                        help="fused (Triton kernels for norms, rotary, router, hybrid split and sum), unfused (torch), "
                              "or both, measured side by side (default unfused,fused)")
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
     args = parser.parse_args(argv)

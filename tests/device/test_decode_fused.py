@@ -1,7 +1,7 @@
 """The decode step's fused Triton kernels on CUDA against the torch ops they replace: RMSNorm with and
 without its residual add, the router's softmax top-k, the hybrid split of a step's slots and the sum
-of its two partial outputs; each eagerly and as a CUDA graph replay; then a model decoding with them
-against the same model with them off. Runs on the GPU host through scripts/device_check.sh.
+of its two partial outputs (eagerly and as a CUDA graph replay); attention's q/k norms, rotary and
+cache writes; then a model decoding with them against the same model with them off. Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, E experts, K experts per token, H hidden, D normalized size.
 """
@@ -11,7 +11,9 @@ import torch
 
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
+from hybridmoe.engine.context import Context, DecodeBatch, use_context
 from hybridmoe.experts.decode_fused import split_slots, sum_parts
+from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.moe import softmax_topk
 from hybridmoe.layers.norm import RMSNorm
 
@@ -136,6 +138,38 @@ def test_fused_kernels_replayed_in_a_graph_equal_eager():
     torch.cuda.synchronize()
     for got, want in zip(replayed, step()):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_attention_with_norms_rotary_and_cache_writes_fused_equals_torch(qk_norm, dtype):
+    """A prefill of two sequences, then a fixed-shape decode step: the same outputs and caches."""
+    torch.manual_seed(0)
+    layers = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        a = Attention(256, 8, 2, 64, {"rope_type": "default", "rope_theta": 1e6},
+                      qk_norm_eps=1e-6 if qk_norm else None).to("cuda", dtype)
+        if qk_norm:
+            with torch.no_grad():
+                a.q_norm.weight.add_(0.1 * torch.randn(64, device="cuda"))
+                a.k_norm.weight.add_(0.1 * torch.randn(64, device="cuda"))
+        a.allocate_kv_cache(3, 64)
+        a.fused = fused
+        layers.append(a)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
+    prefill = Context(slot_ids=[2, 0], start_pos=[0, 0], cu_seqlens=[0, 4, 7])
+    decode = Context(slot_ids=[], start_pos=[], cu_seqlens=[0], decode=DecodeBatch(
+        torch.tensor([2, 0], device="cuda"), torch.tensor([5, 4], device="cuda"), 64))
+    outs = []
+    for a in layers:
+        with use_context(prefill):
+            p = a(x, torch.tensor([0, 1, 2, 3, 0, 1, 2], device="cuda"))
+        with use_context(decode):
+            d = a(x[:2], torch.tensor([4, 3], device="cuda"))
+        outs.append((p, d, a.kv_cache.k, a.kv_cache.v))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)

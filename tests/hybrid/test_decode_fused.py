@@ -70,7 +70,7 @@ def test_fuse_decode_kernels_switches_every_fused_part():
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(config, experts)
     parts = [m for m in [*model.modules(), model.experts] if hasattr(m, "fused")]
-    assert {type(m).__name__ for m in parts} == {"RMSNorm", "SparseMoeBlock", "HybridExperts"}
+    assert {type(m).__name__ for m in parts} == {"RMSNorm", "Attention", "SparseMoeBlock", "HybridExperts"}
     model.fuse_decode_kernels(False)
     assert not any(m.fused for m in parts)
     model.fuse_decode_kernels(True)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.engine.context import Context, get_context
+from hybridmoe.experts.gpu_experts import HAVE_TRITON
 from hybridmoe.layers.linear import MergedLinear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
@@ -82,11 +83,21 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
         if any(ctx.start_pos):
             raise RuntimeError("decoding past position 0 needs a KV cache: call allocate_kv_cache first")
         return _attend_uncached(q, k, v, ctx, scale, sliding_window)
-    idx = _step_index(ctx, q.device)
-    if idx.max_seq_len > cache.max_len:
-        raise RuntimeError(f"a sequence reaches {idx.max_seq_len} tokens but the KV cache holds {cache.max_len}")
+    idx = _cache_index(ctx, cache, q.device)
     cache.k[idx.token_slot, idx.token_pos] = k
     cache.v[idx.token_slot, idx.token_pos] = v
+    return _attend_cached(q, cache, ctx, idx, scale, sliding_window)
+
+
+def _cache_index(ctx: Context, cache: KVCache, device: torch.device) -> _StepIndex:
+    idx = _step_index(ctx, device)
+    if idx.max_seq_len > cache.max_len:
+        raise RuntimeError(f"a sequence reaches {idx.max_seq_len} tokens but the KV cache holds {cache.max_len}")
+    return idx
+
+
+def _attend_cached(q, cache, ctx, idx, scale, sliding_window):
+    """The step's queries q [T, Hq, Dk] over their sequences' caches, this step's keys already written."""
     if ctx.decode is not None or ctx.is_decode:
         return _attend_decode(q, cache, idx, scale, sliding_window)
     out = []
@@ -155,6 +166,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.rotary = RotaryEmbedding(head_dim, rope)
         self.kv_cache: KVCache | None = None
+        self.fused = True  # norms, rotary and cache writes in one kernel on CUDA (rope_triton.py)
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.o_proj.weight
@@ -163,8 +175,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H], positions [T] -> [T, H]."""
         t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        if self.fused and HAVE_TRITON and x.is_cuda and self.kv_cache is not None:
+            return self.o_proj(self._fused_attention(qkv, positions).reshape(t, self.num_heads * self.head_dim))
         cos, sin = self.rotary(positions, x.dtype)
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -173,3 +188,18 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = cached_attention(q, k, v, self.kv_cache, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def _fused_attention(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """forward's path from qkv [T, (Hq + 2 Hkv) D] to the attention output [T, Hq, D], with q/k norms,
+        rotary and the cache writes in one kernel."""
+        from hybridmoe.layers.rope_triton import triton_norm_rope_cache
+
+        ctx, cache = get_context(), self.kv_cache
+        idx = _cache_index(ctx, cache, qkv.device)
+        norm = hasattr(self, "q_norm")
+        q = triton_norm_rope_cache(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight if norm else None,
+            self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0, positions,
+            self.rotary.inv_freq(qkv.device), self.rotary.attention_scaling, cache.k, cache.v,
+            idx.token_slot, idx.token_pos)
+        return _attend_cached(q, cache, ctx, idx, self.scale, self.sliding_window)

@@ -59,9 +59,13 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):  # real numbers even while the model is built on the meta device
             self._inv_freq, self.attention_scaling = ROPE_INIT[rope_type](rope_parameters, dim)
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """[D / 2] float32 on device (copied there once)."""
+        if self._inv_freq.device != device:
+            self._inv_freq = self._inv_freq.to(device)
+        return self._inv_freq
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)

@@ -177,9 +177,10 @@ class MoECausalLM(nn.Module):
         return self.model.norm(h)
 
     def fuse_decode_kernels(self, on: bool) -> None:
-        """On CUDA with triton, run RMSNorm (with its residual add), the router's top-k and the hybrid
-        experts' fixed-shape glue as one kernel each (on: the default), or as the torch ops they
-        stand for (off: the reference, which benchmarks/decode_gpu_ops.py sets side by side)."""
+        """On CUDA with triton, run RMSNorm (with its residual add), attention's q/k norms + rotary +
+        cache writes, the router's top-k and the hybrid experts' fixed-shape glue as one kernel each
+        (on: the default), or as the torch ops they stand for (off: the reference, which
+        benchmarks/decode_gpu_ops.py sets side by side)."""
         for module in [*self.modules(), self.experts]:
             if hasattr(module, "fused"):
                 module.fused = on
