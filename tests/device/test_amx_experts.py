@@ -48,16 +48,18 @@ def test_amx_matches_reference_on_held_weights(fmt, T):
     assert ((out - avx).norm() / avx.norm()).item() < KERNEL_TOL[fmt]
 
 
+@pytest.mark.parametrize("h, i", [(H, I), (2048, 320)])
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_amx_equals_its_emulation(fmt):
+def test_amx_equals_its_emulation(fmt, h, i):
     # The CPU tests check amx_kernels.inc through the emulated tiles; this holds the real
-    # instructions to the emulation (only fp32 summation order may differ).
+    # instructions to the emulation (only fp32 summation order may differ). H 2048: several K
+    # chunks; I 320: int8's h in three scale groups, the last one partial.
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(300, H, generator=g)
+    x = torch.randn(300, h, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(300)])
     w = torch.rand(300, K, generator=g)
-    out = layer(fmt, "amx").forward(x, ids, w)
-    emu = layer(fmt, "amx_emulated").forward(x, ids, w)
+    out = layer(fmt, "amx", H=h, I=i).forward(x, ids, w)
+    emu = layer(fmt, "amx_emulated", H=h, I=i).forward(x, ids, w)
     assert ((out - emu).norm() / emu.norm()).item() < 1e-4
 
 
