@@ -1,7 +1,7 @@
 """The decode step's fused Triton kernels on CUDA against the torch ops they replace: RMSNorm with and
 without its residual add, the router's softmax top-k, the hybrid split of a step's slots and the sum
 of its two partial outputs (eagerly and as a CUDA graph replay); attention's q/k norms, rotary and
-cache writes; then a model decoding with them against the same model with them off. Runs on the GPU host through scripts/device_check.sh.
+cache writes, and decode attention; then a model decoding with them against the same model with them off. Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, E experts, K experts per token, H hidden, D normalized size.
 """
@@ -141,15 +141,16 @@ def test_fused_kernels_replayed_in_a_graph_equal_eager():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("qk_norm", [True, False])
-def test_attention_with_norms_rotary_and_cache_writes_fused_equals_torch(qk_norm, dtype):
-    """A prefill of two sequences, then a fixed-shape decode step: the same outputs and caches."""
+@pytest.mark.parametrize("qk_norm,window", [(True, None), (False, None), (True, 3)])
+def test_attention_fused_equals_torch(qk_norm, window, dtype):
+    """A prefill of two sequences, then a fixed-shape decode step (norms, rotary and cache writes in one
+    kernel, the decode step's attention in another): the same outputs and caches."""
     torch.manual_seed(0)
     layers = []
     for fused in (True, False):
         torch.manual_seed(0)
         a = Attention(256, 8, 2, 64, {"rope_type": "default", "rope_theta": 1e6},
-                      qk_norm_eps=1e-6 if qk_norm else None).to("cuda", dtype)
+                      qk_norm_eps=1e-6 if qk_norm else None, sliding_window=window).to("cuda", dtype)
         if qk_norm:
             with torch.no_grad():
                 a.q_norm.weight.add_(0.1 * torch.randn(64, device="cuda"))

@@ -96,8 +96,13 @@ def _cache_index(ctx: Context, cache: KVCache, device: torch.device) -> _StepInd
     return idx
 
 
-def _attend_cached(q, cache, ctx, idx, scale, sliding_window):
-    """The step's queries q [T, Hq, Dk] over their sequences' caches, this step's keys already written."""
+def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = False):
+    """The step's queries q [T, Hq, Dk] over their sequences' caches, this step's keys already written.
+    fused: a decode step in one Triton kernel (decode_attention_triton.py; q on CUDA)."""
+    if (ctx.decode is not None or ctx.is_decode) and fused:
+        from hybridmoe.layers.decode_attention_triton import triton_decode_attention
+
+        return triton_decode_attention(q, cache.k, cache.v, idx.seq_slot, idx.seq_len, scale, sliding_window)
     if ctx.decode is not None or ctx.is_decode:
         return _attend_decode(q, cache, idx, scale, sliding_window)
     out = []
@@ -166,7 +171,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.rotary = RotaryEmbedding(head_dim, rope)
         self.kv_cache: KVCache | None = None
-        self.fused = True  # norms, rotary and cache writes in one kernel on CUDA (rope_triton.py)
+        self.fused = True  # on CUDA: norms, rotary and cache writes in one kernel, decode attention in one
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.o_proj.weight
@@ -191,7 +196,7 @@ class Attention(nn.Module):
 
     def _fused_attention(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """forward's path from qkv [T, (Hq + 2 Hkv) D] to the attention output [T, Hq, D], with q/k norms,
-        rotary and the cache writes in one kernel."""
+        rotary and the cache writes in one kernel, and a decode step's attention in another."""
         from hybridmoe.layers.rope_triton import triton_norm_rope_cache
 
         ctx, cache = get_context(), self.kv_cache
@@ -202,4 +207,4 @@ class Attention(nn.Module):
             self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0, positions,
             self.rotary.inv_freq(qkv.device), self.rotary.attention_scaling, cache.k, cache.v,
             idx.token_slot, idx.token_pos)
-        return _attend_cached(q, cache, ctx, idx, self.scale, self.sliding_window)
+        return _attend_cached(q, cache, ctx, idx, self.scale, self.sliding_window, fused=True)
