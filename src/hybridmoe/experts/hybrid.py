@@ -165,7 +165,7 @@ class HybridExperts(ExpertBackend):
         self._deferred = DeferredOutputs(num_layers)
         self._fixed_tokens = 0  # steps of at most this many tokens run in fixed shapes (use_fixed_shapes)
         self._handoffs: dict[tuple[bool, int], tuple] = {}  # (deferred?, layer) -> (CudaHandoff, width)
-        self.fused = True  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
+        self.fused = False  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
 
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
         E = gate_proj.shape[0]

@@ -1,8 +1,8 @@
 """RMSNorm as Llama-family checkpoints define it: normalize in float32, scale in the input dtype.
 
-On CUDA with triton (and `fused`, the default) it runs as one kernel (norm_triton.py), with the
-residual add before it folded in when a residual is passed; elsewhere, and with fused False, as
-the torch ops below (the reference, and what the CPU runs).
+On CUDA with triton and `fused` (MoECausalLM.fuse_decode_kernels) it runs as one kernel
+(norm_triton.py), with the residual add before it folded in when a residual is passed; elsewhere,
+and with fused False, as the torch ops below (the reference, and what the CPU runs).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fused = True
+        self.fused = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., D] -> norm(x); with residual [..., D]: (norm(x + residual), x + residual)."""
