@@ -58,8 +58,8 @@ def triton_split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.T
     _split_slots_kernel[(1,)](
         ids, weights, on_gpu.view(torch.uint8), local, gpu_ids, gpu_mask.view(torch.uint8),
         cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, T, K, width,
-        BLOCK_T=triton.next_power_of_2(T), BLOCK_K=triton.next_power_of_2(K),
-        BLOCK_W=triton.next_power_of_2(max(width, 1)), HAS_CPU=width > 0)
+        BLOCK_T=max(2, triton.next_power_of_2(T)), BLOCK_K=max(2, triton.next_power_of_2(K)),
+        BLOCK_W=max(2, triton.next_power_of_2(width)), HAS_CPU=width > 0)
     return gpu_ids, gpu_mask, cpu_ids, cpu_w
 
 

@@ -47,5 +47,5 @@ def triton_softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bo
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     _softmax_topk_kernel[(T,)](logits, weights, ids, E, logits.stride(0), K=top_k, RENORMALIZE=renormalize,
-                               BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k))
+                               BLOCK_E=triton.next_power_of_2(E), BLOCK_K=max(2, triton.next_power_of_2(top_k)))
     return weights, ids
