@@ -1,6 +1,6 @@
 """The decode step's fused Triton kernels on CUDA against the torch ops they replace: RMSNorm with and
 without its residual add, the router's softmax top-k, the hybrid split of a step's slots and the sum
-of its two partial outputs (eagerly and as a CUDA graph replay); attention's q/k norms, rotary and
+of its two partial outputs (eagerly and as a CUDA graph replay, alone and in a hybrid layer); attention's q/k norms, rotary and
 cache writes, and decode attention; then a model decoding with them against the same model with them off. Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, E experts, K experts per token, H hidden, D normalized size.
@@ -12,7 +12,10 @@ import torch
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.engine.context import Context, DecodeBatch, use_context
+from hybridmoe.experts.cpu_experts import CpuExperts
 from hybridmoe.experts.decode_fused import split_slots, sum_parts
+from hybridmoe.experts.hybrid import HybridExperts
+from hybridmoe.experts.placement import Footprint, PlacementPlan
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.moe import softmax_topk
 from hybridmoe.layers.norm import RMSNorm
@@ -138,6 +141,38 @@ def test_fused_kernels_replayed_in_a_graph_equal_eager():
     torch.cuda.synchronize()
     for got, want in zip(replayed, step()):
         assert torch.equal(got, want)
+
+
+def hybrid_backend(gpu_ids: list[int], fused: bool) -> HybridExperts:
+    E, H, I, K = 8, 64, 32, 3
+    fp = Footprint(0, 0, 0, 3 * I * H * 4, [0], E, K, H, I)
+    b = HybridExperts(PlacementPlan(fp, None, "test", {0: gpu_ids} if gpu_ids else {}), "cuda",
+                      lambda g, u, d: CpuExperts(g, u, d, format="bf16", threads=2), num_layers=1)
+    g = torch.Generator().manual_seed(0)
+    b.set_layer(0, torch.randn(E, I, H, generator=g) / 8, torch.randn(E, I, H, generator=g) / 8,
+                torch.randn(E, H, I, generator=g) / 6)
+    b.fused = fused
+    return b
+
+
+@pytest.mark.parametrize("gpu_ids", [[], [0, 3, 5], [0, 1, 2, 3, 4, 5], list(range(8))])
+@pytest.mark.parametrize("T", [1, 6])
+def test_hybrid_layer_with_fused_glue_equals_the_synchronous_path_eager_and_replayed(T, gpu_ids):
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 64, generator=g).cuda()
+    w, ids = torch.randn(T, 8, generator=g).softmax(-1).topk(3, dim=-1)
+    ids, w = ids.cuda(), w.cuda()
+    want = hybrid_backend(gpu_ids, False).forward(0, x, ids, w)
+    fixed = hybrid_backend(gpu_ids, True)
+    assert fixed.use_fixed_shapes(8, torch.float32)
+    torch.testing.assert_close(fixed.forward(0, x, ids, w), want, atol=1e-4, rtol=1e-4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fixed.forward(0, x, ids, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    fixed.check()
+    torch.testing.assert_close(replayed, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
