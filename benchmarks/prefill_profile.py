@@ -1,18 +1,21 @@
-"""Where one prefill step's time goes, per layer, with prefill streaming forced on and off, same engine.
+"""Where one prefill step's time goes, per layer, with prefill streaming on, all streamed, and off, same engine.
 
     python benchmarks/prefill_profile.py --synthetic qwen3-30b-a3b --layers 4 --formats int4,bf16 \\
         --prompt-lens 512,2048 --device cuda --gpu-memory-budget 16GiB
     python benchmarks/prefill_profile.py --synthetic qwen3_moe:tiny --prompt-lens 16,32 --device cpu \\
         --dtype bfloat16 --expert-format bf16 --gpu-experts-per-layer 1          # CPU smoke run
 
-One load per format (prefill_streaming "on", the streamer detached for "off"; GPU experts per layer as
-the full-depth model gets under the budget, as benchmarks/e2e.py does), one prompt per length,
+One load per format (prefill_streaming "on"; --modes: "on" as loaded, where on a GPU the CPU engine
+keeps the share of each layer's experts the costs measured at load give it, "all" with every CPU
+expert streamed, "off" with the streamer detached; GPU experts per layer as the full-depth model gets
+under the budget, as benchmarks/e2e.py does), one prompt per length,
 warmed up once, then the fastest of --reps prefills (one request, max_tokens 1) is shown. Each part
 is timed where it runs, without adding a host sync: CUDA events on the compute stream for the decoder
 layer, its attention and its MoE block (router, both expert shares, the join), the GPU-resident
 experts' share and the streamed share (its wait for the copy, then "stream math": grouping,
-dequantizing and the expert matmuls); CUDA events on the copy stream for each layer's copy (GB/s
-from its bytes; layer 0's is the one started by the previous prefill's last layer); the host clock from the CPU engine's submit to its wait's return ("CPU experts").
+dequantizing and the expert matmuls; the streamed share also joins the CPU's); CUDA events on the
+copy stream for each layer's copy (GB/s from its bytes; layer 0's is the one started by the previous
+prefill's last layer); the host clock from the CPU engine's submit to its wait's return ("CPU experts").
 "rest" is the layer minus attention and MoE block (norms, residuals); "non-layer" is the request's
 wall time minus its layers (embedding, lm_head, sampling, scheduling). On the CPU device every time
 is the host clock. Then one more prefill of each under torch.profiler prints its costliest ops.
@@ -31,7 +34,6 @@ import torch
 
 import hybridmoe.experts.hybrid as hybrid_mod
 import hybridmoe.experts.streamed_prefill as streamed_mod
-from hybridmoe.experts.streamed_prefill import measured_threshold
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
 from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
@@ -138,16 +140,19 @@ class Probe:
     def _wrap_stage(self, streamer) -> None:
         stage = streamer._stage
 
-        def timed_stage(layer: int) -> int:
-            if layer in streamer.slot_layer:
-                return stage(layer)
-            self.spans.copied_bytes[layer] += streamer.layers[layer].nbytes
+        def timed_stage(layer: int, first: int = 0) -> int:
+            staged = layer in streamer.slot_layer
+            if staged and streamer.slot_first[streamer.slot_layer.index(layer)] <= first:
+                return stage(layer, first)
+            host = streamer.layers[layer]
+            self.spans.copied_bytes[layer] += host.nbytes * (host.layout.E - first) // host.layout.E
             stream = streamer.copy_stream
             if stream is not None:  # the copy starts once the slot is free: time it from there
-                slot = 1 if streamer.slot_layer[0] == streamer.current else 0
+                slot = streamer.slot_layer.index(layer) if staged else \
+                    1 if streamer.slot_layer[0] == streamer.current else 0
                 stream.wait_event(streamer.freed[slot])
             self.spans.begin((layer, "copy"), stream=stream)
-            slot = stage(layer)
+            slot = stage(layer, first)
             self.spans.end((layer, "copy"), stream=stream)
             return slot
 
@@ -238,18 +243,20 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
     if probe.streamer is None:
         raise HybridMoEError("no prefill streamer was attached (streaming needs the native engine and a GPU "
                              "split: --gpu-memory-budget or --gpu-experts-per-layer)")
-    if probe.cuda:
-        engines = {i: probe.backend.cpu_engine(i) for i in probe.backend.layers()}
-        tokens, why = measured_threshold({i: e for i, e in engines.items() if e is not None},
-                                         probe.backend.plan.footprint.top_k, probe.backend.device)
-        print(f"# auto would stream from {tokens} tokens: {why}", flush=True)
+    costs = probe.streamer.costs
+    if costs is not None:
+        E = max(h.layout.E for h in probe.streamer.layers.values())
+        print(f"# measured at load: CPU {1e3 * costs.cpu_fixed:.2f} ms + {1e6 * costs.cpu_per_token:.2f} us a token, "
+              f"streamed {1e3 * costs.stream:.2f} ms a layer; auto streams from {costs.threshold()} tokens; the CPU "
+              f"keeps " + ", ".join(f"{costs.cpu_experts(E, n)} of {E} experts at {n}" for n in lens), flush=True)
     layers = list(range(len(probe.model.model.layers)))
     gen = torch.Generator().manual_seed(args.seed)
     try:
         for n in lens:
             prompt = torch.randint(0, llm.engine.vocab_size, (n,), generator=gen).tolist()
-            for mode in ("on", "off"):
-                probe.backend.stream_long_steps(probe.streamer if mode == "on" else None)
+            for mode in args.modes.split(","):
+                probe.backend.stream_long_steps(probe.streamer if mode != "off" else None)
+                probe.streamer.costs = costs if mode == "on" else None
                 wall, ms, copied = profile_once(llm, prompt, probe, args.reps, args.cold)
                 print("\n".join(table(f"{fmt or ec.expert_format}, {n} tokens, streaming {mode}", wall, ms,
                                       copied, layers, n, args.depth)), flush=True)
@@ -270,6 +277,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-lens", default="512,2048", help="prompt lengths (default 512,2048)")
     parser.add_argument("--reps", type=int, default=2, help="timed prefills per case, the fastest shown (default 2)")
     parser.add_argument("--top-ops", type=int, default=12, help="torch.profiler rows per case (0: no profiler run)")
+    parser.add_argument("--modes", default="on,all,off",
+                        help="on: streaming as loaded (the CPU keeps its measured share of each layer's experts), "
+                             "all: every CPU expert streamed, off: no streaming (default on,all,off)")
     parser.add_argument("--cold", action="store_true",
                         help="empty the streamer's two slots before each prefill (every layer copied)")
     parser.add_argument("--seed", type=int, default=0)

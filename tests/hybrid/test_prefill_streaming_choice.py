@@ -1,6 +1,6 @@
-"""The automatic prefill-streaming decision (system/auto.py), the token count the loader then measures
-(streamed_prefill.measured_threshold, attach), and the device memory placement sets aside for it
-(experts/placement.py through streamed_prefill.reserved_bytes)."""
+"""The automatic prefill-streaming decision (system/auto.py), the costs the loader then measures and what
+they decide (streamed_prefill.measured_costs, StepCosts, attach), and the device memory placement sets
+aside for streaming (experts/placement.py through streamed_prefill.reserved_bytes)."""
 
 from dataclasses import replace
 
@@ -128,14 +128,22 @@ def cpu_time(monkeypatch):
     return set_times
 
 
-def test_the_measured_threshold_is_where_the_fitted_cpu_time_passes_a_streamed_layer(cpu_time):
+def test_the_cpu_keeps_the_share_that_ends_with_the_device_and_streaming_starts_where_it_saves_a_third():
+    costs = streamed_prefill.StepCosts(cpu_fixed=0.002, cpu_per_token=1e-5, stream=0.004)
+    assert costs.cpu(600) == pytest.approx(0.008)
+    assert costs.cpu_experts(96, 600) == 32  # 96 x 4 / (8 + 4): 32 x 8/96 ms on the CPU = 64 x 4/96 streamed
+    assert costs.threshold() == 128  # 2 ms >= 4 / 2 from the first token, but the fit starts at 128
+    assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004).threshold() == 200
+
+
+def test_measured_costs_fit_the_cpu_engine_and_take_the_copy(cpu_time):
     E, H, I = 4, 64, 32
     engine = cpu_experts.CpuExperts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I),
                                     format="int8", threads=1)
     cpu_time(fixed=0.004, per_token=1e-5, pcie=engine.packed_bytes / 0.01)  # a layer's copy: 10 ms
-    tokens, why = streamed_prefill.measured_threshold({0: engine}, 2, "cuda")
-    assert abs(tokens - 600) <= 1  # 4 ms + 600 x 10 us = 10 ms
-    assert "measured at load" in why
+    costs, why = streamed_prefill.measured_costs({0: engine}, 2, "cuda")
+    assert costs.cpu_fixed == pytest.approx(0.004) and costs.cpu_per_token == pytest.approx(1e-5)
+    assert costs.stream == pytest.approx(0.01) and "measured at load" in why
 
 
 def test_a_real_cpu_step_is_timed():
@@ -153,12 +161,12 @@ def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, 
     backend = load_model(path, ec).experts
     auto_on = replace(ec, prefill_streaming="on", prefill_streaming_tokens=None)
     layer_bytes = max(backend.cpu_engine(layer).packed_bytes for layer in backend.layers())
-    cpu_time(fixed=0.0, per_token=1e-5, pcie=layer_bytes / 0.002)  # 2 ms a layer: from 200 tokens
+    cpu_time(fixed=0.0, per_token=1e-5, pcie=layer_bytes / 0.004)  # 4 ms a layer: from 200 tokens
     attached = streamed_prefill.attach(backend, auto_on)
     assert attached.prefill_streaming == "on" and abs(attached.prefill_streaming_tokens - 200) <= 1
     streamers = {backend._layers[layer].streamer for layer in backend.layers()}
     assert len(streamers) == 1 and next(iter(streamers)).min_tokens == attached.prefill_streaming_tokens
     backend.stream_long_steps(None)
-    cpu_time(fixed=0.0, per_token=1e-5, pcie=layer_bytes / 0.1)  # 100 ms a layer: 10000 tokens > 1024
+    cpu_time(fixed=0.0, per_token=1e-5, pcie=layer_bytes / 0.1)  # 100 ms a layer: 5000 tokens > 1024
     assert streamed_prefill.attach(backend, auto_on).prefill_streaming == "off"
     assert all(backend._layers[layer].streamer is None for layer in backend.layers())

@@ -55,6 +55,25 @@ def test_experts_dequantized_a_few_at_a_time_give_the_same_sum(fmt, monkeypatch)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
+def test_a_step_split_with_the_cpu_engine_gives_the_same_sum_and_copies_only_the_devices_experts():
+    engine = _layer("bf16", E=8)
+    x = torch.randn(40, 64)
+    ids, w, mask = _routing(40, 3, 8)
+    whole = PrefillStreamer({0: engine}, "cpu", min_tokens=1).run(0, x, ids, w, mask, F.silu)
+    costs = streamed_prefill.StepCosts(cpu_fixed=0.0, cpu_per_token=3e-3 / 40, stream=1e-3)  # CPU: 8 x 1/4 experts
+    assert costs.cpu_experts(8, 40) == 2
+    split = PrefillStreamer({0: engine}, "cpu", min_tokens=1, costs=costs)
+    for slot in split.slots:
+        slot.zero_()
+    got = split.run(0, x, ids, w, mask, F.silu)
+    assert ((got - whole).norm() / whole.norm()).item() < 2e-2  # the CPU engine computes its share in bf16
+    host = split.layers[0]
+    for name, view in split._slot_views(split.slot_layer.index(0), host).items():
+        per_expert = view.numel() // 8
+        assert not view[:2 * per_expert].any()  # experts 0 and 1: the CPU's, never copied
+        assert torch.equal(view[2 * per_expert:], host.buffers[name][2 * per_expert:])
+
+
 def test_a_bf16_step_computes_in_bf16_against_the_native_engine():
     engine = _layer("bf16")
     x = torch.randn(33, 64).to(torch.bfloat16)

@@ -32,7 +32,7 @@ import math
 import os
 import time
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -96,23 +96,27 @@ def reserved_bytes(engine_config, E: int, H: int, I: int, top_k: int) -> int:
 
 def attach(backend, engine_config):
     """Give a HybridExperts backend a PrefillStreamer when engine_config (resolved) says "on" and its CPU
-    engines are native. Returns engine_config as attached: with prefill_streaming_tokens measured here
-    when it was left None (measured_threshold), or prefill_streaming "off" when that measurement finds
-    the CPU faster on every step up to max_num_batched_tokens (or no streamer can run)."""
+    engines are native; on CUDA with the layer's costs measured here (measured_costs), which set how
+    many experts the CPU keeps in each streamed step. Returns engine_config as attached: with
+    prefill_streaming_tokens from those costs when it was left None (StepCosts.threshold), or
+    prefill_streaming "off" when they find the CPU faster on every step up to max_num_batched_tokens
+    (or no streamer can run)."""
     if engine_config.prefill_streaming != "on" or not hasattr(backend, "stream_long_steps"):
         return engine_config
     engines = {layer: backend.cpu_engine(layer) for layer in backend.layers()}
     engines = {layer: e for layer, e in engines.items() if e is not None}
     if not engines or not all(hasattr(e, "packed_state") for e in engines.values()):
         return replace(engine_config, prefill_streaming="off")
-    tokens = engine_config.prefill_streaming_tokens
+    costs, tokens = None, engine_config.prefill_streaming_tokens
+    if torch.device(backend.device).type == "cuda" or tokens is None:
+        costs, why = measured_costs(engines, backend.plan.footprint.top_k, backend.device)
     if tokens is None:
-        tokens, why = measured_threshold(engines, backend.plan.footprint.top_k, backend.device)
+        tokens = costs.threshold()
         if tokens > engine_config.max_num_batched_tokens:
             log.info("prefill streaming off: %s", why)
             return replace(engine_config, prefill_streaming="off")
         log.info("prefill streaming from %d tokens: %s", tokens, why)
-    streamer = PrefillStreamer(engines, backend.device, tokens)
+    streamer = PrefillStreamer(engines, backend.device, tokens, costs)
     backend.stream_long_steps(streamer)
     log.info("prefill steps of %d+ tokens stream each layer's CPU experts to %s (%s per layer slot)",
              streamer.min_tokens, backend.device, format_bytes(streamer.slot_bytes))
@@ -120,7 +124,7 @@ def attach(backend, engine_config):
 
 
 CPU_TIMING_TOKENS = (128, 512)
-"""Steps the CPU engine is timed at, at load, for measured_threshold: its time is near affine in the
+"""Steps the CPU engine is timed at, at load, for measured_costs: its time is near affine in the
 tokens (a part per weight read, a part per token), and two points fix both."""
 
 
@@ -141,12 +145,39 @@ def cpu_step_seconds(engine, tokens: int, top_k: int, repeats: int = 2) -> float
     return best
 
 
-def measured_threshold(engines: dict, top_k: int, device) -> tuple[int, str]:
-    """Fewest tokens from which a streamed layer beats the CPU engine, and a line saying why.
+@dataclass(frozen=True)
+class StepCosts:
+    """One layer's measured costs: its CPU engine takes cpu_fixed + cpu_per_token x T seconds on a step of T
+    tokens, and the layer streamed (every CPU expert copied and run on the device) takes `stream`."""
 
-    The CPU side is measured: the engine of the layer with the most packed bytes, timed at
-    CPU_TIMING_TOKENS, fitted as a + b x tokens. The streamed side is the layer's copy at the PCIe
-    bandwidth measured once per process, or its device work if longer (streamed_layer_seconds)."""
+    cpu_fixed: float
+    cpu_per_token: float
+    stream: float
+
+    def cpu(self, tokens: int) -> float:
+        return self.cpu_fixed + self.cpu_per_token * tokens
+
+    def cpu_experts(self, experts: int, tokens: int) -> int:
+        """How many of a layer's `experts` the CPU engine keeps in a streamed step of `tokens` tokens while
+        the device streams and runs the rest: a share f of them takes f x cpu(T) on the CPU and the rest
+        (1 - f) x stream on the device, so f = stream / (cpu(T) + stream) ends both together (rounded
+        down: the device's side is the surer one)."""
+        return int(experts * self.stream / (self.cpu(tokens) + self.stream))
+
+    def threshold(self) -> int:
+        """Fewest tokens from which a streamed step, the CPU keeping its share, takes at most two thirds of
+        the CPU's time alone: cpu(T) x stream / (cpu(T) + stream) <= 2/3 cpu(T), i.e. cpu(T) >= stream / 2;
+        never below the shortest step timed (shorter ones read only their routed experts' weights, which
+        the fit does not describe)."""
+        return max(CPU_TIMING_TOKENS[0], math.ceil((self.stream / 2 - self.cpu_fixed) / self.cpu_per_token))
+
+
+def measured_costs(engines: dict, top_k: int, device) -> tuple[StepCosts, str]:
+    """The StepCosts of the layer with the most packed bytes, and a line saying how they were found.
+
+    The CPU side is measured: that layer's engine timed at CPU_TIMING_TOKENS, fitted as a + b x tokens.
+    The streamed side is its copy at the PCIe bandwidth measured once per process, or its device
+    work if longer (streamed_layer_seconds)."""
     from hybridmoe.system.auto import measured_pcie_bandwidth
 
     engine = max(engines.values(), key=lambda e: e.packed_bytes)
@@ -154,13 +185,12 @@ def measured_threshold(engines: dict, top_k: int, device) -> tuple[int, str]:
     cpu_step_seconds(engine, CPU_TIMING_TOKENS[0], top_k, repeats=1)  # wake the pool, warm the caches
     (t1, s1), (t2, s2) = ((t, cpu_step_seconds(engine, t, top_k)) for t in CPU_TIMING_TOKENS)
     per_token = max((s2 - s1) / (t2 - t1), 1e-9)
-    fixed = max(0.0, s1 - per_token * t1)
     pcie = measured_pcie_bandwidth(str(device))
-    streamed = streamed_layer_seconds(engine.packed_bytes, 3 * E * H * I, pcie)
-    tokens = max(1, math.ceil((streamed - fixed) / per_token))
-    return tokens, (f"the CPU engine took {1e3 * s1:.1f} ms at {t1} tokens and {1e3 * s2:.1f} ms at {t2} "
-                    f"(measured at load); a layer streamed takes ~{1e3 * streamed:.1f} ms ("
-                    f"{format_bytes(engine.packed_bytes)} over PCIe at {pcie / 1e9:.1f} GB/s)")
+    costs = StepCosts(max(0.0, s1 - per_token * t1), per_token,
+                      streamed_layer_seconds(engine.packed_bytes, 3 * E * H * I, pcie))
+    return costs, (f"the CPU engine took {1e3 * s1:.1f} ms at {t1} tokens and {1e3 * s2:.1f} ms at {t2} "
+                   f"(measured at load); a layer streamed takes ~{1e3 * costs.stream:.1f} ms ("
+                   f"{format_bytes(engine.packed_bytes)} over PCIe at {pcie / 1e9:.1f} GB/s)")
 
 
 class _HostLayer:
@@ -184,16 +214,20 @@ class PrefillStreamer:
     """Runs the CPU share of long steps on `device` from packed experts streamed there, layer by layer.
 
     engines: MoE layer -> its CPU engine (CpuExperts: anything with packed_state()). min_tokens:
-    steps of at least this many tokens take this path (takes()).
+    steps of at least this many tokens take this path (takes()). costs: with them, each step leaves
+    the first StepCosts.cpu_experts of a layer's experts to its CPU engine, which runs them while the
+    device copies and runs the rest; None (or the attribute set to None): every one is streamed.
     """
 
-    def __init__(self, engines: dict, device: str | torch.device, min_tokens: int):
-        self.device, self.min_tokens = torch.device(device), int(min_tokens)
+    def __init__(self, engines: dict, device: str | torch.device, min_tokens: int, costs: StepCosts | None = None):
+        self.device, self.min_tokens, self.costs = torch.device(device), int(min_tokens), costs
+        self.engines = dict(engines)
         self.layers = {layer: _HostLayer(engine) for layer, engine in sorted(engines.items())}
         self.order = sorted(self.layers)
         slot_bytes = max((h.nbytes for h in self.layers.values()), default=0)
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.slot_layer: list[int | None] = [None, None]
+        self.slot_first = [0, 0]  # the first expert whose bytes each slot holds (the rest after it)
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's bytes arrived
@@ -219,35 +253,47 @@ class PrefillStreamer:
         """sum over slots with mask of weights * expert_ids(hidden): float32 [T, H] on the device.
 
         hidden [T, H]; ids [T, K] local to the layer's CPU engine where mask [T, K] is set; weights [T, K].
+        The CPU's share (experts below `first`) starts first: its inputs come to the host (the one sync),
+        the engine runs them while the device's work is queued, and its output joins at the end.
         """
-        slot = self._stage(layer)
+        host = self.layers[layer]
+        first = self.costs.cpu_experts(host.layout.E, hidden.shape[0]) if self.costs is not None else 0
+        cpu = _CpuShare(self.engines[layer], hidden, ids, weights, mask & (ids < first)) if first else None
+        slot = self._stage(layer, first)
         self.current = layer
         if self.copied[slot] is not None:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
         if self.prefetch_next:  # after the last layer the first, whose copy then overlaps the next step's start
-            self._stage(self.order[(self.order.index(layer) + 1) % len(self.order)])
-        host = self.layers[layer]
-        out = routed_experts(host.layout, self._slot_views(slot, host), hidden, ids, weights, mask, act)
+            self._stage(self.order[(self.order.index(layer) + 1) % len(self.order)], first)
+        out = routed_experts(host.layout, self._slot_views(slot, host), hidden, ids, weights, mask & (ids >= first),
+                             act, first)
         if self.freed[slot] is not None:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
-        return out
+        return out if cpu is None else cpu.join(out)
 
-    def _stage(self, layer: int) -> int:
-        """The slot that holds (or is being filled with) layer's packed bytes; starts the copy if needed."""
-        if layer in self.slot_layer:
-            return self.slot_layer.index(layer)
-        slot = 1 if self.slot_layer[0] == self.current else 0  # never the slot being computed from
-        self.slot_layer[slot] = layer
+    def _stage(self, layer: int, first: int = 0) -> int:
+        """The slot that holds (or is being filled with) layer's packed bytes of experts first.. on; starts
+        the copy if needed (of those experts' bytes only: each buffer holds one expert after another)."""
+        if layer in self.slot_layer:  # (a step of another length may need more of its experts)
+            slot = self.slot_layer.index(layer)
+            if self.slot_first[slot] <= first:
+                return slot
+        else:
+            slot = 1 if self.slot_layer[0] == self.current else 0  # never the slot being computed from
+        self.slot_layer[slot], self.slot_first[slot] = layer, first
         host = self.layers[layer]
+        E = host.layout.E
+        pairs = [(view[view.numel() // E * first:], host.buffers[name][view.numel() // E * first:])
+                 for name, view in self._slot_views(slot, host).items()]  # (slot part, host part) per buffer
         if self.copy_stream is None:
-            for name, view in self._slot_views(slot, host).items():
-                view.copy_(host.buffers[name])
+            for dst, src in pairs:
+                dst.copy_(src)
             return slot
         self._register(host)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[slot])  # the slot's previous layer is done with it
-            for name, view in self._slot_views(slot, host).items():
-                view.copy_(host.buffers[name], non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             self.copied[slot].record(self.copy_stream)
         return slot
 
@@ -311,9 +357,39 @@ def _clear_cuda_error() -> None:
             continue
 
 
+class _CpuShare:
+    """The slots `keep` [T, K] of a streamed step, run by the layer's CPU engine while the device works.
+
+    The engine takes one row per (token, slot) pair, each with its one expert (a dense [T, Kc] would
+    have it compute every token's row up to the busiest token's count, weight 0 or not), in float32,
+    so its output needs no rounding before the sum; join() adds each row to its token's on the device.
+    """
+
+    def __init__(self, engine, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor):
+        K = ids.shape[1]
+        pairs = keep.flatten().nonzero().squeeze(1)  # [R] (the host sync)
+        self.tok = pairs // K  # [R] on the device
+        self.engine = None
+        if pairs.numel():
+            host = (hidden[self.tok].float(), ids.flatten()[pairs].view(-1, 1), weights.flatten()[pairs].view(-1, 1))
+            x, ids_r, w_r = (t.cpu() for t in host)
+            engine.submit(x, ids_r, w_r.float())
+            self.engine = engine
+
+    def join(self, out: torch.Tensor) -> torch.Tensor:
+        """out [T, H] float32 plus the CPU's rows."""
+        if self.engine is None:
+            return out
+        rows = self.engine.wait()  # [R, H] float32 on the host
+        if out.is_cuda:
+            rows = rows.pin_memory()  # so the copy is queued, not waited for
+        return out.index_add_(0, self.tok, rows.to(out.device, non_blocking=True))
+
+
 def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, mask: torch.Tensor, act) -> torch.Tensor:
+                   weights: torch.Tensor, mask: torch.Tensor, act, first: int = 0) -> torch.Tensor:
     """The masked routed experts of one layer computed from its packed buffers on x's device; float32 [T, H].
+    Only experts first.. on are read (mask must leave the others out).
 
     The layer's experts are dequantized a chunk of consecutive ids at a time into x's dtype (bf16/fp16;
     float32 stays float32), and the chunk's slots run through gpu_share (experts/gpu_experts.py): on
@@ -323,13 +399,12 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     cdtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     xc, ids = x.to(cdtype), ids.long()
     chunk = dequant_chunk_experts(layout.H, layout.I, fused=_fused_dequant(x.device))
-    out = None
-    for c0 in range(0, layout.E, chunk):
+    out = torch.zeros((x.shape[0], layout.H), dtype=torch.float32, device=x.device)
+    for c0 in range(first, layout.E, chunk):
         c1 = min(layout.E, c0 + chunk)
         gate, up, down = layout.dequantize(buffers, torch.arange(c0, c1, device=x.device), cdtype)
         inside = mask & (ids >= c0) & (ids < c1)  # [T, K] the chunk's slots
-        part = gpu_share(xc, gate, up, down, ids - c0, weights, inside, act)
-        out = part if out is None else out.add_(part)
+        out += gpu_share(xc, gate, up, down, ids - c0, weights, inside, act)
     return out
 
 
