@@ -24,9 +24,9 @@ def test_break_even_of_a_qwen3_30b_a3b_int4_layer():
     # 302 MB at 50 GB/s is 6.04 ms; 8 experts x 3 x 2048 x 768 x 2 FLOP a token at 3 TFLOP/s
     flops = 2 * 3 * 2048 * 768 * 8
     assert break_even_tokens(302_000_000 / 50e9, 3e12, flops) == 241
-    # the device's share of 128 experts' 604M weights outlasts the copy
+    # the longer of the copy and the device's share of 128 experts' 604M weights
     weights = 128 * 3 * 2048 * 768
-    assert streamed_layer_seconds(302_000_000, weights, 50e9) == weights * GPU_SECONDS_PER_WEIGHT
+    assert streamed_layer_seconds(302_000_000, weights, 1e15) == weights * GPU_SECONDS_PER_WEIGHT
     assert streamed_layer_seconds(302_000_000, weights, 5e9) == 302_000_000 / 5e9
 
 

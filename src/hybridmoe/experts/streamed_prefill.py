@@ -413,10 +413,12 @@ def _fused_dequant(device: torch.device) -> bool:
     return device.type == "cuda" and HAVE_TRITON
 
 
-GPU_SECONDS_PER_WEIGHT = 37e-12
-"""Device time a streamed layer takes per expert weight (dequantize + matmuls), measured on the H200
-with benchmarks/streamed_prefill.py: a Qwen3-30B-A3B int4 layer (604M weights, T=2048) took 22.3 ms
-a layer with the next layer's 6 ms copy overlapped (30.6 ms without the overlap)."""
+GPU_SECONDS_PER_WEIGHT = 5e-12
+"""Device time a streamed layer takes per expert weight (dequantize + matmuls) at up to 2048 tokens on
+an H200: an estimate, not yet measured, for the Triton path (one dequantizing pass of ~2.6 bytes a
+weight at ~3 TB/s, ~1 ps; grouped matmuls of 2048 x 8 slots over 128 experts at ~300 TFLOP/s,
+~1 ps), with room for launches. The torch path it replaced measured 37 ps (22.3 ms a Qwen3-30B-A3B
+int4 layer of 604M weights at T=2048, benchmarks/streamed_prefill.py)."""
 
 
 def streamed_layer_seconds(layer_bytes: int, layer_weights: int, pcie_bytes_per_s: float) -> float:
