@@ -361,29 +361,30 @@ class _CpuShare:
     """The slots `keep` [T, K] of a streamed step, run by the layer's CPU engine while the device works.
 
     The engine takes one row per (token, slot) pair, each with its one expert (a dense [T, Kc] would
-    have it compute every token's row up to the busiest token's count, weight 0 or not), in float32,
-    so its output needs no rounding before the sum; join() adds each row to its token's on the device.
+    have it compute every token's row up to the busiest token's count, weight 0 or not); join() adds
+    each row to its token's on the device.
     """
 
     def __init__(self, engine, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor):
         K = ids.shape[1]
-        pairs = keep.flatten().nonzero().squeeze(1)  # [R] (the host sync)
-        self.tok = pairs // K  # [R] on the device
+        native = torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype  # the engine's: bf16 or fp32
+        x, ids, weights, keep = (t.cpu() for t in (hidden.to(native), ids, weights, keep))  # the host sync
+        pairs = keep.flatten().nonzero().squeeze(1)  # [R]
+        tok = pairs // K
+        self.tok = tok.to(hidden.device, non_blocking=True)
         self.engine = None
         if pairs.numel():
-            host = (hidden[self.tok].float(), ids.flatten()[pairs].view(-1, 1), weights.flatten()[pairs].view(-1, 1))
-            x, ids_r, w_r = (t.cpu() for t in host)
-            engine.submit(x, ids_r, w_r.float())
+            engine.submit(x[tok], ids.flatten()[pairs].view(-1, 1), weights.flatten()[pairs].float().view(-1, 1))
             self.engine = engine
 
     def join(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, H] float32 plus the CPU's rows."""
         if self.engine is None:
             return out
-        rows = self.engine.wait()  # [R, H] float32 on the host
+        rows = self.engine.wait()  # [R, H] on the host, in the engine's dtype
         if out.is_cuda:
             rows = rows.pin_memory()  # so the copy is queued, not waited for
-        return out.index_add_(0, self.tok, rows.to(out.device, non_blocking=True))
+        return out.index_add_(0, self.tok, rows.to(out.device, non_blocking=True).float())
 
 
 def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
