@@ -246,8 +246,9 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
     costs = probe.streamer.costs
     if costs is not None:
         E = max(h.layout.E for h in probe.streamer.layers.values())
-        print(f"# measured at load: CPU {1e3 * costs.cpu_fixed:.2f} ms + {1e6 * costs.cpu_per_token:.2f} us a token, "
-              f"streamed {1e3 * costs.stream:.2f} ms a layer; auto streams from {costs.threshold()} tokens; the CPU "
+        print(f"# measured at load, a layer: CPU {1e3 * costs.cpu_fixed:.2f} ms + {1e3 * costs.cpu_per_token:.4f} ms a "
+              f"token; copy {1e3 * costs.copy:.2f} ms; device work {1e3 * costs.gpu_fixed:.2f} ms + "
+              f"{1e3 * costs.gpu_per_token:.4f} ms a token; auto streams from {costs.threshold()} tokens; the CPU "
               f"keeps " + ", ".join(f"{costs.cpu_experts(E, n)} of {E} experts at {n}" for n in lens), flush=True)
     layers = list(range(len(probe.model.model.layers)))
     gen = torch.Generator().manual_seed(args.seed)

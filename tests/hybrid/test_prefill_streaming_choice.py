@@ -119,40 +119,50 @@ def test_doctor_prints_the_streaming_decision(tiny_checkpoints, capsys):
 
 
 @pytest.fixture
-def cpu_time(monkeypatch):
-    """The CPU engine's measured step time as a + b x tokens, and the PCIe bandwidth, both fixed."""
-    def set_times(fixed: float, per_token: float, pcie: float):
+def step_times(monkeypatch):
+    """Fix what measured_costs times: the CPU engine's part of a step (a + b x tokens), the copy, and the
+    device's work (c + d x tokens)."""
+    def set_times(cpu: tuple[float, float], copy: float, gpu: tuple[float, float]):
         monkeypatch.setattr(streamed_prefill, "cpu_step_seconds",
-                            lambda engine, tokens, top_k, repeats=2: fixed + per_token * tokens)
-        monkeypatch.setattr(auto, "measured_pcie_bandwidth", lambda device: pcie)
+                            lambda engine, tokens, share, top_k, repeats=2: cpu[0] + cpu[1] * tokens)
+        monkeypatch.setattr(streamed_prefill, "device_step_seconds",
+                            lambda streamer, layer, tokens, top_k: (copy, gpu[0] + gpu[1] * tokens))
     return set_times
 
 
 def test_the_cpu_keeps_the_share_that_ends_with_the_device_and_streaming_starts_where_it_saves_a_third():
-    costs = streamed_prefill.StepCosts(cpu_fixed=0.002, cpu_per_token=1e-5, stream=0.004)
-    assert costs.cpu(600) == pytest.approx(0.008)
+    costs = streamed_prefill.StepCosts(cpu_fixed=0.002, cpu_per_token=1e-5, copy=0.004, gpu_fixed=0.001,
+                                       gpu_per_token=1e-6)
+    assert costs.cpu(600) == pytest.approx(0.008) and costs.stream(600) == 0.004  # the copy outlasts the work
+    assert costs.stream(10_000) == pytest.approx(0.011)  # the work outlasts the copy
     assert costs.cpu_experts(96, 600) == 32  # 96 x 4 / (8 + 4): 32 x 8/96 ms on the CPU = 64 x 4/96 streamed
     assert costs.threshold() == 128  # 2 ms >= 4 / 2 from the first token, but the fit starts at 128
-    assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004).threshold() == 200
+    assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold() == 200
+    assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold(limit=150) == 151  # none up to 150
 
 
-def test_measured_costs_fit_the_cpu_engine_and_take_the_copy(cpu_time):
+def test_measured_costs_fit_both_sides(step_times):
     E, H, I = 4, 64, 32
     engine = cpu_experts.CpuExperts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I),
                                     format="int8", threads=1)
-    cpu_time(fixed=0.004, per_token=1e-5, pcie=engine.packed_bytes / 0.01)  # a layer's copy: 10 ms
-    costs, why = streamed_prefill.measured_costs({0: engine}, 2, "cuda")
+    step_times(cpu=(0.004, 1e-5), copy=0.01, gpu=(0.002, 2e-6))
+    streamer = streamed_prefill.PrefillStreamer({0: engine}, "cpu", min_tokens=1)
+    costs, why = streamed_prefill.measured_costs(streamer, top_k=2, num_experts=8)
     assert costs.cpu_fixed == pytest.approx(0.004) and costs.cpu_per_token == pytest.approx(1e-5)
-    assert costs.stream == pytest.approx(0.01) and "measured at load" in why
+    assert costs.gpu_fixed == pytest.approx(0.002) and costs.gpu_per_token == pytest.approx(2e-6)
+    assert costs.copy == 0.01 and "measured at load" in why
 
 
-def test_a_real_cpu_step_is_timed():
+def test_a_real_step_is_timed_on_both_sides():
     engine = cpu_experts.CpuExperts(torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32),
                                     format="bf16", threads=1)
-    assert 0 < streamed_prefill.cpu_step_seconds(engine, 16, top_k=2, repeats=1) < 1
+    assert 0 < streamed_prefill.cpu_step_seconds(engine, 16, share=0.5, top_k=2, repeats=1) < 1
+    streamer = streamed_prefill.PrefillStreamer({3: engine}, "cpu", min_tokens=1)
+    copy, work = streamed_prefill.device_step_seconds(streamer, 3, 16, top_k=2)
+    assert 0 < copy < 1 and 0 < work < 1 and streamer.slot_layer.count(3) == 1
 
 
-def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, cpu_time):
+def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, step_times):
     from hybridmoe.weights.loader import load_model
 
     path = tiny_checkpoints("qwen3_moe")
@@ -160,13 +170,15 @@ def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, 
                       prefill_streaming="off", max_num_batched_tokens=1024)
     backend = load_model(path, ec).experts
     auto_on = replace(ec, prefill_streaming="on", prefill_streaming_tokens=None)
-    layer_bytes = max(backend.cpu_engine(layer).packed_bytes for layer in backend.layers())
-    cpu_time(fixed=0.0, per_token=1e-5, pcie=layer_bytes / 0.004)  # 4 ms a layer: from 200 tokens
+    step_times(cpu=(0.0, 1e-5), copy=0.004, gpu=(0.001, 0.0))  # streamed: 4 ms a layer, from 200 tokens
     attached = streamed_prefill.attach(backend, auto_on)
-    assert attached.prefill_streaming == "on" and abs(attached.prefill_streaming_tokens - 200) <= 1
+    assert attached.prefill_streaming == "on" and attached.prefill_streaming_tokens == 200
     streamers = {backend._layers[layer].streamer for layer in backend.layers()}
-    assert len(streamers) == 1 and next(iter(streamers)).min_tokens == attached.prefill_streaming_tokens
+    streamer = next(iter(streamers))
+    assert len(streamers) == 1 and streamer.min_tokens == 200 and streamer.costs.copy == 0.004
     backend.stream_long_steps(None)
-    cpu_time(fixed=0.0, per_token=1e-5, pcie=layer_bytes / 0.1)  # 100 ms a layer: 5000 tokens > 1024
+    step_times(cpu=(0.0, 1e-5), copy=0.1, gpu=(0.001, 0.0))  # 100 ms a layer: 5000 tokens > 1024
     assert streamed_prefill.attach(backend, auto_on).prefill_streaming == "off"
     assert all(backend._layers[layer].streamer is None for layer in backend.layers())
+    asked = streamed_prefill.attach(backend, replace(auto_on, prefill_streaming_tokens=64))
+    assert asked.prefill_streaming_tokens == 64 and backend._layers[0].streamer.costs is None  # the CPU: no split

@@ -60,7 +60,8 @@ def test_a_step_split_with_the_cpu_engine_gives_the_same_sum_and_copies_only_the
     x = torch.randn(40, 64)
     ids, w, mask = _routing(40, 3, 8)
     whole = PrefillStreamer({0: engine}, "cpu", min_tokens=1).run(0, x, ids, w, mask, F.silu)
-    costs = streamed_prefill.StepCosts(cpu_fixed=0.0, cpu_per_token=3e-3 / 40, stream=1e-3)  # CPU: 8 x 1/4 experts
+    costs = streamed_prefill.StepCosts(cpu_fixed=0.0, cpu_per_token=3e-3 / 40, copy=1e-3, gpu_fixed=0.0,
+                                       gpu_per_token=0.0)  # the CPU keeps 8 x 1 / (3 + 1) experts
     assert costs.cpu_experts(8, 40) == 2
     split = PrefillStreamer({0: engine}, "cpu", min_tokens=1, costs=costs)
     for slot in split.slots:

@@ -35,6 +35,7 @@ import weakref
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from hybridmoe.experts.gpu_experts import HAVE_TRITON, gpu_share
 from hybridmoe.experts.packed_torch import PackedLayout
@@ -107,36 +108,40 @@ def attach(backend, engine_config):
     engines = {layer: e for layer, e in engines.items() if e is not None}
     if not engines or not all(hasattr(e, "packed_state") for e in engines.values()):
         return replace(engine_config, prefill_streaming="off")
-    costs, tokens = None, engine_config.prefill_streaming_tokens
-    if torch.device(backend.device).type == "cuda" or tokens is None:
-        costs, why = measured_costs(engines, backend.plan.footprint.top_k, backend.device)
+    tokens = engine_config.prefill_streaming_tokens
+    streamer = PrefillStreamer(engines, backend.device, tokens or 1)
+    if streamer.device.type == "cuda" or tokens is None:
+        fp = backend.plan.footprint
+        streamer.costs, why = measured_costs(streamer, fp.top_k, fp.num_experts)
     if tokens is None:
-        tokens = costs.threshold()
+        tokens = streamer.costs.threshold()
         if tokens > engine_config.max_num_batched_tokens:
             log.info("prefill streaming off: %s", why)
+            streamer.close()
             return replace(engine_config, prefill_streaming="off")
         log.info("prefill streaming from %d tokens: %s", tokens, why)
-    streamer = PrefillStreamer(engines, backend.device, tokens, costs)
+    streamer.min_tokens = tokens
     backend.stream_long_steps(streamer)
     log.info("prefill steps of %d+ tokens stream each layer's CPU experts to %s (%s per layer slot)",
              streamer.min_tokens, backend.device, format_bytes(streamer.slot_bytes))
     return replace(engine_config, prefill_streaming_tokens=tokens)
 
 
-CPU_TIMING_TOKENS = (128, 512)
-"""Steps the CPU engine is timed at, at load, for measured_costs: its time is near affine in the
-tokens (a part per weight read, a part per token), and two points fix both."""
+TIMED_TOKENS = (128, 512)
+"""Steps timed at load (measured_costs), on the CPU engine and on the device: each is near affine in the
+tokens (a part per weight read or dequantized, a part per token), and two points fix both."""
 
 
-def cpu_step_seconds(engine, tokens: int, top_k: int, repeats: int = 2) -> float:
-    """Fastest of `repeats` runs of the CPU engine on a step of `tokens` tokens with random routing:
-    top_k distinct experts each (a prefill step computes that many slots a token on the CPU, the
-    ones routed to GPU experts padded in), bf16 activations of scale 0.1."""
+def cpu_step_seconds(engine, tokens: int, share: float, top_k: int, repeats: int = 2) -> float:
+    """Fastest of `repeats` runs of the CPU engine on its part of a step of `tokens` tokens with random
+    routing: share x tokens x top_k (token, slot) rows, one expert each (as a streamed step hands them
+    over, _CpuShare), bf16 activations of scale 0.1."""
     E, H = (int(v) for v in engine.packed_state()["shape"][:2])
     g = torch.Generator().manual_seed(tokens)
-    ids = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :min(top_k, E)].contiguous()  # [T, K] distinct
-    weights = torch.rand(ids.shape, generator=g)
-    x = (torch.randn(tokens, H, generator=g) * 0.1).to(torch.bfloat16)
+    rows = max(1, round(share * tokens * top_k))
+    ids = torch.randint(0, E, (rows, 1), generator=g)
+    weights = torch.rand(rows, 1, generator=g)
+    x = (torch.randn(rows, H, generator=g) * 0.1).to(torch.bfloat16)
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
@@ -145,52 +150,106 @@ def cpu_step_seconds(engine, tokens: int, top_k: int, repeats: int = 2) -> float
     return best
 
 
+def device_step_seconds(streamer: PrefillStreamer, layer: int, tokens: int, top_k: int) -> tuple[float, float]:
+    """(copy, work) seconds of one layer on the streamer's device: its packed bytes copied into an empty
+    slot, then a step of `tokens` tokens with random routing (top_k of its experts each, bf16 hidden
+    states of scale 0.1) run from them; CUDA events on the copy and compute streams."""
+    host, dev = streamer.layers[layer], streamer.device
+    E, H = host.layout.E, host.layout.H
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :min(top_k, E)].to(dev)
+    weights = torch.rand(ids.shape, generator=g).to(dev)
+    x = (torch.randn(tokens, H, generator=g) * 0.1).to(dev, torch.bfloat16)
+    mask = torch.ones(ids.shape, dtype=torch.bool, device=dev)
+    streamer.slot_layer, streamer.current = [None, None], None
+    marks = [_mark(streamer.copy_stream)]
+    slot = streamer._stage(layer)
+    marks.append(_mark(streamer.copy_stream))
+    if streamer.copied[slot] is not None:
+        torch.cuda.current_stream(dev).wait_event(streamer.copied[slot])
+    marks.append(_mark(None if dev.type != "cuda" else torch.cuda.current_stream(dev)))
+    routed_experts(host.layout, streamer._slot_views(slot, host), x, ids, weights, mask, F.silu)
+    marks.append(_mark(None if dev.type != "cuda" else torch.cuda.current_stream(dev)))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        return marks[0].elapsed_time(marks[1]) / 1e3, marks[2].elapsed_time(marks[3]) / 1e3
+    return marks[1] - marks[0], marks[3] - marks[2]
+
+
+def _second(run):
+    """What run() returns the second time (the first warms up)."""
+    run()
+    return run()
+
+
+def _mark(stream):
+    """A CUDA event recorded on stream, or (no stream: the CPU device) the host clock."""
+    if stream is None:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
 @dataclass(frozen=True)
 class StepCosts:
-    """One layer's measured costs: its CPU engine takes cpu_fixed + cpu_per_token x T seconds on a step of T
-    tokens, and the layer streamed (every CPU expert copied and run on the device) takes `stream`."""
+    """One layer's costs measured at load, in seconds for a step of T tokens: its CPU engine's share of
+    the step (every CPU expert) cpu_fixed + cpu_per_token x T; on the device, the copy of its packed
+    bytes, and the work on them gpu_fixed + gpu_per_token x T (both for every CPU expert)."""
 
     cpu_fixed: float
     cpu_per_token: float
-    stream: float
+    copy: float
+    gpu_fixed: float
+    gpu_per_token: float
 
     def cpu(self, tokens: int) -> float:
         return self.cpu_fixed + self.cpu_per_token * tokens
 
+    def stream(self, tokens: int) -> float:
+        """A layer streamed, the next one's copy overlapping this one's work: the longer of the two."""
+        return max(self.copy, self.gpu_fixed + self.gpu_per_token * tokens)
+
     def cpu_experts(self, experts: int, tokens: int) -> int:
         """How many of a layer's `experts` the CPU engine keeps in a streamed step of `tokens` tokens while
         the device streams and runs the rest: a share f of them takes f x cpu(T) on the CPU and the rest
-        (1 - f) x stream on the device, so f = stream / (cpu(T) + stream) ends both together (rounded
+        (1 - f) x stream(T) on the device, so f = stream / (cpu + stream) ends both together (rounded
         down: the device's side is the surer one)."""
-        return int(experts * self.stream / (self.cpu(tokens) + self.stream))
+        stream = self.stream(tokens)
+        return int(experts * stream / (self.cpu(tokens) + stream))
 
-    def threshold(self) -> int:
-        """Fewest tokens from which a streamed step, the CPU keeping its share, takes at most two thirds of
-        the CPU's time alone: cpu(T) x stream / (cpu(T) + stream) <= 2/3 cpu(T), i.e. cpu(T) >= stream / 2;
-        never below the shortest step timed (shorter ones read only their routed experts' weights, which
-        the fit does not describe)."""
-        return max(CPU_TIMING_TOKENS[0], math.ceil((self.stream / 2 - self.cpu_fixed) / self.cpu_per_token))
+    def threshold(self, limit: int = 1 << 16) -> int:
+        """Fewest tokens (from the shortest step timed: shorter ones read only their routed experts'
+        weights, which the fit does not describe) for which a streamed step, the CPU keeping its share,
+        takes at most two thirds of the CPU's time alone: cpu x stream / (cpu + stream) <= 2/3 cpu, i.e.
+        cpu(T) >= stream(T) / 2; limit + 1 if none up to limit does."""
+        return next((t for t in range(TIMED_TOKENS[0], limit + 1) if self.cpu(t) >= self.stream(t) / 2), limit + 1)
 
 
-def measured_costs(engines: dict, top_k: int, device) -> tuple[StepCosts, str]:
-    """The StepCosts of the layer with the most packed bytes, and a line saying how they were found.
+def measured_costs(streamer: PrefillStreamer, top_k: int, num_experts: int) -> tuple[StepCosts, str]:
+    """The StepCosts of the streamer's layer with the most packed bytes, and a line saying what was measured.
 
-    The CPU side is measured: that layer's engine timed at CPU_TIMING_TOKENS, fitted as a + b x tokens.
-    The streamed side is its copy at the PCIe bandwidth measured once per process, or its device
-    work if longer (streamed_layer_seconds)."""
-    from hybridmoe.system.auto import measured_pcie_bandwidth
-
-    engine = max(engines.values(), key=lambda e: e.packed_bytes)
-    E, H, I = (int(v) for v in engine.packed_state()["shape"])
-    cpu_step_seconds(engine, CPU_TIMING_TOKENS[0], top_k, repeats=1)  # wake the pool, warm the caches
-    (t1, s1), (t2, s2) = ((t, cpu_step_seconds(engine, t, top_k)) for t in CPU_TIMING_TOKENS)
-    per_token = max((s2 - s1) / (t2 - t1), 1e-9)
-    pcie = measured_pcie_bandwidth(str(device))
-    costs = StepCosts(max(0.0, s1 - per_token * t1), per_token,
-                      streamed_layer_seconds(engine.packed_bytes, 3 * E * H * I, pcie))
-    return costs, (f"the CPU engine took {1e3 * s1:.1f} ms at {t1} tokens and {1e3 * s2:.1f} ms at {t2} "
-                   f"(measured at load); a layer streamed takes ~{1e3 * costs.stream:.1f} ms ("
-                   f"{format_bytes(engine.packed_bytes)} over PCIe at {pcie / 1e9:.1f} GB/s)")
+    Its CPU engine and its streamed run are each timed at TIMED_TOKENS (after a first run that wakes the
+    pool, registers the host memory, compiles the kernels for the step's shapes) and fitted as
+    a + b x tokens; num_experts: the layer's routed experts (the CPU's get their share of each token's
+    top_k)."""
+    layer = max(streamer.layers, key=lambda i: streamer.layers[i].nbytes)
+    engine, E = streamer.engines[layer], streamer.layers[layer].layout.E
+    share = E / num_experts
+    cpu_step_seconds(engine, TIMED_TOKENS[0], share, top_k, repeats=1)
+    t1, t2 = TIMED_TOKENS
+    c1, c2 = (cpu_step_seconds(engine, t, share, top_k) for t in TIMED_TOKENS)
+    (copy1, g1), (copy2, g2) = (_second(lambda: device_step_seconds(streamer, layer, t, top_k)) for t in TIMED_TOKENS)
+    streamer.slot_layer = [None, None]
+    cpu_per_token, gpu_per_token = max((c2 - c1) / (t2 - t1), 1e-9), max((g2 - g1) / (t2 - t1), 0.0)
+    copy = min(copy1, copy2)
+    costs = StepCosts(max(0.0, c1 - cpu_per_token * t1), cpu_per_token, copy, max(0.0, g1 - gpu_per_token * t1),
+                      gpu_per_token)
+    nbytes = streamer.layers[layer].nbytes
+    return costs, (f"measured at load on layer {layer} ({E} CPU experts): the CPU engine {1e3 * c1:.1f} ms at {t1} "
+                   f"tokens, {1e3 * c2:.1f} ms at {t2}; streamed, the copy of {format_bytes(nbytes)} "
+                   f"{1e3 * copy:.1f} ms ({nbytes / copy / 1e9:.1f} GB/s), the device's work {1e3 * g1:.1f} ms at "
+                   f"{t1} tokens, {1e3 * g2:.1f} ms at {t2}")
 
 
 class _HostLayer:
