@@ -1,7 +1,8 @@
 """Long prefill steps streamed to a real GPU (experts/streamed_prefill.py): packed bytes dequantized on
-CUDA equal the CPU engine's weights bit for bit; several layers in a row, the next one's copy in flight
-on the side stream while the current one computes, equal a float32 reference (a missing wait would
-read a half-copied slot); the copies come from registered (page-locked) host memory, unregistered when
+CUDA (the Triton pass) equal the CPU engine's weights bit for bit; several layers in a row, the next
+one's copy in flight on the side stream while the current one computes, equal a float32 reference (a
+missing wait would read a half-copied slot); a step split with the CPU engine too; the costs measured
+at load are sane; the copies come from registered (page-locked) host memory, unregistered when
 a streamer goes; the device memory a step takes stays within what placement sets aside; a whole model's
 next-token log-probabilities after a streamed prompt match the CPU path's.
 """
@@ -17,7 +18,7 @@ from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.experts.hybrid import weighted_experts
 from hybridmoe.experts.packed_torch import PackedLayout
-from hybridmoe.experts.streamed_prefill import PrefillStreamer, device_bytes
+from hybridmoe.experts.streamed_prefill import PrefillStreamer, StepCosts, device_bytes, measured_costs
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -65,6 +66,37 @@ def test_layers_in_a_row_with_prefetch_equal_the_reference():
     assert all(host.registered for host in streamer.layers.values())
     streamer.close()
     assert not any(host.registered for host in streamer.layers.values())
+
+
+def test_a_step_split_with_the_cpu_engine_equals_the_reference():
+    engine = _engine("int4", 7)
+    # the CPU keeps E x 1 / (3 + 1) = 4 experts: rows of theirs run on it while the rest stream
+    costs = StepCosts(cpu_fixed=0.0, cpu_per_token=3e-3 / 300, copy=1e-3, gpu_fixed=0.0, gpu_per_token=0.0)
+    assert costs.cpu_experts(E, 300) == 4
+    streamer = PrefillStreamer({0: engine}, "cuda", min_tokens=1, costs=costs)
+    g = torch.Generator().manual_seed(6)
+    T, K = 300, 4
+    x = (torch.randn(T, H, generator=g) * 0.5).cuda()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+    w = torch.rand(T, K, generator=g).cuda()
+    mask = torch.rand(T, K, generator=g).cuda() < 0.8
+    deq = [torch.stack(m).cuda() for m in zip(*(engine.dequantized(e) for e in range(E)))]
+    want = weighted_experts(x, *deq, ids, w, mask, F.silu)
+    for _ in range(2):  # the second time from the slot as the first left it
+        got = streamer.run(0, x, ids, w, mask, F.silu)
+        assert ((got - want).norm() / want.norm()).item() < 2e-2  # the CPU engine's int4 kernel: bf16 tiles
+    streamer.close()
+
+
+def test_costs_measured_on_the_gpu_are_the_copy_and_the_work_of_a_layer():
+    engines = {layer: _engine("int4", layer) for layer in range(2)}
+    streamer = PrefillStreamer(engines, "cuda", min_tokens=1)
+    costs, why = measured_costs(streamer, top_k=4, num_experts=2 * E)
+    gbps = streamer.layers[0].nbytes / costs.copy / 1e9
+    assert 1 < gbps < 200, why  # host-to-device over PCIe (or NVLink-C2C), registered memory
+    assert 0 < costs.stream(512) < 1 and costs.cpu(512) > 0 and costs.cpu_per_token > 0, why
+    assert streamer.slot_layer == [None, None]
+    streamer.close()
 
 
 def test_a_step_stays_within_the_device_memory_set_aside():
