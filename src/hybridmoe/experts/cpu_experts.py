@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -89,9 +90,12 @@ class CpuExperts:
                 raise HybridMoEError(f"{name} must be a float tensor, got {t.dtype}")
         self._init_engine(E, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt=False)
         for e in range(E):
-            # One expert at a time in float32: packing never holds a float copy of the layer.
-            self._call(self._engine.pack_expert, e, *(w[e].detach().to("cpu", torch.float32).contiguous()
-                                                      for w in (gate_proj, up_proj, down_proj)))
+            self._pack_expert(e, gate_proj[e], up_proj[e], down_proj[e])
+
+    def _pack_expert(self, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        # One expert at a time in float32: packing never holds a float copy of the layer.
+        self._call(self._engine.pack_expert, e, *(w.detach().to("cpu", torch.float32).contiguous()
+                                                  for w in (gate, up, down)))
 
     def _init_engine(self, E, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt):
         if format not in FORMATS:
@@ -127,6 +131,37 @@ class CpuExperts:
             arr = buf.numpy() if isinstance(buf, torch.Tensor) else np.asarray(buf)
             self._call(self._engine.set_buffer, name, arr)
             self._adopted[name] = arr
+        return self
+
+    @classmethod
+    def from_experts(cls, experts: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num_experts: int,
+                     format: str = "bf16", group_size: int = 128, threads: int | None = None, isa: str | None = None,
+                     zero_points: bool = False, numa_nodes: int = 1) -> "CpuExperts":
+        """Experts packed from (gate [I, H], up [I, H], down [H, I]) of one expert at a time, in expert order.
+
+        The next expert is asked for only once the last one is packed, so a lazy source (a generator reading
+        a checkpoint) holds one expert at a time and may drop each one's memory as soon as it is packed.
+        Same packed bytes as the constructor on the stacked tensors.
+        """
+        iter_experts = iter(experts)
+        expert = next(iter_experts, None)
+        if expert is None:
+            raise HybridMoEError(f"from_experts got no experts, expected num_experts={num_experts}")
+        if expert[0].dim() != 2:
+            raise HybridMoEError(f"an expert's gate must be [I, H], got {list(expert[0].shape)}")
+        I, H = expert[0].shape
+        self = cls.__new__(cls)
+        self._init_engine(num_experts, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt=False)
+        for e in range(num_experts):
+            if expert is None:
+                raise HybridMoEError(f"from_experts got {e} experts, expected num_experts={num_experts}")
+            for name, t in zip(("gate", "up", "down"), expert):
+                if not t.dtype.is_floating_point:
+                    raise HybridMoEError(f"expert {e}'s {name} must be a float tensor, got {t.dtype}")
+            self._pack_expert(e, *expert)
+            expert = next(iter_experts, None)
+        if expert is not None:
+            raise HybridMoEError(f"from_experts got more experts than num_experts={num_experts}")
         return self
 
     @classmethod

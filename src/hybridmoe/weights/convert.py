@@ -99,6 +99,11 @@ class _CopyingReader:
             self.shards.add(name, tensor)
         return tensor
 
+    def release(self, name):
+        # Experts only: the shard writer reads the others' pages again when it flushes.
+        if self.model.expert_key(name) is not None and hasattr(self.ckpt, "release"):
+            self.ckpt.release(name)
+
 
 class _PackAndWrite(ExpertBackend):
     """set_layer packs the layer with the native engine and writes it; nothing stays in memory."""
@@ -111,7 +116,13 @@ class _PackAndWrite(ExpertBackend):
         self.bytes = 0
 
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
-        experts = self.cls(gate_proj, up_proj, down_proj, **self.options)
+        self._write(layer, self.cls(gate_proj, up_proj, down_proj, **self.options))
+
+    def set_layer_experts(self, layer, experts, num_experts: int):
+        """Packed one expert at a time straight from the checkpoint (the loader's lean path)."""
+        self._write(layer, self.cls.from_experts(experts, num_experts, **self.options))
+
+    def _write(self, layer, experts):
         self.writer.add(layer, experts)
         self.bytes += experts.packed_bytes
         self.done.append(layer)

@@ -2,7 +2,7 @@
 
 The peak (VmHWM) belongs to a whole process, so each measurement runs in its own child:
 
-    python -m hybridmoe.weights.load_rss MODEL_DIR '{"expert_format": "int4", ...}'
+    python -m hybridmoe.weights.load_rss MODEL_DIR '{"expert_format": "int4", ...}' [WARMUP_DIR]
 
 prints one JSON object (what measure_load returns). Growth is counted from the RSS after the
 imports, so it is what the load itself added: the model's non-expert weights, the packed experts,
@@ -20,7 +20,22 @@ import threading
 import time
 from pathlib import Path
 
+from hybridmoe.checkpoint.presets import model_config
+from hybridmoe.checkpoint.safetensors_writer import write_random_safetensors
+from hybridmoe.checkpoint.tensors import tensor_specs
+
 _FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+
+
+def write_one_layer(out: Path, arch: str, preset: str, **overrides) -> int:
+    """A random bf16 checkpoint of `preset` cut to one decoder layer (a MoE one), config fields overridden,
+    written into out (no tokenizer: loading needs none); returns its routed experts' bytes."""
+    config = model_config(arch, preset, layers=1)
+    config.update(bos_token_id=0, eos_token_id=1, **overrides)
+    specs = tensor_specs(config)
+    write_random_safetensors(out, specs, seed=0, progress=False)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return sum(s.nbytes for s in specs if ".mlp.experts." in s.name)
 
 
 def memory_status() -> dict[str, int]:
@@ -61,11 +76,18 @@ class _PeakSampler(threading.Thread):
         return self.peak
 
 
-def measure_load(model_dir: str | Path, engine_options: dict) -> dict:
-    """Load model_dir with EngineConfig(**engine_options) in this process; RSS figures in bytes."""
+def measure_load(model_dir: str | Path, engine_options: dict, warmup_dir: str | Path | None = None) -> dict:
+    """Load model_dir with EngineConfig(**engine_options) in this process; RSS figures in bytes.
+
+    warmup_dir: a small model loaded first with the same options, so that what a process pays once
+    (lazy imports, the engine's thread pool; ~80 MB) is not counted as the load's (warmup_growth says it)."""
     from hybridmoe.config import EngineConfig
     from hybridmoe.weights.loader import load_model
 
+    warmup = memory_status()["VmRSS"]
+    if warmup_dir is not None:
+        load_model(warmup_dir, EngineConfig(**engine_options))
+    warmup = memory_status()["VmRSS"] - warmup
     reset_peak()
     base = memory_status()
     sampler = _PeakSampler()
@@ -79,15 +101,17 @@ def measure_load(model_dir: str | Path, engine_options: dict) -> dict:
     packed = sum(experts.layer_experts(layer).packed_bytes for layer in experts.layers())
     non_expert = sum(t.numel() * t.element_size() for t in (*loaded.model.parameters(), *loaded.model.buffers())
                      if t.device.type == "cpu")
-    return {"seconds": seconds, "packed_bytes": packed, "non_expert_bytes": non_expert,
+    return {"seconds": seconds, "packed_bytes": packed, "non_expert_bytes": non_expert, "warmup_growth": warmup,
             "peak_growth": end["VmHWM"] - base["VmRSS"], "after_growth": end["VmRSS"] - base["VmRSS"],
             "at_peak": {k: at_peak[k] - base[k] for k in ("RssAnon", "RssFile", "RssShmem")}}
 
 
-def measure_in_subprocess(model_dir: str | Path, engine_options: dict, timeout: float | None = None) -> dict:
+def measure_in_subprocess(model_dir: str | Path, engine_options: dict, warmup_dir: str | Path | None = None,
+                          timeout: float | None = None) -> dict:
     """measure_load in a fresh Python process (its own VmHWM); RuntimeError with the child's stderr on failure."""
+    warmup = [] if warmup_dir is None else [str(warmup_dir)]
     done = subprocess.run([sys.executable, "-m", "hybridmoe.weights.load_rss", str(model_dir),
-                           json.dumps(engine_options)], capture_output=True, text=True, timeout=timeout)
+                           json.dumps(engine_options), *warmup], capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"measuring the load of {model_dir} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.splitlines()[-1])
@@ -99,7 +123,8 @@ def main() -> None:
     import hybridmoe.weights.loader  # noqa: F401
 
     model_dir, options = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps(measure_load(model_dir, options)))
+    warmup_dir = sys.argv[3] if len(sys.argv) > 3 else None
+    print(json.dumps(measure_load(model_dir, options, warmup_dir)))
 
 
 if __name__ == "__main__":

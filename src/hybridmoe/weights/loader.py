@@ -2,9 +2,12 @@
 
 The model is built on the meta device (no memory, no random init), materialized empty on
 the target device in the target dtype, then every parameter is filled from the checkpoint
-exactly once. Routed-expert tensors never enter the model: each MoE layer's experts are
-stacked into gate/up [E, I, H] and down [E, H, I] and handed to ExpertBackend.set_layer (GPTQ/AWQ int4
-codes that the native int4 engine takes as they are: to set_layer_codes, never through float).
+exactly once. Routed-expert tensors never enter the model: each MoE layer's experts go to its ExpertBackend, read
+from the checkpoint one expert at a time once the layer is complete (the native engine packs them
+straight from the mapped file; other backends get them stacked into gate/up [E, I, H] and down
+[E, H, I] for set_layer; GPTQ/AWQ int4 codes that the native int4 engine takes as they are go to
+set_layer_codes, never through float). Each tensor's mapped pages are released once it is copied or
+packed, so the checkpoint is never resident as a whole.
 """
 
 from __future__ import annotations
@@ -127,6 +130,10 @@ class _NativeLayers(ExpertBackend):
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
         self._layers[layer] = self._cls(gate_proj, up_proj, down_proj, **self._options)
 
+    def set_layer_experts(self, layer, experts, num_experts: int):
+        """The layer packed from (gate, up, down) of one expert at a time (CpuExperts.from_experts)."""
+        self._layers[layer] = self._cls.from_experts(experts, num_experts, **self._options)
+
     def int4_codes_group(self) -> int | None:
         """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
         o = self._options
@@ -221,17 +228,23 @@ def _expected_params(model: MoECausalLM) -> dict[tuple[str, int | None], torch.T
 
 
 class _ExpertStacker:
-    """Collects one MoE layer's per-expert tensors into stacked buffers; hands over full layers."""
+    """Collects where each expert tensor of a MoE layer is and hands complete layers to the backend.
 
-    def __init__(self, model: MoECausalLM, device: torch.device, dtype: torch.dtype):
-        self.model, self.device, self.dtype = model, device, dtype
+    A float tensor is read from the checkpoint only when its layer is complete, one expert at a time,
+    and its mapped pages are released (ckpt.release) as soon as that expert is packed or copied: a
+    backend with set_layer_experts (the native engine) packs straight from the mapped checkpoint, so
+    a load holds the packed experts plus one expert's source, never a stacked copy of a layer. Other
+    backends get the layer stacked into [E, I, H] / [E, H, I] buffers.
+    """
+
+    def __init__(self, model: MoECausalLM, ckpt, device: torch.device, dtype: torch.dtype):
+        self.model, self.ckpt, self.device, self.dtype = model, ckpt, device, dtype
         self.num_experts, inter = model.expert_dims()
         hidden = model.config.hidden_size
         self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         self.layers = set(model.moe_layers)
-        self.pending: dict[int, dict[str, torch.Tensor]] = {}
-        self.codes: dict[int, dict[tuple[int, str], Int4Codes]] = {}  # held until the layer is complete
-        self.filled: dict[int, set[tuple[int, str]]] = {}
+        # layer -> (expert, proj) -> the checkpoint name of a float tensor, or int4 codes
+        self.entries: dict[int, dict[tuple[int, str], str | Int4Codes]] = {}
         self.done: set[int] = set()
 
     def accepts(self, layer: int, expert: int) -> bool:
@@ -240,40 +253,46 @@ class _ExpertStacker:
     def expected_shape(self, proj: str) -> tuple[int, int]:
         return self.shapes[proj]
 
-    def add(self, layer: int, expert: int, proj: str, tensor: torch.Tensor | Int4Codes) -> None:
-        """tensor: float, or int4 codes that the backend takes as they are when the whole layer comes so."""
-        if layer not in self.pending:
-            self.pending[layer] = {}
-            self.codes[layer] = {}
-            self.filled[layer] = set()
-        if isinstance(tensor, Int4Codes):
-            self.codes[layer][(expert, proj)] = tensor
-        else:
-            self._floats(layer)[proj][expert].copy_(tensor)
-        self.filled[layer].add((expert, proj))
-        if len(self.filled[layer]) == self.num_experts * len(EXPERT_PROJS):
-            codes = self.codes.pop(layer)
-            if len(codes) == len(self.filled[layer]):
-                self.pending.pop(layer)
-                self.model.experts.set_layer_codes(layer, *(stack([codes[(e, p)] for e in range(self.num_experts)])
-                                                            for p in EXPERT_PROJS))
-                self.done.add(layer)
-                return
-            for (e, p), c in codes.items():  # a layer partly in float (desc_act): all of it goes through float
-                self._floats(layer)[p][e].copy_(c.dequantize())
-            stacked = self.pending.pop(layer)
-            self.model.experts.set_layer(layer, stacked["gate"], stacked["up"], stacked["down"])
+    def add(self, layer: int, expert: int, proj: str, entry: str | Int4Codes) -> None:
+        """entry: the checkpoint name of a float tensor, or int4 codes that the backend takes as they are
+        when the whole layer comes so."""
+        entries = self.entries.setdefault(layer, {})
+        entries[(expert, proj)] = entry
+        if len(entries) == self.num_experts * len(EXPERT_PROJS):
+            self._hand_over(layer, self.entries.pop(layer))
             self.done.add(layer)
 
-    def _floats(self, layer: int) -> dict[str, torch.Tensor]:
-        if not self.pending[layer]:
-            self.pending[layer] = {p: torch.empty(self.num_experts, *self.shapes[p], dtype=self.dtype,
-                                                  device=self.device) for p in EXPERT_PROJS}
-        return self.pending[layer]
+    def _hand_over(self, layer: int, entries: dict[tuple[int, str], str | Int4Codes]) -> None:
+        backend, E = self.model.experts, self.num_experts
+        if all(isinstance(v, Int4Codes) for v in entries.values()):
+            backend.set_layer_codes(layer, *(stack([entries[(e, p)] for e in range(E)]) for p in EXPERT_PROJS))
+            return
+        # A layer partly in codes (desc_act) goes through float as a whole.
+        experts = self._expert_weights(entries)
+        if hasattr(backend, "set_layer_experts"):
+            backend.set_layer_experts(layer, experts, E)
+            return
+        stacked = {p: torch.empty(E, *self.shapes[p], dtype=self.dtype, device=self.device) for p in EXPERT_PROJS}
+        for e, weights in enumerate(experts):
+            for p, w in zip(EXPERT_PROJS, weights):
+                stacked[p][e].copy_(w)
+        backend.set_layer(layer, *(stacked[p] for p in EXPERT_PROJS))
+
+    def _expert_weights(self, entries: dict[tuple[int, str], str | Int4Codes]):
+        """(gate, up, down) of each expert in turn, in the expert dtype; resumed only once the consumer is
+        done with the last expert, which is when its checkpoint pages are released."""
+        release = getattr(self.ckpt, "release", lambda name: None)
+        for e in range(self.num_experts):
+            sources = [entries[(e, p)] for p in EXPERT_PROJS]
+            yield tuple((s.dequantize() if isinstance(s, Int4Codes) else self.ckpt.get(s)).to(self.dtype)
+                        for s in sources)
+            for s in sources:
+                if isinstance(s, str):
+                    release(s)
 
     def first_missing(self) -> str | None:
         for layer in sorted(self.layers - self.done):
-            have = self.filled.get(layer, set())
+            have = self.entries.get(layer, {})
             for expert in range(self.num_experts):
                 for proj in EXPERT_PROJS:
                     if (expert, proj) not in have:
@@ -288,7 +307,8 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
     load_experts=False: the routed experts come packed from elsewhere; ckpt's expert tensors are skipped.
     """
     targets = _expected_params(model)
-    stacker = _ExpertStacker(model, expert_device, expert_dtype)
+    stacker = _ExpertStacker(model, ckpt, expert_device, expert_dtype)
+    release = getattr(ckpt, "release", lambda name: None)
     codes_group = getattr(model.experts, "int4_codes_group", lambda: None)()
     int4_codes = ckpt.int4_codes if codes_group and getattr(ckpt, "int4_group", None) == codes_group else None
     loaded: set[tuple[str, int | None]] = set()
@@ -313,7 +333,7 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
                         continue
                     _check_shape(name, ckpt.shape(name), stacker.expected_shape(proj))
                     codes = int4_codes(name) if int4_codes else None
-                    stacker.add(layer, expert, proj, ckpt.get(name) if codes is None else codes)
+                    stacker.add(layer, expert, proj, name if codes is None else codes)
                     continue
                 target_key = model.param_target(name)
                 if target_key not in targets:
@@ -322,6 +342,7 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
                 target = targets[target_key]
                 _check_shape(name, ckpt.shape(name), tuple(target.shape))
                 target.copy_(ckpt.get(name))
+                release(name)
                 loaded.add(target_key)
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
