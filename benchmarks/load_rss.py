@@ -2,10 +2,12 @@
 issue's target: peak growth <= 1.2x the packed experts + 2 GiB.
 
     python benchmarks/load_rss.py --experts 256 --formats bf16,int4 [--dir /dev/shm] [--json out.json]
+    python benchmarks/load_rss.py --experts 256 --device cuda --gpu-experts 16   # the hybrid split's load
 
 The checkpoint (bf16, one decoder layer, H 7168, I 2048, N experts; a 1024-token vocabulary so that
 the embeddings do not blur the experts' figure) is written under --dir and deleted at the end. Each
-format loads in its own process (expert_backend native, device cpu, no expert cache), after a tiny
+format loads in its own process (expert_backend native, device cpu unless --device, no expert cache;
+with --gpu-experts the hybrid split, "packed" then being its CPU engines' share), after a tiny
 model's load ("once": what a process pays once, imports and threads, not counted in the growth).
 Printed per format: packed bytes, peak RSS growth over the process's RSS before the load, the growth
 net of the model's own non-expert weights, both as ratios to packed, the target, and RssAnon /
@@ -34,6 +36,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dir", default="/dev/shm", help="where the checkpoint is written (and deleted)")
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--gpu-experts", type=int, default=None,
+                        help="the hybrid split with this many experts on the device (packed: the CPU share)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="load-rss-", dir=args.dir))
@@ -48,9 +53,9 @@ def main() -> None:
         print(f"{'format':<6} {'packed GiB':>10} {'peak GiB':>9} {'net GiB':>8} {'peak/packed':>11} "
               f"{'net/packed':>10} {'target GiB':>10} {'met':>4} {'anon':>6} {'file':>6} {'shmem':>6} {'s':>6} {'once':>5}")
         for fmt in args.formats.split(","):
-            r = measure_in_subprocess(out, {"device": "cpu", "expert_backend": "native", "expert_format": fmt,
+            r = measure_in_subprocess(out, {"device": args.device, "expert_backend": "native", "expert_format": fmt,
                                             "expert_group_size": args.group_size, "cpu_threads": args.threads,
-                                            "cache_dir": ""}, warmup)
+                                            "gpu_experts_per_layer": args.gpu_experts, "cache_dir": ""}, warmup)
             packed, peak = r["packed_bytes"], r["peak_growth"]
             net = peak - r["non_expert_bytes"]
             target = 1.2 * packed + 2 * GIB

@@ -82,6 +82,14 @@ def compact_slots(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor
     return torch.where(valid, cids, pad), torch.where(valid, cw, torch.zeros_like(cw))
 
 
+def _put(stacked: list[torch.Tensor], n: int, i: int, weights, device: torch.device) -> None:
+    """Copy one expert's (gate, up, down) into row i of stacked [n, ...] buffers on device (made at the first)."""
+    if not stacked:
+        stacked.extend(torch.empty(n, *w.shape, dtype=w.dtype, device=device) for w in weights)
+    for dst, w in zip(stacked, weights):
+        dst[i].copy_(w)
+
+
 class _Layer:
     """One MoE layer's split: its GPU experts (stacked) and its CPU engine, with the id maps."""
 
@@ -152,7 +160,8 @@ class HybridExperts(ExpertBackend):
     """Routed experts placed by a PlacementPlan: some on `device`, the rest in a CPU engine.
 
     cpu_layer(gate, up, down) builds the CPU engine of one layer from the CPU experts' stacked
-    weights (CpuExperts with the engine options, or TorchCpuLayer).
+    weights (CpuExperts with the engine options, or TorchCpuLayer); where it also has
+    from_experts(experts, n), set_layer_experts packs the CPU experts one at a time through it.
     """
 
     def __init__(self, plan: PlacementPlan, device: str | torch.device, cpu_layer: Callable, act=F.silu,
@@ -167,8 +176,8 @@ class HybridExperts(ExpertBackend):
         self._handoffs: dict[tuple[bool, int], tuple] = {}  # (deferred?, layer) -> (CudaHandoff, width)
         self.fused = False  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
 
-    def set_layer(self, layer, gate_proj, up_proj, down_proj):
-        E = gate_proj.shape[0]
+    def _split(self, layer: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gpu_ids, cpu_ids, on_gpu [E] bool, local [E]: each expert's index among its side's experts)."""
         gpu_ids = torch.tensor(self.plan.on_gpu(layer), dtype=torch.long)
         on_gpu = torch.zeros(E, dtype=torch.bool)
         on_gpu[gpu_ids] = True
@@ -176,6 +185,10 @@ class HybridExperts(ExpertBackend):
         local = torch.empty(E, dtype=torch.long)
         local[gpu_ids] = torch.arange(len(gpu_ids))
         local[cpu_ids] = torch.arange(len(cpu_ids))
+        return gpu_ids, cpu_ids, on_gpu, local
+
+    def set_layer(self, layer, gate_proj, up_proj, down_proj):
+        gpu_ids, cpu_ids, on_gpu, local = self._split(layer, gate_proj.shape[0])
         # index_select copies: the GPU side gets only its experts, the CPU engine only the others
         gpu = None
         if len(gpu_ids):
@@ -186,6 +199,32 @@ class HybridExperts(ExpertBackend):
             cpu = self._cpu_layer(*(w.index_select(0, cpu_ids.to(w.device)).cpu()
                                     for w in (gate_proj, up_proj, down_proj)))
         self._layers[layer] = _Layer(on_gpu, local, gpu, cpu, self.device)
+
+    def set_layer_experts(self, layer, experts, num_experts: int):
+        """set_layer from (gate, up, down) of one expert at a time, in expert order (as the loader reads them):
+        each GPU expert goes to the device as it comes, and the CPU experts to cpu_layer.from_experts where
+        it has one (the native engine packs them one at a time), else stacked for cpu_layer. No stacked
+        copy of the whole layer is made."""
+        gpu_ids, cpu_ids, on_gpu, local = self._split(layer, num_experts)
+        gpu_slot = dict(zip(gpu_ids.tolist(), range(len(gpu_ids))))
+        gpu: list[torch.Tensor] = []
+
+        def cpu_experts():
+            for e, weights in enumerate(experts):
+                if e in gpu_slot:
+                    _put(gpu, len(gpu_ids), gpu_slot[e], weights, self.device)
+                else:
+                    yield weights
+
+        from_experts = getattr(self._cpu_layer, "from_experts", None)
+        if len(cpu_ids) and from_experts is not None:
+            cpu = from_experts(cpu_experts(), len(cpu_ids))
+        else:
+            stacked: list[torch.Tensor] = []
+            for i, weights in enumerate(cpu_experts()):
+                _put(stacked, len(cpu_ids), i, weights, torch.device("cpu"))
+            cpu = self._cpu_layer(*stacked) if stacked else None
+        self._layers[layer] = _Layer(on_gpu, local, tuple(gpu) or None, cpu, self.device)
 
     def layers(self):
         return sorted(self._layers)

@@ -98,7 +98,9 @@ def measure_load(model_dir: str | Path, engine_options: dict, warmup_dir: str | 
     at_peak = sampler.stop()
     end = memory_status()
     experts = loaded.experts
-    packed = sum(experts.layer_experts(layer).packed_bytes for layer in experts.layers())
+    # the native backend's layers, or a hybrid's CPU engines (None where every expert is on the GPU)
+    engine = getattr(experts, "layer_experts", None) or experts.cpu_engine
+    packed = sum(e.packed_bytes for e in map(engine, experts.layers()) if e is not None)
     non_expert = sum(t.numel() * t.element_size() for t in (*loaded.model.parameters(), *loaded.model.buffers())
                      if t.device.type == "cpu")
     return {"seconds": seconds, "packed_bytes": packed, "non_expert_bytes": non_expert, "warmup_growth": warmup,

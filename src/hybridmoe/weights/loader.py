@@ -106,13 +106,26 @@ def _hybrid_backend(engine_config: EngineConfig, config: ModelConfig, model_cls,
                              f"{top_k} experts per token (at least one runs in its own layer)")
     plan, _ = placement_for(model_cls, config, dtype, engine_config)
     if engine_config.expert_backend == "native":
-        cls, ec = _cpu_experts_class(), engine_config
-        cpu_layer = lambda g, u, d: cls(g, u, d, format=ec.expert_format, group_size=ec.expert_group_size,  # noqa: E731
-                                        threads=ec.cpu_threads, zero_points=_zero_points(ec))
+        ec = engine_config
+        cpu_layer = _NativeLayer(_cpu_experts_class(), format=ec.expert_format, group_size=ec.expert_group_size,
+                                 threads=ec.cpu_threads, zero_points=_zero_points(ec))
     else:
         cpu_layer = lambda g, u, d: TorchCpuLayer(g, u, d, act)  # noqa: E731
     return HybridExperts(plan, engine_config.device, cpu_layer, act, engine_config.deferred_experts,
                          config.num_hidden_layers)
+
+
+class _NativeLayer:
+    """Builds one layer's CpuExperts with the engine options: from stacked tensors, or one expert at a time."""
+
+    def __init__(self, cpu_experts_cls, **options):
+        self._cls, self._options = cpu_experts_cls, options
+
+    def __call__(self, gate_proj, up_proj, down_proj):
+        return self._cls(gate_proj, up_proj, down_proj, **self._options)
+
+    def from_experts(self, experts, num_experts: int):
+        return self._cls.from_experts(experts, num_experts, **self._options)
 
 
 class _NativeLayers(ExpertBackend):
@@ -124,15 +137,16 @@ class _NativeLayers(ExpertBackend):
 
     def __init__(self, cpu_experts_cls, **options):
         self._cls, self._options = cpu_experts_cls, options
+        self._make = _NativeLayer(cpu_experts_cls, **options)
         self._layers: dict[int, object] = {}
         self._out: dict[int, tuple[torch.device, torch.dtype]] = {}
 
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
-        self._layers[layer] = self._cls(gate_proj, up_proj, down_proj, **self._options)
+        self._layers[layer] = self._make(gate_proj, up_proj, down_proj)
 
     def set_layer_experts(self, layer, experts, num_experts: int):
         """The layer packed from (gate, up, down) of one expert at a time (CpuExperts.from_experts)."""
-        self._layers[layer] = self._cls.from_experts(experts, num_experts, **self._options)
+        self._layers[layer] = self._make.from_experts(experts, num_experts)
 
     def int4_codes_group(self) -> int | None:
         """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
