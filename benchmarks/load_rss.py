@@ -55,7 +55,8 @@ def main() -> None:
         for fmt in args.formats.split(","):
             r = measure_in_subprocess(out, {"device": args.device, "expert_backend": "native", "expert_format": fmt,
                                             "expert_group_size": args.group_size, "cpu_threads": args.threads,
-                                            "gpu_experts_per_layer": args.gpu_experts, "cache_dir": ""}, warmup)
+                                            "gpu_experts_per_layer": args.gpu_experts, "cache_dir": "",
+                                            "prefill_streaming": "off"}, warmup)
             packed, peak = r["packed_bytes"], r["peak_growth"]
             net = peak - r["non_expert_bytes"]
             target = 1.2 * packed + 2 * GIB
