@@ -5,8 +5,9 @@ The peak (VmHWM) belongs to a whole process, so each measurement runs in its own
     python -m hybridmoe.weights.load_rss MODEL_DIR '{"expert_format": "int4", ...}' [WARMUP_DIR]
 
 prints one JSON object (what measure_load returns). Growth is counted from the RSS after the
-imports, so it is what the load itself added: the model's non-expert weights, the packed experts,
-and whatever the load path holds beside them (source pages mapped from the checkpoint, copies).
+imports (and after WARMUP_DIR's load, if given), so it is what the load itself added: the model's
+non-expert weights, the packed experts, and whatever the load path holds beside them (source pages
+mapped from the checkpoint, copies).
 At the sampled peak RSS is split into RssAnon (the process's own memory), RssFile (pages mapped
 from files on disk) and RssShmem (pages mapped from tmpfs, e.g. /dev/shm).
 """
