@@ -145,11 +145,13 @@ inline void cpu_relax() {
 }
 
 struct Workspace {
-  std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets, slot_of, fill, chunk_first;
+  std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets, slot_of, fill, chunk_first,
+      tok_used;
   std::vector<Item> gemm_items;
   std::unique_ptr<std::atomic<int>[]> pending;  // per active expert (atomics: no std::vector)
   int pending_size = 0;
   ActRows act, act2;  // activations of gate/up (x) and of down (h)
+  ActRows act_tok;    // x once per token, for the experts of one token (decode)
   AlignedVec<float> h, y;
 };
 thread_local Workspace ws;
@@ -379,17 +381,35 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     use2[int(act_of(*k, true, fmt))] = true;
   }
   ActLayout act1(ws.act, gate.Kp, grp, Ra, use1), act2(ws.act2, down.Kp, grp, Ra, use2);
+  // An expert with one token (every expert of a decode step) reads that token's row of tok1:
+  // each token is converted once, not once per expert (K times at T = 1), and the rows stay few
+  // and cache-hot. Those experts run base_'s kernels (one token is below kAmxMinTokens).
+  ActLayout tok1(ws.act_tok, gate.Kp, grp, T, use1);
+  const ActKind tok_kind = act_of(*base_, false, fmt);
   float* h = grow(ws.h, size_t(R) * ldh);
   float* y = grow(ws.y, size_t(R) * ldy);
-  // Chunks of 16 activation rows for phase A: (expert, first row).
+  // Phase A's items: chunks of 16 activation rows of the experts with several tokens (expert,
+  // first row), then the tokens of one-token experts (-1, token).
   std::vector<int>& items = ws.items;
   std::vector<int>& chunk_first = ws.chunk_first;
   items.clear();
   chunk_first.clear();
-  for (int j = 0; j < A; ++j)
+  size_t rows_written = 0;
+  for (int j = 0; j < A; ++j) {
+    if (n_of(j) == 1) continue;
+    rows_written += rows_read(j);
     for (int r = act_begin[j]; r < act_begin[j + 1]; r += 16) {
       items.push_back(j);
       chunk_first.push_back(r);
+    }
+  }
+  int* tok_used = grow(ws.tok_used, T);
+  std::fill(tok_used, tok_used + T, 0);
+  for (int j = 0; j < A; ++j)
+    if (n_of(j) == 1 && !tok_used[tok[row_begin[j]]]++) {
+      items.push_back(-1);
+      chunk_first.push_back(tok[row_begin[j]]);
+      ++rows_written;
     }
   const int chunks = int(items.size());
   auto parallel_or_inline = [&](int n, size_t work, const std::function<void(int, int)>& fn) {
@@ -401,8 +421,13 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   };
 
   // Phase A: x rows -> each expert's activation rows (padding rows its kernels read: zeros).
-  parallel_or_inline(chunks, size_t(R) * H, [&](int i, int) {
+  parallel_or_inline(chunks, rows_written * H, [&](int i, int) {
     const int j = items[i], a0 = chunk_first[i];
+    if (j < 0) {  // token a0's row of tok1
+      tok1.write(ops, ops8, tok_kind, a0, static_cast<const char*>(c.x) + size_t(a0) * H * (c.x_bf16 ? 2 : 4),
+                 c.x_bf16, H);
+      return;
+    }
     const ActKind kind = act_of(kernels_of(j), false, fmt);
     for (size_t r = a0; r < std::min<size_t>(a0 + 16, act_begin[j] + rows_read(j)); ++r) {
       const int local = r - act_begin[j];
@@ -471,7 +496,8 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     const int64_t t0 = titems ? trace_now_ns() : 0;
     const Kernels& kn = kernels_of(it.j);
     if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
-      const ActView a = act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
+      const ActView a = n_of(it.j) == 1 ? tok1.view(tok_kind, tok[row_begin[it.j]], 1)
+                                        : act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
       const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows, cols = (it.b1 - it.b0) * kBlockRows;
       float* hrow = h + size_t(row_begin[it.j]) * ldh + col0;
       if (kn.gate_up[int(fmt)]) {
