@@ -3,6 +3,7 @@ issue's target: peak growth <= 1.2x the packed experts + 2 GiB.
 
     python benchmarks/load_rss.py --experts 256 --formats bf16,int4 [--dir /dev/shm] [--json out.json]
     python benchmarks/load_rss.py --experts 256 --device cuda --gpu-experts 16   # the hybrid split's load
+    python benchmarks/load_rss.py --model DIR    # a one-layer checkpoint written once (write_one_layer)
 
 The checkpoint (bf16, one decoder layer, H 7168, I 2048, N experts; a 1024-token vocabulary so that
 the embeddings do not blur the experts' figure) is written under --dir and deleted at the end. Each
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
 
 from hybridmoe.weights.load_rss import measure_in_subprocess, write_one_layer
+from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 GIB = 2**30
 
@@ -39,24 +42,33 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--gpu-experts", type=int, default=None,
                         help="the hybrid split with this many experts on the device (packed: the CPU share)")
+    parser.add_argument("--model", default=None,
+                        help="measure this one-layer checkpoint (e.g. written once for several runs) instead")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    out = Path(tempfile.mkdtemp(prefix="load-rss-", dir=args.dir))
+    work = Path(tempfile.mkdtemp(prefix="load-rss-", dir=args.dir))
     rows = []
     try:
-        source = write_one_layer(out, "deepseek_v3", "deepseek-v3", n_routed_experts=args.experts,
-                                 vocab_size=args.vocab)
-        warmup = out / "warmup"
+        model = Path(args.model) if args.model else work / "model"
+        if args.model is None:
+            model.mkdir()
+            write_one_layer(model, "deepseek_v3", "deepseek-v3", n_routed_experts=args.experts, vocab_size=args.vocab)
+        with SafetensorsCheckpoint(model) as ckpt:
+            source = sum(math.prod(ckpt.shape(n)) * ckpt.dtype(n).itemsize for n in ckpt.weight_names()
+                         if ".mlp.experts." in n)
+            experts = 1 + max(int(n.split(".mlp.experts.")[1].split(".")[0]) for n in ckpt.weight_names()
+                              if ".mlp.experts." in n)
+        warmup = work / "warmup"
         warmup.mkdir()
         write_one_layer(warmup, "deepseek_v3", "tiny", hidden_size=128, moe_intermediate_size=128)  # any group
-        print(f"DeepSeek-V3 layer, {args.experts} experts: {source / GIB:.2f} GiB of bf16 experts in {out}")
+        print(f"one MoE layer, {experts} experts: {source / GIB:.2f} GiB of experts in {model}")
         print(f"{'format':<6} {'packed GiB':>10} {'peak GiB':>9} {'net GiB':>8} {'peak/packed':>11} "
               f"{'net/packed':>10} {'target GiB':>10} {'met':>4} {'anon':>6} {'file':>6} {'shmem':>6} {'s':>6} {'once':>5}")
         for fmt in args.formats.split(","):
-            r = measure_in_subprocess(out, {"device": args.device, "expert_backend": "native", "expert_format": fmt,
-                                            "expert_group_size": args.group_size, "cpu_threads": args.threads,
-                                            "gpu_experts_per_layer": args.gpu_experts, "cache_dir": "",
-                                            "prefill_streaming": "off"}, warmup)
+            r = measure_in_subprocess(model, {"device": args.device, "expert_backend": "native",
+                                              "expert_format": fmt, "expert_group_size": args.group_size,
+                                              "cpu_threads": args.threads, "gpu_experts_per_layer": args.gpu_experts,
+                                              "cache_dir": "", "prefill_streaming": "off"}, warmup)
             packed, peak = r["packed_bytes"], r["peak_growth"]
             net = peak - r["non_expert_bytes"]
             target = 1.2 * packed + 2 * GIB
@@ -67,9 +79,9 @@ def main() -> None:
                   f"{r['seconds']:6.1f} {r['warmup_growth'] / GIB:5.2f}")
             rows.append({"format": fmt, "source_bytes": source, "target_bytes": target, **r})
     finally:
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"experts": args.experts, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"model": str(model), "experts": experts, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
