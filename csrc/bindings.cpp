@@ -300,6 +300,11 @@ NB_MODULE(_native, m) {
                      if (n < 0) fail("item_blocks must be >= 0 (0: automatic), got " + std::to_string(n));
                      e.layer().set_item_blocks(n);
                    }, "32-row blocks per GEMM work item (0: automatic).")
+      .def_prop_rw("item_prefetch", [](const Engine& e) { return e.layer().item_prefetch(); },
+                   [](Engine& e, int n) {
+                     if (n < 0) fail("item_prefetch must be >= 0 bytes, got " + std::to_string(n));
+                     e.layer().set_item_prefetch(n);
+                   }, "Bytes of each weight stream of a GEMM item prefetched as it starts (0: none).")
       .def("take_trace", &Engine::take_trace, "The records of the traced calls since the last take (moe_trace.h).")
       .def("run", &Engine::run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
            "submit + wait on the calling thread (GIL released), without the driver thread.")

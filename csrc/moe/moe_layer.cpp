@@ -138,6 +138,11 @@ struct ActLayout {
 // One GEMM work item: gate/up (down = 0) or down rows of expert j, slice s, blocks [b0, b1).
 struct Item { int down, j, s, b0, b1; };
 
+// Asks for [p, p + bytes) into L2 (prefetcht1); lines already on their way cost little.
+inline void prefetch_l2(const void* p, size_t bytes) {
+  for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o, 0, 2);
+}
+
 inline void cpu_relax() {
 #if defined(__x86_64__)
   __builtin_ia32_pause();
@@ -491,10 +496,24 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   };
 
   if (tr) tr->items_ns = trace_now_ns();
+  // The head of each weight stream of an item (and of its scales): a kernel's own prefetches run
+  // a fixed distance ahead of its loads, so without this a new stream starts on demand misses.
+  const size_t head = size_t(item_prefetch_);
+  auto prefetch_heads = [&](const Matrix& mat, const Item& it) {
+    const PackedView v = view(mat, order[it.j], it.s);
+    const size_t bb = block_bytes(fmt, mat.Kp), sf = scale_floats(mat, 1);
+    prefetch_l2(v.w + size_t(it.b0) * bb, std::min(head, size_t(it.b1 - it.b0) * bb));
+    if (v.scale) prefetch_l2(v.scale + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
+    if (v.zero) prefetch_l2(v.zero + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
+  };
   pool_->run(offsets, [&](int i, int worker) {
     const Item it = gemm_items[i];
     const int64_t t0 = titems ? trace_now_ns() : 0;
     const Kernels& kn = kernels_of(it.j);
+    if (head) {
+      prefetch_heads(it.down ? down : gate, it);
+      if (!it.down) prefetch_heads(up, it);
+    }
     if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
       const ActView a = n_of(it.j) == 1 ? tok1.view(tok_kind, tok[row_begin[it.j]], 1)
                                         : act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));

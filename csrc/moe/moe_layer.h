@@ -72,6 +72,9 @@ class MoeLayer {
   // benchmarks that weigh the tail against per-item costs.
   void set_item_blocks(int blocks) { item_blocks_ = blocks; }
   int item_blocks() const { return item_blocks_; }
+  // Bytes of each weight stream (and scales) of a GEMM item prefetched into L2 as it starts (0: none).
+  void set_item_prefetch(int bytes) { item_prefetch_ = bytes; }
+  int item_prefetch() const { return item_prefetch_; }
 
  private:
   struct Matrix {
@@ -94,6 +97,7 @@ class MoeLayer {
   uint64_t last_ticket_ = 0;
   Tracer tracer_;
   int item_blocks_ = 0;
+  int item_prefetch_ = 4096;
 };
 
 }  // namespace hmoe

@@ -118,3 +118,14 @@ def test_item_blocks_must_not_be_negative(make_weights):
     experts = CpuExperts(*make_weights(E, H, I), threads=1)
     with pytest.raises(HybridMoEError, match="item_blocks"):
         experts.set_item_blocks(-2)
+
+
+@pytest.mark.parametrize("nbytes", [0, 64, 1 << 20])
+def test_item_prefetch_changes_nothing_but_timing(make_weights, make_routing, nbytes):
+    experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2, numa_nodes=2)
+    x, ids, weights = make_routing(3, H, K, range(E))
+    expected = experts.forward(x, ids, weights)
+    experts.set_item_prefetch(nbytes)
+    assert torch.equal(experts.forward(x, ids, weights), expected)
+    with pytest.raises(HybridMoEError, match="item_prefetch"):
+        experts.set_item_prefetch(-1)

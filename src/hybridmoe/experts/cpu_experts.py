@@ -279,6 +279,11 @@ class CpuExperts:
         weigh a call's tail against its per-item costs; results do not depend on it."""
         self._call(setattr, self._engine, "item_blocks", int(blocks))
 
+    def set_item_prefetch(self, nbytes: int) -> None:
+        """Bytes of each weight stream of a GEMM work item prefetched into L2 as the item starts
+        (0: none; default 4096), for side-by-side benchmarks; results do not depend on it."""
+        self._call(setattr, self._engine, "item_prefetch", int(nbytes))
+
     @staticmethod
     def _capsules(*tensors):
         """DLPack capsules of CPU torch tensors (anything else as is: the engine's checks refuse it
