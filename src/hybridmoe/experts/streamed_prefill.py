@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.experts.gpu_experts import HAVE_TRITON, gpu_share
+from hybridmoe.experts.gpu_experts import HAVE_TRITON, block_size, gpu_share, slot_blocks, triton_usable
 from hybridmoe.experts.packed_torch import PackedLayout
 from hybridmoe.experts.placement import format_bytes
 
@@ -312,8 +312,9 @@ class PrefillStreamer:
         """sum over slots with mask of weights * expert_ids(hidden): float32 [T, H] on the device.
 
         hidden [T, H]; ids [T, K] local to the layer's CPU engine where mask [T, K] is set; weights [T, K].
-        The CPU's share (experts below `first`) starts first: its inputs come to the host (the one sync),
-        the engine runs them while the device's work is queued, and its output joins at the end.
+        The CPU's share (experts below `first`) runs on its engine while the device works (its inputs go to
+        the host first, and the engine starts once the device's work is queued: the step's one host
+        wait), and its output joins at the end.
         """
         host = self.layers[layer]
         first = self.costs.cpu_experts(host.layout.E, hidden.shape[0]) if self.costs is not None else 0
@@ -328,7 +329,10 @@ class PrefillStreamer:
                              act, first)
         if self.freed[slot] is not None:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
-        return out if cpu is None else cpu.join(out)
+        if cpu is None:
+            return out
+        cpu.start()
+        return cpu.join(out)
 
     def _stage(self, layer: int, first: int = 0) -> int:
         """The slot that holds (or is being filled with) layer's packed bytes of experts first.. on; starts
@@ -419,26 +423,39 @@ def _clear_cuda_error() -> None:
 class _CpuShare:
     """The slots `keep` [T, K] of a streamed step, run by the layer's CPU engine while the device works.
 
-    The engine takes one row per (token, slot) pair, each with its one expert (a dense [T, Kc] would
-    have it compute every token's row up to the busiest token's count, weight 0 or not); join() adds
-    each row to its token's on the device.
+    The inputs start for the host as the step's first device work (into page-locked memory, so the
+    copy is queued); start() waits for them alone, once the device's own work is queued behind them,
+    so the CPU workers never compete with the thread that launches it. The engine takes one row per
+    (token, slot) pair, each with its one expert (a dense [T, Kc] would have it compute every token's
+    row up to the busiest token's count, weight 0 or not); join() adds each row to its token's.
     """
 
     def __init__(self, engine, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor):
-        K = ids.shape[1]
         native = torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype  # the engine's: bf16 or fp32
-        x, ids, weights, keep = (t.cpu() for t in (hidden.to(native), ids, weights, keep))  # the host sync
+        cuda = hidden.is_cuda
+        self.engine, self.device, self.K = engine, hidden.device, ids.shape[1]
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).copy_(t, non_blocking=cuda)
+                     for t in (hidden.to(native), ids, weights, keep)]
+        self.arrived = torch.cuda.Event() if cuda else None
+        if cuda:
+            self.arrived.record(torch.cuda.current_stream(self.device))
+        self.tok = None
+
+    def start(self) -> None:
+        """Hand the rows to the engine (the host waits for its inputs here)."""
+        if self.arrived is not None:
+            self.arrived.synchronize()
+        x, ids, weights, keep = self.host
         pairs = keep.flatten().nonzero().squeeze(1)  # [R]
-        tok = pairs // K
-        self.tok = tok.to(hidden.device, non_blocking=True)
-        self.engine = None
         if pairs.numel():
-            engine.submit(x[tok], ids.flatten()[pairs].view(-1, 1), weights.flatten()[pairs].float().view(-1, 1))
-            self.engine = engine
+            tok = pairs // self.K
+            self.engine.submit(x[tok], ids.flatten()[pairs].view(-1, 1),
+                               weights.flatten()[pairs].float().view(-1, 1))
+            self.tok = tok.pin_memory().to(self.device, non_blocking=True) if self.arrived is not None else tok
 
     def join(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, H] float32 plus the CPU's rows."""
-        if self.engine is None:
+        if self.tok is None:
             return out
         rows = self.engine.wait()  # [R, H] on the host, in the engine's dtype
         if out.is_cuda:
@@ -452,20 +469,61 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     Only experts first.. on are read (mask must leave the others out).
 
     The layer's experts are dequantized a chunk of consecutive ids at a time into x's dtype (bf16/fp16;
-    float32 stays float32), and the chunk's slots run through gpu_share (experts/gpu_experts.py): on
-    CUDA with triton, grouped kernels over blocks of slots sorted by expert, with no host sync and
-    nothing per expert on the host (a layer is a few dozen launches); elsewhere its torch reference.
+    float32 stays float32). On CUDA with triton (and SiLU) the slots are sorted into blocks of one expert
+    once for the layer, and each chunk runs the GPU share's grouped kernels over the blocks of its
+    experts (_routed_triton: no host sync, a few launches a chunk; the host's launches, not the
+    device, bounded a 512-token step when each chunk sorted its own slots); elsewhere each chunk's
+    slots go through gpu_share's torch reference.
     """
     cdtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     xc, ids = x.to(cdtype), ids.long()
     chunk = dequant_chunk_experts(layout.H, layout.I, fused=_fused_dequant(x.device))
+    if triton_usable(x.device, act):
+        return _routed_triton(layout, buffers, xc, ids, weights, mask, first, chunk)
     out = torch.zeros((x.shape[0], layout.H), dtype=torch.float32, device=x.device)
     for c0 in range(first, layout.E, chunk):
         c1 = min(layout.E, c0 + chunk)
-        gate, up, down = layout.dequantize(buffers, torch.arange(c0, c1, device=x.device), cdtype)
+        gate, up, down = layout.dequantize(buffers, torch.arange(c0, c1, device=x.device), xc.dtype)
         inside = mask & (ids >= c0) & (ids < c1)  # [T, K] the chunk's slots
         out += gpu_share(xc, gate, up, down, ids - c0, weights, inside, act)
     return out
+
+
+def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor, mask: torch.Tensor, first: int, chunk: int) -> torch.Tensor:
+    """routed_experts with the Triton kernels of gpu_experts_triton.py; x in the compute dtype, ids long.
+
+    S = T x K slots in NB blocks (slot_blocks); chunk c of the experts first.. on sees only the blocks of
+    its experts (the others' slots set to -1, which the kernels skip) and its experts renumbered from 0.
+    Every slot is in one block of one chunk, so the chunks share the h [S, I] and y [S, H] rows.
+    """
+    from hybridmoe.experts.gpu_experts_triton import _down_kernel, _gate_up_kernel
+
+    T, K = ids.shape
+    E, H, I, S = layout.E, layout.H, layout.I, ids.numel()
+    block = block_size(S, E - first)
+    block_expert, block_slots = slot_blocks(torch.where(mask, ids, E).reshape(S), E, block)  # [NB], [NB, block]
+    NB = block_expert.numel()
+    starts = torch.arange(first, E, chunk, device=x.device, dtype=torch.int32)  # [C] each chunk's first expert
+    of_chunk = (block_expert.unsqueeze(0) >= starts.unsqueeze(1)) & (block_expert.unsqueeze(0) < starts.unsqueeze(1)
+                                                                     + chunk)  # [C, NB]
+    chunk_slots = torch.where(of_chunk.unsqueeze(2), block_slots.unsqueeze(0), -1)  # [C, NB, block]
+    chunk_expert = block_expert.unsqueeze(0) - starts.unsqueeze(1)  # [C, NB], read where of_chunk
+    w = weights.float().reshape(S)
+    h = torch.empty(S, I, dtype=torch.float32, device=x.device)  # rows of slots not here stay unread
+    y = torch.zeros(S, H, dtype=torch.float32, device=x.device)  # slots not here add 0
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # as gpu_experts_triton: fp32 stays exact
+    experts = torch.arange(E, device=x.device)
+    for c, c0 in enumerate(range(first, E, chunk)):
+        gate, up, down = layout.dequantize(buffers, experts[c0:min(E, c0 + chunk)], x.dtype)
+        be, bs = chunk_expert[c], chunk_slots[c]
+        _gate_up_kernel[(NB, -(-I // 16))](
+            x, gate, up, be, bs, h, S, H, I, K, x.stride(0), gate.stride(0), gate.stride(1), h.stride(0),
+            BLOCK_S=block, BLOCK_I=16, BLOCK_H=128, PRECISION=precision, EXPERT_MAJOR=False)
+        _down_kernel[(NB, -(-H // 32))](
+            h, down, be, bs, w, y, S, H, I, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+            BLOCK_S=block, BLOCK_H=32, BLOCK_I=64, PRECISION=precision, EXPERT_MAJOR=False)
+    return y.view(T, K, H).sum(dim=1)
 
 
 def _fused_dequant(device: torch.device) -> bool:
