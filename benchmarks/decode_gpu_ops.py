@@ -43,7 +43,7 @@ PROMPT_LEN = 16
 GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 GRAPH_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty",
                     6: "wait event", 7: "event record", 10: "mem alloc", 11: "mem free", 12: "stream mem op"}
-"""cudaGraphNodeType / CUgraphNodeType values."""
+"""CUgraphNodeType values."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -156,23 +156,23 @@ def per_layer(events: list[dict]) -> dict:
 
 
 def graph_node_types(graph: torch.cuda.CUDAGraph) -> dict[str, int] | str:
-    """The captured graph's nodes by type (cudaGraphGetNodes through the CUDA runtime torch loaded), or why not."""
-    from hybridmoe.experts.cuda_handoff import cudart_candidates
-
-    candidates = cudart_candidates()
-    if not candidates:
-        return "no libcudart found"
-    rt = ctypes.CDLL(candidates[0])
+    """The captured graph's nodes by type, or why not. Through the driver API (libcuda): the runtime's
+    cudaGraphNodeGetType fails on stream-memory-op nodes and leaves that error for torch's next
+    launch check to raise."""
+    try:
+        drv = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"no libcuda ({e})"
     handle = ctypes.c_void_p(graph.raw_cuda_graph())
     n = ctypes.c_size_t(0)
-    if rt.cudaGraphGetNodes(handle, None, ctypes.byref(n)) != 0:
-        return "cudaGraphGetNodes failed"
+    if drv.cuGraphGetNodes(handle, None, ctypes.byref(n)) != 0:
+        return "cuGraphGetNodes failed"
     nodes = (ctypes.c_void_p * n.value)()
-    rt.cudaGraphGetNodes(handle, nodes, ctypes.byref(n))
+    drv.cuGraphGetNodes(handle, nodes, ctypes.byref(n))
     counts: collections.Counter = collections.Counter()
     for node in nodes:
         kind = ctypes.c_int(-1)
-        rt.cudaGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        drv.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
         counts[GRAPH_NODE_TYPES.get(kind.value, f"type {kind.value}")] += 1
     return dict(counts)
 

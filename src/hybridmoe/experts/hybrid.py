@@ -174,7 +174,7 @@ class HybridExperts(ExpertBackend):
         self._deferred = DeferredOutputs(num_layers)
         self._fixed_tokens = 0  # steps of at most this many tokens run in fixed shapes (use_fixed_shapes)
         self._handoffs: dict[tuple[bool, int], tuple] = {}  # (deferred?, layer) -> (CudaHandoff, width)
-        self.fused = False  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
+        self.fused = True  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
 
     def _split(self, layer: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gpu_ids, cpu_ids, on_gpu [E] bool, local [E]: each expert's index among its side's experts)."""

@@ -171,7 +171,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.rotary = RotaryEmbedding(head_dim, rope)
         self.kv_cache: KVCache | None = None
-        self.fused = False  # on CUDA: norms, rotary and cache writes in one kernel, decode attention in one
+        self.fused = True  # on CUDA: norms, rotary and cache writes in one kernel, decode attention in one
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.o_proj.weight

@@ -43,7 +43,7 @@ class SparseMoeBlock(nn.Module):
         self.layer_idx, self.top_k, self.renormalize = layer_idx, top_k, renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = experts
-        self.fused = False  # the router in one kernel on CUDA (softmax_topk)
+        self.fused = True  # the router in one kernel on CUDA (softmax_topk)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

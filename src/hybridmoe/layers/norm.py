@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fused = False
+        self.fused = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., D] -> norm(x); with residual [..., D]: (norm(x + residual), x + residual)."""

@@ -179,8 +179,8 @@ class MoECausalLM(nn.Module):
     def fuse_decode_kernels(self, on: bool) -> None:
         """On CUDA with triton, run RMSNorm (with its residual add), attention's q/k norms + rotary +
         cache writes, the router's top-k and the hybrid experts' fixed-shape glue as one kernel each
-        (on), or as the torch ops they stand for (off, the default until the kernels have been held
-        to them on the GPU host; benchmarks/decode_gpu_ops.py runs the two side by side)."""
+        (on, the default), or as the torch ops they stand for (off: the reference the device tests
+        hold them to; benchmarks/decode_gpu_ops.py runs the two side by side)."""
         for module in [*self.modules(), self.experts]:
             if hasattr(module, "fused"):
                 module.fused = on
