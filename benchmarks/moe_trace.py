@@ -2,6 +2,7 @@
 
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
+        [--tail-split 0,1]
         [--json out.json]
 
 Modes (each call gets a fresh routing, as in moe_layer.py):
@@ -117,15 +118,15 @@ def timed_calls(layers, calls, api, mode, reps, gap_s, sleep_s, flush, traced):
 
 def print_cell(key, n, untraced, floor_us, s, lateness):
     pct = lambda v: f"{100 * v:5.1f}"
-    print(f"{key:<34} {n:>4} {untraced:>8.1f} {s['wall']:>7.1f} {floor_us:>6.1f} {100 * floor_us / untraced:>4.0f}% |"
+    print(f"{key:<40} {n:>4} {untraced:>8.1f} {s['wall']:>7.1f} {floor_us:>6.1f} {100 * floor_us / untraced:>4.0f}% |"
           f" {s['py_eng']:>6.1f} {s['hand']:>5.1f} {s['group']:>5.1f} {s['acts']:>5.1f} {s['build']:>5.1f}"
           f" {s['first']:>5.1f} | {s['gemm']:>6.1f} {s['tail']:>5.1f} {s['close']:>5.1f} | {s['comb']:>5.1f}"
           f" {s['ret']:>5.1f} | {s['before']:>6.1f} {s['gemm'] - floor_us:>6.1f} {s['after']:>5.1f}")
-    print(f"{'':<34} workers: late mean {s['late_mean']:.1f} max {s['late_max']:.1f} us, joined {s['joined']:.0f},"
+    print(f"{'':<40} workers: late mean {s['late_mean']:.1f} max {s['late_max']:.1f} us, joined {s['joined']:.0f},"
           f" slept {s['slept']:.0f}; busy {pct(s['busy'])}% (least busy {pct(s['busy_min'])}%) wait"
           f" {pct(s['wait'])}% (most {pct(s['wait_max'])}%) idle {pct(s['idle'])}%; GB/s per core gu"
           f" {s['gu_gbps']:.1f} dn {s['dn_gbps']:.1f}; run {s['run_gbps']:.1f} GB/s; {s['items']:.0f} items")
-    print(f"{'':<34} late by worker (us, median of the calls it joined; -: none): " +
+    print(f"{'':<40} late by worker (us, median of the calls it joined; -: none): " +
           " ".join("-" if v != v else f"{v:.0f}" for v in lateness), flush=True)
 
 
@@ -141,6 +142,8 @@ def main():
                     help="comma list: 32-row blocks per GEMM item (0: the engine's choice); key suffix ibN")
     ap.add_argument("--item-prefetch", default="4096",
                     help="comma list: bytes of each item's weight streams prefetched as it starts; key suffix pfN")
+    ap.add_argument("--tail-split", default="1",
+                    help="comma list of 0/1: cut the last down items into 1-block items; key suffix tailN")
     ap.add_argument("--isa", default=None, choices=["generic", "avx2", "avx512", "amx"])
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--experts", type=int, default=None, help="override E (to fit a small machine)")
@@ -159,6 +162,7 @@ def main():
     tokens = [int(t) for t in args.tokens.split(",")]
     item_blocks = [int(b) for b in args.item_blocks.split(",")]
     item_prefetch = [int(b) for b in args.item_prefetch.split(",")]
+    tail_split = [int(b) for b in args.tail_split.split(",")]
     torch.set_num_threads(1)
     flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
     flush = lambda: np.add(flush_buf, 1, out=flush_buf)
@@ -167,7 +171,7 @@ def main():
     print(f"# {args.shape}: E={E} H={H} I={I} top-{K}; host read GB/s " +
           ", ".join(f"{bw[t]:.1f} at {t} threads" for t in thread_counts) +
           f"; loop gap {args.gap_us:g} us, sleep {args.sleep_ms:g} ms, {args.layers} layers", flush=True)
-    print(f"{'fmt T thr mode api':<34} {'n':>4} {'untraced':>8} {'wall':>7} {'floor':>6} {'%bw':>5} |"
+    print(f"{'fmt T thr mode api':<40} {'n':>4} {'untraced':>8} {'wall':>7} {'floor':>6} {'%bw':>5} |"
           f" {'py>eng':>6} {'hand':>5} {'group':>5} {'acts':>5} {'build':>5} {'first':>5} | {'gemm':>6} {'tail':>5}"
           f" {'close':>5} | {'comb':>5} {'ret':>5} | {'before':>6} {'g-flr':>6} {'after':>5}   (us, medians)")
     rows = []
@@ -190,10 +194,10 @@ def main():
                 for mode in args.modes.split(","):
                     cell_layers = layers[:1] if mode == "flush" else layers
                     reps = 2 * args.reps if mode == "flush" else args.reps
-                    for api, blocks, pf in itertools.product(args.api.split(","), item_blocks, item_prefetch):
+                    for api, blocks, pf, tail in itertools.product(args.api.split(","), item_blocks, item_prefetch,
+                                                                   tail_split):
                         for layer in cell_layers:
-                            layer.set_item_blocks(blocks)
-                            layer.set_item_prefetch(pf)
+                            layer.set_schedule(item_blocks=blocks, item_prefetch=pf, tail_split=tail)
                         run = lambda traced: timed_calls(cell_layers, calls, api, mode, reps, args.gap_us * 1e-6,
                                                          args.sleep_ms * 1e-3, flush, traced)
                         untraced = med([(p1 - p0) / 1e3 for p0, p1, _ in run(False)])
@@ -207,10 +211,11 @@ def main():
                                     for w in range(threads)]
                         floor_us = s["bytes"] / (bw[threads] * 1e3)
                         key = (f"{fmt} {T} {threads} {mode} {api}" + (f" ib{blocks}" if blocks else "") +
-                               (f" pf{pf}" if len(item_prefetch) > 1 else ""))
+                               (f" pf{pf}" if len(item_prefetch) > 1 else "") +
+                               (f" tail{tail}" if len(tail_split) > 1 else ""))
                         print_cell(key, len(stats), untraced, floor_us, s, lateness)
                         rows.append(dict(shape=args.shape, format=fmt, tokens=T, threads=threads, mode=mode, api=api,
-                                         item_blocks=blocks, item_prefetch=pf,
+                                         item_blocks=blocks, item_prefetch=pf, tail_split=tail,
                                          calls=len(stats), untraced_us=untraced, floor_us=floor_us,
                                          host_read_gbps=bw[threads], late_by_worker_us=lateness, **s))
             del layers

@@ -305,6 +305,9 @@ NB_MODULE(_native, m) {
                      if (n < 0) fail("item_prefetch must be >= 0 bytes, got " + std::to_string(n));
                      e.layer().set_item_prefetch(n);
                    }, "Bytes of each weight stream of a GEMM item prefetched as it starts (0: none).")
+      .def_prop_rw("tail_split", [](const Engine& e) { return e.layer().tail_split(); },
+                   [](Engine& e, bool on) { e.layer().set_tail_split(on); },
+                   "Whether the last down items of a call are cut into 1-block items.")
       .def("take_trace", &Engine::take_trace, "The records of the traced calls since the last take (moe_trace.h).")
       .def("run", &Engine::run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
            "submit + wait on the calling thread (GIL released), without the driver thread.")

@@ -152,7 +152,7 @@ inline void cpu_relax() {
 struct Workspace {
   std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets, slot_of, fill, chunk_first,
       tok_used;
-  std::vector<Item> gemm_items;
+  std::vector<Item> gemm_items, tail_items;
   std::unique_ptr<std::atomic<int>[]> pending;  // per active expert (atomics: no std::vector)
   int pending_size = 0;
   ActRows act, act2;  // activations of gate/up (x) and of down (h)
@@ -472,6 +472,18 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
           gemm_items.push_back({m, j, s, b, std::min(nb, b + per_item)});
           if (!m) pending[j].fetch_add(1, std::memory_order_relaxed);
         }
+      if (m && tail_split_) {
+        // The slice's last down items, about two blocks per thread of its group, become 1-block
+        // items: workers run out of work within a small item of each other.
+        size_t first = gemm_items.size();
+        for (int covered = 0; first > size_t(offsets.back()) && gemm_items[first - 1].down &&
+                              covered < 2 * pool_->threads() / S;)
+          --first, covered += gemm_items[first].b1 - gemm_items[first].b0;
+        ws.tail_items.assign(gemm_items.begin() + first, gemm_items.end());
+        gemm_items.resize(first);
+        for (const Item& it : ws.tail_items)
+          for (int b = it.b0; b < it.b1; ++b) gemm_items.push_back({it.down, it.j, it.s, b, b + 1});
+      }
       if (m) offsets.push_back(int(gemm_items.size()));
     }
   TraceItem* titems = nullptr;  // tracing: one record per GEMM item, written by its worker

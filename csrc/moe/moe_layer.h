@@ -75,6 +75,9 @@ class MoeLayer {
   // Bytes of each weight stream (and scales) of a GEMM item prefetched into L2 as it starts (0: none).
   void set_item_prefetch(int bytes) { item_prefetch_ = bytes; }
   int item_prefetch() const { return item_prefetch_; }
+  // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
+  void set_tail_split(bool on) { tail_split_ = on; }
+  bool tail_split() const { return tail_split_; }
 
  private:
   struct Matrix {
@@ -98,6 +101,7 @@ class MoeLayer {
   Tracer tracer_;
   int item_blocks_ = 0;
   int item_prefetch_ = 4096;
+  bool tail_split_ = true;
 };
 
 }  // namespace hmoe

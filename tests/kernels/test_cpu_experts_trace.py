@@ -101,23 +101,21 @@ def test_trace_rejects_a_negative_count(make_weights):
 
 
 @pytest.mark.parametrize("blocks", [1, 2, 8])
-def test_item_blocks_change_the_items_not_the_result(make_weights, make_routing, blocks):
+@pytest.mark.parametrize("tail_split", [False, True])
+def test_item_blocks_change_the_items_not_the_result(make_weights, make_routing, blocks, tail_split):
     experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2)
     x, ids, weights = make_routing(5, H, K, range(E))
     expected = experts.forward(x, ids, weights)
-    experts.set_item_blocks(blocks)
+    experts.set_schedule(item_blocks=blocks, tail_split=tail_split)
     experts.trace(1)
     assert torch.equal(experts.forward(x, ids, weights), expected)
     rec = experts.take_trace()[0]
     check_call(rec, ids, threads=2, slices=1)
     sizes = rec["items"][:, B1] - rec["items"][:, B0]
     assert sizes.max() == min(blocks, -(-H // BLOCK)) and sizes.le(blocks).all()
-
-
-def test_item_blocks_must_not_be_negative(make_weights):
-    experts = CpuExperts(*make_weights(E, H, I), threads=1)
-    with pytest.raises(HybridMoEError, match="item_blocks"):
-        experts.set_item_blocks(-2)
+    # Split: the last items, about two blocks per thread (4 here), are down items of one block.
+    if tail_split:
+        assert sizes[-4:].eq(1).all() and rec["items"][-4:, DOWN].eq(1).all()
 
 
 @pytest.mark.parametrize("nbytes", [0, 64, 1 << 20])
@@ -125,7 +123,12 @@ def test_item_prefetch_changes_nothing_but_timing(make_weights, make_routing, nb
     experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2, numa_nodes=2)
     x, ids, weights = make_routing(3, H, K, range(E))
     expected = experts.forward(x, ids, weights)
-    experts.set_item_prefetch(nbytes)
+    experts.set_schedule(item_prefetch=nbytes)
     assert torch.equal(experts.forward(x, ids, weights), expected)
-    with pytest.raises(HybridMoEError, match="item_prefetch"):
-        experts.set_item_prefetch(-1)
+
+
+@pytest.mark.parametrize("knob", ["item_blocks", "item_prefetch"])
+def test_schedule_knobs_must_not_be_negative(make_weights, knob):
+    experts = CpuExperts(*make_weights(E, H, I), threads=1)
+    with pytest.raises(HybridMoEError, match=knob):
+        experts.set_schedule(**{knob: -1})

@@ -274,15 +274,17 @@ class CpuExperts:
         return [{**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
                  "slept": torch.from_numpy(rec["slept"]).bool()} for rec in self._engine.take_trace()]
 
-    def set_item_blocks(self, blocks: int) -> None:
-        """32-row weight blocks per GEMM work item (0: automatic, the default), for benchmarks that
-        weigh a call's tail against its per-item costs; results do not depend on it."""
-        self._call(setattr, self._engine, "item_blocks", int(blocks))
-
-    def set_item_prefetch(self, nbytes: int) -> None:
-        """Bytes of each weight stream of a GEMM work item prefetched into L2 as the item starts
-        (0: none; default 4096), for side-by-side benchmarks; results do not depend on it."""
-        self._call(setattr, self._engine, "item_prefetch", int(nbytes))
+    def set_schedule(self, item_blocks: int | None = None, item_prefetch: int | None = None,
+                     tail_split: bool | None = None) -> None:
+        """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
+        do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
+        default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
+        starts (default 4096, 0: none); tail_split: cut the last down items (about two blocks
+        per thread) into 1-block items (default on)."""
+        for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
+                            ("tail_split", tail_split)):
+            if value is not None:
+                self._call(setattr, self._engine, name, bool(value) if name == "tail_split" else int(value))
 
     @staticmethod
     def _capsules(*tensors):
