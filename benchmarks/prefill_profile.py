@@ -12,7 +12,7 @@ under the budget, as benchmarks/e2e.py does), one prompt per length,
 warmed up once, then the fastest of --reps prefills (one request, max_tokens 1) is shown. Each part
 is timed where it runs, without adding a host sync: CUDA events on the compute stream for the decoder
 layer, its attention and its MoE block (router, both expert shares, the join), the GPU-resident
-experts' share and the streamed share (its wait for the copy, then "stream math": grouping,
+experts' share (in a streamed step the streamer runs it, inside "stream math") and the streamed share (its wait for the copy, then "stream math": grouping,
 dequantizing and the expert matmuls; the streamed share also joins the CPU's); CUDA events on the
 copy stream for each layer's copy (GB/s from its bytes; layer 0's is the one started by the previous
 prefill's last layer); the host clock from the CPU engine's submit to its wait's return ("CPU experts").

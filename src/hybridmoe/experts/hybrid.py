@@ -118,8 +118,9 @@ class _Partial:
         if handoff is not None:
             self._start_fixed(st, hidden, ids, weights, act, *handoff)
             return
-        if st.cpu is not None and st.streamer is not None and st.streamer.takes(hidden):
-            self.cpu_out = st.streamer.run(layer, hidden, st.local[ids], weights, ~st.on_gpu[ids], act)
+        streamed = st.cpu is not None and st.streamer is not None and st.streamer.takes(hidden)
+        if streamed:  # the streamer runs the GPU experts' slots too, in the same grouped kernels
+            self.cpu_out = st.streamer.run(layer, hidden, st.local[ids], weights, ~st.on_gpu[ids], act, st.gpu_weights)
         elif st.cpu is not None:
             ids_c, w_c = ids.cpu(), weights.float().cpu()
             dense = compact_slots(st.local_cpu[ids_c], w_c, ~st.on_gpu_cpu[ids_c])
@@ -127,7 +128,7 @@ class _Partial:
                 native_dtype = torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype
                 st.cpu.submit(hidden.to("cpu", native_dtype), *dense)
                 self.cpu = st.cpu
-        if st.gpu_weights is not None:
+        if st.gpu_weights is not None and not streamed:
             self.gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, st.on_gpu[ids], act)
 
     def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int) -> None:

@@ -308,13 +308,14 @@ class PrefillStreamer:
         return hidden.shape[0] >= self.min_tokens and hidden.device.type == self.device.type
 
     def run(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            mask: torch.Tensor, act) -> torch.Tensor:
-        """sum over slots with mask of weights * expert_ids(hidden): float32 [T, H] on the device.
+            mask: torch.Tensor, act, resident: tuple | None = None) -> torch.Tensor:
+        """sum over slots with mask of weights * expert_ids(hidden): float32 [T, H] on the device; with
+        resident (the layer's GPU experts: gate, up [G, I, H], down [G, H, I]), the other slots' too.
 
-        hidden [T, H]; ids [T, K] local to the layer's CPU engine where mask [T, K] is set; weights [T, K].
-        The CPU's share (experts below `first`) runs on its engine while the device works (its inputs go to
-        the host first, and the engine starts once the device's work is queued: the step's one host
-        wait), and its output joins at the end.
+        hidden [T, H]; ids [T, K] local to the layer's CPU engine where mask [T, K] is set, to resident's
+        experts elsewhere; weights [T, K]. The CPU's share (experts below `first`) runs on its engine while
+        the device works (its inputs go to the host first, and the engine starts once the device's work
+        is queued: the step's one host wait), and its output joins at the end.
         """
         host = self.layers[layer]
         first = self.costs.cpu_experts(host.layout.E, hidden.shape[0]) if self.costs is not None else 0
@@ -326,7 +327,7 @@ class PrefillStreamer:
         if self.prefetch_next:  # after the last layer the first, whose copy then overlaps the next step's start
             self._stage(self.order[(self.order.index(layer) + 1) % len(self.order)], first)
         out = routed_experts(host.layout, self._slot_views(slot, host), hidden, ids, weights, mask & (ids >= first),
-                             act, first)
+                             act, first, resident, ~mask)
         if self.freed[slot] is not None:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
         if cpu is None:
@@ -464,58 +465,66 @@ class _CpuShare:
 
 
 def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, mask: torch.Tensor, act, first: int = 0) -> torch.Tensor:
+                   weights: torch.Tensor, mask: torch.Tensor, act, first: int = 0, resident: tuple | None = None,
+                   resident_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The masked routed experts of one layer computed from its packed buffers on x's device; float32 [T, H].
-    Only experts first.. on are read (mask must leave the others out).
+    Only experts first.. on are read (mask must leave the others out). resident: (gate, up, down) of G
+    experts already on the device, for the slots of resident_mask [T, K] (ids local to them there).
 
     The layer's experts are dequantized a chunk of consecutive ids at a time into x's dtype (bf16/fp16;
     float32 stays float32). On CUDA with triton (and SiLU) the slots are sorted into blocks of one expert
-    once for the layer, and each chunk runs the GPU share's grouped kernels over the blocks of its
-    experts (_routed_triton: no host sync, a few launches a chunk; the host's launches, not the
-    device, bounded a 512-token step when each chunk sorted its own slots); elsewhere each chunk's
-    slots go through gpu_share's torch reference.
+    once for the layer (the resident experts numbered after the packed ones), and each chunk runs the GPU
+    share's grouped kernels over the blocks of its experts (_routed_triton: no host sync, a few
+    launches a chunk; the host's launches, not the device, bounded a 512-token step when each chunk
+    sorted its own slots); elsewhere each chunk's slots go through gpu_share's torch reference.
     """
     cdtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     xc, ids = x.to(cdtype), ids.long()
     chunk = dequant_chunk_experts(layout.H, layout.I, fused=_fused_dequant(x.device))
     if triton_usable(x.device, act):
-        return _routed_triton(layout, buffers, xc, ids, weights, mask, first, chunk)
+        return _routed_triton(layout, buffers, xc, ids, weights, mask, first, chunk, resident, resident_mask)
     out = torch.zeros((x.shape[0], layout.H), dtype=torch.float32, device=x.device)
     for c0 in range(first, layout.E, chunk):
         c1 = min(layout.E, c0 + chunk)
         gate, up, down = layout.dequantize(buffers, torch.arange(c0, c1, device=x.device), xc.dtype)
         inside = mask & (ids >= c0) & (ids < c1)  # [T, K] the chunk's slots
         out += gpu_share(xc, gate, up, down, ids - c0, weights, inside, act)
+    if resident is not None:
+        out += gpu_share(xc, *resident, ids, weights, resident_mask, act)
     return out
 
 
 def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, mask: torch.Tensor, first: int, chunk: int) -> torch.Tensor:
+                   weights: torch.Tensor, mask: torch.Tensor, first: int, chunk: int, resident: tuple | None,
+                   resident_mask: torch.Tensor | None) -> torch.Tensor:
     """routed_experts with the Triton kernels of gpu_experts_triton.py; x in the compute dtype, ids long.
 
-    S = T x K slots in NB blocks (slot_blocks); chunk c of the experts first.. on sees only the blocks of
-    its experts (the others' slots set to -1, which the kernels skip) and its experts renumbered from 0.
-    Every slot is in one block of one chunk, so the chunks share the h [S, I] and y [S, H] rows.
+    S = T x K slots in NB blocks (slot_blocks) over the E packed experts and the G resident ones (ids
+    E.. E + G - 1); chunk c sees only the blocks of its experts (the others' slots set to -1, which
+    the kernels skip), its experts renumbered from 0. Every slot is in one block of one chunk, so the
+    chunks share the h [S, I] and y [S, H] rows.
     """
     from hybridmoe.experts.gpu_experts_triton import _down_kernel, _gate_up_kernel
 
     T, K = ids.shape
     E, H, I, S = layout.E, layout.H, layout.I, ids.numel()
-    block = block_size(S, E - first)
-    block_expert, block_slots = slot_blocks(torch.where(mask, ids, E).reshape(S), E, block)  # [NB], [NB, block]
+    G = resident[0].shape[0] if resident is not None else 0
+    sid = torch.where(mask, ids, torch.where(resident_mask, E + ids, E + G)) if G else torch.where(mask, ids, E)
+    block = block_size(S, E + G - first)
+    block_expert, block_slots = slot_blocks(sid.reshape(S), E + G, block)  # [NB], [NB, block]
     NB = block_expert.numel()
-    starts = torch.arange(first, E, chunk, device=x.device, dtype=torch.int32)  # [C] each chunk's first expert
-    of_chunk = (block_expert.unsqueeze(0) >= starts.unsqueeze(1)) & (block_expert.unsqueeze(0) < starts.unsqueeze(1)
-                                                                     + chunk)  # [C, NB]
+    chunks = [(c0, min(E, c0 + chunk)) for c0 in range(first, E, chunk)] + ([(E, E + G)] if G else [])
+    bounds = torch.tensor(chunks, dtype=torch.int32).to(x.device, non_blocking=True)  # [C, 2]
+    of_chunk = (block_expert >= bounds[:, :1]) & (block_expert < bounds[:, 1:])  # [C, NB]
     chunk_slots = torch.where(of_chunk.unsqueeze(2), block_slots.unsqueeze(0), -1)  # [C, NB, block]
-    chunk_expert = block_expert.unsqueeze(0) - starts.unsqueeze(1)  # [C, NB], read where of_chunk
+    chunk_expert = block_expert.unsqueeze(0) - bounds[:, :1]  # [C, NB], read where of_chunk
     w = weights.float().reshape(S)
     h = torch.empty(S, I, dtype=torch.float32, device=x.device)  # rows of slots not here stay unread
     y = torch.zeros(S, H, dtype=torch.float32, device=x.device)  # slots not here add 0
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # as gpu_experts_triton: fp32 stays exact
     experts = torch.arange(E, device=x.device)
-    for c, c0 in enumerate(range(first, E, chunk)):
-        gate, up, down = layout.dequantize(buffers, experts[c0:min(E, c0 + chunk)], x.dtype)
+    for c, (c0, c1) in enumerate(chunks):
+        gate, up, down = resident if c0 == E else layout.dequantize(buffers, experts[c0:c1], x.dtype)
         be, bs = chunk_expert[c], chunk_slots[c]
         _gate_up_kernel[(NB, -(-I // 16))](
             x, gate, up, be, bs, h, S, H, I, K, x.stride(0), gate.stride(0), gate.stride(1), h.stride(0),
