@@ -16,7 +16,7 @@ from hybridmoe.experts.cpu_experts import CpuExperts
 from hybridmoe.experts.decode_fused import split_slots, sum_parts
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
-from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.attention import Attention, KVCache, _attend_decode, _StepIndex
 from hybridmoe.layers.moe import softmax_topk
 from hybridmoe.layers.norm import RMSNorm
 
@@ -218,6 +218,26 @@ def test_attention_fused_equals_torch(qk_norm, window, dtype):
         outs.append((p, d, a.kv_cache.k, a.kv_cache.v))
     for got, want in zip(*outs):
         torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 300])
+def test_decode_attention_over_a_long_cache_in_chunks_equals_torch(window, dtype):
+    """Caches longer than one chunk: chunks side by side, then combined (some chunks see no key)."""
+    from hybridmoe.layers.decode_attention_triton import triton_decode_attention  # triton: on the GPU host only
+
+    g = torch.Generator().manual_seed(0)
+    S, L, Hq, Hkv, D = 3, 2048, 32, 4, 128
+    k, v = (torch.randn(S, L, Hkv, D, generator=g).to("cuda", dtype) for _ in range(2))
+    q = torch.randn(2, Hq, D, generator=g).to("cuda", dtype)
+    slots, lens = torch.tensor([2, 0], device="cuda"), torch.tensor([1500, 700], device="cuda")
+    idx = _StepIndex(token_slot=slots, token_pos=lens - 1, seq_slot=slots, seq_len=lens, max_seq_len=L)
+    cache = KVCache(S, L, Hkv, D, D, dtype, torch.device("cuda"))
+    cache.k.copy_(k)
+    cache.v.copy_(v)
+    want = _attend_decode(q, cache, idx, D ** -0.5, window)
+    got = triton_decode_attention(q, cache.k, cache.v, slots, lens, D ** -0.5, window, L)
+    torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)

@@ -102,7 +102,8 @@ def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = Fals
     if (ctx.decode is not None or ctx.is_decode) and fused:
         from hybridmoe.layers.decode_attention_triton import triton_decode_attention
 
-        return triton_decode_attention(q, cache.k, cache.v, idx.seq_slot, idx.seq_len, scale, sliding_window)
+        return triton_decode_attention(q, cache.k, cache.v, idx.seq_slot, idx.seq_len, scale, sliding_window,
+                                       idx.max_seq_len)
     if ctx.decode is not None or ctx.is_decode:
         return _attend_decode(q, cache, idx, scale, sliding_window)
     out = []
