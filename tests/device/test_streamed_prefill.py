@@ -68,22 +68,24 @@ def test_layers_in_a_row_with_prefetch_equal_the_reference():
     assert not any(host.registered for host in streamer.layers.values())
 
 
-def test_a_step_split_with_the_cpu_engine_equals_the_reference():
+def test_a_step_split_with_the_cpu_engine_and_resident_experts_equals_the_reference():
     engine = _engine("int4", 7)
     # the CPU keeps E x 1 / (3 + 1) = 4 experts: rows of theirs run on it while the rest stream
     costs = StepCosts(cpu_fixed=0.0, cpu_per_token=3e-3 / 300, copy=1e-3, gpu_fixed=0.0, gpu_per_token=0.0)
     assert costs.cpu_experts(E, 300) == 4
     streamer = PrefillStreamer({0: engine}, "cuda", min_tokens=1, costs=costs)
     g = torch.Generator().manual_seed(6)
-    T, K = 300, 4
+    T, K, G = 300, 4, 3
     x = (torch.randn(T, H, generator=g) * 0.5).cuda()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+    on_cpu = (torch.rand(T, K, generator=g) < 0.8).cuda()
+    ids = torch.where(on_cpu, torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda(),
+                      torch.randint(0, G, (T, K), generator=g).cuda())  # local to each side
     w = torch.rand(T, K, generator=g).cuda()
-    mask = torch.rand(T, K, generator=g).cuda() < 0.8
+    resident = tuple((torch.randn(G, *shape, generator=g) * 0.05).cuda() for shape in ((I, H), (I, H), (H, I)))
     deq = [torch.stack(m).cuda() for m in zip(*(engine.dequantized(e) for e in range(E)))]
-    want = weighted_experts(x, *deq, ids, w, mask, F.silu)
+    want = weighted_experts(x, *deq, ids, w, on_cpu, F.silu) + weighted_experts(x, *resident, ids, w, ~on_cpu, F.silu)
     for _ in range(2):  # the second time from the slot as the first left it
-        got = streamer.run(0, x, ids, w, mask, F.silu)
+        got = streamer.run(0, x, ids, w, on_cpu, F.silu, resident)
         assert ((got - want).norm() / want.norm()).item() < 2e-2  # the CPU engine's int4 kernel: bf16 tiles
     streamer.close()
 
