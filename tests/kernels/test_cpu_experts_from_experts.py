@@ -53,5 +53,7 @@ def test_from_experts_rejects_a_wrong_count_or_dtype(make_weights):
     ints = [tuple(t.to(torch.int32) for t in w[0])]
     with pytest.raises(HybridMoEError, match="expert 0's gate must be a float tensor"):
         CpuExperts.from_experts(iter(ints), 1, threads=1)
-    with pytest.raises(HybridMoEError, match="down"):
+    with pytest.raises(HybridMoEError, match=rf"expert 0's down must be \[{H}, {I}\]"):
         CpuExperts.from_experts(iter([(w[0][0], w[0][1], w[0][1])]), 1, threads=1)
+    with pytest.raises(HybridMoEError, match=rf"expert 1's up must be \[{I}, {H}\], got \[{I}, {H - 32}\]"):
+        CpuExperts.from_experts(iter([w[0], (w[1][0], w[1][1][:, :-32], w[1][2])]), 2, threads=1)

@@ -89,13 +89,28 @@ class CpuExperts:
             if not t.dtype.is_floating_point:
                 raise HybridMoEError(f"{name} must be a float tensor, got {t.dtype}")
         self._init_engine(E, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt=False)
-        for e in range(E):
-            self._pack_expert(e, gate_proj[e], up_proj[e], down_proj[e])
+        self._pack_experts(((gate_proj[e], up_proj[e], down_proj[e]) for e in range(E)), E)
 
-    def _pack_expert(self, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        # One expert at a time in float32: packing never holds a float copy of the layer.
-        self._call(self._engine.pack_expert, e, *(w.detach().to("cpu", torch.float32).contiguous()
-                                                  for w in (gate, up, down)))
+    def _pack_experts(self, experts: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], E: int) -> None:
+        # One expert at a time in float32, through buffers reused from expert to expert: packing never holds
+        # a float copy of the layer, nor maps and faults in fresh memory for each expert. The next expert is
+        # asked for only once the last one is packed.
+        _, H, I = self._engine.shape
+        staging = (torch.empty(I, H), torch.empty(I, H), torch.empty(H, I))
+        iter_experts = iter(experts)
+        for e in range(E):
+            expert = next(iter_experts, None)
+            if expert is None:
+                raise HybridMoEError(f"got {e} experts, expected num_experts={E}")
+            for name, buf, w in zip(("gate", "up", "down"), staging, expert):
+                if not w.dtype.is_floating_point:
+                    raise HybridMoEError(f"expert {e}'s {name} must be a float tensor, got {w.dtype}")
+                if w.shape != buf.shape:
+                    raise HybridMoEError(f"expert {e}'s {name} must be {list(buf.shape)}, got {list(w.shape)}")
+                buf.copy_(w.detach())
+            self._call(self._engine.pack_expert, e, *staging)
+        if next(iter_experts, None) is not None:
+            raise HybridMoEError(f"got more experts than num_experts={E}")
 
     def _init_engine(self, E, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt):
         if format not in FORMATS:
@@ -144,24 +159,15 @@ class CpuExperts:
         Same packed bytes as the constructor on the stacked tensors.
         """
         iter_experts = iter(experts)
-        expert = next(iter_experts, None)
-        if expert is None:
+        first = next(iter_experts, None)
+        if first is None:
             raise HybridMoEError(f"from_experts got no experts, expected num_experts={num_experts}")
-        if expert[0].dim() != 2:
-            raise HybridMoEError(f"an expert's gate must be [I, H], got {list(expert[0].shape)}")
-        I, H = expert[0].shape
+        if first[0].dim() != 2:
+            raise HybridMoEError(f"an expert's gate must be [I, H], got {list(first[0].shape)}")
+        I, H = first[0].shape
         self = cls.__new__(cls)
         self._init_engine(num_experts, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt=False)
-        for e in range(num_experts):
-            if expert is None:
-                raise HybridMoEError(f"from_experts got {e} experts, expected num_experts={num_experts}")
-            for name, t in zip(("gate", "up", "down"), expert):
-                if not t.dtype.is_floating_point:
-                    raise HybridMoEError(f"expert {e}'s {name} must be a float tensor, got {t.dtype}")
-            self._pack_expert(e, *expert)
-            expert = next(iter_experts, None)
-        if expert is not None:
-            raise HybridMoEError(f"from_experts got more experts than num_experts={num_experts}")
+        self._pack_experts(itertools.chain([first], iter_experts), num_experts)
         return self
 
     @classmethod
