@@ -2,7 +2,7 @@
 
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
-        [--tail-split 0,1]
+        [--tail-split 0,1] [--combine-in-run 0,1]
         [--json out.json]
 
 Modes (each call gets a fresh routing, as in moe_layer.py):
@@ -19,7 +19,8 @@ Per cell, the median over the traced calls of (all in us):
   group     tokens grouped by expert;  acts  x -> activation rows (on one thread);  build  items
   first     GEMM run start -> first item starts;  gemm  the gate/up + down run
   tail      first worker out of items -> last worker out;  close  last out -> run returns
-  comb      combine;  ret  forward() done -> back in python
+  comb      combine after the run (up to 16 tokens it runs inside the down items: `combine` on the
+            workers line);  ret  forward() done -> back in python
   before / gemm-floor / after: the excess over the floor, split by where it lies
 Per worker over the GEMM run (median call; means over workers, and the worst worker):
   late      join - run start (worker 0 is the thread calling run);  slept: workers that had slept
@@ -86,6 +87,7 @@ def call_breakdown(rec, py0, py1, threads, block_bytes, call_bytes):
         busy_min=busy.min() / run_ns, wait_max=wait.max() / run_ns,
         gu_gbps=gbps(gu, block_bytes[0]), dn_gbps=gbps(dn, block_bytes[1]),
         run_gbps=call_bytes / run_ns, items=len(it), bytes=call_bytes,
+        comb_in_run=us(it[dn][:, CONVERT].sum()), convert=us(it[gu][:, CONVERT].sum()),
         late_by_worker=[us(j - rec["items_ns"]) if j else float("nan") for j in joins])
 
 
@@ -125,7 +127,8 @@ def print_cell(key, n, untraced, floor_us, s, lateness):
     print(f"{'':<40} workers: late mean {s['late_mean']:.1f} max {s['late_max']:.1f} us, joined {s['joined']:.0f},"
           f" slept {s['slept']:.0f}; busy {pct(s['busy'])}% (least busy {pct(s['busy_min'])}%) wait"
           f" {pct(s['wait'])}% (most {pct(s['wait_max'])}%) idle {pct(s['idle'])}%; GB/s per core gu"
-          f" {s['gu_gbps']:.1f} dn {s['dn_gbps']:.1f}; run {s['run_gbps']:.1f} GB/s; {s['items']:.0f} items")
+          f" {s['gu_gbps']:.1f} dn {s['dn_gbps']:.1f}; run {s['run_gbps']:.1f} GB/s; {s['items']:.0f} items;"
+          f" in items (us, all workers): h->rows {s['convert']:.1f}, combine {s['comb_in_run']:.1f}")
     print(f"{'':<40} late by worker (us, median of the calls it joined; -: none): " +
           " ".join("-" if v != v else f"{v:.0f}" for v in lateness), flush=True)
 
@@ -144,6 +147,8 @@ def main():
                     help="comma list: bytes of each item's weight streams prefetched as it starts; key suffix pfN")
     ap.add_argument("--tail-split", default="1",
                     help="comma list of 0/1: cut the last down items into 1-block items; key suffix tailN")
+    ap.add_argument("--combine-in-run", default="1",
+                    help="comma list of 0/1: few tokens sum the outputs inside the GEMM run; key suffix cirN")
     ap.add_argument("--isa", default=None, choices=["generic", "avx2", "avx512", "amx"])
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--experts", type=int, default=None, help="override E (to fit a small machine)")
@@ -163,6 +168,7 @@ def main():
     item_blocks = [int(b) for b in args.item_blocks.split(",")]
     item_prefetch = [int(b) for b in args.item_prefetch.split(",")]
     tail_split = [int(b) for b in args.tail_split.split(",")]
+    combine_in_run = [int(b) for b in args.combine_in_run.split(",")]
     torch.set_num_threads(1)
     flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
     flush = lambda: np.add(flush_buf, 1, out=flush_buf)
@@ -194,10 +200,11 @@ def main():
                 for mode in args.modes.split(","):
                     cell_layers = layers[:1] if mode == "flush" else layers
                     reps = 2 * args.reps if mode == "flush" else args.reps
-                    for api, blocks, pf, tail in itertools.product(args.api.split(","), item_blocks, item_prefetch,
-                                                                   tail_split):
+                    for api, blocks, pf, tail, cir in itertools.product(args.api.split(","), item_blocks, item_prefetch,
+                                                                        tail_split, combine_in_run):
                         for layer in cell_layers:
-                            layer.set_schedule(item_blocks=blocks, item_prefetch=pf, tail_split=tail)
+                            layer.set_schedule(item_blocks=blocks, item_prefetch=pf, tail_split=bool(tail),
+                                               combine_in_run=bool(cir))
                         run = lambda traced: timed_calls(cell_layers, calls, api, mode, reps, args.gap_us * 1e-6,
                                                          args.sleep_ms * 1e-3, flush, traced)
                         untraced = med([(p1 - p0) / 1e3 for p0, p1, _ in run(False)])
@@ -212,10 +219,12 @@ def main():
                         floor_us = s["bytes"] / (bw[threads] * 1e3)
                         key = (f"{fmt} {T} {threads} {mode} {api}" + (f" ib{blocks}" if blocks else "") +
                                (f" pf{pf}" if len(item_prefetch) > 1 else "") +
-                               (f" tail{tail}" if len(tail_split) > 1 else ""))
+                               (f" tail{tail}" if len(tail_split) > 1 else "") +
+                               (f" cir{cir}" if len(combine_in_run) > 1 else ""))
                         print_cell(key, len(stats), untraced, floor_us, s, lateness)
                         rows.append(dict(shape=args.shape, format=fmt, tokens=T, threads=threads, mode=mode, api=api,
                                          item_blocks=blocks, item_prefetch=pf, tail_split=tail,
+                                         combine_in_run=cir,
                                          calls=len(stats), untraced_us=untraced, floor_us=floor_us,
                                          host_read_gbps=bw[threads], late_by_worker_us=lateness, **s))
             del layers

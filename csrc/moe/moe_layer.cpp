@@ -18,6 +18,9 @@ namespace hmoe {
 namespace {
 
 constexpr int kAmxMinTokens = 16;  // below this an expert's tile rows would be mostly padding
+// Up to this many tokens the weighted sum runs inside the GEMM run, per block of output columns
+// (decode: a few us on one thread after the run otherwise); above it, as its own parallel phase.
+constexpr int kCombineInRunTokens = 16;
 constexpr const char* kMatName[3] = {"gate", "up", "down"};
 
 const Kernels& kernels_for(Isa isa) {
@@ -154,7 +157,8 @@ struct Workspace {
       tok_used;
   std::vector<Item> gemm_items, tail_items;
   std::unique_ptr<std::atomic<int>[]> pending;  // per active expert (atomics: no std::vector)
-  int pending_size = 0;
+  std::unique_ptr<std::atomic<int>[]> col_left;  // per down block: experts whose y is still missing
+  int pending_size = 0, col_left_size = 0;
   ActRows act, act2;  // activations of gate/up (x) and of down (h)
   ActRows act_tok;    // x once per token, for the experts of one token (decode)
   AlignedVec<float> h, y;
@@ -497,6 +501,21 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     tr->slept.assign(pool_->threads(), 0);
     pool_->set_join_log(tr->join_ns.data(), tr->slept.data());
   }
+  // out[t, c0:c1] = sum_k w[t, k] * y[row of (t, k), c0:c1], k in order (deterministic).
+  auto combine = [&](int t, int c0, int c1) {
+    thread_local std::vector<const float*> srcv;
+    const float** src = grow(srcv, K);
+    for (int k = 0; k < K; ++k) src[k] = y + size_t(pos[size_t(t) * K + k]) * ldy + c0;
+    char* o = static_cast<char*>(c.out) + (size_t(t) * H + c0) * (c.x_bf16 ? 2 : 4);
+    ops.combine(K, src, c.weights + size_t(t) * K, c1 - c0, o, c.x_bf16);
+  };
+  const bool combine_in_run = combine_in_run_ && T <= kCombineInRunTokens;
+  if (ws.col_left_size < down.blocks) {
+    ws.col_left.reset(new std::atomic<int>[down.blocks]);
+    ws.col_left_size = down.blocks;
+  }
+  std::atomic<int>* col_left = ws.col_left.get();
+  for (int b = 0; b < down.blocks; ++b) col_left[b].store(A, std::memory_order_relaxed);
   auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding as in phase A)
     const ActKind kind = act_of(kernels_of(j), true, fmt);
     for (size_t r = act_begin[j]; r < size_t(act_begin[j] + rows_read(j)); ++r) {
@@ -562,23 +581,29 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     gemm_of(kn, true, fmt)(view(down, order[it.j], it.s), it.b0, it.b1, a, y + size_t(row_begin[it.j]) * ldy + col0,
                            int(ldy));
     if (titems) titems[i] = {worker, 1, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0};
+    if (!combine_in_run) return;
+    // The last expert to finish a block of output columns (acq_rel: it sees every other
+    // expert's y there) sums them; traced as this item's convert time.
+    for (int b = it.b0; b < it.b1; ++b) {
+      const int gb = down.slice_begin[it.s] + b;
+      if (col_left[gb].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        for (int t = 0; t < T; ++t) combine(t, gb * kBlockRows, std::min(H, (gb + 1) * kBlockRows));
+    }
+    if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
   });
   if (tr) {
     tr->gemm_end_ns = trace_now_ns();
     pool_->set_join_log(nullptr, nullptr);
   }
 
-  // Phase C: out[t] = sum_k w[t, k] * y[row of (t, k)], k in order (deterministic).
+  // Phase C (more tokens): the weighted sum in chunks of (token, 512 columns).
   constexpr int kCols = 512;
   const int col_chunks = (H + kCols - 1) / kCols;
-  parallel_or_inline(T * col_chunks, size_t(R) * H, [&](int i, int) {
-    const int t = i / col_chunks, c0 = (i % col_chunks) * kCols, c1 = std::min(H, c0 + kCols);
-    thread_local std::vector<const float*> srcv;
-    const float** src = grow(srcv, K);
-    for (int k = 0; k < K; ++k) src[k] = y + size_t(pos[size_t(t) * K + k]) * ldy + c0;
-    char* o = static_cast<char*>(c.out) + (size_t(t) * H + c0) * (c.x_bf16 ? 2 : 4);
-    ops.combine(K, src, c.weights + size_t(t) * K, c1 - c0, o, c.x_bf16);
-  });
+  if (!combine_in_run)
+    parallel_or_inline(T * col_chunks, size_t(R) * H, [&](int i, int) {
+      const int t = i / col_chunks, c0 = (i % col_chunks) * kCols;
+      combine(t, c0, std::min(H, c0 + kCols));
+    });
   if (tr) {
     tr->end_ns = trace_now_ns();
     tracer_.finish(std::move(trace));

@@ -78,6 +78,9 @@ class MoeLayer {
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }
   bool tail_split() const { return tail_split_; }
+  // Whether calls of few tokens sum the experts' outputs inside the GEMM run (see forward).
+  void set_combine_in_run(bool on) { combine_in_run_ = on; }
+  bool combine_in_run() const { return combine_in_run_; }
 
  private:
   struct Matrix {
@@ -102,6 +105,7 @@ class MoeLayer {
   int item_blocks_ = 0;
   int item_prefetch_ = 4096;
   bool tail_split_ = true;
+  bool combine_in_run_ = true;
 };
 
 }  // namespace hmoe

@@ -23,8 +23,9 @@ struct TraceItem {
   int32_t worker = -1, down = 0, expert = 0, slice = 0, b0 = 0, b1 = 0;
   int64_t start_ns = 0, end_ns = 0;
   int64_t wait_ns = 0;     // down items: spent waiting for the expert's down activations
-  int64_t convert_ns = 0;  // the gate/up item that finished its expert: h -> down activations,
-                           // after end_ns (which stamps its own GEMM's end)
+  // After end_ns (which stamps the item's own GEMM): for the gate/up item that finished its
+  // expert, h -> down activations; for a down item, summing the output columns it completed.
+  int64_t convert_ns = 0;
 };
 
 struct TraceCall {

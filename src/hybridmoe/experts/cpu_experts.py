@@ -273,24 +273,26 @@ class CpuExperts:
         grouped_ns, acts_ns (x rows quantized), items_ns (GEMM run starts), gemm_end_ns, end_ns
         (combine done); items int64 [n, 10] per GEMM item: worker, down (0 gate/up, 1 down),
         expert, slice, b0, b1 (32-row blocks of the slice), start, end, wait (a down item waiting
-        for its expert's h), convert (the gate/up item that turned its expert's h into down
-        activations); join_ns int64 [threads] (when each pool worker joined the GEMM run, 0:
+        for its expert's h), convert (after end: the gate/up item that turned its expert's h into
+        down activations; a down item summing the output columns it completed, up to 16 tokens);
+        join_ns int64 [threads] (when each pool worker joined the GEMM run, 0:
         never) and slept bool [threads] (it had gone to sleep before).
         """
         return [{**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
                  "slept": torch.from_numpy(rec["slept"]).bool()} for rec in self._engine.take_trace()]
 
     def set_schedule(self, item_blocks: int | None = None, item_prefetch: int | None = None,
-                     tail_split: bool | None = None) -> None:
+                     tail_split: bool | None = None, combine_in_run: bool | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
         default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
         starts (default 4096, 0: none); tail_split: cut the last down items (about two blocks
-        per thread) into 1-block items (default on)."""
+        per thread) into 1-block items (default on); combine_in_run: up to 16 tokens, sum the
+        experts' outputs per block of columns inside the GEMM run (default on), else after it."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
-                            ("tail_split", tail_split)):
+                            ("tail_split", tail_split), ("combine_in_run", combine_in_run)):
             if value is not None:
-                self._call(setattr, self._engine, name, bool(value) if name == "tail_split" else int(value))
+                self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
     @staticmethod
     def _capsules(*tensors):
