@@ -26,9 +26,9 @@ the flag's way back, when the wake word is written), how late the poller saw the
 format "all on" (graphs, GPU experts; deferred experts as given, else 0) and the first format, on the same
 model, also with (ROWS, comma-separated, default all): graph: no CUDA graph (the same engine, graphs off);
 prewake: the same engine with the CPU pool woken by the stream after every layer's wait; zero-copy: the
-same engine with the handoff's rows staged by one kernel through the device's mapping of the pinned
-buffers and the output read there (no copies; both with graphs captured again, stream_mem_ops handoff
-only); deferral: deferral toggled (deferred experts 1 when "all on" has 0, else 0); gpu-experts: no GPU
+same engine with the handoff's rows and output through copies instead of the device's mapping of the
+pinned buffers (zero-copy is the default where triton is); both with graphs captured again, on the
+stream_mem_ops handoff only, and followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all on" has 0, else 0); gpu-experts: no GPU
 experts (--gpu-experts-per-layer 0). Deferral is not in "all on" by default
 because it lost on the GPU host: Qwen3-30B-A3B int4, 4 layers, 354 tok/s with 1 vs 370 with 0 (each
 deferred expert adds a CPU handoff per layer). A SIGTERM (e.g. `timeout`) ends the run with the tables
@@ -67,8 +67,10 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 1 measured slower than 0 (see above)."""
 ABLATION_ROWS = ("graph", "prewake", "zero-copy", "deferral", "gpu-experts")
-HANDOFF_ROWS = {"prewake": {"prewake_layers": True}, "zero-copy": {"zero_copy": True}}
-"""Ablation rows measured on the "all on" engine with these CudaHandoff options (bench_suite.HANDOFF_OPTIONS)."""
+HANDOFF_ROWS = {"prewake": ("prewake", {"prewake_layers": True}), "zero-copy": ("zero-copy off", {"zero_copy": False})}
+"""Ablation rows measured on the "all on" engine: label suffix and the CudaHandoff options changed
+(bench_suite.HANDOFF_OPTIONS; zero-copy is on by default where triton is). After them, "all on" again
+with its own options, which shows how much the same engine drifts between its first and last rows."""
 
 SUITES = {
     "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4", formats="int4,bf16", prompt_lens="512,2048,8192",
@@ -178,6 +180,12 @@ def ablation_rows(text: str | None) -> list[str]:
     return rows
 
 
+def handoff_variants(name: str, ablation: list[str]) -> tuple[tuple[str, dict], ...]:
+    """(label, CudaHandoff options) of the ablation's handoff rows, then "all on" again if there are any."""
+    rows = tuple((f"{name} {HANDOFF_ROWS[row][0]}", HANDOFF_ROWS[row][1]) for row in HANDOFF_ROWS if row in ablation)
+    return rows + ((f"{name} all on, again", {}),) if rows else ()
+
+
 def configurations(kwargs: dict, formats: list[str | None], ablation: list[str]) -> list[Load]:
     """Each format; with ablation rows, each format "all on", the first also with graphs off and with the
     handoff options (same engine), and after every format the first with deferral toggled and without GPU experts
@@ -193,8 +201,7 @@ def configurations(kwargs: dict, formats: list[str | None], ablation: list[str])
         first = k == 0
         runs.append(Load(f"{name} all on", base,
                          eager_label=f"{name} no CUDA graph" if first and "graph" in ablation else None,
-                         handoff_variants=tuple((f"{name} {row}", HANDOFF_ROWS[row]) for row in HANDOFF_ROWS
-                                                if first and row in ablation)))
+                         handoff_variants=handoff_variants(name, ablation if first else [])))
         if first and "deferral" in ablation:
             deferral = (f"{name} deferral 1", 1) if base["deferred_experts"] == 0 else (f"{name} no deferral", 0)
             variants.append(Load(deferral[0], dict(base, deferred_experts=deferral[1]), every_length=False))

@@ -29,8 +29,8 @@ from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 
 
-HANDOFF_OPTIONS = {"prewake_layers": False, "zero_copy": False}
-"""CudaHandoff attributes a variant may set, with their defaults (cuda_handoff.py)."""
+HANDOFF_OPTIONS = ("prewake_layers", "zero_copy")
+"""CudaHandoff attributes a variant may set (cuda_handoff.py); the others keep the engine's own values."""
 
 
 @dataclass
@@ -70,7 +70,7 @@ class SuiteResult:
     anatomy: StepAnatomy | None = None
     """Where the decode step's time went (stream_mem_ops handoff only)."""
     handoff_options: dict | None = None
-    """The stream_mem_ops handoffs' options a variant changed (HANDOFF_OPTIONS), None if none."""
+    """The stream_mem_ops handoffs' HANDOFF_OPTIONS in this run, None without such a handoff."""
 
     @property
     def decode_tok_s(self) -> float:
@@ -118,6 +118,7 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
     t0 = time.perf_counter()
     engine = LLMEngine(model_dir, engine_config)
     load_s = time.perf_counter() - t0
+    retired = []  # graphs captured with other handoff options: kept alive, as their memory pool is reused
     try:
         g = torch.Generator().manual_seed(seed)
 
@@ -129,7 +130,9 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         for n in sorted({min(n, engine.config.max_num_batched_tokens) for n in prompt_lens}):
             _measure(engine, [prompt(n)], 1)  # the prompt only: decode graphs are captured below
         decode_prompt = prompt(decode_prompt_len)
-        common = dict(load_s=load_s, depth=depth, resolved=engine.resolved_config)
+        memops = [h for h in handoffs(engine.runner.model) if h.path == "stream_mem_ops"]
+        defaults = {name: getattr(memops[0], name) for name in HANDOFF_OPTIONS} if memops else None
+        common = dict(load_s=load_s, depth=depth, resolved=engine.resolved_config, handoff_options=defaults)
         results = [_measure_engine(engine, label, {n: prompt(n) for n in prompt_lens}, decode_prompt, gen_len,
                                    bandwidth, bandwidth_method, cuda, **common)]
         graphs = engine.runner.cuda_graph
@@ -139,22 +142,23 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
                                            decode_prompt, gen_len, bandwidth, bandwidth_method, cuda,
                                            **dict(common, resolved=replace(common["resolved"], cuda_graph=False))))
             engine.runner.cuda_graph = graphs
-        memops = [h for h in handoffs(engine.runner.model) if h.path == "stream_mem_ops"]
         for variant, options in handoff_variants if memops else ():
+            options = {**defaults, **options}
             for h in memops:
-                for name, default in HANDOFF_OPTIONS.items():
-                    setattr(h, name, options.get(name, default))
+                for name, value in options.items():
+                    setattr(h, name, value)
             if graphs:
-                engine.runner._graphs.clear()  # captured with the previous options: capture them again
+                retired += engine.runner._graphs.values()
+                engine.runner._graphs.clear()  # capture them again with these options
             try:
                 results.append(_measure_engine(engine, variant, {prompt_lens[0]: prompt(prompt_lens[0])},
                                                decode_prompt, gen_len, bandwidth, bandwidth_method, cuda,
-                                               handoff_options=options, **common))
+                                               **dict(common, handoff_options=options)))
             except Exception as e:  # noqa: BLE001 (a variant's crash must not lose the rows measured)
                 traceback.print_exc()
                 print(f"  {variant}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
     finally:
-        del engine
+        del engine, retired
         gc.collect()
     if cuda:
         torch.cuda.empty_cache()

@@ -203,7 +203,9 @@ def test_wait_without_submit_is_an_error(handoff):
 def test_prewake_after_each_wait_replays_the_same_and_splits_the_gaps(layers, routers):
     """With the wake word written after every layer's wait, a replayed step gives what the step gives
     without it, and the poller books each gap's way back (done -> wake) inside the gap."""
-    handoff = CudaHandoff(layers, max_tokens=TMAX, top_k=K, path="stream_mem_ops")
+    # given out of order (as a model may load its layers): the handoff still numbers them in layer order
+    handoff = CudaHandoff({layer: layers[layer] for layer in reversed(range(L))}, max_tokens=TMAX, top_k=K,
+                          path="stream_mem_ops")
     x = hidden(1, seed=5)
     expected = decode_step(handoff, routers, x)
     torch.cuda.synchronize()
