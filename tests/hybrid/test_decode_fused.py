@@ -1,5 +1,5 @@
 """The decode step's fused operations as the CPU runs them (their torch versions, the reference the
-Triton kernels are held to in tests/device/test_decode_fused.py): RMSNorm with its residual add,
+Triton kernels are held to in tests/device/test_decode_fused_cuda.py): RMSNorm with its residual add,
 the hybrid split of a step's slots and the sum of its partial outputs, and the model's switch.
 
 T tokens, E experts, K experts per token, H hidden.
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from hybridmoe.checkpoint.presets import model_config
-from hybridmoe.experts.decode_fused import split_slots, sum_parts
+from hybridmoe.experts.decode_fused import route_split, split_slots, sum_parts
 from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
 from hybridmoe.experts.placement import Footprint, PlacementPlan
+from hybridmoe.layers.moe import softmax_topk
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.models.qwen_moe import Qwen3MoeForCausalLM
 
@@ -52,6 +53,15 @@ def test_split_slots_without_cpu_experts_gives_no_cpu_slots():
     ids = torch.tensor([[0, 2, 5]])
     _, mask, cid, cw = split_slots(ids, torch.rand(1, K), ON_GPU, LOCAL, 0)
     assert bool(mask.all()) and cid is None and cw is None
+
+
+def test_route_split_is_the_routers_top_k_then_the_split():
+    logits = torch.randn(4, E, generator=torch.Generator().manual_seed(1))
+    w, ids, split = route_split(logits, K, True, ON_GPU, LOCAL, K)
+    want_w, want_ids = softmax_topk(logits, K, True)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+    for got, want in zip(split, split_slots(ids, w, ON_GPU, LOCAL, K)):
+        assert torch.equal(got, want)
 
 
 def test_sum_parts_adds_in_float32_and_rounds_once():

@@ -43,6 +43,12 @@ class ExpertBackend(ABC):
         (experts/deferral.py) adds there. hidden [T, H]; returned as is when nothing is due."""
         return hidden
 
+    def forward_logits(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                       renormalize: bool) -> torch.Tensor | None:
+        """forward() of the router's softmax top-k of router_logits [T, E], for a backend that routes a
+        step itself (fusing the top-k into what it does next); None: it does not, the caller routes."""
+        return None
+
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         self.submit(layer, hidden, topk_ids, topk_weights)

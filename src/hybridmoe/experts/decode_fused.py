@@ -2,8 +2,9 @@
 
 Between the router and the experts, split_slots says which of each token's K slots run on the GPU
 (mask, local ids) and lays the CPU's out as the dense [T, width] the CUDA handoff copies
-(fixed_cpu_slots); after them, sum_parts adds the two partial outputs. In torch that is ~15
-small kernels and 3; on CUDA with triton (fused) one each (decode_fused_triton.py). In a decode
+(fixed_cpu_slots); route_split does the router's softmax top-k first, from its logits; after
+them, sum_parts adds the two partial outputs. In torch that is ~20 small kernels and 3; on CUDA
+with triton (fused) one each (decode_fused_triton.py). In a decode
 step every kernel costs its launch and drain even inside a CUDA graph, and the GPU part of a
 layer is serial with its CPU part, so they add up per layer. The torch versions here are the
 reference the kernels are tested against, and what runs elsewhere.
@@ -58,6 +59,20 @@ def split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, 
     if width == 0:
         return lid, mask, None, None
     return (lid, mask, *fixed_cpu_slots(lid, weights, ~mask, width))
+
+
+def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
+                local: torch.Tensor, width: int, fused: bool = True):
+    """The router's softmax top-k (layers/moe.py softmax_topk) and split_slots of its result, one kernel
+    on CUDA (fused): (weights [T, K] float32, ids [T, K] int64, split_slots' four outputs)."""
+    if _triton(router_logits, fused):
+        from hybridmoe.experts.decode_fused_triton import triton_route_split
+
+        return triton_route_split(router_logits, top_k, renormalize, on_gpu, local, width)
+    from hybridmoe.layers.moe import softmax_topk
+
+    weights, ids = softmax_topk(router_logits, top_k, renormalize, fused=False)
+    return weights, ids, split_slots(ids, weights, on_gpu, local, width, fused=False)
 
 
 def sum_parts(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, fused: bool = True) -> torch.Tensor:

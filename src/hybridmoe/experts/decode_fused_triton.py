@@ -1,6 +1,6 @@
-"""split_slots and sum_parts (decode_fused.py) as one Triton kernel each.
+"""split_slots, route_split and sum_parts (decode_fused.py) as one Triton kernel each.
 
-split_slots runs as one program over the whole step (the padding of a token with no CPU slot
+split_slots (and route_split: the router's softmax top-k, then the split) runs as one program over the whole step (the padding of a token with no CPU slot
 takes the batch's first CPU expert, a reduction across tokens). A token's kept slots are placed
 by their running count (a cumulative sum over its K slots), so the kernel needs no sort.
 
@@ -15,14 +15,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _split_slots_kernel(ids_ptr, w_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr,
-                        T, K, W, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                        HAS_CPU: tl.constexpr):
+def _split(e, w, valid, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr, T, K, W,
+           BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, HAS_CPU: tl.constexpr):
+    """Store the split of slots e, w [BLOCK_T, BLOCK_K] (valid: real slots) (split_slots' outputs)."""
     tt = tl.arange(0, BLOCK_T)
-    t = tt[:, None]  # [BLOCK_T, 1]
-    k = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
-    valid = (t < T) & (k < K)
-    e = tl.load(ids_ptr + t * K + k, mask=valid, other=0)
+    t = tt[:, None]
+    k = tl.arange(0, e.shape[1])[None, :]
     here = tl.load(on_gpu_ptr + e, mask=valid, other=0) != 0  # [BLOCK_T, BLOCK_K]
     lid = tl.load(local_ptr + e, mask=valid, other=0)
     tl.store(gpu_ids_ptr + t * K + k, tl.where(here, lid, -1).to(tl.int32), mask=valid)
@@ -33,7 +31,6 @@ def _split_slots_kernel(ids_ptr, w_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_
         count = tl.sum(keep.to(tl.int32), axis=1)  # [BLOCK_T]
         j = tl.arange(0, BLOCK_W)
         sel = keep[:, :, None] & (pos[:, :, None] == j[None, None, :])  # [BLOCK_T, BLOCK_K, BLOCK_W]
-        w = tl.load(w_ptr + t * K + k, mask=valid, other=0.0).to(tl.float32)
         cid = tl.sum(tl.where(sel, lid[:, :, None], 0), axis=1)  # [BLOCK_T, BLOCK_W]
         cw = tl.sum(tl.where(sel, w[:, :, None], 0.0), axis=1)
         filled = tl.sum(sel.to(tl.int32), axis=1) > 0
@@ -46,15 +43,81 @@ def _split_slots_kernel(ids_ptr, w_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_
         tl.store(cpu_w_ptr + t * W + j[None, :], tl.where(filled, cw, 0.0), mask=out)
 
 
+@triton.jit
+def _split_slots_kernel(ids_ptr, w_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr,
+                        T, K, W, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                        HAS_CPU: tl.constexpr):
+    t = tl.arange(0, BLOCK_T)[:, None]
+    k = tl.arange(0, BLOCK_K)[None, :]
+    valid = (t < T) & (k < K)
+    e = tl.load(ids_ptr + t * K + k, mask=valid, other=0)
+    w = tl.load(w_ptr + t * K + k, mask=valid, other=0.0).to(tl.float32)
+    _split(e, w, valid, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr, T, K, W,
+           BLOCK_T, BLOCK_W, HAS_CPU)
+
+
+@triton.jit
+def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr,
+                        cpu_w_ptr, T, E, stride_l, W, K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                        HAS_CPU: tl.constexpr):
+    """softmax_topk (layers/router_triton.py, row by row) then _split, the top-k kept in registers."""
+    t = tl.arange(0, BLOCK_T)[:, None]
+    cols = tl.arange(0, BLOCK_E)[None, :]
+    x = tl.load(logits_ptr + t * stride_l + cols, mask=(t < T) & (cols < E), other=-float("inf")).to(tl.float32)
+    x = tl.where(t < T, x, 0.0)  # rows past T: finite, unused
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    left = tl.where(cols < E, p, -1.0)
+    ks = tl.arange(0, BLOCK_K)[None, :]
+    top_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    top_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
+    for k in tl.static_range(K):
+        best = tl.max(left, axis=1)[:, None]
+        idx = tl.min(tl.where(left == best, cols, BLOCK_E), axis=1)[:, None]
+        top_w = tl.where(ks == k, best, top_w)
+        top_i = tl.where(ks == k, idx.to(tl.int64), top_i)
+        left = tl.where(cols == idx, -1.0, left)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(tl.where(ks < K, top_w, 0.0), axis=1)[:, None]
+    valid = (t < T) & (ks < K)
+    tl.store(w_ptr + t * K + ks, top_w, mask=valid)
+    tl.store(ids_ptr + t * K + ks, top_i, mask=valid)
+    _split(top_i, top_w, valid, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr, T, K, W,
+           BLOCK_T, BLOCK_W, HAS_CPU)
+
+
+def _split_outputs(T: int, K: int, width: int, device: torch.device):
+    """gpu_ids [T, K] int32, gpu_mask [T, K] bool, cpu_ids [T, width] int64, cpu_w [T, width] float32 (None: width 0)."""
+    return (torch.empty(T, K, dtype=torch.int32, device=device), torch.empty(T, K, dtype=torch.bool, device=device),
+            torch.empty(T, width, dtype=torch.int64, device=device) if width else None,
+            torch.empty(T, width, dtype=torch.float32, device=device) if width else None)
+
+
+def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
+                       local: torch.Tensor, width: int):
+    """route_split in one kernel: (weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_weights)) as
+    triton_softmax_topk and triton_split_slots give them."""
+    T, E = router_logits.shape
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    gpu_ids, gpu_mask, cpu_ids, cpu_w = _split_outputs(T, top_k, width, logits.device)
+    _route_split_kernel[(1,)](
+        logits, weights, ids, on_gpu.view(torch.uint8), local, gpu_ids, gpu_mask.view(torch.uint8),
+        cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, T, E, logits.stride(0), width, K=top_k,
+        RENORMALIZE=renormalize, BLOCK_T=max(2, triton.next_power_of_2(T)), BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_K=max(2, triton.next_power_of_2(top_k)), BLOCK_W=max(2, triton.next_power_of_2(width)),
+        HAS_CPU=width > 0)
+    return weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_w)
+
+
 def triton_split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, local: torch.Tensor,
                        width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """split_slots in one kernel; gpu_ids come out int32, -1 where the expert is not on the GPU."""
     T, K = ids.shape
     ids, weights = ids.contiguous(), weights.contiguous()
-    gpu_ids = torch.empty(T, K, dtype=torch.int32, device=ids.device)
-    gpu_mask = torch.empty(T, K, dtype=torch.bool, device=ids.device)
-    cpu_ids = torch.empty(T, width, dtype=torch.int64, device=ids.device) if width else None
-    cpu_w = torch.empty(T, width, dtype=torch.float32, device=ids.device) if width else None
+    gpu_ids, gpu_mask, cpu_ids, cpu_w = _split_outputs(T, K, width, ids.device)
     _split_slots_kernel[(1,)](
         ids, weights, on_gpu.view(torch.uint8), local, gpu_ids, gpu_mask.view(torch.uint8),
         cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, T, K, width,

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
-from hybridmoe.experts.decode_fused import split_slots, sum_parts
+from hybridmoe.experts.decode_fused import route_split, split_slots, sum_parts
 from hybridmoe.experts.deferral import DeferredOutputs, split_deferred
 from hybridmoe.experts.gpu_experts import fixed_shape_experts, gpu_share, weighted_experts
 from hybridmoe.experts.placement import PlacementPlan
@@ -108,15 +108,16 @@ class _Partial:
 
     handoff: (CudaHandoff, width) to run in fixed shapes on CUDA, or None for the synchronous path.
     fused: the fixed shapes' glue (split_slots, sum_parts) as one kernel each where it can.
+    split: split_slots' outputs for ids, weights, already made (route_split), in fixed shapes only.
     """
 
     def __init__(self, layer: int, st: _Layer, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 act, handoff=None, fused: bool = False):
+                 act, handoff=None, fused: bool = False, split: tuple | None = None):
         self.layer, self.device, self.dtype, self.shape = layer, hidden.device, hidden.dtype, hidden.shape
         self.fused = fused
         self.cpu, self.handoff, self.cpu_out, self.gpu_out = None, None, None, None
         if handoff is not None:
-            self._start_fixed(st, hidden, ids, weights, act, *handoff)
+            self._start_fixed(st, hidden, ids, weights, act, *handoff, split)
             return
         streamed = st.cpu is not None and st.streamer is not None and st.streamer.takes(hidden)
         if streamed:  # the streamer runs the GPU experts' slots too, in the same grouped kernels
@@ -131,9 +132,9 @@ class _Partial:
         if st.gpu_weights is not None and not streamed:
             self.gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, st.on_gpu[ids], act)
 
-    def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int) -> None:
-        local, mask, cids, cw = split_slots(ids, weights, st.on_gpu, st.local, width if st.cpu is not None else 0,
-                                            self.fused)
+    def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int, split=None) -> None:
+        local, mask, cids, cw = split or split_slots(ids, weights, st.on_gpu, st.local,
+                                                     width if st.cpu is not None else 0, self.fused)
         if st.cpu is not None:
             handoff.enqueue_submit(None, self.layer, hidden.to(handoff.dtype), cids, cw)
             self.handoff = handoff
@@ -291,7 +292,20 @@ class HybridExperts(ExpertBackend):
             return None
         return self._handoffs.get((deferred, layer), (None, 0))
 
-    def submit(self, layer, hidden, topk_ids, topk_weights):
+    def forward_logits(self, layer, hidden, router_logits, top_k, renormalize):
+        """A fixed-shape step without deferral, fused on CUDA: the router's top-k and the split of the
+        step's slots in one kernel (route_split); anything else: None (the caller routes)."""
+        fixed = self._handoff(False, layer, hidden)
+        if self.deferred_experts or fixed is None or not self.fused:
+            return None
+        st = self._layers[layer]
+        weights, ids, split = route_split(router_logits, top_k, renormalize, st.on_gpu, st.local,
+                                          fixed[1] if st.cpu is not None else 0, self.fused)
+        self.submit(layer, hidden, ids, weights, split)
+        return self.wait(layer)
+
+    def submit(self, layer, hidden, topk_ids, topk_weights, split: tuple | None = None):
+        """split: route_split's split of (topk_ids, topk_weights), made with them (forward_logits)."""
         if layer in self._inflight or any(d >= layer for d in self._deferred.layers()):
             self._deferred.discard()  # a new forward after an interrupted one
             for partial, _, _ in self._inflight.values():
@@ -304,7 +318,7 @@ class HybridExperts(ExpertBackend):
             topk_ids, topk_weights, *later = split_deferred(topk_ids, topk_weights, self.deferred_experts)
         st = self._layers[layer]
         self._inflight[layer] = (_Partial(layer, st, hidden, topk_ids, topk_weights, self.act,
-                                          self._handoff(False, layer, hidden), self.fused), hidden, later)
+                                          self._handoff(False, layer, hidden), self.fused, split), hidden, later)
 
     def wait(self, layer):
         partial, hidden, later = self._inflight.pop(layer)

@@ -47,5 +47,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, ids = softmax_topk(self.gate(x), self.top_k, self.renormalize, self.fused)
+        logits = self.gate(x)
+        if self.fused:  # the backend may fuse the top-k into its split of the step (HybridExperts)
+            out = self.experts.forward_logits(self.layer_idx, x, logits, self.top_k, self.renormalize)
+            if out is not None:
+                return out
+        weights, ids = softmax_topk(logits, self.top_k, self.renormalize, self.fused)
         return self.experts.forward(self.layer_idx, x, ids, weights)

@@ -1,6 +1,6 @@
 """The decode step's fused Triton kernels on CUDA against the torch ops they replace: RMSNorm with and
-without its residual add, the router's softmax top-k, the hybrid split of a step's slots and the sum
-of its two partial outputs (eagerly and as a CUDA graph replay, alone and in a hybrid layer); attention's q/k norms, rotary and
+without its residual add, the router's softmax top-k, the hybrid split of a step's slots (alone and
+after the top-k in one kernel) and the sum of its two partial outputs (eagerly and as a CUDA graph replay, alone and in a hybrid layer); attention's q/k norms, rotary and
 cache writes, and decode attention; then a model decoding with them against the same model with them off. Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, E experts, K experts per token, H hidden, D normalized size.
@@ -13,7 +13,7 @@ from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.engine.context import Context, DecodeBatch, use_context
 from hybridmoe.experts.cpu_experts import CpuExperts
-from hybridmoe.experts.decode_fused import split_slots, sum_parts
+from hybridmoe.experts.decode_fused import route_split, split_slots, sum_parts
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
 from hybridmoe.layers.attention import Attention, KVCache, _attend_decode, _StepIndex
@@ -117,6 +117,20 @@ def test_split_slots_kernel_equals_torch(T, E, K, on):
     width = min(K, E - on)
     assert_split_equal(split_slots(ids, w, on_gpu, local, width, fused=True),
                        split_slots(ids, w, on_gpu, local, width, fused=False))
+
+
+@pytest.mark.parametrize("E,K,on,renormalize", [(8, 2, 3, True), (128, 8, 26, True), (60, 4, 60, False)])
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_route_split_kernel_equals_torch(T, E, K, on, renormalize):
+    """The router's top-k and the split in one kernel (float32 logits: no ties, so the order is torch's)."""
+    on_gpu, local = placement(E, on, seed=E + on)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).cuda()
+    width = min(K, E - on)
+    w, ids, split = route_split(logits, K, renormalize, on_gpu, local, width, fused=True)
+    want_w, want_ids, want_split = route_split(logits, K, renormalize, on_gpu, local, width, fused=False)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
+    assert_split_equal(split, split_slots(ids, w, on_gpu, local, width, fused=False))
 
 
 def test_sum_parts_kernel_equals_torch():
