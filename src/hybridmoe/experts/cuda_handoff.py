@@ -51,6 +51,7 @@ import importlib.util
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 
 import torch
 
@@ -122,14 +123,13 @@ class _Staging:
         self.ids = torch.zeros(max_tokens, K, dtype=ids_dtype, pin_memory=True)
         self.weights = torch.zeros(max_tokens, K, dtype=torch.float32, pin_memory=True)
         self.out = torch.zeros(max_tokens, H, dtype=dtype, pin_memory=True)
-        self.mapped: _Staging | None = None
+        self.mapped: SimpleNamespace | None = None  # x, ids, weights, out as CUDA tensors
 
     def map(self, device: torch.device) -> None:
         from hybridmoe.experts.mapped_staging import device_view
 
-        self.mapped = object.__new__(_Staging)
-        for name in ("x", "ids", "weights", "out"):
-            setattr(self.mapped, name, device_view(getattr(self, name), device))
+        self.mapped = SimpleNamespace(**{name: device_view(getattr(self, name), device)
+                                         for name in ("x", "ids", "weights", "out")})
 
 
 class CudaHandoff:
@@ -194,7 +194,12 @@ class CudaHandoff:
                 self.threads[layer], ex.isa, st["numa_nodes"], st["buffers"], s.x, s.ids, s.weights, s.out)
             self._staging[layer] = s
         self.path = self._choose_path(path)
-        self.zero_copy = zero_copy_available()
+        if zero_copy_available():
+            try:
+                self.zero_copy = True
+            except (RuntimeError, ValueError, TypeError) as e:
+                log.warning("CUDA handoff: rows and output through copies (the staging buffers cannot be "
+                            "mapped for the device: %s)", e)
 
     def _choose_path(self, path: str) -> str:
         """Start the stream-memory-op mode if asked for (or "auto" and the probe passes)."""
