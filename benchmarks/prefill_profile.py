@@ -8,13 +8,13 @@
 One load per format (prefill_streaming "on"; --modes: "on" as loaded, where on a GPU the CPU engine
 keeps the share of each layer's experts the costs measured at load give it, "all" with every CPU
 expert streamed, "off" with the streamer detached; GPU experts per layer as the full-depth model gets
-under the budget, as benchmarks/e2e.py does), one prompt per length,
-warmed up once, then the fastest of --reps prefills (one request, max_tokens 1) is shown. Each part
-is timed where it runs, without adding a host sync: CUDA events on the compute stream for the decoder
-layer, its attention and its MoE block (router, both expert shares, the join), the GPU-resident
-experts' share (in a streamed step the streamer runs it, inside "stream math") and the streamed share (its wait for the copy, then "stream math": grouping,
-dequantizing and the expert matmuls; the streamed share also joins the CPU's); CUDA events on the
-copy stream for each layer's copy (GB/s from its bytes; layer 0's is the one started by the previous
+under the budget, as benchmarks/e2e.py does), one prompt per length, warmed up once, then the
+fastest of --reps prefills (one request, max_tokens 1) is shown. Each part is timed where it runs,
+without adding a host sync: CUDA events on the compute stream for the decoder layer, its attention
+and its MoE block (router, both expert shares, the join), the GPU-resident experts' share (in a
+streamed step the streamer runs it, inside "stream math") and the streamed share (its wait for the
+copy, then "stream math": grouping, dequantizing and the expert matmuls; the streamed share also
+joins the CPU's); CUDA events on the copy stream for each layer's copy (GB/s from its bytes; layer 0's is the one started by the previous
 prefill's last layer); the host clock from the CPU engine's submit to its wait's return ("CPU experts").
 "rest" is the layer minus attention and MoE block (norms, residuals); "non-layer" is the request's
 wall time minus its layers (embedding, lm_head, sampling, scheduling). On the CPU device every time

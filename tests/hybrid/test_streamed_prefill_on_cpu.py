@@ -3,6 +3,8 @@ code as on a GPU, with plain copies instead of PCIe. The streamed experts equal 
 the engine's own dequantized weights; a whole model gives the CPU path's logits within the format's
 tolerance; short steps and "off" stay on the CPU engine, bit for bit."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,21 @@ def test_a_step_split_with_the_cpu_engine_gives_the_same_sum_and_copies_only_the
         per_expert = view.numel() // 8
         assert not view[:2 * per_expert].any()  # experts 0 and 1: the CPU's, never copied
         assert torch.equal(view[2 * per_expert:], host.buffers[name][2 * per_expert:])
+
+
+def test_the_streamer_learns_how_long_a_layer_runs_before_its_cpu_share_can_start():
+    engines = {layer: _layer("bf16", E=8, seed=layer) for layer in (0, 1)}
+    costs = streamed_prefill.StepCosts(cpu_fixed=0.0, cpu_per_token=3e-3 / 40, copy=1e-3, gpu_fixed=0.0,
+                                       gpu_per_token=0.0)
+    streamer = PrefillStreamer(engines, "cpu", min_tokens=1, costs=costs)
+    x = torch.randn(40, 64)
+    ids, w, mask = _routing(40, 3, 8)
+    streamer.run(0, x, ids, w, mask, F.silu)
+    assert streamer.before == 0  # nothing before the first layer is counted
+    time.sleep(0.02)  # the "attention" of layer 1
+    streamer.run(1, x, ids, w, mask, F.silu)
+    assert 0.3 * 0.02 <= streamer.before < 0.3 * 0.2
+    assert costs.cpu_experts(8, 40, streamer.before) == 0  # 6+ ms late against a 1 ms copy: all streamed
 
 
 def test_a_bf16_step_computes_in_bf16_against_the_native_engine():

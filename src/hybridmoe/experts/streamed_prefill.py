@@ -208,15 +208,28 @@ class StepCosts:
 
     def stream(self, tokens: int) -> float:
         """A layer streamed, the next one's copy overlapping this one's work: the longer of the two."""
-        return max(self.copy, self.gpu_fixed + self.gpu_per_token * tokens)
+        return max(self.copy, self.work(tokens))
 
-    def cpu_experts(self, experts: int, tokens: int) -> int:
-        """How many of a layer's `experts` the CPU engine keeps in a streamed step of `tokens` tokens while
-        the device streams and runs the rest: a share f of them takes f x cpu(T) on the CPU and the rest
-        (1 - f) x stream(T) on the device, so f = stream / (cpu + stream) ends both together (rounded
-        down: the device's side is the surer one)."""
-        stream = self.stream(tokens)
-        return int(experts * stream / (self.cpu(tokens) + stream))
+    def work(self, tokens: int) -> float:
+        return self.gpu_fixed + self.gpu_per_token * tokens
+
+    def cpu_experts(self, experts: int, tokens: int, before: float = 0.0) -> int:
+        """How many of a layer's `experts` the CPU engine keeps in a streamed step of `tokens` tokens, the
+        device copying and running the rest: the n that makes the layer's period shortest,
+
+            max((1 - f) copy, before + max((1 - f) work(T), f cpu(T))),  f = n / experts,
+
+        the copy of the next layer's share overlapping all of this one, the CPU's share starting only
+        once the device has done the `before` seconds that lead to it (attention, router; measured by
+        the streamer as it runs), and running beside the device's share of the work (the fewest, on
+        a tie: the device's side is the surer one)."""
+        copy, work, cpu = self.copy, self.work(tokens), self.cpu(tokens)
+
+        def period(n: int) -> float:
+            f = n / experts
+            return max((1 - f) * copy, before + max((1 - f) * work, f * cpu))
+
+        return min(range(experts + 1), key=period)
 
     def threshold(self, limit: int = 1 << 16) -> int:
         """Fewest tokens (from the shortest step timed: shorter ones read only their routed experts'
@@ -292,6 +305,8 @@ class PrefillStreamer:
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's bytes arrived
         self.freed = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's last reader done
         self.current: int | None = None  # the layer whose experts are being computed
+        self.before = 0.0  # device seconds a layer spends before its experts (attention...): observed, averaged
+        self._joined: tuple[int, float] | None = None  # (layer, host clock) of the last CPU share's join
         self.prefetch_next = True  # copy layer L+1 while L computes (off: every copy waited for, to measure)
         self._pinned_failed = False
         self._unregister = None
@@ -318,7 +333,7 @@ class PrefillStreamer:
         is queued: the step's one host wait), and its output joins at the end.
         """
         host = self.layers[layer]
-        first = self.costs.cpu_experts(host.layout.E, hidden.shape[0]) if self.costs is not None else 0
+        first = self.costs.cpu_experts(host.layout.E, hidden.shape[0], self.before) if self.costs is not None else 0
         cpu = _CpuShare(self.engines[layer], hidden, ids, weights, mask & (ids < first)) if first else None
         slot = self._stage(layer, first)
         self.current = layer
@@ -331,9 +346,16 @@ class PrefillStreamer:
         if self.freed[slot] is not None:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
         if cpu is None:
+            self._joined = None
             return out
-        cpu.start()
-        return cpu.join(out)
+        arrived = cpu.start()
+        at = self.order.index(layer)
+        if at and self._joined is not None and self._joined[0] == self.order[at - 1]:
+            # from the previous layer's join to this one's inputs: what the device did in between
+            self.before += 0.3 * (arrived - self._joined[1] - self.before)
+        out = cpu.join(out)
+        self._joined = (layer, time.perf_counter())
+        return out
 
     def _stage(self, layer: int, first: int = 0) -> int:
         """The slot that holds (or is being filled with) layer's packed bytes of experts first.. on; starts
@@ -442,10 +464,12 @@ class _CpuShare:
             self.arrived.record(torch.cuda.current_stream(self.device))
         self.tok = None
 
-    def start(self) -> None:
-        """Hand the rows to the engine (the host waits for its inputs here)."""
+    def start(self) -> float:
+        """Hand the rows to the engine (the host waits for its inputs here); returns the host clock when
+        they had arrived."""
         if self.arrived is not None:
             self.arrived.synchronize()
+        arrived = time.perf_counter()
         x, ids, weights, keep = self.host
         pairs = keep.flatten().nonzero().squeeze(1)  # [R]
         if pairs.numel():
@@ -453,6 +477,7 @@ class _CpuShare:
             self.engine.submit(x[tok], ids.flatten()[pairs].view(-1, 1),
                                weights.flatten()[pairs].float().view(-1, 1))
             self.tok = tok.pin_memory().to(self.device, non_blocking=True) if self.arrived is not None else tok
+        return arrived
 
     def join(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, H] float32 plus the CPU's rows."""
