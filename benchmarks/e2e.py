@@ -262,9 +262,9 @@ def _streaming(ec) -> str:
 
 
 def anatomy_table(results) -> list[str]:
-    """Per row with an anatomy: per MoE layer through the handoff, CPU work, the gap to the next layer's
-    go and the handoff's share of it; per token, what the layers leave of the measured step."""
-    head = ["config", "layers", "steps", "CPU layers/step", "CPU us/layer", "first layer CPU us",
+    """Per row with an anatomy: per MoE layer through the handoff, CPU work (beside its floor), the gap to
+    the next layer's go and the handoff's share of it; per token, what the layers leave of the measured step."""
+    head = ["config", "layers", "steps", "CPU layers/step", "CPU us/layer", "floor us/layer", "first layer CPU us",
             "gap us/layer", "flag back us", "go late us", "first go late us", "handoff us/layer",
             "layers ms/token", "rest ms/token", "step ms/token"]
     rows = []
@@ -274,7 +274,7 @@ def anatomy_table(results) -> list[str]:
             continue
         per_layers = a.step_us - a.rest_us
         rows.append([r.label, str(r.model_layers), str(a.steps), _fmt(a.layers_per_step), _fmt(a.cpu_us),
-                     _fmt(a.first_cpu_us), _fmt(a.gap_us), _fmt(a.back_us), _fmt(a.late_us, ".2f"),
+                     _fmt(1e6 * r.floor.per_moe_layer_seconds()), _fmt(a.first_cpu_us), _fmt(a.gap_us), _fmt(a.back_us), _fmt(a.late_us, ".2f"),
                      _fmt(a.first_late_us, ".2f"), _fmt(a.handoff_us), _fmt(per_layers / 1e3, ".3f"),
                      _fmt(a.rest_us / 1e3, ".3f"), _fmt(a.step_us / 1e3, ".3f")])
     return _table(head, rows) if rows else []

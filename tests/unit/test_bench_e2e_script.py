@@ -145,3 +145,18 @@ def test_two_depths_are_measured_in_turn_and_fitted(tmp_path, capsys):
 def test_layers_of_a_model_directory_are_an_error(capsys):
     assert E2E["main"](["--model", "M", "--layers", "4"]) == 2
     assert "--layers cuts a --synthetic model" in capsys.readouterr().err
+
+
+def test_anatomy_table_sets_each_layer_beside_its_floor():
+    from types import SimpleNamespace
+
+    from hybridmoe.bench_anatomy import step_anatomy
+
+    stats = dict(layers=40, cpu_us=40 * 200, late_us=40 * 0.5, steps=10, first_cpu_us=10 * 250,
+                 first_late_us=10 * 2.0, gaps=30, between_us=30 * 100, woken_gaps=30, back_us=30 * 8)
+    floor = SimpleNamespace(per_moe_layer_seconds=lambda: 132e-6)
+    row = SimpleNamespace(label="int4 all on", model_layers=4, floor=floor, anatomy=step_anatomy([stats], 2e-3))
+    head, _, line = E2E["anatomy_table"]([row, SimpleNamespace(anatomy=None)])
+    cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in line.split("|")]))
+    assert (cells["CPU us/layer"], cells["floor us/layer"], cells["gap us/layer"]) == ("200.0", "132.0", "100.0")
+    assert (cells["flag back us"], cells["handoff us/layer"], cells["rest ms/token"]) == ("8.0", "8.5", "0.900")
