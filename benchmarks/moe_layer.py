@@ -5,16 +5,18 @@
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format int4 --tokens 1,4 --gap-us 100 [--layers 8]
 
 Per (format, T): median ms per call (decode sizes: caches flushed between calls, so weights
-come from DRAM), GB/s of expert weights read (distinct experts touched x packed bytes each),
-TFLOP/s, the host's read bandwidth measured in this run (system/bandwidth.py's probe over 2 GiB on
+come from DRAM), `engine ms` (the part inside the native engine, from its trace over every other
+call: python's call and return left out, which a flush makes cold, ~0.1 ms on the GPU host, and
+which the hybrid engine, calling natively, never pays), GB/s of expert weights read (distinct
+experts touched x packed bytes each), TFLOP/s, the host's read bandwidth measured in this run (system/bandwidth.py's probe over 2 GiB on
 the same thread count) and our fraction of it, the speedup over a torch bf16 per-expert loop, and the
 layer's relative L2 error vs float32 weights (separate Gaussian fp32 experts at this shape).
 
 With --gap-us G: the decode loop instead. --layers layers (each its own packed copy, so the
 weights come from DRAM without a cache flush) are called in turn, back to back with G us of
 busy work on the calling thread between calls (what a step's GPU attention leaves the CPU
-workers), a fresh routing each call; median and p90 ms per call, for forward() and for
-submit() + wait() (the hybrid engine's path). No torch baseline nor accuracy in this mode.
+workers), a fresh routing each call; median and p90 ms per call and `engine ms`, for forward()
+and for submit() + wait() (the hybrid engine's path). No torch baseline nor accuracy in this mode.
 """
 
 import argparse
@@ -40,18 +42,32 @@ SHAPES = {  # hidden H, expert intermediate I, experts E, experts per token K
 DECODE_MAX_T = 64  # up to here caches are flushed between calls
 
 
-def median_ms(fn, reps, flush=None, budget_s=3.0):
-    times = []
+def median_ms(fn, reps, flush=None, budget_s=3.0, traced=None):
+    """Median ms of fn(); with `traced` (the CpuExperts fn calls) also the median ms the engine
+    itself took (its trace: from entering it to its return), over every other call."""
+    times, engine = [], []
     start = time.perf_counter()
-    for _ in range(reps):
+    for rep in range(reps):
         if flush is not None:
             flush()
+        if traced is not None and rep % 2:
+            traced.trace(1)
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
+        if traced is not None and rep % 2:
+            engine.extend(engine_ms(traced))
         if time.perf_counter() - start > budget_s and len(times) >= 3:
             break
-    return statistics.median(times)
+    if traced is None:
+        return statistics.median(times)
+    return statistics.median(times), statistics.median(engine) if engine else float("nan")
+
+
+def engine_ms(layer):
+    """ms inside the engine of each traced call of `layer` (CpuExperts.take_trace), without python's
+    call and return: what the hybrid engine, which calls it natively, pays."""
+    return [(r["end_ns"] - r["call_ns"]) / 1e6 for r in layer.take_trace()]
 
 
 def host_read_gbps(threads):
@@ -128,7 +144,7 @@ def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
     gap_s = args.gap_us * 1e-6
     n_routings = 16  # per layer and T: fresh experts each call, cycled
     rows = []
-    print(f"{'format':<6} {'T':>5} {'api':<7} {'ms':>9} {'p90 ms':>9} {'GB/s':>7} {'%bw':>5}")
+    print(f"{'format':<6} {'T':>5} {'api':<7} {'ms':>9} {'p90 ms':>9} {'GB/s':>7} {'%bw':>5} {'engine ms':>9}")
     for fmt in args.format.split(","):
         t0 = time.perf_counter()
         first = CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=threads, isa=args.isa)
@@ -150,27 +166,31 @@ def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
                     else:
                         layer.submit(x, ids, w)
                         layer.wait()
-                times = []
+                times, engine = [], []
                 start = time.perf_counter()
                 for rep in range(args.reps + 1):
                     for li, layer in enumerate(layers):
                         x, ids, w = calls[(rep * len(layers) + li) % n_routings]
                         busy_wait(gap_s)
+                        if rep % 2:  # every other cycle traced: the engine's own time
+                            layer.trace(1)
                         t = time.perf_counter()
                         call(layer, x, ids, w)
                         if rep > 0:  # the first cycle warms up (and learns the gap)
                             times.append((time.perf_counter() - t) * 1e3)
+                            engine.extend(engine_ms(layer))
                     if time.perf_counter() - start > 5.0 and rep >= 3:
                         break
                 ms = statistics.median(times)
+                eng_ms = statistics.median(engine)
                 p90 = float(np.percentile(times, 90))
                 gbps = touched * per_expert / ms / 1e6
                 rows.append(dict(shape=args.shape, format=fmt, mode="decode_loop", api=api, gap_us=args.gap_us,
                                  layers=args.layers, isa=layers[0].isa, threads=threads, tokens=T, ms=ms,
-                                 p90_ms=p90, calls=len(times), gbps=gbps, bw_fraction=gbps / bw,
+                                 p90_ms=p90, engine_ms=eng_ms, calls=len(times), gbps=gbps, bw_fraction=gbps / bw,
                                  pack_s=pack_s, host_read_gbps=bw))
-                print(f"{fmt:<6} {T:>5} {api:<7} {ms:>9.3f} {p90:>9.3f} {gbps:>7.1f} {100 * gbps / bw:>4.0f}%",
-                      flush=True)
+                print(f"{fmt:<6} {T:>5} {api:<7} {ms:>9.3f} {p90:>9.3f} {gbps:>7.1f} {100 * gbps / bw:>4.0f}%"
+                      f" {eng_ms:>9.3f}", flush=True)
         print(f"#   {fmt}: {args.layers} layers packed in {pack_s:.1f} s", flush=True)
         del layers
     return rows
@@ -263,25 +283,26 @@ def main():
             touched = len(torch.unique(ids))
             decode = T <= DECODE_MAX_T
             ex.forward(x, ids, w)
-            results.append((T, touched, median_ms(lambda: ex.forward(x, ids, w), args.reps,
-                                                  flush if decode else None)))
+            results.append((T, touched, *median_ms(lambda: ex.forward(x, ids, w), args.reps,
+                                                   flush if decode else None, traced=ex)))
         err = accuracy(shape, fmt, args.group_size, ex.isa, threads)
-        for T, touched, ms in results:
+        for T, touched, ms, eng_ms in results:
             gbps = touched * per_expert / ms / 1e6
             row = dict(shape=args.shape, format=fmt, flush=args.flush if T <= DECODE_MAX_T else None,
                        group_size=args.group_size if fmt == "int4" else None,
                        isa=ex.isa, threads=threads, tokens=T, ms=ms, gbps=gbps, bw_fraction=gbps / bw,
                        tflops=2 * 3 * H * I * T * K / ms / 1e9, torch_ms=torch_ms.get(T),
-                       speedup=torch_ms[T] / ms if T in torch_ms else None, rel_err_vs_fp32=err,
+                       speedup=torch_ms[T] / ms if T in torch_ms else None, rel_err_vs_fp32=err, engine_ms=eng_ms,
                        packed_gb=packed_gb, pack_s=pack_s, pack_peak_rss_gb=rss_gb, source_gb=src_gb,
                        host_read_gbps=bw)
             rows.append(row)
             if header is None:
                 header = (f"{'format':<6} {'T':>5} {'ms':>9} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} "
-                          f"{'torch ms':>9} {'speedup':>8} {'err/fp32':>8}")
+                          f"{'torch ms':>9} {'speedup':>8} {'err/fp32':>8} {'engine ms':>9}")
                 print(header)
             print(f"{fmt:<6} {T:>5} {ms:>9.3f} {gbps:>7.1f} {100 * gbps / bw:>4.0f}% {row['tflops']:>8.2f} "
-                  f"{row['torch_ms'] or float('nan'):>9.2f} {row['speedup'] or float('nan'):>7.1f}x {err:>8.4f}",
+                  f"{row['torch_ms'] or float('nan'):>9.2f} {row['speedup'] or float('nan'):>7.1f}x {err:>8.4f}"
+                  f" {eng_ms:>9.3f}",
                   flush=True)
         print(f"#   {fmt}: packed {packed_gb:.2f} GiB in {pack_s:.1f} s, peak RSS growth while packing "
               f"{rss_gb:.2f} GiB (source bf16 {src_gb:.2f} GiB)", flush=True)
