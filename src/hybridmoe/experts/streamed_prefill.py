@@ -306,7 +306,8 @@ class PrefillStreamer:
         self.freed = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's last reader done
         self.current: int | None = None  # the layer whose experts are being computed
         self.before = 0.0  # device seconds a layer spends before its experts (attention...): observed, averaged
-        self._joined: tuple[int, float] | None = None  # (layer, host clock) of the last CPU share's join
+        self._done = None  # (layer, mark on the stream) where the last run's experts were done
+        self._gaps: list = []  # (done, start) marks not yet read: one layer's experts done, the next one's start
         self.prefetch_next = True  # copy layer L+1 while L computes (off: every copy waited for, to measure)
         self._pinned_failed = False
         self._unregister = None
@@ -332,6 +333,7 @@ class PrefillStreamer:
         the device works (its inputs go to the host first, and the engine starts once the device's work
         is queued: the step's one host wait), and its output joins at the end.
         """
+        self._observe_before(layer)
         host = self.layers[layer]
         first = self.costs.cpu_experts(host.layout.E, hidden.shape[0], self.before) if self.costs is not None else 0
         cpu = _CpuShare(self.engines[layer], hidden, ids, weights, mask & (ids < first)) if first else None
@@ -345,17 +347,25 @@ class PrefillStreamer:
                              act, first, resident, ~mask)
         if self.freed[slot] is not None:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
-        if cpu is None:
-            self._joined = None
-            return out
-        arrived = cpu.start()
-        at = self.order.index(layer)
-        if at and self._joined is not None and self._joined[0] == self.order[at - 1]:
-            # from the previous layer's join to this one's inputs: what the device did in between
-            self.before += 0.3 * (arrived - self._joined[1] - self.before)
-        out = cpu.join(out)
-        self._joined = (layer, time.perf_counter())
+        if cpu is not None:
+            cpu.start()
+            out = cpu.join(out)
+        self._done = (layer, _mark(self._stream()))
         return out
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    def _observe_before(self, layer: int) -> None:
+        """Average into `before` the device time from the previous layer's experts done to this layer's
+        start (its attention, router...), read from marks on the stream once they have passed (no wait)."""
+        at = self.order.index(layer)
+        if at and self._done is not None and self._done[0] == self.order[at - 1]:
+            self._gaps.append((self._done[1], _mark(self._stream())))
+        while self._gaps and (not isinstance(self._gaps[0][1], torch.cuda.Event) or self._gaps[0][1].query()):
+            done, start = self._gaps.pop(0)
+            gap = (start - done) if isinstance(done, float) else done.elapsed_time(start) / 1e3
+            self.before += 0.3 * (gap - self.before)
 
     def _stage(self, layer: int, first: int = 0) -> int:
         """The slot that holds (or is being filled with) layer's packed bytes of experts first.. on; starts
@@ -464,12 +474,10 @@ class _CpuShare:
             self.arrived.record(torch.cuda.current_stream(self.device))
         self.tok = None
 
-    def start(self) -> float:
-        """Hand the rows to the engine (the host waits for its inputs here); returns the host clock when
-        they had arrived."""
+    def start(self) -> None:
+        """Hand the rows to the engine (the host waits for its inputs here)."""
         if self.arrived is not None:
             self.arrived.synchronize()
-        arrived = time.perf_counter()
         x, ids, weights, keep = self.host
         pairs = keep.flatten().nonzero().squeeze(1)  # [R]
         if pairs.numel():
@@ -477,7 +485,6 @@ class _CpuShare:
             self.engine.submit(x[tok], ids.flatten()[pairs].view(-1, 1),
                                weights.flatten()[pairs].float().view(-1, 1))
             self.tok = tok.pin_memory().to(self.device, non_blocking=True) if self.arrived is not None else tok
-        return arrived
 
     def join(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, H] float32 plus the CPU's rows."""
