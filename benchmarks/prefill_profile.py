@@ -261,6 +261,10 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
                 wall, ms, copied = profile_once(llm, prompt, probe, args.reps, args.cold)
                 print("\n".join(table(f"{fmt or ec.expert_format}, {n} tokens, streaming {mode}", wall, ms,
                                       copied, layers, n, args.depth)), flush=True)
+                if mode == "on" and costs is not None:
+                    E = max(h.layout.E for h in probe.streamer.layers.values())
+                    print(f"# learnt: {1e3 * probe.streamer.before:.2f} ms of device work before a layer's experts; "
+                          f"the CPU keeps {costs.cpu_experts(E, n, probe.streamer.before)} of {E}", flush=True)
                 if args.top_ops:
                     probe.reset()
                     print(top_ops(llm, prompt, probe, args.top_ops, args.cold), flush=True)
