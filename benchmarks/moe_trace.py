@@ -2,7 +2,7 @@
 
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
-        [--tail-split 0,1] [--combine-in-run 0,1]
+        [--tail-split 0,1] [--combine-in-run 0,1] [--lookahead 0,1]
         [--json out.json]
 
 Modes (each call gets a fresh routing, as in moe_layer.py):
@@ -147,6 +147,8 @@ def main():
                     help="comma list: bytes of each item's weight streams prefetched as it starts; key suffix pfN")
     ap.add_argument("--tail-split", default="1",
                     help="comma list of 0/1: cut the last down items into 1-block items; key suffix tailN")
+    ap.add_argument("--lookahead", default="1",
+                    help="comma list of 0/1: prefetch the next item's heads during the current one; key suffix laN")
     ap.add_argument("--combine-in-run", default="1",
                     help="comma list of 0/1: few tokens sum the outputs inside the GEMM run; key suffix cirN")
     ap.add_argument("--isa", default=None, choices=["generic", "avx2", "avx512", "amx"])
@@ -169,6 +171,7 @@ def main():
     item_prefetch = [int(b) for b in args.item_prefetch.split(",")]
     tail_split = [int(b) for b in args.tail_split.split(",")]
     combine_in_run = [int(b) for b in args.combine_in_run.split(",")]
+    lookahead = [int(b) for b in args.lookahead.split(",")]
     torch.set_num_threads(1)
     flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
     flush = lambda: np.add(flush_buf, 1, out=flush_buf)
@@ -200,11 +203,11 @@ def main():
                 for mode in args.modes.split(","):
                     cell_layers = layers[:1] if mode == "flush" else layers
                     reps = 2 * args.reps if mode == "flush" else args.reps
-                    for api, blocks, pf, tail, cir in itertools.product(args.api.split(","), item_blocks, item_prefetch,
-                                                                        tail_split, combine_in_run):
+                    for api, blocks, pf, la, tail, cir in itertools.product(
+                            args.api.split(","), item_blocks, item_prefetch, lookahead, tail_split, combine_in_run):
                         for layer in cell_layers:
-                            layer.set_schedule(item_blocks=blocks, item_prefetch=pf, tail_split=bool(tail),
-                                               combine_in_run=bool(cir))
+                            layer.set_schedule(item_blocks=blocks, item_prefetch=pf, item_lookahead=bool(la),
+                                               tail_split=bool(tail), combine_in_run=bool(cir))
                         run = lambda traced: timed_calls(cell_layers, calls, api, mode, reps, args.gap_us * 1e-6,
                                                          args.sleep_ms * 1e-3, flush, traced)
                         untraced = med([(p1 - p0) / 1e3 for p0, p1, _ in run(False)])
@@ -219,11 +222,12 @@ def main():
                         floor_us = s["bytes"] / (bw[threads] * 1e3)
                         key = (f"{fmt} {T} {threads} {mode} {api}" + (f" ib{blocks}" if blocks else "") +
                                (f" pf{pf}" if len(item_prefetch) > 1 else "") +
+                               (f" la{la}" if len(lookahead) > 1 else "") +
                                (f" tail{tail}" if len(tail_split) > 1 else "") +
                                (f" cir{cir}" if len(combine_in_run) > 1 else ""))
                         print_cell(key, len(stats), untraced, floor_us, s, lateness)
                         rows.append(dict(shape=args.shape, format=fmt, tokens=T, threads=threads, mode=mode, api=api,
-                                         item_blocks=blocks, item_prefetch=pf, tail_split=tail,
+                                         item_blocks=blocks, item_prefetch=pf, item_lookahead=la, tail_split=tail,
                                          combine_in_run=cir,
                                          calls=len(stats), untraced_us=untraced, floor_us=floor_us,
                                          host_read_gbps=bw[threads], late_by_worker_us=lateness, **s))

@@ -78,6 +78,10 @@ class MoeLayer {
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }
   bool tail_split() const { return tail_split_; }
+  // Whether a worker claims its next GEMM item ahead and prefetches that item's heads (item_prefetch
+  // bytes) while it runs the current one.
+  void set_item_lookahead(bool on) { item_lookahead_ = on; }
+  bool item_lookahead() const { return item_lookahead_; }
   // Whether calls of few tokens sum the experts' outputs inside the GEMM run (see forward).
   void set_combine_in_run(bool on) { combine_in_run_ = on; }
   bool combine_in_run() const { return combine_in_run_; }
@@ -106,6 +110,7 @@ class MoeLayer {
   int item_prefetch_ = 4096;
   bool tail_split_ = true;
   bool combine_in_run_ = true;
+  bool item_lookahead_ = true;
 };
 
 }  // namespace hmoe
