@@ -515,7 +515,8 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     ws.col_left_size = down.blocks;
   }
   std::atomic<int>* col_left = ws.col_left.get();
-  for (int b = 0; b < down.blocks; ++b) col_left[b].store(A, std::memory_order_relaxed);
+  if (combine_in_run)
+    for (int b = 0; b < down.blocks; ++b) col_left[b].store(A, std::memory_order_relaxed);
   auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding as in phase A)
     const ActKind kind = act_of(kernels_of(j), true, fmt);
     for (size_t r = act_begin[j]; r < size_t(act_begin[j] + rows_read(j)); ++r) {
