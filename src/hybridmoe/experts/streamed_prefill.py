@@ -17,9 +17,17 @@ of bf16's for int4), from host memory registered with cudaHostRegister (async DM
 copy; pageable copies with a log line when registering fails), into two device slots each the
 size of the largest layer, and dequantized on the GPU a chunk of experts at a time
 (experts/packed_torch.py: one Triton pass on CUDA, experts/packed_triton.py; bit-exact with the CPU
-engine's weights), whose slots run through the GPU share's grouped kernels (gpu_experts.gpu_share):
-no host sync and nothing per expert on the host. On the CPU device the same code runs with plain
-copies and the torch references, which is how CI checks it.
+engine's weights); their slots, with those of the layer's GPU-resident experts, run through the GPU
+share's grouped Triton kernels (gpu_experts_triton.py), sorted by expert once a layer: no host sync
+and nothing per expert on the host. On the CPU device the same code runs with plain copies and the
+torch references, which is how CI checks it.
+
+The split with the CPU: on a GPU, attach() measures the layer's costs at load (measured_costs: the
+CPU engine, the copy, the device's work, each fitted as a + b x tokens). A step then leaves the
+first experts of each layer to its CPU engine, which runs them beside the device's share, and only
+the others' bytes are copied; StepCosts.cpu_experts picks how many, the ones that make the layer's
+period shortest, given the device time ahead of a layer's experts (attention, router) that the
+streamer learns as it runs. The same costs give the token count from which "auto" streams.
 
 T tokens, K experts per token, R = routed (token, slot) pairs, E experts, H hidden, I intermediate.
 """
