@@ -2,12 +2,13 @@
 
 The model is built on the meta device (no memory, no random init), materialized empty on
 the target device in the target dtype, then every parameter is filled from the checkpoint
-exactly once. Routed-expert tensors never enter the model: each MoE layer's experts go to its ExpertBackend, read
-from the checkpoint one expert at a time once the layer is complete (the native engine packs them
-straight from the mapped file; other backends get them stacked into gate/up [E, I, H] and down
-[E, H, I] for set_layer; GPTQ/AWQ int4 codes that the native int4 engine takes as they are go to
-set_layer_codes, never through float). Each tensor's mapped pages are released once it is copied or
-packed, so the checkpoint is never resident as a whole.
+exactly once. Routed-expert tensors never enter the model: each MoE layer's experts go to the
+ExpertBackend, read from the checkpoint one expert at a time once the layer is complete (the native
+engine and the hybrid split take them so, set_layer_experts: packed straight from the mapped file;
+the torch reference gets them stacked into gate/up [E, I, H] and down [E, H, I] for set_layer;
+GPTQ/AWQ int4 codes that the native int4 engine takes as they are go to set_layer_codes, never
+through float). Each tensor's mapped pages are released once it is copied or packed, so the
+checkpoint is never resident as a whole.
 """
 
 from __future__ import annotations
@@ -246,9 +247,9 @@ class _ExpertStacker:
 
     A float tensor is read from the checkpoint only when its layer is complete, one expert at a time,
     and its mapped pages are released (ckpt.release) as soon as that expert is packed or copied: a
-    backend with set_layer_experts (the native engine) packs straight from the mapped checkpoint, so
-    a load holds the packed experts plus one expert's source, never a stacked copy of a layer. Other
-    backends get the layer stacked into [E, I, H] / [E, H, I] buffers.
+    backend with set_layer_experts (native engine, hybrid split, convert) packs straight from the mapped
+    checkpoint, so a load holds the packed experts plus one expert's source, never a stacked copy of a
+    layer. Other backends get the layer stacked into [E, I, H] / [E, H, I] buffers.
     """
 
     def __init__(self, model: MoECausalLM, ckpt, device: torch.device, dtype: torch.dtype):
