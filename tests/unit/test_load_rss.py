@@ -49,9 +49,9 @@ def in_shm():
     shutil.rmtree(out.parent)
 
 
-def _load(model_dir: Path, fmt: str, warmup_dir: Path) -> dict:
+def _load(model_dir: Path, fmt: str, warmup_dir: Path, **options) -> dict:
     return measure_in_subprocess(model_dir, {"device": "cpu", "expert_backend": "native", "expert_format": fmt,
-                                             "expert_group_size": 32, "cache_dir": "", "cpu_threads": 2},
+                                             "expert_group_size": 32, "cache_dir": "", "cpu_threads": 2, **options},
                                  warmup_dir, timeout=300)
 
 
@@ -66,3 +66,11 @@ def test_peak_rss_of_a_load_from_tmpfs_is_the_packed_experts(in_shm, tiny):
     r = _load(in_shm, "bf16", tiny)
     assert r["peak_growth"] <= 1.2 * r["packed_bytes"] + MARGIN, r
     assert r["at_peak"]["RssShmem"] < MARGIN, r
+
+
+def test_peak_rss_of_a_hybrid_load_is_its_two_shares(on_disk, tiny):
+    # 8 of 64 experts "on the GPU" (the CPU stands in: they stay in RSS, in bf16) and 56 packed for the CPU
+    # engine: together the source's size, with no stacked layer or per-share copy beside them.
+    r = _load(on_disk, "bf16", tiny, gpu_experts_per_layer=8)
+    assert r["packed_bytes"] == SOURCE_BYTES * 56 // 64
+    assert r["peak_growth"] <= 1.2 * SOURCE_BYTES + MARGIN, r
