@@ -42,6 +42,8 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 
+nb::list trace_records(std::vector<hmoe::TraceCall> calls);  // csrc/bindings.cpp
+
 namespace {
 
 using MutArray = nb::ndarray<>;
@@ -243,6 +245,14 @@ class Handoff : public hmoe::FlagChannel {
     return served;
   }
 
+  // Trace (moe_trace.h) the next `calls` calls of a layer, as the pipeline runs them (the poller's
+  // or CUDA's thread), and take the records (CpuExperts.take_trace's dicts; call_ns is set too).
+  void trace(int layer, int calls) {
+    if (calls < 0) fail("trace takes a number of calls >= 0, got " + std::to_string(calls));
+    layers_[checked(layer)]->moe->trace(calls);
+  }
+  nb::list take_trace(int layer) { return trace_records(layers_[checked(layer)]->moe->take_trace()); }
+
   int checked(int layer) const {
     if (layer < 0 || layer >= num_layers())
       fail("layer index " + std::to_string(layer) + " out of range for " + std::to_string(num_layers()) + " layers");
@@ -273,6 +283,9 @@ class Handoff : public hmoe::FlagChannel {
   }
 
   std::string mode() const { return polling_ ? "stream_mem_ops" : "host_function"; }
+
+  // Read by the CPU work of every later call (set it between steps).
+  bool trim_padding_ = false;
 
   // The first failure a host function recorded since the last call (then cleared).
   std::optional<std::string> take_error() {
@@ -386,12 +399,23 @@ class Handoff : public hmoe::FlagChannel {
     return true;
   }
 
+  // The call to run: with trim_padding and one token, without its trailing slots of weight 0
+  // (the padding of a row whose other experts are on the GPU: it repeats one of the row's own
+  // experts, and adds 0 x its output). K 0: nothing to run, the output is zero.
+  static hmoe::MoeCall trimmed(const Job& j) {
+    hmoe::MoeCall c = j.call;
+    if (j.owner->trim_padding_ && c.T == 1)
+      while (c.K > 0 && c.weights[c.K - 1] == 0.0f) --c.K;
+    return c;
+  }
+
   // Polling mode: the whole layer on the calling thread; on failure the output is zeroed.
   static void serve(Job* p) noexcept {
     Job& j = *p;
-    if (ids_in_range(j)) {
+    const hmoe::MoeCall c = trimmed(j);
+    if (c.K > 0 && ids_in_range(j)) {
       try {
-        j.l->moe->run(j.call);
+        j.l->moe->run(c);
         return;
       } catch (const std::exception& e) {
         record_failure(j, e.what());
@@ -403,9 +427,10 @@ class Handoff : public hmoe::FlagChannel {
   static void submit_fn(void* p) noexcept {
     Job& j = *static_cast<Job*>(p);
     j.started = false;
-    if (!ids_in_range(j)) return;
+    const hmoe::MoeCall c = trimmed(j);
+    if (c.K == 0 || !ids_in_range(j)) return;
     try {
-      j.ticket = j.l->moe->submit(j.call);
+      j.ticket = j.l->moe->submit(c);
       j.started = true;
     } catch (const std::exception& e) {
       record_failure(j, e.what());
@@ -495,7 +520,11 @@ void register_cuda_host(nb::module_& m) {
       .def("done_word", [](const Handoff& h, int layer) { return h.done_word(h.checked(layer)); }, "layer"_a)
       .def_prop_ro("flag_words", &Handoff::flag_words)
       .def_prop_ro("mode", &Handoff::mode)
+      .def_rw("trim_padding", &Handoff::trim_padding_,
+              "One token: leave out its trailing slots of weight 0 (padding) instead of computing them.")
       .def("take_stats", &Handoff::take_stats)
+      .def("trace", &Handoff::trace, "layer"_a, "calls"_a)
+      .def("take_trace", &Handoff::take_trace, "layer"_a)
       .def("take_error", &Handoff::take_error)
       .def_prop_ro("num_layers", &Handoff::num_layers)
       .def_prop_ro("max_tokens", &Handoff::max_tokens)

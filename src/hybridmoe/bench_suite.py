@@ -8,7 +8,7 @@ extrapolation (bench_layers.py); on the CUDA handoff's stream_mem_ops path, wher
 goes (bench_anatomy.py). Optionally the same engine again with CUDA graphs off (the runner then runs the
 same fixed shapes eagerly, which is what --no-cuda-graph loads), and with graphs on again and options of
 the stream_mem_ops handoffs changed (HANDOFF_OPTIONS: the wake word after every layer's wait, zero-copy
-staging; the graphs captured anew).
+staging, one token's padding slots left out; the graphs captured anew).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 
 
-HANDOFF_OPTIONS = ("prewake_layers", "zero_copy")
+HANDOFF_OPTIONS = ("prewake_layers", "zero_copy", "trim_padding")
 """CudaHandoff attributes a variant may set (cuda_handoff.py); the others keep the engine's own values."""
 
 

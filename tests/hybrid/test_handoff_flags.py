@@ -213,3 +213,22 @@ def test_a_go_that_finds_the_poller_napping_is_late_by_about_a_nap():
     stats = handoff.take_stats()
     assert (stats["steps"], stats["gaps"]) == (1, 0)
     assert stats["first_late_ns"] == stats["late_ns"] >= 500_000
+
+
+def test_trim_padding_leaves_out_one_tokens_trailing_zero_weight_slots():
+    """A token whose other experts are on the GPU comes padded: its last slots repeat one of its own
+    experts with weight 0. Trimmed, the layer computes the kept slots only; none kept gives zeros."""
+    layer = Layer(0)
+    handoff, flags = polling_handoff([layer])
+    handoff.trim_padding = True
+    layer.fill(1, seed=3)
+    layer.ids[0, 1], layer.w[0, 1] = layer.ids[0, 0], 0.0  # the padding
+    stream_round(handoff, flags, [0], 1)
+    kept = layer.experts.forward(layer.x[:1].clone(), layer.ids[:1, :1].clone(), layer.w[:1, :1].clone())
+    assert torch.equal(layer.out[:1], kept)
+    layer.w[0, 0] = 0.0  # nothing kept
+    stream_round(handoff, flags, [0], 1)
+    assert not layer.out[:1].any() and handoff.take_error() is None
+    layer.fill(2, seed=4)  # two tokens: the rows keep their width (no trimming)
+    stream_round(handoff, flags, [0], 2)
+    assert torch.equal(layer.out[:2], layer.expected(2))

@@ -52,7 +52,7 @@ def test_bad_prompt_lengths_are_a_one_line_error(capsys):
 def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     args = E2E["parse_args"](["--suite", "qwen3", "--gpu-memory-budget", "8GiB"])
     assert (args.synthetic, args.layers, args.formats) == ("qwen3-30b-a3b", "4", "int4,bf16")
-    assert args.ablation == "graph,prewake,zero-copy,deferral,gpu-experts"
+    assert args.ablation == "graph,prewake,zero-copy,trim,deferral,gpu-experts"
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
 
@@ -79,11 +79,12 @@ def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monk
 
 
 def test_ablation_variants_come_after_every_format():
-    every = E2E["ablation_rows"]("graph,prewake,zero-copy,deferral,gpu-experts")
+    every = E2E["ablation_rows"]("graph,prewake,zero-copy,trim,deferral,gpu-experts")
     runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
     assert [(r.label, r.eager_label, r.handoff_variants, r.every_length) for r in runs] == [
         ("int4 all on", "int4 no CUDA graph", (("int4 prewake", {"prewake_layers": True}),
                                                ("int4 zero-copy off", {"zero_copy": False}),
+                                               ("int4 trim padding", {"trim_padding": True}),
                                                ("int4 all on, again", {})), True),
         ("bf16 all on", None, (), True), ("int4 deferral 1", None, (), False), ("int4 no GPU experts", None, (), False)]
     kwargs = {r.label: r.kwargs for r in runs}
@@ -97,7 +98,7 @@ def test_ablation_variants_come_after_every_format():
 def test_ablation_rows_can_be_chosen():
     runs = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("graph"))
     assert [(r.label, r.eager_label, r.handoff_variants) for r in runs] == [("int4 all on", "int4 no CUDA graph", ())]
-    every = "graph,prewake,zero-copy,deferral,gpu-experts"
+    every = "graph,prewake,zero-copy,trim,deferral,gpu-experts"
     assert E2E["parse_args"](["--synthetic", "x", "--ablation"]).ablation == every
     with pytest.raises(HybridMoEError, match=f"--ablation takes rows among {every}, got graphs"):
         E2E["ablation_rows"]("graphs,prewake")

@@ -237,6 +237,17 @@ class CudaHandoff:
                     s.map(self.device)
         self._zero_copy = bool(on)
 
+    @property
+    def trim_padding(self) -> bool:
+        """One token's CPU work leaves out its trailing slots of weight 0 (the padding fixed shapes give a
+        token whose other experts are on the GPU: a repeat of one of its own experts) instead of
+        computing them. Set between steps."""
+        return self._native.trim_padding
+
+    @trim_padding.setter
+    def trim_padding(self, on: bool) -> None:
+        self._native.trim_padding = bool(on)
+
     @staticmethod
     def _call(fn, *args):
         try:
