@@ -23,6 +23,8 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 
+nb::list trace_records(std::vector<hmoe::TraceCall> calls);  // below
+
 namespace {
 
 using Array = nb::ndarray<nb::ro>;
@@ -219,34 +221,7 @@ class Engine {
     layer_->trace(calls);
   }
 
-  // The traced calls (moe_trace.h) as dicts: phase times (ns, time.monotonic_ns's clock),
-  // items int64 [n, 10] (worker, down, expert, slice, b0, b1, start, end, wait, convert),
-  // join_ns int64 [threads] and slept uint8 [threads].
-  nb::list take_trace() {
-    nb::list out;
-    for (hmoe::TraceCall& t : layer_->take_trace()) {
-      nb::dict d;
-      d["T"] = t.T;
-      d["K"] = t.K;
-      d["A"] = t.A;
-      d["call_ns"] = t.call_ns;
-      d["entry_ns"] = t.entry_ns;
-      d["grouped_ns"] = t.grouped_ns;
-      d["acts_ns"] = t.acts_ns;
-      d["items_ns"] = t.items_ns;
-      d["gemm_end_ns"] = t.gemm_end_ns;
-      d["end_ns"] = t.end_ns;
-      auto* items = new std::vector<int64_t>();
-      for (const hmoe::TraceItem& it : t.items)
-        items->insert(items->end(), {it.worker, it.down, it.expert, it.slice, it.b0, it.b1, it.start_ns, it.end_ns,
-                                     it.wait_ns, it.convert_ns});
-      d["items"] = owned_array(items, {t.items.size(), 10});
-      d["join_ns"] = owned_array(new std::vector<int64_t>(t.join_ns), {t.join_ns.size()});
-      d["slept"] = owned_array(new std::vector<uint8_t>(t.slept), {t.slept.size()});
-      out.append(d);
-    }
-    return out;
-  }
+  nb::list take_trace() { return trace_records(layer_->take_trace()); }
 
  private:
   void check_expert(int e) const {
@@ -257,6 +232,35 @@ class Engine {
 };
 
 }  // namespace
+
+// The traced calls (moe_trace.h) as dicts: phase times (ns, time.monotonic_ns's clock),
+// items int64 [n, 10] (worker, down, expert, slice, b0, b1, start, end, wait, convert),
+// join_ns int64 [threads] and slept uint8 [threads]. Also CudaHandoff.take_trace's.
+nb::list trace_records(std::vector<hmoe::TraceCall> calls) {
+  nb::list out;
+  for (hmoe::TraceCall& t : calls) {
+    nb::dict d;
+    d["T"] = t.T;
+    d["K"] = t.K;
+    d["A"] = t.A;
+    d["call_ns"] = t.call_ns;
+    d["entry_ns"] = t.entry_ns;
+    d["grouped_ns"] = t.grouped_ns;
+    d["acts_ns"] = t.acts_ns;
+    d["items_ns"] = t.items_ns;
+    d["gemm_end_ns"] = t.gemm_end_ns;
+    d["end_ns"] = t.end_ns;
+    auto* items = new std::vector<int64_t>();
+    for (const hmoe::TraceItem& it : t.items)
+      items->insert(items->end(), {it.worker, it.down, it.expert, it.slice, it.b0, it.b1, it.start_ns, it.end_ns,
+                                   it.wait_ns, it.convert_ns});
+    d["items"] = owned_array(items, {t.items.size(), 10});
+    d["join_ns"] = owned_array(new std::vector<int64_t>(t.join_ns), {t.join_ns.size()});
+    d["slept"] = owned_array(new std::vector<uint8_t>(t.slept), {t.slept.size()});
+    out.append(d);
+  }
+  return out;
+}
 
 void register_cuda_host(nb::module_& m);  // csrc/cuda_host_bindings.cpp
 
