@@ -3,6 +3,7 @@
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
         [--tail-split 0,1] [--combine-in-run 0,1] [--lookahead 0,1]
+        [--variants 'new=;old=item_prefetch:0,tail_split:0,combine_in_run:0']
         [--json out.json]
 
 Modes (each call gets a fresh routing, as in moe_layer.py):
@@ -43,6 +44,33 @@ from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, routing
 
 WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT = range(10)  # take_trace()'s item columns
 N_ROUTINGS = 16
+
+
+# CpuExperts.set_schedule's defaults; a variant changes some of them.
+DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, item_lookahead=True, tail_split=True, combine_in_run=True)
+
+
+def schedule_variants(args):
+    """[(row key suffix, set_schedule kwargs)]: --variants if given, else every combination of the knob lists."""
+    if args.variants:
+        out = []
+        for spec in args.variants.split(";"):
+            name, _, kvs = spec.partition("=")
+            kw = {k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}
+            out.append((f" {name}" if name else "", {k: bool(v) if isinstance(DEFAULT_SCHEDULE[k], bool) else v
+                                                     for k, v in kw.items()}))
+        return out
+    lists = {"item_blocks": args.item_blocks, "item_prefetch": args.item_prefetch, "item_lookahead": args.lookahead,
+             "tail_split": args.tail_split, "combine_in_run": args.combine_in_run}
+    short = {"item_blocks": "ib", "item_prefetch": "pf", "item_lookahead": "la", "tail_split": "tail",
+             "combine_in_run": "cir"}
+    values = {k: [int(v) for v in s.split(",")] for k, s in lists.items()}
+    out = []
+    for combo in itertools.product(*values.values()):
+        kw = dict(zip(values, combo))
+        suffix = "".join(f" {short[k]}{v}" for k, v in kw.items() if len(values[k]) > 1)
+        out.append((suffix, {k: bool(v) if isinstance(DEFAULT_SCHEDULE[k], bool) else v for k, v in kw.items()}))
+    return out
 
 
 def med(values):
@@ -151,6 +179,9 @@ def main():
                     help="comma list of 0/1: prefetch the next item's heads during the current one; key suffix laN")
     ap.add_argument("--combine-in-run", default="1",
                     help="comma list of 0/1: few tokens sum the outputs inside the GEMM run; key suffix cirN")
+    ap.add_argument("--variants", default=None,
+                    help="instead of the knob lists: 'name=knob:value,...;name2=...' (knobs: "
+                         + ", ".join(DEFAULT_SCHEDULE) + "; unset knobs keep their defaults); key suffix name")
     ap.add_argument("--isa", default=None, choices=["generic", "avx2", "avx512", "amx"])
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--experts", type=int, default=None, help="override E (to fit a small machine)")
@@ -167,11 +198,7 @@ def main():
     E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
     thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [default_threads()]
     tokens = [int(t) for t in args.tokens.split(",")]
-    item_blocks = [int(b) for b in args.item_blocks.split(",")]
-    item_prefetch = [int(b) for b in args.item_prefetch.split(",")]
-    tail_split = [int(b) for b in args.tail_split.split(",")]
-    combine_in_run = [int(b) for b in args.combine_in_run.split(",")]
-    lookahead = [int(b) for b in args.lookahead.split(",")]
+    variants = schedule_variants(args)
     torch.set_num_threads(1)
     flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
     flush = lambda: np.add(flush_buf, 1, out=flush_buf)
@@ -203,11 +230,9 @@ def main():
                 for mode in args.modes.split(","):
                     cell_layers = layers[:1] if mode == "flush" else layers
                     reps = 2 * args.reps if mode == "flush" else args.reps
-                    for api, blocks, pf, la, tail, cir in itertools.product(
-                            args.api.split(","), item_blocks, item_prefetch, lookahead, tail_split, combine_in_run):
+                    for api, (suffix, schedule) in itertools.product(args.api.split(","), variants):
                         for layer in cell_layers:
-                            layer.set_schedule(item_blocks=blocks, item_prefetch=pf, item_lookahead=bool(la),
-                                               tail_split=bool(tail), combine_in_run=bool(cir))
+                            layer.set_schedule(**{**DEFAULT_SCHEDULE, **schedule})
                         run = lambda traced: timed_calls(cell_layers, calls, api, mode, reps, args.gap_us * 1e-6,
                                                          args.sleep_ms * 1e-3, flush, traced)
                         untraced = med([(p1 - p0) / 1e3 for p0, p1, _ in run(False)])
@@ -220,15 +245,10 @@ def main():
                         lateness = [med([c["late_by_worker"][w] for c in stats if c["late_by_worker"][w] == c["late_by_worker"][w]])
                                     for w in range(threads)]
                         floor_us = s["bytes"] / (bw[threads] * 1e3)
-                        key = (f"{fmt} {T} {threads} {mode} {api}" + (f" ib{blocks}" if blocks else "") +
-                               (f" pf{pf}" if len(item_prefetch) > 1 else "") +
-                               (f" la{la}" if len(lookahead) > 1 else "") +
-                               (f" tail{tail}" if len(tail_split) > 1 else "") +
-                               (f" cir{cir}" if len(combine_in_run) > 1 else ""))
+                        key = f"{fmt} {T} {threads} {mode} {api}{suffix}"
                         print_cell(key, len(stats), untraced, floor_us, s, lateness)
                         rows.append(dict(shape=args.shape, format=fmt, tokens=T, threads=threads, mode=mode, api=api,
-                                         item_blocks=blocks, item_prefetch=pf, item_lookahead=la, tail_split=tail,
-                                         combine_in_run=cir,
+                                         schedule={**DEFAULT_SCHEDULE, **schedule},
                                          calls=len(stats), untraced_us=untraced, floor_us=floor_us,
                                          host_read_gbps=bw[threads], late_by_worker_us=lateness, **s))
             del layers

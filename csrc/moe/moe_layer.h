@@ -68,7 +68,7 @@ class MoeLayer {
   // Tracing (moe_trace.h): record the next `calls` forwards; take_trace() hands the records over.
   void trace(int calls) { tracer_.arm(calls); }
   std::vector<TraceCall> take_trace() { return tracer_.take(); }
-  // 32-row blocks per GEMM work item (0: about 8 items per thread, 1 to 8 blocks): for
+  // 32-row blocks per GEMM work item (0: about 4 items per thread, 1 to 8 blocks): for
   // benchmarks that weigh the tail against per-item costs.
   void set_item_blocks(int blocks) { item_blocks_ = blocks; }
   int item_blocks() const { return item_blocks_; }
