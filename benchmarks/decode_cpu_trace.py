@@ -1,0 +1,281 @@
+"""Why a hybrid decode layer's CPU work costs more in the pipeline than alone (issue #4): the same calls
+traced twice in one process, once as the running decode makes them, once replayed standalone.
+
+    python benchmarks/decode_cpu_trace.py --synthetic qwen3-30b-a3b --layers 4 --format int4 \
+        --gpu-memory-budget 16GiB [--device cuda|cpu] [--calls 24] [--threads N] [--gap-us 100] [--json F]
+
+Builds a synthetic checkpoint in memory and loads it as benchmarks/e2e.py does (a cut model gets the GPU
+experts per layer of the full depth under the budget), decodes greedily with the default engine path
+(CUDA graphs and the CUDA handoff on CUDA), then decodes --calls more tokens with every CPU layer's
+calls traced (moe_trace.h) and their inputs (x, ids, weights) captured:
+  pipeline   on CUDA the handoff's own engine per layer (CudaHandoff.trace: the poller, pool worker 0,
+             runs the layer; the inputs read back from the staging buffers after each step); on the
+             CPU device (no graphs, no handoff) the layer's CpuExperts through submit/wait.
+  standalone the same engines' packed weights and the same pool (the handoff's thread count), called
+             with the captured inputs, layer after layer, --gap-us of busy work between calls, as
+             moe_trace.py's loop mode, traced.
+Per layer and overall it prints moe_trace.py's cells (see its docstring for the columns; here `untraced`
+is the median wall of the same calls untraced, and a pipeline call's wall runs from the engine's
+call_ns to its end_ns, so py>eng and ret are 0), the distinct experts A, slots per token K, the slots
+of weight 0 (padding that repeats an expert) and rows per expert, bytes read and the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from e2e import full_depth_gpu_experts
+from moe_layer import busy_wait
+from moe_trace import call_breakdown, matrix_block_bytes, med, print_cell
+from hybridmoe import CpuExperts
+from hybridmoe.bench import _measure
+from hybridmoe.bench_anatomy import step_anatomy
+from hybridmoe.bench_suite import handoffs
+from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
+from hybridmoe.config import EngineConfig
+from hybridmoe.engine.llm_engine import LLMEngine
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.sampling_params import SamplingParams
+from hybridmoe.system.bandwidth import host_read_bandwidth, host_read_method
+
+HEADER = (f"{'layer side':<40} {'n':>4} {'untraced':>8} {'wall':>7} {'floor':>6} {'%bw':>5} |"
+          f" {'py>eng':>6} {'hand':>5} {'group':>5} {'acts':>5} {'build':>5} {'first':>5} | {'gemm':>6} {'tail':>5}"
+          f" {'close':>5} | {'comb':>5} {'ret':>5} | {'before':>6} {'g-flr':>6} {'after':>5}   (us, medians)")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--synthetic", default="qwen3-30b-a3b", metavar="PRESET", help="a make-model preset")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers of the synthetic model (default 4)")
+    ap.add_argument("--format", default="int4", help="expert format (default int4)")
+    ap.add_argument("--gpu-memory-budget", default=None)
+    ap.add_argument("--device", default="auto", help="cuda | cpu (default: the engine's choice)")
+    ap.add_argument("--calls", type=int, default=24, help="traced decode steps (default 24)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: the engine's)")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gap-us", type=float, default=100.0, help="standalone: busy work between calls")
+    ap.add_argument("--group-size", type=int, default=None, help="expert group size (default: the engine's)")
+    ap.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    return ap.parse_args(argv)
+
+
+class Side:
+    """One CPU layer's engines: `pipe` traced as the decode runs it, `solo` (same packed weights and pool)
+    for the standalone replay; `captured` the (x, ids, weights) of each traced pipeline call."""
+
+    def __init__(self, layer: int, cpu: CpuExperts, handoff):
+        self.layer, self.cpu, self.handoff = layer, cpu, handoff
+        self.captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.pipe_records: list[dict] = []
+        if handoff is not None:
+            self.index, threads = handoff._index[layer], handoff.threads[layer]
+            self.solo = CpuExperts.from_packed(cpu.packed_state(), threads=threads, isa=cpu.isa)
+        else:
+            self.solo = cpu
+            submit = cpu.submit
+
+            def capture(x, ids, weights):  # the CPU device's pipeline call: record its inputs
+                self.captured.append((x.clone(), ids.clone(), weights.clone()))
+                return submit(x, ids, weights)
+
+            cpu.submit = capture
+        self.threads = self.solo.threads
+
+    def arm(self) -> None:
+        if self.handoff is not None:
+            self.handoff._native.trace(self.index, 1)
+        else:
+            self.cpu.trace(1)
+
+    def collect(self) -> None:
+        """After a step: its record, and on the handoff its inputs from the staging buffers."""
+        if self.handoff is None:
+            self.pipe_records += self.cpu.take_trace()
+            return
+        for rec in self.handoff._native.take_trace(self.index):
+            rec = {**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
+                   "slept": torch.from_numpy(rec["slept"]).bool()}
+            s, T, K = self.handoff._staging[self.layer], rec["T"], rec["K"]
+            self.captured.append((s.x[:T].clone(), s.ids[:T, :K].clone(), s.weights[:T, :K].clone()))
+            self.pipe_records.append(rec)
+
+    def release(self) -> None:
+        if self.handoff is None:
+            del self.cpu.submit
+
+
+def engines(model) -> list[Side]:
+    """The native CPU engine of each MoE layer: HybridExperts.cpu_engine, or (every expert on the CPU, no
+    hybrid split) the native backend's layer_experts."""
+    backend = model.experts
+    engine_of = getattr(backend, "cpu_engine", None) or getattr(backend, "layer_experts", None)
+    if engine_of is None:
+        raise HybridMoEError(f"the model's expert backend ({type(backend).__name__}) has no CPU engines to trace")
+    handoffs = getattr(backend, "_handoffs", {})
+    sides = []
+    for layer in backend.layers():
+        cpu = engine_of(layer)
+        if isinstance(cpu, CpuExperts):
+            sides.append(Side(layer, cpu, handoffs.get((False, layer), (None, 0))[0]))
+    if not sides:
+        raise HybridMoEError("no MoE layer has native CPU experts (all on the GPU, or the torch reference)")
+    return sides
+
+
+def traced_decode(engine, sides: list[Side], prompt: list[int], calls: int) -> None:
+    """Greedy decode of `calls` tokens, every CPU layer traced for one call per decode step."""
+    engine.add_request(prompt, SamplingParams(max_tokens=calls + 1, temperature=0, ignore_eos=True))
+    engine.step()  # the prefill: not traced
+    while engine.has_unfinished():
+        for s in sides:
+            s.arm()
+        engine.step()
+        for s in sides:
+            s.collect()
+
+
+def standalone(sides: list[Side], gap_s: float, traced: bool) -> dict[int, list[tuple]]:
+    """The captured calls again, step by step and layer after layer, gap_s of busy work before each;
+    one warm-up round first. layer -> [(py0, py1, record or None)]."""
+    out: dict[int, list[tuple]] = {s.layer: [] for s in sides}
+    n = min(len(s.captured) for s in sides)
+    for step in [0] + list(range(n)):
+        for s in sides:
+            x, ids, w = s.captured[step]
+            busy_wait(gap_s)
+            if traced:
+                s.solo.trace(1)
+            py0 = time.monotonic_ns()
+            s.solo.forward(x, ids, w)
+            py1 = time.monotonic_ns()
+            rec = s.solo.take_trace()[0] if traced else None
+            out[s.layer].append((py0, py1, rec))
+    return {layer: calls[1:] for layer, calls in out.items()}  # the first: warm-up
+
+
+def cell(side: Side, calls: list[tuple], inputs: list[tuple], bw_gbps: float) -> dict:
+    """moe_trace.py's cell over calls [(py0, py1, record)], with the routing's shape from inputs."""
+    per_expert = side.solo.packed_bytes / side.solo.num_experts
+    block_bytes = matrix_block_bytes(side.solo)
+    stats = [call_breakdown(rec, py0, py1, side.threads, block_bytes, rec["A"] * per_expert)
+             for py0, py1, rec in calls]
+    s = {k: med([c[k] for c in stats]) for k in stats[0] if k != "late_by_worker"}
+    late = [c["late_by_worker"] for c in stats]  # nan: the worker did not join that call
+    s["late_by_worker"] = [med([v[w] for v in late if v[w] == v[w]]) for w in range(side.threads)]
+    s["floor"] = s["bytes"] / (bw_gbps * 1e3)
+    s["A"] = med([rec["A"] for _, _, rec in calls])
+    s["T"], s["K"] = med([ids.shape[0] for _, ids, _ in inputs]), med([ids.shape[1] for _, ids, _ in inputs])
+    s["zero_slots"] = med([int((w == 0).sum()) for _, _, w in inputs])
+    s["rows_per_expert"] = s["T"] * s["K"] / s["A"]
+    s["calls"] = len(stats)
+    return s
+
+
+def print_pair(key: str, side_cells: dict[str, dict], untraced: dict[str, float]) -> None:
+    for name, s in side_cells.items():
+        print_cell(f"{key} {name}", s["calls"], untraced[name], s["floor"], s, s["late_by_worker"])
+        print(f"{'':<40} routing: T {s['T']:g}, K {s['K']:g} slots/token ({s['zero_slots']:g} of weight 0: "
+              f"padding), A {s['A']:g} distinct experts, {s['rows_per_expert']:.2f} rows/expert; "
+              f"read {s['bytes'] / 1e6:.2f} MB, floor {s['floor']:.1f} us, wall/floor {s['wall'] / s['floor']:.2f}")
+    p, q = side_cells["pipeline"], side_cells["standalone"]
+    print(f"{'':<40} pipeline / standalone: wall {p['wall'] / q['wall']:.2f}x, gemm {p['gemm'] / q['gemm']:.2f}x, "
+          f"before {p['before'] - q['before']:+.1f} us, tail {p['tail'] - q['tail']:+.1f} us, late mean "
+          f"{p['late_mean'] - q['late_mean']:+.1f} us, busy {100 * (p['busy'] - q['busy']):+.1f} pts", flush=True)
+
+
+def pipeline_calls(side: Side) -> list[tuple]:
+    """(start, end, record): a pipeline call runs from call_ns (entry_ns where unset) to end_ns."""
+    return [(rec["call_ns"] or rec["entry_ns"], rec["end_ns"], rec) for rec in side.pipe_records]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.calls < 1:
+        raise HybridMoEError(f"--calls must be at least 1, got {args.calls}")
+    kwargs = dict(device=args.device, expert_format=args.format, max_num_seqs=1, cache_dir="",
+                  max_model_len=2 * (args.prompt_len + args.calls + 8))
+    for key in ("gpu_memory_budget", "group_size", "threads"):
+        value = getattr(args, key)
+        if value is not None:
+            kwargs[{"group_size": "expert_group_size", "threads": "cpu_threads"}.get(key, key)] = value
+    raw_full = full_config(args.synthetic)
+    if args.gpu_memory_budget is not None and args.layers < raw_full["num_hidden_layers"]:
+        kwargs["gpu_experts_per_layer"], note = full_depth_gpu_experts(
+            raw_full, {k: v for k, v in kwargs.items() if k != "cache_dir"})
+        print(f"# {note}")
+    torch.set_num_threads(1)
+    with synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) as synthetic:
+        engine = LLMEngine(str(synthetic.out_dir), EngineConfig.from_kwargs(**kwargs))
+        try:
+            return report(args, engine)
+        finally:
+            del engine
+
+
+def report(args, engine) -> int:
+    model = engine.runner.model
+    sides = engines(model)
+    cuda = any(s.handoff is not None for s in sides)
+    threads = sides[0].threads
+    bw = host_read_bandwidth(args.bandwidth_bytes, threads) / 1e9
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, engine.vocab_size, (args.prompt_len,), generator=g).tolist()
+    _measure(engine, [prompt], args.calls + 1)  # warm-up: captures every graph the traced decode replays
+    hs = handoffs(model)
+    for h in hs:
+        h.take_stats()
+    t0 = time.perf_counter()
+    traced_decode(engine, sides, prompt, args.calls)
+    decode_s = time.perf_counter() - t0
+    anatomy = step_anatomy([h.take_stats() for h in hs], decode_s / (args.calls + 1))
+    for s in sides:
+        s.release()
+    path = (f"CUDA graphs {'on' if engine.runner.cuda_graph else 'off'}, handoff {sides[0].handoff.path}, "
+            f"{threads} pool workers" if cuda else
+            f"device {engine.resolved_config.device}: no CUDA graph, no handoff (CpuExperts submit/wait from "
+            f"Python), {threads} pool workers")
+    print(f"# {args.synthetic}, {len(model.model.layers)} layers, {args.format}, {len(sides)} CPU layers; {path}; "
+          f"host read {bw:.1f} GB/s ({host_read_method()}, {threads} threads); {args.calls} traced decode steps in "
+          f"{decode_s * 1e3:.1f} ms; standalone: the captured calls layer after layer, {args.gap_us:g} us gaps")
+    if anatomy is not None:  # the poller's own books over the same steps (bench_anatomy.py)
+        print(f"# handoff anatomy of the traced decode: {anatomy.layers_per_step:.0f} CPU layers/step, CPU "
+              f"{anatomy.cpu_us:.1f} us/layer (first layer {anatomy.first_cpu_us:.1f}), gap "
+              f"{anatomy.gap_us if anatomy.gap_us is None else round(anatomy.gap_us, 1)} us, go late "
+              f"{anatomy.late_us:.2f} us, step {anatomy.step_us:.0f} us (Python between steps included)")
+    print(HEADER)
+    untraced = {s.layer: [(p1 - p0) / 1e3 for p0, p1, _ in calls]
+                for s, calls in zip(sides, standalone(sides, args.gap_us * 1e-6, False).values())}
+    solo = standalone(sides, args.gap_us * 1e-6, True)
+    rows, everything = [], {"pipeline": [], "standalone": []}
+    for s in sides:
+        pipe = pipeline_calls(s)
+        n = min(len(pipe), len(solo[s.layer]))
+        cells = {"pipeline": cell(s, pipe[:n], s.captured[:n], bw),
+                 "standalone": cell(s, solo[s.layer][:n], s.captured[:n], bw)}
+        walls = {"pipeline": cells["pipeline"]["wall"], "standalone": med(untraced[s.layer])}
+        print_pair(f"layer {s.layer}", cells, walls)
+        everything["pipeline"].append((s, pipe[:n]))
+        everything["standalone"].append((s, solo[s.layer][:n]))
+        rows.append({"layer": s.layer, **{k: {m: v for m, v in c.items()} for k, c in cells.items()}})
+    overall = {name: {"wall": statistics.median([(p1 - p0) / 1e3 for s, calls in parts for p0, p1, _ in calls])}
+               for name, parts in everything.items()}
+    print(f"{'all layers':<40} median wall pipeline {overall['pipeline']['wall']:.1f} us, standalone "
+          f"{overall['standalone']['wall']:.1f} us ({overall['pipeline']['wall'] / overall['standalone']['wall']:.2f}x)"
+          f"; standalone untraced {statistics.median([v for vs in untraced.values() for v in vs]):.1f} us", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cuda": cuda, "threads": threads, "host_read_gbps": bw, "layers": rows,
+                       "overall": overall}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""benchmarks/decode_cpu_trace.py end to end on the CPU device: tiny Qwen3 (2 MoE layers, 4 experts, top-2)
+decoded with every CPU layer traced, then the captured calls replayed standalone."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "decode_cpu_trace.py"
+CALLS = 3
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trace") / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--synthetic", "qwen3_moe:tiny", "--layers", "2", "--device", "cpu",
+         "--format", "int4", "--group-size", "32", "--calls", str(CALLS), "--threads", "2", "--prompt-len", "8",
+         "--bandwidth-bytes", str(16 << 20), "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_the_output_says_the_cpu_device_has_no_graphs_nor_handoff_and_sets_both_sides_per_layer(run):
+    text, _ = run
+    assert "no CUDA graph, no handoff" in text
+    for layer in (0, 1):
+        assert f"layer {layer} pipeline" in text and f"layer {layer} standalone" in text
+    assert text.count("pipeline / standalone: wall") == 2 and "all layers" in text
+
+
+def test_every_traced_decode_call_is_replayed_with_its_own_routing(run):
+    _, data = run
+    assert not data["cuda"] and data["threads"] == 2
+    assert [row["layer"] for row in data["layers"]] == [0, 1]
+    for row in data["layers"]:
+        pipe, solo = row["pipeline"], row["standalone"]
+        assert pipe["calls"] == solo["calls"] == CALLS
+        # one token, top-2 of 4 experts, all on the CPU: 2 distinct experts, 1 row each, no padding
+        for side in (pipe, solo):
+            assert (side["T"], side["K"], side["A"], side["zero_slots"]) == (1, 2, 2, 0)
+            assert side["rows_per_expert"] == 1.0
+            assert 0 < side["gemm"] <= side["wall"] and side["bytes"] > 0 and side["floor"] > 0
+        assert pipe["bytes"] == solo["bytes"]  # the same calls read the same weights
