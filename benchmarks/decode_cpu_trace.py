@@ -55,10 +55,13 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the synthetic model (default 4)")
     ap.add_argument("--format", default="int4", help="expert format (default int4)")
     ap.add_argument("--gpu-memory-budget", default=None)
+    ap.add_argument("--gpu-experts-per-layer", type=int, default=None, help="instead of the budget's placement")
     ap.add_argument("--device", default="auto", help="cuda | cpu (default: the engine's choice)")
     ap.add_argument("--calls", type=int, default=24, help="traced decode steps (default 24)")
     ap.add_argument("--threads", type=int, default=None, help="CPU expert threads (default: the engine's)")
     ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=8192 + 32,
+                    help="KV cache length, which the placement under a budget counts (default: e2e.py's default)")
     ap.add_argument("--gap-us", type=float, default=100.0, help="standalone: busy work between calls")
     ap.add_argument("--group-size", type=int, default=None, help="expert group size (default: the engine's)")
     ap.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
@@ -201,13 +204,14 @@ def main(argv=None) -> int:
     if args.calls < 1:
         raise HybridMoEError(f"--calls must be at least 1, got {args.calls}")
     kwargs = dict(device=args.device, expert_format=args.format, max_num_seqs=1, cache_dir="",
-                  max_model_len=2 * (args.prompt_len + args.calls + 8))
-    for key in ("gpu_memory_budget", "group_size", "threads"):
+                  max_model_len=max(args.max_model_len, args.prompt_len + args.calls + 2))
+    for key in ("gpu_memory_budget", "gpu_experts_per_layer", "group_size", "threads"):
         value = getattr(args, key)
         if value is not None:
             kwargs[{"group_size": "expert_group_size", "threads": "cpu_threads"}.get(key, key)] = value
     raw_full = full_config(args.synthetic)
-    if args.gpu_memory_budget is not None and args.layers < raw_full["num_hidden_layers"]:
+    if args.gpu_memory_budget is not None and args.gpu_experts_per_layer is None \
+            and args.layers < raw_full["num_hidden_layers"]:
         kwargs["gpu_experts_per_layer"], note = full_depth_gpu_experts(
             raw_full, {k: v for k, v in kwargs.items() if k != "cache_dir"})
         print(f"# {note}")
@@ -242,7 +246,9 @@ def report(args, engine) -> int:
             f"{threads} pool workers" if cuda else
             f"device {engine.resolved_config.device}: no CUDA graph, no handoff (CpuExperts submit/wait from "
             f"Python), {threads} pool workers")
-    print(f"# {args.synthetic}, {len(model.model.layers)} layers, {args.format}, {len(sides)} CPU layers; {path}; "
+    gpu_experts = getattr(model.experts, "gpu_experts", lambda layer: [])
+    print(f"# {args.synthetic}, {len(model.model.layers)} layers, {args.format}, {len(sides)} CPU layers ("
+          f"GPU experts per layer: {'/'.join(str(len(gpu_experts(s.layer))) for s in sides)}); {path}; "
           f"host read {bw:.1f} GB/s ({host_read_method()}, {threads} threads); {args.calls} traced decode steps in "
           f"{decode_s * 1e3:.1f} ms; standalone: the captured calls layer after layer, {args.gap_us:g} us gaps")
     if anatomy is not None:  # the poller's own books over the same steps (bench_anatomy.py)
@@ -278,4 +284,7 @@ def report(args, engine) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except HybridMoEError as e:
+        raise SystemExit(f"decode_cpu_trace.py: error: {e}") from None
