@@ -17,6 +17,10 @@ unfused: the torch ops they replace):
     that time / N, lm_head's share included); then the time saved per layer, unfused - fused.
 Inside a graph each kernel still costs its launch and drain (~2-4 us), and a MoE layer's GPU part is
 serial with its CPU part, so the kernel count per layer is what this script is for.
+
+Measured on the GPU host (H200, torch 2.11, triton 3.6; Qwen3-30B-A3B shape cut to 2 layers, int4
+experts, 26 of 128 on the GPU, batch 1; default options): kernels per MoE layer 103 -> 18, replay of
+the captured step 874 -> 470 us, 202 us saved per layer (1.86x), device round "mini".
 """
 
 from __future__ import annotations
