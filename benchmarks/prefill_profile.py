@@ -263,8 +263,11 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
                                       copied, layers, n, args.depth)), flush=True)
                 if mode == "on" and costs is not None:
                     E = max(h.layout.E for h in probe.streamer.layers.values())
-                    print(f"# learnt: {1e3 * probe.streamer.before:.2f} ms of device work before a layer's experts; "
-                          f"the CPU keeps {costs.cpu_experts(E, n, probe.streamer.before)} of {E}", flush=True)
+                    st = probe.streamer
+                    split = "not seen" if st.before_split is None else f"{1e3 * st.before_split:.2f} ms"
+                    print(f"# learnt: device time before a layer's experts {1e3 * st.before:.2f} ms, after a split "
+                          f"layer {split}; the CPU keeps {costs.cpu_experts(E, n, st.before, st.before_split)} of {E}",
+                          flush=True)
                 if args.top_ops:
                     probe.reset()
                     print(top_ops(llm, prompt, probe, args.top_ops, args.cold), flush=True)

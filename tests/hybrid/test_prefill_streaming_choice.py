@@ -135,9 +135,12 @@ def test_the_cpu_keeps_the_share_that_ends_with_the_device_and_streaming_starts_
                                        gpu_per_token=1e-6)
     assert costs.cpu(600) == pytest.approx(0.008) and costs.stream(600) == 0.004  # the copy outlasts the work
     assert costs.stream(10_000) == pytest.approx(0.011)  # the work outlasts the copy
-    assert costs.cpu_experts(96, 600) == 32  # 96 x 4 / (8 + 4): 32 x 8/96 ms on the CPU = 64 x 4/96 streamed
-    assert costs.cpu_experts(96, 600, before=0.001) == 24  # the CPU starts 1 ms late: (1 - f) 4 = 1 + 8 f
-    assert costs.cpu_experts(96, 600, before=0.005) == 16  # past the copy: it only shares the work, 1.6 (1 - f) = 8 f
+    # with no time ahead of the experts, 96 x 4 / (8 + 4): 32 x 8/96 ms on the CPU = 64 x 4/96 streamed
+    assert costs.cpu_experts(96, 600, before=0.0, before_split=0.0) == 32
+    assert costs.cpu_experts(96, 600, before=0.0, before_split=0.001) == 24  # 1 ms late: (1 - f) 4 = 1 + 8 f
+    # past the copy either way: the CPU only shares the work, 1.6 (1 - f) = 8 f, 6.33 ms against 6.6
+    assert costs.cpu_experts(96, 600, before=0.005, before_split=0.005) == 16
+    assert costs.cpu_experts(96, 600, before=0.0) == 0  # a split's sync (SPLIT_SYNC_SECONDS) would cost more
     assert costs.threshold() == 128  # 2 ms >= 4 / 2 from the first token, but the fit starts at 128
     assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold() == 200
     assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold(limit=150) == 151  # none up to 150

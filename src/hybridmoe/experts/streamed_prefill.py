@@ -199,6 +199,13 @@ def _mark(stream):
     return event
 
 
+SPLIT_SYNC_SECONDS = 3e-3
+"""What a CPU share adds ahead of a layer's experts until the streamer has seen it: the host waits for
+the share each layer, so the next layer's launches (~100 at 512 tokens) are no longer queued ahead of
+the device. Device round r1, Qwen3-30B-A3B int4 at 512 tokens: a split layer took 22.3 ms where the
+device's own parts (attention 2.1, its share 7.1) and the CPU's (11.0, 3.7 at load) left ~3 ms."""
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """One layer's costs measured at load, in seconds for a step of T tokens: its CPU engine's share of
@@ -221,21 +228,26 @@ class StepCosts:
     def work(self, tokens: int) -> float:
         return self.gpu_fixed + self.gpu_per_token * tokens
 
-    def cpu_experts(self, experts: int, tokens: int, before: float = 0.0) -> int:
+    def cpu_experts(self, experts: int, tokens: int, before: float = 0.0, before_split: float | None = None) -> int:
         """How many of a layer's `experts` the CPU engine keeps in a streamed step of `tokens` tokens, the
         device copying and running the rest: the n that makes the layer's period shortest,
 
-            max((1 - f) copy, before + max((1 - f) work(T), f cpu(T))),  f = n / experts,
+            n = 0:  max(copy, before + work(T))
+            n > 0:  max((1 - f) copy, before_split + max((1 - f) work(T), f cpu(T))),  f = n / experts,
 
-        the copy of the next layer's share overlapping all of this one, the CPU's share starting only
-        once the device has done the `before` seconds that lead to it (attention, router; measured by
-        the streamer as it runs), and running beside the device's share of the work (the fewest, on
-        a tie: the device's side is the surer one)."""
+        the copy of the next layer's share overlapping all of this one. before: the device time ahead of
+        a layer's experts (attention, router) in a step without a CPU share; before_split (default:
+        before + SPLIT_SYNC_SECONDS) with one, where the host waits for the CPU's inputs and output
+        each layer and so launches the next layer's work only then. The CPU's share runs beside the
+        device's share of the work; on a tie, the fewest (the device's side is the surer one)."""
         copy, work, cpu = self.copy, self.work(tokens), self.cpu(tokens)
+        split = before + SPLIT_SYNC_SECONDS if before_split is None else before_split
 
         def period(n: int) -> float:
+            if n == 0:
+                return max(copy, before + work)
             f = n / experts
-            return max((1 - f) * copy, before + max((1 - f) * work, f * cpu))
+            return max((1 - f) * copy, split + max((1 - f) * work, f * cpu))
 
         return min(range(experts + 1), key=period)
 
@@ -313,8 +325,10 @@ class PrefillStreamer:
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's bytes arrived
         self.freed = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's last reader done
         self.current: int | None = None  # the layer whose experts are being computed
-        self.before = 0.0  # device seconds a layer spends before its experts (attention...): observed, averaged
-        self._done = None  # (layer, mark on the stream) where the last run's experts were done
+        # device seconds a layer spends before its experts (attention...), observed and averaged, after a
+        # layer without and with a CPU share (None: not seen yet, StepCosts.cpu_experts' default)
+        self.before, self.before_split = 0.0, None
+        self._done = None  # (layer, mark on the stream, with a CPU share?) where the last run's experts were done
         self._gaps: list = []  # (done, start) marks not yet read: one layer's experts done, the next one's start
         self.prefetch_next = True  # copy layer L+1 while L computes (off: every copy waited for, to measure)
         self._pinned_failed = False
@@ -343,7 +357,8 @@ class PrefillStreamer:
         """
         self._observe_before(layer)
         host = self.layers[layer]
-        first = self.costs.cpu_experts(host.layout.E, hidden.shape[0], self.before) if self.costs is not None else 0
+        first = 0 if self.costs is None else self.costs.cpu_experts(host.layout.E, hidden.shape[0], self.before,
+                                                                    self.before_split)
         cpu = _CpuShare(self.engines[layer], hidden, ids, weights, mask & (ids < first)) if first else None
         slot = self._stage(layer, first)
         self.current = layer
@@ -358,22 +373,27 @@ class PrefillStreamer:
         if cpu is not None:
             cpu.start()
             out = cpu.join(out)
-        self._done = (layer, _mark(self._stream()))
+        self._done = (layer, _mark(self._stream()), cpu is not None)
         return out
 
     def _stream(self):
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def _observe_before(self, layer: int) -> None:
-        """Average into `before` the device time from the previous layer's experts done to this layer's
-        start (its attention, router...), read from marks on the stream once they have passed (no wait)."""
+        """Average into before (before_split, after a layer with a CPU share) the device time from the
+        previous layer's experts done to this layer's start (its attention, router...), read from marks on
+        the stream once they have passed (no wait)."""
         at = self.order.index(layer)
         if at and self._done is not None and self._done[0] == self.order[at - 1]:
-            self._gaps.append((self._done[1], _mark(self._stream())))
+            self._gaps.append((self._done[1], _mark(self._stream()), self._done[2]))
         while self._gaps and (not isinstance(self._gaps[0][1], torch.cuda.Event) or self._gaps[0][1].query()):
-            done, start = self._gaps.pop(0)
+            done, start, split = self._gaps.pop(0)
             gap = (start - done) if isinstance(done, float) else done.elapsed_time(start) / 1e3
-            self.before += 0.3 * (gap - self.before)
+            if split:
+                self.before_split = gap if self.before_split is None else self.before_split + 0.3 * (
+                    gap - self.before_split)
+            else:
+                self.before += 0.3 * (gap - self.before)
 
     def _stage(self, layer: int, first: int = 0) -> int:
         """The slot that holds (or is being filled with) layer's packed bytes of experts first.. on; starts
