@@ -2,7 +2,8 @@
 traced twice in one process, once as the running decode makes them, once replayed standalone.
 
     python benchmarks/decode_cpu_trace.py --synthetic qwen3-30b-a3b --layers 4 --format int4 \
-        --gpu-memory-budget 16GiB [--device cuda|cpu] [--calls 24] [--threads N] [--gap-us 100] [--json F]
+        --gpu-memory-budget 16GiB [--device cuda|cpu] [--calls 24] [--threads N] [--gap-us 100]
+        [--torch-threads 0,1] [--json F]
 
 Builds a synthetic checkpoint in memory and loads it as benchmarks/e2e.py does (a cut model gets the GPU
 experts per layer of the full depth under the budget), decodes greedily with the default engine path
@@ -14,7 +15,9 @@ calls traced (moe_trace.h) and their inputs (x, ids, weights) captured:
   standalone the same engines' packed weights and the same pool (the handoff's thread count), called
              with the captured inputs, layer after layer, --gap-us of busy work between calls, as
              moe_trace.py's loop mode, traced.
-Per layer and overall it prints moe_trace.py's cells (see its docstring for the columns; here `untraced`
+With --torch-threads A,B the traced decode and its replay run once per value on the same engine (0: torch's
+threads as loaded, as e2e.py runs; torch's own CPU threads may spin beside the expert pool's). Per layer and
+overall (all layers' calls together) it prints moe_trace.py's cells (see its docstring for the columns; here `untraced`
 is the median wall of the same calls untraced, and a pipeline call's wall runs from the engine's
 call_ns to its end_ns, so py>eng and ret are 0), the distinct experts A, slots per token K, the slots
 of weight 0 (padding that repeats an expert) and rows per expert, bytes read and the floor.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -38,6 +40,7 @@ from hybridmoe.bench_anatomy import step_anatomy
 from hybridmoe.bench_suite import handoffs
 from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
 from hybridmoe.config import EngineConfig
+from hybridmoe.experts.cpu_experts import _native
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import SamplingParams
@@ -62,6 +65,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=8192 + 32,
                     help="KV cache length, which the placement under a budget counts (default: e2e.py's default)")
+    ap.add_argument("--torch-threads", type=lambda t: [int(v) for v in t.split(",")], default=[0],
+                    help="comma list: torch's CPU threads for each traced round on the same engine (0: as loaded, "
+                         "as e2e.py runs; default 0)")
     ap.add_argument("--gap-us", type=float, default=100.0, help="standalone: busy work between calls")
     ap.add_argument("--group-size", type=int, default=None, help="expert group size (default: the engine's)")
     ap.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
@@ -83,14 +89,19 @@ class Side:
             self.solo = CpuExperts.from_packed(cpu.packed_state(), threads=threads, isa=cpu.isa)
         else:
             self.solo = cpu
-            submit = cpu.submit
+        self.threads = self.solo.threads
 
-            def capture(x, ids, weights):  # the CPU device's pipeline call: record its inputs
+    def install(self) -> None:
+        """A fresh round; on the CPU device, the layer's submit records its inputs."""
+        self.captured, self.pipe_records = [], []
+        if self.handoff is None:
+            submit = CpuExperts.submit.__get__(self.cpu)
+
+            def capture(x, ids, weights):
                 self.captured.append((x.clone(), ids.clone(), weights.clone()))
                 return submit(x, ids, weights)
 
-            cpu.submit = capture
-        self.threads = self.solo.threads
+            self.cpu.submit = capture
 
     def arm(self) -> None:
         if self.handoff is not None:
@@ -112,7 +123,7 @@ class Side:
 
     def release(self) -> None:
         if self.handoff is None:
-            del self.cpu.submit
+            self.cpu.__dict__.pop("submit", None)
 
 
 def engines(model) -> list[Side]:
@@ -215,7 +226,6 @@ def main(argv=None) -> int:
         kwargs["gpu_experts_per_layer"], note = full_depth_gpu_experts(
             raw_full, {k: v for k, v in kwargs.items() if k != "cache_dir"})
         print(f"# {note}")
-    torch.set_num_threads(1)
     with synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) as synthetic:
         engine = LLMEngine(str(synthetic.out_dir), EngineConfig.from_kwargs(**kwargs))
         try:
@@ -233,15 +243,6 @@ def report(args, engine) -> int:
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, engine.vocab_size, (args.prompt_len,), generator=g).tolist()
     _measure(engine, [prompt], args.calls + 1)  # warm-up: captures every graph the traced decode replays
-    hs = handoffs(model)
-    for h in hs:
-        h.take_stats()
-    t0 = time.perf_counter()
-    traced_decode(engine, sides, prompt, args.calls)
-    decode_s = time.perf_counter() - t0
-    anatomy = step_anatomy([h.take_stats() for h in hs], decode_s / (args.calls + 1))
-    for s in sides:
-        s.release()
     path = (f"CUDA graphs {'on' if engine.runner.cuda_graph else 'off'}, handoff {sides[0].handoff.path}, "
             f"{threads} pool workers" if cuda else
             f"device {engine.resolved_config.device}: no CUDA graph, no handoff (CpuExperts submit/wait from "
@@ -249,8 +250,38 @@ def report(args, engine) -> int:
     gpu_experts = getattr(model.experts, "gpu_experts", lambda layer: [])
     print(f"# {args.synthetic}, {len(model.model.layers)} layers, {args.format}, {len(sides)} CPU layers ("
           f"GPU experts per layer: {'/'.join(str(len(gpu_experts(s.layer))) for s in sides)}); {path}; "
-          f"host read {bw:.1f} GB/s ({host_read_method()}, {threads} threads); {args.calls} traced decode steps in "
-          f"{decode_s * 1e3:.1f} ms; standalone: the captured calls layer after layer, {args.gap_us:g} us gaps")
+          f"host read {bw:.1f} GB/s ({host_read_method()}, {threads} threads); standalone: the captured calls "
+          f"layer after layer, {args.gap_us:g} us gaps", flush=True)
+    rounds = []
+    for torch_threads in args.torch_threads:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        rounds.append(trace_round(args, engine, sides, prompt, bw, torch_threads))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cuda": cuda, "threads": threads, "host_read_gbps": bw, "rounds": rounds},
+                      f, indent=1, default=str)
+    return 0
+
+
+def trace_round(args, engine, sides: list[Side], prompt: list[int], bw: float, torch_threads: int) -> dict:
+    """One traced decode and its standalone replay, printed; the cells for the JSON."""
+    hs = handoffs(engine.runner.model)
+    for h in hs:
+        h.take_stats()
+    for s in sides:
+        s.install()
+    t0 = time.perf_counter()
+    try:
+        traced_decode(engine, sides, prompt, args.calls)
+    finally:
+        for s in sides:
+            s.release()
+    decode_s = time.perf_counter() - t0
+    anatomy = step_anatomy([h.take_stats() for h in hs], decode_s / (args.calls + 1))
+    napping = [_native().flag_poller_napping()] if hs else []
+    print(f"\n## torch CPU threads {torch.get_num_threads()} ({'set' if torch_threads else 'as loaded'}): "
+          f"{args.calls} traced decode steps in {decode_s * 1e3:.1f} ms")
     if anatomy is not None:  # the poller's own books over the same steps (bench_anatomy.py)
         print(f"# handoff anatomy of the traced decode: {anatomy.layers_per_step:.0f} CPU layers/step, CPU "
               f"{anatomy.cpu_us:.1f} us/layer (first layer {anatomy.first_cpu_us:.1f}), gap "
@@ -260,27 +291,26 @@ def report(args, engine) -> int:
     untraced = {s.layer: [(p1 - p0) / 1e3 for p0, p1, _ in calls]
                 for s, calls in zip(sides, standalone(sides, args.gap_us * 1e-6, False).values())}
     solo = standalone(sides, args.gap_us * 1e-6, True)
-    rows, everything = [], {"pipeline": [], "standalone": []}
+    if napping:
+        napping.append(_native().flag_poller_napping())
+        print(f"# the handoff's flag poller napping: before the replay {napping[0]}, after it {napping[1]}")
+    layers, both = [], {"pipeline": ([], []), "standalone": ([], [])}  # side -> (calls, inputs) of all layers
     for s in sides:
         pipe = pipeline_calls(s)
         n = min(len(pipe), len(solo[s.layer]))
-        cells = {"pipeline": cell(s, pipe[:n], s.captured[:n], bw),
-                 "standalone": cell(s, solo[s.layer][:n], s.captured[:n], bw)}
-        walls = {"pipeline": cells["pipeline"]["wall"], "standalone": med(untraced[s.layer])}
-        print_pair(f"layer {s.layer}", cells, walls)
-        everything["pipeline"].append((s, pipe[:n]))
-        everything["standalone"].append((s, solo[s.layer][:n]))
-        rows.append({"layer": s.layer, **{k: {m: v for m, v in c.items()} for k, c in cells.items()}})
-    overall = {name: {"wall": statistics.median([(p1 - p0) / 1e3 for s, calls in parts for p0, p1, _ in calls])}
-               for name, parts in everything.items()}
-    print(f"{'all layers':<40} median wall pipeline {overall['pipeline']['wall']:.1f} us, standalone "
-          f"{overall['standalone']['wall']:.1f} us ({overall['pipeline']['wall'] / overall['standalone']['wall']:.2f}x)"
-          f"; standalone untraced {statistics.median([v for vs in untraced.values() for v in vs]):.1f} us", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "cuda": cuda, "threads": threads, "host_read_gbps": bw, "layers": rows,
-                       "overall": overall}, f, indent=1, default=str)
-    return 0
+        calls = {"pipeline": pipe[:n], "standalone": solo[s.layer][:n]}
+        cells = {name: cell(s, c, s.captured[:n], bw) for name, c in calls.items()}
+        print_pair(f"layer {s.layer}", cells, {"pipeline": cells["pipeline"]["wall"],
+                                               "standalone": med(untraced[s.layer])})
+        for name, c in calls.items():
+            both[name][0].extend(c)
+            both[name][1].extend(s.captured[:n])
+        layers.append({"layer": s.layer, **cells})
+    overall = {name: cell(sides[0], c, inputs, bw) for name, (c, inputs) in both.items()}  # layers alike
+    print_pair("all layers", overall, {"pipeline": overall["pipeline"]["wall"],
+                                       "standalone": med([v for vs in untraced.values() for v in vs])})
+    return {"torch_threads": torch.get_num_threads(), "anatomy": anatomy.to_json() if anatomy else None,
+            "layers": layers, "overall": overall}
 
 
 if __name__ == "__main__":

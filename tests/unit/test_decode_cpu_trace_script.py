@@ -18,7 +18,7 @@ def run(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--synthetic", "qwen3_moe:tiny", "--layers", "2", "--device", "cpu",
          "--format", "int4", "--group-size", "32", "--calls", str(CALLS), "--threads", "2", "--prompt-len", "8",
-         "--bandwidth-bytes", str(16 << 20), "--json", str(out)],
+         "--bandwidth-bytes", str(16 << 20), "--torch-threads", "0,1", "--json", str(out)],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads(out.read_text())
@@ -29,14 +29,19 @@ def test_the_output_says_the_cpu_device_has_no_graphs_nor_handoff_and_sets_both_
     assert "no CUDA graph, no handoff" in text
     for layer in (0, 1):
         assert f"layer {layer} pipeline" in text and f"layer {layer} standalone" in text
-    assert text.count("pipeline / standalone: wall") == 2 and "all layers" in text
+    assert text.count("pipeline / standalone: wall") == 2 * 3  # 2 layers and all layers, in each of 2 rounds
+    assert "## torch CPU threads 1 (set)" in text
 
 
 def test_every_traced_decode_call_is_replayed_with_its_own_routing(run):
     _, data = run
     assert not data["cuda"] and data["threads"] == 2
-    assert [row["layer"] for row in data["layers"]] == [0, 1]
-    for row in data["layers"]:
+    assert [r["torch_threads"] for r in data["rounds"]][1] == 1
+    rows = [row for r in data["rounds"] for row in r["layers"]]
+    assert [row["layer"] for row in rows] == [0, 1, 0, 1]
+    for r in data["rounds"]:
+        assert r["overall"]["pipeline"]["calls"] == r["overall"]["standalone"]["calls"] == 2 * CALLS
+    for row in rows:
         pipe, solo = row["pipeline"], row["standalone"]
         assert pipe["calls"] == solo["calls"] == CALLS
         # one token, top-2 of 4 experts, all on the CPU: 2 distinct experts, 1 row each, no padding
