@@ -16,11 +16,12 @@ calls traced (moe_trace.h) and their inputs (x, ids, weights) captured:
              with the captured inputs, layer after layer, --gap-us of busy work between calls, as
              moe_trace.py's loop mode, traced.
 With --torch-threads A,B the traced decode and its replay run once per value on the same engine (0: torch's
-threads as loaded, as e2e.py runs; torch's own CPU threads may spin beside the expert pool's). Per layer and
-overall (all layers' calls together) it prints moe_trace.py's cells (see its docstring for the columns; here `untraced`
-is the median wall of the same calls untraced, and a pipeline call's wall runs from the engine's
-call_ns to its end_ns, so py>eng and ret are 0), the distinct experts A, slots per token K, the slots
-of weight 0 (padding that repeats an expert) and rows per expert, bytes read and the floor.
+threads as loaded, as e2e.py runs; torch's own CPU threads may spin beside the expert pool's).
+Per layer and overall (all layers' calls together) it prints moe_trace.py's cells (see its docstring for
+the columns; here `untraced` is the median wall of the same calls untraced, and a pipeline call's wall
+runs from the engine's call_ns to its end_ns, so py>eng and ret are 0; on the CPU device the pipeline
+submits, so `hand` is the hand-off to the pool's driver thread), the distinct experts A, slots per token
+K, the slots of weight 0 (padding that repeats an expert) and rows per expert, bytes read and the floor.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def parse_args(argv=None):
 
 
 class Side:
-    """One CPU layer's engines: `pipe` traced as the decode runs it, `solo` (same packed weights and pool)
-    for the standalone replay; `captured` the (x, ids, weights) of each traced pipeline call."""
+    """One CPU layer: the engine the decode runs (on CUDA the handoff's, for its layer; else `cpu`), traced;
+    `solo` (same packed weights, same pool) for the standalone replay; `captured` the (x, ids, weights) of
+    each traced pipeline call, `pipe_records` their trace records."""
 
     def __init__(self, layer: int, cpu: CpuExperts, handoff):
         self.layer, self.cpu, self.handoff = layer, cpu, handoff
@@ -95,7 +97,7 @@ class Side:
         """A fresh round; on the CPU device, the layer's submit records its inputs."""
         self.captured, self.pipe_records = [], []
         if self.handoff is None:
-            submit = CpuExperts.submit.__get__(self.cpu)
+            submit = self.cpu.submit
 
             def capture(x, ids, weights):
                 self.captured.append((x.clone(), ids.clone(), weights.clone()))
