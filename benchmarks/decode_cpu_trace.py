@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from e2e import full_depth_gpu_experts
+from e2e import _fmt, full_depth_gpu_experts
 from moe_layer import busy_wait
 from moe_trace import call_breakdown, matrix_block_bytes, med, print_cell
 from hybridmoe import CpuExperts
@@ -267,10 +267,13 @@ def report(args, engine) -> int:
 
 
 def trace_round(args, engine, sides: list[Side], prompt: list[int], bw: float, torch_threads: int) -> dict:
-    """One traced decode and its standalone replay, printed; the cells for the JSON."""
+    """An untraced decode (its handoff anatomy only), the traced decode and its standalone replay, printed;
+    the cells for the JSON."""
     hs = handoffs(engine.runner.model)
     for h in hs:
         h.take_stats()
+    plain = _measure(engine, [prompt], args.calls + 1)
+    plain_anatomy = step_anatomy([h.take_stats() for h in hs], 1.0 / plain["decode_tok_s"])
     for s in sides:
         s.install()
     t0 = time.perf_counter()
@@ -283,12 +286,14 @@ def trace_round(args, engine, sides: list[Side], prompt: list[int], bw: float, t
     anatomy = step_anatomy([h.take_stats() for h in hs], decode_s / (args.calls + 1))
     napping = [_native().flag_poller_napping()] if hs else []
     print(f"\n## torch CPU threads {torch.get_num_threads()} ({'set' if torch_threads else 'as loaded'}): "
-          f"{args.calls} traced decode steps in {decode_s * 1e3:.1f} ms")
-    if anatomy is not None:  # the poller's own books over the same steps (bench_anatomy.py)
-        print(f"# handoff anatomy of the traced decode: {anatomy.layers_per_step:.0f} CPU layers/step, CPU "
-              f"{anatomy.cpu_us:.1f} us/layer (first layer {anatomy.first_cpu_us:.1f}), gap "
-              f"{anatomy.gap_us if anatomy.gap_us is None else round(anatomy.gap_us, 1)} us, go late "
-              f"{anatomy.late_us:.2f} us, step {anatomy.step_us:.0f} us (Python between steps included)")
+          f"untraced decode {plain['decode_tok_s']:.1f} tok/s; {args.calls} traced decode steps in "
+          f"{decode_s * 1e3:.1f} ms")
+    for name, a in (("untraced decode just before", plain_anatomy), ("traced decode", anatomy)):
+        if a is not None:  # the poller's own books over the steps (bench_anatomy.py)
+            print(f"# handoff anatomy, {name}: {a.layers_per_step:.0f} CPU layers/step, CPU {a.cpu_us:.1f} "
+                  f"us/layer (first layer {a.first_cpu_us:.1f}), gap {_fmt(a.gap_us)} us, go late "
+                  f"{a.late_us:.2f} us, step {a.step_us:.0f} us" + (" (tracing between steps included)"
+                                                                      if a is anatomy else ""))
     print(HEADER)
     untraced = {s.layer: [(p1 - p0) / 1e3 for p0, p1, _ in calls]
                 for s, calls in zip(sides, standalone(sides, args.gap_us * 1e-6, False).values())}
@@ -312,6 +317,8 @@ def trace_round(args, engine, sides: list[Side], prompt: list[int], bw: float, t
     print_pair("all layers", overall, {"pipeline": overall["pipeline"]["wall"],
                                        "standalone": med([v for vs in untraced.values() for v in vs])})
     return {"torch_threads": torch.get_num_threads(), "anatomy": anatomy.to_json() if anatomy else None,
+            "untraced_anatomy": plain_anatomy.to_json() if plain_anatomy else None,
+            "untraced_decode_tok_s": plain["decode_tok_s"],
             "layers": layers, "overall": overall}
 
 
