@@ -48,5 +48,7 @@ def test_every_traced_decode_call_is_replayed_with_its_own_routing(run):
         for side in (pipe, solo):
             assert (side["T"], side["K"], side["A"], side["zero_slots"]) == (1, 2, 2, 0)
             assert side["rows_per_expert"] == 1.0
+            assert len(side["gbps_by_worker"]) == len(side["slept_by_worker"]) == 2
+            assert side["gbps_by_worker"][0] > 0  # the calling thread always computes
             assert 0 < side["gemm"] <= side["wall"] and side["bytes"] > 0 and side["floor"] > 0
         assert pipe["bytes"] == solo["bytes"]  # the same calls read the same weights
