@@ -6,8 +6,8 @@
         --dtype bfloat16 --expert-format bf16 --gpu-experts-per-layer 1          # CPU smoke run
 
 One load per format (prefill_streaming "on"; --modes: "on" as loaded, where on a GPU the CPU engine
-keeps the share of each layer's experts the costs measured at load give it, "all" with every CPU
-expert streamed, "off" with the streamer detached; GPU experts per layer as the full-depth model gets
+keeps the share of each layer's experts the costs measured at load give it, "split" the same with a
+share tried from the start, "all" with every CPU expert streamed, "off" with the streamer detached; GPU experts per layer as the full-depth model gets
 under the budget, as benchmarks/e2e.py does), one prompt per length, warmed up once, then the
 fastest of --reps prefills (one request, max_tokens 1) is shown. Each part is timed where it runs,
 without adding a host sync: CUDA events on the compute stream for the decoder layer, its attention
@@ -257,11 +257,13 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
             prompt = torch.randint(0, llm.engine.vocab_size, (n,), generator=gen).tolist()
             for mode in args.modes.split(","):
                 probe.backend.stream_long_steps(probe.streamer if mode != "off" else None)
-                probe.streamer.costs = costs if mode == "on" else None
+                probe.streamer.costs = costs if mode in ("on", "split") else None
+                if mode == "split":  # a CPU share tried from the start, its cost then learnt as it runs
+                    probe.streamer.before_split = 0.0
                 wall, ms, copied = profile_once(llm, prompt, probe, args.reps, args.cold)
                 print("\n".join(table(f"{fmt or ec.expert_format}, {n} tokens, streaming {mode}", wall, ms,
                                       copied, layers, n, args.depth)), flush=True)
-                if mode == "on" and costs is not None:
+                if mode in ("on", "split") and costs is not None:
                     E = max(h.layout.E for h in probe.streamer.layers.values())
                     st = probe.streamer
                     split = "not seen" if st.before_split is None else f"{1e3 * st.before_split:.2f} ms"
@@ -285,9 +287,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-lens", default="512,2048", help="prompt lengths (default 512,2048)")
     parser.add_argument("--reps", type=int, default=2, help="timed prefills per case, the fastest shown (default 2)")
     parser.add_argument("--top-ops", type=int, default=12, help="torch.profiler rows per case (0: no profiler run)")
-    parser.add_argument("--modes", default="on,all,off",
-                        help="on: streaming as loaded (the CPU keeps its measured share of each layer's experts), "
-                             "all: every CPU expert streamed, off: no streaming (default on,all,off)")
+    parser.add_argument("--modes", default="on,split,all,off",
+                        help="on: streaming as loaded (the CPU keeps the share of each layer's experts its costs "
+                             "give it), split: the same, a share tried from the start (the split's own cost not "
+                             "assumed but learnt), all: every CPU expert streamed, off: no streaming "
+                             "(default on,split,all,off)")
     parser.add_argument("--cold", action="store_true",
                         help="empty the streamer's two slots before each prefill (every layer copied)")
     parser.add_argument("--seed", type=int, default=0)
