@@ -175,9 +175,9 @@ def device_step_seconds(streamer: PrefillStreamer, layer: int, tokens: int, top_
     marks.append(_mark(streamer.copy_stream))
     if streamer.copied[slot] is not None:
         torch.cuda.current_stream(dev).wait_event(streamer.copied[slot])
-    marks.append(_mark(None if dev.type != "cuda" else torch.cuda.current_stream(dev)))
+    marks.append(_mark(streamer._stream()))
     routed_experts(host.layout, streamer._slot_views(slot, host), x, ids, weights, mask, F.silu)
-    marks.append(_mark(None if dev.type != "cuda" else torch.cuda.current_stream(dev)))
+    marks.append(_mark(streamer._stream()))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         return marks[0].elapsed_time(marks[1]) / 1e3, marks[2].elapsed_time(marks[3]) / 1e3
@@ -377,6 +377,7 @@ class PrefillStreamer:
         return out
 
     def _stream(self):
+        """The compute stream on CUDA; None on the CPU device (for _mark: the host clock)."""
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def _observe_before(self, layer: int) -> None:
