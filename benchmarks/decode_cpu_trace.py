@@ -12,9 +12,9 @@ calls traced (moe_trace.h) and their inputs (x, ids, weights) captured:
   pipeline   on CUDA the handoff's own engine per layer (CudaHandoff.trace: the poller, pool worker 0,
              runs the layer; the inputs read back from the staging buffers after each step); on the
              CPU device (no graphs, no handoff) the layer's CpuExperts through submit/wait.
-  standalone the same engines' packed weights and the same pool (the handoff's thread count), called
-             with the captured inputs, layer after layer, --gap-us of busy work between calls, as
-             moe_trace.py's loop mode, traced.
+  standalone the same engines called from this thread with the captured inputs (on CUDA the handoff's
+             run_on_host on its staging rows: the same engine, pool and padding as the poller's),
+             layer after layer, --gap-us of busy work between calls, as moe_trace.py's loop mode, traced.
 With --torch-threads A,B the traced decode and its replay run once per value on the same engine (0: torch's
 threads as loaded, as e2e.py runs; torch's own CPU threads may spin beside the expert pool's).
 Per layer and overall (all layers' calls together) it prints moe_trace.py's cells (see its docstring for
@@ -80,20 +80,18 @@ def parse_args(argv=None):
 
 
 class Side:
-    """One CPU layer: the engine the decode runs (on CUDA the handoff's, for its layer; else `cpu`), traced;
-    `solo` (same packed weights, same pool) for the standalone replay; `captured` the (x, ids, weights) of
-    each traced pipeline call, `pipe_records` their trace records."""
+    """One CPU layer: the engine the decode runs (on CUDA the handoff's, for its layer; else `cpu`), traced
+    as the decode runs it and again in the standalone replay; `captured` the (x, ids, weights) of each
+    traced pipeline call, `pipe_records` their trace records."""
 
     def __init__(self, layer: int, cpu: CpuExperts, handoff):
         self.layer, self.cpu, self.handoff = layer, cpu, handoff
         self.captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.pipe_records: list[dict] = []
         if handoff is not None:
-            self.index, threads = handoff._index[layer], handoff.threads[layer]
-            self.solo = CpuExperts.from_packed(cpu.packed_state(), threads=threads, isa=cpu.isa)
+            self.index, self.threads = handoff._index[layer], handoff.threads[layer]
         else:
-            self.solo = cpu
-        self.threads = self.solo.threads
+            self.threads = cpu.threads
 
     def install(self) -> None:
         """A fresh round; on the CPU device, the layer's submit records its inputs."""
@@ -113,16 +111,34 @@ class Side:
         else:
             self.cpu.trace(1)
 
+    def take(self) -> list[dict]:
+        if self.handoff is None:
+            return self.cpu.take_trace()
+        return [{**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
+                 "slept": torch.from_numpy(rec["slept"]).bool()} for rec in self.handoff._native.take_trace(self.index)]
+
+    def replay(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[int, int]:
+        """One captured call again, on this thread: on CUDA through the handoff's own engine on its staging
+        rows (run_on_host, as the poller runs it: the fixed shapes' padding repeats a token's own expert,
+        which CpuExperts.forward refuses), else CpuExperts.forward. (start, end) in monotonic ns."""
+        if self.handoff is None:
+            py0 = time.monotonic_ns()
+            self.cpu.forward(x, ids, weights)
+            return py0, time.monotonic_ns()
+        s, T = self.handoff._staging[self.layer], x.shape[0]
+        s.x[:T].copy_(x)
+        s.ids[:T].copy_(ids)
+        s.weights[:T].copy_(weights)
+        py0 = time.monotonic_ns()
+        self.handoff.run_on_host([self.layer], T)
+        return py0, time.monotonic_ns()
+
     def collect(self) -> None:
         """After a step: its record, and on the handoff its inputs from the staging buffers."""
-        if self.handoff is None:
-            self.pipe_records += self.cpu.take_trace()
-            return
-        for rec in self.handoff._native.take_trace(self.index):
-            rec = {**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
-                   "slept": torch.from_numpy(rec["slept"]).bool()}
-            s, T, K = self.handoff._staging[self.layer], rec["T"], rec["K"]
-            self.captured.append((s.x[:T].clone(), s.ids[:T, :K].clone(), s.weights[:T, :K].clone()))
+        for rec in self.take():
+            if self.handoff is not None:  # every slot of the staged rows, padding included
+                s, T = self.handoff._staging[self.layer], rec["T"]
+                self.captured.append((s.x[:T].clone(), s.ids[:T].clone(), s.weights[:T].clone()))
             self.pipe_records.append(rec)
 
     def release(self) -> None:
@@ -170,19 +186,17 @@ def standalone(sides: list[Side], gap_s: float, traced: bool) -> dict[int, list[
             x, ids, w = s.captured[step]
             busy_wait(gap_s)
             if traced:
-                s.solo.trace(1)
-            py0 = time.monotonic_ns()
-            s.solo.forward(x, ids, w)
-            py1 = time.monotonic_ns()
-            rec = s.solo.take_trace()[0] if traced else None
+                s.arm()
+            py0, py1 = s.replay(x, ids, w)
+            rec = s.take()[0] if traced else None
             out[s.layer].append((py0, py1, rec))
     return {layer: calls[1:] for layer, calls in out.items()}  # the first: warm-up
 
 
 def cell(side: Side, calls: list[tuple], inputs: list[tuple], bw_gbps: float) -> dict:
     """moe_trace.py's cell over calls [(py0, py1, record)], with the routing's shape from inputs."""
-    per_expert = side.solo.packed_bytes / side.solo.num_experts
-    block_bytes = matrix_block_bytes(side.solo)
+    per_expert = side.cpu.packed_bytes / side.cpu.num_experts
+    block_bytes = matrix_block_bytes(side.cpu)
     stats = [call_breakdown(rec, py0, py1, side.threads, block_bytes, rec["A"] * per_expert)
              for py0, py1, rec in calls]
     s = {k: med([c[k] for c in stats]) for k in stats[0] if k != "late_by_worker"}
