@@ -47,7 +47,7 @@ N_ROUTINGS = 16
 
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
-DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, item_lookahead=True, tail_split=True, combine_in_run=True)
+DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, item_lookahead=False, tail_split=True, combine_in_run=True)
 
 
 def schedule_variants(args):
@@ -175,7 +175,7 @@ def main():
                     help="comma list: bytes of each item's weight streams prefetched as it starts; key suffix pfN")
     ap.add_argument("--tail-split", default="1",
                     help="comma list of 0/1: cut the last down items into 1-block items; key suffix tailN")
-    ap.add_argument("--lookahead", default="1",
+    ap.add_argument("--lookahead", default="0",
                     help="comma list of 0/1: prefetch the next item's heads during the current one; key suffix laN")
     ap.add_argument("--combine-in-run", default="1",
                     help="comma list of 0/1: few tokens sum the outputs inside the GEMM run; key suffix cirN")

@@ -291,7 +291,7 @@ class CpuExperts:
         per thread) into 1-block items (default on); combine_in_run: up to 16 tokens, sum the
         experts' outputs per block of columns inside the GEMM run (default on), else after it;
         item_lookahead: a worker claims its next item ahead and prefetches its heads while it runs
-        the current one (default on)."""
+        the current one (default off: its held gate/up items kept down items waiting)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("item_lookahead", item_lookahead)):
