@@ -5,17 +5,19 @@
     python benchmarks/prefill_profile.py --synthetic qwen3_moe:tiny --prompt-lens 16,32 --device cpu \\
         --dtype bfloat16 --expert-format bf16 --gpu-experts-per-layer 1          # CPU smoke run
 
-One load per format (prefill_streaming "on"; --modes: "on" as loaded, where on a GPU the CPU engine
-keeps the share of each layer's experts the costs measured at load give it, "split" the same with a
-share tried from the start, "all" with every CPU expert streamed, "off" with the streamer detached; GPU experts per layer as the full-depth model gets
-under the budget, as benchmarks/e2e.py does), one prompt per length, warmed up once, then the
-fastest of --reps prefills (one request, max_tokens 1) is shown. Each part is timed where it runs,
-without adding a host sync: CUDA events on the compute stream for the decoder layer, its attention
-and its MoE block (router, both expert shares, the join), the GPU-resident experts' share (in a
-streamed step the streamer runs it, inside "stream math") and the streamed share (its wait for the
-copy, then "stream math": grouping, dequantizing and the expert matmuls; the streamed share also
-joins the CPU's); CUDA events on the copy stream for each layer's copy (GB/s from its bytes; layer 0's is the one started by the previous
-prefill's last layer); the host clock from the CPU engine's submit to its wait's return ("CPU experts").
+One load per format (prefill_streaming "on"; --modes: "on", where on a GPU the CPU engine keeps the
+share of each layer's experts the costs measured at load give it, "split" the same with a share
+tried from the start, "all" with every CPU expert streamed (the engine's default), "off" with the
+streamer detached; GPU experts per layer as the full-depth model gets under the budget, as
+benchmarks/e2e.py does), one prompt per length, warmed up once, then the fastest of --reps prefills
+(one request, max_tokens 1) is shown. Each part is timed where it runs, without adding a host sync:
+CUDA events on the compute stream for the decoder layer, its attention and its MoE block (router,
+both expert shares, the join), the GPU-resident experts' share (in a streamed step the streamer
+runs it, inside "stream math") and the streamed share (its wait for the copy, then "stream math":
+grouping, dequantizing and the expert matmuls; the streamed share also joins the CPU's); CUDA
+events on the copy stream for each layer's copy (GB/s from its bytes; layer 0's is the one started
+by the previous prefill's last layer); the host clock from the CPU engine's submit to its wait's
+return ("CPU experts").
 "rest" is the layer minus attention and MoE block (norms, residuals); "non-layer" is the request's
 wall time minus its layers (embedding, lm_head, sampling, scheduling). On the CPU device every time
 is the host clock. Then one more prefill of each under torch.profiler prints its costliest ops.
@@ -243,7 +245,7 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
     if probe.streamer is None:
         raise HybridMoEError("no prefill streamer was attached (streaming needs the native engine and a GPU "
                              "split: --gpu-memory-budget or --gpu-experts-per-layer)")
-    costs = probe.streamer.costs
+    costs = probe.streamer.measured
     if costs is not None:
         E = max(h.layout.E for h in probe.streamer.layers.values())
         print(f"# measured at load, a layer: CPU {1e3 * costs.cpu_fixed:.2f} ms + {1e3 * costs.cpu_per_token:.4f} ms a "
@@ -288,10 +290,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=2, help="timed prefills per case, the fastest shown (default 2)")
     parser.add_argument("--top-ops", type=int, default=12, help="torch.profiler rows per case (0: no profiler run)")
     parser.add_argument("--modes", default="on,split,all,off",
-                        help="on: streaming as loaded (the CPU keeps the share of each layer's experts its costs "
-                             "give it), split: the same, a share tried from the start (the split's own cost not "
-                             "assumed but learnt), all: every CPU expert streamed, off: no streaming "
-                             "(default on,split,all,off)")
+                        help="on: the CPU keeps the share of each layer's experts the costs measured at load give "
+                             "it (the split's own cost assumed until seen), split: the same, a share tried from "
+                             "the start (its cost learnt), all: every CPU expert streamed (the default), off: no "
+                             "streaming (default on,split,all,off)")
     parser.add_argument("--cold", action="store_true",
                         help="empty the streamer's two slots before each prefill (every layer copied)")
     parser.add_argument("--seed", type=int, default=0)

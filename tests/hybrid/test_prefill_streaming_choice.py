@@ -141,9 +141,10 @@ def test_the_cpu_keeps_the_share_that_ends_with_the_device_and_streaming_starts_
     # past the copy either way: the CPU only shares the work, 1.6 (1 - f) = 8 f, 6.33 ms against 6.6
     assert costs.cpu_experts(96, 600, before=0.005, before_split=0.005) == 16
     assert costs.cpu_experts(96, 600, before=0.0) == 0  # a split's sync (SPLIT_SYNC_SECONDS) would cost more
-    assert costs.threshold() == 128  # 2 ms >= 4 / 2 from the first token, but the fit starts at 128
-    assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold() == 200
+    assert costs.threshold() == 134  # the CPU path, 1.2 x (2 ms + T x 10 us), reaches the 4 ms copy
+    assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold() == 334
     assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold(limit=150) == 151  # none up to 150
+    assert streamed_prefill.StepCosts(0.01, 1e-5, 0.004, 0.0, 0.0).threshold() == 128  # the fit starts at 128
 
 
 def test_measured_costs_fit_both_sides(step_times):
@@ -175,15 +176,16 @@ def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, 
                       prefill_streaming="off", max_num_batched_tokens=1024)
     backend = load_model(path, ec).experts
     auto_on = replace(ec, prefill_streaming="on", prefill_streaming_tokens=None)
-    step_times(cpu=(0.0, 1e-5), copy=0.004, gpu=(0.001, 0.0))  # streamed: 4 ms a layer, from 200 tokens
+    step_times(cpu=(0.0, 1e-5), copy=0.004, gpu=(0.001, 0.0))  # streamed: 4 ms a layer, from 334 tokens
     attached = streamed_prefill.attach(backend, auto_on)
-    assert attached.prefill_streaming == "on" and attached.prefill_streaming_tokens == 200
+    assert attached.prefill_streaming == "on" and attached.prefill_streaming_tokens == 334
     streamers = {backend._layers[layer].streamer for layer in backend.layers()}
     streamer = next(iter(streamers))
-    assert len(streamers) == 1 and streamer.min_tokens == 200 and streamer.costs.copy == 0.004
+    assert len(streamers) == 1 and streamer.min_tokens == 334 and streamer.measured.copy == 0.004
+    assert streamer.costs is None  # every expert streamed: no split unless asked for
     backend.stream_long_steps(None)
-    step_times(cpu=(0.0, 1e-5), copy=0.1, gpu=(0.001, 0.0))  # 100 ms a layer: 5000 tokens > 1024
+    step_times(cpu=(0.0, 1e-5), copy=0.1, gpu=(0.001, 0.0))  # 100 ms a layer: 8334 tokens > 1024
     assert streamed_prefill.attach(backend, auto_on).prefill_streaming == "off"
     assert all(backend._layers[layer].streamer is None for layer in backend.layers())
     asked = streamed_prefill.attach(backend, replace(auto_on, prefill_streaming_tokens=64))
-    assert asked.prefill_streaming_tokens == 64 and backend._layers[0].streamer.costs is None  # the CPU: no split
+    assert asked.prefill_streaming_tokens == 64 and backend._layers[0].streamer.measured is None  # the CPU device

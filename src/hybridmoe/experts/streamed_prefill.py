@@ -22,12 +22,13 @@ share's grouped Triton kernels (gpu_experts_triton.py), sorted by expert once a 
 and nothing per expert on the host. On the CPU device the same code runs with plain copies and the
 torch references, which is how CI checks it.
 
-The split with the CPU: on a GPU, attach() measures the layer's costs at load (measured_costs: the
-CPU engine, the copy, the device's work, each fitted as a + b x tokens). A step then leaves the
-first experts of each layer to its CPU engine, which runs them beside the device's share, and only
-the others' bytes are copied; StepCosts.cpu_experts picks how many, the ones that make the layer's
-period shortest, given the device time ahead of a layer's experts (attention, router) that the
-streamer learns as it runs. The same costs give the token count from which "auto" streams.
+On a GPU, attach() measures the layer's costs at load (measured_costs: the CPU engine, the copy, the
+device's work, each fitted as a + b x tokens), which give the token count from which "auto" streams.
+A split with the CPU can be asked for (PrefillStreamer's costs): a step then leaves the first experts
+of each layer to its CPU engine, which runs them beside the device's share, and only the others'
+bytes are copied; StepCosts.cpu_experts picks how many, given the device time ahead of a layer's
+experts (attention, router) that the streamer learns as it runs. It is off by default: in the final
+device round it lost to streaming every expert in every case measured.
 
 T tokens, K experts per token, R = routed (token, slot) pairs, E experts, H hidden, I intermediate.
 """
@@ -105,9 +106,11 @@ def reserved_bytes(engine_config, E: int, H: int, I: int, top_k: int) -> int:
 
 def attach(backend, engine_config):
     """Give a HybridExperts backend a PrefillStreamer when engine_config (resolved) says "on" and its CPU
-    engines are native; on CUDA with the layer's costs measured here (measured_costs), which set how
-    many experts the CPU keeps in each streamed step. Returns engine_config as attached: with
-    prefill_streaming_tokens from those costs when it was left None (StepCosts.threshold), or
+    engines are native; on CUDA with the layer's costs measured here (measured_costs, kept as
+    streamer.measured). Every CPU expert of a streamed step is streamed: the split with the CPU
+    (PrefillStreamer's costs) lost to it in every case of the final device round (int4 512 tokens:
+    14.5 ms a layer against 4.9), so it is not turned on here. Returns engine_config as attached:
+    with prefill_streaming_tokens from those costs when it was left None (StepCosts.threshold), or
     prefill_streaming "off" when they find the CPU faster on every step up to max_num_batched_tokens
     (or no streamer can run)."""
     if engine_config.prefill_streaming != "on" or not hasattr(backend, "stream_long_steps"):
@@ -120,9 +123,9 @@ def attach(backend, engine_config):
     streamer = PrefillStreamer(engines, backend.device, tokens or 1)
     if streamer.device.type == "cuda" or tokens is None:
         fp = backend.plan.footprint
-        streamer.costs, why = measured_costs(streamer, fp.top_k, fp.num_experts)
+        streamer.measured, why = measured_costs(streamer, fp.top_k, fp.num_experts)
     if tokens is None:
-        tokens = streamer.costs.threshold()
+        tokens = streamer.measured.threshold()
         if tokens > engine_config.max_num_batched_tokens:
             log.info("prefill streaming off: %s", why)
             streamer.close()
@@ -199,6 +202,11 @@ def _mark(stream):
     return event
 
 
+CPU_PATH_OVER_ENGINE = 1.2
+"""A layer's experts on the CPU path (slots padded per token, the copies, the join) over the CPU engine's
+time fitted at load: final device round, 512 tokens, 1.15 for int4 (17.8 ms vs 15.5) and 1.24 for
+bf16 (21.5 vs 17.3)."""
+
 SPLIT_SYNC_SECONDS = 3e-3
 """What a CPU share adds ahead of a layer's experts until the streamer has seen it: the host waits for
 the share each layer, so the next layer's launches (~100 at 512 tokens) are no longer queued ahead of
@@ -253,10 +261,10 @@ class StepCosts:
 
     def threshold(self, limit: int = 1 << 16) -> int:
         """Fewest tokens (from the shortest step timed: shorter ones read only their routed experts'
-        weights, which the fit does not describe) for which a streamed step, the CPU keeping its share,
-        takes at most two thirds of the CPU's time alone: cpu x stream / (cpu + stream) <= 2/3 cpu, i.e.
-        cpu(T) >= stream(T) / 2; limit + 1 if none up to limit does."""
-        return next((t for t in range(TIMED_TOKENS[0], limit + 1) if self.cpu(t) >= self.stream(t) / 2), limit + 1)
+        weights, which the fit does not describe) for which a layer streamed whole takes no longer than
+        the CPU path, CPU_PATH_OVER_ENGINE x cpu(T) >= stream(T); limit + 1 if none up to limit does."""
+        return next((t for t in range(TIMED_TOKENS[0], limit + 1)
+                     if CPU_PATH_OVER_ENGINE * self.cpu(t) >= self.stream(t)), limit + 1)
 
 
 def measured_costs(streamer: PrefillStreamer, top_k: int, num_experts: int) -> tuple[StepCosts, str]:
@@ -306,13 +314,15 @@ class PrefillStreamer:
     """Runs the CPU share of long steps on `device` from packed experts streamed there, layer by layer.
 
     engines: MoE layer -> its CPU engine (CpuExperts: anything with packed_state()). min_tokens:
-    steps of at least this many tokens take this path (takes()). costs: with them, each step leaves
-    the first StepCosts.cpu_experts of a layer's experts to its CPU engine, which runs them while the
-    device copies and runs the rest; None (or the attribute set to None): every one is streamed.
+    steps of at least this many tokens take this path (takes()). costs: with them (asked for: attach
+    leaves them None), each step leaves the first StepCosts.cpu_experts of a layer's experts to its
+    CPU engine, which runs them while the device copies and runs the rest; None: every one is streamed.
+    measured: the costs attach measured at load (for the threshold and reports), or None.
     """
 
     def __init__(self, engines: dict, device: str | torch.device, min_tokens: int, costs: StepCosts | None = None):
         self.device, self.min_tokens, self.costs = torch.device(device), int(min_tokens), costs
+        self.measured: StepCosts | None = None
         self.engines = dict(engines)
         self.layers = {layer: _HostLayer(engine) for layer, engine in sorted(engines.items())}
         self.order = sorted(self.layers)

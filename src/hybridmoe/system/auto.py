@@ -9,9 +9,9 @@
 - prefill_streaming "auto": on when a layer streamed (its packed experts over PCIe at the bandwidth
   measured once per process, overlapped with the device's work on the previous layer) beats the CPU
   (CPU_EXPERT_FLOPS_PER_CORE, an estimate) on a max_num_batched_tokens step, and the device buffers
-  fit the budget; then the loader times the CPU engine itself (streamed_prefill.measured_costs),
-  which sets how many experts the CPU keeps in a streamed step and, unless prefill_streaming_tokens
-  is given, from how many tokens steps stream (or that none do, if the CPU wins every step).
+  fit the budget; then the loader times the CPU engine and the streamed layer itself
+  (streamed_prefill.measured_costs), which set, unless prefill_streaming_tokens is given, from how
+  many tokens steps stream (or that none do, if the CPU wins every step).
 """
 
 from __future__ import annotations
