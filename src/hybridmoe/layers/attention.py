@@ -150,9 +150,10 @@ def _sdpa_causal(q, k, v, scale):
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+    # [1, heads, rows, D]: the fused kernels take only 4-d inputs (3-d ones fell back to the math path)
+    o = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
                                        attn_mask=causal_lower_right(q.shape[0], k.shape[0]), scale=scale)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def _attend_decode(q, cache, idx, scale, sliding_window):
