@@ -26,8 +26,8 @@ the flag's way back, when the wake word is written), how late the poller saw the
 format "all on" (graphs, GPU experts; deferred experts as given, else 0) and the first format, on the same
 model, also with (ROWS, comma-separated, default all): graph: no CUDA graph (the same engine, graphs off);
 prewake: the same engine with the CPU pool woken by the stream after every layer's wait; zero-copy: the
-same engine with the handoff's rows and output through copies instead of the device's mapping of the
-pinned buffers (zero-copy is the default where triton is); trim: the same engine with one token's padding
+same engine with the handoff's rows and output through the device's mapping of the pinned buffers
+instead of copies; trim: the same engine with one token's padding
 slots (weight 0) left out of its CPU work; these with graphs captured again, on the stream_mem_ops handoff
 only, and followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all on" has 0, else 0); gpu-experts: no GPU
 experts (--gpu-experts-per-layer 0). Deferral is not in "all on" by default
@@ -68,10 +68,10 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 1 measured slower than 0 (see above)."""
 ABLATION_ROWS = ("graph", "prewake", "zero-copy", "trim", "deferral", "gpu-experts")
-HANDOFF_ROWS = {"prewake": ("prewake", {"prewake_layers": True}), "zero-copy": ("zero-copy off", {"zero_copy": False}),
+HANDOFF_ROWS = {"prewake": ("prewake", {"prewake_layers": True}), "zero-copy": ("zero-copy", {"zero_copy": True}),
                 "trim": ("trim padding", {"trim_padding": True})}
 """Ablation rows measured on the "all on" engine: label suffix and the CudaHandoff options changed
-(bench_suite.HANDOFF_OPTIONS; zero-copy is on by default where triton is). After them, "all on" again
+(bench_suite.HANDOFF_OPTIONS). After them, "all on" again
 with its own options, which shows how much the same engine drifts between its first and last rows."""
 
 SUITES = {

@@ -5,8 +5,8 @@ topk_weights [T, K] to pinned staging buffers (D2H), runs a toy CPU step (a smal
 layer), copies its output back (H2D) and adds it on the GPU. Variants, all in this process:
 
   gpu_only         the copies and the add, no CPU step (CUDA graph): the floor
-  memops           CudaHandoff(path="stream_mem_ops", zero_copy off: the rows and the output through
-                   copies, like gpu_only's).enqueue: go word written by the stream,
+  memops           CudaHandoff(path="stream_mem_ops").enqueue (the rows and the output through copies,
+                   like gpu_only's): go word written by the stream,
                    our polling thread runs the layer, the stream waits for the done word (graph)
   memops_split     the same with enqueue_submit + enqueue_wait (graph)
   memops_zero_copy memops with zero-copy staging: one kernel writes the rows through the device's
@@ -181,9 +181,6 @@ def main():
                                                path="stream_mem_ops"), None
         except Exception as e:  # reported in the table, the other variants still run
             memops, memops_error = None, f"{type(e).__name__}: {e}"
-        for h in (handoff, memops):
-            if h is not None:
-                h.zero_copy = False  # the copies gpu_only times (memops_zero_copy turns it on)
         info.update(cudart=handoff.runtime, isa=experts.isa, memops_path=memops.path if memops else memops_error)
         print(f"{info['gpu']}, torch {info['torch']}, cudart {info['cudart']}, {info['cpus']} CPUs, "
               f"isa {info['isa']}; {L} layers, H={H}, toy CPU step E={E} I={I} K={K} on {n} threads "

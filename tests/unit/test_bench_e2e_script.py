@@ -83,7 +83,7 @@ def test_ablation_variants_come_after_every_format():
     runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
     assert [(r.label, r.eager_label, r.handoff_variants, r.every_length) for r in runs] == [
         ("int4 all on", "int4 no CUDA graph", (("int4 prewake", {"prewake_layers": True}),
-                                               ("int4 zero-copy off", {"zero_copy": False}),
+                                               ("int4 zero-copy", {"zero_copy": True}),
                                                ("int4 trim padding", {"trim_padding": True}),
                                                ("int4 all on, again", {})), True),
         ("bf16 all on", None, (), True), ("int4 deferral 1", None, (), False), ("int4 no GPU experts", None, (), False)]

@@ -23,10 +23,10 @@ csrc/cuda_host_bindings.cpp and csrc/runtime/cuda_host.cpp):
   host_function   the CPU work as native host functions (cudaLaunchHostFunc): submit and wait
                   run by CUDA's callback thread in stream order.
 
-How the rows and the output cross (`zero_copy`, on where triton is): one kernel writes hidden, ids
-and weights straight into the pinned buffers through the device's mapping of them, and the output is
-handed back as the mapping of its buffer (the next kernel reads it over PCIe); off, three D2H copies
-and one H2D copy, each a copy-engine operation of a few µs.
+How the rows and the output cross: three D2H copies and one H2D copy, each a copy-engine operation
+of a few µs; or (`zero_copy`, off by default) one kernel writes hidden, ids and weights straight into
+the pinned buffers through the device's mapping of them, and the output is handed back as the mapping
+of its buffer (the next kernel reads it over PCIe).
 
 "auto" takes stream_mem_ops when a probe at construction shows the device waits on host
 memory and replays a captured graph of such operations, else host_function; a log line says
@@ -95,14 +95,6 @@ def handoff_threads(threads: int, cpus: int) -> int:
     for a time slice and the whole layer waits (measured on the GPU host, 16 CPUs, toy layer:
     the CPU step 50.7 µs per layer with 16 workers, 31.0 µs with 15)."""
     return max(1, min(threads, cpus - 1))
-
-
-def zero_copy_available() -> bool:
-    """Whether CudaHandoff.zero_copy can be on (its staging kernel is Triton's); the default then.
-    Measured on the GPU host (H200, Qwen3-30B-A3B int4, 16 layers, round r1): 6.82 vs 7.09 ms per
-    token, the gap between layers 220 vs 232 µs; benchmarks/handoff.py, 48 toy layers, T=1: 41.1 vs
-    58.3 µs per layer (the copies alone: 16.9)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def load_cuda_runtime() -> str:
@@ -194,12 +186,6 @@ class CudaHandoff:
                 self.threads[layer], ex.isa, st["numa_nodes"], st["buffers"], s.x, s.ids, s.weights, s.out)
             self._staging[layer] = s
         self.path = self._choose_path(path)
-        if zero_copy_available():
-            try:
-                self.zero_copy = True
-            except (RuntimeError, ValueError, TypeError) as e:
-                log.warning("CUDA handoff: rows and output through copies (the staging buffers cannot be "
-                            "mapped for the device: %s)", e)
 
     def _choose_path(self, path: str) -> str:
         """Start the stream-memory-op mode if asked for (or "auto" and the probe passes)."""
@@ -225,13 +211,21 @@ class CudaHandoff:
         """Stage the rows with one kernel that writes the pinned buffers through the device's mapping of
         them, and hand the output back as that mapping (enqueue_wait/enqueue without `out`: a tensor
         over the staging buffer, valid until the layer is enqueued again), instead of four copies.
-        On by default where triton is (zero_copy_available). Set before the work is enqueued (or a
-        graph captured)."""
+        Needs triton. Set before the work is enqueued (or a graph captured).
+
+        Off by default. On the GPU host (H200) it saves the copies' time in the gap between layers
+        every time (benchmarks/handoff.py, 48 toy layers, T=1: 41.1 vs 58.3 and 44.5 vs 59.0 µs per
+        layer; e2e Qwen3-30B-A3B int4, the gap between layers 220 vs 232 µs at 16 layers, 55 vs 70 at
+        4 and 12), but whole decode steps were faster with it in round r1 (6.82 vs 7.09 ms, 16 layers)
+        and slower in the final round (1.74 and 1.50 vs 1.44 ms at 4 layers, 4.47 and 4.85 vs 3.73 at
+        12): the CPU work per layer, which varied by 20% between identical rows, decided it."""
         return self._zero_copy
 
     @zero_copy.setter
     def zero_copy(self, on: bool) -> None:
         if on:
+            if importlib.util.find_spec("triton") is None:
+                raise HybridMoEError("zero_copy needs triton (its staging kernel), which is not installed")
             for s in self._staging.values():
                 if s.mapped is None:
                     s.map(self.device)
