@@ -274,11 +274,12 @@ def anatomy_table(results) -> list[str]:
         a = r.anatomy
         if a is None:
             continue
-        per_layers = a.step_us - a.rest_us
+        per_layers = None if a.rest_us is None else a.step_us - a.rest_us
         rows.append([r.label, str(r.model_layers), str(a.steps), _fmt(a.layers_per_step), _fmt(a.cpu_us),
                      _fmt(1e6 * r.floor.per_moe_layer_seconds()), _fmt(a.first_cpu_us), _fmt(a.gap_us), _fmt(a.back_us), _fmt(a.late_us, ".2f"),
-                     _fmt(a.first_late_us, ".2f"), _fmt(a.handoff_us), _fmt(per_layers / 1e3, ".3f"),
-                     _fmt(a.rest_us / 1e3, ".3f"), _fmt(a.step_us / 1e3, ".3f")])
+                     _fmt(a.first_late_us, ".2f"), _fmt(a.handoff_us),
+                     _fmt(None if per_layers is None else per_layers / 1e3, ".3f"),
+                     _fmt(None if a.rest_us is None else a.rest_us / 1e3, ".3f"), _fmt(a.step_us / 1e3, ".3f")])
     return _table(head, rows) if rows else []
 
 
@@ -502,7 +503,7 @@ def progress_line(r, start: float) -> str:
     a = r.anatomy
     if a is not None:
         line += (f"\n    anatomy: {a.layers_per_step:.0f} MoE layers x (CPU {a.cpu_us:.0f} us + gap {_fmt(a.gap_us, '.0f')}"
-                 f" us) + rest {a.rest_us:.0f} us = {a.step_us:.0f} us/token")
+                 f" us) + rest {_fmt(a.rest_us, '.0f')} us = {a.step_us:.0f} us/token")
     return line
 
 

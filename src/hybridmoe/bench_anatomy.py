@@ -41,14 +41,19 @@ class StepAnatomy:
     first_late_us: float
     step_us: float
     """The measured decode step (wall clock, per token)."""
+    handoffs: int = 1
+    """Handoffs that served the steps (2 with deferred experts: their CPU work falls inside the other's gaps)."""
 
     @property
     def gaps_per_step_us(self) -> float:
         return (self.layers_per_step - 1) * (self.gap_us or 0.0)
 
     @property
-    def rest_us(self) -> float:
-        """The step's time outside its layers' CPU work and the gaps between them."""
+    def rest_us(self) -> float | None:
+        """The step's time outside its layers' CPU work and the gaps between them; None with several
+        handoffs (one's CPU work runs inside the other's gaps: the parts overlap)."""
+        if self.handoffs > 1:
+            return None
         return self.step_us - self.layers_per_step * self.cpu_us - self.gaps_per_step_us
 
     @property
@@ -76,4 +81,4 @@ def step_anatomy(stats: list[dict | None], step_s: float) -> StepAnatomy | None:
         gap_us=total["between_us"] / total["gaps"] if total["gaps"] else None,
         back_us=total["back_us"] / total["woken_gaps"] if total["woken_gaps"] else None,
         late_us=total["late_us"] / n, first_late_us=total["first_late_us"] / total["steps"],
-        step_us=step_s * 1e6)
+        step_us=step_s * 1e6, handoffs=sum(1 for s in stats if s["layers"]))

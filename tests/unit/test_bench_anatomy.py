@@ -34,3 +34,4 @@ def test_a_second_handoff_adds_its_layers_to_the_same_steps():
     deferred = stats(layers=10, cpu_us=10 * 50, first_cpu_us=10 * 50, gaps=0, between_us=0)
     a = step_anatomy([stats(), deferred], step_s=2e-3)
     assert a.steps == 10 and a.layers_per_step == 5
+    assert a.rest_us is None  # the deferred layers' CPU work runs inside the other handoff's gaps
