@@ -30,7 +30,13 @@ M=/dev/shm/device_check_q3_2
 $PY -m hybridmoe.cli make-model --arch qwen3_moe --preset qwen3-30b-a3b --layers 2 --out $M --quiet --force >/dev/null 2>&1
 run streamed_prefill 40 $PY benchmarks/streamed_prefill.py --shape qwen3-30b-a3b --format int4 --layers 3 --tokens 2048 --reps 2 --model $M --prompt-len 2048
 rm -rf $M
-run e2e_qwen3 150 $PY benchmarks/e2e.py --device cuda --gpu-memory-budget 16GiB --synthetic qwen3-30b-a3b --layers 4 \
-    --formats int4,bf16 --ablation --prompt-lens 512,2048,8192 --gen-len 32 --json "$OUT/e2e_qwen3.json"
+run decode_gpu_ops 60 $PY benchmarks/decode_gpu_ops.py --synthetic qwen3-30b-a3b --layers 2 --format int4 \
+    --gpu-experts-per-layer 26 --batch 1 --reps 200
+run prefill_profile 110 $PY benchmarks/prefill_profile.py --synthetic qwen3-30b-a3b --layers 4 --formats int4 \
+    --prompt-lens 512,2048 --device cuda --gpu-memory-budget 16GiB --reps 2
+run load_rss 150 $PY benchmarks/load_rss.py --experts 256 --formats bf16,int4 --dir /dev/shm
+run e2e_qwen3 240 $PY benchmarks/e2e.py --device cuda --gpu-memory-budget 16GiB --synthetic qwen3-30b-a3b --layers 4,12 \
+    --formats int4,bf16 --ablation graph,deferral,gpu-experts,trim --prompt-lens 512,2048,8192 --gen-len 64 \
+    --json "$OUT/e2e_qwen3.json"
 run e2e_dsv3 120 $PY benchmarks/e2e.py --device cuda --gpu-memory-budget 16GiB --synthetic deepseek-v3 --layers 2 \
     --formats bf16 --prompt-lens 512,2048 --gen-len 16 --json "$OUT/e2e_dsv3.json"
