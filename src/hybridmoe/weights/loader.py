@@ -138,16 +138,15 @@ class _NativeLayers(ExpertBackend):
 
     def __init__(self, cpu_experts_cls, **options):
         self._cls, self._options = cpu_experts_cls, options
-        self._make = _NativeLayer(cpu_experts_cls, **options)
         self._layers: dict[int, object] = {}
         self._out: dict[int, tuple[torch.device, torch.dtype]] = {}
 
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
-        self._layers[layer] = self._make(gate_proj, up_proj, down_proj)
+        self._layers[layer] = self._cls(gate_proj, up_proj, down_proj, **self._options)
 
     def set_layer_experts(self, layer, experts, num_experts: int):
         """The layer packed from (gate, up, down) of one expert at a time (CpuExperts.from_experts)."""
-        self._layers[layer] = self._make.from_experts(experts, num_experts)
+        self._layers[layer] = self._cls.from_experts(experts, num_experts, **self._options)
 
     def int4_codes_group(self) -> int | None:
         """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
