@@ -2,7 +2,7 @@
 
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
-        [--tail-split 0,1] [--combine-in-run 0,1] [--lookahead 0,1]
+        [--tail-split 0,1] [--combine-in-run 0,1]
         [--variants 'new=;old=item_prefetch:0,tail_split:0,combine_in_run:0']
         [--json out.json]
 
@@ -47,7 +47,7 @@ N_ROUTINGS = 16
 
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
-DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, item_lookahead=False, tail_split=True, combine_in_run=True)
+DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True)
 
 
 def schedule_variants(args):
@@ -60,10 +60,9 @@ def schedule_variants(args):
             out.append((f" {name}" if name else "", {k: bool(v) if isinstance(DEFAULT_SCHEDULE[k], bool) else v
                                                      for k, v in kw.items()}))
         return out
-    lists = {"item_blocks": args.item_blocks, "item_prefetch": args.item_prefetch, "item_lookahead": args.lookahead,
-             "tail_split": args.tail_split, "combine_in_run": args.combine_in_run}
-    short = {"item_blocks": "ib", "item_prefetch": "pf", "item_lookahead": "la", "tail_split": "tail",
-             "combine_in_run": "cir"}
+    lists = {"item_blocks": args.item_blocks, "item_prefetch": args.item_prefetch, "tail_split": args.tail_split,
+             "combine_in_run": args.combine_in_run}
+    short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir"}
     values = {k: [int(v) for v in s.split(",")] for k, s in lists.items()}
     out = []
     for combo in itertools.product(*values.values()):
@@ -175,8 +174,6 @@ def main():
                     help="comma list: bytes of each item's weight streams prefetched as it starts; key suffix pfN")
     ap.add_argument("--tail-split", default="1",
                     help="comma list of 0/1: cut the last down items into 1-block items; key suffix tailN")
-    ap.add_argument("--lookahead", default="0",
-                    help="comma list of 0/1: prefetch the next item's heads during the current one; key suffix laN")
     ap.add_argument("--combine-in-run", default="1",
                     help="comma list of 0/1: few tokens sum the outputs inside the GEMM run; key suffix cirN")
     ap.add_argument("--variants", default=None,

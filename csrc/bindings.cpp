@@ -315,9 +315,6 @@ NB_MODULE(_native, m) {
       .def_prop_rw("combine_in_run", [](const Engine& e) { return e.layer().combine_in_run(); },
                    [](Engine& e, bool on) { e.layer().set_combine_in_run(on); },
                    "Whether calls of few tokens sum the experts' outputs inside the GEMM run.")
-      .def_prop_rw("item_lookahead", [](const Engine& e) { return e.layer().item_lookahead(); },
-                   [](Engine& e, bool on) { e.layer().set_item_lookahead(on); },
-                   "Whether a worker prefetches its next GEMM item's heads while it runs the current one.")
       .def("take_trace", &Engine::take_trace, "The records of the traced calls since the last take (moe_trace.h).")
       .def("run", &Engine::run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
            "submit + wait on the calling thread (GIL released), without the driver thread.")

@@ -541,12 +541,6 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     if (v.scale) prefetch_l2(v.scale + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
     if (v.zero) prefetch_l2(v.zero + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
   };
-  // With the lookahead, a worker prefetches its next item's heads while it runs the current one.
-  const std::function<void(int, int)> ahead = [&](int i, int) {
-    const Item& it = gemm_items[i];
-    prefetch_heads(it.down ? down : gate, it);
-    if (!it.down) prefetch_heads(up, it);
-  };
   pool_->run(offsets, [&](int i, int worker) {
     const Item it = gemm_items[i];
     const int64_t t0 = titems ? trace_now_ns() : 0;
@@ -600,7 +594,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
         for (int t = 0; t < T; ++t) combine(t, gb * kBlockRows, std::min(H, (gb + 1) * kBlockRows));
     }
     if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
-  }, head && item_lookahead_ ? &ahead : nullptr);
+  });
   if (tr) {
     tr->gemm_end_ns = trace_now_ns();
     pool_->set_join_log(nullptr, nullptr);

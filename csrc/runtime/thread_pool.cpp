@@ -162,21 +162,9 @@ void ThreadPool::work(int worker) {
   const int home = group_of_[worker];
   for (int k = 0; k < groups_; ++k) {
     Counter& c = counters_[(home + k) % groups_];
-    if (!ahead_) {
-      for (int i = c.next.fetch_add(1, std::memory_order_relaxed); i < c.end;
-           i = c.next.fetch_add(1, std::memory_order_relaxed))
-        (*fn_)(i, worker);
-      continue;
-    }
-    // One item claimed ahead, within this counter (items of one counter come in the order the
-    // caller listed them, so a worker never holds a later-listed item unstarted while it runs an
-    // earlier one that waits on others).
-    for (int i = c.next.fetch_add(1, std::memory_order_relaxed); i < c.end;) {
-      const int next = c.next.fetch_add(1, std::memory_order_relaxed);
-      if (next < c.end) (*ahead_)(next, worker);
+    for (int i = c.next.fetch_add(1, std::memory_order_relaxed); i < c.end;
+         i = c.next.fetch_add(1, std::memory_order_relaxed))
       (*fn_)(i, worker);
-      i = next;
-    }
   }
 }
 
@@ -215,8 +203,7 @@ void ThreadPool::worker_main(int worker) {
   }
 }
 
-void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn,
-                     const std::function<void(int, int)>* ahead) {
+void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn) {
   const int total = offsets.back() - offsets.front();
   if (total <= 0) return;
   for (int g = 0; g < groups_; ++g) {
@@ -226,7 +213,6 @@ void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(i
     counters_[g].end = own ? offsets[gi + 1] : 0;
   }
   fn_ = &fn;
-  ahead_ = ahead;
   if (int64_t* log = join_ns_.load(std::memory_order_relaxed)) log[0] = now_ns();
   if (workers_.empty() || total == 1) {
     work(0);

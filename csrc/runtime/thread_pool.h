@@ -41,11 +41,7 @@ class ThreadPool {
   int driver_cpu() const { return driver_cpu_; }
 
   // Calls fn(item, worker) for every item; group g prefers items [offsets[g], offsets[g+1]).
-  // With `ahead`, a worker claims its next item before it runs the current one and calls
-  // ahead(next, worker) first (e.g. to prefetch next's data while the current one runs); a
-  // worker runs its items in the order it claimed them.
-  void run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn,
-           const std::function<void(int, int)>* ahead = nullptr);
+  void run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn);
   // Same with every item in group 0's range (any worker may take them).
   void run(int items, const std::function<void(int, int)>& fn);
   // Wakes sleeping workers so that they spin (a run() is coming): their wake-up latency then
@@ -81,7 +77,6 @@ class ThreadPool {
   std::thread driver_;
   std::unique_ptr<Counter[]> counters_;
   const std::function<void(int, int)>* fn_ = nullptr;
-  const std::function<void(int, int)>* ahead_ = nullptr;
 
   // Workers sleep on generation_ and the driver on active_ with futexes, not a condition
   // variable: every woken thread returns on its own, none queues on a mutex behind the others.

@@ -119,12 +119,11 @@ def test_item_blocks_change_the_items_not_the_result(make_weights, make_routing,
 
 
 @pytest.mark.parametrize("nbytes", [0, 64, 1 << 20])
-@pytest.mark.parametrize("lookahead", [False, True])
-def test_item_prefetch_changes_nothing_but_timing(make_weights, make_routing, nbytes, lookahead):
+def test_item_prefetch_changes_nothing_but_timing(make_weights, make_routing, nbytes):
     experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2, numa_nodes=2)
     x, ids, weights = make_routing(3, H, K, range(E))
     expected = experts.forward(x, ids, weights)
-    experts.set_schedule(item_prefetch=nbytes, item_lookahead=lookahead)
+    experts.set_schedule(item_prefetch=nbytes)
     experts.trace(1)
     assert torch.equal(experts.forward(x, ids, weights), expected)
     check_call(experts.take_trace()[0], ids, threads=2, slices=2)

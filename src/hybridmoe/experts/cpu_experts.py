@@ -282,19 +282,15 @@ class CpuExperts:
                  "slept": torch.from_numpy(rec["slept"]).bool()} for rec in self._engine.take_trace()]
 
     def set_schedule(self, item_blocks: int | None = None, item_prefetch: int | None = None,
-                     tail_split: bool | None = None, combine_in_run: bool | None = None,
-                     item_lookahead: bool | None = None) -> None:
+                     tail_split: bool | None = None, combine_in_run: bool | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
         default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
         starts (default 4096, 0: none); tail_split: cut the last down items (about two blocks
         per thread) into 1-block items (default on); combine_in_run: up to 16 tokens, sum the
-        experts' outputs per block of columns inside the GEMM run (default on), else after it;
-        item_lookahead: a worker claims its next item ahead and prefetches its heads while it runs
-        the current one (default off: its held gate/up items kept down items waiting)."""
+        experts' outputs per block of columns inside the GEMM run (default on), else after it."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
-                            ("tail_split", tail_split), ("combine_in_run", combine_in_run),
-                            ("item_lookahead", item_lookahead)):
+                            ("tail_split", tail_split), ("combine_in_run", combine_in_run)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
