@@ -315,7 +315,7 @@ def fit_table(fits, prompt_lens: list[int]) -> list[str]:
                      _fmt(1e3 * f.decode.per_layer, ".3f"), _fmt(1e3 * f.decode.max_residual, ".3f")]
                     + [_fmt(prefill.get(n), ".0f") for n in prompt_lens]
                     + [_fmt(1.0 / f.decode_s), _fmt(1e3 * f.decode_s, ".2f"), _fmt(1e3 * f.floor_s, ".3f"),
-                       _fmt(f.decode_s / f.floor_s if f.floor_s > 0 else None, ".2f"),
+                       _fmt(f.decode_over_floor, ".2f"),
                        _fmt(1e3 * f.floor_per_moe_layer_s, ".3f")])
     return _table(head, rows)
 
@@ -334,7 +334,7 @@ def headlines(results, fits) -> list[dict]:
         f, full = fit_of.get(label), r.full_depth()
         if f is not None:
             h.update(prefill_tok_s=f.prefill_tok_s, decode_tok_s=1.0 / f.decode_s,
-                     decode_over_floor=f.decode_s / f.floor_s if f.floor_s > 0 else float("nan"),
+                     decode_over_floor=f.decode_over_floor,
                      extrapolated=f"extrapolated to {f.full_layers} layers by the fit over "
                                   f"{','.join(map(str, f.depths))} layers")
         elif full:

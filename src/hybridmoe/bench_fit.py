@@ -59,6 +59,11 @@ class DepthFit:
         return self.floor_per_moe_layer_s * self.full_moe_layers
 
     @property
+    def decode_over_floor(self) -> float | None:
+        """Full-depth decode time / floor (None when the floor is 0: GPU-bound)."""
+        return self.decode_s / self.floor_s if self.floor_s > 0 else None
+
+    @property
     def prefill_tok_s(self) -> dict[int, float]:
         return {n: n / fit.at(self.full_moe_layers) for n, fit in self.ttft.items()}
 
@@ -68,7 +73,7 @@ class DepthFit:
                 "full_moe_layers": self.full_moe_layers, "decode_fit": fit(self.decode),
                 "ttft_fit": {n: fit(f) for n, f in self.ttft.items()}, "decode_s": self.decode_s,
                 "decode_tok_s": 1.0 / self.decode_s, "floor_s": self.floor_s,
-                "decode_over_floor": self.decode_s / self.floor_s if self.floor_s > 0 else None,
+                "decode_over_floor": self.decode_over_floor,
                 "prefill_tok_s": self.prefill_tok_s}
 
 
