@@ -25,7 +25,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -219,7 +218,7 @@ class Handoff : public hmoe::FlagChannel {
   // Called by the poller thread only: serve every layer whose go word is set.
   bool poll() override {
     bool served = false;
-    const int64_t look = now_ns();
+    const int64_t look = hmoe::trace_now_ns();
     if (hmoe::load_flag(&flags_[kWakeWord])) {
       hmoe::store_flag(&flags_[kWakeWord], 0);
       for (auto& l : layers_) l->moe->prewake();  // one pool in practice: a no-op past the first
@@ -230,18 +229,18 @@ class Handoff : public hmoe::FlagChannel {
       const uint32_t T = hmoe::load_flag(&flags_[go_word(layer)]);
       if (T == 0) continue;
       hmoe::store_flag(&flags_[go_word(layer)], 0);
-      const int64_t seen = now_ns();
+      const int64_t seen = hmoe::trace_now_ns();
       if (T <= uint32_t(max_tokens_)) {
         serve(served_[size_t(layer) * max_tokens_ + T - 1]);
       } else {
         record("layer " + std::to_string(layer) + ": the stream asked for " + std::to_string(T) + " tokens");
       }
-      const int64_t done = now_ns();
+      const int64_t done = hmoe::trace_now_ns();
       hmoe::store_flag(&flags_[done_word(layer)], 1);
       note_layer(layer, look, seen, done);
       served = true;
     }
-    last_look_ns_ = now_ns();
+    last_look_ns_ = hmoe::trace_now_ns();
     return served;
   }
 
@@ -317,12 +316,6 @@ class Handoff : public hmoe::FlagChannel {
   }
 
   static void launch(uintptr_t stream, hmoe::CudaHostFn fn, Job* j) { hmoe::launch_host_func(stream, fn, j); }
-
-  static int64_t now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-  }
 
   // Books one served layer: `look` is when this poll began, `seen` when it found the layer's go,
   // `done` when the layer's work ended (just before done was written). A step is a run of
