@@ -43,7 +43,7 @@ from hybridmoe.bench_anatomy import step_anatomy
 from hybridmoe.bench_suite import handoffs
 from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
 from hybridmoe.config import EngineConfig
-from hybridmoe.experts.cpu_experts import _native
+from hybridmoe.experts.cpu_experts import _native, trace_records
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import SamplingParams
@@ -114,8 +114,7 @@ class Side:
     def take(self) -> list[dict]:
         if self.handoff is None:
             return self.cpu.take_trace()
-        return [{**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
-                 "slept": torch.from_numpy(rec["slept"]).bool()} for rec in self.handoff._native.take_trace(self.index)]
+        return trace_records(self.handoff._native.take_trace(self.index))
 
     def replay(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[int, int]:
         """One captured call again, on this thread: on CUDA through the handoff's own engine on its staging

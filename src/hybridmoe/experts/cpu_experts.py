@@ -278,8 +278,7 @@ class CpuExperts:
         join_ns int64 [threads] (when each pool worker joined the GEMM run, 0:
         never) and slept bool [threads] (it had gone to sleep before).
         """
-        return [{**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
-                 "slept": torch.from_numpy(rec["slept"]).bool()} for rec in self._engine.take_trace()]
+        return trace_records(self._engine.take_trace())
 
     def set_schedule(self, item_blocks: int | None = None, item_prefetch: int | None = None,
                      tail_split: bool | None = None, combine_in_run: bool | None = None) -> None:
@@ -303,3 +302,10 @@ class CpuExperts:
         costs ~4 us per array on a 2-core dev box: ~15 us per call for the four.
         """
         return [to_dlpack(t) if isinstance(t, torch.Tensor) and t.is_cpu else t for t in tensors]
+
+
+def trace_records(raw: list[dict]) -> list[dict]:
+    """A native engine's trace records (CpuExperts.take_trace, the CUDA handoff's take_trace) with their
+    arrays as torch tensors: items and join_ns int64, slept bool."""
+    return [{**rec, "items": torch.from_numpy(rec["items"]), "join_ns": torch.from_numpy(rec["join_ns"]),
+             "slept": torch.from_numpy(rec["slept"]).bool()} for rec in raw]
