@@ -1,13 +1,11 @@
-"""Where one prefill step's time goes, per layer, with prefill streaming on, all streamed, and off, same engine.
+"""Where one prefill step's time goes, per layer, with prefill streaming on and off, same engine.
 
     python benchmarks/prefill_profile.py --synthetic qwen3-30b-a3b --layers 4 --formats int4,bf16 \\
         --prompt-lens 512,2048 --device cuda --gpu-memory-budget 16GiB
     python benchmarks/prefill_profile.py --synthetic qwen3_moe:tiny --prompt-lens 16,32 --device cpu \\
         --dtype bfloat16 --expert-format bf16 --gpu-experts-per-layer 1          # CPU smoke run
 
-One load per format (prefill_streaming "on"; --modes: "on", where on a GPU the CPU engine keeps the
-share of each layer's experts the costs measured at load give it, "split" the same with a share
-tried from the start, "all" with every CPU expert streamed (the engine's default), "off" with the
+One load per format (prefill_streaming "on"; --modes: "on" with every CPU expert streamed, "off" with the
 streamer detached; GPU experts per layer as the full-depth model gets under the budget, as
 benchmarks/e2e.py does), one prompt per length, warmed up once, then the fastest of --reps prefills
 (one request, max_tokens 1) is shown. Each part is timed where it runs, without adding a host sync:
@@ -142,19 +140,15 @@ class Probe:
     def _wrap_stage(self, streamer) -> None:
         stage = streamer._stage
 
-        def timed_stage(layer: int, first: int = 0) -> int:
-            staged = layer in streamer.slot_layer
-            if staged and streamer.slot_first[streamer.slot_layer.index(layer)] <= first:
-                return stage(layer, first)
-            host = streamer.layers[layer]
-            self.spans.copied_bytes[layer] += host.nbytes * (host.layout.E - first) // host.layout.E
+        def timed_stage(layer: int) -> int:
+            if layer in streamer.slot_layer:
+                return stage(layer)
+            self.spans.copied_bytes[layer] += streamer.layers[layer].nbytes
             stream = streamer.copy_stream
             if stream is not None:  # the copy starts once the slot is free: time it from there
-                slot = streamer.slot_layer.index(layer) if staged else \
-                    1 if streamer.slot_layer[0] == streamer.current else 0
-                stream.wait_event(streamer.freed[slot])
+                stream.wait_event(streamer.freed[1 if streamer.slot_layer[0] == streamer.current else 0])
             self.spans.begin((layer, "copy"), stream=stream)
-            slot = stage(layer, first)
+            slot = stage(layer)
             self.spans.end((layer, "copy"), stream=stream)
             return slot
 
@@ -247,11 +241,9 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
                              "split: --gpu-memory-budget or --gpu-experts-per-layer)")
     costs = probe.streamer.measured
     if costs is not None:
-        E = max(h.layout.E for h in probe.streamer.layers.values())
         print(f"# measured at load, a layer: CPU {1e3 * costs.cpu_fixed:.2f} ms + {1e3 * costs.cpu_per_token:.4f} ms a "
               f"token; copy {1e3 * costs.copy:.2f} ms; device work {1e3 * costs.gpu_fixed:.2f} ms + "
-              f"{1e3 * costs.gpu_per_token:.4f} ms a token; auto streams from {costs.threshold()} tokens; the CPU "
-              f"keeps " + ", ".join(f"{costs.cpu_experts(E, n)} of {E} experts at {n}" for n in lens), flush=True)
+              f"{1e3 * costs.gpu_per_token:.4f} ms a token; auto streams from {costs.threshold()} tokens", flush=True)
     layers = list(range(len(probe.model.model.layers)))
     gen = torch.Generator().manual_seed(args.seed)
     try:
@@ -259,19 +251,9 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
             prompt = torch.randint(0, llm.engine.vocab_size, (n,), generator=gen).tolist()
             for mode in args.modes.split(","):
                 probe.backend.stream_long_steps(probe.streamer if mode != "off" else None)
-                probe.streamer.costs = costs if mode in ("on", "split") else None
-                if mode == "split":  # a CPU share tried from the start, its cost then learnt as it runs
-                    probe.streamer.before_split = 0.0
                 wall, ms, copied = profile_once(llm, prompt, probe, args.reps, args.cold)
                 print("\n".join(table(f"{fmt or ec.expert_format}, {n} tokens, streaming {mode}", wall, ms,
                                       copied, layers, n, args.depth)), flush=True)
-                if mode in ("on", "split") and costs is not None:
-                    E = max(h.layout.E for h in probe.streamer.layers.values())
-                    st = probe.streamer
-                    split = "not seen" if st.before_split is None else f"{1e3 * st.before_split:.2f} ms"
-                    print(f"# learnt: device time before a layer's experts {1e3 * st.before:.2f} ms, after a split "
-                          f"layer {split}; the CPU keeps {costs.cpu_experts(E, n, st.before, st.before_split)} of {E}",
-                          flush=True)
                 if args.top_ops:
                     probe.reset()
                     print(top_ops(llm, prompt, probe, args.top_ops, args.cold), flush=True)
@@ -289,11 +271,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-lens", default="512,2048", help="prompt lengths (default 512,2048)")
     parser.add_argument("--reps", type=int, default=2, help="timed prefills per case, the fastest shown (default 2)")
     parser.add_argument("--top-ops", type=int, default=12, help="torch.profiler rows per case (0: no profiler run)")
-    parser.add_argument("--modes", default="on,split,all,off",
-                        help="on: the CPU keeps the share of each layer's experts the costs measured at load give "
-                             "it (the split's own cost assumed until seen), split: the same, a share tried from "
-                             "the start (its cost learnt), all: every CPU expert streamed (the default), off: no "
-                             "streaming (default on,split,all,off)")
+    parser.add_argument("--modes", default="on,off",
+                        help="on: every CPU expert streamed, off: no streaming (default on,off)")
     parser.add_argument("--cold", action="store_true",
                         help="empty the streamer's two slots before each prefill (every layer copied)")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,7 +1,7 @@
 """Long prefill steps streamed to a real GPU (experts/streamed_prefill.py): packed bytes dequantized on
 CUDA (the Triton pass) equal the CPU engine's weights bit for bit; several layers in a row, the next
 one's copy in flight on the side stream while the current one computes, equal a float32 reference (a
-missing wait would read a half-copied slot); a step split with the CPU engine too; the costs measured
+missing wait would read a half-copied slot); a step with the layer's GPU-resident experts too; the costs measured
 at load are sane; the copies come from registered (page-locked) host memory, unregistered when
 a streamer goes; the device memory a step takes stays within what placement sets aside; a whole model's
 next-token log-probabilities after a streamed prompt match the CPU path's.
@@ -18,7 +18,7 @@ from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.experts.hybrid import weighted_experts
 from hybridmoe.experts.packed_torch import PackedLayout
-from hybridmoe.experts.streamed_prefill import PrefillStreamer, StepCosts, device_bytes, measured_costs
+from hybridmoe.experts.streamed_prefill import PrefillStreamer, device_bytes, measured_costs
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -68,13 +68,9 @@ def test_layers_in_a_row_with_prefetch_equal_the_reference():
     assert not any(host.registered for host in streamer.layers.values())
 
 
-def test_a_step_split_with_the_cpu_engine_and_resident_experts_equals_the_reference():
+def test_a_step_with_resident_experts_equals_the_reference():
     engine = _engine("int4", 7)
-    # the CPU keeps E x 1 / (3 + 1) = 4 experts: rows of theirs run on it while the rest stream
-    costs = StepCosts(cpu_fixed=0.0, cpu_per_token=3e-3 / 300, copy=1e-3, gpu_fixed=0.0, gpu_per_token=0.0)
-    assert costs.cpu_experts(E, 300, before=0.0, before_split=0.0) == 4
-    streamer = PrefillStreamer({0: engine}, "cuda", min_tokens=1, costs=costs)
-    streamer.before_split = 0.0  # as if a split cost the host nothing
+    streamer = PrefillStreamer({0: engine}, "cuda", min_tokens=1)
     g = torch.Generator().manual_seed(6)
     T, K, G = 300, 4, 3
     x = (torch.randn(T, H, generator=g) * 0.5).cuda()
@@ -87,7 +83,7 @@ def test_a_step_split_with_the_cpu_engine_and_resident_experts_equals_the_refere
     want = weighted_experts(x, *deq, ids, w, on_cpu, F.silu) + weighted_experts(x, *resident, ids, w, ~on_cpu, F.silu)
     for _ in range(2):  # the second time from the slot as the first left it
         got = streamer.run(0, x, ids, w, on_cpu, F.silu, resident)
-        assert ((got - want).norm() / want.norm()).item() < 2e-2  # the CPU engine's int4 kernel: bf16 tiles
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
     streamer.close()
 
 

@@ -130,17 +130,11 @@ def step_times(monkeypatch):
     return set_times
 
 
-def test_the_cpu_keeps_the_share_that_ends_with_the_device_and_streaming_starts_where_it_saves_a_third():
+def test_streaming_starts_where_it_saves_a_third():
     costs = streamed_prefill.StepCosts(cpu_fixed=0.002, cpu_per_token=1e-5, copy=0.004, gpu_fixed=0.001,
                                        gpu_per_token=1e-6)
     assert costs.cpu(600) == pytest.approx(0.008) and costs.stream(600) == 0.004  # the copy outlasts the work
     assert costs.stream(10_000) == pytest.approx(0.011)  # the work outlasts the copy
-    # with no time ahead of the experts, 96 x 4 / (8 + 4): 32 x 8/96 ms on the CPU = 64 x 4/96 streamed
-    assert costs.cpu_experts(96, 600, before=0.0, before_split=0.0) == 32
-    assert costs.cpu_experts(96, 600, before=0.0, before_split=0.001) == 24  # 1 ms late: (1 - f) 4 = 1 + 8 f
-    # past the copy either way: the CPU only shares the work, 1.6 (1 - f) = 8 f, 6.33 ms against 6.6
-    assert costs.cpu_experts(96, 600, before=0.005, before_split=0.005) == 16
-    assert costs.cpu_experts(96, 600, before=0.0) == 0  # a split's sync (SPLIT_SYNC_SECONDS) would cost more
     assert costs.threshold() == 134  # the CPU path, 1.2 x (2 ms + T x 10 us), reaches the 4 ms copy
     assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold() == 334
     assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold(limit=150) == 151  # none up to 150
@@ -182,7 +176,6 @@ def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, 
     streamers = {backend._layers[layer].streamer for layer in backend.layers()}
     streamer = next(iter(streamers))
     assert len(streamers) == 1 and streamer.min_tokens == 334 and streamer.measured.copy == 0.004
-    assert streamer.costs is None  # every expert streamed: no split unless asked for
     backend.stream_long_steps(None)
     step_times(cpu=(0.0, 1e-5), copy=0.1, gpu=(0.001, 0.0))  # 100 ms a layer: 8334 tokens > 1024
     assert streamed_prefill.attach(backend, auto_on).prefill_streaming == "off"

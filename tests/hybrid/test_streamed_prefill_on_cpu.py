@@ -3,8 +3,6 @@ code as on a GPU, with plain copies instead of PCIe. The streamed experts equal 
 the engine's own dequantized weights; a whole model gives the CPU path's logits within the format's
 tolerance; short steps and "off" stay on the CPU engine, bit for bit."""
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,42 +53,6 @@ def test_experts_dequantized_a_few_at_a_time_give_the_same_sum(fmt, monkeypatch)
     assert streamed_prefill.dequant_chunk_experts(64, 96, fused=False) == 4
     chunked = PrefillStreamer({0: engine}, "cpu", min_tokens=1).run(0, x, ids, w, mask, F.silu)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
-
-
-def test_a_step_split_with_the_cpu_engine_gives_the_same_sum_and_copies_only_the_devices_experts():
-    engine = _layer("bf16", E=8)
-    x = torch.randn(40, 64)
-    ids, w, mask = _routing(40, 3, 8)
-    whole = PrefillStreamer({0: engine}, "cpu", min_tokens=1).run(0, x, ids, w, mask, F.silu)
-    costs = streamed_prefill.StepCosts(cpu_fixed=0.0, cpu_per_token=3e-3 / 40, copy=1e-3, gpu_fixed=0.0,
-                                       gpu_per_token=0.0)  # the CPU keeps 8 x 1 / (3 + 1) experts
-    assert costs.cpu_experts(8, 40, before=0.0, before_split=0.0) == 2
-    split = PrefillStreamer({0: engine}, "cpu", min_tokens=1, costs=costs)
-    split.before_split = 0.0  # as if a split cost the host nothing
-    for slot in split.slots:
-        slot.zero_()
-    got = split.run(0, x, ids, w, mask, F.silu)
-    assert ((got - whole).norm() / whole.norm()).item() < 2e-2  # the CPU engine computes its share in bf16
-    host = split.layers[0]
-    for name, view in split._slot_views(split.slot_layer.index(0), host).items():
-        per_expert = view.numel() // 8
-        assert not view[:2 * per_expert].any()  # experts 0 and 1: the CPU's, never copied
-        assert torch.equal(view[2 * per_expert:], host.buffers[name][2 * per_expert:])
-
-
-def test_the_streamer_learns_how_long_a_layer_runs_before_its_cpu_share_can_start():
-    engines = {layer: _layer("bf16", E=8, seed=layer) for layer in (0, 1)}
-    costs = streamed_prefill.StepCosts(cpu_fixed=0.0, cpu_per_token=3e-3 / 40, copy=1e-3, gpu_fixed=0.0,
-                                       gpu_per_token=0.0)
-    streamer = PrefillStreamer(engines, "cpu", min_tokens=1, costs=costs)
-    x = torch.randn(40, 64)
-    ids, w, mask = _routing(40, 3, 8)
-    streamer.run(0, x, ids, w, mask, F.silu)
-    assert streamer.before == 0  # nothing before the first layer is counted
-    time.sleep(0.02)  # the "attention" of layer 1
-    streamer.run(1, x, ids, w, mask, F.silu)
-    assert 0.3 * 0.02 <= streamer.before < 0.3 * 0.2
-    assert costs.cpu_experts(8, 40, streamer.before) == 0  # 6+ ms late against a 1 ms copy: all streamed
 
 
 def test_a_bf16_step_computes_in_bf16_against_the_native_engine():

@@ -24,11 +24,9 @@ torch references, which is how CI checks it.
 
 On a GPU, attach() measures the layer's costs at load (measured_costs: the CPU engine, the copy, the
 device's work, each fitted as a + b x tokens), which give the token count from which "auto" streams.
-A split with the CPU can be asked for (PrefillStreamer's costs): a step then leaves the first experts
-of each layer to its CPU engine, which runs them beside the device's share, and only the others'
-bytes are copied; StepCosts.cpu_experts picks how many, given the device time ahead of a layer's
-experts (attention, router) that the streamer learns as it runs. It is off by default: in the final
-device round it lost to streaming every expert in every case measured.
+Every CPU expert of a streamed step is streamed: a split with the CPU (its engine running the first
+experts of each layer beside the device's share) lost to it in every case of the final device round
+(int4 512 tokens: 14.5 ms a layer against 4.9), and was removed.
 
 T tokens, K experts per token, R = routed (token, slot) pairs, E experts, H hidden, I intermediate.
 """
@@ -107,9 +105,7 @@ def reserved_bytes(engine_config, E: int, H: int, I: int, top_k: int) -> int:
 def attach(backend, engine_config):
     """Give a HybridExperts backend a PrefillStreamer when engine_config (resolved) says "on" and its CPU
     engines are native; on CUDA with the layer's costs measured here (measured_costs, kept as
-    streamer.measured). Every CPU expert of a streamed step is streamed: the split with the CPU
-    (PrefillStreamer's costs) lost to it in every case of the final device round (int4 512 tokens:
-    14.5 ms a layer against 4.9), so it is not turned on here. Returns engine_config as attached:
+    streamer.measured). Returns engine_config as attached:
     with prefill_streaming_tokens from those costs when it was left None (StepCosts.threshold), or
     prefill_streaming "off" when they find the CPU faster on every step up to max_num_batched_tokens
     (or no streamer can run)."""
@@ -145,8 +141,8 @@ tokens (a part per weight read or dequantized, a part per token), and two points
 
 def cpu_step_seconds(engine, tokens: int, share: float, top_k: int, repeats: int = 2) -> float:
     """Fastest of `repeats` runs of the CPU engine on its part of a step of `tokens` tokens with random
-    routing: share x tokens x top_k (token, slot) rows, one expert each (as a streamed step hands them
-    over, _CpuShare), bf16 activations of scale 0.1."""
+    routing: share x tokens x top_k (token, slot) rows, one expert each, bf16 activations of scale
+    0.1."""
     E, H = (int(v) for v in engine.packed_state()["shape"][:2])
     g = torch.Generator().manual_seed(tokens)
     rows = max(1, round(share * tokens * top_k))
@@ -207,13 +203,6 @@ CPU_PATH_OVER_ENGINE = 1.2
 time fitted at load: final device round, 512 tokens, 1.15 for int4 (17.8 ms vs 15.5) and 1.24 for
 bf16 (21.5 vs 17.3)."""
 
-SPLIT_SYNC_SECONDS = 3e-3
-"""What a CPU share adds ahead of a layer's experts until the streamer has seen it: the host waits for
-the share each layer, so the next layer's launches (~100 at 512 tokens) are no longer queued ahead of
-the device. Device round r1, Qwen3-30B-A3B int4 at 512 tokens: a split layer took 22.3 ms where the
-device's own parts (attention 2.1, its share 7.1) and the CPU's (11.0, 3.7 at load) left ~3 ms."""
-
-
 @dataclass(frozen=True)
 class StepCosts:
     """One layer's costs measured at load, in seconds for a step of T tokens: its CPU engine's share of
@@ -235,29 +224,6 @@ class StepCosts:
 
     def work(self, tokens: int) -> float:
         return self.gpu_fixed + self.gpu_per_token * tokens
-
-    def cpu_experts(self, experts: int, tokens: int, before: float = 0.0, before_split: float | None = None) -> int:
-        """How many of a layer's `experts` the CPU engine keeps in a streamed step of `tokens` tokens, the
-        device copying and running the rest: the n that makes the layer's period shortest,
-
-            n = 0:  max(copy, before + work(T))
-            n > 0:  max((1 - f) copy, before_split + max((1 - f) work(T), f cpu(T))),  f = n / experts,
-
-        the copy of the next layer's share overlapping all of this one. before: the device time ahead of
-        a layer's experts (attention, router) in a step without a CPU share; before_split (default:
-        before + SPLIT_SYNC_SECONDS) with one, where the host waits for the CPU's inputs and output
-        each layer and so launches the next layer's work only then. The CPU's share runs beside the
-        device's share of the work; on a tie, the fewest (the device's side is the surer one)."""
-        copy, work, cpu = self.copy, self.work(tokens), self.cpu(tokens)
-        split = before + SPLIT_SYNC_SECONDS if before_split is None else before_split
-
-        def period(n: int) -> float:
-            if n == 0:
-                return max(copy, before + work)
-            f = n / experts
-            return max((1 - f) * copy, split + max((1 - f) * work, f * cpu))
-
-        return min(range(experts + 1), key=period)
 
     def threshold(self, limit: int = 1 << 16) -> int:
         """Fewest tokens (from the shortest step timed: shorter ones read only their routed experts'
@@ -314,14 +280,12 @@ class PrefillStreamer:
     """Runs the CPU share of long steps on `device` from packed experts streamed there, layer by layer.
 
     engines: MoE layer -> its CPU engine (CpuExperts: anything with packed_state()). min_tokens:
-    steps of at least this many tokens take this path (takes()). costs: with them (asked for: attach
-    leaves them None), each step leaves the first StepCosts.cpu_experts of a layer's experts to its
-    CPU engine, which runs them while the device copies and runs the rest; None: every one is streamed.
-    measured: the costs attach measured at load (for the threshold and reports), or None.
+    steps of at least this many tokens take this path (takes()). measured: the costs attach measured
+    at load (for the threshold and reports), or None.
     """
 
-    def __init__(self, engines: dict, device: str | torch.device, min_tokens: int, costs: StepCosts | None = None):
-        self.device, self.min_tokens, self.costs = torch.device(device), int(min_tokens), costs
+    def __init__(self, engines: dict, device: str | torch.device, min_tokens: int):
+        self.device, self.min_tokens = torch.device(device), int(min_tokens)
         self.measured: StepCosts | None = None
         self.engines = dict(engines)
         self.layers = {layer: _HostLayer(engine) for layer, engine in sorted(engines.items())}
@@ -329,17 +293,11 @@ class PrefillStreamer:
         slot_bytes = max((h.nbytes for h in self.layers.values()), default=0)
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.slot_layer: list[int | None] = [None, None]
-        self.slot_first = [0, 0]  # the first expert whose bytes each slot holds (the rest after it)
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's bytes arrived
         self.freed = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's last reader done
         self.current: int | None = None  # the layer whose experts are being computed
-        # device seconds a layer spends before its experts (attention...), observed and averaged, after a
-        # layer without and with a CPU share (None: not seen yet, StepCosts.cpu_experts' default)
-        self.before, self.before_split = 0.0, None
-        self._done = None  # (layer, mark on the stream, with a CPU share?) where the last run's experts were done
-        self._gaps: list = []  # (done, start) marks not yet read: one layer's experts done, the next one's start
         self.prefetch_next = True  # copy layer L+1 while L computes (off: every copy waited for, to measure)
         self._pinned_failed = False
         self._unregister = None
@@ -361,65 +319,33 @@ class PrefillStreamer:
         resident (the layer's GPU experts: gate, up [G, I, H], down [G, H, I]), the other slots' too.
 
         hidden [T, H]; ids [T, K] local to the layer's CPU engine where mask [T, K] is set, to resident's
-        experts elsewhere; weights [T, K]. The CPU's share (experts below `first`) runs on its engine while
-        the device works (its inputs go to the host first, and the engine starts once the device's work
-        is queued: the step's one host wait), and its output joins at the end.
+        experts elsewhere; weights [T, K].
         """
-        self._observe_before(layer)
-        host = self.layers[layer]
-        first = 0 if self.costs is None else self.costs.cpu_experts(host.layout.E, hidden.shape[0], self.before,
-                                                                    self.before_split)
-        cpu = _CpuShare(self.engines[layer], hidden, ids, weights, mask & (ids < first)) if first else None
-        slot = self._stage(layer, first)
+        slot = self._stage(layer)
         self.current = layer
         if self.copied[slot] is not None:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
         if self.prefetch_next:  # after the last layer the first, whose copy then overlaps the next step's start
-            self._stage(self.order[(self.order.index(layer) + 1) % len(self.order)], first)
-        out = routed_experts(host.layout, self._slot_views(slot, host), hidden, ids, weights, mask & (ids >= first),
-                             act, first, resident, ~mask)
+            self._stage(self.order[(self.order.index(layer) + 1) % len(self.order)])
+        host = self.layers[layer]
+        out = routed_experts(host.layout, self._slot_views(slot, host), hidden, ids, weights, mask, act, resident,
+                             ~mask)
         if self.freed[slot] is not None:
             self.freed[slot].record(torch.cuda.current_stream(self.device))
-        if cpu is not None:
-            cpu.start()
-            out = cpu.join(out)
-        self._done = (layer, _mark(self._stream()), cpu is not None)
         return out
 
     def _stream(self):
         """The compute stream on CUDA; None on the CPU device (for _mark: the host clock)."""
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def _observe_before(self, layer: int) -> None:
-        """Average into before (before_split, after a layer with a CPU share) the device time from the
-        previous layer's experts done to this layer's start (its attention, router...), read from marks on
-        the stream once they have passed (no wait)."""
-        at = self.order.index(layer)
-        if at and self._done is not None and self._done[0] == self.order[at - 1]:
-            self._gaps.append((self._done[1], _mark(self._stream()), self._done[2]))
-        while self._gaps and (not isinstance(self._gaps[0][1], torch.cuda.Event) or self._gaps[0][1].query()):
-            done, start, split = self._gaps.pop(0)
-            gap = (start - done) if isinstance(done, float) else done.elapsed_time(start) / 1e3
-            if split:
-                self.before_split = gap if self.before_split is None else self.before_split + 0.3 * (
-                    gap - self.before_split)
-            else:
-                self.before += 0.3 * (gap - self.before)
-
-    def _stage(self, layer: int, first: int = 0) -> int:
-        """The slot that holds (or is being filled with) layer's packed bytes of experts first.. on; starts
-        the copy if needed (of those experts' bytes only: each buffer holds one expert after another)."""
-        if layer in self.slot_layer:  # (a step of another length may need more of its experts)
-            slot = self.slot_layer.index(layer)
-            if self.slot_first[slot] <= first:
-                return slot
-        else:
-            slot = 1 if self.slot_layer[0] == self.current else 0  # never the slot being computed from
-        self.slot_layer[slot], self.slot_first[slot] = layer, first
+    def _stage(self, layer: int) -> int:
+        """The slot that holds (or is being filled with) layer's packed bytes; starts the copy if needed."""
+        if layer in self.slot_layer:
+            return self.slot_layer.index(layer)
+        slot = 1 if self.slot_layer[0] == self.current else 0  # never the slot being computed from
+        self.slot_layer[slot] = layer
         host = self.layers[layer]
-        E = host.layout.E
-        pairs = [(view[view.numel() // E * first:], host.buffers[name][view.numel() // E * first:])
-                 for name, view in self._slot_views(slot, host).items()]  # (slot part, host part) per buffer
+        pairs = [(view, host.buffers[name]) for name, view in self._slot_views(slot, host).items()]
         if self.copy_stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
@@ -492,54 +418,11 @@ def _clear_cuda_error() -> None:
             continue
 
 
-class _CpuShare:
-    """The slots `keep` [T, K] of a streamed step, run by the layer's CPU engine while the device works.
-
-    The inputs start for the host as the step's first device work (into page-locked memory, so the
-    copy is queued); start() waits for them alone, once the device's own work is queued behind them,
-    so the CPU workers never compete with the thread that launches it. The engine takes one row per
-    (token, slot) pair, each with its one expert (a dense [T, Kc] would have it compute every token's
-    row up to the busiest token's count, weight 0 or not); join() adds each row to its token's.
-    """
-
-    def __init__(self, engine, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor):
-        native = torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype  # the engine's: bf16 or fp32
-        cuda = hidden.is_cuda
-        self.engine, self.device, self.K = engine, hidden.device, ids.shape[1]
-        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).copy_(t, non_blocking=cuda)
-                     for t in (hidden.to(native), ids, weights, keep)]
-        self.arrived = torch.cuda.Event() if cuda else None
-        if cuda:
-            self.arrived.record(torch.cuda.current_stream(self.device))
-        self.tok = None
-
-    def start(self) -> None:
-        """Hand the rows to the engine (the host waits for its inputs here)."""
-        if self.arrived is not None:
-            self.arrived.synchronize()
-        x, ids, weights, keep = self.host
-        pairs = keep.flatten().nonzero().squeeze(1)  # [R]
-        if pairs.numel():
-            tok = pairs // self.K
-            self.engine.submit(x[tok], ids.flatten()[pairs].view(-1, 1),
-                               weights.flatten()[pairs].float().view(-1, 1))
-            self.tok = tok.pin_memory().to(self.device, non_blocking=True) if self.arrived is not None else tok
-
-    def join(self, out: torch.Tensor) -> torch.Tensor:
-        """out [T, H] float32 plus the CPU's rows."""
-        if self.tok is None:
-            return out
-        rows = self.engine.wait()  # [R, H] on the host, in the engine's dtype
-        if out.is_cuda:
-            rows = rows.pin_memory()  # so the copy is queued, not waited for
-        return out.index_add_(0, self.tok, rows.to(out.device, non_blocking=True).float())
-
-
 def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, mask: torch.Tensor, act, first: int = 0, resident: tuple | None = None,
+                   weights: torch.Tensor, mask: torch.Tensor, act, resident: tuple | None = None,
                    resident_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The masked routed experts of one layer computed from its packed buffers on x's device; float32 [T, H].
-    Only experts first.. on are read (mask must leave the others out). resident: (gate, up, down) of G
+    resident: (gate, up, down) of G
     experts already on the device, for the slots of resident_mask [T, K] (ids local to them there).
 
     The layer's experts are dequantized a chunk of consecutive ids at a time into x's dtype (bf16/fp16;
@@ -553,9 +436,9 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     xc, ids = x.to(cdtype), ids.long()
     chunk = dequant_chunk_experts(layout.H, layout.I, fused=_fused_dequant(x.device))
     if triton_usable(x.device, act):
-        return _routed_triton(layout, buffers, xc, ids, weights, mask, first, chunk, resident, resident_mask)
+        return _routed_triton(layout, buffers, xc, ids, weights, mask, chunk, resident, resident_mask)
     out = torch.zeros((x.shape[0], layout.H), dtype=torch.float32, device=x.device)
-    for c0 in range(first, layout.E, chunk):
+    for c0 in range(0, layout.E, chunk):
         c1 = min(layout.E, c0 + chunk)
         gate, up, down = layout.dequantize(buffers, torch.arange(c0, c1, device=x.device), xc.dtype)
         inside = mask & (ids >= c0) & (ids < c1)  # [T, K] the chunk's slots
@@ -566,7 +449,7 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
 
 
 def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, mask: torch.Tensor, first: int, chunk: int, resident: tuple | None,
+                   weights: torch.Tensor, mask: torch.Tensor, chunk: int, resident: tuple | None,
                    resident_mask: torch.Tensor | None) -> torch.Tensor:
     """routed_experts with the Triton kernels of gpu_experts_triton.py; x in the compute dtype, ids long.
 
@@ -581,10 +464,10 @@ def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     E, H, I, S = layout.E, layout.H, layout.I, ids.numel()
     G = resident[0].shape[0] if resident is not None else 0
     sid = torch.where(mask, ids, torch.where(resident_mask, E + ids, E + G)) if G else torch.where(mask, ids, E)
-    block = block_size(S, E + G - first)
+    block = block_size(S, E + G)
     block_expert, block_slots = slot_blocks(sid.reshape(S), E + G, block)  # [NB], [NB, block]
     NB = block_expert.numel()
-    chunks = [(c0, min(E, c0 + chunk)) for c0 in range(first, E, chunk)] + ([(E, E + G)] if G else [])
+    chunks = [(c0, min(E, c0 + chunk)) for c0 in range(0, E, chunk)] + ([(E, E + G)] if G else [])
     bounds = torch.tensor(chunks, dtype=torch.int32).to(x.device, non_blocking=True)  # [C, 2]
     of_chunk = (block_expert >= bounds[:, :1]) & (block_expert < bounds[:, 1:])  # [C, NB]
     chunk_slots = torch.where(of_chunk.unsqueeze(2), block_slots.unsqueeze(0), -1)  # [C, NB, block]
