@@ -9,7 +9,7 @@ T tokens, E experts, K experts per token, H hidden, D normalized size.
 import pytest
 import torch
 
-from hybridmoe import LLM, SamplingParams
+from hybridmoe import LLM
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.engine.context import Context, DecodeBatch, use_context
 from hybridmoe.experts.cpu_experts import CpuExperts
@@ -19,6 +19,8 @@ from hybridmoe.experts.placement import Footprint, PlacementPlan
 from hybridmoe.layers.attention import Attention, KVCache, _attend_decode, _StepIndex
 from hybridmoe.layers.moe import softmax_topk
 from hybridmoe.layers.norm import RMSNorm
+
+from test_cuda_graph import HYBRID, assert_greedy_close, runs
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -254,25 +256,11 @@ def test_decode_attention_over_a_long_cache_in_chunks_equals_torch(window, dtype
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
-PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 13], [99, 2, 8, 31, 4], [11]]
-
-
 def decode(checkpoint, fused: bool) -> list[tuple[list[int], list]]:
-    llm = LLM(checkpoint, device="cuda", expert_backend="native", expert_format="bf16", gpu_experts_per_layer=3,
-              max_num_seqs=4, max_model_len=64)
+    llm = LLM(checkpoint, device="cuda", **HYBRID)
     llm.engine.runner.model.fuse_decode_kernels(fused)
-    engine = llm.engine
-    out = []
-    for batch in (PROMPTS[:1], PROMPTS):
-        ids = [engine.add_request(p, GREEDY) for p in batch]
-        tokens, logprobs = {i: [] for i in ids}, {i: [] for i in ids}
-        while engine.has_unfinished():
-            for o in engine.step():
-                tokens[o.request_id] += o.new_token_ids
-                logprobs[o.request_id] += o.new_logprobs
-        out += [(tokens[i], logprobs[i]) for i in ids]
-    assert engine.runner.captured == [(1, 64), (4, 64)]
+    out = runs(llm)
+    assert llm.engine.runner.captured == [(1, 64), (4, 64)]
     return out
 
 
@@ -281,10 +269,4 @@ def test_model_decodes_with_fused_kernels_as_without(tmp_path, dtype):
     """Graph-replayed greedy decoding, batch 1 and 4: the same tokens, except that the two may part at
     a near-tie (each side's token among the other's 5 most likely; not compared after it)."""
     make_checkpoint("qwen3_moe", "tiny", tmp_path, dtype=dtype, seed=1, progress=False)
-    fused, ref = decode(tmp_path, True), decode(tmp_path, False)
-    for (got, got_lp), (want, want_lp) in zip(fused, ref):
-        assert len(got) == len(want)
-        for i, (a, r) in enumerate(zip(got, want)):
-            if a != r:
-                assert a in [t for t, _ in want_lp[i].top] and r in [t for t, _ in got_lp[i].top]
-                break
+    assert_greedy_close(decode(tmp_path, True), decode(tmp_path, False))
