@@ -72,6 +72,21 @@ struct Aligned64 {
 template <class T>
 using AlignedVec = std::vector<T, Aligned64<T>>;
 
+// Scratch atomics (std::vector cannot hold them), grown like grow() above; callers set every
+// entry they use (growing does not keep the old values).
+struct AtomicInts {
+  std::unique_ptr<std::atomic<int>[]> data;
+  size_t size = 0;
+};
+
+std::atomic<int>* grow(AtomicInts& v, size_t n) {
+  if (v.size < n) {
+    v.data.reset(new std::atomic<int>[n]);
+    v.size = n;
+  }
+  return v.data.get();
+}
+
 // One side's activation rows (x for gate/up, h for down), each row in the kind its expert's
 // kernels read: bf16 and i16 rows at stride Kp + 32, i8 and i8_groups rows at Kq + 64 (Kq = Kp
 // rounded up to 64, a whole AMX-INT8 step). Strides are not multiples of 4 KiB: rows that far
@@ -156,9 +171,8 @@ struct Workspace {
   std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets, slot_of, fill, chunk_first,
       tok_used;
   std::vector<Item> gemm_items, tail_items;
-  std::unique_ptr<std::atomic<int>[]> pending;  // per active expert (atomics: no std::vector)
-  std::unique_ptr<std::atomic<int>[]> col_left;  // per down block: experts whose y is still missing
-  int pending_size = 0, col_left_size = 0;
+  AtomicInts pending;   // per active expert
+  AtomicInts col_left;  // per down block: experts whose y is still missing
   ActRows act, act2;  // activations of gate/up (x) and of down (h)
   ActRows act_tok;    // x once per token, for the experts of one token (decode)
   AlignedVec<float> h, y;
@@ -464,11 +478,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   const int64_t total_blocks = int64_t(gate.blocks + down.blocks) * A;
   const int per_item = item_blocks_ > 0 ? item_blocks_
                                         : int(std::clamp<int64_t>(total_blocks / (4 * pool_->threads()), 1, 8));
-  if (ws.pending_size < A) {
-    ws.pending.reset(new std::atomic<int>[A]);
-    ws.pending_size = A;
-  }
-  std::atomic<int>* pending = ws.pending.get();
+  std::atomic<int>* pending = grow(ws.pending, A);
   for (int j = 0; j < A; ++j) pending[j].store(0, std::memory_order_relaxed);
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < 2; ++m) {
@@ -513,11 +523,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     ops.combine(K, src, c.weights + size_t(t) * K, c1 - c0, o, c.x_bf16);
   };
   const bool combine_in_run = combine_in_run_ && T <= kCombineInRunTokens;
-  if (ws.col_left_size < down.blocks) {
-    ws.col_left.reset(new std::atomic<int>[down.blocks]);
-    ws.col_left_size = down.blocks;
-  }
-  std::atomic<int>* col_left = ws.col_left.get();
+  std::atomic<int>* col_left = grow(ws.col_left, down.blocks);
   if (combine_in_run)
     for (int b = 0; b < down.blocks; ++b) col_left[b].store(A, std::memory_order_relaxed);
   auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding as in phase A)
