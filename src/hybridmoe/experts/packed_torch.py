@@ -28,6 +28,11 @@ BLOCK_ROWS = 32
 MATRICES = ("gate", "up", "down")
 
 
+def fused_dequant(device: torch.device) -> bool:
+    """Whether PackedLayout.dequantize runs as one Triton pass on device (no torch temporaries)."""
+    return device.type == "cuda" and HAVE_TRITON
+
+
 @dataclass(frozen=True)
 class _Slice:
     blocks: int
@@ -89,7 +94,7 @@ class PackedLayout:
         return tuple(self._matrix(mat, buffers, experts, dtype) for mat in self.matrices)
 
     def _matrix(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor, dtype) -> torch.Tensor:
-        if experts.device.type == "cuda" and HAVE_TRITON:
+        if fused_dequant(experts.device):
             return self._matrix_triton(mat, buffers, experts, dtype)
         rows = [self._slice(mat, sl, buffers, experts, dtype) for sl in mat.slices]  # each [n, nb * 32, K]
         return torch.cat(rows, dim=1)[:, :mat.N] if len(rows) > 1 else rows[0][:, :mat.N]

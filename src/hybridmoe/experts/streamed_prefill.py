@@ -44,8 +44,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.experts.gpu_experts import HAVE_TRITON, block_size, gpu_share, slot_blocks, triton_usable
-from hybridmoe.experts.packed_torch import PackedLayout
+from hybridmoe.experts.gpu_experts import block_size, gpu_share, slot_blocks, triton_usable
+from hybridmoe.experts.packed_torch import PackedLayout, fused_dequant
 from hybridmoe.experts.placement import format_bytes
 
 log = logging.getLogger("hybridmoe.experts")
@@ -434,7 +434,7 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     """
     cdtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     xc, ids = x.to(cdtype), ids.long()
-    chunk = dequant_chunk_experts(layout.H, layout.I, fused=_fused_dequant(x.device))
+    chunk = dequant_chunk_experts(layout.H, layout.I, fused=fused_dequant(x.device))
     if triton_usable(x.device, act):
         return _routed_triton(layout, buffers, xc, ids, weights, mask, chunk, resident, resident_mask)
     out = torch.zeros((x.shape[0], layout.H), dtype=torch.float32, device=x.device)
@@ -487,11 +487,6 @@ def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
             h, down, be, bs, w, y, S, H, I, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
             BLOCK_S=block, BLOCK_H=32, BLOCK_I=64, PRECISION=precision, EXPERT_MAJOR=False)
     return y.view(T, K, H).sum(dim=1)
-
-
-def _fused_dequant(device: torch.device) -> bool:
-    """Whether PackedLayout.dequantize runs as one Triton pass here (no torch temporaries)."""
-    return device.type == "cuda" and HAVE_TRITON
 
 
 GPU_SECONDS_PER_WEIGHT = 5e-12
