@@ -197,7 +197,8 @@ def capture(step, device: torch.device) -> torch.cuda.CUDAGraph:
 
 
 def profile_replay(graph: torch.cuda.CUDAGraph) -> dict:
-    """One replay under the profiler: the GPU activities it shows by kind, and their summed GPU time."""
+    """One replay under the profiler: the GPU activities it shows by kind, their summed GPU time, its span
+    (first start to last end), and the timeline: (start us from the first, GPU us, idle us before it, name)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
@@ -205,9 +206,29 @@ def profile_replay(graph: torch.cuda.CUDAGraph) -> dict:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") in GPU_KINDS]
+            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") in GPU_KINDS),
+                            key=lambda e: e["ts"])
     counts = collections.Counter(e["cat"] for e in events)
-    return {**counts, "gpu_us": sum(e.get("dur", 0.0) for e in events)}
+    timeline, end = [], events[0]["ts"] if events else 0.0
+    for e in events:
+        dur = e.get("dur", 0.0)
+        timeline.append((e["ts"] - events[0]["ts"], dur, max(0.0, e["ts"] - end), e["name"][:70]))
+        end = max(end, e["ts"] + dur)
+    span = end - events[0]["ts"] if events else 0.0
+    return {**counts, "gpu_us": sum(e.get("dur", 0.0) for e in events), "span_us": span, "timeline": timeline}
+
+
+def print_timeline(path: str, replay: dict) -> None:
+    """The profiled replay kernel by kernel: where the GPU is busy, and the idle time before each activity
+    (launch and drain inside the graph, or, before the first kernel after a handoff wait, the CPU experts)."""
+    print(f"\n{path}: one profiled replay, activity by activity (us)")
+    print(f"{'start':>8} {'GPU':>6} {'idle':>6}  name")
+    for start, dur, idle, name in replay["timeline"]:
+        print(f"{start:8.1f} {dur:6.1f} {idle:6.1f}  {name}")
+    idle = [i for _, _, i, _ in replay["timeline"]]
+    big = sorted(idle)[-1] if idle else 0.0
+    print(f"  span {replay['span_us']:.1f} us = busy {replay['gpu_us']:.1f} + idle {sum(idle):.1f} "
+          f"(the largest idle {big:.1f}; idle without it {sum(idle) - big:.1f} over {len(idle) - 1} activities)")
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
@@ -300,7 +321,9 @@ def main(argv=None) -> None:
             if cuda_fixed:
                 graphs[path] = capture(step, device)
                 result["paths"][path]["graph_nodes"] = graph_node_types(graphs[path])
-                result["paths"][path]["replay_profile"] = profile_replay(graphs[path])
+                replay = profile_replay(graphs[path])
+                print_timeline(path, replay)
+                result["paths"][path]["replay_profile"] = replay
         except Exception:  # noqa: BLE001 (one path's failure must not lose the other's rows)
             traceback.print_exc()
             print(f"{path}: FAILED", flush=True)
@@ -316,7 +339,8 @@ def main(argv=None) -> None:
             r = result["paths"][path]
             r["replay_us"] = min(us[path])
             print(f"  {path:>8}: {r['replay_us']:8.1f} us = {r['replay_us'] / args.layers:6.1f} us per layer; "
-                  f"nodes {r['graph_nodes']}; one profiled replay: {r['replay_profile']}")
+                  f"nodes {r['graph_nodes']}; one profiled replay: "
+                  f"{ {k: v for k, v in r['replay_profile'].items() if k != 'timeline'} }")
     if len(result["paths"]) == 2 and moe_layers:
         a, b = (result["paths"][p] for p in ("unfused", "fused"))
         last = f"layer {moe_layers[-1]}"
