@@ -283,6 +283,11 @@ NB_MODULE(_native, m) {
     return hmoe::read_bandwidth(nbytes, threads, passes, rounds);
   }, "nbytes"_a, "threads"_a, "passes"_a = 5, "rounds"_a = 3,
         "Host read bytes/s on the engine's pool (csrc/runtime/read_bandwidth.h).");
+  m.def("read_bandwidth_by_worker", [](size_t nbytes, int threads, int passes) {
+    nb::gil_scoped_release nogil;
+    return hmoe::read_bandwidth_by_worker(nbytes, threads, passes);
+  }, "nbytes"_a, "threads"_a, "passes"_a = 3,
+        "Bytes/s of each pool worker while reading, all threads at once (csrc/runtime/read_bandwidth.h).");
   m.def("read_bandwidth_isa", &hmoe::read_bandwidth_isa, "The load width read_bandwidth uses here.");
 
   nb::class_<Engine>(m, "MoeEngine", "Packed routed experts of one MoE layer (see csrc/moe/moe_layer.h).")
@@ -309,6 +314,21 @@ NB_MODULE(_native, m) {
                      if (n < 0) fail("item_prefetch must be >= 0 bytes, got " + std::to_string(n));
                      e.layer().set_item_prefetch(n);
                    }, "Bytes of each weight stream of a GEMM item prefetched as it starts (0: none).")
+      .def_prop_rw("item_bytes", [](const Engine& e) { return e.layer().item_bytes(); },
+                   [](Engine& e, int n) {
+                     if (n < 0) fail("item_bytes must be >= 0 (0: by item_blocks), got " + std::to_string(n));
+                     e.layer().set_item_bytes(n);
+                   }, "Weight bytes per GEMM work item, gate and up together (0: by item_blocks).")
+      .def_prop_rw("kernel_prefetch_l1", [](const Engine& e) { return e.layer().kernel_prefetch_l1(); },
+                   [](Engine& e, int n) {
+                     if (n < 0) fail("kernel_prefetch_l1 must be >= 0 bytes, got " + std::to_string(n));
+                     e.layer().set_kernel_prefetch(n, e.layer().kernel_prefetch_l2());
+                   }, "Bytes ahead of its loads the AVX-512 kernels prefetch weights into L1 (0: none).")
+      .def_prop_rw("kernel_prefetch_l2", [](const Engine& e) { return e.layer().kernel_prefetch_l2(); },
+                   [](Engine& e, int n) {
+                     if (n < 0) fail("kernel_prefetch_l2 must be >= 0 bytes, got " + std::to_string(n));
+                     e.layer().set_kernel_prefetch(e.layer().kernel_prefetch_l1(), n);
+                   }, "Bytes ahead of its loads the AVX-512 kernels prefetch weights into L2 (0: none).")
       .def_prop_rw("tail_split", [](const Engine& e) { return e.layer().tail_split(); },
                    [](Engine& e, bool on) { e.layer().set_tail_split(on); },
                    "Whether the last down items of a call are cut into 1-block items.")

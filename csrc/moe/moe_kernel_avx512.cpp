@@ -15,15 +15,21 @@ namespace {
 // the accumulator arrays are indexed at run time and live in memory, not registers.
 inline __m512i bcast32(const void* p) { return _mm512_set1_epi32(*static_cast<const int32_t*>(p)); }
 
-// Software prefetch of the weight line(s) kPrefetchBytes ahead of a K step. The same distance
-// in bytes for every format: a core's bytes in flight (about this distance) over DRAM latency
-// bound its read rate, whatever the kernel does per byte (int8/int4 at 2 KiB read about half
-// as fast per core on the GPU host as bf16 at 4 KiB: the inference this distance rests on).
-constexpr int kPrefetchBytes = 4096;
+// Software prefetch of the weight line(s) of a K step, PackedView::prefetch_l1 / prefetch_l2 bytes
+// ahead (0: none). The same distance in bytes for every format: a core's bytes in flight over DRAM
+// latency bound its read rate, whatever the kernel does per byte.
+struct Prefetch {
+  int l1, l2;
+};
+inline Prefetch prefetch_of(const PackedView& w) { return {w.prefetch_l1, w.prefetch_l2}; }
 // A macro, not a function: this file builds with -Os (nanobind's default), where GCC may keep
 // such a helper out of line, find it free of side effects and drop every call to it.
-#define HMOE_PREFETCH_AHEAD(ptr, line) \
-  _mm_prefetch(reinterpret_cast<const char*>(ptr) + kPrefetchBytes + 64 * (line), _MM_HINT_T0)
+#define HMOE_PREFETCH_AHEAD(pf, ptr, line)                                     \
+  do {                                                                         \
+    const char* line_ = reinterpret_cast<const char*>(ptr) + 64 * (line);      \
+    if ((pf).l1) _mm_prefetch(line_ + (pf).l1, _MM_HINT_T0);                   \
+    if ((pf).l2) _mm_prefetch(line_ + (pf).l2, _MM_HINT_T1);                   \
+  } while (0)
 
 // Few tokens: each (row tile, token) sums into C accumulators, one per step of C consecutive
 // K steps; with one chain per tile a 1-token pass waits on the dot product's latency each step.
@@ -32,7 +38,7 @@ constexpr int chains() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 
 // np is a multiple of 16 (Kp of 32), so of every C.
 template <int M>
-void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out, int ldo) {
+void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out, int ldo, Prefetch pf) {
   constexpr int C = chains<M>();
   __m512 acc[2][M][C];
   _Pragma("GCC unroll 8")
@@ -43,8 +49,8 @@ void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out
     _Pragma("GCC unroll 4")
     for (int c = 0; c < C; ++c) {
       const int p = p0 + c;
-      HMOE_PREFETCH_AHEAD(wb + p * 64, 0);  // both lines of the step
-      HMOE_PREFETCH_AHEAD(wb + p * 64, 1);
+      HMOE_PREFETCH_AHEAD(pf, wb + p * 64, 0);  // both lines of the step
+      HMOE_PREFETCH_AHEAD(pf, wb + p * 64, 1);
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * 64);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
       _Pragma("GCC unroll 8")
@@ -67,6 +73,7 @@ void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out
 }
 
 void gemm_bf16(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const Prefetch pf = prefetch_of(w);
   const int np = w.Kp / 2;
   for (int b = b0; b < b1; ++b) {
     const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.w) + size_t(b) * np * 64;
@@ -75,12 +82,12 @@ void gemm_bf16(const PackedView& w, int b0, int b1, const ActView& a, float* out
       const uint16_t* x = a.bf16 + size_t(t0) * a.ld;
       float* ot = o + size_t(t0) * ldo;
       switch (std::min(6, a.n - t0)) {
-        case 1: bf16_pass<1>(wb, np, x, a.ld, ot, ldo); break;
-        case 2: bf16_pass<2>(wb, np, x, a.ld, ot, ldo); break;
-        case 3: bf16_pass<3>(wb, np, x, a.ld, ot, ldo); break;
-        case 4: bf16_pass<4>(wb, np, x, a.ld, ot, ldo); break;
-        case 5: bf16_pass<5>(wb, np, x, a.ld, ot, ldo); break;
-        default: bf16_pass<6>(wb, np, x, a.ld, ot, ldo); break;
+        case 1: bf16_pass<1>(wb, np, x, a.ld, ot, ldo, pf); break;
+        case 2: bf16_pass<2>(wb, np, x, a.ld, ot, ldo, pf); break;
+        case 3: bf16_pass<3>(wb, np, x, a.ld, ot, ldo, pf); break;
+        case 4: bf16_pass<4>(wb, np, x, a.ld, ot, ldo, pf); break;
+        case 5: bf16_pass<5>(wb, np, x, a.ld, ot, ldo, pf); break;
+        default: bf16_pass<6>(wb, np, x, a.ld, ot, ldo, pf); break;
       }
     }
   }
@@ -89,7 +96,7 @@ void gemm_bf16(const PackedView& w, int b0, int b1, const ActView& a, float* out
 // A flush span is 64 K steps, or what is left of Kp (a multiple of 16): a multiple of every C.
 template <int M>
 void int8_pass(const int8_t* wb, int Kp, const int16_t* x, int ld, const float* xscale,
-               const float* wscale, float* out, int ldo) {
+               const float* wscale, float* out, int ldo, Prefetch pf) {
   constexpr int C = chains<M>();
   __m512 facc[2][M];
   _Pragma("GCC unroll 8")
@@ -105,7 +112,7 @@ void int8_pass(const int8_t* wb, int Kp, const int16_t* x, int ld, const float* 
       _Pragma("GCC unroll 4")
       for (int c = 0; c < C; ++c) {
         const int p = p0 + c;
-        HMOE_PREFETCH_AHEAD(wb + p * 64, 0);
+        HMOE_PREFETCH_AHEAD(pf, wb + p * 64, 0);
         const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64)));
         const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32)));
         _Pragma("GCC unroll 8")
@@ -136,6 +143,7 @@ void int8_pass(const int8_t* wb, int Kp, const int16_t* x, int ld, const float* 
 }
 
 void gemm_int8(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const Prefetch pf = prefetch_of(w);
   const int np = w.Kp / 2;
   for (int b = b0; b < b1; ++b) {
     const int8_t* wb = reinterpret_cast<const int8_t*>(w.w) + size_t(b) * np * 64;
@@ -146,10 +154,10 @@ void gemm_int8(const PackedView& w, int b0, int b1, const ActView& a, float* out
       float* ot = o + size_t(t0) * ldo;
       const float* xs = a.qscale + t0;
       switch (std::min(4, a.n - t0)) {
-        case 1: int8_pass<1>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo); break;
-        case 2: int8_pass<2>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo); break;
-        case 3: int8_pass<3>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo); break;
-        default: int8_pass<4>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo); break;
+        case 1: int8_pass<1>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
+        case 2: int8_pass<2>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
+        case 3: int8_pass<3>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
+        default: int8_pass<4>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
       }
     }
   }
@@ -162,7 +170,7 @@ inline __m512i widen(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_load
 // consecutive steps (U); steps per group (group / 8) is even.
 template <int M>
 void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16_t* x, int ld,
-               const float* xscale, const int32_t* xsum, float* out, int ldo) {
+               const float* xscale, const int32_t* xsum, float* out, int ldo, Prefetch pf) {
   constexpr int C = chains<M>(), U = C == 4 ? 2 : 1;
   const int G = w.Kp / w.group, steps = w.group / 8;
   const __m512i nib = _mm512_set1_epi16(0x0F);
@@ -179,8 +187,8 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
       _Pragma("GCC unroll 2")
       for (int u = 0; u < U; ++u) {
         const int p = p0 + u;
-        HMOE_PREFETCH_AHEAD(wb + size_t(p) * 128, 0);
-        HMOE_PREFETCH_AHEAD(wb + size_t(p) * 128, 1);
+        HMOE_PREFETCH_AHEAD(pf, wb + size_t(p) * 128, 0);
+        HMOE_PREFETCH_AHEAD(pf, wb + size_t(p) * 128, 1);
         _Pragma("GCC unroll 2")
         for (int h = 0; h < 2; ++h) {
           const __m512i w0 = widen(wb + size_t(p) * 128 + h * 64), w1 = widen(wb + size_t(p) * 128 + h * 64 + 32);
@@ -224,6 +232,7 @@ void int4_pass(const uint8_t* wb, const PackedView& w, size_t sbase, const int16
 }
 
 void gemm_int4(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const Prefetch pf = prefetch_of(w);
   const int G = w.Kp / w.group;
   for (int b = b0; b < b1; ++b) {
     const uint8_t* wb = w.w + size_t(b) * (w.Kp / 8) * 128;
@@ -235,10 +244,10 @@ void gemm_int4(const PackedView& w, int b0, int b1, const ActView& a, float* out
       float* ot = o + size_t(t0) * ldo;
       const float* xs = a.qscale + t0;
       switch (std::min(4, a.n - t0)) {
-        case 1: int4_pass<1>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo); break;
-        case 2: int4_pass<2>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo); break;
-        case 3: int4_pass<3>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo); break;
-        default: int4_pass<4>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo); break;
+        case 1: int4_pass<1>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo, pf); break;
+        case 2: int4_pass<2>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo, pf); break;
+        case 3: int4_pass<3>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo, pf); break;
+        default: int4_pass<4>(wb, w, sbase, x, a.ld, xs, xsum, ot, ldo, pf); break;
       }
     }
   }

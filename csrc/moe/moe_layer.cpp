@@ -271,6 +271,8 @@ PackedView MoeLayer::view(const Matrix& m, int e, int s) const {
   v.zero = m.zero[s] ? m.zero[s] + size_t(e) * sf : nullptr;
   v.Kp = m.Kp;
   v.group = cfg_.group;
+  v.prefetch_l1 = kernel_prefetch_l1_;
+  v.prefetch_l2 = kernel_prefetch_l2_;
   return v;
 }
 
@@ -476,17 +478,22 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // GPU host 8-block items beat 5-block ones at T = 1, r1), and the tail split below keeps the
   // end of the run fine-grained.
   const int64_t total_blocks = int64_t(gate.blocks + down.blocks) * A;
-  const int per_item = item_blocks_ > 0 ? item_blocks_
-                                        : int(std::clamp<int64_t>(total_blocks / (4 * pool_->threads()), 1, 8));
+  const int by_blocks = item_blocks_ > 0 ? item_blocks_
+                                         : int(std::clamp<int64_t>(total_blocks / (4 * pool_->threads()), 1, 8));
+  auto per_item = [&](int m) {  // blocks per item of gate/up (m = 0) or down (1)
+    if (item_bytes_ <= 0) return by_blocks;
+    const size_t block = m ? block_bytes(fmt, down.Kp) : 2 * block_bytes(fmt, gate.Kp);
+    return int(std::clamp<size_t>((item_bytes_ + block / 2) / block, 1, 64));
+  };
   std::atomic<int>* pending = grow(ws.pending, A);
   for (int j = 0; j < A; ++j) pending[j].store(0, std::memory_order_relaxed);
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < 2; ++m) {
       const Matrix& mat = m ? down : gate;
-      const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
+      const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s], step = per_item(m);
       for (int j = 0; j < A; ++j)
-        for (int b = 0; b < nb; b += per_item) {
-          gemm_items.push_back({m, j, s, b, std::min(nb, b + per_item)});
+        for (int b = 0; b < nb; b += step) {
+          gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
           if (!m) pending[j].fetch_add(1, std::memory_order_relaxed);
         }
       if (m && tail_split_) {

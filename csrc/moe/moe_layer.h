@@ -75,6 +75,17 @@ class MoeLayer {
   // Bytes of each weight stream (and scales) of a GEMM item prefetched into L2 as it starts (0: none).
   void set_item_prefetch(int bytes) { item_prefetch_ = bytes; }
   int item_prefetch() const { return item_prefetch_; }
+  // Weight bytes per GEMM work item (gate and up counted both; 0: by item_blocks): gate/up items
+  // of wide experts are then cut finer than down items, so every expert's h is ready sooner.
+  void set_item_bytes(int bytes) { item_bytes_ = bytes; }
+  int item_bytes() const { return item_bytes_; }
+  // Software prefetch distances of the memory-bound kernels (PackedView::prefetch_l1 / _l2).
+  void set_kernel_prefetch(int l1_bytes, int l2_bytes) {
+    kernel_prefetch_l1_ = l1_bytes;
+    kernel_prefetch_l2_ = l2_bytes;
+  }
+  int kernel_prefetch_l1() const { return kernel_prefetch_l1_; }
+  int kernel_prefetch_l2() const { return kernel_prefetch_l2_; }
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }
   bool tail_split() const { return tail_split_; }
@@ -104,6 +115,8 @@ class MoeLayer {
   Tracer tracer_;
   int item_blocks_ = 0;
   int item_prefetch_ = 4096;
+  int item_bytes_ = 0;
+  int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 0;
   bool tail_split_ = true;
   bool combine_in_run_ = true;
 };

@@ -48,6 +48,10 @@ struct PackedView {
   const float* zero = nullptr;   // int4 asymmetric: [nblocks][G][32]; else null
   int Kp = 0;
   int group = 0;                 // int4 group size
+  // Software prefetch distances (bytes ahead of the loads) of the memory-bound kernels (AVX-512):
+  // into L1 (prefetcht0) and into L2 (prefetcht1); 0: none. Timing only, never results.
+  int prefetch_l1 = 4096;
+  int prefetch_l2 = 0;
 };
 
 // Activations of n tokens (one expert), row-major, n rounded up to 16 rows of zeros.

@@ -85,46 +85,88 @@ const char* read_bandwidth_isa() {
   return r == read_avx512 ? "avx512" : r == read_avx2 ? "avx2" : "generic";
 }
 
-double read_bandwidth(size_t nbytes, int threads, int passes, int rounds) {
-  if (nbytes == 0 || threads < 1 || passes < 1 || rounds < 1)
-    throw std::invalid_argument("read_bandwidth needs nbytes, threads, passes and rounds of at least 1");
-  const size_t blocks = (nbytes + kBlock - 1) / kBlock;
-  const size_t bytes = blocks * kBlock;
-  std::unique_ptr<uint8_t, FreeDeleter> buf(static_cast<uint8_t*>(std::aligned_alloc(kAlign, bytes)));
-  if (!buf) throw std::bad_alloc();
-  madvise(buf.get(), bytes, MADV_HUGEPAGE);  // a hint: fewer TLB misses where THP is on "madvise"
-  uint8_t* data = buf.get();
+namespace {
 
-  auto pool = shared_pool(threads, 1);
-  const Reader reader = best_reader();
-  // one sink line per worker: no two workers write the same cache line
-  std::vector<uint64_t> sinks(size_t(pool->threads()) * 8, 0);
-  auto pass = [&](bool fill) {
-    pool->run_here([&] {
-      pool->run(int(blocks), [&](int block, int worker) {
+// One buffer of whole blocks, first touched by the pool's own (pinned) workers, and the passes
+// that read it; pass() optionally adds each worker's bytes and nanoseconds inside the reader.
+class Probe {
+ public:
+  Probe(size_t nbytes, int threads)
+      : blocks_((nbytes + kBlock - 1) / kBlock),
+        buf_(static_cast<uint8_t*>(std::aligned_alloc(kAlign, blocks_ * kBlock))),
+        pool_(shared_pool(threads, 1)),
+        reader_(best_reader()),
+        sinks_(size_t(pool_->threads()) * 8, 0) {  // one sink line per worker: none shared
+    if (!buf_) throw std::bad_alloc();
+    madvise(buf_.get(), bytes(), MADV_HUGEPAGE);  // a hint: fewer TLB misses where THP is on "madvise"
+    pass(true, nullptr, nullptr);
+  }
+  ~Probe() {
+    uint64_t all = 0;
+    for (size_t w = 0; w < sinks_.size(); w += 8) all ^= sinks_[w];
+    g_sink = all;
+  }
+  size_t bytes() const { return blocks_ * kBlock; }
+  int threads() const { return pool_->threads(); }
+
+  // Seconds of one pass over the buffer (fill: first touch, with bytes that are not the zero page).
+  double pass(bool fill, uint64_t* worker_bytes, int64_t* worker_ns) {
+    uint8_t* data = buf_.get();
+    const auto start = std::chrono::steady_clock::now();
+    pool_->run_here([&] {
+      pool_->run(int(blocks_), [&](int block, int worker) {
         uint8_t* p = data + size_t(block) * kBlock;
-        // first touch by the pool's own (pinned) workers, with bytes that are not the zero page
         if (fill) std::memset(p, 1 + block % 251, kBlock);
-        sinks[size_t(worker) * 8] ^= reader(p, kBlock);
+        const auto t0 = std::chrono::steady_clock::now();
+        sinks_[size_t(worker) * 8] ^= reader_(p, kBlock);
+        if (worker_bytes) {
+          worker_ns[worker] += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now() - t0).count();
+          worker_bytes[worker] += kBlock;
+        }
       });
     });
-  };
-  pass(true);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+ private:
+  size_t blocks_;
+  std::unique_ptr<uint8_t, FreeDeleter> buf_;
+  std::shared_ptr<ThreadPool> pool_;
+  Reader reader_;
+  std::vector<uint64_t> sinks_;
+};
+
+void check_args(size_t nbytes, int threads, int passes, int rounds) {
+  if (nbytes == 0 || threads < 1 || passes < 1 || rounds < 1)
+    throw std::invalid_argument("read_bandwidth needs nbytes, threads, passes and rounds of at least 1");
+}
+
+}  // namespace
+
+double read_bandwidth(size_t nbytes, int threads, int passes, int rounds) {
+  check_args(nbytes, threads, passes, rounds);
+  Probe probe(nbytes, threads);
   double best = 0;
   std::vector<double> seconds(passes);
   for (int r = 0; r < rounds; ++r) {
-    for (int i = 0; i < passes; ++i) {
-      const auto start = std::chrono::steady_clock::now();
-      pass(false);
-      seconds[i] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    }
+    for (int i = 0; i < passes; ++i) seconds[i] = probe.pass(false, nullptr, nullptr);
     std::nth_element(seconds.begin(), seconds.begin() + passes / 2, seconds.end());
-    best = std::max(best, double(bytes) / seconds[passes / 2]);
+    best = std::max(best, double(probe.bytes()) / seconds[passes / 2]);
   }
-  uint64_t all = 0;
-  for (size_t w = 0; w < sinks.size(); w += 8) all ^= sinks[w];
-  g_sink = all;
   return best;
+}
+
+std::vector<double> read_bandwidth_by_worker(size_t nbytes, int threads, int passes) {
+  check_args(nbytes, threads, passes, 1);
+  Probe probe(nbytes, threads);
+  std::vector<uint64_t> bytes(probe.threads(), 0);
+  std::vector<int64_t> ns(probe.threads(), 0);
+  for (int i = 0; i < passes; ++i) probe.pass(false, bytes.data(), ns.data());
+  std::vector<double> out(probe.threads(), 0.0);
+  for (int w = 0; w < probe.threads(); ++w)
+    if (ns[w] > 0) out[w] = double(bytes[w]) / (double(ns[w]) * 1e-9);
+  return out;
 }
 
 }  // namespace hmoe

@@ -129,7 +129,34 @@ def test_item_prefetch_changes_nothing_but_timing(make_weights, make_routing, nb
     check_call(experts.take_trace()[0], ids, threads=2, slices=2)
 
 
-@pytest.mark.parametrize("knob", ["item_blocks", "item_prefetch"])
+def test_item_bytes_cut_gate_up_and_down_items_by_their_own_block_bytes(make_weights, make_routing):
+    experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2)
+    x, ids, weights = make_routing(5, H, K, range(E))
+    expected = experts.forward(x, ids, weights)
+    # int4 blocks: gate and up 32 x H / 2 bytes each (5120 together), down 32 x I / 2 = 1536
+    experts.set_schedule(item_bytes=5120, tail_split=False)
+    experts.trace(1)
+    assert torch.equal(experts.forward(x, ids, weights), expected)
+    rec = experts.take_trace()[0]
+    check_call(rec, ids, threads=2, slices=1)
+    items = rec["items"]
+    sizes = items[:, B1] - items[:, B0]
+    assert sizes[items[:, DOWN] == 0].eq(1).all()
+    assert sizes[items[:, DOWN] == 1].max() == 3  # 5120 / 1536 rounded
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("l1, l2", [(0, 0), (64, 0), (8192, 0), (0, 16384), (2048, 8192)])
+def test_kernel_prefetch_changes_nothing_but_timing(make_weights, make_routing, fmt, l1, l2):
+    experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2)
+    x, ids, weights = make_routing(5, H, K, range(E))
+    expected = experts.forward(x, ids, weights)
+    experts.set_schedule(kernel_prefetch_l1=l1, kernel_prefetch_l2=l2)
+    assert torch.equal(experts.forward(x, ids, weights), expected)
+
+
+@pytest.mark.parametrize("knob", ["item_blocks", "item_prefetch", "item_bytes", "kernel_prefetch_l1",
+                                  "kernel_prefetch_l2"])
 def test_schedule_knobs_must_not_be_negative(make_weights, knob):
     experts = CpuExperts(*make_weights(E, H, I), threads=1)
     with pytest.raises(HybridMoEError, match=knob):

@@ -41,3 +41,18 @@ def test_host_read_bandwidth_falls_back_to_torch_without_the_extension(monkeypat
     bps = bandwidth.host_read_bandwidth(SMALL, 1, repeats=2)
     assert math.isfinite(bps) and bps > 1e8
     assert bandwidth.host_read_method() == "float32 sum"
+
+
+def test_per_worker_probe_gives_each_reading_worker_a_plausible_rate():
+    rates = native.read_bandwidth_by_worker(SMALL, 2, passes=2)
+    # The caller always reads; the pinned worker too unless it woke after every block was taken
+    # (a loaded CI machine): 0, not a made-up rate.
+    assert len(rates) == 2 and 1e8 < rates[0] < 1e13
+    assert rates[1] == 0 or 1e8 < rates[1] < 1e13
+
+
+@pytest.mark.parametrize("kwargs", [dict(nbytes=0, threads=1), dict(nbytes=SMALL, threads=0),
+                                    dict(nbytes=SMALL, threads=1, passes=0)])
+def test_per_worker_probe_rejects_empty_work(kwargs):
+    with pytest.raises(ValueError, match="at least 1"):
+        native.read_bandwidth_by_worker(**kwargs)

@@ -281,15 +281,22 @@ class CpuExperts:
         return trace_records(self._engine.take_trace())
 
     def set_schedule(self, item_blocks: int | None = None, item_prefetch: int | None = None,
-                     tail_split: bool | None = None, combine_in_run: bool | None = None) -> None:
+                     tail_split: bool | None = None, combine_in_run: bool | None = None,
+                     item_bytes: int | None = None, kernel_prefetch_l1: int | None = None,
+                     kernel_prefetch_l2: int | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
-        default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
-        starts (default 4096, 0: none); tail_split: cut the last down items (about two blocks
-        per thread) into 1-block items (default on); combine_in_run: up to 16 tokens, sum the
-        experts' outputs per block of columns inside the GEMM run (default on), else after it."""
+        default); item_bytes: weight bytes per work item instead, gate and up counted together
+        (0: by item_blocks, the default); item_prefetch: bytes of each item's weight streams
+        prefetched into L2 as it starts (default 4096, 0: none); tail_split: cut the last down
+        items (about two blocks per thread) into 1-block items (default on); combine_in_run: up to
+        16 tokens, sum the experts' outputs per block of columns inside the GEMM run (default on),
+        else after it; kernel_prefetch_l1 / kernel_prefetch_l2: bytes ahead of its loads the
+        AVX-512 kernels prefetch weights into L1 / L2 (defaults 4096 / 0, 0: none)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
-                            ("tail_split", tail_split), ("combine_in_run", combine_in_run)):
+                            ("tail_split", tail_split), ("combine_in_run", combine_in_run),
+                            ("item_bytes", item_bytes), ("kernel_prefetch_l1", kernel_prefetch_l1),
+                            ("kernel_prefetch_l2", kernel_prefetch_l2)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
