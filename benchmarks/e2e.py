@@ -3,9 +3,9 @@ memory, RSS, and the decode floor (CPU-resident expert bytes read per token / ho
 in this run), at batch 1; one table, and (with --json) a JSON file that carries the floor.
 
     python benchmarks/e2e.py --model DIR | --synthetic PRESET [--layers N[,N2,...]]
-        [--formats int4,bf16] [--prompt-lens 512,2048,8192] [--gen-len 32] [--ablation [ROWS]] [--json F]
-        [engine options: --device, --gpu-memory-budget, --deferred-experts, ...]
-    python benchmarks/e2e.py --suite qwen3 | dsv2lite | dsv3    # the issue's tables on the GPU host
+        [--formats int4,bf16] [--prompt-lens 512,2048,8192] [--gen-len 32] [--ablation [ROWS]] [--repeats N]
+        [--json F] [engine options: --device, --gpu-memory-budget, --deferred-experts, ...]
+    python benchmarks/e2e.py --suite qwen3 | dsv2lite | dsv3 [any option above, over the suite's own]
 
 --synthetic writes a random-weight checkpoint of a make-model preset (qwen3-30b-a3b, deepseek-v2-lite,
 deepseek-v3, ...) into memory (/dev/shm) and loads it like any directory. Cut to --layers N, it reports
@@ -27,14 +27,19 @@ format "all on" (graphs, GPU experts; deferred experts as given, else 0) and the
 model, also with (ROWS, comma-separated, default all): graph: no CUDA graph (the same engine, graphs off);
 prewake: the same engine with the CPU pool woken by the stream after every layer's wait; zero-copy: the
 same engine with the handoff's rows and output through the device's mapping of the pinned buffers
-instead of copies; trim: the same engine with one token's padding
-slots (weight 0) left out of its CPU work; these with graphs captured again, on the stream_mem_ops handoff
-only, and followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all on" has 0, else 0); gpu-experts: no GPU
-experts (--gpu-experts-per-layer 0). Deferral is not in "all on" by default
+instead of copies; trim: the same engine with one token's padding slots (weight 0) left out of its CPU
+work; these with graphs captured again, on the stream_mem_ops handoff only, and (without --repeats)
+followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
+on" has 0, else 0); gpu-experts: no GPU experts (--gpu-experts-per-layer 0). Deferral is not in "all on" by default
 because it lost on the GPU host: Qwen3-30B-A3B int4, 4 layers, 354 tok/s with 1 vs 370 with 0 (each
-deferred expert adds a CPU handoff per layer). A SIGTERM (e.g. `timeout`) ends the run with the tables
-of the configurations measured so far. Qwen3-30B-A3B rows are also set against llama.cpp's reference
-figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s prefill at 512 (48 layers).
+deferred expert adds a CPU handoff per layer).
+
+--repeats N measures the rows of each engine load N times, interleaved (all on, no CUDA graph, prewake,
+..., all on, no CUDA graph, ...): on the GPU host two identical rows differed by up to 20%, so a row is
+its median, and a table lists every sample and the spread; rows of other loads (deferral, no GPU
+experts, other formats) are each measured N times back to back on their own engine. A SIGTERM (e.g.
+`timeout`) ends the run with the tables of the configurations measured so far. Qwen3-30B-A3B rows are
+also set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s prefill at 512 (48 layers).
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ SUITES = {
                   gen_len=32, ablation=",".join(ABLATION_ROWS), engine=dict(gpu_memory_budget="16GiB")),
     "dsv2lite": dict(synthetic="deepseek-v2-lite", layers="8", formats="int4", prompt_lens="512,2048,8192",
                      gen_len=32, ablation=None, engine=dict(gpu_memory_budget="16GiB")),
-    "dsv3": dict(synthetic="deepseek-v3", layers="4", formats="int4", prompt_lens="512,2048", gen_len=16,
+    "dsv3": dict(synthetic="deepseek-v3", layers="2", formats="int4", prompt_lens="512,2048", gen_len=16,
                  ablation=None, engine=dict(gpu_memory_budget="16GiB")),
 }
 
@@ -94,13 +99,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", help="with --synthetic: decoder layers (default: full depth); two or more "
                         "depths, comma-separated, are each measured and fitted (e.g. 4,16)")
     parser.add_argument("--formats", help="expert formats to run in turn, e.g. int4,bf16 (default: the engine's)")
-    parser.add_argument("--prompt-lens", default="512,2048,8192", help="prefill prompt lengths (default 512,2048,8192)")
-    parser.add_argument("--gen-len", type=int, default=32, help="decoded tokens per timed run (default 32)")
+    parser.add_argument("--prompt-lens", help="prefill prompt lengths (default 512,2048,8192)")
+    parser.add_argument("--gen-len", type=int, help="decoded tokens per timed run (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64, help="prompt before the decode run (default 64)")
     parser.add_argument("--prompt-len", type=int, metavar="N",
                         help="one length for both: --prompt-lens N --decode-prompt-len N (the earlier interface)")
     parser.add_argument("--ablation", nargs="?", const=",".join(ABLATION_ROWS), metavar="ROWS",
                         help=f"also these rows (default all: {','.join(ABLATION_ROWS)}; see above)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure each engine's rows this many times, interleaved, and report the median and "
+                             "the spread (default 1)")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="host read probe buffer (default 1 GiB)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the setup and results here")
@@ -108,13 +116,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.prompt_len is not None:
         args.prompt_lens, args.decode_prompt_len = str(args.prompt_len), args.prompt_len
-    if args.suite:
-        suite = SUITES[args.suite]
-        for key in ("synthetic", "layers", "formats", "prompt_lens", "gen_len", "ablation"):
-            setattr(args, key, suite[key])
-        for key, value in suite["engine"].items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
+    # a suite's settings, then the defaults, fill what the command line left out
+    suite = SUITES[args.suite] if args.suite else {"engine": {}}
+    defaults = dict(prompt_lens="512,2048,8192", gen_len=32)
+    for key, value in [*suite.items(), *defaults.items(), *suite["engine"].items()]:
+        if key != "engine" and getattr(args, key) is None:
+            setattr(args, key, value)
     return args
 
 
@@ -182,13 +189,14 @@ def ablation_rows(text: str | None) -> list[str]:
     return rows
 
 
-def handoff_variants(name: str, ablation: list[str]) -> tuple[tuple[str, dict], ...]:
-    """(label, CudaHandoff options) of the ablation's handoff rows, then "all on" again if there are any."""
+def handoff_variants(name: str, ablation: list[str], repeats: int = 1) -> tuple[tuple[str, dict], ...]:
+    """(label, CudaHandoff options) of the ablation's handoff rows, then "all on" again if there are any
+    and no repeats (which show the drift in every row's spread instead)."""
     rows = tuple((f"{name} {HANDOFF_ROWS[row][0]}", HANDOFF_ROWS[row][1]) for row in HANDOFF_ROWS if row in ablation)
-    return rows + ((f"{name} all on, again", {}),) if rows else ()
+    return rows + ((f"{name} all on, again", {}),) if rows and repeats == 1 else rows
 
 
-def configurations(kwargs: dict, formats: list[str | None], ablation: list[str]) -> list[Load]:
+def configurations(kwargs: dict, formats: list[str | None], ablation: list[str], repeats: int = 1) -> list[Load]:
     """Each format; with ablation rows, each format "all on", the first also with graphs off and with the
     handoff options (same engine), and after every format the first with deferral toggled and without GPU experts
     (these prefill the first prompt length only), so that a time limit cuts the ablation before a format."""
@@ -203,7 +211,7 @@ def configurations(kwargs: dict, formats: list[str | None], ablation: list[str])
         first = k == 0
         runs.append(Load(f"{name} all on", base,
                          eager_label=f"{name} no CUDA graph" if first and "graph" in ablation else None,
-                         handoff_variants=handoff_variants(name, ablation if first else [])))
+                         handoff_variants=handoff_variants(name, ablation if first else [], repeats)))
         if first and "deferral" in ablation:
             deferral = (f"{name} deferral 1", 1) if base["deferred_experts"] == 0 else (f"{name} no deferral", 0)
             variants.append(Load(deferral[0], dict(base, deferred_experts=deferral[1]), every_length=False))
@@ -255,6 +263,21 @@ def results_table(results, prompt_lens: list[int]) -> list[str]:
                        _fmt(r.peak_gpu_gib, ".2f"), _fmt(r.rss_gib, ".2f"), _fmt(r.peak_rss_gib, ".2f"),
                        _fmt(r.load_s)])
     return _table(head, rows)
+
+
+def repeats_table(results, prompt_lens: list[int]) -> list[str]:
+    """Per row measured more than once: each decode and prefill sample (tok/s, in the order measured,
+    interleaved with the engine's other rows), the median and the spread (slowest to fastest / median)."""
+    head = ["config", "layers", "n", "decode tok/s median", "decode spread %", "decode tok/s samples"]
+    head += [f"prefill {n} samples" for n in prompt_lens]
+    rows = []
+    for r in results:
+        if len(r.decode_samples_s) < 2:
+            continue
+        prefill = [" ".join(f"{v:.0f}" for v in r.prefill_samples.get(n, [])) or "-" for n in prompt_lens]
+        rows.append([r.label, str(r.model_layers), str(len(r.decode_samples_s)), _fmt(r.decode_tok_s),
+                     _fmt(100 * r.decode_spread), " ".join(f"{1 / d:.1f}" for d in r.decode_samples_s), *prefill])
+    return _table(head, rows) if rows else []
 
 
 def _streaming(ec) -> str:
@@ -398,6 +421,8 @@ def _main(args) -> int:
     prompt_lens = _ints(args.prompt_lens, "--prompt-lens")
     if args.gen_len < 2:
         raise HybridMoEError(f"--gen-len must be at least 2 to time decoding, got {args.gen_len}")
+    if args.repeats < 1:
+        raise HybridMoEError(f"--repeats must be at least 1, got {args.repeats}")
     formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
     ablation = ablation_rows(args.ablation)
     depths = _ints(args.layers, "--layers") if args.layers is not None else [None]
@@ -439,15 +464,19 @@ def _main(args) -> int:
                 print(f"synthetic {args.synthetic}: {raw_cut['num_hidden_layers']} layers, "
                       f"{synthetic.total_bytes / 1e9:.1f} GB written to {synthetic.out_dir} in "
                       f"{time.perf_counter() - written:.1f} s (+{time.perf_counter() - start:.0f} s)", flush=True)
-            for load in configurations(kwargs, formats, ablation):
+            for load in configurations(kwargs, formats, ablation, args.repeats):
                 try:
                     rows = run_configuration(model_dir, load, prompt_lens, gen_len=args.gen_len,
                                              bandwidth=bandwidth, bandwidth_method=method,
-                                             decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth)
-                except Stopped:
+                                             decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth,
+                                             repeats=args.repeats)
+                except Stopped as e:  # with repeats, the rows of this load measured so far come with it
+                    rows = getattr(e, "results", [])
                     notes.append(f"stopped by SIGTERM (time limit) during {load.label} at "
-                                 f"{raw_cut['num_hidden_layers']} layers: later configurations not run")
-                    stopped, rows = True, []
+                                 f"{raw_cut['num_hidden_layers']} layers"
+                                 f"{' (its rows with the repeats done so far)' if rows else ''}: later "
+                                 "configurations not run")
+                    stopped = True
                 for r in rows:
                     print(progress_line(r, start), flush=True)
                 results += rows
@@ -465,6 +494,10 @@ def _main(args) -> int:
              f"# floor: CPU-resident expert bytes read per token / {bandwidth / 1e9:.1f} GB/s ({method}); "
              f"assumption: {ASSUMPTION}", *[f"# {n}" for n in notes], ""]
     lines += results_table(results, prompt_lens)
+    repeated = repeats_table(results, prompt_lens)
+    if repeated:
+        lines += ["", f"# repeats: each engine's rows measured {args.repeats} times, interleaved; the tables show "
+                      "medians", *repeated]
     anatomy = anatomy_table(results)
     if anatomy:
         lines += ["", "# where a decode step goes (stream_mem_ops handoff, the polling thread's clock; see "
@@ -488,7 +521,8 @@ def _main(args) -> int:
     if args.json:
         setup = {"model": args.model, "synthetic": args.synthetic, "layers": measured,
                  "full_layers": full.layers if cut else None, "engine_options": kwargs, "notes": notes,
-                 "prompt_lens": prompt_lens, "gen_len": args.gen_len, "bandwidth_gbps": bandwidth / 1e9,
+                 "prompt_lens": prompt_lens, "gen_len": args.gen_len, "repeats": args.repeats,
+                 "bandwidth_gbps": bandwidth / 1e9,
                  "bandwidth_method": method, "torch": torch.__version__, "llama_cpp": LLAMA_CPP, "targets": TARGETS}
         with open(args.json, "w") as f:
             json.dump({"setup": setup, "results": [r.to_json() for r in results],
@@ -500,6 +534,8 @@ def progress_line(r, start: float) -> str:
     line = (f"  {r.label} ({r.model_layers} layers): decode {r.decode_tok_s:.1f} tok/s, floor "
             f"{1e3 * r.floor.seconds:.2f} ms, prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())}"
             f" tok/s, load {r.load_s:.1f} s (+{time.perf_counter() - start:.0f} s)")
+    if len(r.decode_samples_s) > 1:
+        line += f"\n    decode samples: {' '.join(f'{1 / d:.1f}' for d in r.decode_samples_s)} tok/s"
     a = r.anatomy
     if a is not None:
         line += (f"\n    anatomy: {a.layers_per_step:.0f} MoE layers x (CPU {a.cpu_us:.0f} us + gap {_fmt(a.gap_us, '.0f')}"

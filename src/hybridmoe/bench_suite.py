@@ -8,16 +8,18 @@ extrapolation (bench_layers.py); on the CUDA handoff's stream_mem_ops path, wher
 goes (bench_anatomy.py). Optionally the same engine again with CUDA graphs off (the runner then runs the
 same fixed shapes eagerly, which is what --no-cuda-graph loads), and with graphs on again and options of
 the stream_mem_ops handoffs changed (HANDOFF_OPTIONS: the wake word after every layer's wait, zero-copy
-staging, one token's padding slots left out; the graphs captured anew).
+staging, one token's padding slots left out; the graphs captured anew). With repeats, every row of the
+engine is measured that many times, the rows interleaved, and reports the median and the samples.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import statistics
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,7 +51,8 @@ class SuiteResult:
     """Prompt length -> prompt tokens/s (one request, time to its first token)."""
     ttft_s: dict[int, float]
     decode_s: float
-    """Seconds per decoded token (mean over the gen_len - 1 steps after the first token)."""
+    """Seconds per decoded token (mean over the gen_len - 1 steps after the first token; the median of
+    the samples' means)."""
     load_s: float
     rss_gib: float
     """Resident memory once loaded and warmed up."""
@@ -71,6 +74,16 @@ class SuiteResult:
     """Where the decode step's time went (stream_mem_ops handoff only)."""
     handoff_options: dict | None = None
     """The stream_mem_ops handoffs' HANDOFF_OPTIONS in this run, None without such a handoff."""
+    decode_samples_s: list[float] = field(default_factory=list)
+    """decode_s of each repeat, in the order measured."""
+    prefill_samples: dict[int, list[float]] = field(default_factory=dict)
+    """Prompt length -> prefill tok/s of each repeat."""
+
+    @property
+    def decode_spread(self) -> float:
+        """(slowest - fastest) / median decode time over the repeats (0 with one)."""
+        d = self.decode_samples_s
+        return (max(d) - min(d)) / self.decode_s if d else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -96,29 +109,48 @@ class SuiteResult:
                 "layer_times": self.layer_times.to_json() if self.layer_times is not None else None,
                 "full_depth": self.full_depth(), "cuda_graph": self.cuda_graph, "engine": vars(self.resolved),
                 "model_layers": self.model_layers, "handoff_options": self.handoff_options,
-                "anatomy": self.anatomy.to_json() if self.anatomy is not None else None}
+                "anatomy": self.anatomy.to_json() if self.anatomy is not None else None,
+                "decode_samples_s": self.decode_samples_s, "prefill_samples": self.prefill_samples}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row measured on a loaded engine."""
+
+    label: str
+    graph: bool
+    """CUDA graphs on (as the engine loaded) or off."""
+    options: dict | None
+    """HANDOFF_OPTIONS set on the stream_mem_ops handoffs, over the engine's own (None: its own)."""
+    every_length: bool
+    """Prefill every prompt length (else the first only)."""
 
 
 def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_lens: list[int], gen_len: int,
               bandwidth: float, bandwidth_method: str, *, decode_prompt_len: int = 64, seed: int = 0,
               depth: DepthInfo | None = None, eager_label: str | None = None,
-              handoff_variants: tuple[tuple[str, dict], ...] = ()) -> list[SuiteResult]:
+              handoff_variants: tuple[tuple[str, dict], ...] = (), repeats: int = 1) -> list[SuiteResult]:
     """Load model_dir with engine_config and measure it; with eager_label, measure the same engine again
     with CUDA graphs off (prefill at prompt_lens[0] only) as a further result; for each (label, options)
     of handoff_variants, again with graphs on and those HANDOFF_OPTIONS set on the stream_mem_ops handoffs
     (when the model has any; prefill at prompt_lens[0] only; a variant that fails is reported and
-    skipped). The engine is dropped after."""
+    dropped). With repeats N, the rows are measured N times interleaved (A B C A B C ...), so that a drift
+    of the host shows in every row's spread instead of between rows; each result holds its N samples and
+    reports their median. An interruption (BaseException, e.g. the caller's SIGTERM) once every row has a
+    sample is raised again with the results so far as its `results`. The engine is dropped after."""
     from hybridmoe.engine.llm_engine import LLMEngine
 
     if gen_len < 2:
         raise HybridMoEError(f"gen_len must be at least 2 to time decoding, got {gen_len}")
+    if repeats < 1:
+        raise HybridMoEError(f"repeats must be at least 1, got {repeats}")
     cuda = torch.device(engine_config.device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     engine = LLMEngine(model_dir, engine_config)
     load_s = time.perf_counter() - t0
-    retired = []  # graphs captured with other handoff options: kept alive, as their memory pool is reused
+    bench = None
     try:
         g = torch.Generator().manual_seed(seed)
 
@@ -129,40 +161,80 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         # measured below (longer prompts run in chunks of max_num_batched_tokens) kept out of the numbers
         for n in sorted({min(n, engine.config.max_num_batched_tokens) for n in prompt_lens}):
             _measure(engine, [prompt(n)], 1)  # the prompt only: decode graphs are captured below
-        decode_prompt = prompt(decode_prompt_len)
-        memops = [h for h in handoffs(engine.runner.model) if h.path == "stream_mem_ops"]
-        defaults = {name: getattr(memops[0], name) for name in HANDOFF_OPTIONS} if memops else None
-        common = dict(load_s=load_s, depth=depth, resolved=engine.resolved_config, handoff_options=defaults)
-        results = [_measure_engine(engine, label, {n: prompt(n) for n in prompt_lens}, decode_prompt, gen_len,
-                                   bandwidth, bandwidth_method, cuda, **common)]
-        graphs = engine.runner.cuda_graph
+        bench = _Bench(engine, prompt(decode_prompt_len), gen_len, bandwidth, bandwidth_method, depth is not None)
+        rows = [Row(label, bench.graphs, None, True)]
         if eager_label is not None:
-            engine.runner.cuda_graph = False
-            results.append(_measure_engine(engine, eager_label, {prompt_lens[0]: prompt(prompt_lens[0])},
-                                           decode_prompt, gen_len, bandwidth, bandwidth_method, cuda,
-                                           **dict(common, resolved=replace(common["resolved"], cuda_graph=False))))
-            engine.runner.cuda_graph = graphs
-        for variant, options in handoff_variants if memops else ():
-            options = {**defaults, **options}
-            for h in memops:
-                for name, value in options.items():
-                    setattr(h, name, value)
-            if graphs:
-                retired += engine.runner._graphs.values()
-                engine.runner._graphs.clear()  # capture them again with these options
+            rows.append(Row(eager_label, False, None, False))
+        rows += [Row(variant, bench.graphs, options, False) for variant, options in handoff_variants if bench.memops]
+        prompts = {row.label: {n: prompt(n) for n in (prompt_lens if row.every_length else prompt_lens[:1])}
+                   for row in rows}
+        samples: dict[str, list[Sample]] = {row.label: [] for row in rows}
+        stopped = None
+        for rep in range(repeats):
             try:
-                results.append(_measure_engine(engine, variant, {prompt_lens[0]: prompt(prompt_lens[0])},
-                                               decode_prompt, gen_len, bandwidth, bandwidth_method, cuda,
-                                               **dict(common, handoff_options=options)))
-            except Exception as e:  # noqa: BLE001 (a variant's crash must not lose the rows measured)
-                traceback.print_exc()
-                print(f"  {variant}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
+                for row in [r for r in rows if r.label in samples]:
+                    bench.measure(row, prompts[row.label], samples, first=rep == 0)
+            except BaseException as e:  # noqa: BLE001 (raised again below, with the rows measured so far)
+                if rep == 0:
+                    raise
+                stopped = e
+                break
+        engine.runner.cuda_graph = bench.graphs
+        common = dict(load_s=load_s, depth=depth, resolved=engine.resolved_config, rss_gib=_rss_gib(),
+                      peak_rss_gib=peak_rss_gib(),
+                      peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                      model_layers=len(engine.runner.model.model.layers))
+        results = [_result(row, samples[row.label][:min(map(len, samples.values()))], bench.options(row), **common)
+                   for row in rows if row.label in samples]
     finally:
-        del engine, retired
+        del engine, bench
         gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+    if stopped is not None:
+        stopped.results = results
+        raise stopped
     return results
+
+
+class _Bench:
+    """A loaded engine switched between rows (graphs on or off, handoff options) and measured."""
+
+    def __init__(self, engine, decode_prompt: list[int], gen_len: int, bandwidth: float, bandwidth_method: str,
+                 layer_times: bool):
+        self.engine, self.decode_prompt, self.gen_len = engine, decode_prompt, gen_len
+        self.bandwidth, self.bandwidth_method, self.layer_times = bandwidth, bandwidth_method, layer_times
+        self.memops = [h for h in handoffs(engine.runner.model) if h.path == "stream_mem_ops"]
+        self.defaults = {name: getattr(self.memops[0], name) for name in HANDOFF_OPTIONS} if self.memops else None
+        self.graphs = engine.runner.cuda_graph
+        self.captured = self.defaults  # the options the engine's graphs were captured with
+        self.retired = []  # graphs captured with other options: kept alive, as their memory pool is reused
+
+    def options(self, row: Row) -> dict | None:
+        return {**self.defaults, **(row.options or {})} if self.memops else None
+
+    def measure(self, row: Row, prompts: dict[int, list[int]], samples: dict[str, list], first: bool) -> None:
+        """Set the engine up as `row` says and append one Sample to samples[row.label]; a variant (a row
+        with handoff options) that fails is reported and its label dropped from samples."""
+        runner, options = self.engine.runner, self.options(row)
+        for h in self.memops:
+            for name, value in options.items():
+                setattr(h, name, value)
+        if self.graphs and options != self.captured:
+            self.retired += runner._graphs.values()
+            runner._graphs.clear()  # capture them again with these options
+            self.captured = options
+        runner.cuda_graph = row.graph
+        try:
+            samples[row.label].append(_sample(self.engine, prompts, self.decode_prompt, self.gen_len, first=first,
+                                              layer_times=self.layer_times, bandwidth=self.bandwidth,
+                                              bandwidth_method=self.bandwidth_method))
+        except Exception as e:  # noqa: BLE001 (a variant's crash must not lose the rows measured)
+            if row.options is None:
+                raise
+            traceback.print_exc()
+            print(f"  {row.label}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
+            del samples[row.label]
 
 
 def handoffs(model) -> list:
@@ -171,27 +243,55 @@ def handoffs(model) -> list:
     return list({id(h): h for h, _ in found.values()}.values())
 
 
-def _measure_engine(engine, label: str, prompts: dict[int, list[int]], decode_prompt: list[int], gen_len: int,
-                    bandwidth: float, bandwidth_method: str, cuda: bool, **common) -> SuiteResult:
+@dataclass
+class Sample:
+    """One measurement of a row: what _sample times every time, and what it measures the first time only."""
+
+    prefill_tok_s: dict[int, float]
+    ttft_s: dict[int, float]
+    decode_s: float
+    anatomy: StepAnatomy | None
+    layer_times: LayerTimes | None = None
+    floor: DecodeFloor | None = None
+    uniform_floor: DecodeFloor | None = None
+
+
+def _sample(engine, prompts: dict[int, list[int]], decode_prompt: list[int], gen_len: int, *, first: bool,
+            layer_times: bool, bandwidth: float, bandwidth_method: str) -> Sample:
+    """Each prompt's prefill, then gen_len decoded tokens (once untimed first: it captures the graphs these
+    lengths replay); on the first sample of a row also the per-layer times (when asked) and the floor."""
     prefill, ttft = {}, {}
     for n, p in prompts.items():
         timing = _measure(engine, [p], 1)
         prefill[n], ttft[n] = timing["prefill_tok_s"], timing["ttft_mean_s"]
-    _measure(engine, [decode_prompt], gen_len)  # captures the graphs these lengths replay
+    _measure(engine, [decode_prompt], gen_len)
     hs = handoffs(engine.runner.model)
     for h in hs:
         h.take_stats()
     decode_s = 1.0 / _measure(engine, [decode_prompt], gen_len)["decode_tok_s"]
-    anatomy = step_anatomy([h.take_stats() for h in hs], decode_s)
-    layer_times = measure_layer_times(engine, decode_prompt, gen_len) if common["depth"] is not None else None
-    model = engine.runner.model
-    floor = decode_floor(model, bandwidth, bandwidth_method, decode_routing(engine, decode_prompt, gen_len))
-    return SuiteResult(label, prefill, ttft, decode_s, rss_gib=_rss_gib(),
-                       peak_rss_gib=peak_rss_gib(),
-                       peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None, floor=floor,
-                       uniform_floor=decode_floor(model, bandwidth, bandwidth_method), layer_times=layer_times,
-                       cuda_graph=engine.runner.cuda_graph, model_layers=len(model.model.layers), anatomy=anatomy,
-                       **common)
+    sample = Sample(prefill, ttft, decode_s, step_anatomy([h.take_stats() for h in hs], decode_s))
+    if first:
+        model = engine.runner.model
+        sample.layer_times = measure_layer_times(engine, decode_prompt, gen_len) if layer_times else None
+        sample.floor = decode_floor(model, bandwidth, bandwidth_method, decode_routing(engine, decode_prompt, gen_len))
+        sample.uniform_floor = decode_floor(model, bandwidth, bandwidth_method)
+    return sample
+
+
+def _result(row: Row, samples: list[Sample], handoff_options: dict | None, resolved: EngineConfig,
+            **common) -> SuiteResult:
+    """A row's SuiteResult: the median of its samples (the anatomy of the sample with the median decode)."""
+    decode = [s.decode_s for s in samples]
+    median_sample = sorted(samples, key=lambda s: s.decode_s)[(len(samples) - 1) // 2]
+    lens = samples[0].prefill_tok_s
+    return SuiteResult(row.label, {n: statistics.median(s.prefill_tok_s[n] for s in samples) for n in lens},
+                       {n: statistics.median(s.ttft_s[n] for s in samples) for n in lens},
+                       statistics.median(decode), floor=samples[0].floor, uniform_floor=samples[0].uniform_floor,
+                       layer_times=samples[0].layer_times, cuda_graph=row.graph, anatomy=median_sample.anatomy,
+                       decode_samples_s=decode,
+                       prefill_samples={n: [s.prefill_tok_s[n] for s in samples] for n in lens},
+                       resolved=resolved if row.graph else replace(resolved, cuda_graph=False),
+                       handoff_options=handoff_options, **common)
 
 
 def _rss_gib() -> float:

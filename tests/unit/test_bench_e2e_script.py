@@ -55,6 +55,11 @@ def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     assert args.ablation == "graph,prewake,zero-copy,trim,deferral,gpu-experts"
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
+    small = E2E["parse_args"](["--suite", "dsv3", "--layers", "1", "--prompt-lens", "16", "--formats", "bf16"])
+    assert (small.synthetic, small.layers, small.prompt_lens, small.formats, small.gen_len) == \
+        ("deepseek-v3", "1", "16", "bf16", 16)
+    plain = E2E["parse_args"](["--synthetic", "x"])
+    assert (plain.prompt_lens, plain.gen_len, plain.repeats) == ("512,2048,8192", 32, 1)
 
 
 def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monkeypatch, capsys):
@@ -93,6 +98,14 @@ def test_ablation_variants_come_after_every_format():
     assert [(r.label, r.kwargs["deferred_experts"]) for r in given] == [
         ("int4 all on", 2), ("int4 no deferral", 0), ("int4 no GPU experts", 2)]
     assert kwargs["int4 no GPU experts"] == dict(kwargs["int4 all on"], gpu_experts_per_layer=0)
+
+
+def test_with_repeats_the_handoff_rows_have_no_all_on_again_row():
+    rows = E2E["ablation_rows"]("graph,trim")
+    (once,) = E2E["configurations"]({}, ["int4"], rows)
+    (repeated,) = E2E["configurations"]({}, ["int4"], rows, repeats=3)
+    assert [label for label, _ in once.handoff_variants] == ["int4 trim padding", "int4 all on, again"]
+    assert [label for label, _ in repeated.handoff_variants] == ["int4 trim padding"]
 
 
 def test_ablation_rows_can_be_chosen():

@@ -1,0 +1,66 @@
+"""run_suite's repeats: the rows of one engine measured in turn, round after round, each reported as the median
+of its samples; an interruption after the first round still returns the rows measured."""
+
+import pytest
+
+import hybridmoe.bench_suite as suite
+from hybridmoe.checkpoint.make import make_checkpoint
+from hybridmoe.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    make_checkpoint("qwen3_moe", "tiny", out, progress=False)
+    return str(out)
+
+
+def fake_sampler(monkeypatch, decode_s, stop_at=None):
+    """Replace _sample: the n-th call returns decode_s[n] and records how many prompt lengths it was given
+    (the "all on" row prefills every length, the others the first only); call stop_at raises Interrupted."""
+    calls = []
+
+    def sample(engine, prompts, decode_prompt, gen_len, *, first, **kw):
+        if len(calls) == stop_at:
+            raise Interrupted
+        calls.append((len(prompts), first))
+        d = decode_s[len(calls) - 1]
+        return suite.Sample({n: 1.0 / d for n in prompts}, {n: d for n in prompts}, d, None)
+
+    monkeypatch.setattr(suite, "_sample", sample)
+    return calls
+
+
+class Interrupted(BaseException):
+    pass
+
+
+def run(model_dir, repeats):
+    return suite.run_suite("all on", model_dir, EngineConfig(device="cpu", max_num_seqs=1, expert_backend="torch"),
+                           [16, 32], 4, 1e9, "probe", decode_prompt_len=8, eager_label="no graph", repeats=repeats)
+
+
+def test_rows_are_interleaved_and_each_reports_the_median_of_its_samples(model_dir, monkeypatch):
+    calls = fake_sampler(monkeypatch, [1.0, 5.0, 3.0, 6.0, 2.0, 4.0])
+    on, off = run(model_dir, repeats=3)
+    assert calls == [(2, True), (1, True), (2, False), (1, False), (2, False), (1, False)]
+    assert on.decode_samples_s == [1.0, 3.0, 2.0] and on.decode_s == 2.0
+    assert off.decode_samples_s == [5.0, 6.0, 4.0] and off.decode_s == 5.0
+    assert off.decode_spread == pytest.approx((6.0 - 4.0) / 5.0)
+    assert on.prefill_samples == {16: [1.0, 1 / 3, 0.5], 32: [1.0, 1 / 3, 0.5]} and on.prefill_tok_s[32] == 0.5
+    assert set(off.prefill_tok_s) == {16} and off.cuda_graph is False and off.resolved.cuda_graph is False
+
+
+def test_an_interruption_after_the_first_round_comes_with_the_complete_rounds(model_dir, monkeypatch):
+    fake_sampler(monkeypatch, [1.0, 5.0, 3.0], stop_at=3)  # stops in round 2, after "all on" got its sample
+    with pytest.raises(Interrupted) as stopped:
+        run(model_dir, repeats=3)
+    on, off = stopped.value.results
+    assert on.decode_samples_s == [1.0] and off.decode_samples_s == [5.0]
+
+
+def test_an_interruption_in_the_first_round_has_no_rows(model_dir, monkeypatch):
+    fake_sampler(monkeypatch, [1.0], stop_at=1)
+    with pytest.raises(Interrupted) as stopped:
+        run(model_dir, repeats=3)
+    assert not hasattr(stopped.value, "results")
