@@ -3,6 +3,7 @@
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format bf16,int8,int4 \
         --tokens 1,4,64,512,2048 [--threads N] [--isa amx] [--flush write|read] [--json out.json]
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format int4 --tokens 1,4 --gap-us 100 [--layers 8]
+        [--api forward] [--budget-s 5]
 
 Per (format, T): median ms per call (decode sizes: caches flushed between calls, so weights
 come from DRAM), `engine ms` (the part inside the native engine, from its trace over every other
@@ -159,7 +160,7 @@ def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
         for T in tokens:
             calls = [routing(T, H, E, K, seed=1000 * T + r) for r in range(n_routings)]
             touched = statistics.mean(len(torch.unique(ids)) for _, ids, _ in calls)
-            for api in ("forward", "submit"):
+            for api in args.api.split(","):
                 def call(layer, x, ids, w):
                     if api == "forward":
                         layer.forward(x, ids, w)
@@ -179,7 +180,7 @@ def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
                         if rep > 0:  # the first cycle warms up (and learns the gap)
                             times.append((time.perf_counter() - t) * 1e3)
                             engine.extend(engine_ms(layer))
-                    if time.perf_counter() - start > 5.0 and rep >= 3:
+                    if time.perf_counter() - start > args.budget_s and rep >= 3:
                         break
                 ms = statistics.median(times)
                 eng_ms = statistics.median(engine)
@@ -221,6 +222,9 @@ def main():
     ap.add_argument("--gap-us", type=float, default=None,
                     help="decode-loop mode: layers called in turn, this many us apart (see above)")
     ap.add_argument("--layers", type=int, default=8, help="layers cycled in --gap-us mode")
+    ap.add_argument("--api", default="forward,submit", help="--gap-us mode: forward and/or submit (submit + wait)")
+    ap.add_argument("--budget-s", type=float, default=5.0,
+                    help="--gap-us mode: seconds per (format, T, api) after which it stops (at least 3 cycles)")
     args = ap.parse_args()
 
     shape = dict(SHAPES[args.shape])

@@ -2,7 +2,8 @@
 
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
-        [--tail-split 0,1] [--combine-in-run 0,1]
+        [--tail-split 0,1] [--combine-in-run 0,1] [--item-bytes 0,131072]
+        [--kernel-prefetch-l1 0,2048,4096] [--kernel-prefetch-l2 0,8192]
         [--variants 'new=;old=item_prefetch:0,tail_split:0,combine_in_run:0']
         [--json out.json]
 
@@ -27,6 +28,8 @@ Per worker over the GEMM run (median call; means over workers, and the worst wor
   late      join - run start (worker 0 is the thread calling run);  slept: workers that had slept
   busy / wait / idle: % of the run spent computing items, waiting for an expert's h, outside items
   gu, dn    GB/s per core while computing gate/up resp. down items;  run  GB/s over the GEMM run
+  GB/s by worker: each worker's bytes over its computing time, beside the probe's per-worker
+            rates (all threads reading at once, same pool) printed at the top
 """
 
 import argparse
@@ -38,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from hybridmoe import CpuExperts
+from hybridmoe import CpuExperts, _native
 from hybridmoe.experts.cpu_experts import default_threads
 from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, routing
 
@@ -47,7 +50,8 @@ N_ROUTINGS = 16
 
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
-DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True)
+DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True, item_bytes=0,
+                        kernel_prefetch_l1=4096, kernel_prefetch_l2=0)
 
 
 def schedule_variants(args):
@@ -61,8 +65,10 @@ def schedule_variants(args):
                                                      for k, v in kw.items()}))
         return out
     lists = {"item_blocks": args.item_blocks, "item_prefetch": args.item_prefetch, "tail_split": args.tail_split,
-             "combine_in_run": args.combine_in_run}
-    short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir"}
+             "combine_in_run": args.combine_in_run, "item_bytes": args.item_bytes,
+             "kernel_prefetch_l1": args.kernel_prefetch_l1, "kernel_prefetch_l2": args.kernel_prefetch_l2}
+    short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir",
+             "item_bytes": "iB", "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_"}
     values = {k: [int(v) for v in s.split(",")] for k, s in lists.items()}
     out = []
     for combo in itertools.product(*values.values()):
@@ -99,6 +105,7 @@ def call_breakdown(rec, py0, py1, threads, block_bytes, call_bytes):
     gu, dn = it[:, DOWN] == 0, it[:, DOWN] == 1
     nblk = it[:, B1] - it[:, B0]
     gbps = lambda sel, bb: (nblk[sel].sum() * bb) / max(comp[sel].sum(), 1)  # bytes/ns = GB/s
+    item_bytes = nblk * np.where(dn, block_bytes[1], block_bytes[0])
     wall = us(py1 - py0)
     before = us(rec["items_ns"] - py0)
     return dict(
@@ -115,7 +122,9 @@ def call_breakdown(rec, py0, py1, threads, block_bytes, call_bytes):
         gu_gbps=gbps(gu, block_bytes[0]), dn_gbps=gbps(dn, block_bytes[1]),
         run_gbps=call_bytes / run_ns, items=len(it), bytes=call_bytes,
         comb_in_run=us(it[dn][:, CONVERT].sum()), convert=us(it[gu][:, CONVERT].sum()),
-        late_by_worker=[us(j - rec["items_ns"]) if j else float("nan") for j in joins])
+        late_by_worker=[us(j - rec["items_ns"]) if j else float("nan") for j in joins],
+        gbps_by_worker=[float(item_bytes[it[:, WORKER] == w].sum() / max(comp[it[:, WORKER] == w].sum(), 1))
+                        if (it[:, WORKER] == w).any() else float("nan") for w in range(threads)])
 
 
 def timed_calls(layers, calls, api, mode, reps, gap_s, sleep_s, flush, traced):
@@ -145,7 +154,7 @@ def timed_calls(layers, calls, api, mode, reps, gap_s, sleep_s, flush, traced):
     return out
 
 
-def print_cell(key, n, untraced, floor_us, s, lateness):
+def print_cell(key, n, untraced, floor_us, s, lateness, worker_gbps):
     pct = lambda v: f"{100 * v:5.1f}"
     print(f"{key:<40} {n:>4} {untraced:>8.1f} {s['wall']:>7.1f} {floor_us:>6.1f} {100 * floor_us / untraced:>4.0f}% |"
           f" {s['py_eng']:>6.1f} {s['hand']:>5.1f} {s['group']:>5.1f} {s['acts']:>5.1f} {s['build']:>5.1f}"
@@ -157,7 +166,9 @@ def print_cell(key, n, untraced, floor_us, s, lateness):
           f" {s['gu_gbps']:.1f} dn {s['dn_gbps']:.1f}; run {s['run_gbps']:.1f} GB/s; {s['items']:.0f} items;"
           f" in items (us, all workers): h->rows {s['convert']:.1f}, combine {s['comb_in_run']:.1f}")
     print(f"{'':<40} late by worker (us, median of the calls it joined; -: none): " +
-          " ".join("-" if v != v else f"{v:.0f}" for v in lateness), flush=True)
+          " ".join("-" if v != v else f"{v:.0f}" for v in lateness))
+    print(f"{'':<40} GB/s by worker while computing (median of the calls it worked in): " +
+          " ".join("-" if v != v else f"{v:.1f}" for v in worker_gbps), flush=True)
 
 
 def main():
@@ -176,6 +187,12 @@ def main():
                     help="comma list of 0/1: cut the last down items into 1-block items; key suffix tailN")
     ap.add_argument("--combine-in-run", default="1",
                     help="comma list of 0/1: few tokens sum the outputs inside the GEMM run; key suffix cirN")
+    ap.add_argument("--item-bytes", default="0",
+                    help="comma list: weight bytes per GEMM item, gate and up together (0: by item blocks); key suffix iBN")
+    ap.add_argument("--kernel-prefetch-l1", default="4096",
+                    help="comma list: bytes ahead the AVX-512 kernels prefetch into L1 (0: none); key suffix k1_N")
+    ap.add_argument("--kernel-prefetch-l2", default="0",
+                    help="comma list: bytes ahead the AVX-512 kernels prefetch into L2 (0: none); key suffix k2_N")
     ap.add_argument("--variants", default=None,
                     help="instead of the knob lists: 'name=knob:value,...;name2=...' (knobs: "
                          + ", ".join(DEFAULT_SCHEDULE) + "; unset knobs keep their defaults); key suffix name")
@@ -200,6 +217,9 @@ def main():
     flush_buf = np.zeros(256 * 1024 * 1024, dtype=np.uint8)
     flush = lambda: np.add(flush_buf, 1, out=flush_buf)
     bw = {t: host_read_gbps(t) for t in thread_counts}
+    for t in thread_counts:  # the same pool (and pinning) as the layers': worker w is worker w there
+        rates = _native.read_bandwidth_by_worker(1 << 30, t, passes=3)
+        print(f"# probe GB/s by worker, {t} threads at once: " + " ".join(f"{r / 1e9:.1f}" for r in rates), flush=True)
     gate, up, down = make_weights(E, H, I)
     print(f"# {args.shape}: E={E} H={H} I={I} top-{K}; host read GB/s " +
           ", ".join(f"{bw[t]:.1f} at {t} threads" for t in thread_counts) +
@@ -237,17 +257,22 @@ def main():
                         for py0, py1, rec in run(True):
                             touched = len(set(rec["items"][:, EXPERT].tolist()))
                             stats.append(call_breakdown(rec, py0, py1, threads, block_bytes, touched * per_expert))
-                        s = {k: med([c[k] for c in stats]) for k in stats[0] if k != "late_by_worker"}
+                        by_worker = ("late_by_worker", "gbps_by_worker")
+                        s = {k: med([c[k] for c in stats]) for k in stats[0] if k not in by_worker}
                         # per worker, over the calls it joined (nan: it joined none)
                         lateness = [med([c["late_by_worker"][w] for c in stats if c["late_by_worker"][w] == c["late_by_worker"][w]])
                                     for w in range(threads)]
+                        worker_gbps = [med([c["gbps_by_worker"][w] for c in stats
+                                            if c["gbps_by_worker"][w] == c["gbps_by_worker"][w]])
+                                       for w in range(threads)]
                         floor_us = s["bytes"] / (bw[threads] * 1e3)
                         key = f"{fmt} {T} {threads} {mode} {api}{suffix}"
-                        print_cell(key, len(stats), untraced, floor_us, s, lateness)
+                        print_cell(key, len(stats), untraced, floor_us, s, lateness, worker_gbps)
                         rows.append(dict(shape=args.shape, format=fmt, tokens=T, threads=threads, mode=mode, api=api,
                                          schedule={**DEFAULT_SCHEDULE, **schedule},
                                          calls=len(stats), untraced_us=untraced, floor_us=floor_us,
-                                         host_read_gbps=bw[threads], late_by_worker_us=lateness, **s))
+                                         host_read_gbps=bw[threads], late_by_worker_us=lateness,
+                                         gbps_by_worker=worker_gbps, **s))
             del layers
         del first, state, copies
     if args.json:
