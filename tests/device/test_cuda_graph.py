@@ -1,6 +1,6 @@
 """Decode steps replayed as CUDA graphs (CPU experts included, through the native handoff) give
 the tokens of eager execution (--no-cuda-graph) and of the all-CPU reference, batch 1 and 4,
-float32 and bfloat16; with a deferred expert, graphs equal eager; peak GPU memory stays within
+float32 and bfloat16; with 1 or 2 deferred experts, graphs equal eager; peak GPU memory stays within
 the budget. Runs on the GPU host through scripts/device_check.sh.
 
 Graphs and eager run the same fixed-shape kernels, so their tokens are equal. The CPU reference
@@ -8,6 +8,8 @@ Graphs and eager run the same fixed-shape kernels, so their tokens are equal. Th
 as in vLLM's check_logprobs_close, two greedy runs may part at a near-tie, where each side's
 token must be among the other's 5 most likely, and are not compared after it.
 """
+
+import json
 
 import pytest
 import torch
@@ -82,9 +84,15 @@ def test_graph_replay_equals_eager_and_the_cpu_reference(checkpoint, reference):
     assert_greedy_close(got, reference)
 
 
-def test_graph_replay_equals_eager_with_a_deferred_expert(checkpoint):
-    options = dict(device="cuda", gpu_memory_budget=BUDGET, deferred_experts=1, **HYBRID)
+@pytest.mark.parametrize("deferred", [1, 2])
+def test_graph_replay_equals_eager_with_deferred_experts(checkpoint, deferred):
+    top_k = json.loads((checkpoint / "config.json").read_text())["num_experts_per_tok"]
+    if deferred >= top_k:
+        pytest.skip(f"the model routes {top_k} experts per token")
+    options = dict(device="cuda", gpu_memory_budget=BUDGET, deferred_experts=deferred, **HYBRID)
     graphs = LLM(checkpoint, **options)
-    got = tokens_of(runs(graphs))
+    got = runs(graphs)
     assert graphs.engine.runner.captured
-    assert got == tokens_of(runs(LLM(checkpoint, cuda_graph=False, **options)))
+    assert tokens_of(got) == tokens_of(runs(LLM(checkpoint, cuda_graph=False, **options)))
+    # the deferral of the CPU reference (the synchronous path: one layer's CPU calls after another's)
+    assert_greedy_close(got, runs(LLM(checkpoint, device="cpu", deferred_experts=deferred, **HYBRID)))

@@ -135,6 +135,22 @@ def test_route_split_kernel_equals_torch(T, E, K, on, renormalize):
     assert_split_equal(split, split_slots(ids, w, on_gpu, local, width, fused=False))
 
 
+@pytest.mark.parametrize("E,K,on,deferred", [(8, 3, 3, 1), (8, 3, 0, 2), (128, 8, 26, 2), (128, 8, 128, 1),
+                                              (128, 8, 26, 3)])
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_route_split_kernel_with_deferral_equals_torch(T, E, K, on, deferred):
+    """Both parts' splits (the first K - deferred columns, the last deferred) from the one kernel."""
+    on_gpu, local = placement(E, on, seed=E + on)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).cuda()
+    width, later_width = min(K - deferred, E - on), min(deferred, E - on)
+    got = route_split(logits, K, True, on_gpu, local, width, True, deferred, later_width)
+    want = route_split(logits, K, True, on_gpu, local, width, False, deferred, later_width)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    assert_split_equal(got[2], want[2])
+    assert_split_equal(got[3], want[3])
+
+
 def test_sum_parts_kernel_equals_torch():
     g = torch.Generator().manual_seed(0)
     a = torch.randn(4, 2048, generator=g).to("cuda", torch.bfloat16)

@@ -1,7 +1,9 @@
-"""One MoE layer of HybridExperts on CUDA in fixed shapes (CPU share through the native handoff,
-GPU share by fixed_shape_experts) equals the synchronous path, eagerly and as a CUDA graph replay,
-for splits with no, some, most (fewer CPU experts than K) and all experts on the GPU, with and
-without a deferred expert. Runs on the GPU host through scripts/device_check.sh.
+"""MoE layers of HybridExperts on CUDA in fixed shapes (CPU share through the native handoff, GPU
+share by fixed_shape_experts) equal the synchronous path, eagerly and as a CUDA graph replay, for
+splits with no, some, most (fewer CPU experts than K) and all experts on the GPU, with 0, 1 and 2
+deferred experts, routed by the caller (forward) or by the backend's fused router (forward_logits),
+one layer alone and two in a row (the first one's deferred experts still on the CPU while the
+second one's own run). Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, E experts, K experts per token, H hidden, I intermediate.
 """
@@ -12,6 +14,7 @@ import torch
 from hybridmoe.experts.cpu_experts import CpuExperts
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
+from hybridmoe.layers.moe import softmax_topk
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -20,14 +23,15 @@ E, H, I, K, TMAX = 8, 64, 32, 3, 8
 FP32 = dict(atol=1e-4, rtol=1e-4)
 
 
-def backend(gpu_ids: list[int], deferred: int) -> HybridExperts:
-    fp = Footprint(0, 0, 0, 3 * I * H * 4, [0], E, K, H, I)
-    plan = PlacementPlan(fp, None, "test", {0: gpu_ids} if gpu_ids else {})
+def backend(gpu_ids: list[int], deferred: int, layers: int = 1) -> HybridExperts:
+    fp = Footprint(0, 0, 0, 3 * I * H * 4, list(range(layers)), E, K, H, I)
+    plan = PlacementPlan(fp, None, "test", {layer: gpu_ids for layer in range(layers)} if gpu_ids else {})
     b = HybridExperts(plan, "cuda", lambda g, u, d: CpuExperts(g, u, d, format="bf16", threads=2),
-                      deferred_experts=deferred, num_layers=1)
+                      deferred_experts=deferred, num_layers=layers)
     g = torch.Generator().manual_seed(0)
-    b.set_layer(0, torch.randn(E, I, H, generator=g) / 8, torch.randn(E, I, H, generator=g) / 8,
-                torch.randn(E, H, I, generator=g) / 6)
+    for layer in range(layers):
+        b.set_layer(layer, torch.randn(E, I, H, generator=g) / 8, torch.randn(E, I, H, generator=g) / 8,
+                    torch.randn(E, H, I, generator=g) / 6)
     return b
 
 
@@ -36,7 +40,35 @@ def layer(b: HybridExperts, x, ids, w) -> torch.Tensor:
     return b.after_layer(0, b.forward(0, x, ids, w))
 
 
-@pytest.mark.parametrize("deferred", [0, 1])
+def routed(b: HybridExperts, layer_idx: int, x, logits) -> torch.Tensor:
+    """The MoE block's output from router logits [T, E], as SparseMoeBlock gets it."""
+    out = b.forward_logits(layer_idx, x, logits, K, True)
+    if out is None:  # the synchronous path: the caller routes
+        w, ids = softmax_topk(logits, K, True, fused=False)
+        out = b.forward(layer_idx, x, ids, w)
+    return out
+
+
+def chain(b: HybridExperts, x, router: torch.Tensor) -> torch.Tensor:
+    """Two decoder layers' residual stream, each layer only its MoE block routed by router [H, E]."""
+    h = x
+    for i in range(2):
+        h = b.after_layer(i, h + routed(b, i, h, h @ router))
+    return h
+
+
+def replayed(fixed: HybridExperts, fn):
+    """fn() captured in a CUDA graph and replayed once (after an eager warm-up)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    fixed.check()
+    return out
+
+
+@pytest.mark.parametrize("deferred", [0, 1, 2])
 @pytest.mark.parametrize("gpu_ids", [[], [0, 3, 5], [0, 1, 2, 3, 4, 5], list(range(E))])
 @pytest.mark.parametrize("T", [1, 6])
 def test_fixed_shapes_equal_the_synchronous_path_eager_and_replayed(T, gpu_ids, deferred):
@@ -48,10 +80,20 @@ def test_fixed_shapes_equal_the_synchronous_path_eager_and_replayed(T, gpu_ids, 
     fixed = backend(gpu_ids, deferred)
     assert fixed.use_fixed_shapes(TMAX, torch.float32)
     torch.testing.assert_close(layer(fixed, x, ids, w), want, **FP32)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = layer(fixed, x, ids, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    fixed.check()
-    torch.testing.assert_close(replayed, want, **FP32)
+    torch.testing.assert_close(replayed(fixed, lambda: layer(fixed, x, ids, w)), want, **FP32)
+
+
+@pytest.mark.parametrize("deferred", [0, 1, 2])
+@pytest.mark.parametrize("gpu_ids", [[], [0, 3, 5], list(range(E))])
+@pytest.mark.parametrize("T", [1, 4])
+def test_two_layers_routed_by_the_fused_router_equal_the_synchronous_path(T, gpu_ids, deferred):
+    g = torch.Generator().manual_seed(10 + T)
+    x = torch.randn(T, H, generator=g).cuda()
+    router = torch.randn(H, E, generator=g).cuda()
+    want = chain(backend(gpu_ids, deferred, layers=2), x, router)
+    fixed = backend(gpu_ids, deferred, layers=2)
+    assert fixed.use_fixed_shapes(TMAX, torch.float32)
+    torch.testing.assert_close(chain(fixed, x, router), want, **FP32)
+    torch.testing.assert_close(replayed(fixed, lambda: chain(fixed, x, router)), want, **FP32)
+    if deferred:  # deferral is not a no-op here: the reference is not vacuous
+        assert not torch.allclose(want, chain(backend(gpu_ids, 0, layers=2), x, router), **FP32)

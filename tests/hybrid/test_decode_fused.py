@@ -64,6 +64,23 @@ def test_route_split_is_the_routers_top_k_then_the_split():
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("deferred", [1, 2])
+def test_route_split_with_deferral_splits_the_first_and_the_last_columns_apart(deferred):
+    logits = torch.randn(4, E, generator=torch.Generator().manual_seed(2))
+    w, ids, now, later = route_split(logits, K, True, ON_GPU, LOCAL, K - deferred, deferred=deferred,
+                                     later_width=deferred)
+    want_w, want_ids = softmax_topk(logits, K, True)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+    keep = K - deferred
+    for (gid, mask, cid, cw), cols in ((now, slice(0, keep)), (later, slice(keep, K))):
+        inside = torch.zeros(K, dtype=torch.bool)
+        inside[cols] = True
+        assert torch.equal(mask, ON_GPU[ids] & inside)  # [T, K]: the other part's columns off
+        assert torch.equal(gid[mask], LOCAL[ids][mask])
+        _, _, want_cid, want_cw = split_slots(ids[:, cols], w[:, cols], ON_GPU, LOCAL, cid.shape[1])
+        assert torch.equal(cid, want_cid) and torch.equal(cw, want_cw)
+
+
 def test_sum_parts_adds_in_float32_and_rounds_once():
     a = torch.tensor([[256.0, 1.0]], dtype=torch.bfloat16)
     b = torch.tensor([[1 + 2.0 ** -8, 2.0 ** -9]])

@@ -55,24 +55,45 @@ def split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, 
         from hybridmoe.experts.decode_fused_triton import triton_split_slots
 
         return triton_split_slots(ids, weights, on_gpu, local, width)
+    return _torch_split(ids, weights, on_gpu, local, width, None)
+
+
+def _torch_split(ids, weights, on_gpu, local, width: int, part: tuple[int, int] | None):
+    """split_slots in torch, of the columns part = (lo, hi) only (None: all): the others are neither
+    GPU slots (gpu_mask False) nor CPU slots."""
     mask, lid = on_gpu[ids], local[ids]
+    keep = ~mask
+    if part is not None:
+        col = torch.arange(ids.shape[1], device=ids.device)
+        inside = (col >= part[0]) & (col < part[1])  # [K]
+        mask, keep = mask & inside, keep & inside
     if width == 0:
         return lid, mask, None, None
-    return (lid, mask, *fixed_cpu_slots(lid, weights, ~mask, width))
+    return (lid, mask, *fixed_cpu_slots(lid, weights, keep, width))
 
 
 def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
-                local: torch.Tensor, width: int, fused: bool = True):
+                local: torch.Tensor, width: int, fused: bool = True, deferred: int = 0, later_width: int = 0):
     """The router's softmax top-k (layers/moe.py softmax_topk) and split_slots of its result, one kernel
-    on CUDA (fused): (weights [T, K] float32, ids [T, K] int64, split_slots' four outputs)."""
+    on CUDA (fused): (weights [T, K] float32, ids [T, K] int64, split_slots' four outputs).
+
+    With deferred > 0 (expert deferral, experts/deferral.py: the top-k comes out largest weight first,
+    so each token's deferred slots are its last `deferred` columns) the split covers the first
+    K - deferred columns only, and a fourth item follows: the split of the last `deferred` columns
+    (later_width CPU slots), in the same kernel. Each split's gpu_mask is [T, K] with the other
+    part's columns off, so the GPU share of either part takes (ids, weights) whole."""
     if _triton(router_logits, fused):
         from hybridmoe.experts.decode_fused_triton import triton_route_split
 
-        return triton_route_split(router_logits, top_k, renormalize, on_gpu, local, width)
+        return triton_route_split(router_logits, top_k, renormalize, on_gpu, local, width, deferred, later_width)
     from hybridmoe.layers.moe import softmax_topk
 
     weights, ids = softmax_topk(router_logits, top_k, renormalize, fused=False)
-    return weights, ids, split_slots(ids, weights, on_gpu, local, width, fused=False)
+    if not deferred:
+        return weights, ids, split_slots(ids, weights, on_gpu, local, width, fused=False)
+    keep = top_k - deferred
+    return (weights, ids, _torch_split(ids, weights, on_gpu, local, width, (0, keep)),
+            _torch_split(ids, weights, on_gpu, local, later_width, (keep, top_k)))
 
 
 def sum_parts(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, fused: bool = True) -> torch.Tensor:

@@ -15,8 +15,13 @@ engine as a host function, H2D, all ordered on the stream; submitted before the 
 for after it) and the GPU share through fixed_shape_experts (experts/gpu_experts.py: Triton
 kernels that read only the routed experts' weights); the glue around them (splitting the slots,
 summing the parts) is one Triton kernel each (experts/decode_fused.py). Longer steps (prefill) and the CPU device
-take the path above. Deferred experts use a second handoff of their own width; their
-submit and join points are the same as without it.
+take the path above. Deferred experts use a second handoff of their own width. In fixed shapes a
+layer's own CPU part and its deferred one are both sent to the CPU when the layer starts (the
+router's kernel splits both), one behind the other in stream order, and nothing waits for the
+deferred part until it joins the residual after the next layer: the CPU runs layer L's deferred
+experts while the GPU runs layer L+1's attention, then L+1's own experts, with no wait between.
+On the CPU device (and in prefill) the engines run one call at a time, so a layer's deferred
+experts finish before the next layer's own start (same result, no overlap).
 
 T tokens, K experts per token, H hidden, E experts, I expert intermediate size.
 `_Partial` is the one place a layer's CPU work is started and joined.
@@ -106,7 +111,8 @@ class _Layer:
 class _Partial:
     """One submitted computation (a layer's experts, or its deferred ones): CPU part in flight + GPU part.
 
-    handoff: (CudaHandoff, width) to run in fixed shapes on CUDA, or None for the synchronous path.
+    handoff: (CudaHandoff, width) to run in fixed shapes on CUDA, or None for the synchronous path;
+    in fixed shapes the CPU part starts at once and the GPU part at start_gpu() (else at finish()).
     fused: the fixed shapes' glue (split_slots, sum_parts) as one kernel each where it can.
     split: split_slots' outputs for ids, weights, already made (route_split), in fixed shapes only.
     """
@@ -116,6 +122,7 @@ class _Partial:
         self.layer, self.device, self.dtype, self.shape = layer, hidden.device, hidden.dtype, hidden.shape
         self.fused = fused
         self.cpu, self.handoff, self.cpu_out, self.gpu_out = None, None, None, None
+        self._gpu_share = None  # fixed shapes: the GPU share's arguments until start_gpu
         if handoff is not None:
             self._start_fixed(st, hidden, ids, weights, act, *handoff, split)
             return
@@ -139,7 +146,13 @@ class _Partial:
             handoff.enqueue_submit(None, self.layer, hidden.to(handoff.dtype), cids, cw)
             self.handoff = handoff
         if st.gpu_weights is not None:
-            self.gpu_out = fixed_shape_experts(hidden, *st.gpu_weights, local, weights, mask, act)
+            self._gpu_share = (hidden, *st.gpu_weights, local, weights, mask, act)
+
+    def start_gpu(self) -> None:
+        """Enqueue the GPU share (fixed shapes): after the CPU work of every part of the layer is on its
+        way, so that the GPU computes it while the CPU computes theirs."""
+        if self._gpu_share is not None:
+            self.gpu_out, self._gpu_share = fixed_shape_experts(*self._gpu_share), None
 
     def join_cpu(self) -> None:
         if self.cpu is not None:
@@ -149,6 +162,7 @@ class _Partial:
 
     def finish(self) -> torch.Tensor:
         """[T, H] in the hidden state's dtype and device."""
+        self.start_gpu()
         self.join_cpu()
         parts = [p.to(self.device) for p in (self.cpu_out, self.gpu_out) if p is not None]
         if not parts:
@@ -293,39 +307,68 @@ class HybridExperts(ExpertBackend):
         return self._handoffs.get((deferred, layer), (None, 0))
 
     def forward_logits(self, layer, hidden, router_logits, top_k, renormalize):
-        """A fixed-shape step without deferral, fused on CUDA: the router's top-k and the split of the
-        step's slots in one kernel (route_split); anything else: None (the caller routes)."""
+        """A fixed-shape step, fused on CUDA: the router's top-k and the split of the step's slots (both
+        parts' with deferred experts) in one kernel (route_split); anything else: None (the caller routes)."""
         fixed = self._handoff(False, layer, hidden)
-        if self.deferred_experts or fixed is None or not self.fused:
+        if fixed is None or not self.fused:
             return None
         st = self._layers[layer]
-        weights, ids, split = route_split(router_logits, top_k, renormalize, st.on_gpu, st.local,
-                                          fixed[1] if st.cpu is not None else 0, self.fused)
-        self.submit(layer, hidden, ids, weights, split)
+        kd = self.deferred_experts
+        width = fixed[1] if st.cpu is not None else 0
+        later_width = self._handoff(True, layer, hidden)[1] if kd and st.cpu is not None else 0
+        weights, ids, *splits = route_split(router_logits, top_k, renormalize, st.on_gpu, st.local, width,
+                                            self.fused, kd, later_width)
+        self._submit_fixed(layer, hidden, ids, weights, *((ids, weights) if kd else (None, None)), splits)
         return self.wait(layer)
 
-    def submit(self, layer, hidden, topk_ids, topk_weights, split: tuple | None = None):
-        """split: route_split's split of (topk_ids, topk_weights), made with them (forward_logits)."""
-        if layer in self._inflight or any(d >= layer for d in self._deferred.layers()):
-            self._deferred.discard()  # a new forward after an interrupted one
-            for partial, _, _ in self._inflight.values():
-                partial.join_cpu()
-            self._inflight.clear()
-        # the CPU finishes the previous layer's deferred experts before this layer's own
+    def submit(self, layer, hidden, topk_ids, topk_weights):
+        if self._handoff(False, layer, hidden) is not None:
+            now_ids, now_w, *later = (split_deferred(topk_ids, topk_weights, self.deferred_experts)
+                                      if self.deferred_experts else (topk_ids, topk_weights))
+            self._submit_fixed(layer, hidden, now_ids, now_w, *(later or (None, None)), [None, None])
+            return
+        self._restart_if_interrupted(layer)
+        # the CPU engines run one call at a time: the previous layer's deferred experts first
         self._deferred.drain_cpu()
         later = None
         if self.deferred_experts:
             topk_ids, topk_weights, *later = split_deferred(topk_ids, topk_weights, self.deferred_experts)
         st = self._layers[layer]
-        self._inflight[layer] = (_Partial(layer, st, hidden, topk_ids, topk_weights, self.act,
-                                          self._handoff(False, layer, hidden), self.fused, split), hidden, later)
+        self._inflight[layer] = (_Partial(layer, st, hidden, topk_ids, topk_weights, self.act, fused=self.fused),
+                                 hidden, later)
+
+    def _restart_if_interrupted(self, layer: int) -> None:
+        if layer in self._inflight or any(d >= layer for d in self._deferred.layers()):
+            self._deferred.discard()  # a new forward after an interrupted one
+            for partial, _, _ in self._inflight.values():
+                partial.join_cpu()
+            self._inflight.clear()
+
+    def _submit_fixed(self, layer, hidden, ids, weights, later_ids, later_weights, splits) -> None:
+        """A fixed-shape step's layer (CUDA, handoff): its CPU part, then its deferred experts' CPU part,
+        go to the CPU at once, in stream order, behind whatever the CPU still has queued (the previous
+        layer's deferred experts); then both GPU parts. Nothing waits here: the layer's own part is
+        joined in wait(), the deferred one where it joins the residual (after_layer of the next layer).
+        splits: route_split's [split, later split] of (ids, weights), or Nones to split here."""
+        self._restart_if_interrupted(layer)
+        st = self._layers[layer]
+        now = _Partial(layer, st, hidden, ids, weights, self.act, self._handoff(False, layer, hidden), self.fused,
+                       splits[0])
+        parts = [now]
+        if self.deferred_experts:
+            later = _Partial(layer, st, hidden, later_ids, later_weights, self.act, self._handoff(True, layer, hidden),
+                             self.fused, splits[1] if len(splits) > 1 else None)
+            self._deferred.add(layer, later)
+            parts.append(later)
+        for part in parts:
+            part.start_gpu()
+        self._inflight[layer] = (now, hidden, None)
 
     def wait(self, layer):
         partial, hidden, later = self._inflight.pop(layer)
         out = partial.finish()
         if later is not None:
-            self._deferred.add(layer, _Partial(layer, self._layers[layer], hidden, *later, self.act,
-                                               self._handoff(True, layer, hidden), self.fused))
+            self._deferred.add(layer, _Partial(layer, self._layers[layer], hidden, *later, self.act, fused=self.fused))
         return out
 
     def after_layer(self, layer, hidden):
