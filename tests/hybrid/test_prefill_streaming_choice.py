@@ -122,9 +122,11 @@ def test_doctor_prints_the_streaming_decision(tiny_checkpoints, capsys):
 def step_times(monkeypatch):
     """Fix what measured_costs times: the CPU engine's part of a step (a + b x tokens), the copy, and the
     device's work (c + d x tokens)."""
-    def set_times(cpu: tuple[float, float], copy: float, gpu: tuple[float, float]):
+    def set_times(cpu: tuple[float, float], copy: float, gpu: tuple[float, float], path=(0.0, 0.0)):
         monkeypatch.setattr(streamed_prefill, "cpu_step_seconds",
                             lambda engine, tokens, share, top_k, repeats=2: cpu[0] + cpu[1] * tokens)
+        monkeypatch.setattr(streamed_prefill, "cpu_path_seconds",
+                            lambda engine, device, tokens, share, top_k, repeats=2: path[0] + path[1] * tokens)
         monkeypatch.setattr(streamed_prefill, "device_step_seconds",
                             lambda streamer, layer, tokens, top_k: (copy, gpu[0] + gpu[1] * tokens))
     return set_times
@@ -145,10 +147,11 @@ def test_measured_costs_fit_both_sides(step_times):
     E, H, I = 4, 64, 32
     engine = cpu_experts.CpuExperts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I),
                                     format="int8", threads=1)
-    step_times(cpu=(0.004, 1e-5), copy=0.01, gpu=(0.002, 2e-6))
+    step_times(cpu=(0.004, 1e-5), copy=0.01, gpu=(0.002, 2e-6), path=(0.005, 2e-5))
     streamer = streamed_prefill.PrefillStreamer({0: engine}, "cpu", min_tokens=1)
     costs, why = streamed_prefill.measured_costs(streamer, top_k=2, num_experts=8)
     assert costs.cpu_fixed == pytest.approx(0.004) and costs.cpu_per_token == pytest.approx(1e-5)
+    assert costs.cpu_path(100) == pytest.approx(0.005 + 100 * 2e-5) and "the CPU path 7.6, 15.2 ms" in why
     assert costs.gpu_fixed == pytest.approx(0.002) and costs.gpu_per_token == pytest.approx(2e-6)
     assert costs.copy == 0.01 and "measured at load" in why
 
@@ -157,6 +160,7 @@ def test_a_real_step_is_timed_on_both_sides():
     engine = cpu_experts.CpuExperts(torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32),
                                     format="bf16", threads=1)
     assert 0 < streamed_prefill.cpu_step_seconds(engine, 16, share=0.5, top_k=2, repeats=1) < 1
+    assert 0 < streamed_prefill.cpu_path_seconds(engine, torch.device("cpu"), 16, share=0.5, top_k=2, repeats=1) < 1
     streamer = streamed_prefill.PrefillStreamer({3: engine}, "cpu", min_tokens=1)
     copy, work = streamed_prefill.device_step_seconds(streamer, 3, 16, top_k=2)
     assert 0 < copy < 1 and 0 < work < 1 and streamer.slot_layer.count(3) == 1

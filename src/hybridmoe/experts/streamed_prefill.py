@@ -157,6 +157,38 @@ def cpu_step_seconds(engine, tokens: int, share: float, top_k: int, repeats: int
     return best
 
 
+def cpu_path_seconds(engine, device: torch.device, tokens: int, share: float, top_k: int, repeats: int = 2) -> float:
+    """Fastest of `repeats` runs of a step's CPU share the way the CPU path runs it (experts/hybrid.py's
+    _Partial, not streamed): `tokens` tokens routed at random to top_k of E = CPU experts / share experts
+    on `device`, the routing and the bf16 hidden states (scale 0.1) to the host, the CPU experts' slots
+    made dense per token (compact_slots: padded with weight 0 up to the busiest token's count), the
+    engine, its output back to `device`; the host waits for the device at both ends."""
+    from hybridmoe.experts.hybrid import compact_slots
+
+    E_cpu, H = (int(v) for v in engine.packed_state()["shape"][:2])
+    E = max(E_cpu, round(E_cpu / share))
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :min(top_k, E)].to(device)  # CPU's: ids < E_cpu
+    weights = torch.rand(ids.shape, generator=g).to(device)
+    x = (torch.randn(tokens, H, generator=g) * 0.1).to(device, torch.bfloat16)
+    best = math.inf
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        ids_c, w_c = ids.cpu(), weights.float().cpu()
+        dense = compact_slots(ids_c, w_c, ids_c < E_cpu)
+        if dense is not None:
+            engine.forward(x.to("cpu"), *dense).to(device)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def device_step_seconds(streamer: PrefillStreamer, layer: int, tokens: int, top_k: int) -> tuple[float, float]:
     """(copy, work) seconds of one layer on the streamer's device: its packed bytes copied into an empty
     slot, then a step of `tokens` tokens with random routing (top_k of its experts each, bf16 hidden
@@ -214,9 +246,16 @@ class StepCosts:
     copy: float
     gpu_fixed: float
     gpu_per_token: float
+    path_fixed: float | None = None
+    """The CPU path (cpu_path_seconds) path_fixed + path_per_token x T, when measured."""
+    path_per_token: float | None = None
 
     def cpu(self, tokens: int) -> float:
         return self.cpu_fixed + self.cpu_per_token * tokens
+
+    def cpu_path(self, tokens: int) -> float | None:
+        """The CPU path as measured at load (None when it was not)."""
+        return None if self.path_fixed is None else self.path_fixed + self.path_per_token * tokens
 
     def stream(self, tokens: int) -> float:
         """A layer streamed, the next one's copy overlapping this one's work: the longer of the two."""
@@ -246,15 +285,18 @@ def measured_costs(streamer: PrefillStreamer, top_k: int, num_experts: int) -> t
     cpu_step_seconds(engine, TIMED_TOKENS[0], share, top_k, repeats=1)
     t1, t2 = TIMED_TOKENS
     c1, c2 = (cpu_step_seconds(engine, t, share, top_k) for t in TIMED_TOKENS)
+    p1, p2 = (cpu_path_seconds(engine, streamer.device, t, share, top_k) for t in TIMED_TOKENS)
     (copy1, g1), (copy2, g2) = (_second(lambda: device_step_seconds(streamer, layer, t, top_k)) for t in TIMED_TOKENS)
     streamer.slot_layer = [None, None]
     cpu_per_token, gpu_per_token = max((c2 - c1) / (t2 - t1), 1e-9), max((g2 - g1) / (t2 - t1), 0.0)
+    path_per_token = max((p2 - p1) / (t2 - t1), 1e-9)
     copy = min(copy1, copy2)
     costs = StepCosts(max(0.0, c1 - cpu_per_token * t1), cpu_per_token, copy, max(0.0, g1 - gpu_per_token * t1),
-                      gpu_per_token)
+                      gpu_per_token, max(0.0, p1 - path_per_token * t1), path_per_token)
     nbytes = streamer.layers[layer].nbytes
     return costs, (f"measured at load on layer {layer} ({E} CPU experts): the CPU engine {1e3 * c1:.1f} ms at {t1} "
-                   f"tokens, {1e3 * c2:.1f} ms at {t2}; streamed, the copy of {format_bytes(nbytes)} "
+                   f"tokens, {1e3 * c2:.1f} ms at {t2} (the CPU path {1e3 * p1:.1f}, {1e3 * p2:.1f} ms); streamed, "
+                   f"the copy of {format_bytes(nbytes)} "
                    f"{1e3 * copy:.1f} ms ({nbytes / copy / 1e9:.1f} GB/s), the device's work {1e3 * g1:.1f} ms at "
                    f"{t1} tokens, {1e3 * g2:.1f} ms at {t2}")
 
