@@ -99,6 +99,19 @@ def test_deferring_every_routed_expert_is_refused(tiny_checkpoints):
         load(tiny_checkpoints("qwen3_moe"), expert_backend="torch", deferred_experts=2)
 
 
+def test_deferred_experts_switched_on_a_loaded_backend_equal_a_load_with_them(tiny_checkpoints):
+    path = tiny_checkpoints("deepseek_v3")
+    options = dict(expert_backend="native", cpu_threads=1, gpu_experts_per_layer=3)
+    loaded = load(path, **options)
+    exact = prompt_logits(loaded.model)
+    loaded.experts.set_deferred_experts(2)
+    assert torch.equal(prompt_logits(loaded.model), prompt_logits(load(path, deferred_experts=2, **options).model))
+    loaded.experts.set_deferred_experts(0)
+    assert torch.equal(prompt_logits(loaded.model), exact)
+    with pytest.raises(HybridMoEError, match="deferred experts must be between 0 and 3 .* got 4"):
+        loaded.experts.set_deferred_experts(4)
+
+
 def test_split_defers_each_tokens_lowest_weights():
     ids = torch.tensor([[4, 1, 7, 2], [0, 3, 5, 6]])
     w = torch.tensor([[0.1, 0.4, 0.3, 0.2], [0.25, 0.25, 0.4, 0.1]])

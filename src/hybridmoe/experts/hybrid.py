@@ -189,6 +189,7 @@ class HybridExperts(ExpertBackend):
         self._inflight: dict[int, tuple[_Partial, torch.Tensor, tuple | None]] = {}
         self._deferred = DeferredOutputs(num_layers)
         self._fixed_tokens = 0  # steps of at most this many tokens run in fixed shapes (use_fixed_shapes)
+        self._fixed_dtype = torch.float32  # the hidden states' dtype use_fixed_shapes was given
         self._handoffs: dict[tuple[bool, int], tuple] = {}  # (deferred?, layer) -> (CudaHandoff, width)
         self.fused = True  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
 
@@ -291,8 +292,22 @@ class HybridExperts(ExpertBackend):
                 log.warning("CPU experts run without the CUDA handoff (and decode steps without CUDA graphs): %s", e)
                 return False
             self._handoffs = handoffs
-        self._fixed_tokens = max_tokens
+        self._fixed_tokens, self._fixed_dtype = max_tokens, dtype
         return True
+
+    def set_deferred_experts(self, k: int) -> None:
+        """Defer k experts per token from the next forward on (0: exact). In fixed shapes the CUDA handoffs
+        are made again for the new split: drop every CUDA graph captured before (synchronize first), and
+        capture them again."""
+        top_k = self.plan.footprint.top_k
+        if not 0 <= k < top_k:
+            raise HybridMoEError(f"deferred experts must be between 0 and {top_k - 1} (the model routes {top_k} "
+                                 f"experts per token), got {k}")
+        if self._inflight or self._deferred.layers():
+            raise HybridMoEError("deferred experts can change only between forwards")
+        self.deferred_experts = k
+        if self._fixed_tokens and not self.use_fixed_shapes(self._fixed_tokens, self._fixed_dtype):
+            raise HybridMoEError("the CUDA handoffs could not be made again (the warning above says why)")
 
     def check(self) -> None:
         """Raise what a CPU layer run on the CUDA stream recorded (call after a synchronize)."""

@@ -1,0 +1,211 @@
+"""Decode speed with K deferred experts per token, side by side: K switched on one loaded engine, interleaved.
+
+    python benchmarks/deferral_decode.py --synthetic qwen3-30b-a3b --layers 4,12 --formats int4,bf16
+        [--ks 0,1,2,3] [--repeats 3] [--gen-len 32] [--decode-prompt-len 64] [--json F]
+        [engine options: --device cuda --gpu-memory-budget 16GiB --gpu-experts-per-layer 26 ...]
+
+For each depth (a synthetic checkpoint in memory, cut to that many layers) and expert format, one engine
+is loaded; then, `repeats` rounds of: for each K, HybridExperts.set_deferred_experts(K), the CUDA graphs
+dropped and captured again by a warm-up decode, and gen_len tokens decoded greedily at batch 1 and timed
+(the first step, the prompt, left out). Identical rows on the GPU host differ by up to 20% between runs,
+so the K are interleaved within each round and a row is the median of its rounds (every sample printed).
+The floor is the CPU-resident expert bytes read per token (the routing of a K=0 decode) over the host
+read bandwidth measured in this run; deferred experts are still read, so it is the same for every K.
+With two or more depths (and every layer a MoE layer), decode time per token is also fitted as fixed +
+per layer x layers and given at the preset's full depth.
+
+On CUDA (stream_mem_ops handoff) each row also says what the handoffs' polling thread saw per step: for
+the layers' own part and the deferred part apart, the CPU work per layer and the gap from one layer's
+done to the next layer's go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from hybridmoe.bench_fit import fit_line
+from hybridmoe.bench_floor import decode_floor, decode_routing
+from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
+from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
+from hybridmoe.config import EngineConfig
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.sampling_params import SamplingParams
+from hybridmoe.system.bandwidth import host_read_bandwidth, host_read_method
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--synthetic", required=True, metavar="PRESET", help="a make-model preset, written to memory")
+    parser.add_argument("--layers", default=None, help="decoder layers of the cut model(s), e.g. 4,12 (default: full)")
+    parser.add_argument("--formats", default=None, help="expert formats, e.g. int4,bf16 (default: the engine's)")
+    parser.add_argument("--ks", default="0,1,2,3", help="deferred experts per token (default 0,1,2,3)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the K (default 3)")
+    parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
+    parser.add_argument("--decode-prompt-len", type=int, default=64)
+    parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="host read probe size")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="also write the results here")
+    add_engine_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
+    """Seconds per decoded token (the prompt's step left out) and the tokens, greedy, batch 1."""
+    engine.add_request(prompt, SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True))
+    tokens: list[int] = []
+    first = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        if first is None:
+            first = time.perf_counter()
+    return (time.perf_counter() - first) / (len(tokens) - 1), tokens
+
+
+def part_stats(model) -> dict[str, list]:
+    """The stream_mem_ops handoffs of the model's hybrid experts: {"own": [...], "deferred": [...]}."""
+    found = getattr(model.experts, "_handoffs", {})  # (deferred?, layer) -> (CudaHandoff, width)
+    parts: dict[str, dict] = {"own": {}, "deferred": {}}
+    for (deferred, _), (handoff, _) in found.items():
+        if handoff.path == "stream_mem_ops":
+            parts["deferred" if deferred else "own"][id(handoff)] = handoff
+    return {name: list(hs.values()) for name, hs in parts.items()}
+
+
+def anatomy(parts: dict[str, list]) -> dict[str, dict]:
+    """Per part: layers served per step, CPU us per layer, gap us (done -> next go seen), poller lateness."""
+    out = {}
+    for name, hs in parts.items():
+        stats = [h.take_stats() for h in hs]
+        if not stats:
+            continue
+        total = {k: sum(s[k] for s in stats) for k in stats[0]}
+        steps = max(s["steps"] for s in stats)
+        if not total["layers"] or not steps:
+            continue
+        out[name] = {"layers_per_step": total["layers"] / steps, "cpu_us": total["cpu_us"] / total["layers"],
+                     "gap_us": total["between_us"] / total["gaps"] if total["gaps"] else None,
+                     "late_us": total["late_us"] / total["layers"]}
+    return out
+
+
+def measure_engine(engine, ks: list[int], args, bandwidth: float, method: str) -> list[dict]:
+    model = engine.runner.model
+    experts = model.experts
+    if not hasattr(experts, "set_deferred_experts"):
+        raise HybridMoEError(f"the model's experts ({type(experts).__name__}) are not the hybrid split; "
+                             "give a GPU budget or --gpu-experts-per-layer")
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, engine.vocab_size, (args.decode_prompt_len,), generator=g).tolist()
+    floor = decode_floor(model, bandwidth, method, decode_routing(engine, prompt, args.gen_len))
+    samples = {k: [] for k in ks}
+    parts_seen = {k: [] for k in ks}
+    tokens = {}
+    for round_ in range(args.repeats):
+        for k in ks:
+            if engine.runner.fixed:  # the graphs captured for the previous K go before its handoffs
+                torch.cuda.synchronize()
+                engine.runner._graphs.clear()
+            experts.set_deferred_experts(k)
+            decode_once(engine, prompt, 4)  # captures the graph(s) for this K
+            parts = part_stats(model)
+            anatomy(parts)  # zero the counters
+            seconds, toks = decode_once(engine, prompt, args.gen_len)
+            samples[k].append(seconds)
+            parts_seen[k].append(anatomy(parts))
+            tokens.setdefault(k, toks)
+            print(f"    round {round_ + 1} K={k}: {1 / seconds:.1f} tok/s ({seconds * 1e3:.3f} ms/token) "
+                  f"{_anatomy_line(parts_seen[k][-1])}", flush=True)
+    experts.set_deferred_experts(0)
+    rows = []
+    for k in ks:
+        s = statistics.median(samples[k])
+        same = sum(a == b for a, b in zip(tokens[k], tokens[ks[0]]))
+        rows.append({"deferred_experts": k, "decode_s": s, "decode_tok_s": 1 / s, "samples_s": samples[k],
+                     "floor_s": floor.seconds, "decode_over_floor": s / floor.seconds if floor.seconds else None,
+                     "tokens_equal_to_first_k": f"{same}/{len(tokens[k])}", "anatomy": parts_seen[k]})
+    return rows
+
+
+def _anatomy_line(a: dict) -> str:
+    return " ".join(f"[{name}: {v['layers_per_step']:.0f} layers/step, CPU {v['cpu_us']:.1f} us/layer, gap "
+                    f"{v['gap_us'] or 0:.1f} us, late {v['late_us']:.1f} us]" for name, v in a.items())
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ks = _ints(args.ks)
+    depths = _ints(args.layers) if args.layers else [None]
+    formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
+    kwargs = engine_kwargs(args)
+    kwargs.setdefault("max_num_seqs", 1)
+    kwargs.setdefault("max_model_len", args.decode_prompt_len + args.gen_len)
+    kwargs.setdefault("cache_dir", "")  # a throwaway model: nothing to keep packed on disk
+    bandwidth, method = host_read_bandwidth(args.bandwidth_bytes, kwargs.get("cpu_threads")), host_read_method()
+    print(f"host read bandwidth: {bandwidth / 1e9:.1f} GB/s ({method})", flush=True)
+    full = full_config(args.synthetic)
+    from hybridmoe.engine.llm_engine import LLMEngine
+
+    results = []
+    for layers in depths:
+        with synthetic_checkpoint(args.synthetic, layers, seed=args.seed) as synthetic:
+            for fmt in formats:
+                options = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
+                t0 = time.perf_counter()
+                engine = LLMEngine(str(synthetic.out_dir), EngineConfig.from_kwargs(**options))
+                n = len(engine.runner.model.model.layers)
+                print(f"  {fmt or 'default format'}, {n} layers: loaded in {time.perf_counter() - t0:.1f} s, "
+                      f"graphs {'on' if engine.runner.cuda_graph else 'off'}", flush=True)
+                moe = len(engine.runner.model.moe_layers)
+                for row in measure_engine(engine, ks, args, bandwidth, method):
+                    results.append(dict(row, format=fmt, layers=n, moe_layers=moe))
+                del engine
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    print(f"# {args.synthetic}, batch 1, {args.gen_len} tokens per sample, median of {args.repeats} interleaved "
+          f"rounds; floor at {bandwidth / 1e9:.1f} GB/s")
+    print(f"| format | layers | K | decode tok/s | ms/token | vs K={ks[0]} | floor ms | decode/floor | samples ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        base = next(x for x in results if x["format"] == r["format"] and x["layers"] == r["layers"]
+                    and x["deferred_experts"] == ks[0])
+        print(f"| {r['format'] or 'default'} | {r['layers']} | {r['deferred_experts']} | {r['decode_tok_s']:.1f} | "
+              f"{r['decode_s'] * 1e3:.3f} | {base['decode_s'] / r['decode_s']:.3f}x | {r['floor_s'] * 1e3:.3f} | "
+              f"{r['decode_over_floor'] or float('nan'):.2f} | "
+              f"{', '.join(f'{s * 1e3:.3f}' for s in r['samples_s'])} |")
+    fits = []
+    if len(set(depths)) >= 2 and all(r["moe_layers"] == r["layers"] for r in results):
+        full_layers = full["num_hidden_layers"]
+        print(f"# fitted over depths {','.join(map(str, depths))}: ms/token = fixed + per layer x layers, "
+              f"at {full_layers} layers")
+        print("| format | K | fixed ms | per layer ms | decode tok/s | decode/floor | floor/layer ms |")
+        print("|---|---|---|---|---|---|---|")
+        for fmt in formats:
+            for k in ks:
+                rs = [r for r in results if r["format"] == fmt and r["deferred_experts"] == k]
+                fit = fit_line([(r["layers"], r["decode_s"]) for r in rs])
+                deepest = max(rs, key=lambda r: r["layers"])
+                floor_layer = deepest["floor_s"] / deepest["layers"]
+                t = fit.at(full_layers)
+                fits.append({"format": fmt, "deferred_experts": k, "fixed_s": fit.fixed, "per_layer_s": fit.per_layer,
+                             "layers": full_layers, "decode_tok_s": 1 / t, "decode_over_floor": t / (floor_layer * full_layers)})
+                print(f"| {fmt} | {k} | {fit.fixed * 1e3:.3f} | {fit.per_layer * 1e3:.4f} | {1 / t:.1f} | "
+                      f"{t / (floor_layer * full_layers):.2f} | {floor_layer * 1e3:.4f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"synthetic": args.synthetic, "bandwidth": bandwidth,
+                                               "engine": kwargs, "rows": results, "fits": fits}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
