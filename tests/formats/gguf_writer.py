@@ -141,6 +141,16 @@ def write_qwen3_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_d
     split_max_tensors > 0 writes a split, path-0000i-of-0000N.gguf, as llama.cpp's gguf-split does.
     """
     w = gguf.GGUFWriter(str(path), "qwen3moe", split_max_tensors=split_max_tensors)
+    qwen3_metadata(w, config)
+    tokenizer_metadata(w, tokenizer_dir)
+    decoded = write_tensors(w, tensors, gguf.MODEL_ARCH.QWEN3MOE, config["num_hidden_layers"], types,
+                            np.random.default_rng(seed))
+    finish(w)
+    return decoded
+
+
+def qwen3_metadata(w: gguf.GGUFWriter, config: dict) -> None:
+    """A Qwen3-MoE config.json's model keys (all but the tokenizer's), as llama.cpp's converter writes them."""
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
@@ -154,11 +164,6 @@ def write_qwen3_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_d
     w.add_expert_count(config["num_experts"])
     w.add_expert_used_count(config["num_experts_per_tok"])
     w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    tokenizer_metadata(w, tokenizer_dir)
-    decoded = write_tensors(w, tensors, gguf.MODEL_ARCH.QWEN3MOE, config["num_hidden_layers"], types,
-                            np.random.default_rng(seed))
-    finish(w)
-    return decoded
 
 
 def write_deepseek_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_dir: Path, path: Path, types,

@@ -5,6 +5,7 @@ F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ*), so a file that mixes 
 tensor (Q4_K_M) is read tensor by tensor. Routed experts are read one expert at a time: an
 expert's rows of a stacked [E, I, H] tensor are one contiguous run of blocks. A DeepSeek file
 whose kv_b_proj is split into attn_k_b + attn_v_b shows it as the one HF tensor again.
+The file is mapped; release(name) drops the pages a read touched, so a load never holds it resident.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hybridmoe.errors import CheckpointError
 from hybridmoe.models.registry import read_config_json
 from hybridmoe.weights.gguf_file import GGUFFiles
 from hybridmoe.weights.gguf_names import expert_tensor, hf_name, join_kv_b, kv_b_part, mlp_name, unpermute_rows
+from hybridmoe.weights.mapped_pages import MappedPages
 
 _EXPERT_NAME = {"block_sparse_moe": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",
                 "mlp": "model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"}
@@ -52,6 +54,7 @@ class GGUFCheckpoint:
             self._add(target or name, name, None, path)
         self.heads = (gguf.metadata.get(f"{self.arch}.attention.head_count"),
                       gguf.metadata.get(f"{self.arch}.attention.head_count_kv"))
+        self._pages = MappedPages()
 
     def _add(self, hf: str, gguf_name: str, expert: int | None, path: Path) -> None:
         self._where[hf] = (gguf_name, expert)
@@ -110,12 +113,24 @@ class GGUFCheckpoint:
             w = unpermute_rows(w, int(n_head))
         return w
 
+    def release(self, name: str) -> None:
+        """Drop the mapped pages that get(name) read from this process's RSS, once the caller has copied or
+        packed the tensor (SafetensorsCheckpoint.release does the same)."""
+        sources = [(n, None) for n in self._kv_b[name]] if name in self._kv_b else [self._where[name]]
+        for gguf_name, expert in sources:
+            data = self._data(gguf_name, expert)
+            self._pages.release(self.gguf.tensors[gguf_name][1], data.ctypes.data, data.nbytes)
+
+    def _data(self, gguf_name: str, expert: int | None) -> np.ndarray:
+        """The tensor's (or one expert's) blocks: a view of the mapped file."""
+        data = self.gguf.tensors[gguf_name][0].data
+        return np.asarray(data if expert is None else data[expert])
+
     def _read(self, gguf_name: str, expert: int | None) -> torch.Tensor:
         """One GGUF tensor (or one expert of a stacked one) dequantized to float32, in torch shape."""
         tensor = self.gguf.tensors[gguf_name][0]
-        data = tensor.data if expert is None else tensor.data[expert]
         try:
-            values = dequantize(np.asarray(data), tensor.tensor_type)
+            values = dequantize(self._data(gguf_name, expert), tensor.tensor_type)
         except (NotImplementedError, ValueError) as e:
             raise CheckpointError(f"GGUF tensor {gguf_name} of type {tensor.tensor_type.name} cannot be read "
                                   f"({e or 'no dequantizer in this gguf package'})") from None

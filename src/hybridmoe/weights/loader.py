@@ -347,6 +347,8 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
                         continue
                     _check_shape(name, ckpt.shape(name), stacker.expected_shape(proj))
                     codes = int4_codes(name) if int4_codes else None
+                    if codes is not None:
+                        release(name)  # its codes are converted: the source pages are done with
                     stacker.add(layer, expert, proj, name if codes is None else codes)
                     continue
                 target_key = model.param_target(name)

@@ -125,6 +125,13 @@ class QuantizedCheckpoint:
                      "re-quantized by the engine (int4 groups are contiguous runs of input channels)", name)
         return codes
 
+    def release(self, name: str) -> None:
+        """Drop the mapped pages that get(name) or int4_codes(name) read (every packed part of a linear)
+        from this process's RSS, once the caller has copied or packed what it got."""
+        base = self._packed_base(name)
+        for part in [name] if base is None else [base + s for s in _PACKED_SUFFIXES if base + s in self._ckpt.file_of]:
+            self._ckpt.release(part)
+
     def get(self, name: str) -> torch.Tensor:
         base = self._packed_base(name)
         if base is None:

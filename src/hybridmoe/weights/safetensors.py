@@ -10,10 +10,7 @@ tensor has been copied or packed, so a load never holds the whole checkpoint res
 
 from __future__ import annotations
 
-import ctypes
 import json
-import mmap
-import os
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequant_block_fp8, scale_name
+from hybridmoe.weights.mapped_pages import MappedPages
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -40,7 +38,7 @@ class SafetensorsCheckpoint:
         self.fp8_block = fp8_block
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
-        self._mappings = _FileMappings()
+        self._pages = MappedPages()
         self.file_of: dict[str, str] = {}
         try:
             for file in self._files():
@@ -139,12 +137,8 @@ class SafetensorsCheckpoint:
         """Drop tensor name's pages from this process's resident memory (not from the page cache: a later
         read faults them back in, from memory). Only whole pages inside the tensor are dropped, and only
         when they lie in this file's own mapping: a tensor that is a copy is left alone."""
-        file = self.file_of[name]
         tensor = self._read(name)  # a view of the mapping: reads nothing
-        start = -(-tensor.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
-        end = (tensor.data_ptr() + tensor.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if end > start and self._mappings.contains(self.model_dir / file, start, end):
-            _dontneed(start, end - start)
+        self._pages.release(self.model_dir / self.file_of[name], tensor.data_ptr(), tensor.nbytes)
 
     def _read(self, name: str) -> torch.Tensor:
         file = self.file_of[name]
@@ -152,52 +146,3 @@ class SafetensorsCheckpoint:
             return self._handles[file].get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"cannot read tensor {name} from {self.model_dir / file} ({e})") from None
-
-
-class _FileMappings:
-    """Address ranges at which files are mapped into this process, read from /proc/self/maps (Linux;
-    elsewhere none, so nothing is released). A file is matched by device and inode, or by its real path
-    (overlay filesystems may show the layer below's inode); the ranges are read again on a miss."""
-
-    def __init__(self):
-        self._maps: list[tuple[int, int, tuple[int, int], str]] = []
-
-    def contains(self, path: Path, start: int, end: int) -> bool:
-        st = os.stat(path)
-        file = ((st.st_dev, st.st_ino), os.path.realpath(path))
-        if not self._cached_contains(file, start, end):
-            self._maps = _read_maps()
-        return self._cached_contains(file, start, end)
-
-    def _cached_contains(self, file: tuple[tuple[int, int], str], start: int, end: int) -> bool:
-        return any(lo <= start and end <= hi and (key == file[0] or name == file[1])
-                   for lo, hi, key, name in self._maps)
-
-
-def _read_maps() -> list[tuple[int, int, tuple[int, int], str]]:
-    """(start, end, (device, inode), path) of every file mapping."""
-    maps = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                # start-end perms offset major:minor inode [path]
-                fields = line.split(maxsplit=5)
-                if int(fields[4]) == 0:
-                    continue
-                major, minor = (int(x, 16) for x in fields[3].split(":"))
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                path = fields[5].rstrip("\n") if len(fields) > 5 else ""
-                maps.append((lo, hi, (os.makedev(major, minor), int(fields[4])), path))
-    except OSError:
-        pass
-    return maps
-
-
-def _dontneed(start: int, length: int) -> None:
-    # MADV_DONTNEED on a file mapping unmaps the pages from this process only; nothing is lost, since the
-    # mapping is never written (a written private page would be).
-    _libc.madvise(start, length, mmap.MADV_DONTNEED)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
