@@ -1,20 +1,22 @@
 """GPU kernels per decoder layer of one decode step, their GPU time, and the captured step's replay time.
 
     python benchmarks/decode_gpu_ops.py [--synthetic PRESET] [--layers N] [--format int4]
-        [--gpu-experts-per-layer G] [--batch B] [--reps R] [--paths unfused,fused] [--json F]
+        [--gpu-experts-per-layer G] [--batch B] [--reps R] [--paths unfused,fused,gemv] [--json F]
 
 Loads a random-weight checkpoint of PRESET cut to N layers (written to /dev/shm, as e2e.py does), prefills
 one prompt per batch row and decodes one token through the engine (so the decode step's buffers hold a real
 step), then, on the decode step the engine runs (fixed shapes on CUDA, the model's eager forward elsewhere),
 for each path (fused: RMSNorm with its residual add, attention's q/k norms + rotary + cache writes, the
 router's top-k, the hybrid split and sum as one Triton kernel each, MoECausalLM.fuse_decode_kernels;
-unfused: the torch ops they replace):
+gemv: fused, and the linear layers as the Triton decode GEMV, qkv_proj and the router each with the norm
+before it (layers/gemv_triton.py); unfused: the torch ops they replace):
   - profiles one eager step: per decoder layer the GPU kernels, copies and memsets it launches and their
     GPU time (torch profiler; a launch belongs to the layer whose forward was running on the host), the
     last MoE layer's kernels by name, and its top-level torch ops (on the CPU, the only column);
   - on CUDA, captures the step as a CUDA graph: its nodes by type, the GPU activities one profiled replay
     shows, and the replay time (the least of 3 medians of R replays, the paths interleaved; per layer:
-    that time / N, lm_head's share included); then the time saved per layer, unfused - fused.
+    that time / N, lm_head's share included); then the time each later path saves per layer against the
+    first one given (before -> after).
 Inside a graph each kernel still costs its launch and drain (~2-4 us), and a MoE layer's GPU part is
 serial with its CPU part, so the kernel count per layer is what this script is for.
 
@@ -46,6 +48,7 @@ from hybridmoe.engine.model_runner import MIN_PAD_LEN
 from hybridmoe.sampling_params import SamplingParams
 
 PROMPT_LEN = 16
+PATHS = ("unfused", "fused", "gemv")
 GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 GRAPH_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty",
                     6: "wait event", 7: "event record", 10: "mem alloc", 11: "mem free", 12: "stream mem op"}
@@ -64,14 +67,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="routed experts per layer on the GPU (default 26: Qwen3-30B-A3B under 16 GiB; CPU: 0)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     parser.add_argument("--reps", type=int, default=200, help="graph replays timed (default 200)")
-    parser.add_argument("--paths", default="unfused,fused",
-                        help="fused (Triton kernels for norms, rotary, router, hybrid split and sum), unfused (torch), "
-                             "or both, measured side by side (default unfused,fused)")
+    parser.add_argument("--paths", default="unfused,fused,gemv",
+                        help="unfused (torch), fused (Triton kernels for norms, rotary, router, hybrid split and "
+                             "sum), gemv (fused + the Triton decode GEMV with the norms folded in), comma-separated, "
+                             "measured side by side, each against the first (default unfused,fused,gemv)")
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
     args = parser.parse_args(argv)
     args.paths = args.paths.split(",")
-    if not args.paths or any(p not in ("fused", "unfused") for p in args.paths):
-        parser.error(f"--paths takes fused, unfused or both, got {','.join(args.paths)!r}")
+    if not args.paths or any(p not in PATHS for p in args.paths):
+        parser.error(f"--paths takes {', '.join(PATHS)}, got {','.join(args.paths)!r}")
     return args
 
 
@@ -246,6 +250,11 @@ def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def use_path(model, path: str) -> None:
+    """Switch the model's decode kernels to one of PATHS."""
+    model.fuse_decode_kernels(path != "unfused", gemv=path == "gemv")
+
+
 def decode_step(engine: LLMEngine, seqs: list, cuda_fixed: bool):
     """The decode step the engine just ran for seqs (their last token again), as a callable."""
     runner, model = engine.runner, engine.runner.model
@@ -293,7 +302,7 @@ def main(argv=None) -> None:
             device=device.type, expert_format=args.format, gpu_experts_per_layer=args.gpu_experts_per_layer,
             max_num_seqs=args.batch, max_model_len=256, cache_dir="", prefill_streaming="off")
         engine = LLMEngine(ckpt.out_dir, config)
-    engine.runner.model.fuse_decode_kernels(args.paths == ["fused"])  # the engine's own steps: unfused if asked for
+    use_path(engine.runner.model, args.paths[-1])  # the engine's own steps (and their graph) on the last path
     print(f"{args.synthetic}, {args.layers} layers, {args.format} experts, {args.gpu_experts_per_layer} GPU experts "
           f"per layer, batch {args.batch}, device {device}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     for b in range(args.batch):
@@ -312,7 +321,7 @@ def main(argv=None) -> None:
                     "device": str(device), "fixed_shapes": cuda_fixed, "paths": {}}
     graphs = {}
     for path in args.paths:
-        model.fuse_decode_kernels(path == "fused")
+        use_path(model, path)
         try:
             step()  # warm-up (Triton compiles here)
             prof = profile_step(step, model, cuda)
@@ -331,7 +340,7 @@ def main(argv=None) -> None:
             graphs.pop(path, None)
     if graphs:
         us = {path: [] for path in graphs}
-        for _ in range(3):  # interleaved, so that both paths see the same machine state
+        for _ in range(3):  # interleaved, so that every path sees the same machine state
             for path, graph in graphs.items():
                 us[path].append(replay_us(graph, args.reps))
         print(f"\ncaptured step, replay time: the least of 3 medians of {args.reps} replays")
@@ -341,16 +350,20 @@ def main(argv=None) -> None:
             print(f"  {path:>8}: {r['replay_us']:8.1f} us = {r['replay_us'] / args.layers:6.1f} us per layer; "
                   f"nodes {r['graph_nodes']}; one profiled replay: "
                   f"{ {k: v for k, v in r['replay_profile'].items() if k != 'timeline'} }")
-    if len(result["paths"]) == 2 and moe_layers:
-        a, b = (result["paths"][p] for p in ("unfused", "fused"))
+    done = list(result["paths"])
+    if len(done) >= 2 and moe_layers:
         last = f"layer {moe_layers[-1]}"
-        line = (f"\nlast MoE layer: kernels {a['profile'][last]['kernel']} -> {b['profile'][last]['kernel']}, "
-                f"top-level ops {a['profile'][last]['cpu_ops']} -> {b['profile'][last]['cpu_ops']}")
-        if graphs:
-            saved = a["replay_us"] - b["replay_us"]
-            line += (f"; replay {a['replay_us']:.1f} -> {b['replay_us']:.1f} us ({a['replay_us'] / b['replay_us']:.3f}x), "
-                     f"{saved / args.layers:.1f} us saved per layer")
-        print(line)
+        a = result["paths"][done[0]]
+        for path in done[1:]:
+            b = result["paths"][path]
+            line = (f"\n{done[0]} -> {path}, last MoE layer: kernels {a['profile'][last]['kernel']} -> "
+                    f"{b['profile'][last]['kernel']}, top-level ops {a['profile'][last]['cpu_ops']} -> "
+                    f"{b['profile'][last]['cpu_ops']}")
+            if done[0] in graphs and path in graphs:
+                saved = a["replay_us"] - b["replay_us"]
+                line += (f"; replay {a['replay_us']:.1f} -> {b['replay_us']:.1f} us "
+                         f"({a['replay_us'] / b['replay_us']:.3f}x), {saved / args.layers:.1f} us saved per layer")
+            print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -15,7 +15,7 @@ from torch import nn
 
 from hybridmoe.engine.context import Context, get_context
 from hybridmoe.experts.gpu_experts import HAVE_TRITON
-from hybridmoe.layers.linear import MergedLinear
+from hybridmoe.layers.linear import MergedLinear, decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -195,18 +195,21 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, rope)
         self.kv_cache: KVCache | None = None
         self.fused = True  # on CUDA: norms, rotary and cache writes in one kernel, decode attention in one
+        self.fused_gemv = True  # on CUDA, short steps: o_proj as the Triton GEMV (layers/linear.py)
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.o_proj.weight
         self.kv_cache = KVCache(num_slots, max_len, self.num_kv_heads, self.head_dim, self.head_dim, w.dtype, w.device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H], positions [T] -> [T, H]."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if self.fused and HAVE_TRITON and x.is_cuda and self.kv_cache is not None:
-            return self.o_proj(self._fused_attention(qkv, positions).reshape(t, self.num_heads * self.head_dim))
-        cos, sin = self.rotary(positions, x.dtype)
+    def forward(self, x: torch.Tensor | None, positions: torch.Tensor, qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], positions [T] -> [T, H]. qkv: qkv_proj(x) [T, (Hq + 2 Hkv) D] if the caller made it
+        (DecoderLayer, with the norm before it in one kernel); x is then not read (None)."""
+        if qkv is None:
+            qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
+        if self.fused and HAVE_TRITON and qkv.is_cuda and self.kv_cache is not None:
+            return self._o_proj(self._fused_attention(qkv, positions).reshape(t, self.num_heads * self.head_dim))
+        cos, sin = self.rotary(positions, qkv.dtype)
         q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -215,7 +218,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = cached_attention(q, k, v, self.kv_cache, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self._o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def _o_proj(self, o: torch.Tensor) -> torch.Tensor:
+        """o [T, Hq D] -> [T, H]: the decode GEMV in short steps on CUDA (fused_gemv), else cuBLAS."""
+        if decode_gemv(o, self.fused_gemv):
+            return norm_linear(o, self.o_proj)[0]
+        return self.o_proj(o)
 
     def _fused_attention(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """forward's path from qkv [T, (Hq + 2 Hkv) D] to the attention output [T, Hq, D], with q/k norms,

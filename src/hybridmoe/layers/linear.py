@@ -1,4 +1,5 @@
-"""Linear layers whose weight is several checkpoint tensors stacked along the output dim.
+"""Linear layers whose weight is several checkpoint tensors stacked along the output dim, and the
+decode steps' linear layers as one Triton GEMV each, with the RMSNorm before them folded in.
 
 Fusing q/k/v (or gate/up) into one matmul is done once, at load time: the loader copies
 each checkpoint tensor into its row range (`shard_rows`), forward is a plain F.linear.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hybridmoe.experts.gpu_experts import HAVE_TRITON
 
 
 class MergedLinear(nn.Linear):
@@ -23,3 +26,26 @@ class MergedLinear(nn.Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(y.split(self.out_sizes, dim=-1))
+
+
+DECODE_GEMV_MAX_TOKENS = 8
+"""Steps of up to this many tokens run the decode GEMV (gemv_triton.py) where it is on: each token's
+programs read the whole weight, so more tokens read it again (from L2); longer steps use cuBLAS."""
+
+
+def decode_gemv(x: torch.Tensor, on: bool) -> bool:
+    """Whether the linear layers reading x [T, K] run as the Triton decode GEMV: on, CUDA, triton, short step."""
+    return on and HAVE_TRITON and x.is_cuda and x.dim() == 2 and x.shape[0] <= DECODE_GEMV_MAX_TOKENS
+
+
+def norm_linear(x: torch.Tensor, linear: nn.Linear, norm=None, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """linear(norm(x + residual)) as one Triton kernel: (y [T, N], normed [T, K], total = x + residual [T, K]).
+
+    norm: an RMSNorm (layers/norm.py) or None (y = linear(x); normed and total None); residual None: total
+    None. For steps where decode_gemv(x, True) holds.
+    """
+    from hybridmoe.layers.gemv_triton import triton_norm_gemv
+
+    return triton_norm_gemv(x, linear.weight, linear.bias, norm.weight if norm is not None else None,
+                            norm.eps if norm is not None else 0.0, residual)

@@ -45,9 +45,11 @@ class SparseMoeBlock(nn.Module):
         self.experts = experts
         self.fused = True  # the router in one kernel on CUDA (softmax_topk)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        logits = self.gate(x)
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. logits: gate(x) [T, E] if the caller made it (DecoderLayer, with the norm
+        before it in one kernel)."""
+        if logits is None:
+            logits = self.gate(x)
         if self.fused:  # the backend may fuse the top-k into its split of the step (HybridExperts)
             out = self.experts.forward_logits(self.layer_idx, x, logits, self.top_k, self.renormalize)
             if out is not None:

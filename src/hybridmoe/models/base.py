@@ -20,6 +20,9 @@ import torch
 from torch import nn
 
 from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.linear import decode_gemv, norm_linear
+from hybridmoe.layers.moe import SparseMoeBlock
 from hybridmoe.layers.norm import RMSNorm
 
 EXPERT_PROJS = ("gate", "up", "down")
@@ -60,6 +63,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h)).
 
     mlp_name is the attribute the checkpoint uses for the MLP ("mlp"; Mixtral: "block_sparse_moe").
+    fused_gemv: in short steps on CUDA, each norm and the projection after it (the input norm and
+    Attention's qkv_proj, the post-attention norm with its residual add and a SparseMoeBlock's router)
+    run as one Triton GEMV (layers/linear.py norm_linear); else as the norm's kernel and cuBLAS.
     """
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, mlp_name: str = "mlp"):
@@ -69,11 +75,20 @@ class DecoderLayer(nn.Module):
         setattr(self, mlp_name, mlp)
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.fused_gemv = True
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(h), positions)
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        gemv = decode_gemv(h, self.fused_gemv)
+        if gemv and isinstance(attn, Attention):
+            a = attn(None, positions, qkv=norm_linear(h, attn.qkv_proj, self.input_layernorm)[0])
+        else:
+            a = attn(self.input_layernorm(h), positions)
+        if gemv and isinstance(mlp, SparseMoeBlock):
+            logits, x, h = norm_linear(a, mlp.gate, self.post_attention_layernorm, residual=h)
+            return h + mlp(x, logits)
         x, h = self.post_attention_layernorm(a, residual=h)  # h + a and its norm: one kernel on CUDA
-        return h + getattr(self, self.mlp_name)(x)
+        return h + mlp(x)
 
 
 class MoECausalLM(nn.Module):
@@ -176,14 +191,18 @@ class MoECausalLM(nn.Module):
                 hidden_states_out.append(h)
         return self.model.norm(h)
 
-    def fuse_decode_kernels(self, on: bool) -> None:
+    def fuse_decode_kernels(self, on: bool, gemv: bool | None = None) -> None:
         """On CUDA with triton, run RMSNorm (with its residual add), attention's q/k norms + rotary +
         cache writes, the router's top-k and the hybrid experts' fixed-shape glue as one kernel each
         (on, the default), or as the torch ops they stand for (off: the reference the device tests
-        hold them to; benchmarks/decode_gpu_ops.py runs the two side by side)."""
+        hold them to; benchmarks/decode_gpu_ops.py runs them side by side). gemv (default: on): short
+        steps' linear layers as the Triton decode GEMV, each with the norm before it (DecoderLayer)."""
+        gemv = on if gemv is None else gemv
         for module in [*self.modules(), self.experts]:
             if hasattr(module, "fused"):
                 module.fused = on
+            if hasattr(module, "fused_gemv"):
+                module.fused_gemv = gemv
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
