@@ -470,11 +470,11 @@ def _main(args) -> int:
                                              bandwidth=bandwidth, bandwidth_method=method,
                                              decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth,
                                              repeats=args.repeats)
-                except Stopped as e:  # with repeats, the rows of this load measured so far come with it
+                except Stopped as e:  # the rows of this load measured so far come with it
                     rows = getattr(e, "results", [])
                     notes.append(f"stopped by SIGTERM (time limit) during {load.label} at "
                                  f"{raw_cut['num_hidden_layers']} layers"
-                                 f"{' (its rows with the repeats done so far)' if rows else ''}: later "
+                                 f"{' (its rows measured so far are shown)' if rows else ''}: later "
                                  "configurations not run")
                     stopped = True
                 for r in rows:

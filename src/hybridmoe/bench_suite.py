@@ -136,8 +136,9 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
     (when the model has any; prefill at prompt_lens[0] only; a variant that fails is reported and
     dropped). With repeats N, the rows are measured N times interleaved (A B C A B C ...), so that a drift
     of the host shows in every row's spread instead of between rows; each result holds its N samples and
-    reports their median. An interruption (BaseException, e.g. the caller's SIGTERM) once every row has a
-    sample is raised again with the results so far as its `results`. The engine is dropped after."""
+    reports their median. An interruption (a BaseException that is no Exception, e.g. the caller's SIGTERM)
+    once a row has a sample is raised again with the results so far as its `results` (the rounds every
+    row completed; in the first round, the rows done). The engine is dropped after."""
     from hybridmoe.engine.llm_engine import LLMEngine
 
     if gen_len < 2:
@@ -174,17 +175,21 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
             try:
                 for row in [r for r in rows if r.label in samples]:
                     bench.measure(row, prompts[row.label], samples, first=rep == 0)
+            except Exception:
+                raise
             except BaseException as e:  # noqa: BLE001 (raised again below, with the rows measured so far)
-                if rep == 0:
-                    raise
                 stopped = e
                 break
+        rounds = max(1, min(map(len, samples.values())))  # complete rounds (or the first one's rows done)
+        samples = {label: got[:rounds] for label, got in samples.items() if len(got) >= rounds}
+        if stopped is not None and not samples:
+            raise stopped
         engine.runner.cuda_graph = bench.graphs
         common = dict(load_s=load_s, depth=depth, resolved=engine.resolved_config, rss_gib=_rss_gib(),
                       peak_rss_gib=peak_rss_gib(),
                       peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                       model_layers=len(engine.runner.model.model.layers))
-        results = [_result(row, samples[row.label][:min(map(len, samples.values()))], bench.options(row), **common)
+        results = [_result(row, samples[row.label], bench.options(row), **common)
                    for row in rows if row.label in samples]
     finally:
         del engine, bench

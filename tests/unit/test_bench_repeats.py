@@ -1,5 +1,5 @@
 """run_suite's repeats: the rows of one engine measured in turn, round after round, each reported as the median
-of its samples; an interruption after the first round still returns the rows measured."""
+of its samples; an interruption still returns the rows measured (the complete rounds)."""
 
 import pytest
 
@@ -59,8 +59,16 @@ def test_an_interruption_after_the_first_round_comes_with_the_complete_rounds(mo
     assert on.decode_samples_s == [1.0] and off.decode_samples_s == [5.0]
 
 
-def test_an_interruption_in_the_first_round_has_no_rows(model_dir, monkeypatch):
+def test_an_interruption_in_the_first_round_comes_with_the_rows_done(model_dir, monkeypatch):
     fake_sampler(monkeypatch, [1.0], stop_at=1)
     with pytest.raises(Interrupted) as stopped:
         run(model_dir, repeats=3)
+    (on,) = stopped.value.results
+    assert on.label == "all on" and on.decode_samples_s == [1.0]
+
+
+def test_an_interruption_before_any_row_is_done_has_no_rows(model_dir, monkeypatch):
+    fake_sampler(monkeypatch, [], stop_at=0)
+    with pytest.raises(Interrupted) as stopped:
+        run(model_dir, repeats=1)
     assert not hasattr(stopped.value, "results")
