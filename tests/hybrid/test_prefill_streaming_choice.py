@@ -53,7 +53,7 @@ def measured(monkeypatch):
 
 def _decide(path, ec):
     cls, config = load_config(path)
-    return auto.prefill_streaming_decision(ec, config, torch.float32, path)
+    return auto.prefill_streaming_decision(ec, config, torch.float32)
 
 
 def test_auto_streams_when_pcie_beats_the_cpu_within_a_step(tiny_checkpoints, measured):

@@ -109,7 +109,7 @@ def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
         lines.append(f"placement:  every routed expert on the CPU ({fp.num_experts} x {len(fp.moe_layers)} MoE layers)")
     asked = replace(ec, prefill_streaming=engine_config.prefill_streaming,
                     prefill_streaming_tokens=engine_config.prefill_streaming_tokens)
-    lines.append(f"streaming:  long prefill steps {prefill_streaming_decision(asked, config, dtype, model_dir).reason}")
+    lines.append(f"streaming:  long prefill steps {prefill_streaming_decision(asked, config, dtype).reason}")
     if ec.expert_backend == "native":
         per_expert = cpu_expert_bytes(ec.expert_format, fp.moe_intermediate_size, fp.hidden_size, ec.expert_group_size)
     else:

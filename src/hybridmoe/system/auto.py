@@ -71,7 +71,7 @@ def resolve_engine_config(engine_config: EngineConfig, config, dtype: torch.dtyp
     resolved = replace(engine_config, expert_backend=resolve_expert_backend(engine_config, config, dtype, model_dir))
     resolved = resolve_expert_format(resolved, config, model_dir)
     resolved = replace(resolved, gpu_memory_budget=auto_gpu_budget(resolved))
-    decision = prefill_streaming_decision(resolved, config, dtype, model_dir)
+    decision = prefill_streaming_decision(resolved, config, dtype)
     if decision.on is None:
         return resolved
     if not decision.fits:
@@ -125,14 +125,13 @@ def estimated_cpu_flops(threads: int | None) -> float:
     return CPU_EXPERT_FLOPS_PER_CORE[available_isas()[-1]] * (threads or len(os.sched_getaffinity(0)))
 
 
-def prefill_streaming_decision(ec: EngineConfig, config, dtype: torch.dtype, model_dir: str | Path
-                               ) -> StreamingDecision:
+def prefill_streaming_decision(ec: EngineConfig, config, dtype: torch.dtype) -> StreamingDecision:
     """Whether (and from how many tokens) steps stream their layers' CPU experts to the device, for
     ec with its other choices already resolved."""
     from hybridmoe.experts.placement import format_bytes, model_footprint
     from hybridmoe.experts.streamed_prefill import (break_even_tokens, device_bytes, layer_packed_bytes,
                                                     streamed_layer_seconds)
-    from hybridmoe.models.registry import load_config
+    from hybridmoe.models.registry import architecture_of, get_model_class
 
     if not uses_hybrid(ec) or ec.prefill_streaming == "off":
         return StreamingDecision(None, None, "off" if ec.prefill_streaming == "off" else
@@ -142,7 +141,8 @@ def prefill_streaming_decision(ec: EngineConfig, config, dtype: torch.dtype, mod
             raise HybridMoEError("prefill_streaming 'on' streams the native engine's packed experts; it needs "
                                  "expert_backend 'native'")
         return StreamingDecision(False, None, "off (the CPU experts are the torch reference, not packed)")
-    fp = model_footprint(load_config(model_dir)[0], config, dtype, replace(ec, prefill_streaming="off"))
+    model_cls = get_model_class(architecture_of(config.to_dict()))  # config keeps config.json's "architectures"
+    fp = model_footprint(model_cls, config, dtype, replace(ec, prefill_streaming="off"))
     H, I, K = fp.hidden_size, fp.moe_intermediate_size, fp.top_k
     layer_bytes = layer_packed_bytes(ec.expert_format, fp.num_experts, H, I, ec.expert_group_size,
                                      bool(ec.expert_zero_points))
