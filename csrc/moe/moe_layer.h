@@ -86,6 +86,9 @@ class MoeLayer {
   }
   int kernel_prefetch_l1() const { return kernel_prefetch_l1_; }
   int kernel_prefetch_l2() const { return kernel_prefetch_l2_; }
+  // Whether one-token experts read two weight blocks at once (PackedView::paired).
+  void set_paired(bool on) { paired_ = on; }
+  bool paired() const { return paired_; }
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }
   bool tail_split() const { return tail_split_; }
@@ -117,6 +120,7 @@ class MoeLayer {
   int item_prefetch_ = 4096;
   int item_bytes_ = 0;
   int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 0;
+  bool paired_ = false;
   bool tail_split_ = true;
   bool combine_in_run_ = true;
 };
