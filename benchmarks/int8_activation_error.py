@@ -8,9 +8,11 @@ of amax / 127 per token or per (token, group of K). This models that arithmetic 
 sums are exact, so only the activation rounding differs from fp32) on Gaussian weights and x, for
 each choice of x and h grouping ("bf16": that side stays on bf16 tiles), and prints the layer's
 relative L2 error: int4 vs the reference on its own dequantized weights (the issue allows the
-kernel 0.01), int8 vs the fp32 weights (the issue's int8 bound is 0.03). The row the AMX kernels
-run (int8: x per token, h per 128) is also run through isa="amx_emulated", the kernels' own code,
-as a check of the model.
+kernel 0.01), int8 vs the fp32 weights (the issue's int8 bound is 0.03). "q12" is what AMX int4
+reads instead: 12 bits per value, one scale per token (int16 rows rounded to 16 steps, split
+into an int8 and a 4-bit part that two byte lanes of one AMX-INT8 product sum exactly). The rows
+the AMX kernels run (int8: x per token, h per 128; int4: q12) are also run through
+isa="amx_emulated", the kernels' own code, as a check of the model.
 """
 
 import argparse
@@ -21,8 +23,8 @@ import torch.nn.functional as F
 from hybridmoe import CpuExperts
 from hybridmoe.experts.cpu_experts import available_isas
 
-# (x grouping, h grouping): 0 one scale per token, G one per G of K, None bf16
-CHOICES = [(0, 0), (0, None), (0, 128), (128, None), (64, None), (32, None), (128, 128), (64, 64)]
+# (x grouping, h grouping): 0 one scale per token, G one per G of K, None bf16, "q12" 12 bits per token
+CHOICES = [(0, 0), (0, None), (0, 128), (128, None), (64, None), (32, None), (128, 128), (64, 64), ("q12", "q12")]
 
 
 def int8_rounded(v, group):
@@ -35,11 +37,25 @@ def int8_rounded(v, group):
     return (torch.round(g / s) * s).reshape(T, -1)[:, :K]
 
 
+def q12_rounded(v):
+    """v [T, K] as AMX int4 reads it: q = round(v / s), s = amax / 32767 per token (the i16 rows),
+    then q rounded to a multiple of 16 (saturating at the top: 12 bits)."""
+    s = (v.abs().amax(-1, keepdim=True) / 32767).clamp_min(1e-30)
+    q = torch.round(v / s)
+    return torch.floor((q + 8).clamp_max(32767) / 16) * 16 * s
+
+
+def rounded(v, choice):
+    if choice is None:
+        return v.bfloat16().float()
+    return q12_rounded(v) if choice == "q12" else int8_rounded(v, choice)
+
+
 def layer(x, gate, up, down, gx, gh):
     """One expert's output with x and h read as int8 (grouping gx, gh) or bf16 (None)."""
-    xq = x.bfloat16().float() if gx is None else int8_rounded(x, gx)
+    xq = rounded(x, gx)
     h = F.silu(xq @ gate.T) * (xq @ up.T)
-    hq = h.bfloat16().float() if gh is None else int8_rounded(h, gh)
+    hq = rounded(h, gh)
     return hq @ down.T
 
 
@@ -48,7 +64,7 @@ def main():
     ap.add_argument("--shapes", default="2048x768,7168x2048", help="HxI list")
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args()
-    name = lambda g: "bf16" if g is None else "tok" if g == 0 else f"g{g}"
+    name = lambda g: "bf16" if g is None else "tok" if g == 0 else g if g == "q12" else f"g{g}"
     print(f"{'format':<9} {'H':>5} {'I':>5} " + " ".join(f"{name(a) + '/' + name(b):>10}" for a, b in CHOICES)
           + f" {'emulated':>9}", flush=True)
     for shape in args.shapes.split(","):
@@ -67,8 +83,8 @@ def main():
             err = lambda out: ((out - ref).norm() / ref.norm()).item()
             cells = [f"{err(layer(x, *held, a, b)):>10.4f}" for a, b in CHOICES]
             emulated = "-"
-            if fmt == "int8" and "avx512" in available_isas():
-                amx = CpuExperts(*w, format=fmt, threads=2, isa="amx_emulated")
+            if "avx512" in available_isas():
+                amx = CpuExperts(*w, format=fmt, group_size=group, threads=2, isa="amx_emulated")
                 ids, tw = torch.zeros(args.tokens, 1, dtype=torch.long), torch.ones(args.tokens, 1)
                 emulated = f"{err(amx.forward(x, ids, tw)):.4f}"
             print(f"{fmt + ' g' + str(group) if fmt == 'int4' else fmt:<9} {H:>5} {I:>5} " + " ".join(cells)
