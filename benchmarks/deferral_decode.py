@@ -45,7 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", default=None, help="decoder layers of the cut model(s), e.g. 4,12 (default: full)")
     parser.add_argument("--formats", default=None, help="expert formats, e.g. int4,bf16 (default: the engine's)")
     parser.add_argument("--ks", default="0,1,2,3", help="deferred experts per token (default 0,1,2,3)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the K (default 3)")
+    parser.add_argument("--own-trim", default="off", help="off, on or off,on: the layers' own handoffs leave one "
+                        "token's padding slots out (CudaHandoff.trim_padding; the deferred ones always do)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="host read probe size")
@@ -99,7 +101,8 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
     return out
 
 
-def measure_engine(engine, ks: list[int], args, bandwidth: float, method: str) -> list[dict]:
+def measure_engine(engine, variants: list[tuple[int, bool]], args, bandwidth: float, method: str) -> list[dict]:
+    """Each (K, own trim) variant measured `repeats` times, the variants interleaved within each round."""
     model = engine.runner.model
     experts = model.experts
     if not hasattr(experts, "set_deferred_experts"):
@@ -108,32 +111,36 @@ def measure_engine(engine, ks: list[int], args, bandwidth: float, method: str) -
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, engine.vocab_size, (args.decode_prompt_len,), generator=g).tolist()
     floor = decode_floor(model, bandwidth, method, decode_routing(engine, prompt, args.gen_len))
-    samples = {k: [] for k in ks}
-    parts_seen = {k: [] for k in ks}
+    samples = {v: [] for v in variants}
+    parts_seen = {v: [] for v in variants}
     tokens = {}
     for round_ in range(args.repeats):
-        for k in ks:
+        for v in variants:
+            k, trim = v
             if engine.runner.fixed:  # the graphs captured for the previous K go before its handoffs
                 torch.cuda.synchronize()
                 engine.runner._graphs.clear()
             experts.set_deferred_experts(k)
-            decode_once(engine, prompt, 4)  # captures the graph(s) for this K
             parts = part_stats(model)
+            for h in parts["own"]:
+                h.trim_padding = trim
+            decode_once(engine, prompt, 4)  # captures the graph(s) for this K
             anatomy(parts)  # zero the counters
             seconds, toks = decode_once(engine, prompt, args.gen_len)
-            samples[k].append(seconds)
-            parts_seen[k].append(anatomy(parts))
-            tokens.setdefault(k, toks)
-            print(f"    round {round_ + 1} K={k}: {1 / seconds:.1f} tok/s ({seconds * 1e3:.3f} ms/token) "
-                  f"{_anatomy_line(parts_seen[k][-1])}", flush=True)
+            samples[v].append(seconds)
+            parts_seen[v].append(anatomy(parts))
+            tokens.setdefault(v, toks)
+            print(f"    round {round_ + 1} K={k}{' own trim' if trim else ''}: {1 / seconds:.1f} tok/s "
+                  f"({seconds * 1e3:.3f} ms/token) {_anatomy_line(parts_seen[v][-1])}", flush=True)
     experts.set_deferred_experts(0)
     rows = []
-    for k in ks:
-        s = statistics.median(samples[k])
-        same = sum(a == b for a, b in zip(tokens[k], tokens[ks[0]]))
-        rows.append({"deferred_experts": k, "decode_s": s, "decode_tok_s": 1 / s, "samples_s": samples[k],
-                     "floor_s": floor.seconds, "decode_over_floor": s / floor.seconds if floor.seconds else None,
-                     "tokens_equal_to_first_k": f"{same}/{len(tokens[k])}", "anatomy": parts_seen[k]})
+    for v in variants:
+        s = statistics.median(samples[v])
+        same = sum(a == b for a, b in zip(tokens[v], tokens[variants[0]]))
+        rows.append({"deferred_experts": v[0], "own_trim": v[1], "decode_s": s, "decode_tok_s": 1 / s,
+                     "samples_s": samples[v], "floor_s": floor.seconds,
+                     "decode_over_floor": s / floor.seconds if floor.seconds else None,
+                     "tokens_equal_to_first_row": f"{same}/{len(tokens[v])}", "anatomy": parts_seen[v]})
     return rows
 
 
@@ -145,6 +152,8 @@ def _anatomy_line(a: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     ks = _ints(args.ks)
+    trims = [{"off": False, "on": True}[t.strip()] for t in args.own_trim.split(",")]
+    variants = [(k, trim) for trim in trims for k in ks]
     depths = _ints(args.layers) if args.layers else [None]
     formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
     kwargs = engine_kwargs(args)
@@ -167,39 +176,40 @@ def main(argv=None) -> int:
                 print(f"  {fmt or 'default format'}, {n} layers: loaded in {time.perf_counter() - t0:.1f} s, "
                       f"graphs {'on' if engine.runner.cuda_graph else 'off'}", flush=True)
                 moe = len(engine.runner.model.moe_layers)
-                for row in measure_engine(engine, ks, args, bandwidth, method):
+                for row in measure_engine(engine, variants, args, bandwidth, method):
                     results.append(dict(row, format=fmt, layers=n, moe_layers=moe))
                 del engine
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     print(f"# {args.synthetic}, batch 1, {args.gen_len} tokens per sample, median of {args.repeats} interleaved "
           f"rounds; floor at {bandwidth / 1e9:.1f} GB/s")
-    print(f"| format | layers | K | decode tok/s | ms/token | vs K={ks[0]} | floor ms | decode/floor | samples ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| format | layers | K | own trim | decode tok/s | ms/token | vs first row | floor ms | decode/floor | "
+          "samples ms | tokens = first row |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        base = next(x for x in results if x["format"] == r["format"] and x["layers"] == r["layers"]
-                    and x["deferred_experts"] == ks[0])
-        print(f"| {r['format'] or 'default'} | {r['layers']} | {r['deferred_experts']} | {r['decode_tok_s']:.1f} | "
+        base = next(x for x in results if x["format"] == r["format"] and x["layers"] == r["layers"])
+        print(f"| {r['format'] or 'default'} | {r['layers']} | {r['deferred_experts']} | "
+              f"{'on' if r['own_trim'] else 'off'} | {r['decode_tok_s']:.1f} | "
               f"{r['decode_s'] * 1e3:.3f} | {base['decode_s'] / r['decode_s']:.3f}x | {r['floor_s'] * 1e3:.3f} | "
               f"{r['decode_over_floor'] or float('nan'):.2f} | "
-              f"{', '.join(f'{s * 1e3:.3f}' for s in r['samples_s'])} |")
+              f"{', '.join(f'{s * 1e3:.3f}' for s in r['samples_s'])} | {r['tokens_equal_to_first_row']} |")
     fits = []
     if len(set(depths)) >= 2 and all(r["moe_layers"] == r["layers"] for r in results):
         full_layers = full["num_hidden_layers"]
         print(f"# fitted over depths {','.join(map(str, depths))}: ms/token = fixed + per layer x layers, "
               f"at {full_layers} layers")
-        print("| format | K | fixed ms | per layer ms | decode tok/s | decode/floor | floor/layer ms |")
-        print("|---|---|---|---|---|---|---|")
+        print("| format | K | own trim | fixed ms | per layer ms | decode tok/s | decode/floor | floor/layer ms |")
+        print("|---|---|---|---|---|---|---|---|")
         for fmt in formats:
-            for k in ks:
-                rs = [r for r in results if r["format"] == fmt and r["deferred_experts"] == k]
+            for k, trim in variants:
+                rs = [r for r in results if r["format"] == fmt and (r["deferred_experts"], r["own_trim"]) == (k, trim)]
                 fit = fit_line([(r["layers"], r["decode_s"]) for r in rs])
                 deepest = max(rs, key=lambda r: r["layers"])
                 floor_layer = deepest["floor_s"] / deepest["layers"]
                 t = fit.at(full_layers)
-                fits.append({"format": fmt, "deferred_experts": k, "fixed_s": fit.fixed, "per_layer_s": fit.per_layer,
+                fits.append({"format": fmt, "deferred_experts": k, "own_trim": trim, "fixed_s": fit.fixed, "per_layer_s": fit.per_layer,
                              "layers": full_layers, "decode_tok_s": 1 / t, "decode_over_floor": t / (floor_layer * full_layers)})
-                print(f"| {fmt} | {k} | {fit.fixed * 1e3:.3f} | {fit.per_layer * 1e3:.4f} | {1 / t:.1f} | "
+                print(f"| {fmt or 'default'} | {k} | {'on' if trim else 'off'} | {fit.fixed * 1e3:.3f} | {fit.per_layer * 1e3:.4f} | {1 / t:.1f} | "
                       f"{t / (floor_layer * full_layers):.2f} | {floor_layer * 1e3:.4f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"synthetic": args.synthetic, "bandwidth": bandwidth,

@@ -2,6 +2,7 @@
 
     python benchmarks/deferral_quality.py --model DIR [--model DIR ...] [--ks 1,2,3] [--prompts 4]
                                           [--prompt-len 64] [--json F]
+    python benchmarks/deferral_quality.py --synthetic qwen3-30b-a3b --layers 4 [...]
 
 For each model, random token prompts are prefilled once per K (teacher forcing: every position
 sees the same tokens), and at every position we compare the next-token distribution p_K with p_0:
@@ -12,7 +13,8 @@ in tests/hybrid/test_deferral.py). K values at or above the model's experts per 
 Synthetic checkpoints (random weights) from `hybridmoe make-model` are what this measures by
 default; their next-token distributions are nearly flat (the table's "p0 top-1": mean probability
 of p_0's argmax), so greedy agreement there mostly measures near-ties; KL is the steadier figure, and
-a trained model's numbers will differ.
+a trained model's numbers will differ. --synthetic writes such a checkpoint of a make-model preset
+(cut to --layers) into memory for the run (checkpoint/synthetic.py) and measures it like a --model.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.checkpoint.synthetic import synthetic_checkpoint
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.context import single_sequence_context, use_context
 from hybridmoe.weights.loader import load_model
@@ -31,7 +34,9 @@ from hybridmoe.weights.loader import load_model
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, action="append", metavar="DIR", help="repeat for several models")
+    parser.add_argument("--model", action="append", default=[], metavar="DIR", help="repeat for several models")
+    parser.add_argument("--synthetic", metavar="PRESET", help="also a make-model preset, written to memory")
+    parser.add_argument("--layers", type=int, help="with --synthetic: decoder layers (default: full depth)")
     parser.add_argument("--ks", default="1,2,3", help="deferred experts per token to measure (default 1,2,3)")
     parser.add_argument("--prompts", type=int, default=4, help="random prompts per model")
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (each position is measured)")
@@ -86,7 +91,12 @@ def measure(model_dir: str, ks: list[int], args) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
+    if not args.model and not args.synthetic:
+        raise SystemExit("give --model DIR or --synthetic PRESET")
     rows = [row for model_dir in args.model for row in measure(model_dir, ks, args)]
+    if args.synthetic:
+        with synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) as synthetic:
+            rows += measure(str(synthetic.out_dir), ks, args)
     print(f"{'model':<40} {'type':<12} {'layers':>6} {'top-k':>5} {'K':>2} {'mean KL (nats)':>15} "
           f"{'greedy agree':>12} {'p0 top-1':>8} {'positions':>9}")
     for r in rows:

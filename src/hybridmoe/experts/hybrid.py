@@ -287,6 +287,9 @@ class HybridExperts(ExpertBackend):
             try:
                 for (deferred, width), layers in groups.items():
                     handoff = CudaHandoff(layers, max_tokens, width, staged, device=self.device)
+                    # a deferred slot whose expert is on the GPU leaves its token's CPU row all padding
+                    # (weight 0): computing it would only delay the next layer's own experts
+                    handoff.trim_padding = deferred
                     handoffs.update({(deferred, layer): (handoff, width) for layer in layers})
             except HybridMoEError as e:  # no usable CUDA runtime: the synchronous path still works
                 log.warning("CPU experts run without the CUDA handoff (and decode steps without CUDA graphs): %s", e)
