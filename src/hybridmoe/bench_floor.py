@@ -114,20 +114,15 @@ def decode_routing(engine, prompt: list[int], gen_len: int):
     from hybridmoe.sampling_params import SamplingParams
 
     runner, model = engine.runner, engine.runner.model
-    inner = model.experts
     graphs, runner.cuda_graph = runner.cuda_graph, False
     counter = RoutingCounter.install(model)
     try:
         engine.add_request(prompt, SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True))
         engine.step()  # the prompt
-        for counts in counter.counts.values():
-            counts.zero_()
-        counter.tokens = 0
+        counter.reset()
         while engine.has_unfinished():
             engine.step()
     finally:
-        for module in model.modules():
-            if getattr(module, "experts", None) is counter:
-                module.experts = inner
+        counter.uninstall(model)
         runner.cuda_graph = graphs
     return counter.stats()

@@ -30,6 +30,18 @@ class RoutingCounter(ExpertBackend):
                 module.experts = counter
         return counter
 
+    def uninstall(self, model) -> None:
+        """Put the wrapped backend back wherever install put this counter."""
+        for module in model.modules():
+            if getattr(module, "experts", None) is self:
+                module.experts = self.inner
+
+    def reset(self) -> None:
+        """Count again from zero (e.g. after the prompt, to count decode steps only)."""
+        for counts in self.counts.values():
+            counts.zero_()
+        self.tokens = 0
+
     def stats(self) -> ExpertStats:
         return ExpertStats({layer: c.tolist() for layer, c in self.counts.items()}, self.tokens)
 
