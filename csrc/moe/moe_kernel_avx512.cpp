@@ -378,10 +378,11 @@ void gate_up(const PackedView& g, const PackedView& u, int b0, int b1, const Act
   }
   thread_local std::vector<float> ubuf;
   const int cols = (b1 - b0) * kBlockRows, ldu = cols + 16;  // not a multiple of 4 KiB (L1 sets)
-  if (ubuf.size() < size_t(a.n) * ldu) ubuf.resize(size_t(a.n) * ldu);
+  if (ubuf.size() < size_t(a.n) * ldu + 16) ubuf.resize(size_t(a.n) * ldu + 16);
+  float* us = ubuf.data() + ((64 - reinterpret_cast<uintptr_t>(ubuf.data()) % 64) % 64) / 4;  // rows on lines
   one(g, b0, b1, a, h, ldh);
-  one(u, b0, b1, a, ubuf.data(), ldu);
-  for (int t = 0; t < a.n; ++t) silu_mul(h + size_t(t) * ldh, ubuf.data() + size_t(t) * ldu, cols);
+  one(u, b0, b1, a, us, ldu);
+  for (int t = 0; t < a.n; ++t) silu_mul(h + size_t(t) * ldh, us + size_t(t) * ldu, cols);
 }
 
 // ---- Row-wise ops (RowOps) ----
