@@ -3,7 +3,7 @@
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
         [--tail-split 0,1] [--combine-in-run 0,1] [--item-bytes 0,131072]
-        [--kernel-prefetch-l1 0,2048,4096] [--kernel-prefetch-l2 0,8192]
+        [--kernel-prefetch-l1 0,2048,4096] [--kernel-prefetch-l2 0,8192] [--paired 0,1]
         [--variants 'new=;old=item_prefetch:0,tail_split:0,combine_in_run:0']
         [--json out.json]
 
@@ -51,7 +51,7 @@ N_ROUTINGS = 16
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
 DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True, item_bytes=0,
-                        kernel_prefetch_l1=4096, kernel_prefetch_l2=0)
+                        kernel_prefetch_l1=4096, kernel_prefetch_l2=0, paired=False)
 
 
 def schedule_variants(args):
@@ -66,9 +66,10 @@ def schedule_variants(args):
         return out
     lists = {"item_blocks": args.item_blocks, "item_prefetch": args.item_prefetch, "tail_split": args.tail_split,
              "combine_in_run": args.combine_in_run, "item_bytes": args.item_bytes,
-             "kernel_prefetch_l1": args.kernel_prefetch_l1, "kernel_prefetch_l2": args.kernel_prefetch_l2}
+             "kernel_prefetch_l1": args.kernel_prefetch_l1, "kernel_prefetch_l2": args.kernel_prefetch_l2,
+             "paired": args.paired}
     short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir",
-             "item_bytes": "iB", "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_"}
+             "item_bytes": "iB", "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair"}
     values = {k: [int(v) for v in s.split(",")] for k, s in lists.items()}
     out = []
     for combo in itertools.product(*values.values()):
@@ -193,6 +194,8 @@ def main():
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L1 (0: none); key suffix k1_N")
     ap.add_argument("--kernel-prefetch-l2", default="0",
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L2 (0: none); key suffix k2_N")
+    ap.add_argument("--paired", default="0",
+                    help="comma list of 0/1: one-token experts read two weight blocks at once; key suffix pairN")
     ap.add_argument("--variants", default=None,
                     help="instead of the knob lists: 'name=knob:value,...;name2=...' (knobs: "
                          + ", ".join(DEFAULT_SCHEDULE) + "; unset knobs keep their defaults); key suffix name")
