@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ks", default="0,1,2,3", help="deferred experts per token (default 0,1,2,3)")
     parser.add_argument("--own-trim", default="off", help="off, on or off,on: the layers' own handoffs leave one "
                         "token's padding slots out (CudaHandoff.trim_padding; the deferred ones always do)")
+    parser.add_argument("--zero-copy", default="off", help="off, on or off,on: every handoff stages its rows and "
+                        "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
@@ -59,6 +62,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _switches(text: str) -> list[bool]:
+    return [{"off": False, "on": True}[t.strip()] for t in text.split(",")]
+
+
+@dataclass(frozen=True)
+class Variant:
+    k: int
+    """Deferred experts per token."""
+    own_trim: bool
+    zero_copy: bool
+
+    def label(self) -> str:
+        return f"K={self.k}" + (" own trim" if self.own_trim else "") + (" zero-copy" if self.zero_copy else "")
 
 
 def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
@@ -101,8 +119,8 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
     return out
 
 
-def measure_engine(engine, variants: list[tuple[int, bool]], args, bandwidth: float, method: str) -> list[dict]:
-    """Each (K, own trim) variant measured `repeats` times, the variants interleaved within each round."""
+def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
+    """Each variant measured `repeats` times, the variants interleaved within each round."""
     model = engine.runner.model
     experts = model.experts
     if not hasattr(experts, "set_deferred_experts"):
@@ -116,28 +134,29 @@ def measure_engine(engine, variants: list[tuple[int, bool]], args, bandwidth: fl
     tokens = {}
     for round_ in range(args.repeats):
         for v in variants:
-            k, trim = v
             if engine.runner.fixed:  # the graphs captured for the previous K go before its handoffs
                 torch.cuda.synchronize()
                 engine.runner._graphs.clear()
-            experts.set_deferred_experts(k)
+            experts.set_deferred_experts(v.k)
             parts = part_stats(model)
             for h in parts["own"]:
-                h.trim_padding = trim
+                h.trim_padding = v.own_trim
+            for h in parts["own"] + parts["deferred"]:
+                h.zero_copy = v.zero_copy
             decode_once(engine, prompt, 4)  # captures the graph(s) for this K
             anatomy(parts)  # zero the counters
             seconds, toks = decode_once(engine, prompt, args.gen_len)
             samples[v].append(seconds)
             parts_seen[v].append(anatomy(parts))
             tokens.setdefault(v, toks)
-            print(f"    round {round_ + 1} K={k}{' own trim' if trim else ''}: {1 / seconds:.1f} tok/s "
+            print(f"    round {round_ + 1} {v.label()}: {1 / seconds:.1f} tok/s "
                   f"({seconds * 1e3:.3f} ms/token) {_anatomy_line(parts_seen[v][-1])}", flush=True)
     experts.set_deferred_experts(0)
     rows = []
     for v in variants:
         s = statistics.median(samples[v])
         same = sum(a == b for a, b in zip(tokens[v], tokens[variants[0]]))
-        rows.append({"deferred_experts": v[0], "own_trim": v[1], "decode_s": s, "decode_tok_s": 1 / s,
+        rows.append({"variant": v, "deferred_experts": v.k, "own_trim": v.own_trim, "zero_copy": v.zero_copy, "decode_s": s, "decode_tok_s": 1 / s,
                      "samples_s": samples[v], "floor_s": floor.seconds,
                      "decode_over_floor": s / floor.seconds if floor.seconds else None,
                      "tokens_equal_to_first_row": f"{same}/{len(tokens[v])}", "anatomy": parts_seen[v]})
@@ -152,8 +171,8 @@ def _anatomy_line(a: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     ks = _ints(args.ks)
-    trims = [{"off": False, "on": True}[t.strip()] for t in args.own_trim.split(",")]
-    variants = [(k, trim) for trim in trims for k in ks]
+    variants = [Variant(k, trim, zc) for zc in _switches(args.zero_copy) for trim in _switches(args.own_trim)
+                for k in ks]
     depths = _ints(args.layers) if args.layers else [None]
     formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
     kwargs = engine_kwargs(args)
@@ -183,13 +202,12 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
     print(f"# {args.synthetic}, batch 1, {args.gen_len} tokens per sample, median of {args.repeats} interleaved "
           f"rounds; floor at {bandwidth / 1e9:.1f} GB/s")
-    print(f"| format | layers | K | own trim | decode tok/s | ms/token | vs first row | floor ms | decode/floor | "
+    print(f"| format | layers | variant | decode tok/s | ms/token | vs first row | floor ms | decode/floor | "
           "samples ms | tokens = first row |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = next(x for x in results if x["format"] == r["format"] and x["layers"] == r["layers"])
-        print(f"| {r['format'] or 'default'} | {r['layers']} | {r['deferred_experts']} | "
-              f"{'on' if r['own_trim'] else 'off'} | {r['decode_tok_s']:.1f} | "
+        print(f"| {r['format'] or 'default'} | {r['layers']} | {r['variant'].label()} | {r['decode_tok_s']:.1f} | "
               f"{r['decode_s'] * 1e3:.3f} | {base['decode_s'] / r['decode_s']:.3f}x | {r['floor_s'] * 1e3:.3f} | "
               f"{r['decode_over_floor'] or float('nan'):.2f} | "
               f"{', '.join(f'{s * 1e3:.3f}' for s in r['samples_s'])} | {r['tokens_equal_to_first_row']} |")
@@ -198,22 +216,23 @@ def main(argv=None) -> int:
         full_layers = full["num_hidden_layers"]
         print(f"# fitted over depths {','.join(map(str, depths))}: ms/token = fixed + per layer x layers, "
               f"at {full_layers} layers")
-        print("| format | K | own trim | fixed ms | per layer ms | decode tok/s | decode/floor | floor/layer ms |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| format | variant | fixed ms | per layer ms | decode tok/s | decode/floor | floor/layer ms |")
+        print("|---|---|---|---|---|---|---|")
         for fmt in formats:
-            for k, trim in variants:
-                rs = [r for r in results if r["format"] == fmt and (r["deferred_experts"], r["own_trim"]) == (k, trim)]
+            for v in variants:
+                rs = [r for r in results if r["format"] == fmt and r["variant"] == v]
                 fit = fit_line([(r["layers"], r["decode_s"]) for r in rs])
                 deepest = max(rs, key=lambda r: r["layers"])
                 floor_layer = deepest["floor_s"] / deepest["layers"]
                 t = fit.at(full_layers)
-                fits.append({"format": fmt, "deferred_experts": k, "own_trim": trim, "fixed_s": fit.fixed, "per_layer_s": fit.per_layer,
+                fits.append({"format": fmt, "variant": v.label(), "fixed_s": fit.fixed, "per_layer_s": fit.per_layer,
                              "layers": full_layers, "decode_tok_s": 1 / t, "decode_over_floor": t / (floor_layer * full_layers)})
-                print(f"| {fmt or 'default'} | {k} | {'on' if trim else 'off'} | {fit.fixed * 1e3:.3f} | {fit.per_layer * 1e3:.4f} | {1 / t:.1f} | "
+                print(f"| {fmt or 'default'} | {v.label()} | {fit.fixed * 1e3:.3f} | {fit.per_layer * 1e3:.4f} | {1 / t:.1f} | "
                       f"{t / (floor_layer * full_layers):.2f} | {floor_layer * 1e3:.4f} |")
     if args.json:
+        rows = [dict(r, variant=r["variant"].label()) for r in results]
         Path(args.json).write_text(json.dumps({"synthetic": args.synthetic, "bandwidth": bandwidth,
-                                               "engine": kwargs, "rows": results, "fits": fits}, indent=1) + "\n")
+                                               "engine": kwargs, "rows": rows, "fits": fits}, indent=1) + "\n")
     return 0
 
 
