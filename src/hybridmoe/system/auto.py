@@ -110,12 +110,17 @@ class StreamingDecision:
     of min_tokens, the estimate."""
 
 
+PCIE_MEASURE_BYTES = 256 << 20
+"""The pinned copy PCIe is measured over: ~5 ms at gen5's ~55 GB/s, well past a copy's fixed cost."""
+
+
 @functools.cache
 def measured_pcie_bandwidth(device: str) -> float:
-    """Pinned host-to-device bytes/s, measured once per process and device."""
+    """Pinned host-to-device bytes/s over PCIE_MEASURE_BYTES, measured once per process and device: the
+    one figure the streaming choice uses and `hybridmoe doctor` prints."""
     from hybridmoe.system.bandwidth import pinned_h2d_bandwidth
 
-    return pinned_h2d_bandwidth(device, 256 << 20)
+    return pinned_h2d_bandwidth(device, PCIE_MEASURE_BYTES)
 
 
 def estimated_cpu_flops(threads: int | None) -> float:
