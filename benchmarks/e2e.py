@@ -39,7 +39,8 @@ deferred expert adds a CPU handoff per layer).
 its median, and a table lists every sample and the spread; rows of other loads (deferral, no GPU
 experts, other formats) are each measured N times back to back on their own engine. A SIGTERM (e.g.
 `timeout`) ends the run with the tables of the configurations measured so far. Qwen3-30B-A3B rows are
-also set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s prefill at 512 (48 layers).
+also set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s
+prefill at 512 (48 layers).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
 from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.system.auto import uses_hybrid
 from hybridmoe.system.bandwidth import host_read_bandwidth, host_read_method
 
 LLAMA_CPP = {"decode_tok_s": 47.0, "prefill512_tok_s": (650.0, 760.0)}
@@ -177,6 +179,8 @@ class Load:
     """Also measure the same engine with graphs off, under this label."""
     handoff_variants: tuple[tuple[str, dict], ...] = ()
     """Also measure the same engine with these (label, CudaHandoff options)."""
+    deferral_variants: tuple[tuple[str, int], ...] = ()
+    """Also measure the same engine with these (label, deferred experts)."""
     every_length: bool = True
     """Prefill every prompt length (else the first only)."""
 
@@ -197,9 +201,11 @@ def handoff_variants(name: str, ablation: list[str], repeats: int = 1) -> tuple[
 
 
 def configurations(kwargs: dict, formats: list[str | None], ablation: list[str], repeats: int = 1) -> list[Load]:
-    """Each format; with ablation rows, each format "all on", the first also with graphs off and with the
-    handoff options (same engine), and after every format the first with deferral toggled and without GPU experts
-    (these prefill the first prompt length only), so that a time limit cuts the ablation before a format."""
+    """Each format; with ablation rows, each format "all on", the first also with graphs off, with deferral
+    toggled and with the handoff options (same engine), and after every format the first without GPU experts
+    (these prefill the first prompt length only), so that a time limit cuts the ablation before a format.
+    Deferral is switched on the same engine where it is the hybrid split (HybridExperts), else loaded anew
+    after the formats."""
     runs, variants = [], []
     for k, fmt in enumerate(formats):
         base = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
@@ -209,12 +215,16 @@ def configurations(kwargs: dict, formats: list[str | None], ablation: list[str],
             continue
         base.setdefault("deferred_experts", DEFAULT_DEFERRED)
         first = k == 0
+        deferral = ()
+        if first and "deferral" in ablation:
+            deferral = ((f"{name} deferral 1", 1) if base["deferred_experts"] == 0 else (f"{name} no deferral", 0),)
+            if not uses_hybrid(EngineConfig.from_kwargs(**base)):  # no switch: a load of its own
+                variants.append(Load(deferral[0][0], dict(base, deferred_experts=deferral[0][1]), every_length=False))
+                deferral = ()
         runs.append(Load(f"{name} all on", base,
                          eager_label=f"{name} no CUDA graph" if first and "graph" in ablation else None,
-                         handoff_variants=handoff_variants(name, ablation if first else [], repeats)))
-        if first and "deferral" in ablation:
-            deferral = (f"{name} deferral 1", 1) if base["deferred_experts"] == 0 else (f"{name} no deferral", 0)
-            variants.append(Load(deferral[0], dict(base, deferred_experts=deferral[1]), every_length=False))
+                         handoff_variants=handoff_variants(name, ablation if first else [], repeats),
+                         deferral_variants=deferral))
         if first and "gpu-experts" in ablation:
             variants.append(Load(f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), every_length=False))
     return runs + variants
@@ -232,6 +242,7 @@ def run_configuration(model_dir: str, load: Load, lens: list[int], **suite) -> l
             return run_suite(load.label + tag, model_dir, ec, lens if load.every_length else lens[:1],
                              eager_label=load.eager_label and load.eager_label + tag,
                              handoff_variants=tuple((label + tag, options) for label, options in load.handoff_variants),
+                             deferral_variants=tuple((label + tag, k) for label, k in load.deferral_variants),
                              **suite)
         except HybridMoEError:
             raise

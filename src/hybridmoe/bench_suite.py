@@ -124,19 +124,29 @@ class Row:
     """HANDOFF_OPTIONS set on the stream_mem_ops handoffs, over the engine's own (None: its own)."""
     every_length: bool
     """Prefill every prompt length (else the first only)."""
+    deferred: int | None = None
+    """Deferred experts switched to on the engine (HybridExperts.set_deferred_experts; None: its own)."""
+
+    @property
+    def variant(self) -> bool:
+        """A row that changes the engine's handoffs (options or deferral): its failure loses only itself."""
+        return self.options is not None or self.deferred is not None
 
 
 def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_lens: list[int], gen_len: int,
               bandwidth: float, bandwidth_method: str, *, decode_prompt_len: int = 64, seed: int = 0,
               depth: DepthInfo | None = None, eager_label: str | None = None,
-              handoff_variants: tuple[tuple[str, dict], ...] = (), repeats: int = 1) -> list[SuiteResult]:
+              handoff_variants: tuple[tuple[str, dict], ...] = (),
+              deferral_variants: tuple[tuple[str, int], ...] = (), repeats: int = 1) -> list[SuiteResult]:
     """Load model_dir with engine_config and measure it; with eager_label, measure the same engine again
-    with CUDA graphs off (prefill at prompt_lens[0] only) as a further result; for each (label, options)
-    of handoff_variants, again with graphs on and those HANDOFF_OPTIONS set on the stream_mem_ops handoffs
-    (when the model has any; prefill at prompt_lens[0] only; a variant that fails is reported and
-    dropped). With repeats N, the rows are measured N times interleaved (A B C A B C ...), so that a drift
-    of the host shows in every row's spread instead of between rows; each result holds its N samples and
-    reports their median. An interruption (a BaseException that is no Exception, e.g. the caller's SIGTERM)
+    with CUDA graphs off (prefill at prompt_lens[0] only) as a further result; for each (label, K) of
+    deferral_variants, again with K deferred experts (HybridExperts.set_deferred_experts, the graphs
+    captured anew); for each (label, options) of handoff_variants, again with graphs on and those
+    HANDOFF_OPTIONS set on the stream_mem_ops handoffs (when the model has any). The rows after the
+    first prefill prompt_lens[0] only; a variant row that fails is reported and dropped. With repeats N,
+    the rows are measured N times interleaved (A B C A B C ...), so that a drift of the host shows in
+    every row's spread instead of between rows; each result holds its N samples and reports their
+    median. An interruption (a BaseException that is no Exception, e.g. the caller's SIGTERM)
     once a row has a sample is raised again with the results so far as its `results` (the rounds every
     row completed; in the first round, the rows done). The engine is dropped after."""
     from hybridmoe.engine.llm_engine import LLMEngine
@@ -166,6 +176,7 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         rows = [Row(label, bench.graphs, None, True)]
         if eager_label is not None:
             rows.append(Row(eager_label, False, None, False))
+        rows += [Row(variant, bench.graphs, None, False, deferred=k) for variant, k in deferral_variants]
         rows += [Row(variant, bench.graphs, options, False) for variant, options in handoff_variants if bench.memops]
         prompts = {row.label: {n: prompt(n) for n in (prompt_lens if row.every_length else prompt_lens[:1])}
                    for row in rows}
@@ -209,19 +220,48 @@ class _Bench:
                  layer_times: bool):
         self.engine, self.decode_prompt, self.gen_len = engine, decode_prompt, gen_len
         self.bandwidth, self.bandwidth_method, self.layer_times = bandwidth, bandwidth_method, layer_times
-        self.memops = [h for h in handoffs(engine.runner.model) if h.path == "stream_mem_ops"]
+        self.memops = self._memops()
         self.defaults = {name: getattr(self.memops[0], name) for name in HANDOFF_OPTIONS} if self.memops else None
         self.graphs = engine.runner.cuda_graph
         self.captured = self.defaults  # the options the engine's graphs were captured with
         self.retired = []  # graphs captured with other options: kept alive, as their memory pool is reused
+        self.own_deferred = self.deferred = engine.resolved_config.deferred_experts
+
+    def _memops(self) -> list:
+        return [h for h in handoffs(self.engine.runner.model) if h.path == "stream_mem_ops"]
 
     def options(self, row: Row) -> dict | None:
         return {**self.defaults, **(row.options or {})} if self.memops else None
 
     def measure(self, row: Row, prompts: dict[int, list[int]], samples: dict[str, list], first: bool) -> None:
-        """Set the engine up as `row` says and append one Sample to samples[row.label]; a variant (a row
-        with handoff options) that fails is reported and its label dropped from samples."""
-        runner, options = self.engine.runner, self.options(row)
+        """Set the engine up as `row` says and append one Sample to samples[row.label]; a variant row that
+        fails is reported and its label dropped from samples."""
+        try:
+            self._set_up(row)
+            samples[row.label].append(_sample(self.engine, prompts, self.decode_prompt, self.gen_len, first=first,
+                                              layer_times=self.layer_times, bandwidth=self.bandwidth,
+                                              bandwidth_method=self.bandwidth_method))
+        except Exception as e:  # noqa: BLE001 (a variant's crash must not lose the rows measured)
+            if not row.variant:
+                raise
+            traceback.print_exc()
+            print(f"  {row.label}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
+            del samples[row.label]
+
+    def _set_up(self, row: Row) -> None:
+        runner = self.engine.runner
+        deferred = self.own_deferred if row.deferred is None else row.deferred
+        if deferred != self.deferred:  # new handoffs: the graphs of the old ones are never replayed again
+            if torch.device(self.engine.config.device).type == "cuda":
+                torch.cuda.synchronize()  # nothing in flight on the old handoffs
+            if self.graphs:
+                self.retired += runner._graphs.values()
+                runner._graphs.clear()
+            self.captured = None
+            self.deferred = deferred
+            runner.model.experts.set_deferred_experts(deferred)
+            self.memops = self._memops()
+        options = self.options(row)
         for h in self.memops:
             for name, value in options.items():
                 setattr(h, name, value)
@@ -230,16 +270,6 @@ class _Bench:
             runner._graphs.clear()  # capture them again with these options
             self.captured = options
         runner.cuda_graph = row.graph
-        try:
-            samples[row.label].append(_sample(self.engine, prompts, self.decode_prompt, self.gen_len, first=first,
-                                              layer_times=self.layer_times, bandwidth=self.bandwidth,
-                                              bandwidth_method=self.bandwidth_method))
-        except Exception as e:  # noqa: BLE001 (a variant's crash must not lose the rows measured)
-            if row.options is None:
-                raise
-            traceback.print_exc()
-            print(f"  {row.label}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
-            del samples[row.label]
 
 
 def handoffs(model) -> list:
@@ -289,13 +319,17 @@ def _result(row: Row, samples: list[Sample], handoff_options: dict | None, resol
     decode = [s.decode_s for s in samples]
     median_sample = sorted(samples, key=lambda s: s.decode_s)[(len(samples) - 1) // 2]
     lens = samples[0].prefill_tok_s
+    if not row.graph:
+        resolved = replace(resolved, cuda_graph=False)
+    if row.deferred is not None:
+        resolved = replace(resolved, deferred_experts=row.deferred)
     return SuiteResult(row.label, {n: statistics.median(s.prefill_tok_s[n] for s in samples) for n in lens},
                        {n: statistics.median(s.ttft_s[n] for s in samples) for n in lens},
                        statistics.median(decode), floor=samples[0].floor, uniform_floor=samples[0].uniform_floor,
                        layer_times=samples[0].layer_times, cuda_graph=row.graph, anatomy=median_sample.anatomy,
                        decode_samples_s=decode,
                        prefill_samples={n: [s.prefill_tok_s[n] for s in samples] for n in lens},
-                       resolved=resolved if row.graph else replace(resolved, cuda_graph=False),
+                       resolved=resolved,
                        handoff_options=handoff_options, **common)
 
 

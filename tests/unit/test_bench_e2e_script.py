@@ -91,13 +91,18 @@ def test_ablation_variants_come_after_every_format():
                                                ("int4 zero-copy", {"zero_copy": True}),
                                                ("int4 trim padding", {"trim_padding": True}),
                                                ("int4 all on, again", {})), True),
-        ("bf16 all on", None, (), True), ("int4 deferral 1", None, (), False), ("int4 no GPU experts", None, (), False)]
+        ("bf16 all on", None, (), True), ("int4 no GPU experts", None, (), False)]
+    assert [r.deferral_variants for r in runs] == [(("int4 deferral 1", 1),), (), ()]  # the hybrid split switches K
     kwargs = {r.label: r.kwargs for r in runs}
     assert kwargs["int4 all on"]["deferred_experts"] == 0 and kwargs["bf16 all on"]["deferred_experts"] == 0
     given = E2E["configurations"]({"deferred_experts": 2}, ["int4"], every)
-    assert [(r.label, r.kwargs["deferred_experts"]) for r in given] == [
-        ("int4 all on", 2), ("int4 no deferral", 0), ("int4 no GPU experts", 2)]
+    assert [(r.label, r.kwargs["deferred_experts"], r.deferral_variants) for r in given] == [
+        ("int4 all on", 2, (("int4 no deferral", 0),)), ("int4 no GPU experts", 2, ())]
     assert kwargs["int4 no GPU experts"] == dict(kwargs["int4 all on"], gpu_experts_per_layer=0)
+    # not the hybrid split (no budget, no GPU experts, K=0): K cannot be switched, the row loads its own engine
+    plain = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("deferral"))
+    assert [(r.label, r.kwargs["deferred_experts"], r.every_length) for r in plain] == [
+        ("int4 all on", 0, True), ("int4 deferral 1", 1, False)]
 
 
 def test_with_repeats_the_handoff_rows_have_no_all_on_again_row():

@@ -72,3 +72,17 @@ def test_an_interruption_before_any_row_is_done_has_no_rows(model_dir, monkeypat
     with pytest.raises(Interrupted) as stopped:
         run(model_dir, repeats=1)
     assert not hasattr(stopped.value, "results")
+
+
+def test_deferral_rows_switch_k_on_the_loaded_engine(model_dir, monkeypatch):
+    switched = []
+    from hybridmoe.experts.hybrid import HybridExperts
+
+    real = HybridExperts.set_deferred_experts
+    monkeypatch.setattr(HybridExperts, "set_deferred_experts", lambda self, k: (switched.append(k), real(self, k)))
+    ec = EngineConfig(device="cpu", max_num_seqs=1, expert_backend="torch", gpu_experts_per_layer=1)
+    on, k1 = suite.run_suite("K0", model_dir, ec, [16], 3, 1e9, "probe", decode_prompt_len=8,
+                             deferral_variants=(("K1", 1),), repeats=2)
+    assert switched == [1, 0, 1]  # K0 K1 K0 K1: one switch before each row but the first
+    assert (on.resolved.deferred_experts, k1.resolved.deferred_experts) == (0, 1)
+    assert len(on.decode_samples_s) == len(k1.decode_samples_s) == 2
