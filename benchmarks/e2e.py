@@ -30,7 +30,8 @@ same engine with the handoff's rows and output through the device's mapping of t
 instead of copies; trim: the same engine with one token's padding slots (weight 0) left out of its CPU
 work; these with graphs captured again, on the stream_mem_ops handoff only, and (without --repeats)
 followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
-on" has 0, else 0); gpu-experts: no GPU experts (--gpu-experts-per-layer 0). Deferral is not in "all on" by default
+on" has 0, else 0; switched on the same engine when it is the hybrid split, as with a GPU budget);
+gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on" by default
 because it lost on the GPU host: Qwen3-30B-A3B int4, 4 layers, 354 tok/s with 1 vs 370 with 0 (each
 deferred expert adds a CPU handoff per layer).
 
