@@ -83,11 +83,14 @@ class ThreadPool {
   // sleepers_ / driver_sleeps_ let the wakers skip the syscall while everyone still spins.
   // A run is generation_'s value; closed_ is the last run whose items were all claimed;
   // active_ counts the workers inside work() (or deciding whether to enter it).
-  std::atomic<uint32_t> generation_{0};
-  std::atomic<uint32_t> closed_{0};
-  std::atomic<int32_t> active_{0};
-  std::atomic<int32_t> sleepers_{0};
-  std::atomic<bool> driver_sleeps_{false};
+  // Each on its own cache line: every worker RMWs active_ as it joins and leaves a run, and a
+  // line shared with generation_ / closed_ (which they all read to join) or with fn_ (read per
+  // item) would bounce between the cores, once per RMW, while the others wait to read it.
+  alignas(64) std::atomic<uint32_t> generation_{0};
+  alignas(64) std::atomic<uint32_t> closed_{0};
+  alignas(64) std::atomic<int32_t> active_{0};
+  alignas(64) std::atomic<int32_t> sleepers_{0};
+  alignas(64) std::atomic<bool> driver_sleeps_{false};
   std::atomic<bool> stop_{false};
   // The idle workers' spin window (ns), learnt by run() from the gaps between runs (gap_ns_:
   // the estimate, only touched by the thread inside run()); last_end_ns_: when the last run ended.
