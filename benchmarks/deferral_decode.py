@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,35 +134,71 @@ def measure_engine(engine, variants: list[Variant], args, bandwidth: float, meth
     samples = {v: [] for v in variants}
     parts_seen = {v: [] for v in variants}
     tokens = {}
-    for round_ in range(args.repeats):
-        for v in variants:
-            if engine.runner.fixed:  # the graphs captured for the previous K go before its handoffs
-                torch.cuda.synchronize()
-                engine.runner._graphs.clear()
-            experts.set_deferred_experts(v.k)
-            parts = part_stats(model)
-            for h in parts["own"]:
-                h.trim_padding = v.own_trim
-            for h in parts["own"] + parts["deferred"]:
-                h.zero_copy = v.zero_copy
-            decode_once(engine, prompt, 4)  # captures the graph(s) for this K
-            anatomy(parts)  # zero the counters
-            seconds, toks = decode_once(engine, prompt, args.gen_len)
-            samples[v].append(seconds)
-            parts_seen[v].append(anatomy(parts))
-            tokens.setdefault(v, toks)
-            print(f"    round {round_ + 1} {v.label()}: {1 / seconds:.1f} tok/s "
-                  f"({seconds * 1e3:.3f} ms/token) {_anatomy_line(parts_seen[v][-1])}", flush=True)
-    experts.set_deferred_experts(0)
+    stopped = False
+    try:
+        rounds(engine, variants, args, prompt, samples, parts_seen, tokens)
+    except Stopped:
+        stopped = True
+        print("  stopped (SIGTERM): the rows below are the samples measured so far", flush=True)
     rows = []
     for v in variants:
+        if not samples[v]:
+            continue
         s = statistics.median(samples[v])
         same = sum(a == b for a, b in zip(tokens[v], tokens[variants[0]]))
-        rows.append({"variant": v, "deferred_experts": v.k, "own_trim": v.own_trim, "zero_copy": v.zero_copy, "decode_s": s, "decode_tok_s": 1 / s,
-                     "samples_s": samples[v], "floor_s": floor.seconds,
+        rows.append({"variant": v, "deferred_experts": v.k, "own_trim": v.own_trim, "zero_copy": v.zero_copy,
+                     "decode_s": s, "decode_tok_s": 1 / s, "samples_s": samples[v], "floor_s": floor.seconds,
                      "decode_over_floor": s / floor.seconds if floor.seconds else None,
                      "tokens_equal_to_first_row": f"{same}/{len(tokens[v])}", "anatomy": parts_seen[v]})
-    return rows
+    return rows, stopped
+
+
+def rounds(engine, variants: list[Variant], args, prompt: list[int], samples: dict, parts_seen: dict,
+           tokens: dict) -> None:
+    model = engine.runner.model
+    experts = model.experts
+    failed: set[Variant] = set()
+    for round_ in range(args.repeats):
+        for v in variants:
+            if v in failed:
+                continue
+            try:
+                seconds, toks, seen = sample(engine, experts, v, prompt, args.gen_len)
+            except Exception as e:  # noqa: BLE001 (one variant's failure must not lose the others' rows)
+                traceback.print_exc()
+                print(f"    {v.label()}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
+                failed.add(v)
+                continue
+            samples[v].append(seconds)
+            parts_seen[v].append(seen)
+            tokens.setdefault(v, toks)
+            print(f"    round {round_ + 1} {v.label()}: {1 / seconds:.1f} tok/s "
+                  f"({seconds * 1e3:.3f} ms/token) {_anatomy_line(seen)}", flush=True)
+
+
+def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tuple[float, list[int], dict]:
+    """One timed decode with variant v: seconds per token, the tokens, the handoffs' anatomy."""
+    if engine.runner.fixed:  # the graphs captured for the previous K go before its handoffs
+        torch.cuda.synchronize()
+        engine.runner._graphs.clear()
+    experts.set_deferred_experts(v.k)
+    parts = part_stats(engine.runner.model)
+    for h in parts["own"]:
+        h.trim_padding = v.own_trim
+    for h in parts["own"] + parts["deferred"]:
+        h.zero_copy = v.zero_copy
+    decode_once(engine, prompt, 4)  # captures the graph(s) for this K
+    anatomy(parts)  # zero the counters
+    seconds, toks = decode_once(engine, prompt, gen_len)
+    return seconds, toks, anatomy(parts)
+
+
+class Stopped(Exception):
+    """SIGTERM (e.g. `timeout`): print what was measured."""
+
+
+def _stop(signum, frame):
+    raise Stopped
 
 
 def _anatomy_line(a: dict) -> str:
@@ -184,10 +222,15 @@ def main(argv=None) -> int:
     full = full_config(args.synthetic)
     from hybridmoe.engine.llm_engine import LLMEngine
 
-    results = []
+    signal.signal(signal.SIGTERM, _stop)
+    results, stopped = [], False
     for layers in depths:
+        if stopped:
+            break
         with synthetic_checkpoint(args.synthetic, layers, seed=args.seed) as synthetic:
             for fmt in formats:
+                if stopped:
+                    break
                 options = dict(kwargs, **({"expert_format": fmt} if fmt else {}))
                 t0 = time.perf_counter()
                 engine = LLMEngine(str(synthetic.out_dir), EngineConfig.from_kwargs(**options))
@@ -195,8 +238,8 @@ def main(argv=None) -> int:
                 print(f"  {fmt or 'default format'}, {n} layers: loaded in {time.perf_counter() - t0:.1f} s, "
                       f"graphs {'on' if engine.runner.cuda_graph else 'off'}", flush=True)
                 moe = len(engine.runner.model.moe_layers)
-                for row in measure_engine(engine, variants, args, bandwidth, method):
-                    results.append(dict(row, format=fmt, layers=n, moe_layers=moe))
+                rows, stopped = measure_engine(engine, variants, args, bandwidth, method)
+                results += [dict(row, format=fmt, layers=n, moe_layers=moe) for row in rows]
                 del engine
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -212,7 +255,7 @@ def main(argv=None) -> int:
               f"{r['decode_over_floor'] or float('nan'):.2f} | "
               f"{', '.join(f'{s * 1e3:.3f}' for s in r['samples_s'])} | {r['tokens_equal_to_first_row']} |")
     fits = []
-    if len(set(depths)) >= 2 and all(r["moe_layers"] == r["layers"] for r in results):
+    if not stopped and len(set(depths)) >= 2 and all(r["moe_layers"] == r["layers"] for r in results):
         full_layers = full["num_hidden_layers"]
         print(f"# fitted over depths {','.join(map(str, depths))}: ms/token = fixed + per layer x layers, "
               f"at {full_layers} layers")
