@@ -83,8 +83,9 @@ HANDOFF_ROWS = {"prewake": ("prewake", {"prewake_layers": True}), "zero-copy": (
 with its own options, which shows how much the same engine drifts between its first and last rows."""
 
 SUITES = {
-    "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4", formats="int4,bf16", prompt_lens="512,2048,8192",
-                  gen_len=32, ablation=",".join(ABLATION_ROWS), engine=dict(gpu_memory_budget="16GiB")),
+    "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4,12", formats="int4,bf16", prompt_lens="512,2048,8192",
+                  gen_len=64, ablation="graph,trim,deferral,gpu-experts", repeats=3,
+                  engine=dict(gpu_memory_budget="16GiB")),
     "dsv2lite": dict(synthetic="deepseek-v2-lite", layers="8", formats="int4", prompt_lens="512,2048,8192",
                      gen_len=32, ablation=None, engine=dict(gpu_memory_budget="16GiB")),
     "dsv3": dict(synthetic="deepseek-v3", layers="2", formats="int4", prompt_lens="512,2048", gen_len=16,
@@ -109,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="one length for both: --prompt-lens N --decode-prompt-len N (the earlier interface)")
     parser.add_argument("--ablation", nargs="?", const=",".join(ABLATION_ROWS), metavar="ROWS",
                         help=f"also these rows (default all: {','.join(ABLATION_ROWS)}; see above)")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=int,
                         help="measure each engine's rows this many times, interleaved, and report the median and "
                              "the spread (default 1)")
     parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="host read probe buffer (default 1 GiB)")
@@ -121,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.prompt_lens, args.decode_prompt_len = str(args.prompt_len), args.prompt_len
     # a suite's settings, then the defaults, fill what the command line left out
     suite = SUITES[args.suite] if args.suite else {"engine": {}}
-    defaults = dict(prompt_lens="512,2048,8192", gen_len=32)
+    defaults = dict(prompt_lens="512,2048,8192", gen_len=32, repeats=1)
     for key, value in [*suite.items(), *defaults.items(), *suite["engine"].items()]:
         if key != "engine" and getattr(args, key) is None:
             setattr(args, key, value)
