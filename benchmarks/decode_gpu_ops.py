@@ -1,15 +1,16 @@
 """GPU kernels per decoder layer of one decode step, their GPU time, and the captured step's replay time.
 
     python benchmarks/decode_gpu_ops.py [--synthetic PRESET] [--layers N] [--format int4]
-        [--gpu-experts-per-layer G] [--batch B] [--reps R] [--paths unfused,fused,gemv] [--json F]
+        [--gpu-experts-per-layer G] [--batch B] [--reps R] [--paths unfused,fused,layer] [--json F]
 
 Loads a random-weight checkpoint of PRESET cut to N layers (written to /dev/shm, as e2e.py does), prefills
 one prompt per batch row and decodes one token through the engine (so the decode step's buffers hold a real
 step), then, on the decode step the engine runs (fixed shapes on CUDA, the model's eager forward elsewhere),
 for each path (fused: RMSNorm with its residual add, attention's q/k norms + rotary + cache writes, the
 router's top-k, the hybrid split and sum as one Triton kernel each, MoECausalLM.fuse_decode_kernels;
-gemv: fused, and the linear layers as the Triton decode GEMV, qkv_proj and the router each with the norm
-before it (layers/gemv_triton.py); unfused: the torch ops they replace):
+layer: fused, and the fusions across a layer's ops: its linear layers as the Triton decode GEMV, qkv_proj
+and the router each with the norm before it (layers/gemv_triton.py), q/k norms + rotary + cache writes
+inside decode attention; unfused: the torch ops they replace):
   - profiles one eager step: per decoder layer the GPU kernels, copies and memsets it launches and their
     GPU time (torch profiler; a launch belongs to the layer whose forward was running on the host), the
     last MoE layer's kernels by name, and its top-level torch ops (on the CPU, the only column);
@@ -48,7 +49,7 @@ from hybridmoe.engine.model_runner import MIN_PAD_LEN
 from hybridmoe.sampling_params import SamplingParams
 
 PROMPT_LEN = 16
-PATHS = ("unfused", "fused", "gemv")
+PATHS = ("unfused", "fused", "layer")
 GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 GRAPH_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty",
                     6: "wait event", 7: "event record", 10: "mem alloc", 11: "mem free", 12: "stream mem op"}
@@ -67,10 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="routed experts per layer on the GPU (default 26: Qwen3-30B-A3B under 16 GiB; CPU: 0)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     parser.add_argument("--reps", type=int, default=200, help="graph replays timed (default 200)")
-    parser.add_argument("--paths", default="unfused,fused,gemv",
+    parser.add_argument("--paths", default="unfused,fused,layer",
                         help="unfused (torch), fused (Triton kernels for norms, rotary, router, hybrid split and "
-                             "sum), gemv (fused + the Triton decode GEMV with the norms folded in), comma-separated, "
-                             "measured side by side, each against the first (default unfused,fused,gemv)")
+                             "sum), layer (fused + the decode GEMV with the norms folded in, rotary inside attention), "
+                             "comma-separated, measured side by side, each against the first "
+                             "(default unfused,fused,layer)")
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
     args = parser.parse_args(argv)
     args.paths = args.paths.split(",")
@@ -252,7 +254,7 @@ def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
 
 def use_path(model, path: str) -> None:
     """Switch the model's decode kernels to one of PATHS."""
-    model.fuse_decode_kernels(path != "unfused", gemv=path == "gemv")
+    model.fuse_decode_kernels(path != "unfused", layer=path == "layer")
 
 
 def decode_step(engine: LLMEngine, seqs: list, cuda_fixed: bool):

@@ -1,5 +1,5 @@
 """Models decoding with the Triton decode GEMV (qkv_proj with the input norm, o_proj, the router with the
-residual add + post-attention norm: DecoderLayer.fused_gemv) against the same models with cuBLAS and the
+residual add + post-attention norm: DecoderLayer.fused_layer) against the same models with cuBLAS and the
 separate norm kernels, graph-replayed, batch 1 and 4. Qwen3 (q/k norms), Qwen2 (q/k/v bias, shared
 expert), Mixtral; float32 and bfloat16. Runs on the GPU host through scripts/device_check.sh.
 """
@@ -17,11 +17,11 @@ pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def decode(checkpoint, gemv: bool) -> list[tuple[list[int], list]]:
+def decode(checkpoint, layer: bool) -> list[tuple[list[int], list]]:
     llm = LLM(checkpoint, device="cuda", **HYBRID)
     model = llm.engine.runner.model
-    model.fuse_decode_kernels(True, gemv=gemv)
-    assert all(m.fused_gemv == gemv for m in model.modules() if isinstance(m, DecoderLayer))
+    model.fuse_decode_kernels(True, layer=layer)
+    assert all(m.fused_layer == layer for m in model.modules() if isinstance(m, DecoderLayer))
     out = runs(llm)
     assert llm.engine.runner.captured == [(1, 64), (4, 64)]
     return out

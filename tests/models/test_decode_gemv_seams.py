@@ -1,4 +1,4 @@
-"""What the decode GEMV (DecoderLayer.fused_gemv, CUDA only) relies on, checked on the CPU: Attention given
+"""What the decode GEMV (DecoderLayer.fused_layer, CUDA only) relies on, checked on the CPU: Attention given
 its qkv projection and a MoE block given its router logits compute what they compute from x; the switch
 reaches every layer; short CPU steps keep the torch path. The kernel itself: tests/device/test_gemv_triton.py.
 
@@ -44,17 +44,17 @@ def test_moe_block_given_its_router_logits_equals_the_block_on_x():
     assert torch.equal(mlp(x, mlp.gate(x)), mlp(x))
 
 
-def test_fuse_decode_kernels_switches_the_gemv_apart_from_the_other_fusions():
+def test_fuse_decode_kernels_switches_the_layer_fusions_apart_from_the_others():
     model = tiny_model()
-    gemv = [m for m in model.modules() if hasattr(m, "fused_gemv")]
+    gemv = [m for m in model.modules() if hasattr(m, "fused_layer")]
     assert {type(m) for m in gemv} == {DecoderLayer, Attention}
-    assert all(m.fused_gemv for m in gemv)  # on by default
-    model.fuse_decode_kernels(True, gemv=False)
-    assert not any(m.fused_gemv for m in gemv) and model.model.norm.fused
+    assert all(m.fused_layer for m in gemv)  # on by default
+    model.fuse_decode_kernels(True, layer=False)
+    assert not any(m.fused_layer for m in gemv) and model.model.norm.fused
     model.fuse_decode_kernels(True)
-    assert all(m.fused_gemv for m in gemv)
+    assert all(m.fused_layer for m in gemv)
     model.fuse_decode_kernels(False)
-    assert not any(m.fused_gemv for m in gemv)
+    assert not any(m.fused_layer for m in gemv)
 
 
 def test_cpu_steps_keep_the_torch_path():

@@ -195,7 +195,9 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, rope)
         self.kv_cache: KVCache | None = None
         self.fused = True  # on CUDA: norms, rotary and cache writes in one kernel, decode attention in one
-        self.fused_gemv = True  # on CUDA, short steps: o_proj as the Triton GEMV (layers/linear.py)
+        # on CUDA, short steps: o_proj as the Triton GEMV (layers/linear.py); a decode step over at most
+        # CHUNK cached positions: q/k norms, rotary, cache writes and attention in one kernel
+        self.fused_layer = True
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.o_proj.weight
@@ -221,22 +223,26 @@ class Attention(nn.Module):
         return self._o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
     def _o_proj(self, o: torch.Tensor) -> torch.Tensor:
-        """o [T, Hq D] -> [T, H]: the decode GEMV in short steps on CUDA (fused_gemv), else cuBLAS."""
-        if decode_gemv(o, self.fused_gemv):
+        """o [T, Hq D] -> [T, H]: the decode GEMV in short steps on CUDA (fused_layer), else cuBLAS."""
+        if decode_gemv(o, self.fused_layer):
             return norm_linear(o, self.o_proj)[0]
         return self.o_proj(o)
 
     def _fused_attention(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """forward's path from qkv [T, (Hq + 2 Hkv) D] to the attention output [T, Hq, D], with q/k norms,
-        rotary and the cache writes in one kernel, and a decode step's attention in another."""
+        rotary and the cache writes in one kernel, and a decode step's attention in another (or, with
+        fused_layer, over at most CHUNK cached positions, all in one)."""
+        from hybridmoe.layers.decode_attention_triton import CHUNK, triton_rope_decode_attention
         from hybridmoe.layers.rope_triton import triton_norm_rope_cache
 
         ctx, cache = get_context(), self.kv_cache
         idx = _cache_index(ctx, cache, qkv.device)
         norm = hasattr(self, "q_norm")
-        q = triton_norm_rope_cache(
-            qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight if norm else None,
-            self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0, positions,
-            self.rotary.inv_freq(qkv.device), self.rotary.attention_scaling, cache.k, cache.v,
-            idx.token_slot, idx.token_pos)
+        norm_args = (self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                     self.q_norm.eps if norm else 0.0, positions, self.rotary.inv_freq(qkv.device),
+                     self.rotary.attention_scaling, cache.k, cache.v, idx.token_slot, idx.token_pos)
+        if self.fused_layer and (ctx.decode is not None or ctx.is_decode) and idx.max_seq_len <= CHUNK:
+            return triton_rope_decode_attention(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norm_args,
+                                                idx.seq_slot, idx.seq_len, self.scale, self.sliding_window)
+        q = triton_norm_rope_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norm_args)
         return _attend_cached(q, cache, ctx, idx, self.scale, self.sliding_window, fused=True)

@@ -20,33 +20,44 @@ import triton.language as tl
 
 
 @triton.jit
+def norm_rope_heads(x, xp, w, wp, angle, right, scaling, eps, D, HAS_NORM: tl.constexpr):
+    """Heads x [R, BLOCK_D] (xp: each element's rotary partner, the other half's; w, wp: the norm weight
+    at both, [1, BLOCK_D]; angle: position x inv_freq, [1, BLOCK_D] float32; right: [1, BLOCK_D], the
+    element is in the second half) -> normalized (HAS_NORM) and rotated, in x's dtype, every rounding of
+    the torch ops kept."""
+    dtype = x.dtype
+    if HAS_NORM:
+        xf = x.to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+        x = ((xf * inv).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
+        xp = ((xp.to(tl.float32) * inv).to(dtype).to(tl.float32) * wp.to(tl.float32)).to(dtype)
+    cos = (tl.cos(angle) * scaling).to(dtype).to(tl.float32)
+    sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
+    rotated = tl.where(right, xp.to(tl.float32), -xp.to(tl.float32))  # rotate_half
+    return ((x.to(tl.float32) * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _norm_rope_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, q_w_ptr, k_w_ptr, positions_ptr, inv_freq_ptr,
                       slot_ptr, pos_ptr, stride_t, stride_cs, stride_cl, stride_ch, Hq, Hkv, D, scaling, eps,
                       HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)  # query heads 0..Hq-1, then key heads
     half = D // 2
-    cols = tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_D)[None, :]  # one head: a [1, BLOCK_D] row
     inside = cols < D
     partner = tl.where(cols < half, cols + half, cols - half)
     row = qkv_ptr + t * stride_t + h * D
     x = tl.load(row + cols, mask=inside, other=0.0)
     xp = tl.load(row + partner, mask=inside, other=0.0)
-    dtype = x.dtype
+    w, wp = x, xp  # read only with a norm
     if HAS_NORM:
         is_q = h < Hq
         w = tl.where(is_q, tl.load(q_w_ptr + cols, mask=inside, other=0.0), tl.load(k_w_ptr + cols, mask=inside, other=0.0))
         wp = tl.where(is_q, tl.load(q_w_ptr + partner, mask=inside, other=0.0),
                       tl.load(k_w_ptr + partner, mask=inside, other=0.0))
-        xf = x.to(tl.float32)
-        inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-        x = ((xf * inv).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
-        xp = ((xp.to(tl.float32) * inv).to(dtype).to(tl.float32) * wp.to(tl.float32)).to(dtype)
     angle = tl.load(positions_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + cols % half, mask=inside, other=0.0)
-    cos = (tl.cos(angle) * scaling).to(dtype).to(tl.float32)
-    sin = (tl.sin(angle) * scaling).to(dtype).to(tl.float32)
-    rotated = tl.where(cols < half, -xp.to(tl.float32), xp.to(tl.float32))  # rotate_half
-    y = ((x.to(tl.float32) * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+    y = norm_rope_heads(x, xp, w, wp, angle, cols >= half, scaling, eps, D, HAS_NORM)
     if h < Hq:
         tl.store(q_ptr + (t * Hq + h) * D + cols, y, mask=inside)
     else:

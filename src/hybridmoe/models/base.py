@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h)).
 
     mlp_name is the attribute the checkpoint uses for the MLP ("mlp"; Mixtral: "block_sparse_moe").
-    fused_gemv: in short steps on CUDA, each norm and the projection after it (the input norm and
+    fused_layer: in short steps on CUDA, each norm and the projection after it (the input norm and
     Attention's qkv_proj, the post-attention norm with its residual add and a SparseMoeBlock's router)
     run as one Triton GEMV (layers/linear.py norm_linear); else as the norm's kernel and cuBLAS.
     """
@@ -75,11 +75,11 @@ class DecoderLayer(nn.Module):
         setattr(self, mlp_name, mlp)
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
-        self.fused_gemv = True
+        self.fused_layer = True
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
-        gemv = decode_gemv(h, self.fused_gemv)
+        gemv = decode_gemv(h, self.fused_layer)
         if gemv and isinstance(attn, Attention):
             a = attn(None, positions, qkv=norm_linear(h, attn.qkv_proj, self.input_layernorm)[0])
         else:
@@ -191,18 +191,20 @@ class MoECausalLM(nn.Module):
                 hidden_states_out.append(h)
         return self.model.norm(h)
 
-    def fuse_decode_kernels(self, on: bool, gemv: bool | None = None) -> None:
+    def fuse_decode_kernels(self, on: bool, layer: bool | None = None) -> None:
         """On CUDA with triton, run RMSNorm (with its residual add), attention's q/k norms + rotary +
         cache writes, the router's top-k and the hybrid experts' fixed-shape glue as one kernel each
         (on, the default), or as the torch ops they stand for (off: the reference the device tests
-        hold them to; benchmarks/decode_gpu_ops.py runs them side by side). gemv (default: on): short
-        steps' linear layers as the Triton decode GEMV, each with the norm before it (DecoderLayer)."""
-        gemv = on if gemv is None else gemv
+        hold them to; benchmarks/decode_gpu_ops.py runs them side by side). layer (default: on): the
+        fusions across a layer's ops (fused_layer): short steps' linear layers as the Triton decode GEMV,
+        each with the norm before it (DecoderLayer), and q/k norms + rotary + cache writes inside a
+        short decode step's attention (Attention)."""
+        layer = on if layer is None else layer
         for module in [*self.modules(), self.experts]:
             if hasattr(module, "fused"):
                 module.fused = on
-            if hasattr(module, "fused_gemv"):
-                module.fused_gemv = gemv
+            if hasattr(module, "fused_layer"):
+                module.fused_layer = layer
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
