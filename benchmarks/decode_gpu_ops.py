@@ -50,6 +50,8 @@ from hybridmoe.sampling_params import SamplingParams
 
 PROMPT_LEN = 16
 PATHS = ("unfused", "fused", "layer")
+CPU_WAIT_US = 15.0
+"""An idle GPU gap at least this long in a replay is a wait for the CPU experts (launch gaps are ~1-4 us)."""
 GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
 GRAPH_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty",
                     6: "wait event", 7: "event record", 10: "mem alloc", 11: "mem free", 12: "stream mem op"}
@@ -232,9 +234,11 @@ def print_timeline(path: str, replay: dict) -> None:
     for start, dur, idle, name in replay["timeline"]:
         print(f"{start:8.1f} {dur:6.1f} {idle:6.1f}  {name}")
     idle = [i for _, _, i, _ in replay["timeline"]]
-    big = sorted(idle)[-1] if idle else 0.0
-    print(f"  span {replay['span_us']:.1f} us = busy {replay['gpu_us']:.1f} + idle {sum(idle):.1f} "
-          f"(the largest idle {big:.1f}; idle without it {sum(idle) - big:.1f} over {len(idle) - 1} activities)")
+    waits = [i for i in idle if i >= CPU_WAIT_US]
+    print(f"  span {replay['span_us']:.1f} us = busy {replay['gpu_us']:.1f} + idle {sum(idle):.1f}: "
+          f"{len(waits)} waits of >= {CPU_WAIT_US:.0f} us (the CPU experts) {sum(waits):.1f} + "
+          f"{len(idle) - len(waits)} shorter (launch and drain) {sum(idle) - sum(waits):.1f}; "
+          f"GPU-side time (span - waits) {replay['span_us'] - sum(waits):.1f} us")
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
