@@ -25,7 +25,7 @@ from hybridmoe.layers.gemv_triton import default_blocks, triton_norm_gemv
 from hybridmoe.layers.norm_triton import triton_rms_norm
 
 L2_BYTES = 64 << 20
-SWEEP = [(bn, bk, 4) for bn in (2, 4, 8, 16) for bk in (512, 2048)] + [(8, 1024, 8), (16, 1024, 8)]
+SWEEP = [(bn, bk, 4) for bn in (2, 4, 8, 16) for bk in (256, 512)] + [(4, 1024, 4), (8, 1024, 8)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -39,7 +39,7 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, xn_ptr, sum_p
             x = (x.to(tl.float32) + tl.load(res_ptr + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype)
         xf = x.to(tl.float32)
         inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         ok = cols < K
@@ -55,10 +55,11 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, xn_ptr, sum_p
             if pid_n == 0:
                 tl.store(xn_ptr + t * K + cols, x, mask=ok)
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
     if BIAS:
-        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * N + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
 def default_blocks(n: int, k: int) -> tuple[int, int, int]:
