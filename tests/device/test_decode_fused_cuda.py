@@ -13,7 +13,7 @@ from hybridmoe import LLM
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.engine.context import Context, DecodeBatch, use_context
 from hybridmoe.experts.cpu_experts import CpuExperts
-from hybridmoe.experts.decode_fused import route_split, split_slots, sum_parts
+from hybridmoe.experts.decode_fused import add_parts, route_split, split_slots, sum_parts
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
 from hybridmoe.layers.attention import Attention, KVCache, _attend_decode, _StepIndex
@@ -157,6 +157,16 @@ def test_sum_parts_kernel_equals_torch():
     b = torch.randn(4, 2048, generator=g).cuda()
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(sum_parts(a, b, dtype, fused=True), sum_parts(a, b, dtype, fused=False))
+
+
+def test_add_parts_kernel_equals_torch():
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(4, 2048, generator=g).to("cuda", torch.bfloat16)
+    b = torch.randn(4, 2048, generator=g).cuda() * 3
+    for dtype in (torch.bfloat16, torch.float32):
+        h = torch.randn(4, 2048, generator=g).to("cuda", dtype) * 50
+        for parts in ([a, b], [b], [a]):
+            assert torch.equal(add_parts(h, parts, fused=True), add_parts(h, parts, fused=False))
 
 
 def test_fused_kernels_replayed_in_a_graph_equal_eager():

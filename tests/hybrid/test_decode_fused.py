@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridmoe.checkpoint.presets import model_config
-from hybridmoe.experts.decode_fused import route_split, split_slots, sum_parts
+from hybridmoe.experts.decode_fused import add_parts, route_split, split_slots, sum_parts
 from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
 from hybridmoe.experts.placement import Footprint, PlacementPlan
 from hybridmoe.layers.moe import softmax_topk
@@ -87,6 +87,16 @@ def test_sum_parts_adds_in_float32_and_rounds_once():
     # 257.0039 rounds up to 258; b rounded to bfloat16 first (1.0) would give 256 + 1 -> 256 (ties to even)
     assert torch.equal(sum_parts(a, b, torch.bfloat16), torch.tensor([[258.0, 1.0]], dtype=torch.bfloat16))
     assert torch.equal(sum_parts(a, b, torch.float32), a.float() + b)
+
+
+def test_add_parts_adds_the_rounded_sum_of_the_parts_to_the_residual():
+    h = torch.tensor([[1.0, -3.0]], dtype=torch.bfloat16)
+    a = torch.tensor([[256.0, 1.0]], dtype=torch.bfloat16)
+    b = torch.tensor([[1 + 2.0 ** -8, 2.0 ** -9]])
+    # the parts' sum rounds to bfloat16 first (258, as sum_parts), then the residual add rounds again
+    assert torch.equal(add_parts(h, [a, b]), h + sum_parts(a, b, torch.bfloat16))
+    assert torch.equal(add_parts(h, [a, b]), torch.tensor([[260.0, -2.0]], dtype=torch.bfloat16))
+    assert torch.equal(add_parts(h, [b]), h + b.to(torch.bfloat16))
 
 
 def test_fuse_decode_kernels_switches_every_fused_part():

@@ -3,7 +3,8 @@
 Between the router and the experts, split_slots says which of each token's K slots run on the GPU
 (mask, local ids) and lays the CPU's out as the dense [T, width] the CUDA handoff copies
 (fixed_cpu_slots); route_split does the router's softmax top-k first, from its logits; after
-them, sum_parts adds the two partial outputs. In torch that is ~20 small kernels and 3; on CUDA
+them, sum_parts adds the two partial outputs (add_parts: and adds them to the residual, where deferred
+experts join it). In torch that is ~20 small kernels and 3; on CUDA
 with triton (fused) one each (decode_fused_triton.py). In a decode
 step every kernel costs its launch and drain even inside a CUDA graph, and the GPU part of a
 layer is serial with its CPU part, so they add up per layer. The torch versions here are the
@@ -103,3 +104,16 @@ def sum_parts(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, fused: bool 
 
         return triton_sum_parts(a, b, dtype)
     return (a.float() + b.float()).to(dtype)
+
+
+def add_parts(hidden: torch.Tensor, parts: list[torch.Tensor], fused: bool = True) -> torch.Tensor:
+    """hidden + the sum of one or two partial outputs (sum_parts' rounding), as torch adds them:
+    hidden + (a + b in float32, rounded to hidden's dtype), rounded once more. hidden [T, H]; parts
+    [T, H] of any float dtypes, on hidden's device. One kernel on CUDA (fused) instead of two."""
+    if _triton(hidden, fused):
+        from hybridmoe.experts.decode_fused_triton import triton_add_parts
+
+        return triton_add_parts(hidden, parts)
+    if len(parts) == 1:
+        return hidden + parts[0].to(hidden.dtype)
+    return hidden + sum_parts(*parts, hidden.dtype, fused=False)

@@ -1,4 +1,4 @@
-"""split_slots, route_split and sum_parts (decode_fused.py) as one Triton kernel each.
+"""split_slots, route_split, sum_parts and add_parts (decode_fused.py) as one Triton kernel each.
 
 split_slots (and route_split: the router's softmax top-k, then the split) runs as one program over the whole step (the padding of a token with no CPU slot
 takes the batch's first CPU expert, a reduction across tokens). A token's kept slots are placed
@@ -154,4 +154,26 @@ def triton_sum_parts(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> to
     out = torch.empty(a.shape, dtype=dtype, device=a.device)
     N, block = a.numel(), 1024
     _sum_parts_kernel[(triton.cdiv(N, block),)](a, b, out, N, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _add_parts_kernel(h_ptr, a_ptr, b_ptr, out_ptr, N, TWO: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    t = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if TWO:
+        t += tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
+    t = t.to(out_ptr.dtype.element_ty).to(tl.float32)  # the parts' sum in hidden's dtype, as torch rounds it
+    h = tl.load(h_ptr + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, (h + t).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def triton_add_parts(hidden: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """add_parts in one kernel; hidden, parts [T, H]."""
+    h = hidden.contiguous()
+    a, b = (p.contiguous() for p in (parts + parts)[:2])
+    out = torch.empty_like(h)
+    N, block = h.numel(), 1024
+    _add_parts_kernel[(triton.cdiv(N, block),)](h, a, b, out, N, TWO=len(parts) == 2, BLOCK=block)
     return out

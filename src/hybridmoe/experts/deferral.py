@@ -30,7 +30,8 @@ def split_deferred(topk_ids: torch.Tensor, topk_weights: torch.Tensor, deferred:
 class _Deferred:
     layer: int
     result: object
-    """Something with finish() -> [T, H] in the hidden dtype (the pending partial computation)."""
+    """The pending partial computation: join_cpu() lets its CPU part finish; add_to(hidden [T, H]) ->
+    hidden + its output [T, H]."""
 
 
 class DeferredOutputs:
@@ -59,7 +60,7 @@ class DeferredOutputs:
             return hidden
         self._pending = [d for d in self._pending if all(d is not x for x in due)]
         for d in due:
-            hidden = hidden + d.result.finish()
+            hidden = d.result.add_to(hidden)
         return hidden
 
     def discard(self) -> None:

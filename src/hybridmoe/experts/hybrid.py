@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
-from hybridmoe.experts.decode_fused import route_split, split_slots, sum_parts
+from hybridmoe.experts.decode_fused import add_parts, route_split, split_slots, sum_parts
 from hybridmoe.experts.deferral import DeferredOutputs, split_deferred
 from hybridmoe.experts.gpu_experts import fixed_shape_experts, gpu_share, weighted_experts
 from hybridmoe.experts.placement import PlacementPlan
@@ -160,16 +160,24 @@ class _Partial:
         if self.handoff is not None:
             self.cpu_out, self.handoff = self.handoff.enqueue_wait(None, self.layer), None
 
-    def finish(self) -> torch.Tensor:
-        """[T, H] in the hidden state's dtype and device."""
+    def _parts(self) -> list[torch.Tensor]:
         self.start_gpu()
         self.join_cpu()
-        parts = [p.to(self.device) for p in (self.cpu_out, self.gpu_out) if p is not None]
+        return [p.to(self.device) for p in (self.cpu_out, self.gpu_out) if p is not None]
+
+    def finish(self) -> torch.Tensor:
+        """[T, H] in the hidden state's dtype and device."""
+        parts = self._parts()
         if not parts:
             return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         if len(parts) == 1:
             return parts[0].to(self.dtype)  # one rounding, as through float32
         return sum_parts(*parts, self.dtype, self.fused)
+
+    def add_to(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden + finish(), in one kernel where it can (add_parts)."""
+        parts = self._parts()
+        return add_parts(hidden, parts, self.fused) if parts else hidden + torch.zeros_like(hidden)
 
 
 class HybridExperts(ExpertBackend):
