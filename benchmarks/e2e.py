@@ -10,8 +10,8 @@ in this run), at batch 1; one table, and (with --json) a JSON file that carries 
 --synthetic writes a random-weight checkpoint of a make-model preset (qwen3-30b-a3b, deepseek-v2-lite,
 deepseek-v3, ...) into memory (/dev/shm) and loads it like any directory. Cut to --layers N, it reports
 per-layer times and full-depth figures: decode = non-layer part + each layer of the full model at its
-kind's measured time (bench_layers.py, scaled by graph/eager step time); prefill = measured time x full
-depth / N. Given two or more depths (--layers 4,16: each built, loaded, measured and deleted in turn),
+kind's measured time (bench_layers.py, scaled by graph/eager step time); prefill the same way, from one
+prefill per prompt length timed per layer. Given two or more depths (--layers 4,16: each built, loaded, measured and deleted in turn),
 it also fits decode time per token and each prompt's time to first token as fixed + per MoE layer x MoE
 layers over the depths (bench_fit.py) and reports full depth from the fit; both kinds of rows say
 "extrapolated" and from which depths. With a GPU budget, the cut model holds as many GPU experts per
@@ -518,8 +518,8 @@ def _main(args) -> int:
     scaled = full_depth_table(results, prompt_lens)
     if scaled:
         lines += ["", f"# extrapolated to {full.layers} layers from each depth alone: decode = non-layer part + "
-                      "each layer at its kind's measured time (scaled by graph/eager step time); prefill = "
-                      "measured x layers / full depth", *scaled]
+                      "each layer at its kind's measured time (scaled by graph/eager step time); prefill "
+                      "the same, from each prompt's prefill timed per layer", *scaled]
     if fits:
         lines += ["", f"# extrapolated to {full.layers} layers ({full.moe_layers} MoE) by a least-squares fit "
                       f"over the depths measured ({', '.join(map(str, measured))} layers): time = fixed + per MoE "

@@ -1,4 +1,4 @@
-"""Per-layer decode time, so that a model cut to fewer layers reports full-depth figures.
+"""Per-layer decode (and prefill) time, so that a model cut to fewer layers reports full-depth figures.
 
 One eager decode run (no CUDA graph) with a mark before every decoder layer and before the final
 norm: CUDA events on the GPU (no synchronization inside the step), wall clock on the CPU. A layer
@@ -6,6 +6,10 @@ runs from its mark to the next (deferred experts joined after it included). What
 of the step's time is the non-layer part (embedding, final norm, lm_head, sampling, step overhead).
 Full depth = non-layer part + each full-depth layer at its kind's mean time (dense / MoE), scaled
 by (measured step time / eager step time) so that a graph-replayed run extrapolates as itself.
+
+A prompt's prefill the same way (measure_prefill_layer_times): its layers summed over the prompt's steps,
+the rest of its time to the first token the non-layer part; a cut DeepSeek-V3 (1 dense layer, 1 MoE) then
+extrapolates to 3 dense and 58 MoE layers each at its own kind's time, not at their mean.
 """
 
 from __future__ import annotations
@@ -51,14 +55,16 @@ class LayerTimes:
 
 
 class _LayerTimer:
-    """Pre-forward hooks on each decoder layer and on the final norm that mark single-token (decode) calls.
+    """Pre-forward hooks on each decoder layer and on the final norm that mark single-token (decode) calls,
+    or with prefill the others (a prompt's steps: the whole prompt, or each of its chunks).
 
     A layer's time runs from its own mark to the next one, so it includes what the backend does after it
     (after_layer: joining deferred experts), which is per-layer work a full-depth model repeats."""
 
-    def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.steps: list[list] = []  # per decode step: a mark before each layer, then one before the norm
+    def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module, device: torch.device,
+                 prefill: bool = False):
+        self.cuda, self.prefill = device.type == "cuda", prefill
+        self.steps: list[list] = []  # per step: a mark before each layer, then one before the norm
         self.handles = [m.register_forward_pre_hook(self._mark(first=i == 0))
                         for i, m in enumerate([*layers, norm])]
 
@@ -71,7 +77,7 @@ class _LayerTimer:
 
     def _mark(self, first: bool):
         def hook(module, args):
-            if args[0].shape[0] != 1:
+            if (args[0].shape[0] != 1) != self.prefill:
                 return
             if first:
                 self.steps.append([])
@@ -79,6 +85,9 @@ class _LayerTimer:
         return hook
 
     def mean_seconds(self) -> dict[int, float]:
+        return {i: t / len(self.steps) for i, t in self.total_seconds().items()}
+
+    def total_seconds(self) -> dict[int, float]:
         if self.cuda:
             torch.cuda.synchronize()
             span = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731 (ms -> s)
@@ -89,7 +98,7 @@ class _LayerTimer:
         for marks in self.steps:
             for i in range(layers):
                 totals[i] += span(marks[i], marks[i + 1])
-        return {i: t / len(self.steps) for i, t in enumerate(totals)}
+        return dict(enumerate(totals))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -116,3 +125,18 @@ def measure_layer_times(engine, prompt: list[int], gen_len: int) -> LayerTimes:
         timer.remove()
         runner.cuda_graph = graphs
     return LayerTimes(sum(steps) / len(steps), layer_s, list(model.moe_layers))
+
+
+def measure_prefill_layer_times(engine, prompt: list[int]) -> LayerTimes:
+    """Prefill `prompt` (one request, its first token only) with every decoder layer timed: step_s is its
+    time to the first token, layer_s each layer's time summed over the prompt's steps (chunks)."""
+    from hybridmoe.bench import _measure
+
+    model = engine.runner.model
+    timer = _LayerTimer(model.model.layers, model.model.norm, engine.runner.device, prefill=True)
+    try:
+        ttft = _measure(engine, [prompt], 1)["ttft_mean_s"]
+        layer_s = timer.total_seconds()
+    finally:
+        timer.remove()
+    return LayerTimes(ttft, layer_s, list(model.moe_layers))

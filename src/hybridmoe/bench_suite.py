@@ -26,7 +26,7 @@ import torch
 from hybridmoe.bench import _measure, peak_rss_gib
 from hybridmoe.bench_anatomy import StepAnatomy, step_anatomy
 from hybridmoe.bench_floor import DecodeFloor, decode_floor, decode_routing, floor_ratio
-from hybridmoe.bench_layers import LayerTimes, measure_layer_times
+from hybridmoe.bench_layers import LayerTimes, measure_layer_times, measure_prefill_layer_times
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 
@@ -74,6 +74,8 @@ class SuiteResult:
     """Where the decode step's time went (stream_mem_ops handoff only)."""
     handoff_options: dict | None = None
     """The stream_mem_ops handoffs' HANDOFF_OPTIONS in this run, None without such a handoff."""
+    prefill_layer_times: dict[int, LayerTimes] = field(default_factory=dict)
+    """Prompt length -> its prefill timed per layer (a cut model's first sample), for full_depth."""
     decode_samples_s: list[float] = field(default_factory=list)
     """decode_s of each repeat, in the order measured."""
     prefill_samples: dict[int, list[float]] = field(default_factory=dict)
@@ -90,13 +92,16 @@ class SuiteResult:
         return 1.0 / self.decode_s
 
     def full_depth(self) -> dict | None:
-        """Decode step and floor of the full-depth model (None unless this model was cut and timed per layer)."""
+        """Decode step, floor and prefill rates of the full-depth model (None unless this model was cut and
+        timed per layer); a prefill timed per layer extrapolates by layer kind, else as if layers were alike."""
         lt, d = self.layer_times, self.depth
         if lt is None or d is None:
             return None
         step = lt.full_depth_s(self.decode_s, d.dense_layers, d.moe_layers)
         floor = self.floor.per_moe_layer_seconds() * d.moe_layers
-        prefill = {n: v * len(lt.layer_s) / d.layers for n, v in self.prefill_tok_s.items()}  # layers alike
+        prefill = {n: n / self.prefill_layer_times[n].full_depth_s(self.ttft_s[n], d.dense_layers, d.moe_layers)
+                   if n in self.prefill_layer_times else v * len(lt.layer_s) / d.layers  # (else layers alike)
+                   for n, v in self.prefill_tok_s.items()}
         return {"layers": d.layers, "decode_s": step, "decode_tok_s": 1.0 / step, "floor_s": floor,
                 "decode_over_floor": step / floor if floor > 0 else float("nan"), "prefill_tok_s": prefill}
 
@@ -107,6 +112,7 @@ class SuiteResult:
                 "floor": self.floor.to_json(), "decode_over_floor": floor_ratio(self.decode_s, self.floor),
                 "uniform_routing_floor": self.uniform_floor.to_json(),
                 "layer_times": self.layer_times.to_json() if self.layer_times is not None else None,
+                "prefill_layer_times": {n: lt.to_json() for n, lt in self.prefill_layer_times.items()},
                 "full_depth": self.full_depth(), "cuda_graph": self.cuda_graph, "engine": vars(self.resolved),
                 "model_layers": self.model_layers, "handoff_options": self.handoff_options,
                 "anatomy": self.anatomy.to_json() if self.anatomy is not None else None,
@@ -287,6 +293,7 @@ class Sample:
     decode_s: float
     anatomy: StepAnatomy | None
     layer_times: LayerTimes | None = None
+    prefill_layer_times: dict[int, LayerTimes] = field(default_factory=dict)
     floor: DecodeFloor | None = None
     uniform_floor: DecodeFloor | None = None
 
@@ -307,7 +314,9 @@ def _sample(engine, prompts: dict[int, list[int]], decode_prompt: list[int], gen
     sample = Sample(prefill, ttft, decode_s, step_anatomy([h.take_stats() for h in hs], decode_s))
     if first:
         model = engine.runner.model
-        sample.layer_times = measure_layer_times(engine, decode_prompt, gen_len) if layer_times else None
+        if layer_times:
+            sample.layer_times = measure_layer_times(engine, decode_prompt, gen_len)
+            sample.prefill_layer_times = {n: measure_prefill_layer_times(engine, p) for n, p in prompts.items()}
         sample.floor = decode_floor(model, bandwidth, bandwidth_method, decode_routing(engine, decode_prompt, gen_len))
         sample.uniform_floor = decode_floor(model, bandwidth, bandwidth_method)
     return sample
@@ -326,7 +335,8 @@ def _result(row: Row, samples: list[Sample], handoff_options: dict | None, resol
     return SuiteResult(row.label, {n: statistics.median(s.prefill_tok_s[n] for s in samples) for n in lens},
                        {n: statistics.median(s.ttft_s[n] for s in samples) for n in lens},
                        statistics.median(decode), floor=samples[0].floor, uniform_floor=samples[0].uniform_floor,
-                       layer_times=samples[0].layer_times, cuda_graph=row.graph, anatomy=median_sample.anatomy,
+                       layer_times=samples[0].layer_times, prefill_layer_times=samples[0].prefill_layer_times,
+                       cuda_graph=row.graph, anatomy=median_sample.anatomy,
                        decode_samples_s=decode,
                        prefill_samples={n: [s.prefill_tok_s[n] for s in samples] for n in lens},
                        resolved=resolved,

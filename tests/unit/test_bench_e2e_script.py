@@ -39,6 +39,10 @@ def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report
         assert r["full_depth"]["layers"] == 2  # cut from 2 layers: extrapolated
         assert r["full_depth"]["floor_s"] == pytest.approx(2 * floor["seconds"])
     assert set(data["results"][0]["prefill_tok_s"]) == {"16", "32"}  # the all-on row runs every length
+    # each prompt's prefill timed per layer: full depth from the non-layer part + 2 layers at the MoE layer's time
+    lt = data["results"][0]["prefill_layer_times"]["32"]
+    full = 32 / ((lt["non_layer_s"] + 2 * lt["moe_layer_s"]) * data["results"][0]["ttft_s"]["32"] / lt["eager_step_s"])
+    assert data["results"][0]["full_depth"]["prefill_tok_s"]["32"] == pytest.approx(full)
     assert "| bf16 no GPU experts |" in text and "extrapolated to 2 layers" in text
     assert "assumption: top-k routing" in text
 

@@ -32,3 +32,25 @@ def test_layer_timer_spans_every_decoder_layer_of_a_decode_step(tmp_path):
     assert all(t > 0 for t in lt.layer_s.values())
     assert 0 < sum(lt.layer_s.values()) < lt.step_s  # the layers are part of each step
     assert not any(m._forward_pre_hooks for m in [*model.model.layers, model.model.norm])  # hooks removed
+
+
+def test_a_prefill_is_timed_per_layer_over_its_chunks(tmp_path, monkeypatch):
+    from hybridmoe import bench_layers
+    from hybridmoe.bench_layers import measure_prefill_layer_times
+    from hybridmoe.checkpoint.make import make_checkpoint
+    from hybridmoe.config import EngineConfig
+    from hybridmoe.engine.llm_engine import LLMEngine
+
+    make_checkpoint("deepseek_v3", "tiny", tmp_path, progress=False)  # 3 layers, the first dense
+    engine = LLMEngine(tmp_path, EngineConfig(device="cpu", max_num_seqs=1, expert_backend="torch",
+                                              max_num_batched_tokens=16))
+    model = engine.runner.model
+    steps = []
+    total = bench_layers._LayerTimer.total_seconds
+    monkeypatch.setattr(bench_layers._LayerTimer, "total_seconds", lambda self: (steps.append(len(self.steps)),
+                                                                                  total(self))[1])
+    lt = measure_prefill_layer_times(engine, list(range(1, 41)))  # 40 tokens: 3 steps of at most 16
+    assert steps == [3]
+    assert sorted(lt.layer_s) == [0, 1, 2] and lt.moe_layers == [1, 2]
+    assert all(t > 0 for t in lt.layer_s.values()) and 0 < sum(lt.layer_s.values()) < lt.step_s
+    assert not any(m._forward_pre_hooks for m in [*model.model.layers, model.model.norm])
