@@ -193,6 +193,12 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
     return seconds, toks, anatomy(parts)
 
 
+def _median_of(row: dict, part: str, key: str) -> str:
+    """The median over a row's samples of one anatomy figure, "-" where none was seen."""
+    seen = [a[part][key] for a in row["anatomy"] if part in a and a[part][key] is not None]
+    return f"{statistics.median(seen):.1f}" if seen else "-"
+
+
 class Stopped(Exception):
     """SIGTERM (e.g. `timeout`): print what was measured."""
 
@@ -246,13 +252,14 @@ def main(argv=None) -> int:
     print(f"# {args.synthetic}, batch 1, {args.gen_len} tokens per sample, median of {args.repeats} interleaved "
           f"rounds; floor at {bandwidth / 1e9:.1f} GB/s")
     print(f"| format | layers | variant | decode tok/s | ms/token | vs first row | floor ms | decode/floor | "
-          "samples ms | tokens = first row |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "own CPU us/layer | own gap us | deferred CPU us/layer | samples ms | tokens = first row |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = next(x for x in results if x["format"] == r["format"] and x["layers"] == r["layers"])
         print(f"| {r['format'] or 'default'} | {r['layers']} | {r['variant'].label()} | {r['decode_tok_s']:.1f} | "
               f"{r['decode_s'] * 1e3:.3f} | {base['decode_s'] / r['decode_s']:.3f}x | {r['floor_s'] * 1e3:.3f} | "
-              f"{r['decode_over_floor'] or float('nan'):.2f} | "
+              f"{r['decode_over_floor'] or float('nan'):.2f} | {_median_of(r, 'own', 'cpu_us')} | "
+              f"{_median_of(r, 'own', 'gap_us')} | {_median_of(r, 'deferred', 'cpu_us')} | "
               f"{', '.join(f'{s * 1e3:.3f}' for s in r['samples_s'])} | {r['tokens_equal_to_first_row']} |")
     fits = []
     if not stopped and len(set(depths)) >= 2 and all(r["moe_layers"] == r["layers"] for r in results):
