@@ -22,6 +22,7 @@ and for submit() + wait() (the hybrid engine's path). No torch baseline nor accu
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import time
@@ -133,6 +134,26 @@ def peak_rss_gb():
     return float("nan")
 
 
+HUGE_PAGE = 2 << 20
+
+
+def packed_copy(state, huge=True):
+    """A packed_state() whose buffers are fresh copies, each in its own memory: in 2 MiB-aligned
+    memory advised for transparent huge pages (huge, as the engine's own packed buffers are),
+    else in torch's allocator (4 KiB pages unless THP is "always")."""
+    def copy(v):
+        if not huge:
+            return torch.from_numpy(v).clone()
+        m = mmap.mmap(-1, v.nbytes + HUGE_PAGE)
+        m.madvise(mmap.MADV_HUGEPAGE)
+        base = np.frombuffer(m, dtype=np.uint8)
+        start = -base.ctypes.data % HUGE_PAGE
+        out = base[start:start + v.nbytes].view(v.dtype).reshape(v.shape)  # keeps the mapping alive
+        out[...] = v
+        return torch.from_numpy(out)
+    return {**state, "buffers": {k: copy(v) for k, v in state["buffers"].items()}}
+
+
 def busy_wait(seconds):
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -149,12 +170,10 @@ def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
     for fmt in args.format.split(","):
         t0 = time.perf_counter()
         first = CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=threads, isa=args.isa)
-        # The other layers: copies of the first's packed buffers (64-byte aligned by torch's
-        # allocator), each in its own memory; packing them again would only take longer.
-        state = first.packed_state()
-        layers = [first] + [CpuExperts.from_packed(
-            {**state, "buffers": {k: torch.from_numpy(v).clone() for k, v in state["buffers"].items()}},
-            threads=threads, isa=args.isa) for _ in range(args.layers - 1)]
+        # The other layers: copies of the first's packed buffers, in huge pages as the first's
+        # are; packing them again would only take longer.
+        layers = [first] + [CpuExperts.from_packed(packed_copy(first.packed_state()), threads=threads, isa=args.isa)
+                            for _ in range(args.layers - 1)]
         pack_s = time.perf_counter() - t0
         per_expert = layers[0].packed_bytes / E
         for T in tokens:

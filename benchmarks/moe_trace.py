@@ -43,7 +43,7 @@ import torch
 
 from hybridmoe import CpuExperts, _native
 from hybridmoe.experts.cpu_experts import default_threads
-from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, routing
+from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, packed_copy, routing
 
 WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT = range(10)  # take_trace()'s item columns
 N_ROUTINGS = 16
@@ -196,6 +196,9 @@ def main():
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L2 (0: none); key suffix k2_N")
     ap.add_argument("--paired", default="0",
                     help="comma list of 0/1: one-token experts read two weight blocks at once; key suffix pairN")
+    ap.add_argument("--pages", default="huge",
+                    help="comma list: the layers' packed weights in huge pages (as the engine packs them) and/or "
+                         "small (4 KiB pages: copies in torch's allocator); key suffix the name, if several")
     ap.add_argument("--variants", default=None,
                     help="instead of the knob lists: 'name=knob:value,...;name2=...' (knobs: "
                          + ", ".join(DEFAULT_SCHEDULE) + "; unset knobs keep their defaults); key suffix name")
@@ -236,14 +239,15 @@ def main():
         first = CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=thread_counts[0],
                            isa=args.isa)
         state = first.packed_state()
-        copies = [state] + [{**state, "buffers": {k: torch.from_numpy(v).clone() for k, v in state["buffers"].items()}}
-                            for _ in range(args.layers - 1)]
-        print(f"# {fmt}: {args.layers} layers packed in {time.perf_counter() - t0:.1f} s, isa {first.isa}",
-              flush=True)
+        print(f"# {fmt}: packed in {time.perf_counter() - t0:.1f} s, isa {first.isa}", flush=True)
         block_bytes = matrix_block_bytes(first)
         per_expert = first.packed_bytes / E
-        for threads in thread_counts:
+        for pages, threads in itertools.product(args.pages.split(","), thread_counts):
+            # huge: the packed layer itself (the engine's buffers, in huge pages) and copies like it
+            copies = ([state] if pages == "huge" else []) + [packed_copy(state, huge=pages == "huge")
+                                                             for _ in range(args.layers - (pages == "huge"))]
             layers = [CpuExperts.from_packed(c, threads=threads, isa=args.isa) for c in copies]
+            page_key = f" {pages}" if "," in args.pages else ""
             time.sleep(0.05)  # the other thread count's pool goes to sleep
             for T in tokens:
                 calls = [routing(T, H, E, K, seed=1000 * T + r) for r in range(N_ROUTINGS)]
@@ -269,15 +273,15 @@ def main():
                                             if c["gbps_by_worker"][w] == c["gbps_by_worker"][w]])
                                        for w in range(threads)]
                         floor_us = s["bytes"] / (bw[threads] * 1e3)
-                        key = f"{fmt} {T} {threads} {mode} {api}{suffix}"
+                        key = f"{fmt} {T} {threads} {mode} {api}{suffix}{page_key}"
                         print_cell(key, len(stats), untraced, floor_us, s, lateness, worker_gbps)
                         rows.append(dict(shape=args.shape, format=fmt, tokens=T, threads=threads, mode=mode, api=api,
-                                         schedule={**DEFAULT_SCHEDULE, **schedule},
+                                         schedule={**DEFAULT_SCHEDULE, **schedule}, pages=pages,
                                          calls=len(stats), untraced_us=untraced, floor_us=floor_us,
                                          host_read_gbps=bw[threads], late_by_worker_us=lateness,
                                          gbps_by_worker=worker_gbps, **s))
-            del layers
-        del first, state, copies
+            del layers, copies
+        del first, state
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "dims": shape, "rows": rows}, f, indent=1)

@@ -35,10 +35,14 @@ const Kernels& kernels_for(Isa isa) {
 }
 
 // Page-aligned zeroed memory; bound to `node` when the machine really has that many nodes.
+// Backed by huge pages where the kernel's THP mode allows it ("madvise" or "always"): decode
+// streams each expert's weights once, and with 4 KiB pages every 4 KiB read is a TLB miss
+// (the host read probe, read_bandwidth.cpp, asks for huge pages too).
 void* alloc_on_node(size_t bytes, int node, int nodes) {
   if (bytes == 0) bytes = 1;
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::runtime_error("out of memory packing expert weights");
+  madvise(p, bytes, MADV_HUGEPAGE);  // a hint: where THP is off it fails, harmlessly
   if (nodes > 1 && numa_node_count() == nodes) {
     unsigned long mask = 1ul << node;
     syscall(SYS_mbind, p, bytes, 2 /* MPOL_BIND */, &mask, sizeof(mask) * 8, 0);
