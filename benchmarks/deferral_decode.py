@@ -70,6 +70,9 @@ def _switches(text: str) -> list[bool]:
     return [{"off": False, "on": True}[t.strip()] for t in text.split(",")]
 
 
+START = time.perf_counter()
+
+
 @dataclass(frozen=True)
 class Variant:
     k: int
@@ -172,8 +175,8 @@ def rounds(engine, variants: list[Variant], args, prompt: list[int], samples: di
             samples[v].append(seconds)
             parts_seen[v].append(seen)
             tokens.setdefault(v, toks)
-            print(f"    round {round_ + 1} {v.label()}: {1 / seconds:.1f} tok/s "
-                  f"({seconds * 1e3:.3f} ms/token) {_anatomy_line(seen)}", flush=True)
+            print(f"    round {round_ + 1} {v.label()}: {1 / seconds:.1f} tok/s ({seconds * 1e3:.3f} ms/token) "
+                  f"{_anatomy_line(seen)} (+{time.perf_counter() - START:.0f} s)", flush=True)
 
 
 def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tuple[float, list[int], dict]:
@@ -242,7 +245,8 @@ def main(argv=None) -> int:
                 engine = LLMEngine(str(synthetic.out_dir), EngineConfig.from_kwargs(**options))
                 n = len(engine.runner.model.model.layers)
                 print(f"  {fmt or 'default format'}, {n} layers: loaded in {time.perf_counter() - t0:.1f} s, "
-                      f"graphs {'on' if engine.runner.cuda_graph else 'off'}", flush=True)
+                      f"graphs {'on' if engine.runner.cuda_graph else 'off'} (+{time.perf_counter() - START:.0f} s)",
+                      flush=True)
                 moe = len(engine.runner.model.moe_layers)
                 rows, stopped = measure_engine(engine, variants, args, bandwidth, method)
                 results += [dict(row, format=fmt, layers=n, moe_layers=moe) for row in rows]
