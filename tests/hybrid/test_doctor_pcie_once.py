@@ -5,6 +5,7 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 import hybridmoe.system.bandwidth as bandwidth
 import hybridmoe.system.host as host
@@ -24,6 +25,7 @@ def one_gpu(monkeypatch):
     gpu = host.GpuInfo("stand-in", 16 << 30, 16 << 30)
     real = host.host_info
     monkeypatch.setattr(host, "host_info", lambda: dataclasses.replace(real(), gpus=[gpu]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bandwidth, "pinned_h2d_bandwidth", h2d)
     measured_pcie_bandwidth.cache_clear()
     yield copies

@@ -63,11 +63,28 @@ def auto_gpu_budget(engine_config: EngineConfig) -> int | None:
     return None
 
 
+def check_device(device: str) -> None:
+    """A device this torch cannot run on is a user mistake: one line that says which devices it can."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise HybridMoEError(f"device {device!r} is not a device name; use 'cpu', 'cuda', 'cuda:N' or 'auto'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise HybridMoEError(f"device {device!r}: hybridmoe runs on 'cpu' or 'cuda' (or 'auto': cuda if present)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+        raise HybridMoEError(f"device {device!r}: {why} (torch {torch.__version__}); use device 'cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise HybridMoEError(f"device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+
+
 def resolve_engine_config(engine_config: EngineConfig, config, dtype: torch.dtype,
                           model_dir: str | Path) -> EngineConfig:
     """engine_config with every "auto" replaced by what this machine and model call for."""
     from hybridmoe.weights.native_format import resolve_expert_format
 
+    check_device(engine_config.device)
     resolved = replace(engine_config, expert_backend=resolve_expert_backend(engine_config, config, dtype, model_dir))
     resolved = resolve_expert_format(resolved, config, model_dir)
     resolved = replace(resolved, gpu_memory_budget=auto_gpu_budget(resolved))
@@ -89,8 +106,9 @@ def uses_hybrid(engine_config: EngineConfig) -> bool:
 CPU_EXPERT_FLOPS_PER_CORE = {"amx": 190e9, "avx512": 60e9, "avx2": 25e9, "generic": 5e9}
 """Estimated FLOP/s per core of the native engine's routed experts in long steps, by the best kernel
 path. amx: benchmarks/moe_layer.py at T=2048 on the GPU host (2.8-3.3 TFLOP/s on 16 cores, every
-format; benchmarks/streamed_prefill.py's int4 layer read 2.4-3.9 in two runs); avx512: 59-71 GFLOP/s a core measured on the 2-core AMD development machine (E=16, H=1024,
-I=512, T=512, bf16/int8/int4); avx2 and generic are guesses (fewer, narrower lanes)."""
+format; benchmarks/streamed_prefill.py's int4 layer read 2.4-3.9 in two runs); avx512: 59-71 GFLOP/s a
+core measured on the 2-core AMD development machine (E=16, H=1024, I=512, T=512, bf16/int8/int4); avx2
+and generic are guesses (fewer, narrower lanes)."""
 
 DEFAULT_STREAMING_TOKENS = 1024
 """prefill_streaming "on" with no PCIe to measure (the CPU device) and no prefill_streaming_tokens."""
