@@ -97,3 +97,18 @@ def test_two_layers_routed_by_the_fused_router_equal_the_synchronous_path(T, gpu
     torch.testing.assert_close(replayed(fixed, lambda: chain(fixed, x, router)), want, **FP32)
     if deferred:  # deferral is not a no-op here: the reference is not vacuous
         assert not torch.allclose(want, chain(backend(gpu_ids, 0, layers=2), x, router), **FP32)
+
+
+def test_deferred_experts_switched_in_fixed_shapes_equal_a_backend_made_with_them():
+    g = torch.Generator().manual_seed(20)
+    x = torch.randn(2, H, generator=g).cuda()
+    router = torch.randn(H, E, generator=g).cuda()
+    want = chain(backend([0, 3, 5], 2, layers=2), x, router)
+    switched = backend([0, 3, 5], 0, layers=2)
+    assert switched.use_fixed_shapes(TMAX, torch.float32)
+    exact = replayed(switched, lambda: chain(switched, x, router))
+    switched.set_deferred_experts(2)  # new handoffs: the graph above is not replayed again
+    torch.testing.assert_close(chain(switched, x, router), want, **FP32)
+    torch.testing.assert_close(replayed(switched, lambda: chain(switched, x, router)), want, **FP32)
+    switched.set_deferred_experts(0)
+    torch.testing.assert_close(chain(switched, x, router), exact, **FP32)
