@@ -51,7 +51,7 @@ N_ROUTINGS = 16
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
 DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True, item_bytes=0,
-                        kernel_prefetch_l1=4096, kernel_prefetch_l2=0, paired=False)
+                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False)
 
 
 def schedule_variants(args):
@@ -192,7 +192,7 @@ def main():
                     help="comma list: weight bytes per GEMM item, gate and up together (0: by item blocks); key suffix iBN")
     ap.add_argument("--kernel-prefetch-l1", default="4096",
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L1 (0: none); key suffix k1_N")
-    ap.add_argument("--kernel-prefetch-l2", default="0",
+    ap.add_argument("--kernel-prefetch-l2", default="16384",
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L2 (0: none); key suffix k2_N")
     ap.add_argument("--paired", default="0",
                     help="comma list of 0/1: one-token experts read two weight blocks at once; key suffix pairN")

@@ -119,7 +119,10 @@ class MoeLayer {
   int item_blocks_ = 0;
   int item_prefetch_ = 4096;
   int item_bytes_ = 0;
-  int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 0;
+  // L1 4 KiB and L2 16 KiB ahead: on the GPU host (r1, Qwen3 decode loop, side by side) the
+  // fastest of 0/2/4/8 KiB into L1 and 8 or 16 KiB into L2: int8 T=1 268 vs 425 us, bf16 T=4
+  // 1963 vs 2451, int4 T=4 651 vs 680 (T=1 189 vs 197); per core 9-12 GB/s instead of 8-9.
+  int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 16384;
   bool paired_ = false;
   bool tail_split_ = true;
   bool combine_in_run_ = true;

@@ -292,7 +292,7 @@ class CpuExperts:
         items (about two blocks per thread) into 1-block items (default on); combine_in_run: up to
         16 tokens, sum the experts' outputs per block of columns inside the GEMM run (default on),
         else after it; kernel_prefetch_l1 / kernel_prefetch_l2: bytes ahead of its loads the
-        AVX-512 kernels prefetch weights into L1 / L2 (defaults 4096 / 0, 0: none); paired: experts
+        AVX-512 kernels prefetch weights into L1 / L2 (defaults 4096 / 16384, 0: none); paired: experts
         with one token read two weight blocks at once, gate's and up's or two halves of the down
         rows (AVX-512; default off)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
