@@ -320,9 +320,12 @@ def anatomy_table(results) -> list[str]:
 
 
 def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
+    """Per cut row: full-depth figures, then its per-layer times (decode eager; each prefill length's MoE
+    and dense layer, summed over the prompt's chunks) that the extrapolation is made of."""
     head = (["config (extrapolated)", "from layers", "layers"] + [f"prefill {n}" for n in prompt_lens]
             + ["decode tok/s", "ms/token", "floor ms", "decode/floor", "MoE layer ms (eager)", "floor/MoE layer ms",
-               "dense layer ms (eager)", "non-layer ms (eager)"])
+               "dense layer ms (eager)", "non-layer ms (eager)"]
+            + [f"prefill {n} MoE/dense layer ms" for n in prompt_lens])
     rows = []
     for r in results:
         full = r.full_depth()
@@ -330,13 +333,19 @@ def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
             continue
         lt = r.layer_times
         dense = lt.dense_layer_s
+        prefill_layers = []
+        for n in prompt_lens:
+            p = r.prefill_layer_times.get(n)
+            prefill_layers.append("-" if p is None else f"{1e3 * p.mean_s(True):.2f}/" + (
+                "-" if p.dense_layer_s is None else f"{1e3 * p.dense_layer_s:.2f}"))
         rows.append([r.label, str(r.model_layers), str(full["layers"])]
                     + [_fmt(full["prefill_tok_s"].get(n), ".0f") for n in prompt_lens]
                     + [_fmt(full["decode_tok_s"]), _fmt(1e3 * full["decode_s"], ".2f"),
                        _fmt(1e3 * full["floor_s"], ".3f"), _fmt(full["decode_over_floor"], ".2f"),
                        _fmt(1e3 * lt.mean_s(True), ".3f"),
                        _fmt(1e3 * r.floor.per_moe_layer_seconds(), ".3f"),
-                       _fmt(None if dense is None else 1e3 * dense, ".3f"), _fmt(1e3 * lt.non_layer_s, ".3f")])
+                       _fmt(None if dense is None else 1e3 * dense, ".3f"), _fmt(1e3 * lt.non_layer_s, ".3f")]
+                    + prefill_layers)
     return _table(head, rows) if rows else []
 
 
