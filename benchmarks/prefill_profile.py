@@ -245,10 +245,7 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
               f"token; copy {1e3 * costs.copy:.2f} ms; device work {1e3 * costs.gpu_fixed:.2f} ms + "
               f"{1e3 * costs.gpu_per_token:.4f} ms a token; auto streams from {costs.threshold()} tokens", flush=True)
         for n in lens:  # the load-time decision at each length, to set beside the measured layers below
-            path = costs.cpu_path(n)
-            print(f"#   {n} tokens: CPU path estimated {streamed_mod.CPU_PATH_OVER_ENGINE} x {1e3 * costs.cpu(n):.2f} = "
-                  f"{1e3 * streamed_mod.CPU_PATH_OVER_ENGINE * costs.cpu(n):.2f} ms (timed at load: "
-                  f"{'-' if path is None else f'{1e3 * path:.2f}'} ms), streamed max(copy, work "
+            print(f"#   {n} tokens: CPU path {1e3 * costs.cpu(n):.2f} ms, streamed max(copy, work "
                   f"{1e3 * costs.work(n):.2f}) = {1e3 * costs.stream(n):.2f} ms a layer", flush=True)
     layers = list(range(len(probe.model.model.layers)))
     gen = torch.Generator().manual_seed(args.seed)

@@ -94,7 +94,6 @@ def test_costs_measured_on_the_gpu_are_the_copy_and_the_work_of_a_layer():
     gbps = streamer.layers[0].nbytes / costs.copy / 1e9
     assert 1 < gbps < 200, why  # host-to-device over PCIe (or NVLink-C2C), registered memory
     assert 0 < costs.stream(512) < 1 and costs.cpu(512) > 0 and costs.cpu_per_token > 0, why
-    assert costs.cpu_path(512) > 0 and costs.path_per_token > 0, why
     assert streamer.slot_layer == [None, None]
     streamer.close()
 

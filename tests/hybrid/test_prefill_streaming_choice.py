@@ -122,23 +122,21 @@ def test_doctor_prints_the_streaming_decision(tiny_checkpoints, capsys):
 def step_times(monkeypatch):
     """Fix what measured_costs times: the CPU engine's part of a step (a + b x tokens), the copy, and the
     device's work (c + d x tokens)."""
-    def set_times(cpu: tuple[float, float], copy: float, gpu: tuple[float, float], path=(0.0, 0.0)):
-        monkeypatch.setattr(streamed_prefill, "cpu_step_seconds",
-                            lambda engine, tokens, share, top_k, repeats=2: cpu[0] + cpu[1] * tokens)
+    def set_times(cpu: tuple[float, float], copy: float, gpu: tuple[float, float]):
         monkeypatch.setattr(streamed_prefill, "cpu_path_seconds",
-                            lambda engine, device, tokens, share, top_k, repeats=2: path[0] + path[1] * tokens)
+                            lambda engine, device, tokens, share, top_k, repeats=2: cpu[0] + cpu[1] * tokens)
         monkeypatch.setattr(streamed_prefill, "device_step_seconds",
                             lambda streamer, layer, tokens, top_k: (copy, gpu[0] + gpu[1] * tokens))
     return set_times
 
 
-def test_streaming_starts_where_it_saves_a_third():
+def test_streaming_starts_where_the_cpu_path_is_no_faster():
     costs = streamed_prefill.StepCosts(cpu_fixed=0.002, cpu_per_token=1e-5, copy=0.004, gpu_fixed=0.001,
                                        gpu_per_token=1e-6)
     assert costs.cpu(600) == pytest.approx(0.008) and costs.stream(600) == 0.004  # the copy outlasts the work
     assert costs.stream(10_000) == pytest.approx(0.011)  # the work outlasts the copy
-    assert costs.threshold() == 134  # the CPU path, 1.2 x (2 ms + T x 10 us), reaches the 4 ms copy
-    assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold() == 334
+    assert costs.threshold() == 200  # the CPU path, 2 ms + T x 10 us, reaches the 4 ms copy
+    assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold() == 400
     assert streamed_prefill.StepCosts(0.0, 1e-5, 0.004, 0.0, 0.0).threshold(limit=150) == 151  # none up to 150
     assert streamed_prefill.StepCosts(0.01, 1e-5, 0.004, 0.0, 0.0).threshold() == 128  # the fit starts at 128
 
@@ -147,11 +145,11 @@ def test_measured_costs_fit_both_sides(step_times):
     E, H, I = 4, 64, 32
     engine = cpu_experts.CpuExperts(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I),
                                     format="int8", threads=1)
-    step_times(cpu=(0.004, 1e-5), copy=0.01, gpu=(0.002, 2e-6), path=(0.005, 2e-5))
+    step_times(cpu=(0.004, 1e-5), copy=0.01, gpu=(0.002, 2e-6))
     streamer = streamed_prefill.PrefillStreamer({0: engine}, "cpu", min_tokens=1)
     costs, why = streamed_prefill.measured_costs(streamer, top_k=2, num_experts=8)
     assert costs.cpu_fixed == pytest.approx(0.004) and costs.cpu_per_token == pytest.approx(1e-5)
-    assert costs.cpu_path(100) == pytest.approx(0.005 + 100 * 2e-5) and "the CPU path 7.6, 15.2 ms" in why
+    assert "the CPU path 5.3 ms at 128 tokens, 9.1 ms at 512" in why
     assert costs.gpu_fixed == pytest.approx(0.002) and costs.gpu_per_token == pytest.approx(2e-6)
     assert costs.copy == 0.01 and "measured at load" in why
 
@@ -159,7 +157,6 @@ def test_measured_costs_fit_both_sides(step_times):
 def test_a_real_step_is_timed_on_both_sides():
     engine = cpu_experts.CpuExperts(torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32),
                                     format="bf16", threads=1)
-    assert 0 < streamed_prefill.cpu_step_seconds(engine, 16, share=0.5, top_k=2, repeats=1) < 1
     assert 0 < streamed_prefill.cpu_path_seconds(engine, torch.device("cpu"), 16, share=0.5, top_k=2, repeats=1) < 1
     streamer = streamed_prefill.PrefillStreamer({3: engine}, "cpu", min_tokens=1)
     copy, work = streamed_prefill.device_step_seconds(streamer, 3, 16, top_k=2)
@@ -174,14 +171,14 @@ def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, 
                       prefill_streaming="off", max_num_batched_tokens=1024)
     backend = load_model(path, ec).experts
     auto_on = replace(ec, prefill_streaming="on", prefill_streaming_tokens=None)
-    step_times(cpu=(0.0, 1e-5), copy=0.004, gpu=(0.001, 0.0))  # streamed: 4 ms a layer, from 334 tokens
+    step_times(cpu=(0.0, 1e-5), copy=0.004, gpu=(0.001, 0.0))  # streamed: 4 ms a layer, from 400 tokens
     attached = streamed_prefill.attach(backend, auto_on)
-    assert attached.prefill_streaming == "on" and attached.prefill_streaming_tokens == 334
+    assert attached.prefill_streaming == "on" and attached.prefill_streaming_tokens == 400
     streamers = {backend._layers[layer].streamer for layer in backend.layers()}
     streamer = next(iter(streamers))
-    assert len(streamers) == 1 and streamer.min_tokens == 334 and streamer.measured.copy == 0.004
+    assert len(streamers) == 1 and streamer.min_tokens == 400 and streamer.measured.copy == 0.004
     backend.stream_long_steps(None)
-    step_times(cpu=(0.0, 1e-5), copy=0.1, gpu=(0.001, 0.0))  # 100 ms a layer: 8334 tokens > 1024
+    step_times(cpu=(0.0, 1e-5), copy=0.1, gpu=(0.001, 0.0))  # 100 ms a layer: 10000 tokens > 1024
     assert streamed_prefill.attach(backend, auto_on).prefill_streaming == "off"
     assert all(backend._layers[layer].streamer is None for layer in backend.layers())
     asked = streamed_prefill.attach(backend, replace(auto_on, prefill_streaming_tokens=64))

@@ -22,8 +22,12 @@ share's grouped Triton kernels (gpu_experts_triton.py), sorted by expert once a 
 and nothing per expert on the host. On the CPU device the same code runs with plain copies and the
 torch references, which is how CI checks it.
 
-On a GPU, attach() measures the layer's costs at load (measured_costs: the CPU engine, the copy, the
-device's work, each fitted as a + b x tokens), which give the token count from which "auto" streams.
+On a GPU, attach() measures the layer's costs at load (measured_costs: the CPU path as the model runs
+it, the copy, the device's work, each fitted as a + b x tokens), which give the token count from which
+"auto" streams. The CPU side is timed as the model runs it (the routing and hidden states to the host,
+the slots padded per token, the output back), not the engine alone scaled by a guessed factor: device
+round r1 (Qwen3-30B-A3B bf16, 8 layers, 102 CPU experts a layer) timed it at 23.1 ms at 512 tokens, and
+the model's layers took 22-25 ms there, against 18.3 ms streamed (the copy of 1.0 GB at 55 GB/s).
 Every CPU expert of a streamed step is streamed: a split with the CPU (its engine running the first
 experts of each layer beside the device's share) lost to it in every case of the final device round
 (int4 512 tokens: 14.5 ms a layer against 4.9), and was removed.
@@ -139,24 +143,6 @@ TIMED_TOKENS = (128, 512)
 tokens (a part per weight read or dequantized, a part per token), and two points fix both."""
 
 
-def cpu_step_seconds(engine, tokens: int, share: float, top_k: int, repeats: int = 2) -> float:
-    """Fastest of `repeats` runs of the CPU engine on its part of a step of `tokens` tokens with random
-    routing: share x tokens x top_k (token, slot) rows, one expert each, bf16 activations of scale
-    0.1."""
-    E, H = (int(v) for v in engine.packed_state()["shape"][:2])
-    g = torch.Generator().manual_seed(tokens)
-    rows = max(1, round(share * tokens * top_k))
-    ids = torch.randint(0, E, (rows, 1), generator=g)
-    weights = torch.rand(rows, 1, generator=g)
-    x = (torch.randn(rows, H, generator=g) * 0.1).to(torch.bfloat16)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        engine.forward(x, ids, weights)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def cpu_path_seconds(engine, device: torch.device, tokens: int, share: float, top_k: int, repeats: int = 2) -> float:
     """Fastest of `repeats` runs of a step's CPU share the way the CPU path runs it (experts/hybrid.py's
     _Partial, not streamed): `tokens` tokens routed at random to top_k of E = CPU experts / share experts
@@ -230,32 +216,20 @@ def _mark(stream):
     return event
 
 
-CPU_PATH_OVER_ENGINE = 1.2
-"""A layer's experts on the CPU path (slots padded per token, the copies, the join) over the CPU engine's
-time fitted at load: final device round, 512 tokens, 1.15 for int4 (17.8 ms vs 15.5) and 1.24 for
-bf16 (21.5 vs 17.3)."""
-
 @dataclass(frozen=True)
 class StepCosts:
-    """One layer's costs measured at load, in seconds for a step of T tokens: its CPU engine's share of
-    the step (every CPU expert) cpu_fixed + cpu_per_token x T; on the device, the copy of its packed
-    bytes, and the work on them gpu_fixed + gpu_per_token x T (both for every CPU expert)."""
+    """One layer's costs measured at load, in seconds for a step of T tokens: the CPU path's share of the
+    step (every CPU expert, cpu_path_seconds) cpu_fixed + cpu_per_token x T; on the device, the copy of
+    its packed bytes, and the work on them gpu_fixed + gpu_per_token x T (both for every CPU expert)."""
 
     cpu_fixed: float
     cpu_per_token: float
     copy: float
     gpu_fixed: float
     gpu_per_token: float
-    path_fixed: float | None = None
-    """The CPU path (cpu_path_seconds) path_fixed + path_per_token x T, when measured."""
-    path_per_token: float | None = None
 
     def cpu(self, tokens: int) -> float:
         return self.cpu_fixed + self.cpu_per_token * tokens
-
-    def cpu_path(self, tokens: int) -> float | None:
-        """The CPU path as measured at load (None when it was not)."""
-        return None if self.path_fixed is None else self.path_fixed + self.path_per_token * tokens
 
     def stream(self, tokens: int) -> float:
         """A layer streamed, the next one's copy overlapping this one's work: the longer of the two."""
@@ -267,36 +241,32 @@ class StepCosts:
     def threshold(self, limit: int = 1 << 16) -> int:
         """Fewest tokens (from the shortest step timed: shorter ones read only their routed experts'
         weights, which the fit does not describe) for which a layer streamed whole takes no longer than
-        the CPU path, CPU_PATH_OVER_ENGINE x cpu(T) >= stream(T); limit + 1 if none up to limit does."""
-        return next((t for t in range(TIMED_TOKENS[0], limit + 1)
-                     if CPU_PATH_OVER_ENGINE * self.cpu(t) >= self.stream(t)), limit + 1)
+        the CPU path, cpu(T) >= stream(T); limit + 1 if none up to limit does."""
+        return next((t for t in range(TIMED_TOKENS[0], limit + 1) if self.cpu(t) >= self.stream(t)), limit + 1)
 
 
 def measured_costs(streamer: PrefillStreamer, top_k: int, num_experts: int) -> tuple[StepCosts, str]:
     """The StepCosts of the streamer's layer with the most packed bytes, and a line saying what was measured.
 
-    Its CPU engine and its streamed run are each timed at TIMED_TOKENS (after a first run that wakes the
-    pool, registers the host memory, compiles the kernels for the step's shapes) and fitted as
-    a + b x tokens; num_experts: the layer's routed experts (the CPU's get their share of each token's
-    top_k)."""
+    Its CPU path (the CPU engine as the model runs it, the copies both ways included) and its streamed
+    run are each timed at TIMED_TOKENS (after a first run that wakes the pool, registers the host memory,
+    compiles the kernels for the step's shapes) and fitted as a + b x tokens; num_experts: the layer's
+    routed experts (the CPU's get their share of each token's top_k)."""
     layer = max(streamer.layers, key=lambda i: streamer.layers[i].nbytes)
     engine, E = streamer.engines[layer], streamer.layers[layer].layout.E
     share = E / num_experts
-    cpu_step_seconds(engine, TIMED_TOKENS[0], share, top_k, repeats=1)
+    cpu_path_seconds(engine, streamer.device, TIMED_TOKENS[0], share, top_k, repeats=1)
     t1, t2 = TIMED_TOKENS
-    c1, c2 = (cpu_step_seconds(engine, t, share, top_k) for t in TIMED_TOKENS)
-    p1, p2 = (cpu_path_seconds(engine, streamer.device, t, share, top_k) for t in TIMED_TOKENS)
+    c1, c2 = (cpu_path_seconds(engine, streamer.device, t, share, top_k) for t in TIMED_TOKENS)
     (copy1, g1), (copy2, g2) = (_second(lambda: device_step_seconds(streamer, layer, t, top_k)) for t in TIMED_TOKENS)
     streamer.slot_layer = [None, None]
     cpu_per_token, gpu_per_token = max((c2 - c1) / (t2 - t1), 1e-9), max((g2 - g1) / (t2 - t1), 0.0)
-    path_per_token = max((p2 - p1) / (t2 - t1), 1e-9)
     copy = min(copy1, copy2)
     costs = StepCosts(max(0.0, c1 - cpu_per_token * t1), cpu_per_token, copy, max(0.0, g1 - gpu_per_token * t1),
-                      gpu_per_token, max(0.0, p1 - path_per_token * t1), path_per_token)
+                      gpu_per_token)
     nbytes = streamer.layers[layer].nbytes
-    return costs, (f"measured at load on layer {layer} ({E} CPU experts): the CPU engine {1e3 * c1:.1f} ms at {t1} "
-                   f"tokens, {1e3 * c2:.1f} ms at {t2} (the CPU path {1e3 * p1:.1f}, {1e3 * p2:.1f} ms); streamed, "
-                   f"the copy of {format_bytes(nbytes)} "
+    return costs, (f"measured at load on layer {layer} ({E} CPU experts): the CPU path {1e3 * c1:.1f} ms at {t1} "
+                   f"tokens, {1e3 * c2:.1f} ms at {t2}; streamed, the copy of {format_bytes(nbytes)} "
                    f"{1e3 * copy:.1f} ms ({nbytes / copy / 1e9:.1f} GB/s), the device's work {1e3 * g1:.1f} ms at "
                    f"{t1} tokens, {1e3 * g2:.1f} ms at {t2}")
 
