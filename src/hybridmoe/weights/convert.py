@@ -30,6 +30,7 @@ from hybridmoe.models.registry import load_config
 from hybridmoe.weights.expert_cache import MANIFEST, PackedWriter
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
 from hybridmoe.weights.loader import load_weights, resolve_dtype
+from hybridmoe.weights.native_format import check_int4_group
 from hybridmoe.weights.quantized import open_checkpoint
 
 SHARD_BYTES = 4 << 30
@@ -167,6 +168,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, format: str = "int4", g
     try:
         with torch.device("meta"):
             probe_model = cls(config, None)
+        if format == "int4":
+            check_int4_group(group_size, config.hidden_size, probe_model.expert_dims()[1],
+                             "pass group_size {g} (--group-size {g})", "pass format int8 (--format int8)")
         with tqdm(total=len(probe_model.moe_layers), desc="packing experts", unit="layer",
                   disable=not progress) as bar:
             backend = _PackAndWrite(writer, {"format": format, "group_size": group_size,

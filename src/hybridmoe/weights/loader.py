@@ -33,6 +33,7 @@ from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.expert_cache_policy import PackedExperts, plan_packed_experts
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
 from hybridmoe.weights.int4_codes import Int4Codes, stack
+from hybridmoe.weights.native_format import check_int4_group
 from hybridmoe.weights.quantized import open_checkpoint
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
@@ -208,7 +209,11 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     experts = make_expert_backend(engine_config, config, cls, dtype)
     model = build_model(cls, config, experts, dtype, engine_config.device)
     expert_device, expert_dtype = _expert_placement(engine_config, dtype)
-    packed = _plan_packed(model_dir, engine_config, model, experts)
+    packed = _plan_packed(model_dir, engine_config, model, experts)  # a converted directory's own checks first
+    if engine_config.expert_backend == "native" and engine_config.expert_format == "int4":
+        check_int4_group(engine_config.expert_group_size, config.hidden_size, model.expert_dims()[1],
+                         "set expert_group_size to {g} (--expert-group-size {g})",
+                         "set expert_format to int8 (--expert-format int8)")
     with open_checkpoint(model_dir, config) as ckpt:
         load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
     packed.finish(experts)

@@ -22,6 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.weights.int4_codes import INT4_GROUPS
 
 log = logging.getLogger("hybridmoe.weights")
 
@@ -113,3 +115,15 @@ def resolve_expert_format(engine_config: EngineConfig, config, model_dir: str | 
         log.info("routed experts: %s%s%s in the native engine, nearest to the checkpoint's %s "
                  "(set expert_format to choose)", fmt, group_note, zero_note, source)
     return resolved
+
+
+def check_int4_group(group: int, hidden: int, inter: int, group_fix: str, format_fix: str) -> None:
+    """int4 groups are runs of `group` input channels: of gate/up (hidden) and of down (inter), so the group
+    must divide both. Else one line that names the fix: group_fix.format(g=a group size that divides both),
+    or format_fix where none does."""
+    if hidden % group == 0 and inter % group == 0:
+        return
+    fits = [g for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0]
+    fix = group_fix.format(g=max(fits)) if fits else f"{format_fix} (no int4 group size divides both)"
+    raise HybridMoEError(f"int4 in groups of {group} needs the hidden size ({hidden}) and the experts' intermediate "
+                         f"size ({inter}) divisible by the group: {fix}")
