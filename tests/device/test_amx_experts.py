@@ -1,6 +1,6 @@
 """The AMX path (many-token experts) on a CPU that has it; run by scripts/device_check.sh.
 
-Experts with >= 16 tokens run AMX tiles, the others the AVX-512 kernels: these tests mix
+Experts with >= 16 tokens run AMX BF16 tiles, the others the AVX-512 kernels: these tests mix
 both within one call and hold AMX against the reference on the weights the kernels hold.
 """
 
@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.device,
               pytest.mark.skipif("amx" not in available_isas(), reason="this CPU has no usable AMX")]
 
 E, H, I, K = 8, 192, 96, 2
-# AMX bf16 rounds activations to bf16: up to ~0.5% more than AVX-512; its int8 reads int8
-# activations (AMX-INT8): ~1.5-1.85% (tests/kernels/conftest.py); its int4 12-bit ones: ~0.15%.
+# AMX rounds activations (and int4 dequantized weights) to bf16: up to ~0.5% more than AVX-512;
+# its int8 reads int8 activations (AMX-INT8): ~1.5-1.85% (tests/kernels/conftest.py).
 KERNEL_TOL = {"bf16": 0.008, "int8": 0.02, "int4": 0.01}
 
 

@@ -5,8 +5,7 @@ isa="amx_emulated" runs amx_kernels.inc over tile registers emulated in memory (
 multiples: bf16/int8 pad K=200 to 224 (and int8 gate/up to 256, a whole AMX-INT8 step), I=72
 is 3 blocks of 32 rows with the last one partial; int4 runs H=192, I=96 (groups of 32). int8
 reads x in int8 with one scale per token and h with one per (token, 128 K): the shapes with
-I > 128 (several groups, a partial last one) are where the second matters. int4 reads x and h
-at 12 bits (one scale per token) against its weights as int8 pairs, the group scales per group.
+I > 128 (several groups, a partial last one) are where the second matters.
 """
 
 import pytest
@@ -90,7 +89,7 @@ def test_emulated_amx_is_never_picked_or_listed():
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_emulated_amx_many_chunks_and_panels(make_weights, tolerance, rel_err, dequantized_layer, fmt):
     # H = 2112: several K chunks with a partial last one in every source (bf16 in place: 1024
-    # values; int8 quads: 512; int8 widened (down, I = 320) and int4 unpacked: 256), and 270
+    # values; int8 quads: 512; int8 widened (down, I = 320) and int4 dequantized: 256), and 270
     # tokens on expert 0: token panels of 256 + 14.
     E, H, T = 2, 2112, 300
     I = {"bf16": 72, "int8": 320, "int4": 96}[fmt]
@@ -122,8 +121,8 @@ def test_emulated_amx_error_at_qwen3_shape(make_weights, tolerance, rel_err, deq
 
 @pytest.mark.parametrize("group", [32, 128])
 def test_emulated_amx_int4_zero_points(make_weights, tolerance, rel_err, dequantized_layer, group):
-    # Asymmetric groups: the kernel takes (z - 8) s times each token's sum of x over the group
-    # off its int32 sums of x . (q - 8); several groups per K chunk (32) and per tile step (128: 4).
+    # Asymmetric groups: (q - z) s per group in the dequantized B chunks; several groups per K
+    # chunk (32) and groups of several tile steps (128).
     E, H, I, T = 2, 512, 256, 40
     gate, up, down = make_weights(E, H, I)
     experts = CpuExperts(gate, up, down, format="int4", group_size=group, zero_points=True, threads=2,
