@@ -7,6 +7,9 @@
   checkpoint files and options maps them back instead of reading and quantizing. The key covers
   the checkpoint's config.json, its weight files (path, size, mtime) and the packing options.
   A cache entry that fails any check is rebuilt, not an error; failing to write one is a warning.
+  An entry is written only when the disk keeps CACHE_MIN_FREE_FRACTION free after it (else a warning
+  says so), and writing one first drops the entries nothing can reach any more: those of the same
+  checkpoint whose files have changed since, and those whose checkpoint directory is gone.
 """
 
 from __future__ import annotations
@@ -14,15 +17,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import CheckpointError, HybridMoEError
+from hybridmoe.experts.placement import format_bytes
 from hybridmoe.weights.expert_cache import MANIFEST, PackedSpec, PackedWriter, check_probe, load_layer, read_manifest
 
 CACHED_FORMATS = ("int8", "int4")
 """bf16 packing is a copy, as fast as reading a cache would be: only quantized formats are cached."""
+
+CACHE_MIN_FREE_FRACTION = 0.1
+"""Of the cache disk's size, left free after writing an entry: a cache entry (hundreds of GB for the largest
+models) never fills the disk."""
+
+_PROGRESS_MIN_BYTES = 1 << 30
 
 
 def cache_root(engine_config: EngineConfig) -> Path | None:
@@ -71,10 +84,20 @@ class PackedExperts:
 
     def _write_cache(self, backend) -> None:
         out_dir, spec_fields, source = self._writer_args
+        drop_unreachable_entries(out_dir.parent, Path(source["model_dir"]))
+        nbytes = sum(backend.layer_experts(layer).packed_bytes for layer in backend.layers())
+        total, free = _disk_space(out_dir.parent)
+        if free - nbytes < CACHE_MIN_FREE_FRACTION * total:
+            warnings.warn(f"not caching the packed experts ({format_bytes(nbytes)}) in {out_dir.parent}: "
+                          f"{format_bytes(free)} free of {format_bytes(total)}, and the cache leaves "
+                          f"{CACHE_MIN_FREE_FRACTION:.0%} free; the next start packs again (set cache_dir, "
+                          "--cache-dir, to a disk with room, or to '' for no cache)", stacklevel=2)
+            return
         writer = None
         try:
             writer = PackedWriter(out_dir, spec_fields, source)
-            for layer in backend.layers():
+            for layer in tqdm(backend.layers(), desc=f"caching {format_bytes(nbytes)} of packed experts in "
+                              f"{out_dir.parent}", unit="layer", leave=False, disable=nbytes < _PROGRESS_MIN_BYTES):
                 writer.add(layer, backend.layer_experts(layer))
             writer.commit()
         except (OSError, CheckpointError) as e:
@@ -82,6 +105,38 @@ class PackedExperts:
                 writer.abort()
             warnings.warn(f"could not write the packed-expert cache to {out_dir} ({e}); the next start packs again",
                           stacklevel=2)
+
+
+def _disk_space(path: Path) -> tuple[int, int]:
+    """(total, free) bytes of the disk path is on (or would be, once made)."""
+    while not path.exists():
+        path = path.parent
+    usage = shutil.disk_usage(path)
+    return usage.total, usage.free
+
+
+def drop_unreachable_entries(entries: Path, model_dir: Path) -> None:
+    """Remove the cache entries under `entries` that no start can read again: model_dir's entries whose
+    key its files no longer give (changed or re-downloaded since), and entries whose source directory is
+    gone. Entries this hybridmoe cannot read (another version's) are left alone."""
+    if not entries.is_dir():
+        return
+    model_dir = model_dir.resolve()
+    for entry in entries.iterdir():
+        if entry.name.startswith("."):
+            continue  # another start's entry being written (PackedWriter's staging directory)
+        try:
+            manifest = read_manifest(entry)
+        except CheckpointError:
+            continue
+        if manifest is None:
+            continue
+        spec = {k: manifest.get(k) for k in ("format", "group_size", "zero_points")}
+        source = Path((manifest.get("source") or {}).get("model_dir") or "")
+        if not source.is_absolute() or None in spec.values():
+            continue  # not an entry this cache wrote
+        if not (source / "config.json").is_file() or (source == model_dir and entry.name != cache_key(source, spec)):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _spec_fields(engine_config: EngineConfig) -> dict:
