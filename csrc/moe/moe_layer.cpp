@@ -374,13 +374,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return counts[a] > counts[b]; });
   const int A = int(order.size());
   int* row_begin = grow(ws.row_begin, A + 1);  // rows of active expert j: [row_begin[j], row_begin[j+1])
-  int* act_begin = grow(ws.act_begin, A + 1);  // the same, each expert padded to 16 rows
   int* slot_of = grow(ws.slot_of, E);  // read only for active experts, all set below
-  row_begin[0] = act_begin[0] = 0;
+  row_begin[0] = 0;
   for (int j = 0; j < A; ++j) {
     slot_of[order[j]] = j;
     row_begin[j + 1] = row_begin[j] + counts[order[j]];
-    act_begin[j + 1] = act_begin[j] + round_up(counts[order[j]], 16);
   }
   int* tok = grow(ws.tok, R);  // token of each row
   int* pos = grow(ws.pos, R);  // row of each (t, k)
@@ -397,6 +395,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // zeros), the other kernels n rows only; a decode step's experts (1 token each) would
   // otherwise write 15 rows of zeros per token, on the critical path.
   auto rows_read = [&](int j) { return many_ != base_ && n_of(j) >= kAmxMinTokens ? round_up(n_of(j), 16) : n_of(j); };
+  // Activation rows of active expert j: [act_begin[j], act_begin[j] + rows_read(j)), packed
+  // back to back (a decode step's rows stay few, and the same ones call after call).
+  int* act_begin = grow(ws.act_begin, A + 1);
+  act_begin[0] = 0;
+  for (int j = 0; j < A; ++j) act_begin[j + 1] = act_begin[j] + rows_read(j);
   const Format fmt = cfg_.format;
   const RowOps& ops = base_->ops;
   const RowOps& ops8 = many_->ops;  // to_i8, where a kernel set reads i8 rows
