@@ -17,7 +17,9 @@ With --gap-us G: the decode loop instead. --layers layers (each its own packed c
 weights come from DRAM without a cache flush) are called in turn, back to back with G us of
 busy work on the calling thread between calls (what a step's GPU attention leaves the CPU
 workers), a fresh routing each call; median and p90 ms per call and `engine ms`, for forward()
-and for submit() + wait() (the hybrid engine's path). No torch baseline nor accuracy in this mode.
+and for submit() + wait() (the hybrid engine's path), each as a fraction of the read bandwidth
+(`%bw eng`: the engine's own time, what a native caller such as the hybrid engine pays; python's
+call and return, ~10 us on the GPU host, left out). No torch baseline nor accuracy in this mode.
 """
 
 import argparse
@@ -166,7 +168,8 @@ def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
     gap_s = args.gap_us * 1e-6
     n_routings = 16  # per layer and T: fresh experts each call, cycled
     rows = []
-    print(f"{'format':<6} {'T':>5} {'api':<7} {'ms':>9} {'p90 ms':>9} {'GB/s':>7} {'%bw':>5} {'engine ms':>9}")
+    print(f"{'format':<6} {'T':>5} {'api':<7} {'ms':>9} {'p90 ms':>9} {'GB/s':>7} {'%bw':>5} {'engine ms':>9}"
+          f" {'%bw eng':>7}")
     for fmt in args.format.split(","):
         t0 = time.perf_counter()
         first = CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=threads, isa=args.isa)
@@ -206,11 +209,12 @@ def decode_loop(args, shape, threads, bw, gate, up, down, tokens):
                 p90 = float(np.percentile(times, 90))
                 gbps = touched * per_expert / ms / 1e6
                 rows.append(dict(shape=args.shape, format=fmt, mode="decode_loop", api=api, gap_us=args.gap_us,
+                                 engine_bw_fraction=gbps * ms / eng_ms / bw,
                                  layers=args.layers, isa=layers[0].isa, threads=threads, tokens=T, ms=ms,
                                  p90_ms=p90, engine_ms=eng_ms, calls=len(times), gbps=gbps, bw_fraction=gbps / bw,
                                  pack_s=pack_s, host_read_gbps=bw))
                 print(f"{fmt:<6} {T:>5} {api:<7} {ms:>9.3f} {p90:>9.3f} {gbps:>7.1f} {100 * gbps / bw:>4.0f}%"
-                      f" {eng_ms:>9.3f}", flush=True)
+                      f" {eng_ms:>9.3f} {100 * gbps * ms / eng_ms / bw:>6.0f}%", flush=True)
         print(f"#   {fmt}: {args.layers} layers packed in {pack_s:.1f} s", flush=True)
         del layers
     return rows
