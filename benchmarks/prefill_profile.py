@@ -140,15 +140,16 @@ class Probe:
     def _wrap_stage(self, streamer) -> None:
         stage = streamer._stage
 
-        def timed_stage(layer: int) -> int:
-            if layer in streamer.slot_layer:
-                return stage(layer)
-            self.spans.copied_bytes[layer] += streamer.layers[layer].nbytes
+        def timed_stage(key) -> int:  # a layer, or (layer, part) of a layer streamed in parts
+            if key in streamer.slot_layer:
+                return stage(key)
+            layer = key if isinstance(key, int) else key[0]
+            self.spans.copied_bytes[layer] += streamer.units[key].nbytes
             stream = streamer.copy_stream
             if stream is not None:  # the copy starts once the slot is free: time it from there
                 stream.wait_event(streamer.freed[1 if streamer.slot_layer[0] == streamer.current else 0])
             self.spans.begin((layer, "copy"), stream=stream)
-            slot = stage(layer)
+            slot = stage(key)
             self.spans.end((layer, "copy"), stream=stream)
             return slot
 

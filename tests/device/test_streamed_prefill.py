@@ -68,6 +68,28 @@ def test_layers_in_a_row_with_prefetch_equal_the_reference():
     assert not any(host.registered for host in streamer.layers.values())
 
 
+def test_layers_in_parts_with_prefetch_equal_the_reference(monkeypatch):
+    from hybridmoe.experts import streamed_prefill
+
+    engines = {layer: _engine("int4", layer) for layer in range(3)}
+    nbytes = streamed_prefill._HostLayer(engines[0]).nbytes
+    monkeypatch.setattr(streamed_prefill, "SLOT_BYTES", nbytes // 2 - 1)
+    streamer = PrefillStreamer(engines, "cuda", min_tokens=1)  # 3 parts of 6, 6 and 4 experts a layer
+    assert streamer.keys[0] == [(0, 0), (0, 1), (0, 2)]
+    g = torch.Generator().manual_seed(5)
+    T, K = 300, 4
+    x = torch.randn(T, H, generator=g).cuda()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+    w = torch.rand(T, K, generator=g).cuda()
+    mask = torch.ones(T, K, dtype=torch.bool, device="cuda")
+    for _ in range(2):  # the second pass from the slots as the first left them
+        for layer, engine in engines.items():
+            deq = [torch.stack(m).cuda() for m in zip(*(engine.dequantized(e) for e in range(E)))]
+            torch.testing.assert_close(streamer.run(layer, x, ids, w, mask, F.silu),
+                                       weighted_experts(x, *deq, ids, w, mask, F.silu), atol=2e-4, rtol=2e-4)
+    streamer.close()
+
+
 def test_a_step_with_resident_experts_equals_the_reference():
     engine = _engine("int4", 7)
     streamer = PrefillStreamer({0: engine}, "cuda", min_tokens=1)

@@ -163,6 +163,17 @@ def test_a_real_step_is_timed_on_both_sides():
     assert 0 < copy < 1 and 0 < work < 1 and streamer.slot_layer.count(3) == 1
 
 
+def test_a_layer_in_parts_is_timed_from_its_first_part(monkeypatch):
+    engine = cpu_experts.CpuExperts(torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32),
+                                    format="bf16", threads=1)
+    monkeypatch.setattr(streamed_prefill, "SLOT_BYTES", 1)  # a part per expert
+    streamer = streamed_prefill.PrefillStreamer({3: engine}, "cpu", min_tokens=1)
+    times = iter([0.0, 0.5, 1.0, 1.25])  # the marks at the copy's and the work's start and end
+    monkeypatch.setattr(streamed_prefill, "_mark", lambda stream: next(times))
+    assert streamed_prefill.device_step_seconds(streamer, 3, 16, top_k=2) == (4 * 0.5, 4 * 0.25)
+    assert streamer.slot_layer.count((3, 0)) == 1
+
+
 def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, step_times):
     from hybridmoe.weights.loader import load_model
 

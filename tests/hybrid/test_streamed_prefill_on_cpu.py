@@ -55,6 +55,27 @@ def test_experts_dequantized_a_few_at_a_time_give_the_same_sum(fmt, monkeypatch)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_layer_above_the_slot_size_streams_in_parts_with_the_same_sum(fmt, monkeypatch):
+    engines = {layer: _layer(fmt, seed=layer) for layer in (1, 2)}
+    x = torch.randn(40, 64)
+    ids, w, mask = _routing(40, 3, 6)
+    G = 2  # resident experts: the slots outside mask, ids 0..G-1 (they join the last part)
+    resident = tuple(torch.randn(G, *shape) * 0.05 for shape in ((96, 64), (96, 64), (64, 96)))
+    rids = torch.where(mask, ids, ids % G)
+    whole = PrefillStreamer(engines, "cpu", min_tokens=1)
+    want = {layer: whole.run(layer, x, rids, w, mask, F.silu, resident) for layer in (1, 2)}
+    nbytes = whole.layers[1].nbytes
+    monkeypatch.setattr(streamed_prefill, "SLOT_BYTES", nbytes // 3)  # 3 parts of 2 experts
+    parts = PrefillStreamer(engines, "cpu", min_tokens=1)
+    assert parts.keys[1] == [(1, 0), (1, 1), (1, 2)] and parts.order[3] == (2, 0)
+    assert parts.slot_bytes <= streamed_prefill.slot_bytes(nbytes, 6) < whole.slot_bytes  # what placement sets aside
+    for layer in (1, 2, 1):
+        torch.testing.assert_close(parts.run(layer, x, rids, w, mask, F.silu, resident), want[layer],
+                                   atol=1e-4, rtol=1e-4)  # float32 sums in another order
+    assert parts.slot_layer.count((1, 2)) == 1 and (2, 0) in parts.slot_layer  # the last part, then the next unit
+
+
 def test_a_bf16_step_computes_in_bf16_against_the_native_engine():
     engine = _layer("bf16")
     x = torch.randn(33, 64).to(torch.bfloat16)
@@ -102,6 +123,19 @@ def test_a_streamed_prefill_gives_the_cpu_paths_logits(tiny_checkpoints, streame
     want = prompt_logits(load(path, prefill_streaming="off", **common).model)
     assert streamed_layers == []
     loaded = load(path, prefill_streaming="on", prefill_streaming_tokens=len(PROMPT), **common)
+    got = prompt_logits(loaded.model)
+    assert streamed_layers == loaded.model.moe_layers
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_a_prefill_streamed_in_parts_gives_the_cpu_paths_logits(tiny_checkpoints, streamed_layers, monkeypatch):
+    path = tiny_checkpoints("qwen3_moe")
+    common = dict(device="cpu", expert_backend="native", expert_format="int8", gpu_experts_per_layer=3)
+    want = prompt_logits(load(path, prefill_streaming="off", **common).model)
+    monkeypatch.setattr(streamed_prefill, "SLOT_BYTES", 1)  # a part per expert
+    loaded = load(path, prefill_streaming="on", prefill_streaming_tokens=len(PROMPT), **common)
+    streamer = loaded.model.experts._layers[loaded.model.moe_layers[0]].streamer
+    assert len(streamer.order) == sum(len(h.parts) for h in streamer.layers.values()) > len(streamer.layers)
     got = prompt_logits(loaded.model)
     assert streamed_layers == loaded.model.moe_layers
     assert ((got - want).norm() / want.norm()).item() < 2e-2

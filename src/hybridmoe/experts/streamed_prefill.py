@@ -15,7 +15,8 @@ the next (a long prompt's next chunk, or the next prompt), so no layer's copy wa
 The packed bytes are copied as the CPU engine holds them (CpuExperts.packed_state(): a quarter
 of bf16's for int4), from host memory registered with cudaHostRegister (async DMA, no bounce
 copy; pageable copies with a log line when registering fails), into two device slots each the
-size of the largest layer, and dequantized on the GPU a chunk of experts at a time
+size of the largest layer (or, above SLOT_BYTES, of the largest part of consecutive experts: the
+parts then take turns in the slots like layers), and dequantized on the GPU a chunk of experts at a time
 (experts/packed_torch.py: one Triton pass on CUDA, experts/packed_triton.py; bit-exact with the CPU
 engine's weights); their slots, with those of the layer's GPU-resident experts, run through the GPU
 share's grouped Triton kernels (gpu_experts_triton.py), sorted by expert once a layer: no host sync
@@ -66,8 +67,28 @@ float32 codes, the float32 result), besides the compute-dtype copy the chunk kee
 Triton pass (experts/packed_triton.py) takes none."""
 
 
+SLOT_BYTES = 1 << 30
+"""Most packed bytes a slot is made for: a layer with more streams in parts of consecutive experts, each
+copied into a slot and computed in turn (DeepSeek-V3 int4: 5.6 GiB a layer, 6 parts of 43 experts),
+so that the two slots fit beside a budget's fixed part (two whole DeepSeek-V3 layers would take 11.2
+GiB of a 16 GiB budget that already holds 7.5 GiB for a 2-layer cut). A copy-bound stream loses
+nothing to it: the copies still follow each other with no gap."""
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def part_experts(layer_bytes: int, E: int) -> int:
+    """Experts in each streamed part of a layer of E experts packed in layer_bytes (E: one part)."""
+    return -(-E // max(1, -(-layer_bytes // SLOT_BYTES)))
+
+
+def slot_bytes(layer_bytes: int, E: int) -> int:
+    """Most bytes a slot takes for a layer of E experts packed in layer_bytes, or for one with fewer of
+    the same experts (the CPU's share of it): a part is at most SLOT_BYTES and one expert more, with each
+    buffer's rounding up to ALIGN."""
+    return min(_aligned(layer_bytes), SLOT_BYTES + -(-layer_bytes // E) + 64 * ALIGN)
 
 
 def dequant_chunk_experts(H: int, I: int, fused: bool) -> int:
@@ -78,7 +99,7 @@ def dequant_chunk_experts(H: int, I: int, fused: bool) -> int:
 
 
 def device_bytes(layer_bytes: int, E: int, H: int, I: int, top_k: int, max_tokens: int) -> int:
-    """Device memory streaming takes: two slots of layer_bytes, one dequantized chunk (at most
+    """Device memory streaming takes: two slots (slot_bytes: a part of a large layer), one dequantized chunk (at most
     DEQUANT_WORKSPACE_BYTES), and a max_tokens step's rows: per slot (S = max_tokens x top_k) the
     grouped kernels' float32 h [S, I] and outputs [S, H], per token the input in the compute dtype,
     the chunk's float32 sum and the layer's (2 + 4 + 4 bytes an element; float32 models, which only
@@ -86,7 +107,7 @@ def device_bytes(layer_bytes: int, E: int, H: int, I: int, top_k: int, max_token
     dequant = max(min(E, dequant_chunk_experts(H, I, fused)) * (3 * H * I * 2 + (0 if fused else
                   H * I * DEQUANT_BYTES_PER_WEIGHT)) for fused in (False, True))
     rows = max_tokens * top_k * (H + I) * 4 + max_tokens * H * 12
-    return 2 * _aligned(layer_bytes) + dequant + rows
+    return 2 * slot_bytes(layer_bytes, E) + dequant + rows
 
 
 def layer_packed_bytes(fmt: str, E: int, H: int, I: int, group_size: int, zero_points: bool) -> int:
@@ -178,27 +199,30 @@ def _sync(device: torch.device) -> None:
 def device_step_seconds(streamer: PrefillStreamer, layer: int, tokens: int, top_k: int) -> tuple[float, float]:
     """(copy, work) seconds of one layer on the streamer's device: its packed bytes copied into an empty
     slot, then a step of `tokens` tokens with random routing (top_k of its experts each, bf16 hidden
-    states of scale 0.1) run from them; CUDA events on the copy and compute streams."""
+    states of scale 0.1) run from them; CUDA events on the copy and compute streams. A layer streamed in
+    parts: its first part's times the number of parts."""
     host, dev = streamer.layers[layer], streamer.device
     E, H = host.layout.E, host.layout.H
+    key, parts = streamer.keys[layer][0], len(streamer.keys[layer])  # a layer in parts: its first, times parts
+    part = streamer.units[key]
     g = torch.Generator().manual_seed(tokens)
     ids = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :min(top_k, E)].to(dev)
     weights = torch.rand(ids.shape, generator=g).to(dev)
     x = (torch.randn(tokens, H, generator=g) * 0.1).to(dev, torch.bfloat16)
-    mask = torch.ones(ids.shape, dtype=torch.bool, device=dev)
+    mask = ids < part.layout.E  # the first part's experts: 0..
     streamer.slot_layer, streamer.current = [None, None], None
     marks = [_mark(streamer.copy_stream)]
-    slot = streamer._stage(layer)
+    slot = streamer._stage(key)
     marks.append(_mark(streamer.copy_stream))
     if streamer.copied[slot] is not None:
         torch.cuda.current_stream(dev).wait_event(streamer.copied[slot])
     marks.append(_mark(streamer._stream()))
-    routed_experts(host.layout, streamer._slot_views(slot, host), x, ids, weights, mask, F.silu)
+    routed_experts(part.layout, streamer._slot_views(slot, part), x, ids, weights, mask, F.silu)
     marks.append(_mark(streamer._stream()))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-        return marks[0].elapsed_time(marks[1]) / 1e3, marks[2].elapsed_time(marks[3]) / 1e3
-    return marks[1] - marks[0], marks[3] - marks[2]
+        return parts * marks[0].elapsed_time(marks[1]) / 1e3, parts * marks[2].elapsed_time(marks[3]) / 1e3
+    return parts * (marks[1] - marks[0]), parts * (marks[3] - marks[2])
 
 
 def _second(run):
@@ -271,21 +295,34 @@ def measured_costs(streamer: PrefillStreamer, top_k: int, num_experts: int) -> t
                    f"{t1} tokens, {1e3 * g2:.1f} ms at {t2}")
 
 
-class _HostLayer:
-    """One layer's packed buffers on the host, and where each goes in a slot."""
+class _HostPart:
+    """Experts e0.. of one layer's packed buffers on the host (each buffer holds one expert after another),
+    and where each buffer goes in a slot."""
 
-    def __init__(self, engine):
-        state = engine.packed_state()
-        self.layout = PackedLayout(state)
-        # torch views of the engine's memory (numpy views that keep the engine alive)
-        self.buffers = {name: torch.from_numpy(arr).view(torch.uint8) for name, arr in state["buffers"].items()}
+    def __init__(self, state: dict, buffers: dict[str, torch.Tensor], e0: int):
+        self.layout, self.buffers, self.e0 = PackedLayout(state), buffers, e0
         self.offsets, offset = {}, 0
         for name, buf in self.buffers.items():
             self.offsets[name] = offset
             offset += _aligned(buf.numel())
         self.nbytes = offset
+
+
+class _HostLayer(_HostPart):
+    """One layer's packed buffers on the host, and the parts it streams in (itself when it fits a slot)."""
+
+    def __init__(self, engine):
+        state = engine.packed_state()
+        # torch views of the engine's memory (numpy views that keep the engine alive)
+        super().__init__(state, {name: torch.from_numpy(arr).view(torch.uint8)
+                                 for name, arr in state["buffers"].items()}, 0)
         self.registered: list[int] = []  # host pointers registered with CUDA (until the streamer goes)
         self.tried = False  # registration attempted
+        E, n = self.layout.E, part_experts(self.nbytes, self.layout.E)
+        self.parts = [self] if n == E else [
+            _HostPart(dict(state, shape=[min(n, E - e0), self.layout.H, self.layout.I]),
+                      {name: buf.view(E, -1)[e0:e0 + n].reshape(-1) for name, buf in self.buffers.items()}, e0)
+            for e0 in range(0, E, n)]
 
 
 class PrefillStreamer:
@@ -294,6 +331,10 @@ class PrefillStreamer:
     engines: MoE layer -> its CPU engine (CpuExperts: anything with packed_state()). min_tokens:
     steps of at least this many tokens take this path (takes()). measured: the costs attach measured
     at load (for the threshold and reports), or None.
+
+    What the two slots hold are units: a layer, or for a layer above SLOT_BYTES, a part (layer, p) of
+    its experts; units are copied in order (keys: per layer its units; order: all units), each slot
+    refilled as soon as its unit's last reader is done.
     """
 
     def __init__(self, engines: dict, device: str | torch.device, min_tokens: int):
@@ -301,15 +342,19 @@ class PrefillStreamer:
         self.measured: StepCosts | None = None
         self.engines = dict(engines)
         self.layers = {layer: _HostLayer(engine) for layer, engine in sorted(engines.items())}
-        self.order = sorted(self.layers)
-        slot_bytes = max((h.nbytes for h in self.layers.values()), default=0)
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self.slot_layer: list[int | None] = [None, None]
+        self.keys = {layer: [layer] if len(h.parts) == 1 else [(layer, p) for p in range(len(h.parts))]
+                     for layer, h in self.layers.items()}
+        self.units = {key: h.parts[0 if key == layer else key[1]]
+                      for layer, h in self.layers.items() for key in self.keys[layer]}
+        self.order = [key for layer in sorted(self.layers) for key in self.keys[layer]]
+        size = max((u.nbytes for u in self.units.values()), default=0)
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self.slot_layer: list = [None, None]  # the unit each slot holds
         cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.copied = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's bytes arrived
         self.freed = [torch.cuda.Event() if cuda else None for _ in range(2)]  # slot's last reader done
-        self.current: int | None = None  # the layer whose experts are being computed
+        self.current = None  # the unit whose experts are being computed
         self.prefetch_next = True  # copy layer L+1 while L computes (off: every copy waited for, to measure)
         self._pinned_failed = False
         self._unregister = None
@@ -331,38 +376,47 @@ class PrefillStreamer:
         resident (the layer's GPU experts: gate, up [G, I, H], down [G, H, I]), the other slots' too.
 
         hidden [T, H]; ids [T, K] local to the layer's CPU engine where mask [T, K] is set, to resident's
-        experts elsewhere; weights [T, K].
+        experts elsewhere; weights [T, K]. A layer in parts: each part's slots (ids e0.. of the part,
+        renumbered from 0), the resident experts' with the last.
         """
-        slot = self._stage(layer)
-        self.current = layer
-        if self.copied[slot] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
-        if self.prefetch_next:  # after the last layer the first, whose copy then overlaps the next step's start
-            self._stage(self.order[(self.order.index(layer) + 1) % len(self.order)])
-        host = self.layers[layer]
-        out = routed_experts(host.layout, self._slot_views(slot, host), hidden, ids, weights, mask, act, resident,
-                             ~mask)
-        if self.freed[slot] is not None:
-            self.freed[slot].record(torch.cuda.current_stream(self.device))
+        keys, out = self.keys[layer], None
+        for p, key in enumerate(keys):
+            slot = self._stage(key)
+            self.current = key
+            if self.copied[slot] is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
+            if self.prefetch_next:  # after the last unit the first, whose copy then overlaps the next step's start
+                self._stage(self.order[(self.order.index(key) + 1) % len(self.order)])
+            part, last = self.units[key], p == len(keys) - 1
+            part_ids, part_mask = ids, mask
+            if len(keys) > 1:
+                part_mask = mask & (ids >= part.e0) & (ids < part.e0 + part.layout.E)
+                part_ids = torch.where(part_mask, ids - part.e0, ids)  # the resident slots keep theirs
+            y = routed_experts(part.layout, self._slot_views(slot, part), hidden, part_ids, weights, part_mask, act,
+                               resident if last else None, ~mask if last else None)
+            if self.freed[slot] is not None:
+                self.freed[slot].record(torch.cuda.current_stream(self.device))
+            out = y if out is None else out + y
         return out
 
     def _stream(self):
         """The compute stream on CUDA; None on the CPU device (for _mark: the host clock)."""
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def _stage(self, layer: int) -> int:
-        """The slot that holds (or is being filled with) layer's packed bytes; starts the copy if needed."""
-        if layer in self.slot_layer:
-            return self.slot_layer.index(layer)
+    def _stage(self, key) -> int:
+        """The slot that holds (or is being filled with) a unit's packed bytes (key: a layer, or (layer, part));
+        starts the copy if needed."""
+        if key in self.slot_layer:
+            return self.slot_layer.index(key)
         slot = 1 if self.slot_layer[0] == self.current else 0  # never the slot being computed from
-        self.slot_layer[slot] = layer
-        host = self.layers[layer]
-        pairs = [(view, host.buffers[name]) for name, view in self._slot_views(slot, host).items()]
+        self.slot_layer[slot] = key
+        unit = self.units[key]
+        pairs = [(view, unit.buffers[name]) for name, view in self._slot_views(slot, unit).items()]
         if self.copy_stream is None:
             for dst, src in pairs:
                 dst.copy_(src)
             return slot
-        self._register(host)
+        self._register(self.layers[key if isinstance(key, int) else key[0]])
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[slot])  # the slot's previous layer is done with it
             for dst, src in pairs:
@@ -370,9 +424,9 @@ class PrefillStreamer:
             self.copied[slot].record(self.copy_stream)
         return slot
 
-    def _slot_views(self, slot: int, host: _HostLayer) -> dict[str, torch.Tensor]:
-        """Where each of host's packed buffers lies in the slot: uint8 views of the device slot."""
-        return {name: self.slots[slot][off:off + host.buffers[name].numel()] for name, off in host.offsets.items()}
+    def _slot_views(self, slot: int, unit: _HostPart) -> dict[str, torch.Tensor]:
+        """Where each of a unit's packed buffers lies in the slot: uint8 views of the device slot."""
+        return {name: self.slots[slot][off:off + unit.buffers[name].numel()] for name, off in unit.offsets.items()}
 
     def _register(self, host: _HostLayer) -> None:
         """Page-lock the layer's host buffers once, so copies are DMA from them (no staging copy)."""
