@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 from int4_packing import AWQ_ORDER, pack
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hybridmoe.config import EngineConfig
@@ -193,3 +193,23 @@ def test_a_code_above_15_is_refused():
     mats[2].codes[0, 5, 7] = 16
     with pytest.raises(HybridMoEError, match="down code 16 .* is not an int4 code"):
         CpuExperts.from_codes(*mats, threads=1)
+
+
+def test_a_layer_partly_in_codes_goes_through_float_as_a_whole(tiny_qwen3, tmp_path):
+    quantized, decoded = write_quantized(tiny_qwen3, tmp_path / "gptq", "gptq")
+    permuted, permuted_decoded = write_quantized(tiny_qwen3, tmp_path / "desc_act", "gptq_desc_act")
+    # one expert of layer 0 with a permuted g_idx: the layer's other experts come as codes, then go through float
+    prefix = "model.layers.0.mlp.experts.3."
+    tensors = load_file(quantized / "model.safetensors")
+    tensors |= {n: t for n, t in load_file(permuted / "model.safetensors").items() if n.startswith(prefix)}
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    decoded |= {n: t for n, t in permuted_decoded.items() if n.startswith(prefix)}
+    loaded = load_model(quantized, EngineConfig(**NATIVE))
+    assert_experts_equal(loaded, {n: t for n, t in decoded.items() if n.startswith("model.layers.1.")})
+    ref = write_reference(tiny_qwen3, tmp_path / "ref", decoded)
+    from_float = load_model(ref, EngineConfig(**NATIVE, expert_format="int4", expert_group_size=GROUP,
+                                              expert_zero_points=True))
+    for e in range(8):
+        for got, want in zip(loaded.experts.layer_experts(0).dequantized(e),
+                             from_float.experts.layer_experts(0).dequantized(e)):
+            assert torch.equal(got, want), e

@@ -27,6 +27,7 @@ LAYER = {"hidden_size": 1024, "moe_intermediate_size": 512, "num_experts": 64, "
          "num_attention_heads": 8, "num_key_value_heads": 2}
 SMALL = {"hidden_size": 256, "moe_intermediate_size": 256, "num_experts": 4}  # a warm-up of the same kind
 GROUP = 128
+EXPERT_WEIGHTS = LAYER["num_experts"] * 3 * LAYER["hidden_size"] * LAYER["moe_intermediate_size"]
 
 
 def _config(layer: dict) -> dict:
@@ -108,13 +109,14 @@ def _load(model_dir: Path, warmup_dir: Path, expert_format: str) -> dict:
     return measure_in_subprocess(model_dir, options, warmup_dir, timeout=300)
 
 
-# bf16: every expert is dequantized to float and packed, one at a time; "auto" from GPTQ g128: int4 g128 codes
-# as they are (a layer's codes are held until it is complete, so only the source pages are bounded here)
+# bf16: every expert is dequantized to float and packed, one at a time. "auto" from GPTQ g128: int4 g128 codes
+# as they are, which the engine takes for a whole layer at once: the layer's codes, one byte a weight (plus
+# float32 scales and zeros, 1/16 of that), are held once beside the packed experts, never a second stacked copy.
 @pytest.mark.parametrize("kind,expert_format", [("gguf", "bf16"), ("awq", "bf16"), ("gptq", "auto")])
 def test_source_pages_leave_rss_while_packing(kind, expert_format, tmp_path):
     (tmp_path / "warmup").mkdir()
     model, warmup = _write(kind, tmp_path, LAYER), _write(kind, tmp_path / "warmup", SMALL)
     r = _load(model, warmup, expert_format)
     assert r["at_peak"]["RssFile"] < MARGIN, r
-    if expert_format == "bf16":
-        assert r["peak_growth"] <= 1.2 * r["packed_bytes"] + MARGIN, r
+    held = 0 if expert_format == "bf16" else EXPERT_WEIGHTS * (1 + 2 * 4 / GROUP)
+    assert r["peak_growth"] <= 1.2 * r["packed_bytes"] + held + MARGIN, r

@@ -37,8 +37,3 @@ class Int4Codes(NamedTuple):
         """W [..., N, K] float32, computed as the engine unpacks it."""
         g = self.group
         return (self.codes.float() - self.zeros.repeat_interleave(g, -1)) * self.scales.repeat_interleave(g, -1)
-
-
-def stack(per_expert: list[Int4Codes]) -> Int4Codes:
-    """One matrix of every expert, [E, N, ...] each."""
-    return Int4Codes(*(torch.stack(parts) for parts in zip(*per_expert)))

@@ -32,7 +32,7 @@ from hybridmoe.system.auto import resolve_engine_config, uses_hybrid
 from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.expert_cache_policy import PackedExperts, plan_packed_experts
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
-from hybridmoe.weights.int4_codes import Int4Codes, stack
+from hybridmoe.weights.int4_codes import Int4Codes
 from hybridmoe.weights.native_format import check_int4_group
 from hybridmoe.weights.quantized import open_checkpoint
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
@@ -262,8 +262,10 @@ class _ExpertStacker:
         hidden = model.config.hidden_size
         self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         self.layers = set(model.moe_layers)
-        # layer -> (expert, proj) -> the checkpoint name of a float tensor, or int4 codes
+        # layer -> (expert, proj) -> the checkpoint name of a float tensor, or int4 codes (a view of `codes`)
         self.entries: dict[int, dict[tuple[int, str], str | Int4Codes]] = {}
+        # layer -> proj -> every expert's int4 codes [E, N, ...], filled as they come
+        self.codes: dict[int, dict[str, Int4Codes]] = {}
         self.done: set[int] = set()
 
     def accepts(self, layer: int, expert: int) -> bool:
@@ -276,15 +278,27 @@ class _ExpertStacker:
         """entry: the checkpoint name of a float tensor, or int4 codes that the backend takes as they are
         when the whole layer comes so."""
         entries = self.entries.setdefault(layer, {})
-        entries[(expert, proj)] = entry
+        entries[(expert, proj)] = self._stacked(layer, expert, proj, entry) if isinstance(entry, Int4Codes) else entry
         if len(entries) == self.num_experts * len(EXPERT_PROJS):
-            self._hand_over(layer, self.entries.pop(layer))
+            self._hand_over(layer, self.entries.pop(layer), self.codes.pop(layer, {}))
             self.done.add(layer)
 
-    def _hand_over(self, layer: int, entries: dict[tuple[int, str], str | Int4Codes]) -> None:
+    def _stacked(self, layer: int, expert: int, proj: str, codes: Int4Codes) -> Int4Codes:
+        """codes copied into their place in the layer's stacked codes (made on first use): the engine takes a
+        layer's codes stacked, and stacking them only once the layer is complete would hold them twice."""
+        by_proj = self.codes.setdefault(layer, {})
+        if proj not in by_proj:
+            by_proj[proj] = Int4Codes(*(torch.empty(self.num_experts, *t.shape, dtype=t.dtype) for t in codes))
+        slot = Int4Codes(*(t[expert] for t in by_proj[proj]))
+        for dst, src in zip(slot, codes):
+            dst.copy_(src)
+        return slot
+
+    def _hand_over(self, layer: int, entries: dict[tuple[int, str], str | Int4Codes],
+                   codes: dict[str, Int4Codes]) -> None:
         backend, E = self.model.experts, self.num_experts
         if all(isinstance(v, Int4Codes) for v in entries.values()):
-            backend.set_layer_codes(layer, *(stack([entries[(e, p)] for e in range(E)]) for p in EXPERT_PROJS))
+            backend.set_layer_codes(layer, *(codes[p] for p in EXPERT_PROJS))
             return
         # A layer partly in codes (desc_act) goes through float as a whole.
         experts = self._expert_weights(entries)
