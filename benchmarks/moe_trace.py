@@ -51,7 +51,8 @@ N_ROUTINGS = 16
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
 DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True, item_bytes=0,
-                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False)
+                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False,
+                        caller_works=True)
 
 
 def schedule_variants(args):
@@ -67,9 +68,10 @@ def schedule_variants(args):
     lists = {"item_blocks": args.item_blocks, "item_prefetch": args.item_prefetch, "tail_split": args.tail_split,
              "combine_in_run": args.combine_in_run, "item_bytes": args.item_bytes,
              "kernel_prefetch_l1": args.kernel_prefetch_l1, "kernel_prefetch_l2": args.kernel_prefetch_l2,
-             "paired": args.paired}
+             "paired": args.paired, "caller_works": args.caller_works}
     short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir",
-             "item_bytes": "iB", "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair"}
+             "item_bytes": "iB", "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair",
+             "caller_works": "cw"}
     values = {k: [int(v) for v in s.split(",")] for k, s in lists.items()}
     out = []
     for combo in itertools.product(*values.values()):
@@ -199,6 +201,8 @@ def main():
     ap.add_argument("--pages", default="huge",
                     help="comma list: the layers' packed weights in huge pages (as the engine packs them) and/or "
                          "small (4 KiB pages: copies in torch's allocator); key suffix the name, if several")
+    ap.add_argument("--caller-works", default="1",
+                    help="comma list of 0/1: the calling thread computes GEMM items too; key suffix cwN")
     ap.add_argument("--variants", default=None,
                     help="instead of the knob lists: 'name=knob:value,...;name2=...' (knobs: "
                          + ", ".join(DEFAULT_SCHEDULE) + "; unset knobs keep their defaults); key suffix name")

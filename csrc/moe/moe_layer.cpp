@@ -615,7 +615,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
         for (int t = 0; t < T; ++t) combine(t, gb * kBlockRows, std::min(H, (gb + 1) * kBlockRows));
     }
     if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
-  });
+  }, caller_works_);
   if (tr) {
     tr->gemm_end_ns = trace_now_ns();
     pool_->set_join_log(nullptr, nullptr);

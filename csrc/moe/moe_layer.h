@@ -86,6 +86,10 @@ class MoeLayer {
   }
   int kernel_prefetch_l1() const { return kernel_prefetch_l1_; }
   int kernel_prefetch_l2() const { return kernel_prefetch_l2_; }
+  // Whether the thread that runs a call (run()'s caller, or the pool's driver) computes GEMM
+  // items too, or only waits for the workers (ThreadPool::run's caller_works).
+  void set_caller_works(bool on) { caller_works_ = on; }
+  bool caller_works() const { return caller_works_; }
   // Whether one-token experts read two weight blocks at once (PackedView::paired).
   void set_paired(bool on) { paired_ = on; }
   bool paired() const { return paired_; }
@@ -124,6 +128,7 @@ class MoeLayer {
   // 1963 vs 2451, int4 T=4 651 vs 680 (T=1 189 vs 197); per core 9-12 GB/s instead of 8-9.
   int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 16384;
   bool paired_ = false;
+  bool caller_works_ = true;
   bool tail_split_ = true;
   bool combine_in_run_ = true;
 };

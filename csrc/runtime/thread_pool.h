@@ -41,7 +41,10 @@ class ThreadPool {
   int driver_cpu() const { return driver_cpu_; }
 
   // Calls fn(item, worker) for every item; group g prefers items [offsets[g], offsets[g+1]).
-  void run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn);
+  // caller_works = false: the calling thread (worker 0) takes no items, it only waits for the
+  // others (its caches keep what it works with before and after the run; with no other
+  // workers it still runs every item itself).
+  void run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn, bool caller_works = true);
   // Same with every item in group 0's range (any worker may take them).
   void run(int items, const std::function<void(int, int)>& fn);
   // Wakes sleeping workers so that they spin (a run() is coming): their wake-up latency then

@@ -168,6 +168,30 @@ def test_paired_streams_change_nothing_but_timing(make_weights, make_routing, fm
     assert torch.equal(experts.forward(x, ids, weights), expected)
 
 
+@pytest.mark.parametrize("threads, numa_nodes", [(2, 1), (3, 1), (3, 2)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_a_caller_that_does_not_work_leaves_every_item_to_the_workers(make_weights, make_routing, threads,
+                                                                       numa_nodes, T):
+    experts = CpuExperts(*make_weights(E, H, I), format="int8", threads=threads, numa_nodes=numa_nodes)
+    x, ids, weights = make_routing(T, H, K, range(E))
+    expected = experts.forward(x, ids, weights)
+    experts.set_schedule(caller_works=False)
+    for call in (experts.forward, lambda *a: (experts.submit(*a), experts.wait())[1]):
+        experts.trace(1)
+        assert torch.equal(call(x, ids, weights), expected)
+        rec = experts.take_trace()[0]
+        check_call(rec, ids, threads=threads, slices=numa_nodes)
+        assert rec["items"][:, WORKER].ne(0).all()
+
+
+def test_a_lone_caller_works_even_when_told_not_to(make_weights, make_routing):
+    experts = CpuExperts(*make_weights(E, H, I), format="int8", threads=1)
+    x, ids, weights = make_routing(3, H, K, range(E))
+    expected = experts.forward(x, ids, weights)
+    experts.set_schedule(caller_works=False)
+    assert torch.equal(experts.forward(x, ids, weights), expected)
+
+
 @pytest.mark.parametrize("knob", ["item_blocks", "item_prefetch", "item_bytes", "kernel_prefetch_l1",
                                   "kernel_prefetch_l2"])
 def test_schedule_knobs_must_not_be_negative(make_weights, knob):
