@@ -43,6 +43,17 @@ def test_directory_without_config(tmp_path):
     assert "no config.json" in load_error(tmp_path)
 
 
+def test_a_file_of_the_model_names_its_directory(ckpt):
+    message = load_error(ckpt / "config.json")
+    assert message.endswith(f"is a file; pass the model directory that holds it ({ckpt}) or a .gguf file")
+
+
+def test_a_directory_of_gguf_files_names_the_file_to_pass(tmp_path):
+    (tmp_path / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    message = load_error(tmp_path)
+    assert f"pass the .gguf file itself (e.g. {tmp_path / 'model-Q4_K_M.gguf'}" in message
+
+
 def test_unsupported_architecture_names_the_supported_ones(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))

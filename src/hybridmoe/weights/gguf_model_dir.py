@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.expert_cache_policy import cache_root
 
 
@@ -26,6 +27,7 @@ def is_gguf_path(path: str | Path) -> bool:
 def resolve_model_path(path: str | Path, engine_config: EngineConfig | None = None) -> Path:
     """A model directory for path: path itself, or (for a .gguf file or split part) the directory made from it."""
     if not is_gguf_path(path):
+        _check_model_dir(Path(path))
         return Path(path)
     # imported here: loading a Hugging Face directory needs no gguf package (nor its ~40 ms import)
     from hybridmoe.weights.gguf_file import split_paths
@@ -50,6 +52,18 @@ def resolve_model_path(path: str | Path, engine_config: EngineConfig | None = No
         except OSError:  # another process made it first
             shutil.rmtree(stage, ignore_errors=True)
     return out
+
+
+def _check_model_dir(path: Path) -> None:
+    """The two near misses a model path can be, each with the path to pass instead: a file of a model
+    directory, and a directory of GGUF files (which holds no config.json: the .gguf file is the model)."""
+    if path.is_file():
+        raise CheckpointError(f"{path} is a file; pass the model directory that holds it ({path.parent}) or a "
+                              ".gguf file")
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() and not (path / "config.json").exists() else []
+    if ggufs:
+        raise CheckpointError(f"{path} holds GGUF files and no config.json; pass the .gguf file itself "
+                              f"(e.g. {ggufs[0]}; for a split model, any of its parts)")
 
 
 def write_model_dir(parts: list[Path], out: Path) -> None:
