@@ -138,25 +138,20 @@ def test_route_split_kernel_equals_torch(T, E, K, on, renormalize):
 @pytest.mark.parametrize("E,K,on,deferred", [(8, 3, 3, 1), (8, 3, 0, 2), (128, 8, 26, 2), (128, 8, 128, 1),
                                               (128, 8, 26, 3)])
 @pytest.mark.parametrize("T", [1, 4, 9])
-def test_route_split_kernel_with_deferral_equals_torch(T, E, K, on, deferred):
-    """Both parts' splits (the first K - deferred columns, the last deferred) from the one kernel."""
+def test_route_split_and_split_slots_of_a_part_with_deferral_equal_torch(T, E, K, on, deferred):
+    """The own part's split from the router's kernel (the first K - deferred columns), the deferred part's
+    from the split kernel (the last deferred columns)."""
     on_gpu, local = placement(E, on, seed=E + on)
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).cuda()
     width, later_width = min(K - deferred, E - on), min(deferred, E - on)
-    got = route_split(logits, K, True, on_gpu, local, width, True, deferred, later_width)
-    want = route_split(logits, K, True, on_gpu, local, width, False, deferred, later_width)
-    assert torch.equal(got[1], want[1])
-    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
-    assert_split_equal(got[2], want[2])
-    assert_split_equal(got[3], want[3])
-
-
-def test_sum_parts_kernel_equals_torch():
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(4, 2048, generator=g).to("cuda", torch.bfloat16)
-    b = torch.randn(4, 2048, generator=g).cuda()
-    for dtype in (torch.bfloat16, torch.float32):
-        assert torch.equal(sum_parts(a, b, dtype, fused=True), sum_parts(a, b, dtype, fused=False))
+    w, ids, split = route_split(logits, K, True, on_gpu, local, width, True, deferred)
+    want_w, want_ids, want_split = route_split(logits, K, True, on_gpu, local, width, False, deferred)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
+    assert_split_equal(split, want_split)
+    part = (K - deferred, K)
+    assert_split_equal(split_slots(ids, w, on_gpu, local, later_width, fused=True, part=part),
+                       split_slots(ids, w, on_gpu, local, later_width, fused=False, part=part))
 
 
 def test_add_parts_kernel_equals_torch():

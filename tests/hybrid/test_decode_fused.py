@@ -65,10 +65,10 @@ def test_route_split_is_the_routers_top_k_then_the_split():
 
 
 @pytest.mark.parametrize("deferred", [1, 2])
-def test_route_split_with_deferral_splits_the_first_and_the_last_columns_apart(deferred):
+def test_route_split_with_deferral_splits_the_first_columns_and_split_slots_a_part_the_others(deferred):
     logits = torch.randn(4, E, generator=torch.Generator().manual_seed(2))
-    w, ids, now, later = route_split(logits, K, True, ON_GPU, LOCAL, K - deferred, deferred=deferred,
-                                     later_width=deferred)
+    w, ids, now = route_split(logits, K, True, ON_GPU, LOCAL, K - deferred, deferred=deferred)
+    later = split_slots(ids, w, ON_GPU, LOCAL, deferred, part=(K - deferred, K))
     want_w, want_ids = softmax_topk(logits, K, True)
     assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
     keep = K - deferred
@@ -79,14 +79,6 @@ def test_route_split_with_deferral_splits_the_first_and_the_last_columns_apart(d
         assert torch.equal(gid[mask], LOCAL[ids][mask])
         _, _, want_cid, want_cw = split_slots(ids[:, cols], w[:, cols], ON_GPU, LOCAL, cid.shape[1])
         assert torch.equal(cid, want_cid) and torch.equal(cw, want_cw)
-
-
-def test_sum_parts_adds_in_float32_and_rounds_once():
-    a = torch.tensor([[256.0, 1.0]], dtype=torch.bfloat16)
-    b = torch.tensor([[1 + 2.0 ** -8, 2.0 ** -9]])
-    # 257.0039 rounds up to 258; b rounded to bfloat16 first (1.0) would give 256 + 1 -> 256 (ties to even)
-    assert torch.equal(sum_parts(a, b, torch.bfloat16), torch.tensor([[258.0, 1.0]], dtype=torch.bfloat16))
-    assert torch.equal(sum_parts(a, b, torch.float32), a.float() + b)
 
 
 def test_add_parts_adds_the_rounded_sum_of_the_parts_to_the_residual():

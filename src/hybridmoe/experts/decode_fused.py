@@ -43,25 +43,21 @@ def fixed_cpu_slots(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor
 
 
 def split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, local: torch.Tensor,
-                width: int, fused: bool = True
+                width: int, fused: bool = True, part: tuple[int, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Each token's slots split by where their experts live: (gpu_ids, gpu_mask, cpu_ids, cpu_weights).
 
     ids [T, K] global expert ids, weights [T, K]; on_gpu [E] bool; local [E] an expert's index among
     its side's experts. gpu_mask [T, K] bool: the slot's expert is on the GPU; gpu_ids [T, K] its
     local id there (anything where gpu_mask is False). cpu_ids [T, width] int64, cpu_weights
-    [T, width] float32: fixed_cpu_slots of the others; both None when width is 0.
+    [T, width] float32: fixed_cpu_slots of the others; both None when width is 0. part (lo, hi):
+    only the columns lo <= k < hi are split, the others are neither GPU slots nor CPU slots (the
+    deferred experts' part of a step, experts/deferral.py); None: every column.
     """
     if _triton(ids, fused):
         from hybridmoe.experts.decode_fused_triton import triton_split_slots
 
-        return triton_split_slots(ids, weights, on_gpu, local, width)
-    return _torch_split(ids, weights, on_gpu, local, width, None)
-
-
-def _torch_split(ids, weights, on_gpu, local, width: int, part: tuple[int, int] | None):
-    """split_slots in torch, of the columns part = (lo, hi) only (None: all): the others are neither
-    GPU slots (gpu_mask False) nor CPU slots."""
+        return triton_split_slots(ids, weights, on_gpu, local, width, part)
     mask, lid = on_gpu[ids], local[ids]
     keep = ~mask
     if part is not None:
@@ -74,27 +70,23 @@ def _torch_split(ids, weights, on_gpu, local, width: int, part: tuple[int, int] 
 
 
 def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
-                local: torch.Tensor, width: int, fused: bool = True, deferred: int = 0, later_width: int = 0):
+                local: torch.Tensor, width: int, fused: bool = True, deferred: int = 0):
     """The router's softmax top-k (layers/moe.py softmax_topk) and split_slots of its result, one kernel
     on CUDA (fused): (weights [T, K] float32, ids [T, K] int64, split_slots' four outputs).
 
     With deferred > 0 (expert deferral, experts/deferral.py: the top-k comes out largest weight first,
-    so each token's deferred slots are its last `deferred` columns) the split covers the first
-    K - deferred columns only, and a fourth item follows: the split of the last `deferred` columns
-    (later_width CPU slots), in the same kernel. Each split's gpu_mask is [T, K] with the other
-    part's columns off, so the GPU share of either part takes (ids, weights) whole."""
+    so each token's deferred slots are its last `deferred` columns) the split is of the first
+    K - deferred columns (part (0, K - deferred)); split_slots(..., part=(K - deferred, K)) splits the
+    others when they are due."""
     if _triton(router_logits, fused):
         from hybridmoe.experts.decode_fused_triton import triton_route_split
 
-        return triton_route_split(router_logits, top_k, renormalize, on_gpu, local, width, deferred, later_width)
+        return triton_route_split(router_logits, top_k, renormalize, on_gpu, local, width, deferred)
     from hybridmoe.layers.moe import softmax_topk
 
     weights, ids = softmax_topk(router_logits, top_k, renormalize, fused=False)
-    if not deferred:
-        return weights, ids, split_slots(ids, weights, on_gpu, local, width, fused=False)
-    keep = top_k - deferred
-    return (weights, ids, _torch_split(ids, weights, on_gpu, local, width, (0, keep)),
-            _torch_split(ids, weights, on_gpu, local, later_width, (keep, top_k)))
+    part = (0, top_k - deferred) if deferred else None
+    return weights, ids, split_slots(ids, weights, on_gpu, local, width, fused=False, part=part)
 
 
 def sum_parts(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, fused: bool = True) -> torch.Tensor:

@@ -47,25 +47,24 @@ def _split(e, w, valid, lo, hi, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr
 
 @triton.jit
 def _split_slots_kernel(ids_ptr, w_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr,
-                        T, K, W, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                        T, K, W, LO, HI, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
                         HAS_CPU: tl.constexpr):
     t = tl.arange(0, BLOCK_T)[:, None]
     k = tl.arange(0, BLOCK_K)[None, :]
     valid = (t < T) & (k < K)
     e = tl.load(ids_ptr + t * K + k, mask=valid, other=0)
     w = tl.load(w_ptr + t * K + k, mask=valid, other=0.0).to(tl.float32)
-    _split(e, w, valid, 0, K, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr, T, K, W,
+    _split(e, w, valid, LO, HI, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr, T, K, W,
            BLOCK_T, BLOCK_W, HAS_CPU)
 
 
 @triton.jit
 def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr,
-                        cpu_w_ptr, later_gpu_ids_ptr, later_gpu_mask_ptr, later_cpu_ids_ptr, later_cpu_w_ptr,
-                        T, E, stride_l, W, W_LATER, K: tl.constexpr, KD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                        cpu_w_ptr, T, E, stride_l, W, K: tl.constexpr, KD: tl.constexpr, RENORMALIZE: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                        BLOCK_W_LATER: tl.constexpr, HAS_CPU: tl.constexpr, HAS_CPU_LATER: tl.constexpr):
-    """softmax_topk (layers/router_triton.py, row by row) then _split, the top-k kept in registers; with
-    KD > 0 two splits: of the first K - KD columns, and of the last KD (the deferred: the lowest weights)."""
+                        HAS_CPU: tl.constexpr):
+    """softmax_topk (layers/router_triton.py, row by row) then _split of the first K - KD columns, the top-k
+    kept in registers."""
     t = tl.arange(0, BLOCK_T)[:, None]
     cols = tl.arange(0, BLOCK_E)[None, :]
     x = tl.load(logits_ptr + t * stride_l + cols, mask=(t < T) & (cols < E), other=-float("inf")).to(tl.float32)
@@ -89,9 +88,6 @@ def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_i
     tl.store(ids_ptr + t * K + ks, top_i, mask=valid)
     _split(top_i, top_w, valid, 0, K - KD, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr,
            T, K, W, BLOCK_T, BLOCK_W, HAS_CPU)
-    if KD > 0:
-        _split(top_i, top_w, valid, K - KD, K, on_gpu_ptr, local_ptr, later_gpu_ids_ptr, later_gpu_mask_ptr,
-               later_cpu_ids_ptr, later_cpu_w_ptr, T, K, W_LATER, BLOCK_T, BLOCK_W_LATER, HAS_CPU_LATER)
 
 
 def _split_outputs(T: int, K: int, width: int, device: torch.device):
@@ -102,39 +98,35 @@ def _split_outputs(T: int, K: int, width: int, device: torch.device):
 
 
 def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
-                       local: torch.Tensor, width: int, deferred: int = 0, later_width: int = 0):
+                       local: torch.Tensor, width: int, deferred: int = 0):
     """route_split in one kernel: (weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_weights)) as
-    triton_softmax_topk and triton_split_slots give them; with deferred > 0 a second split (of the
-    last `deferred` columns, later_width CPU slots) follows the first (of the others)."""
+    triton_softmax_topk and triton_split_slots give them; the split of the first top_k - deferred columns."""
     T, E = router_logits.shape
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
-    now = _split_outputs(T, top_k, width, logits.device)
-    later = _split_outputs(T, top_k, later_width, logits.device) if deferred else now
-    gpu_ids, gpu_mask, cpu_ids, cpu_w = now
-    l_ids, l_mask, l_cpu_ids, l_cpu_w = later
+    gpu_ids, gpu_mask, cpu_ids, cpu_w = _split_outputs(T, top_k, width, logits.device)
     _route_split_kernel[(1,)](
         logits, weights, ids, on_gpu.view(torch.uint8), local, gpu_ids, gpu_mask.view(torch.uint8),
-        cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, l_ids, l_mask.view(torch.uint8),
-        l_cpu_ids if l_cpu_ids is not None else l_ids, l_cpu_w if l_cpu_w is not None else l_ids,
-        T, E, logits.stride(0), width, later_width, K=top_k, KD=deferred,
-        RENORMALIZE=renormalize, BLOCK_T=max(2, triton.next_power_of_2(T)), BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_K=max(2, triton.next_power_of_2(top_k)), BLOCK_W=max(2, triton.next_power_of_2(width)),
-        BLOCK_W_LATER=max(2, triton.next_power_of_2(later_width)), HAS_CPU=width > 0,
-        HAS_CPU_LATER=deferred > 0 and later_width > 0)
-    return (weights, ids, now, later) if deferred else (weights, ids, now)
+        cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, T, E, logits.stride(0), width, K=top_k,
+        KD=deferred, RENORMALIZE=renormalize, BLOCK_T=max(2, triton.next_power_of_2(T)),
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
+        BLOCK_W=max(2, triton.next_power_of_2(width)), HAS_CPU=width > 0)
+    return weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_w)
 
 
 def triton_split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, local: torch.Tensor,
-                       width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """split_slots in one kernel; gpu_ids come out int32, -1 where the expert is not on the GPU."""
+                       width: int, part: tuple[int, int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """split_slots in one kernel; gpu_ids come out int32, -1 where the expert is not on the GPU (or its
+    column is outside part)."""
     T, K = ids.shape
+    lo, hi = part or (0, K)
     ids, weights = ids.contiguous(), weights.contiguous()
     gpu_ids, gpu_mask, cpu_ids, cpu_w = _split_outputs(T, K, width, ids.device)
     _split_slots_kernel[(1,)](
         ids, weights, on_gpu.view(torch.uint8), local, gpu_ids, gpu_mask.view(torch.uint8),
-        cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, T, K, width,
+        cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, T, K, width, lo, hi,
         BLOCK_T=max(2, triton.next_power_of_2(T)), BLOCK_K=max(2, triton.next_power_of_2(K)),
         BLOCK_W=max(2, triton.next_power_of_2(width)), HAS_CPU=width > 0)
     return gpu_ids, gpu_mask, cpu_ids, cpu_w

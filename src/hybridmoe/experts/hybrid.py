@@ -17,7 +17,8 @@ kernels that read only the routed experts' weights); the glue around them (split
 summing the parts) is one Triton kernel each (experts/decode_fused.py). Longer steps (prefill) and the CPU device
 take the path above. Deferred experts use a second handoff of their own width. In fixed shapes a
 layer's own CPU part and its deferred one are both sent to the CPU when the layer starts (the
-router's kernel splits both), one behind the other in stream order, and nothing waits for the
+router's kernel splits the own part, one more kernel the deferred part while the CPU starts on the
+own), one behind the other in stream order, and nothing waits for the
 deferred part until it joins the residual after the next layer: the CPU runs layer L's deferred
 experts while the GPU runs layer L+1's attention, then L+1's own experts, with no wait between.
 On the CPU device (and in prefill) the engines run one call at a time, so a layer's deferred
@@ -115,16 +116,17 @@ class _Partial:
     in fixed shapes the CPU part starts at once and the GPU part at start_gpu() (else at finish()).
     fused: the fixed shapes' glue (split_slots, sum_parts) as one kernel each where it can.
     split: split_slots' outputs for ids, weights, already made (route_split), in fixed shapes only.
+    part: (lo, hi), in fixed shapes: only the columns lo <= k < hi of ids, weights are this computation's.
     """
 
     def __init__(self, layer: int, st: _Layer, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 act, handoff=None, fused: bool = False, split: tuple | None = None):
+                 act, handoff=None, fused: bool = False, split: tuple | None = None, part: tuple | None = None):
         self.layer, self.device, self.dtype, self.shape = layer, hidden.device, hidden.dtype, hidden.shape
         self.fused = fused
         self.cpu, self.handoff, self.cpu_out, self.gpu_out = None, None, None, None
         self._gpu_share = None  # fixed shapes: the GPU share's arguments until start_gpu
         if handoff is not None:
-            self._start_fixed(st, hidden, ids, weights, act, *handoff, split)
+            self._start_fixed(st, hidden, ids, weights, act, *handoff, split, part)
             return
         streamed = st.cpu is not None and st.streamer is not None and st.streamer.takes(hidden)
         if streamed:  # the streamer runs the GPU experts' slots too, in the same grouped kernels
@@ -139,9 +141,9 @@ class _Partial:
         if st.gpu_weights is not None and not streamed:
             self.gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, st.on_gpu[ids], act)
 
-    def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int, split=None) -> None:
+    def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int, split=None, part=None) -> None:
         local, mask, cids, cw = split or split_slots(ids, weights, st.on_gpu, st.local,
-                                                     width if st.cpu is not None else 0, self.fused)
+                                                     width if st.cpu is not None else 0, self.fused, part)
         if st.cpu is not None:
             handoff.enqueue_submit(None, self.layer, hidden.to(handoff.dtype), cids, cw)
             self.handoff = handoff
@@ -340,18 +342,20 @@ class HybridExperts(ExpertBackend):
             return None
         st = self._layers[layer]
         kd = self.deferred_experts
-        width = fixed[1] if st.cpu is not None else 0
-        later_width = self._handoff(True, layer, hidden)[1] if kd and st.cpu is not None else 0
-        weights, ids, *splits = route_split(router_logits, top_k, renormalize, st.on_gpu, st.local, width,
-                                            self.fused, kd, later_width)
-        self._submit_fixed(layer, hidden, ids, weights, *((ids, weights) if kd else (None, None)), splits)
+        weights, ids, split = route_split(router_logits, top_k, renormalize, st.on_gpu, st.local,
+                                          fixed[1] if st.cpu is not None else 0, self.fused, kd)
+        # the deferred part: the same [T, K] slots, its own columns (split once the layer's own part is on its way)
+        later = (ids, weights, (top_k - kd, top_k)) if kd else None
+        self._submit_fixed(layer, hidden, ids, weights, split, later)
         return self.wait(layer)
 
     def submit(self, layer, hidden, topk_ids, topk_weights):
         if self._handoff(False, layer, hidden) is not None:
-            now_ids, now_w, *later = (split_deferred(topk_ids, topk_weights, self.deferred_experts)
-                                      if self.deferred_experts else (topk_ids, topk_weights))
-            self._submit_fixed(layer, hidden, now_ids, now_w, *(later or (None, None)), [None, None])
+            later = None
+            if self.deferred_experts:
+                topk_ids, topk_weights, *later = split_deferred(topk_ids, topk_weights, self.deferred_experts)
+                later.append(None)
+            self._submit_fixed(layer, hidden, topk_ids, topk_weights, None, later)
             return
         self._restart_if_interrupted(layer)
         # the CPU engines run one call at a time: the previous layer's deferred experts first
@@ -370,25 +374,25 @@ class HybridExperts(ExpertBackend):
                 partial.join_cpu()
             self._inflight.clear()
 
-    def _submit_fixed(self, layer, hidden, ids, weights, later_ids, later_weights, splits) -> None:
+    def _submit_fixed(self, layer, hidden, ids, weights, split, later) -> None:
         """A fixed-shape step's layer (CUDA, handoff): its CPU part, then its deferred experts' CPU part,
         go to the CPU at once, in stream order, behind whatever the CPU still has queued (the previous
         layer's deferred experts); then both GPU parts. Nothing waits here: the layer's own part is
         joined in wait(), the deferred one where it joins the residual (after_layer of the next layer).
-        splits: route_split's [split, later split] of (ids, weights), or Nones to split here."""
+        split: route_split's split of (ids, weights), or None to split here. later: the deferred part's
+        (ids, weights, part: its columns of them, None for all), or None without deferral."""
         self._restart_if_interrupted(layer)
         st = self._layers[layer]
-        now = _Partial(layer, st, hidden, ids, weights, self.act, self._handoff(False, layer, hidden), self.fused,
-                       splits[0])
-        parts = [now]
-        if self.deferred_experts:
-            later = _Partial(layer, st, hidden, later_ids, later_weights, self.act, self._handoff(True, layer, hidden),
-                             self.fused, splits[1] if len(splits) > 1 else None)
-            self._deferred.add(layer, later)
-            parts.append(later)
-        for part in parts:
-            part.start_gpu()
-        self._inflight[layer] = (now, hidden, None)
+        parts = [_Partial(layer, st, hidden, ids, weights, self.act, self._handoff(False, layer, hidden), self.fused,
+                          split)]
+        if later is not None:
+            later_ids, later_weights, part = later
+            parts.append(_Partial(layer, st, hidden, later_ids, later_weights, self.act,
+                                  self._handoff(True, layer, hidden), self.fused, part=part))
+            self._deferred.add(layer, parts[1])
+        for p in parts:
+            p.start_gpu()
+        self._inflight[layer] = (parts[0], hidden, None)
 
     def wait(self, layer):
         partial, hidden, later = self._inflight.pop(layer)
