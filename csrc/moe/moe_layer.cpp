@@ -139,6 +139,17 @@ struct ActLayout {
     }
   }
 
+  // Row r = row sr of `src` (same Kp and group; kinds bf16 and i16, whose rows hold all of it).
+  void copy(ActKind kind, size_t r, const ActLayout& src, size_t sr) {
+    if (kind == ActKind::bf16) {
+      std::memcpy(bf16 + r * ld, src.bf16 + sr * src.ld, size_t(Kp) * 2);
+      return;
+    }
+    std::memcpy(q + r * ld, src.q + sr * src.ld, size_t(Kp) * 2);
+    scale[r] = src.scale[sr];
+    if (sums) std::memcpy(sums + r * (Kp / group), src.sums + sr * (Kp / group), size_t(Kp / group) * 4);
+  }
+
   // The rows of n tokens starting at activation row r0.
   ActView view(ActKind kind, size_t r0, int n) const {
     ActView a;
@@ -421,29 +432,45 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   const ActKind tok_kind = act_of(*base_, false, fmt);
   float* h = grow(ws.h, size_t(R) * ldh);
   float* y = grow(ws.y, size_t(R) * ldy);
-  // Phase A's items: chunks of 16 activation rows of the experts with several tokens (expert,
-  // first row), then the tokens of one-token experts (-1, token).
+  // Phase A: x -> activation rows, each token converted once for the experts that run base_'s
+  // kernels (all of a decode step's): A1 converts x rows into tok1 (items (-1, token)) and the
+  // AMX experts' rows (chunks of 16: (expert, first row), padding rows zeros); A2 copies tok1
+  // rows into the rows of base_'s experts with several tokens (chunks likewise). One-token
+  // experts read tok1 itself.
+  const bool copies = tok_kind == ActKind::bf16 || tok_kind == ActKind::i16;  // whole rows
+  auto from_tok1 = [&](int j) { return &kernels_of(j) == base_ && (n_of(j) == 1 || copies); };
   std::vector<int>& items = ws.items;
   std::vector<int>& chunk_first = ws.chunk_first;
   items.clear();
   chunk_first.clear();
-  size_t rows_written = 0;
+  size_t rows_written = 0, rows_copied = 0;
+  int* tok_used = grow(ws.tok_used, T);
+  std::fill(tok_used, tok_used + T, 0);
+  for (int j = 0; j < A; ++j)
+    if (from_tok1(j))
+      for (int r = row_begin[j]; r < row_begin[j + 1]; ++r)
+        if (!tok_used[tok[r]]++) {
+          items.push_back(-1);
+          chunk_first.push_back(tok[r]);
+          ++rows_written;
+        }
   for (int j = 0; j < A; ++j) {
-    if (n_of(j) == 1) continue;
+    if (from_tok1(j)) continue;
     rows_written += rows_read(j);
     for (int r = act_begin[j]; r < act_begin[j + 1]; r += 16) {
       items.push_back(j);
       chunk_first.push_back(r);
     }
   }
-  int* tok_used = grow(ws.tok_used, T);
-  std::fill(tok_used, tok_used + T, 0);
-  for (int j = 0; j < A; ++j)
-    if (n_of(j) == 1 && !tok_used[tok[row_begin[j]]]++) {
-      items.push_back(-1);
-      chunk_first.push_back(tok[row_begin[j]]);
-      ++rows_written;
+  const int converts = int(items.size());
+  for (int j = 0; j < A; ++j) {
+    if (!from_tok1(j) || n_of(j) == 1) continue;
+    rows_copied += n_of(j);
+    for (int r = act_begin[j]; r < act_begin[j + 1]; r += 16) {
+      items.push_back(j);
+      chunk_first.push_back(r);
     }
+  }
   const int chunks = int(items.size());
   auto parallel_or_inline = [&](int n, size_t work, const std::function<void(int, int)>& fn) {
     if (work < (1u << 15)) {
@@ -452,9 +479,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       pool_->run(n, fn);
     }
   };
-
-  // Phase A: x rows -> each expert's activation rows (padding rows its kernels read: zeros).
-  parallel_or_inline(chunks, rows_written * H, [&](int i, int) {
+  auto rows_of = [&](int i) {  // phase A item i's activation rows
+    const int j = items[i], a0 = chunk_first[i];
+    return std::make_pair(size_t(a0), std::min<size_t>(a0 + 16, act_begin[j] + rows_read(j)));
+  };
+  parallel_or_inline(converts, rows_written * H, [&](int i, int) {  // A1
     const int j = items[i], a0 = chunk_first[i];
     if (j < 0) {  // token a0's row of tok1
       tok1.write(ops, ops8, tok_kind, a0, static_cast<const char*>(c.x) + size_t(a0) * H * (c.x_bf16 ? 2 : 4),
@@ -462,13 +491,20 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       return;
     }
     const ActKind kind = act_of(kernels_of(j), false, fmt);
-    for (size_t r = a0; r < std::min<size_t>(a0 + 16, act_begin[j] + rows_read(j)); ++r) {
+    const auto [r0, r1] = rows_of(i);
+    for (size_t r = r0; r < r1; ++r) {
       const int local = r - act_begin[j];
       const bool pad = local >= n_of(j);
       const int t = pad ? 0 : tok[row_begin[j] + local];
       const void* src = static_cast<const char*>(c.x) + size_t(t) * H * (c.x_bf16 ? 2 : 4);
       act1.write(ops, ops8, kind, r, src, c.x_bf16, pad ? 0 : H);
     }
+  });
+  // A2: a row copy moves 2 bytes per K, a conversion reads x and works on it more than once
+  parallel_or_inline(chunks - converts, rows_copied * H / 4, [&](int i, int) {
+    const int j = items[converts + i];
+    const auto [r0, r1] = rows_of(converts + i);
+    for (size_t r = r0; r < r1; ++r) act1.copy(tok_kind, r, tok1, tok[row_begin[j] + (r - act_begin[j])]);
   });
   if (tr) tr->acts_ns = trace_now_ns();
 
