@@ -31,14 +31,14 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, xn_ptr, sum_p
     row_ok = rows < N
     dtype = x_ptr.dtype.element_ty
     inv = 1.0
-    if NORM:  # the whole row at once: its mean square
-        cols = tl.arange(0, BLOCK_ROW)
-        ok = cols < K
-        x = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
+    if NORM:  # the whole row at once: its mean square (names apart from the loop's, whose shapes differ)
+        whole = tl.arange(0, BLOCK_ROW)
+        row = tl.load(x_ptr + t * stride_x + whole, mask=whole < K, other=0.0)
         if RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(res_ptr + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(dtype)
-        xf = x.to(tl.float32)
-        inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+            row = (row.to(tl.float32) + tl.load(res_ptr + t * stride_r + whole, mask=whole < K,
+                                                other=0.0).to(tl.float32)).to(dtype)
+        rf = row.to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(rf * rf, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, after the loop
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)

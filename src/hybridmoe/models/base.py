@@ -75,7 +75,7 @@ class DecoderLayer(nn.Module):
         setattr(self, mlp_name, mlp)
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
-        self.fused_layer = True
+        self.fused_layer = False  # off until measured faster on the GPU host (fuse_decode_kernels)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
@@ -191,15 +191,15 @@ class MoECausalLM(nn.Module):
                 hidden_states_out.append(h)
         return self.model.norm(h)
 
-    def fuse_decode_kernels(self, on: bool, layer: bool | None = None) -> None:
+    def fuse_decode_kernels(self, on: bool, layer: bool = False) -> None:
         """On CUDA with triton, run RMSNorm (with its residual add), attention's q/k norms + rotary +
         cache writes, the router's top-k and the hybrid experts' fixed-shape glue as one kernel each
         (on, the default), or as the torch ops they stand for (off: the reference the device tests
-        hold them to; benchmarks/decode_gpu_ops.py runs them side by side). layer (default: on): the
+        hold them to; benchmarks/decode_gpu_ops.py runs them side by side). layer (off by default): the
         fusions across a layer's ops (fused_layer): short steps' linear layers as the Triton decode GEMV,
         each with the norm before it (DecoderLayer), and q/k norms + rotary + cache writes inside a
-        short decode step's attention (Attention)."""
-        layer = on if layer is None else layer
+        short decode step's attention (Attention); only with on."""
+        layer = on and layer
         for module in [*self.modules(), self.experts]:
             if hasattr(module, "fused"):
                 module.fused = on
