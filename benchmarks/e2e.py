@@ -11,9 +11,10 @@ in this run), at batch 1; one table, and (with --json) a JSON file that carries 
 deepseek-v3, ...) into memory (/dev/shm) and loads it like any directory. Cut to --layers N, it reports
 per-layer times and full-depth figures: decode = non-layer part + each layer of the full model at its
 kind's measured time (bench_layers.py, scaled by graph/eager step time); prefill the same way, from one
-prefill per prompt length timed per layer. Given two or more depths (--layers 4,16: each built, loaded, measured and deleted in turn),
-it also fits decode time per token and each prompt's time to first token as fixed + per MoE layer x MoE
-layers over the depths (bench_fit.py) and reports full depth from the fit; both kinds of rows say
+prefill per prompt length timed per layer. Given two or more depths (--layers 4,16: each built, loaded,
+measured and deleted in turn), it also fits decode time per token and each prompt's time to first token
+as fixed + per MoE layer x MoE layers over the depths (bench_fit.py) and reports full depth from the
+fit; both kinds of rows say
 "extrapolated" and from which depths. With a GPU budget, the cut model holds as many GPU experts per
 layer as the full-depth model would under the same budget, so its per-layer figures stand for the full
 model's.
@@ -31,14 +32,15 @@ instead of copies; trim: the same engine with one token's padding slots (weight 
 work; these with graphs captured again, on the stream_mem_ops handoff only, and (without --repeats)
 followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
 on" has 0, else 0; switched on the same engine when it is the hybrid split, as with a GPU budget);
-gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on" by default
-because it lost on the GPU host: Qwen3-30B-A3B int4, 4 layers, 354 tok/s with 1 vs 370 with 0 (each
-deferred expert adds a CPU handoff per layer).
+gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on"
+by default because it lost on the GPU host: Qwen3-30B-A3B int4, 4 layers, 354 tok/s with 1 vs 370 with
+0 (each deferred expert adds a CPU handoff per layer); device round r1 of session 4, DeepSeek-V2-Lite 8
+layers: 341.1 vs 339.8 tok/s.
 
---repeats N measures the rows of each engine load N times, interleaved (all on, no CUDA graph, prewake,
-..., all on, no CUDA graph, ...): on the GPU host two identical rows differed by up to 20%, so a row is
-its median, and a table lists every sample and the spread; rows of other loads (deferral, no GPU
-experts, other formats) are each measured N times back to back on their own engine. A SIGTERM (e.g.
+--repeats N measures the rows of each engine load N times, interleaved (all on, no CUDA graph, deferral,
+trim..., all on, no CUDA graph, ...): on the GPU host two identical rows differed by up to 20%, so a row
+is its median, and a table lists every sample and the spread; rows of other loads (no GPU experts,
+other formats) are each measured N times back to back on their own engine. A SIGTERM (e.g.
 `timeout`) ends the run with the tables of the configurations measured so far. Qwen3-30B-A3B rows are
 also set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s
 prefill at 512 (48 layers).
