@@ -529,8 +529,12 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     const size_t block = m ? block_bytes(fmt, down.Kp) : 2 * block_bytes(fmt, gate.Kp);
     return int(std::clamp<size_t>((item_bytes_ + block / 2) / block, 1, 64));
   };
+  // Gate/up items per expert (the same for all): each one counts down its expert's pending.
+  int gate_up_items = 0;
+  for (int s = 0; s < S; ++s)
+    gate_up_items += (gate.slice_begin[s + 1] - gate.slice_begin[s] + per_item(0) - 1) / per_item(0);
   std::atomic<int>* pending = grow(ws.pending, A);
-  for (int j = 0; j < A; ++j) pending[j].store(0, std::memory_order_relaxed);
+  for (int j = 0; j < A; ++j) pending[j].store(gate_up_items, std::memory_order_relaxed);
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < 2; ++m) {
       const Matrix& mat = m ? down : gate;
@@ -538,7 +542,6 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       for (int j = 0; j < A; ++j)
         for (int b = 0; b < nb; b += step) {
           gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
-          if (!m) pending[j].fetch_add(1, std::memory_order_relaxed);
         }
       if (m && tail_split_) {
         // The slice's last down items, about two blocks per thread of its group, become 1-block
