@@ -259,7 +259,9 @@ void ThreadPool::learn_gap() {
   int64_t est = gap_ns_;
   est = gap > est ? gap : est - (est - gap) / 16;
   gap_ns_ = est;
-  spin_ns_.store(std::clamp<int64_t>(2 * est, kSpinNs, kMaxSpinNs), std::memory_order_relaxed);
+  // In steps of 2^16 ns (~66 us): the spinning workers' line is written only when it moves.
+  const int64_t window = (std::clamp<int64_t>(2 * est, kSpinNs, kMaxSpinNs) + 0xFFFF) & ~int64_t(0xFFFF);
+  if (window != spin_ns_.load(std::memory_order_relaxed)) spin_ns_.store(window, std::memory_order_relaxed);
 }
 
 void ThreadPool::prewake() {

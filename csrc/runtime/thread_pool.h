@@ -94,15 +94,17 @@ class ThreadPool {
   alignas(64) std::atomic<int32_t> active_{0};
   alignas(64) std::atomic<int32_t> sleepers_{0};
   alignas(64) std::atomic<bool> driver_sleeps_{false};
+  // What the workers read as they spin and join (written rarely: by the destructor, by
+  // learn_gap when the window changes, by set_join_log), on a line of its own.
+  // The idle workers' spin window (ns), learnt by run() from the gaps between runs.
+  alignas(64) std::atomic<int64_t> spin_ns_{100'000};
   std::atomic<bool> stop_{false};
-  // The idle workers' spin window (ns), learnt by run() from the gaps between runs (gap_ns_:
-  // the estimate, only touched by the thread inside run()); last_end_ns_: when the last run ended.
-  std::atomic<int64_t> spin_ns_{100'000};
-  std::atomic<int64_t> last_end_ns_{0};
-  int64_t gap_ns_ = 0;
   // The join log (set_join_log): published to the workers by run()'s generation_ bump.
   std::atomic<int64_t*> join_ns_{nullptr};
   uint8_t* join_slept_ = nullptr;
+  // Only touched by the thread inside run(): when the last run ended; gap_ns_: the gap estimate.
+  alignas(64) std::atomic<int64_t> last_end_ns_{0};
+  int64_t gap_ns_ = 0;
 
   std::mutex exec_mu_;  // held while a job runs (driver or run_here)
   std::mutex jobs_mu_;
