@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.bench_fit import depth_fits
+from hybridmoe.bench_fit import depth_fits, fit_line
 from hybridmoe.bench_floor import ASSUMPTION, floor_ratio
 from hybridmoe.bench_suite import DepthInfo, run_suite
 from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
@@ -351,17 +351,25 @@ def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
     return _table(head, rows) if rows else []
 
 
-def fit_table(fits, prompt_lens: list[int]) -> list[str]:
+def fit_table(fits, prompt_lens: list[int], results) -> list[str]:
+    """One row per fit; with repeats, also the decode range at full depth: the same fit through each
+    depth's fastest samples and through its slowest."""
     head = (["config (fit)", "from layers", "layers", "decode fixed ms", "decode ms/MoE layer", "fit max resid ms"]
             + [f"prefill {n}" for n in prompt_lens]
-            + ["decode tok/s", "ms/token", "floor ms", "decode/floor", "floor/MoE layer ms"])
+            + ["decode tok/s", "decode tok/s range", "ms/token", "floor ms", "decode/floor", "floor/MoE layer ms"])
     rows = []
     for f in fits:
         prefill = f.prefill_tok_s
+        mine = [r for r in results if r.label == f.label and len(r.decode_samples_s) > 1]
+        spread = "-"
+        if len({r.model_layers for r in mine}) >= 2:
+            at = lambda pick: fit_line([(len(r.floor.layers), pick(r.decode_samples_s)) for r in mine]).at(  # noqa: E731
+                f.full_moe_layers)
+            spread = f"{1 / at(max):.1f}-{1 / at(min):.1f}"
         rows.append([f.label, ",".join(map(str, f.depths)), str(f.full_layers), _fmt(1e3 * f.decode.fixed, ".3f"),
                      _fmt(1e3 * f.decode.per_layer, ".3f"), _fmt(1e3 * f.decode.max_residual, ".3f")]
                     + [_fmt(prefill.get(n), ".0f") for n in prompt_lens]
-                    + [_fmt(1.0 / f.decode_s), _fmt(1e3 * f.decode_s, ".2f"), _fmt(1e3 * f.floor_s, ".3f"),
+                    + [_fmt(1.0 / f.decode_s), spread, _fmt(1e3 * f.decode_s, ".2f"), _fmt(1e3 * f.floor_s, ".3f"),
                        _fmt(f.decode_over_floor, ".2f"),
                        _fmt(1e3 * f.floor_per_moe_layer_s, ".3f")])
     return _table(head, rows)
@@ -535,7 +543,7 @@ def _main(args) -> int:
         lines += ["", f"# extrapolated to {full.layers} layers ({full.moe_layers} MoE) by a least-squares fit "
                       f"over the depths measured ({', '.join(map(str, measured))} layers): time = fixed + per MoE "
                       "layer x MoE layers, for decode per token and for each prompt's time to first token",
-                  *fit_table(fits, prompt_lens)]
+                  *fit_table(fits, prompt_lens, results)]
     final = headlines(results, fits)
     if raw_cut.get("model_type") == "qwen3_moe" and raw_cut.get("num_experts") == 128:
         lines += ["", "# vs llama.cpp (same host, Qwen3-30B-A3B Q4_K_M, all experts on CPU, 48 layers): ours / theirs",

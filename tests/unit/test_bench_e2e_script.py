@@ -183,3 +183,19 @@ def test_anatomy_table_sets_each_layer_beside_its_floor():
     cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in line.split("|")]))
     assert (cells["CPU us/layer"], cells["floor us/layer"], cells["gap us/layer"]) == ("200.0", "132.0", "100.0")
     assert (cells["flag back us"], cells["handoff us/layer"], cells["rest ms/token"]) == ("8.0", "8.5", "0.900")
+
+
+def test_with_repeats_the_fit_table_gives_the_full_depth_range_of_the_samples():
+    from types import SimpleNamespace
+
+    from hybridmoe.bench_fit import depth_fits
+
+    def result(moe: int, samples: list[float]):
+        floor = SimpleNamespace(layers=[None] * moe, per_moe_layer_seconds=lambda: 1e-4)
+        return SimpleNamespace(label="int4 all on", model_layers=moe, decode_s=sorted(samples)[1],
+                               decode_samples_s=samples, ttft_s={512: 0.1}, floor=floor)
+
+    # fastest samples 1 ms + 0.1 ms a layer, slowest 2 ms + 0.2 ms a layer: at 10 layers 2 ms and 4 ms
+    results = [result(2, [1.2e-3, 1.5e-3, 2.4e-3]), result(6, [1.6e-3, 2.0e-3, 3.2e-3])]
+    (row,) = E2E["fit_table"](depth_fits(results, 10, 10), [512], results)[2:]
+    assert "| 250.0-500.0 " in row
