@@ -154,6 +154,15 @@ def test_route_split_and_split_slots_of_a_part_with_deferral_equal_torch(T, E, K
                        split_slots(ids, w, on_gpu, local, later_width, fused=False, part=part))
 
 
+def test_sum_parts_kernel_equals_torch():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 2048, generator=g).to("cuda", torch.bfloat16)
+    b, c, d = (torch.randn(4, 2048, generator=g).cuda() for _ in range(3))
+    for dtype in (torch.bfloat16, torch.float32):
+        for parts in ([a, b], [a, b, c], [a, b, c, d]):
+            assert torch.equal(sum_parts(parts, dtype, fused=True), sum_parts(parts, dtype, fused=False))
+
+
 def test_add_parts_kernel_equals_torch():
     g = torch.Generator().manual_seed(4)
     a = torch.randn(4, 2048, generator=g).to("cuda", torch.bfloat16)
@@ -177,7 +186,7 @@ def test_fused_kernels_replayed_in_a_graph_equal_eager():
         h, total = n(x, residual=res)
         w, ids = softmax_topk(h @ gate.t(), K, True)
         gid, mask, cid, cw = split_slots(ids, w, on_gpu, local, K)
-        return total, ids, w, gid, mask, cid, cw, sum_parts(cpu_out, h.float(), torch.bfloat16)
+        return total, ids, w, gid, mask, cid, cw, sum_parts([cpu_out, h.float()], torch.bfloat16)
 
     step()
     graph = torch.cuda.CUDAGraph()

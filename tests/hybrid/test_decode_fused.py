@@ -81,12 +81,25 @@ def test_route_split_with_deferral_splits_the_first_columns_and_split_slots_a_pa
         assert torch.equal(cid, want_cid) and torch.equal(cw, want_cw)
 
 
+def test_sum_parts_adds_in_float32_and_rounds_once():
+    a = torch.tensor([[256.0, 1.0]], dtype=torch.bfloat16)
+    b = torch.tensor([[1 + 2.0 ** -8, 2.0 ** -9]])
+    # 257.0039 rounds up to 258; b rounded to bfloat16 first (1.0) would give 256 + 1 -> 256 (ties to even)
+    assert torch.equal(sum_parts([a, b], torch.bfloat16), torch.tensor([[258.0, 1.0]], dtype=torch.bfloat16))
+    assert torch.equal(sum_parts([a, b], torch.float32), a.float() + b)
+    c = torch.tensor([[2.0 ** -9, 2.0 ** -9]])
+    # four parts, one rounding: 1 + 3 * 2^-9 rounds up to 1 + 2^-7, where each 2^-9 added and rounded alone vanishes
+    assert torch.equal(sum_parts([a, b, c, c], torch.bfloat16),
+                       torch.tensor([[258.0, 1 + 2.0 ** -7]], dtype=torch.bfloat16))
+    assert torch.equal(sum_parts([a, b, c], torch.float32), a.float() + b + c)
+
+
 def test_add_parts_adds_the_rounded_sum_of_the_parts_to_the_residual():
     h = torch.tensor([[1.0, -3.0]], dtype=torch.bfloat16)
     a = torch.tensor([[256.0, 1.0]], dtype=torch.bfloat16)
     b = torch.tensor([[1 + 2.0 ** -8, 2.0 ** -9]])
     # the parts' sum rounds to bfloat16 first (258, as sum_parts), then the residual add rounds again
-    assert torch.equal(add_parts(h, [a, b]), h + sum_parts(a, b, torch.bfloat16))
+    assert torch.equal(add_parts(h, [a, b]), h + sum_parts([a, b], torch.bfloat16))
     assert torch.equal(add_parts(h, [a, b]), torch.tensor([[260.0, -2.0]], dtype=torch.bfloat16))
     assert torch.equal(add_parts(h, [b]), h + b.to(torch.bfloat16))
 

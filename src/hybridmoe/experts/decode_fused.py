@@ -89,13 +89,17 @@ def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_g
     return weights, ids, split_slots(ids, weights, on_gpu, local, width, fused=False, part=part)
 
 
-def sum_parts(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, fused: bool = True) -> torch.Tensor:
-    """a + b summed in float32, rounded once to dtype; a, b [T, H] on one device, any float dtypes."""
-    if _triton(a, fused):
+def sum_parts(parts: list[torch.Tensor], dtype: torch.dtype, fused: bool = True) -> torch.Tensor:
+    """The sum of 2 to 4 partial outputs in float32, in list order, rounded once to dtype; parts [T, H] on one
+    device, any float dtypes."""
+    if _triton(parts[0], fused):
         from hybridmoe.experts.decode_fused_triton import triton_sum_parts
 
-        return triton_sum_parts(a, b, dtype)
-    return (a.float() + b.float()).to(dtype)
+        return triton_sum_parts(parts, dtype)
+    total = parts[0].float() + parts[1].float()
+    for p in parts[2:]:
+        total = total + p.float()
+    return total.to(dtype)
 
 
 def add_parts(hidden: torch.Tensor, parts: list[torch.Tensor], fused: bool = True) -> torch.Tensor:
@@ -108,4 +112,4 @@ def add_parts(hidden: torch.Tensor, parts: list[torch.Tensor], fused: bool = Tru
         return triton_add_parts(hidden, parts)
     if len(parts) == 1:
         return hidden + parts[0].to(hidden.dtype)
-    return hidden + sum_parts(*parts, hidden.dtype, fused=False)
+    return hidden + sum_parts(parts, hidden.dtype, fused=False)

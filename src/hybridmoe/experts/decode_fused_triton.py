@@ -133,19 +133,26 @@ def triton_split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.T
 
 
 @triton.jit
-def _sum_parts_kernel(a_ptr, b_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _sum_parts_kernel(a_ptr, b_ptr, c_ptr, d_ptr, out_ptr, N, PARTS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    a = tl.load(a_ptr + i, mask=i < N, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + i, mask=i < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + i, (a + b).to(out_ptr.dtype.element_ty), mask=i < N)
+    m = i < N
+    total = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32) + tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if PARTS > 2:
+        total += tl.load(c_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if PARTS > 3:
+        total += tl.load(d_ptr + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, total.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def triton_sum_parts(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(a + b) in float32 rounded to dtype, one kernel; a, b [T, H]."""
-    a, b = a.contiguous(), b.contiguous()
-    out = torch.empty(a.shape, dtype=dtype, device=a.device)
-    N, block = a.numel(), 1024
-    _sum_parts_kernel[(triton.cdiv(N, block),)](a, b, out, N, BLOCK=block)
+def triton_sum_parts(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """sum_parts in one kernel: 2 to 4 parts [T, H] summed in float32 in order, rounded to dtype."""
+    if not 2 <= len(parts) <= 4:
+        raise ValueError(f"sum_parts takes 2 to 4 parts, got {len(parts)}")
+    ps = [p.contiguous() for p in parts]
+    ps += [ps[0]] * (4 - len(ps))
+    out = torch.empty(ps[0].shape, dtype=dtype, device=ps[0].device)
+    N, block = out.numel(), 1024
+    _sum_parts_kernel[(triton.cdiv(N, block),)](*ps, out, N, PARTS=len(parts), BLOCK=block)
     return out
 
 

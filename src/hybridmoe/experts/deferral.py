@@ -48,6 +48,16 @@ class DeferredOutputs:
         """MoE layers whose deferred output has not joined the residual yet."""
         return [d.layer for d in self._pending]
 
+    def take_latest_before(self, layer: int):
+        """The pending result of the latest MoE layer before `layer`, no longer pending (its caller joins it
+        into the residual); None if there is none."""
+        earlier = [d for d in self._pending if d.layer < layer]
+        if not earlier:
+            return None
+        latest = max(earlier, key=lambda d: d.layer)
+        self._pending = [d for d in self._pending if d is not latest]
+        return latest.result
+
     def drain_cpu(self) -> None:
         """Let the CPU finish every deferred computation now (before it starts another layer's)."""
         for d in self._pending:

@@ -19,8 +19,10 @@ take the path above. Deferred experts use a second handoff of their own width. I
 layer's own CPU part and its deferred one are both sent to the CPU when the layer starts (the
 router's kernel splits the own part, one more kernel the deferred part while the CPU starts on the
 own), one behind the other in stream order, and nothing waits for the
-deferred part until it joins the residual after the next layer: the CPU runs layer L's deferred
-experts while the GPU runs layer L+1's attention, then L+1's own experts, with no wait between.
+deferred part until it joins the residual with the next layer's output (its own and GPU parts, and
+the deferred parts, summed once: the deferred output comes back while the GPU waits for the next
+layer's CPU part): the CPU runs layer L's deferred experts while the GPU runs layer L+1's attention,
+then L+1's own experts, with no wait between.
 On the CPU device (and in prefill) the engines run one call at a time, so a layer's deferred
 experts finish before the next layer's own start (same result, no overlap).
 
@@ -167,14 +169,15 @@ class _Partial:
         self.join_cpu()
         return [p.to(self.device) for p in (self.cpu_out, self.gpu_out) if p is not None]
 
-    def finish(self) -> torch.Tensor:
-        """[T, H] in the hidden state's dtype and device."""
-        parts = self._parts()
+    def finish(self, folded: _Partial | None = None) -> torch.Tensor:
+        """[T, H] in the hidden state's dtype and device; plus folded's output (an earlier layer's deferred
+        experts, joining here), summed with this one's parts before the one rounding."""
+        parts = self._parts() + (folded._parts() if folded is not None else [])
         if not parts:
             return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         if len(parts) == 1:
             return parts[0].to(self.dtype)  # one rounding, as through float32
-        return sum_parts(*parts, self.dtype, self.fused)
+        return sum_parts(parts, self.dtype, self.fused)
 
     def add_to(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + finish(), in one kernel where it can (add_parts)."""
@@ -201,6 +204,7 @@ class HybridExperts(ExpertBackend):
         self._fixed_tokens = 0  # steps of at most this many tokens run in fixed shapes (use_fixed_shapes)
         self._fixed_dtype = torch.float32  # the hidden states' dtype use_fixed_shapes was given
         self._handoffs: dict[tuple[bool, int], tuple] = {}  # (deferred?, layer) -> (CudaHandoff, width)
+        self._folded: dict[int, _Partial] = {}  # fixed shapes: layer -> the deferred part joining its output
         self.fused = True  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
 
     def _split(self, layer: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -373,6 +377,7 @@ class HybridExperts(ExpertBackend):
             for partial, _, _ in self._inflight.values():
                 partial.join_cpu()
             self._inflight.clear()
+            self._folded.clear()  # their CPU parts were joined when they were folded
 
     def _submit_fixed(self, layer, hidden, ids, weights, split, later) -> None:
         """A fixed-shape step's layer (CUDA, handoff): its CPU part, then its deferred experts' CPU part,
@@ -392,11 +397,18 @@ class HybridExperts(ExpertBackend):
             self._deferred.add(layer, parts[1])
         for p in parts:
             p.start_gpu()
+        # the previous layer's deferred part joins the residual with this layer's output (the same sum, in
+        # another order): its output comes back while the GPU waits for this layer's CPU part anyway,
+        # instead of a wait, a copy and an add after this layer
+        folded = self._deferred.take_latest_before(layer)
+        if folded is not None:
+            folded.join_cpu()
+            self._folded[layer] = folded
         self._inflight[layer] = (parts[0], hidden, None)
 
     def wait(self, layer):
         partial, hidden, later = self._inflight.pop(layer)
-        out = partial.finish()
+        out = partial.finish(self._folded.pop(layer, None))
         if later is not None:
             self._deferred.add(layer, _Partial(layer, self._layers[layer], hidden, *later, self.act, fused=self.fused))
         return out
