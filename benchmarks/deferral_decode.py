@@ -48,8 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", default=None, help="decoder layers of the cut model(s), e.g. 4,12 (default: full)")
     parser.add_argument("--formats", default=None, help="expert formats, e.g. int4,bf16 (default: the engine's)")
     parser.add_argument("--ks", default="0,1,2,3", help="deferred experts per token (default 0,1,2,3)")
-    parser.add_argument("--own-trim", default="off", help="off, on or off,on: the layers' own handoffs leave one "
-                        "token's padding slots out (CudaHandoff.trim_padding; the deferred ones always do)")
+    parser.add_argument("--own-trim", default="on", help="on (the engine's default), off or on,off: the layers' own "
+                        "handoffs leave one token's padding slots out (CudaHandoff.trim_padding; the deferred ones "
+                        "always do)")
     parser.add_argument("--zero-copy", default="off", help="off, on or off,on: every handoff stages its rows and "
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
@@ -81,7 +82,7 @@ class Variant:
     zero_copy: bool
 
     def label(self) -> str:
-        return f"K={self.k}" + (" own trim" if self.own_trim else "") + (" zero-copy" if self.zero_copy else "")
+        return f"K={self.k}" + ("" if self.own_trim else " own trim off") + (" zero-copy" if self.zero_copy else "")
 
 
 def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
