@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "always do)")
     parser.add_argument("--zero-copy", default="off", help="off, on or off,on: every handoff stages its rows and "
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy)")
+    parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
+                        "K[:notrim][:zc], e.g. 0,1,2,3,0:notrim,2:zc")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
@@ -123,6 +125,15 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
                      "gap_us": total["between_us"] / total["gaps"] if total["gaps"] else None,
                      "late_us": total["late_us"] / total["layers"]}
     return out
+
+
+def _variant(spec: str) -> Variant:
+    """"K[:notrim][:zc]" -> Variant."""
+    k, *opts = spec.strip().split(":")
+    unknown = set(opts) - {"notrim", "zc"}
+    if unknown:
+        raise HybridMoEError(f"--variants: unknown option(s) {', '.join(sorted(unknown))} in {spec!r} (notrim, zc)")
+    return Variant(int(k), "notrim" not in opts, "zc" in opts)
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -219,8 +230,9 @@ def _anatomy_line(a: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     ks = _ints(args.ks)
-    variants = [Variant(k, trim, zc) for zc in _switches(args.zero_copy) for trim in _switches(args.own_trim)
-                for k in ks]
+    variants = ([_variant(spec) for spec in args.variants.split(",")] if args.variants else
+                [Variant(k, trim, zc) for zc in _switches(args.zero_copy) for trim in _switches(args.own_trim)
+                 for k in ks])
     depths = _ints(args.layers) if args.layers else [None]
     formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
     kwargs = engine_kwargs(args)
