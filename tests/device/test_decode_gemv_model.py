@@ -1,7 +1,8 @@
-"""Models decoding with the Triton decode GEMV (qkv_proj with the input norm, o_proj, the router with the
-residual add + post-attention norm: DecoderLayer.fused_layer) against the same models with cuBLAS and the
-separate norm kernels, graph-replayed, batch 1 and 4. Qwen3 (q/k norms), Qwen2 (q/k/v bias, shared
-expert), Mixtral; float32 and bfloat16. Runs on the GPU host through scripts/device_check.sh.
+"""Models decoding with the layer fusions (fused_layer: the Triton decode GEMV for qkv_proj with the input
+norm, o_proj, the router with the residual add + post-attention norm; rotary inside decode attention; MLA's
+decode in one kernel) against the same models without them, graph-replayed, batch 1 and 4. Qwen3 (q/k
+norms), Qwen2 (q/k/v bias, shared expert), Mixtral, DeepSeek V2 (MLA, softmax router) and V3 (sigmoid
+router, float32 logits); float32 and bfloat16. Runs on the GPU host through scripts/device_check.sh.
 """
 
 import pytest
@@ -28,7 +29,7 @@ def decode(checkpoint, layer: bool) -> list[tuple[list[int], list]]:
 
 
 @pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "fp32"), ("qwen3_moe", "bf16"), ("qwen2_moe", "bf16"),
-                                        ("mixtral", "bf16")])
+                                        ("mixtral", "bf16"), ("deepseek_v2", "bf16"), ("deepseek_v3", "fp32")])
 def test_model_decodes_with_the_decode_gemv_as_without(tmp_path, arch, dtype):
     """The same greedy tokens, except that the two may part at a near-tie (each side's token among the
     other's 5 most likely; not compared after it)."""

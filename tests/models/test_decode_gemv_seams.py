@@ -44,10 +44,22 @@ def test_moe_block_given_its_router_logits_equals_the_block_on_x():
     assert torch.equal(mlp(x, mlp.gate(x)), mlp(x))
 
 
+def test_deepseek_router_given_its_logits_equals_the_router_on_x():
+    from hybridmoe.layers.deepseek_routing import DeepseekRouter
+
+    for scoring, method in (("softmax", "greedy"), ("sigmoid", "noaux_tc")):
+        router = DeepseekRouter(32, 16, 4, scoring_func=scoring, topk_method=method, n_group=4, topk_group=2)
+        torch.nn.init.normal_(router.weight)
+        x = torch.randn(3, 32)
+        ids, weights = router(x, torch.nn.functional.linear(x.float(), router.weight))
+        want_ids, want_weights = router(x)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+
+
 def test_fuse_decode_kernels_switches_the_layer_fusions_apart_from_the_others():
     model = tiny_model()
     gemv = [m for m in model.modules() if hasattr(m, "fused_layer")]
-    assert {type(m) for m in gemv} == {DecoderLayer, Attention}
+    assert {type(m) for m in gemv} == {DecoderLayer, Attention}  # MultiHeadLatentAttention too in DeepSeek
     assert not any(m.fused_layer for m in gemv)  # off by default
     model.fuse_decode_kernels(True, layer=True)
     assert all(m.fused_layer for m in gemv) and model.model.norm.fused

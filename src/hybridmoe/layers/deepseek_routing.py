@@ -64,9 +64,11 @@ class DeepseekRouter(nn.Module):
         mask.scatter_(1, best, True)
         return mask.unsqueeze(-1).expand_as(grouped).reshape_as(scores)
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, H] -> topk_ids [T, K] long, topk_weights [T, K] float32."""
-        logits = F.linear(hidden.float(), self.weight.float())  # [T, E]
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> topk_ids [T, K] long, topk_weights [T, K] float32. logits: hidden's [T, E]
+        float32 logits if the caller made them (DecoderLayer's norm + router GEMV)."""
+        if logits is None:
+            logits = F.linear(hidden.float(), self.weight.float())  # [T, E]
         if self.scoring_func == "softmax":
             scores = logits.softmax(dim=-1)
             if self.topk_method == "group_limited_greedy":

@@ -42,10 +42,11 @@ def norm_linear(x: torch.Tensor, linear: nn.Linear, norm=None, residual: torch.T
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """linear(norm(x + residual)) as one Triton kernel: (y [T, N], normed [T, K], total = x + residual [T, K]).
 
+    linear: anything with a weight [N, K] (and a bias [N] or None); y comes out in the weight's dtype.
     norm: an RMSNorm (layers/norm.py) or None (y = linear(x); normed and total None); residual None: total
     None. For steps where decode_gemv(x, True) holds.
     """
     from hybridmoe.layers.gemv_triton import triton_norm_gemv
 
-    return triton_norm_gemv(x, linear.weight, linear.bias, norm.weight if norm is not None else None,
+    return triton_norm_gemv(x, linear.weight, getattr(linear, "bias", None), norm.weight if norm is not None else None,
                             norm.eps if norm is not None else 0.0, residual)

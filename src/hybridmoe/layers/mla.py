@@ -20,9 +20,14 @@ import torch
 from torch import nn
 
 from hybridmoe.engine.context import DecodeBatch, get_context
+from hybridmoe.experts.gpu_experts import HAVE_TRITON
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.layers.yarn import softmax_scale
+
+
+FUSED_MAX_LEN = 1024
+"""The longest cache the fused decode kernel reads (one program per row and head block walks all of it)."""
 
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -60,6 +65,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotate = apply_rotary_interleaved if rope_interleave else apply_rotary
         self.scale = softmax_scale(rope, qk_head_dim)
         self.kv_cache: torch.Tensor | None = None  # [slots, max_len, R + P]
+        # on CUDA, a fixed-shape decode step of at most FUSED_MAX_LEN positions: rotary, the latent's norm,
+        # the cache write and the attention in one kernel (mla_decode_triton.py); MoECausalLM.fuse_decode_kernels
+        self.fused_layer = False
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.kv_a_proj_with_mqa.weight
@@ -75,14 +83,25 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q_nope, q_pe = q.view(T, N, -1).split([D, self.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([R, self.qk_rope_head_dim], dim=-1)
-        cos, sin = self.rotary(positions, q.dtype)
-        q_pe = self.rotate(q_pe, cos, sin)
-        k_pe = self.rotate(k_pe.unsqueeze(1), cos, sin).squeeze(1)
-
         w_kv = self.kv_b_proj.weight.view(N, D + self.v_head_dim, R)
         w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # [N, D, R], [N, V, R]
-        query = torch.cat((torch.einsum("tnd,ndr->tnr", q_nope, w_uk), q_pe), dim=-1)  # [T, N, R + P]
-        out = self._attend(query, torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1), positions)
+        q_abs = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)  # [T, N, R]
+        decode = get_context().decode
+        if (self.fused_layer and HAVE_TRITON and hidden.is_cuda and self.kv_cache is not None
+                and decode is not None and decode.pad_len <= FUSED_MAX_LEN):
+            from hybridmoe.layers.mla_decode_triton import triton_mla_decode
+
+            norm = self.kv_a_layernorm
+            out = triton_mla_decode(q_abs, q_pe, latent, k_pe, norm.weight, norm.eps, positions,
+                                    self.rotary.inv_freq(hidden.device), self.rotary.attention_scaling,
+                                    self.rotate is apply_rotary_interleaved, self.kv_cache, decode.slots, decode.lens,
+                                    self.scale)
+        else:
+            cos, sin = self.rotary(positions, q.dtype)
+            q_pe = self.rotate(q_pe, cos, sin)
+            k_pe = self.rotate(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+            query = torch.cat((q_abs, q_pe), dim=-1)  # [T, N, R + P]
+            out = self._attend(query, torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1), positions)
         out = torch.einsum("tnr,nvr->tnv", out, w_uv)  # [T, N, V]
         return self.o_proj(out.reshape(T, N * self.v_head_dim))
 

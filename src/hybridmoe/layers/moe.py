@@ -37,6 +37,9 @@ class SparseMoeBlock(nn.Module):
     The block holds no expert weights; the loader hands them to the backend under layer_idx.
     """
 
+    takes_router_logits = True
+    """forward(x, logits) takes gate(x) made by the caller (DecoderLayer's norm + router GEMV)."""
+
     def __init__(self, layer_idx: int, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
                  experts: ExpertBackend):
         super().__init__()

@@ -22,7 +22,6 @@ from torch import nn
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.linear import decode_gemv, norm_linear
-from hybridmoe.layers.moe import SparseMoeBlock
 from hybridmoe.layers.norm import RMSNorm
 
 EXPERT_PROJS = ("gate", "up", "down")
@@ -64,8 +63,9 @@ class DecoderLayer(nn.Module):
 
     mlp_name is the attribute the checkpoint uses for the MLP ("mlp"; Mixtral: "block_sparse_moe").
     fused_layer: in short steps on CUDA, each norm and the projection after it (the input norm and
-    Attention's qkv_proj, the post-attention norm with its residual add and a SparseMoeBlock's router)
-    run as one Triton GEMV (layers/linear.py norm_linear); else as the norm's kernel and cuBLAS.
+    Attention's qkv_proj, the post-attention norm with its residual add and the router of an MLP that
+    takes_router_logits) run as one Triton GEMV (layers/linear.py norm_linear); else as the norm's
+    kernel and cuBLAS.
     """
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, mlp_name: str = "mlp"):
@@ -84,7 +84,7 @@ class DecoderLayer(nn.Module):
             a = attn(None, positions, qkv=norm_linear(h, attn.qkv_proj, self.input_layernorm)[0])
         else:
             a = attn(self.input_layernorm(h), positions)
-        if gemv and isinstance(mlp, SparseMoeBlock):
+        if gemv and getattr(mlp, "takes_router_logits", False):
             logits, x, h = norm_linear(a, mlp.gate, self.post_attention_layernorm, residual=h)
             return h + mlp(x, logits)
         x, h = self.post_attention_layernorm(a, residual=h)  # h + a and its norm: one kernel on CUDA

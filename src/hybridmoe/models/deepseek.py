@@ -37,6 +37,9 @@ _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 class DeepseekMoE(nn.Module):
     """Routed experts (run by the ExpertBackend) plus the shared experts, summed."""
 
+    takes_router_logits = True
+    """forward(x, logits) takes the router's logits made by the caller (DecoderLayer's norm + router GEMV)."""
+
     def __init__(self, layer_idx: int, gate: DeepseekRouter, experts: ExpertBackend,
                  hidden_size: int, shared_intermediate_size: int, hidden_act: str):
         super().__init__()
@@ -44,9 +47,9 @@ class DeepseekMoE(nn.Module):
         if shared_intermediate_size:
             self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        ids, weights = self.gate(x)
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; logits: the router's float32 logits [T, E] of x if already made."""
+        ids, weights = self.gate(x, logits)
         out = self.experts.forward(self.layer_idx, x, ids, weights)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
