@@ -278,10 +278,10 @@ NB_MODULE(_native, m) {
   m.def("numa_node_count", &hmoe::numa_node_count);
   m.def("allowed_cpu_count", [] { return int(hmoe::allowed_cpus().size()); },
         "CPUs this process may run on (its affinity mask).");
-  m.def("read_bandwidth", [](size_t nbytes, int threads, int passes, int rounds) {
+  m.def("read_bandwidth", [](size_t nbytes, int threads, int passes, int rounds, bool prefetch) {
     nb::gil_scoped_release nogil;
-    return hmoe::read_bandwidth(nbytes, threads, passes, rounds);
-  }, "nbytes"_a, "threads"_a, "passes"_a = 5, "rounds"_a = 3,
+    return hmoe::read_bandwidth(nbytes, threads, passes, rounds, prefetch);
+  }, "nbytes"_a, "threads"_a, "passes"_a = 5, "rounds"_a = 3, "prefetch"_a = false,
         "Host read bytes/s on the engine's pool (csrc/runtime/read_bandwidth.h).");
   m.def("read_bandwidth_by_worker", [](size_t nbytes, int threads, int passes) {
     nb::gil_scoped_release nogil;

@@ -39,6 +39,27 @@ __attribute__((target("avx512f"))) uint64_t read_avx512(const uint8_t* p, size_t
   return r;
 }
 
+// The same with software prefetches ahead of the loads, as the decode kernels issue them (L1 4 KiB
+// ahead, L2 16 KiB ahead): more bytes in flight per core than the hardware prefetchers keep.
+__attribute__((target("avx512f"))) uint64_t read_avx512_prefetch(const uint8_t* p, size_t n) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i < n; i += 256) {
+    for (int l = 0; l < 256; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + l) + 4096, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + i + l) + 16384, _MM_HINT_T1);
+    }
+    a0 = _mm512_xor_si512(a0, _mm512_load_si512(p + i));
+    a1 = _mm512_xor_si512(a1, _mm512_load_si512(p + i + 64));
+    a2 = _mm512_xor_si512(a2, _mm512_load_si512(p + i + 128));
+    a3 = _mm512_xor_si512(a3, _mm512_load_si512(p + i + 192));
+  }
+  alignas(64) uint64_t lanes[8];
+  _mm512_store_si512(lanes, _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+  uint64_t r = 0;
+  for (uint64_t v : lanes) r ^= v;
+  return r;
+}
+
 __attribute__((target("avx2"))) uint64_t read_avx2(const uint8_t* p, size_t n) {
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   for (size_t i = 0; i < n; i += 128) {
@@ -67,9 +88,9 @@ uint64_t read_generic(const uint8_t* p, size_t n) {
 
 using Reader = uint64_t (*)(const uint8_t*, size_t);
 
-Reader best_reader() {
+Reader best_reader(bool prefetch) {
   const auto& f = cpu_features();
-  if (f.avx512f) return read_avx512;
+  if (f.avx512f) return prefetch ? read_avx512_prefetch : read_avx512;
   if (f.avx2) return read_avx2;
   return read_generic;
 }
@@ -81,7 +102,7 @@ struct FreeDeleter {
 }  // namespace
 
 const char* read_bandwidth_isa() {
-  const Reader r = best_reader();
+  const Reader r = best_reader(false);
   return r == read_avx512 ? "avx512" : r == read_avx2 ? "avx2" : "generic";
 }
 
@@ -91,11 +112,11 @@ namespace {
 // that read it; pass() optionally adds each worker's bytes and nanoseconds inside the reader.
 class Probe {
  public:
-  Probe(size_t nbytes, int threads)
+  Probe(size_t nbytes, int threads, bool prefetch)
       : blocks_((nbytes + kBlock - 1) / kBlock),
         buf_(static_cast<uint8_t*>(std::aligned_alloc(kAlign, blocks_ * kBlock))),
         pool_(shared_pool(threads, 1)),
-        reader_(best_reader()),
+        reader_(best_reader(prefetch)),
         sinks_(size_t(pool_->threads()) * 8, 0) {  // one sink line per worker: none shared
     if (!buf_) throw std::bad_alloc();
     madvise(buf_.get(), bytes(), MADV_HUGEPAGE);  // a hint: fewer TLB misses where THP is on "madvise"
@@ -144,9 +165,9 @@ void check_args(size_t nbytes, int threads, int passes, int rounds) {
 
 }  // namespace
 
-double read_bandwidth(size_t nbytes, int threads, int passes, int rounds) {
+double read_bandwidth(size_t nbytes, int threads, int passes, int rounds, bool prefetch) {
   check_args(nbytes, threads, passes, rounds);
-  Probe probe(nbytes, threads);
+  Probe probe(nbytes, threads, prefetch);
   double best = 0;
   std::vector<double> seconds(passes);
   for (int r = 0; r < rounds; ++r) {
@@ -159,7 +180,7 @@ double read_bandwidth(size_t nbytes, int threads, int passes, int rounds) {
 
 std::vector<double> read_bandwidth_by_worker(size_t nbytes, int threads, int passes) {
   check_args(nbytes, threads, passes, 1);
-  Probe probe(nbytes, threads);
+  Probe probe(nbytes, threads, false);
   std::vector<uint64_t> bytes(probe.threads(), 0);
   std::vector<int64_t> ns(probe.threads(), 0);
   for (int i = 0; i < passes; ++i) probe.pass(false, bytes.data(), ns.data());

@@ -9,8 +9,9 @@ namespace hmoe {
 
 // Bytes/s reading nbytes on `threads` pool threads: `rounds` rounds of `passes` timed passes
 // (after one untimed pass that touches every page and wakes the pool); each round's median pass
-// time, and the best round. nbytes is rounded up to whole 1 MiB blocks.
-double read_bandwidth(size_t nbytes, int threads, int passes, int rounds);
+// time, and the best round. nbytes is rounded up to whole 1 MiB blocks. prefetch: AVX-512 loads
+// with the decode kernels' software prefetches ahead of them (plain loads elsewhere).
+double read_bandwidth(size_t nbytes, int threads, int passes, int rounds, bool prefetch = false);
 
 // Bytes/s of each pool worker while it reads (its bytes over its time inside the reader), over
 // `passes` passes of all `threads` threads at once: which cores stream slower than the others.

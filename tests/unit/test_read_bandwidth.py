@@ -56,3 +56,8 @@ def test_per_worker_probe_gives_each_reading_worker_a_plausible_rate():
 def test_per_worker_probe_rejects_empty_work(kwargs):
     with pytest.raises(ValueError, match="at least 1"):
         native.read_bandwidth_by_worker(**kwargs)
+
+
+def test_native_probe_with_prefetches_reads_at_a_plausible_rate():
+    bps = native.read_bandwidth(SMALL, 1, passes=3, rounds=1, prefetch=True)
+    assert math.isfinite(bps) and 1e8 < bps < 1e13
