@@ -308,7 +308,8 @@ def main(argv=None) -> None:
             device=device.type, expert_format=args.format, gpu_experts_per_layer=args.gpu_experts_per_layer,
             max_num_seqs=args.batch, max_model_len=256, cache_dir="", prefill_streaming="off")
         engine = LLMEngine(ckpt.out_dir, config)
-    use_path(engine.runner.model, args.paths[-1])  # the engine's own steps (and their graph) on the last path
+    use_path(engine.runner.model, args.paths[0])  # the engine's own steps on the first path (a failing later one
+    # then loses only its own rows)
     print(f"{args.synthetic}, {args.layers} layers, {args.format} experts, {args.gpu_experts_per_layer} GPU experts "
           f"per layer, batch {args.batch}, device {device}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     for b in range(args.batch):
