@@ -43,7 +43,7 @@ import torch
 
 from hybridmoe import CpuExperts, _native
 from hybridmoe.experts.cpu_experts import default_threads
-from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, packed_copy, routing
+from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, packed_copy, prefetching_read_gbps, routing
 
 WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT = range(10)  # take_trace()'s item columns
 N_ROUTINGS = 16
@@ -229,7 +229,8 @@ def main():
     bw = {t: host_read_gbps(t) for t in thread_counts}
     for t in thread_counts:  # the same pool (and pinning) as the layers': worker w is worker w there
         rates = _native.read_bandwidth_by_worker(1 << 30, t, passes=3)
-        print(f"# probe GB/s by worker, {t} threads at once: " + " ".join(f"{r / 1e9:.1f}" for r in rates), flush=True)
+        print(f"# probe GB/s by worker, {t} threads at once: " + " ".join(f"{r / 1e9:.1f}" for r in rates) +
+              f"; with the kernels' prefetches: {prefetching_read_gbps(t):.1f} GB/s in all", flush=True)
     gate, up, down = make_weights(E, H, I)
     print(f"# {args.shape}: E={E} H={H} I={I} top-{K}; host read GB/s " +
           ", ".join(f"{bw[t]:.1f} at {t} threads" for t in thread_counts) +
