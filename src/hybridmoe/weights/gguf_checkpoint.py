@@ -30,6 +30,10 @@ _MIXTRAL_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 class GGUFCheckpoint:
+    single_core_reads = True
+    """get() dequantizes in numpy on the calling thread, and may run on several at once (the loader reads
+    the next experts while one is packed)."""
+
     def __init__(self, gguf: GGUFFiles):
         self.gguf = gguf
         self.arch = gguf.metadata.get("general.architecture")
