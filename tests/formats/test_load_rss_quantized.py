@@ -5,11 +5,9 @@ resident as a whole.
 One Qwen3-MoE layer, 64 experts of [512, 1024]: 100.7M expert weights, 56.6 MB of source in GGUF Q4_K
 (what Q4_K_M gives most experts), 52 MB in GPTQ/AWQ int4 g128. The margin, 16 MiB, holds the model's other
 weights (5 MB) and one expert's float32 copy (6 MB); left resident, the source alone would exceed it 3x.
-What a load holds beside the packed experts by design is counted on top (_held).
 """
 
 import json
-import os
 from pathlib import Path
 
 import gguf
@@ -23,7 +21,6 @@ from safetensors.torch import save_file
 from hybridmoe.checkpoint.presets import model_config
 from hybridmoe.checkpoint.tensors import tensor_specs
 from hybridmoe.weights.load_rss import measure_in_subprocess
-from hybridmoe.weights.loader import READ_AHEAD_BYTES
 
 MARGIN = 16 << 20
 LAYER = {"hidden_size": 1024, "moe_intermediate_size": 512, "num_experts": 64, "head_dim": 64,
@@ -112,26 +109,14 @@ def _load(model_dir: Path, warmup_dir: Path, expert_format: str) -> dict:
     return measure_in_subprocess(model_dir, options, warmup_dir, timeout=300)
 
 
-def _held(kind: str, expert_format: str) -> float:
-    """Bytes a load holds beside the packed experts by design.
-
-    bf16: every expert is dequantized to float and packed, one at a time; from GGUF (numpy, one core a read)
-    the next experts are read meanwhile, one a core, each in float32 plus its bf16 copy. "auto" from GPTQ g128:
-    int4 g128 codes as they are, which the engine takes for a whole layer at once: the layer's codes, a byte a
-    weight (plus float32 scales and zeros, 1/16 of that), held once, never a second stacked copy."""
-    if expert_format != "bf16":
-        return EXPERT_WEIGHTS * (1 + 2 * 4 / GROUP)
-    if kind != "gguf":
-        return 0
-    expert = EXPERT_WEIGHTS // LAYER["num_experts"]
-    ahead = min(len(os.sched_getaffinity(0)), READ_AHEAD_BYTES // (4 * expert))
-    return ahead * expert * (4 + 2)
-
-
+# bf16: every expert is dequantized to float and packed, one at a time. "auto" from GPTQ g128: int4 g128 codes
+# as they are, which the engine takes for a whole layer at once: the layer's codes, one byte a weight (plus
+# float32 scales and zeros, 1/16 of that), are held once beside the packed experts, never a second stacked copy.
 @pytest.mark.parametrize("kind,expert_format", [("gguf", "bf16"), ("awq", "bf16"), ("gptq", "auto")])
 def test_source_pages_leave_rss_while_packing(kind, expert_format, tmp_path):
     (tmp_path / "warmup").mkdir()
     model, warmup = _write(kind, tmp_path, LAYER), _write(kind, tmp_path / "warmup", SMALL)
     r = _load(model, warmup, expert_format)
     assert r["at_peak"]["RssFile"] < MARGIN, r
-    assert r["peak_growth"] <= 1.2 * r["packed_bytes"] + _held(kind, expert_format) + MARGIN, r
+    held = 0 if expert_format == "bf16" else EXPERT_WEIGHTS * (1 + 2 * 4 / GROUP)
+    assert r["peak_growth"] <= 1.2 * r["packed_bytes"] + held + MARGIN, r

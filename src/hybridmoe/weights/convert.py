@@ -84,7 +84,6 @@ class _CopyingReader:
 
     def __init__(self, ckpt, model, shards: _ShardWriter):
         self.ckpt, self.model, self.shards = ckpt, model, shards
-        self.single_core_reads = getattr(ckpt, "single_core_reads", False)  # expert reads copy nothing
 
     def names_by_file(self):
         return self.ckpt.names_by_file()

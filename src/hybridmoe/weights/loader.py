@@ -13,9 +13,6 @@ checkpoint is never resident as a whole.
 
 from __future__ import annotations
 
-import os
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,9 +39,6 @@ from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROGRESS_MIN_BYTES = 1 << 30  # a progress bar only for loads that take a noticeable time
-READ_AHEAD_BYTES = 1 << 30
-"""At most this many bytes of float experts read ahead of the one being packed, from a checkpoint whose reads
-dequantize on one core (GGUF: numpy, ~40M Q4_K weights/s a core), so a load dequantizes on every core."""
 
 
 @dataclass
@@ -319,41 +313,15 @@ class _ExpertStacker:
 
     def _expert_weights(self, entries: dict[tuple[int, str], str | Int4Codes]):
         """(gate, up, down) of each expert in turn, in the expert dtype; resumed only once the consumer is
-        done with the last expert, which is when its checkpoint pages are released. From a checkpoint whose
-        reads run on one core (single_core_reads), the next few experts are read meanwhile, one a thread."""
+        done with the last expert, which is when its checkpoint pages are released."""
         release = getattr(self.ckpt, "release", lambda name: None)
-        sources = [[entries[(e, p)] for p in EXPERT_PROJS] for e in range(self.num_experts)]
-
-        def read(e: int) -> tuple[torch.Tensor, ...]:
-            return tuple((s.dequantize() if isinstance(s, Int4Codes) else self.ckpt.get(s)).to(self.dtype)
-                         for s in sources[e])
-
-        ahead = self._read_ahead()
-        pool = ThreadPoolExecutor(ahead) if ahead > 1 else None
-        try:
-            pending = deque(pool.submit(read, e) for e in range(min(ahead, self.num_experts))) if pool else None
-            for e in range(self.num_experts):
-                if pool is None:
-                    yield read(e)
-                else:
-                    weights = pending.popleft().result()
-                    if e + ahead < self.num_experts:
-                        pending.append(pool.submit(read, e + ahead))
-                    yield weights
-                    del weights
-                for s in sources[e]:
-                    if isinstance(s, str):
-                        release(s)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-
-    def _read_ahead(self) -> int:
-        """Experts read at once: one a core for a checkpoint that reads on one core, within READ_AHEAD_BYTES."""
-        if not getattr(self.ckpt, "single_core_reads", False):
-            return 1
-        expert_bytes = 4 * sum(rows * cols for rows, cols in self.shapes.values())  # float32, as dequantized
-        return max(1, min(len(os.sched_getaffinity(0)), READ_AHEAD_BYTES // expert_bytes))
+        for e in range(self.num_experts):
+            sources = [entries[(e, p)] for p in EXPERT_PROJS]
+            yield tuple((s.dequantize() if isinstance(s, Int4Codes) else self.ckpt.get(s)).to(self.dtype)
+                        for s in sources)
+            for s in sources:
+                if isinstance(s, str):
+                    release(s)
 
     def first_missing(self) -> str | None:
         for layer in sorted(self.layers - self.done):
