@@ -5,16 +5,12 @@ F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ*), so a file that mixes 
 tensor (Q4_K_M) is read tensor by tensor. Routed experts are read one expert at a time: an
 expert's rows of a stacked [E, I, H] tensor are one contiguous run of blocks. A DeepSeek file
 whose kv_b_proj is split into attn_k_b + attn_v_b shows it as the one HF tensor again.
-Large tensors dequantize in row ranges on every core. The file is mapped; release(name) drops the pages
-a read touched, so a load never holds it resident.
+The file is mapped; release(name) drops the pages a read touched, so a load never holds it resident.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -133,33 +129,11 @@ class GGUFCheckpoint:
     def _read(self, gguf_name: str, expert: int | None) -> torch.Tensor:
         """One GGUF tensor (or one expert of a stacked one) dequantized to float32, in torch shape."""
         tensor = self.gguf.tensors[gguf_name][0]
-        shape = self.gguf.shape(gguf_name)
-        shape = shape[1:] if expert is not None else shape
-        data = self._data(gguf_name, expert)
-        rows = data.reshape(-1, data.shape[-1])  # a row of blocks per output row (GGUF blocks never span rows)
-        out = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)  # the copy out of the read-only mapping
-        step = max(1, _CHUNK_WEIGHTS // shape[-1])
-
-        def rows_into_out(start: int) -> None:
-            out[start:start + step] = dequantize(rows[start:start + step], tensor.tensor_type)
-
         try:
-            if rows.shape[0] <= step:
-                rows_into_out(0)
-            else:
-                list(_pool().map(rows_into_out, range(0, rows.shape[0], step)))
+            values = dequantize(self._data(gguf_name, expert), tensor.tensor_type)
         except (NotImplementedError, ValueError) as e:
             raise CheckpointError(f"GGUF tensor {gguf_name} of type {tensor.tensor_type.name} cannot be read "
                                   f"({e or 'no dequantizer in this gguf package'})") from None
-        return torch.from_numpy(out).reshape(shape)
-
-
-_CHUNK_WEIGHTS = 1 << 18
-"""A tensor of more weights dequantizes in row ranges of about this many, on a thread per core: gguf's numpy
-dequantization runs on one core (Q4_K: 140-200M weights/s on the development machine, so the ~650B routed
-expert weights of a DeepSeek-V3 Q4_K_M file would take an hour on one), and releases the GIL as it computes."""
-
-
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(len(os.sched_getaffinity(0)), thread_name_prefix="gguf-dequantize")
+        shape = self.gguf.shape(gguf_name)
+        # a copy: the file is mapped read-only
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape[1:] if expert is not None else shape)
