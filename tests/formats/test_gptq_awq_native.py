@@ -18,6 +18,7 @@ from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cpu_experts import CpuExperts
 from hybridmoe.models.registry import load_config
 from hybridmoe.system.auto import resolve_engine_config
+from hybridmoe.weights.convert import convert_checkpoint
 from hybridmoe.weights.int4_codes import Int4Codes
 from hybridmoe.weights.loader import load_model
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
@@ -213,3 +214,10 @@ def test_a_layer_partly_in_codes_goes_through_float_as_a_whole(tiny_qwen3, tmp_p
         for got, want in zip(loaded.experts.layer_experts(0).dequantized(e),
                              from_float.experts.layer_experts(0).dequantized(e)):
             assert torch.equal(got, want), e
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_convert_keeps_the_codes_bit_for_bit(tiny_qwen3, tmp_path, method):
+    quantized, decoded = write_quantized(tiny_qwen3, tmp_path / method, method)
+    convert_checkpoint(quantized, tmp_path / "converted", format="int4", group_size=GROUP, threads=1, progress=False)
+    assert_experts_equal(load_model(tmp_path / "converted", EngineConfig(**NATIVE)), decoded)

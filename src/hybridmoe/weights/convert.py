@@ -9,6 +9,8 @@ quantizing: see expert_cache_policy.py.
 One pass over the source: the loader's own load_weights fills a model on the meta device (no
 memory; it checks every name and shape), with a reader that copies each non-expert tensor out as
 it goes and an ExpertBackend that packs each MoE layer as soon as it is complete and writes it.
+GPTQ/AWQ 4-bit experts converted to int4 keep their zero points, and in the checkpoint's own group size
+their codes are packed as they are (as a load does: weights/int4_codes.py), never through float.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from hybridmoe.models.registry import load_config
 from hybridmoe.weights.expert_cache import MANIFEST, PackedWriter
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
 from hybridmoe.weights.loader import load_weights, resolve_dtype
-from hybridmoe.weights.native_format import check_int4_group
+from hybridmoe.weights.native_format import check_int4_group, resolve_expert_format
 from hybridmoe.weights.quantized import open_checkpoint
 
 SHARD_BYTES = 4 << 30
@@ -94,6 +96,13 @@ class _CopyingReader:
     def shape(self, name):
         return self.ckpt.shape(name)
 
+    @property
+    def int4_group(self):
+        return getattr(self.ckpt, "int4_group", None)
+
+    def int4_codes(self, name):
+        return self.ckpt.int4_codes(name)
+
     def get(self, name):
         tensor = self.ckpt.get(name)
         if self.model.expert_key(name) is None:
@@ -122,6 +131,14 @@ class _PackAndWrite(ExpertBackend):
     def set_layer_experts(self, layer, experts, num_experts: int):
         """Packed one expert at a time straight from the checkpoint (the loader's lean path)."""
         self._write(layer, self.cls.from_experts(experts, num_experts, **self.options))
+
+    def int4_codes_group(self) -> int | None:
+        """The group size in which GPTQ/AWQ int4 codes are packed as they are (the loader's int4_codes_group)."""
+        o = self.options
+        return o["group_size"] if o["format"] == "int4" and o["zero_points"] else None
+
+    def set_layer_codes(self, layer, gate_proj, up_proj, down_proj):
+        self._write(layer, self.cls.from_codes(gate_proj, up_proj, down_proj, threads=self.options["threads"]))
 
     def _write(self, layer, experts):
         self.writer.add(layer, experts)
@@ -163,7 +180,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, format: str = "int4", g
     if config.hidden_act not in ("silu", "swish"):
         raise HybridMoEError(f"the native engine runs SiLU experts only; this model uses {config.hidden_act!r}")
     dtype = resolve_dtype("auto", config)
-    spec = {"format": format, "group_size": group_size, "zero_points": False}
+    # int4 from GPTQ/AWQ 4-bit keeps its zero points, so that codes in the checkpoint's group size pack as they are
+    zero_points = resolve_expert_format(options, config, model_dir).expert_zero_points
+    spec = {"format": format, "group_size": group_size, "zero_points": zero_points}
     writer = PackedWriter(out, spec, {"model_dir": str(Path(src).resolve())})
     try:
         with torch.device("meta"):
@@ -174,7 +193,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, format: str = "int4", g
         with tqdm(total=len(probe_model.moe_layers), desc="packing experts", unit="layer",
                   disable=not progress) as bar:
             backend = _PackAndWrite(writer, {"format": format, "group_size": group_size,
-                                             "threads": threads}, bar)
+                                             "zero_points": zero_points, "threads": threads}, bar)
             with torch.device("meta"):
                 model = cls(config, backend)
             shards = _ShardWriter(writer.stage, dtype)
