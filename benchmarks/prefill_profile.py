@@ -240,8 +240,9 @@ def run_format(model_dir: str, fmt: str | None, kwargs: dict, lens: list[int], a
     if probe.streamer is None:
         raise HybridMoEError("no prefill streamer was attached (streaming needs the native engine and a GPU "
                              "split: --gpu-memory-budget or --gpu-experts-per-layer)")
-    costs = probe.streamer.measured
-    if costs is not None:
+    if probe.cuda:  # the costs "auto" decides from (the loader measures them only when it decides)
+        fp = probe.backend.plan.footprint
+        costs = probe.streamer.measured or streamed_mod.measured_costs(probe.streamer, fp.top_k, fp.num_experts)[0]
         print(f"# measured at load, a layer: CPU {1e3 * costs.cpu_fixed:.2f} ms + {1e3 * costs.cpu_per_token:.4f} ms a "
               f"token; copy {1e3 * costs.copy:.2f} ms; device work {1e3 * costs.gpu_fixed:.2f} ms + "
               f"{1e3 * costs.gpu_per_token:.4f} ms a token; auto streams from {costs.threshold()} tokens", flush=True)

@@ -129,11 +129,10 @@ def reserved_bytes(engine_config, E: int, H: int, I: int, top_k: int) -> int:
 
 def attach(backend, engine_config):
     """Give a HybridExperts backend a PrefillStreamer when engine_config (resolved) says "on" and its CPU
-    engines are native; on CUDA with the layer's costs measured here (measured_costs, kept as
-    streamer.measured). Returns engine_config as attached:
-    with prefill_streaming_tokens from those costs when it was left None (StepCosts.threshold), or
-    prefill_streaming "off" when they find the CPU faster on every step up to max_num_batched_tokens
-    (or no streamer can run)."""
+    engines are native. Returns engine_config as attached: with prefill_streaming_tokens, when it was
+    left None, from the layer's costs measured here (measured_costs, kept as streamer.measured;
+    StepCosts.threshold), or prefill_streaming "off" when they find the CPU faster on every step up to
+    max_num_batched_tokens (or no streamer can run)."""
     if engine_config.prefill_streaming != "on" or not hasattr(backend, "stream_long_steps"):
         return engine_config
     engines = {layer: backend.cpu_engine(layer) for layer in backend.layers()}
@@ -142,10 +141,9 @@ def attach(backend, engine_config):
         return replace(engine_config, prefill_streaming="off")
     tokens = engine_config.prefill_streaming_tokens
     streamer = PrefillStreamer(engines, backend.device, tokens or 1)
-    if streamer.device.type == "cuda" or tokens is None:
+    if tokens is None:
         fp = backend.plan.footprint
         streamer.measured, why = measured_costs(streamer, fp.top_k, fp.num_experts)
-    if tokens is None:
         tokens = streamer.measured.threshold()
         if tokens > engine_config.max_num_batched_tokens:
             log.info("prefill streaming off: %s", why)
