@@ -10,6 +10,7 @@ from hybridmoe.config import EngineConfig
 from hybridmoe.engine.context import Context, use_context
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.weights.convert import convert_checkpoint
+from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.loader import load_model
 
 PROMPT = [5, 17, 3, 60, 22, 9, 41]
@@ -65,7 +66,7 @@ def test_convert_cli_refuses_to_overwrite_without_force(tiny_qwen3, tmp_path, ca
     args = ["convert", "--model", str(tiny_qwen3), "--format", "int8", "--out", str(out), "--quiet",
             "--cpu-threads", "1"]
     assert main(args) == 0
-    assert "load it with --expert-backend native --expert-format int8" in capsys.readouterr().out
+    assert "in int8 (" in capsys.readouterr().out
     assert main(args) == 2
     assert "already holds a converted model; pass --force" in capsys.readouterr().err
     assert main(args + ["--force"]) == 0
@@ -75,3 +76,10 @@ def test_convert_cli_refuses_to_overwrite_without_force(tiny_qwen3, tmp_path, ca
     assert main(args[:-4] + [str(other), "--quiet", "--force"]) == 2
     assert "is not empty; pick a new directory" in capsys.readouterr().err
     assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_convert_cli_defaults_to_what_a_load_picks(tiny_qwen3, tmp_path, capsys):
+    # a float checkpoint loads its experts in bf16 (weights/native_format.py)
+    assert main(["convert", "--model", str(tiny_qwen3), "--out", str(tmp_path / "conv"), "--quiet"]) == 0
+    assert "in bf16 (" in capsys.readouterr().out
+    assert read_manifest(tmp_path / "conv")["format"] == "bf16"

@@ -219,5 +219,6 @@ def test_a_layer_partly_in_codes_goes_through_float_as_a_whole(tiny_qwen3, tmp_p
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_convert_keeps_the_codes_bit_for_bit(tiny_qwen3, tmp_path, method):
     quantized, decoded = write_quantized(tiny_qwen3, tmp_path / method, method)
-    convert_checkpoint(quantized, tmp_path / "converted", format="int4", group_size=GROUP, threads=1, progress=False)
+    summary = convert_checkpoint(quantized, tmp_path / "converted", threads=1, progress=False)  # format "auto"
+    assert (summary.format, summary.group_size, summary.zero_points) == ("int4", GROUP, True)
     assert_experts_equal(load_model(tmp_path / "converted", EngineConfig(**NATIVE)), decoded)

@@ -8,9 +8,10 @@ import argparse
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="source: a Hugging Face model directory (bf16/fp8/GPTQ/AWQ) or a .gguf file")
-    parser.add_argument("--format", required=True, choices=["bf16", "int8", "int4"], help="packed expert format")
-    parser.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
-                        help="int4 group size (default 128)")
+    parser.add_argument("--format", default="auto", choices=["auto", "bf16", "int8", "int4"],
+                        help="packed expert format (default auto: the one a load picks, nearest the checkpoint's)")
+    parser.add_argument("--group-size", type=int, default=None, choices=[32, 64, 128],
+                        help="int4 group size (default: the checkpoint's for GPTQ/AWQ, 32 for GGUF, else 128)")
     parser.add_argument("--out", required=True, help="directory to write (new or empty)")
     parser.add_argument("--force", action="store_true", help="replace an earlier conversion in --out")
     parser.add_argument("--cpu-threads", type=int, default=None, help="packing threads (default: every core)")
@@ -18,13 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridmoe.experts.placement import format_bytes
     from hybridmoe.weights.convert import convert_checkpoint
 
     s = convert_checkpoint(args.model, args.out, format=args.format, group_size=args.group_size, force=args.force,
                            threads=args.cpu_threads, progress=not args.quiet)
-    group = f" g{args.group_size}" if args.format == "int4" else ""
-    print(f"wrote {s.out_dir}: {s.moe_layers} MoE layers of experts in {args.format}{group} "
-          f"({s.expert_bytes / 1e9:.3f} GB) + {s.other_bytes / 1e9:.3f} GB of other weights in {s.seconds:.1f} s; "
-          f"load it with --expert-backend native --expert-format {args.format}"
-          f"{' --expert-group-size ' + str(args.group_size) if args.format == 'int4' else ''}")
+    group = f" g{s.group_size}{' with zero points' if s.zero_points else ''}" if s.format == "int4" else ""
+    print(f"wrote {s.out_dir}: {s.moe_layers} MoE layers of experts in {s.format}{group} "
+          f"({format_bytes(s.expert_bytes)}) + {format_bytes(s.other_bytes)} of other weights in {s.seconds:.1f} s; "
+          f"run it with --model {s.out_dir} (the engine options it needs are read from it)")
     return 0

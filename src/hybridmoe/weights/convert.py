@@ -42,6 +42,9 @@ _NOT_COPIED = ("gguf_source.json", MANIFEST, "model.safetensors.index.json")
 @dataclass(frozen=True)
 class ConvertSummary:
     out_dir: Path
+    format: str
+    group_size: int
+    zero_points: bool
     moe_layers: int
     expert_bytes: int
     other_bytes: int
@@ -166,10 +169,12 @@ def _check_out_dir(out: Path, force: bool) -> None:
             raise HybridMoEError(f"--out {out} already holds a converted model; pass --force to replace it")
 
 
-def convert_checkpoint(src: str | Path, out: str | Path, format: str = "int4", group_size: int = 128,
+def convert_checkpoint(src: str | Path, out: str | Path, format: str = "auto", group_size: int | None = None,
                        force: bool = False, threads: int | None = None, progress: bool = True) -> ConvertSummary:
+    """format "auto" and group_size None: what a load of src would pick (weights/native_format.py); an int4
+    group_size given is kept."""
     start = time.perf_counter()
-    options = EngineConfig(expert_backend="native", expert_format=format, expert_group_size=group_size,
+    options = EngineConfig(expert_backend="native", expert_format=format, expert_group_size=group_size or 128,
                            cpu_threads=threads)
     out = Path(out)
     _check_out_dir(out, force)
@@ -181,7 +186,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, format: str = "int4", g
         raise HybridMoEError(f"the native engine runs SiLU experts only; this model uses {config.hidden_act!r}")
     dtype = resolve_dtype("auto", config)
     # int4 from GPTQ/AWQ 4-bit keeps its zero points, so that codes in the checkpoint's group size pack as they are
-    zero_points = resolve_expert_format(options, config, model_dir).expert_zero_points
+    resolved = resolve_expert_format(options, config, model_dir)
+    format, group_size, zero_points = resolved.expert_format, group_size or resolved.expert_group_size, \
+        resolved.expert_zero_points
     spec = {"format": format, "group_size": group_size, "zero_points": zero_points}
     writer = PackedWriter(out, spec, {"model_dir": str(Path(src).resolve())})
     try:
@@ -205,7 +212,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, format: str = "int4", g
     except BaseException:
         writer.abort()
         raise
-    return ConvertSummary(out, len(backend.done), backend.bytes, shards.total, time.perf_counter() - start)
+    return ConvertSummary(out, format, group_size, zero_points, len(backend.done), backend.bytes, shards.total,
+                          time.perf_counter() - start)
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
