@@ -29,6 +29,7 @@ from hybridmoe.layers.mlp import get_activation
 from hybridmoe.models.base import EXPERT_PROJS, ModelConfig, MoECausalLM
 from hybridmoe.models.registry import load_config
 from hybridmoe.system.auto import resolve_engine_config, uses_hybrid
+from hybridmoe.system.expert_memory import check_expert_memory
 from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.expert_cache_policy import PackedExperts, plan_packed_experts
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
@@ -210,15 +211,25 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     model = build_model(cls, config, experts, dtype, engine_config.device)
     expert_device, expert_dtype = _expert_placement(engine_config, dtype)
     packed = _plan_packed(model_dir, engine_config, model, experts)  # a converted directory's own checks first
-    if engine_config.expert_backend == "native" and engine_config.expert_format == "int4":
-        check_int4_group(engine_config.expert_group_size, config.hidden_size, model.expert_dims()[1],
-                         "set expert_group_size to {g} (--expert-group-size {g})",
-                         "set expert_format to int8 (--expert-format int8)")
+    if engine_config.expert_backend == "native" and packed.reads_checkpoint:
+        _check_before_packing(engine_config, model, experts)
     with open_checkpoint(model_dir, config) as ckpt:
         load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
     packed.finish(experts)
     engine_config = attach_prefill_streamer(experts, engine_config)  # the token count it measured, if any
     return LoadedModel(model=model, config=config, experts=experts, dtype=dtype, engine_config=engine_config)
+
+
+def _check_before_packing(engine_config: EngineConfig, model: MoECausalLM, experts: ExpertBackend) -> None:
+    """What would fail only after a long read: int4 groups that do not fit the experts, too little memory."""
+    E, inter = model.expert_dims()
+    hidden = model.config.hidden_size
+    if engine_config.expert_format == "int4":
+        check_int4_group(engine_config.expert_group_size, hidden, inter,
+                         "set expert_group_size to {g} (--expert-group-size {g})",
+                         "set expert_format to int8 (--expert-format int8)")
+    on_gpu = experts.plan.on_gpu if uses_hybrid(engine_config) else (lambda layer: ())
+    check_expert_memory(engine_config, [E - len(on_gpu(layer)) for layer in model.moe_layers], hidden, inter)
 
 
 def _plan_packed(model_dir: Path, engine_config: EngineConfig, model: MoECausalLM, experts: ExpertBackend):

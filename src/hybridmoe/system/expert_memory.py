@@ -1,0 +1,48 @@
+"""Whether this machine's memory holds the routed experts a load is about to pack for the CPU.
+
+A model whose packed experts exceed the memory would end, after a load of maybe hours, in the kernel's
+OOM killer. So before the first expert is read, their packed size (every CPU expert of every MoE layer,
+padding included) is set against MemTotal, an error, and MemAvailable, a warning; both name the formats
+that would fit. Experts mapped from a converted directory or the expert cache are file pages the kernel
+can drop and read again, so such loads are not checked.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from hybridmoe.config import EngineConfig
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.placement import format_bytes
+from hybridmoe.experts.streamed_prefill import layer_packed_bytes
+from hybridmoe.system.host import meminfo
+
+_SMALLER = {"bf16": ("int8", "int4"), "int8": ("int4",), "int4": ()}
+
+
+def packed_bytes(fmt: str, cpu_experts: list[int], hidden: int, inter: int, group_size: int,
+                 zero_points: bool) -> int:
+    """Bytes of the packed CPU experts: cpu_experts[i] experts of [inter, hidden] in the i-th MoE layer."""
+    return sum(layer_packed_bytes(fmt, n, hidden, inter, group_size, zero_points) for n in cpu_experts if n)
+
+
+def check_expert_memory(ec: EngineConfig, cpu_experts: list[int], hidden: int, inter: int) -> None:
+    """ec resolved (the native engine's format); cpu_experts: the CPU's experts in each MoE layer."""
+    total, available = meminfo()
+    if total == 0:  # no /proc/meminfo: nothing to check against
+        return
+    zero_points = bool(ec.expert_zero_points)
+    need = packed_bytes(ec.expert_format, cpu_experts, hidden, inter, ec.expert_group_size, zero_points)
+    if need <= available:
+        return
+    fits = [(fmt, packed_bytes(fmt, cpu_experts, hidden, inter, ec.expert_group_size, zero_points))
+            for fmt in _SMALLER[ec.expert_format]]
+    fits = [f"expert_format {fmt} (--expert-format {fmt}: {format_bytes(n)})" for fmt, n in fits if n <= available]
+    fix = "use " + " or ".join(fits) if fits else "no expert format fits"
+    if ec.device.startswith("cuda"):
+        fix += ", or a GPU memory budget (--gpu-memory-budget) that holds more of them on the GPU"
+    what = f"the routed experts packed for the CPU in {ec.expert_format} take {format_bytes(need)}"
+    if need > total:
+        raise HybridMoEError(f"{what}, more than this machine's {format_bytes(total)} of memory; {fix}")
+    warnings.warn(f"{what}, more than the {format_bytes(available)} of memory available now; the load may "
+                  f"swap or be killed; {fix}", stacklevel=3)
