@@ -1,11 +1,12 @@
 """A load whose packed CPU experts would not fit the machine's memory fails before reading them, naming the
-formats that would fit; one that fits the memory but not what is available now warns. (The tiny model's
-experts take ~100-200 KiB; the machine's memory is made smaller than that.)"""
+formats that would fit; one that fits the memory but not what is available now warns; doctor says which.
+(The tiny model's experts take 60-192 KiB; the machine's memory is made smaller than that.)"""
 
 import pytest
 
 import hybridmoe.system.expert_memory as expert_memory
 from hybridmoe.checkpoint import make_checkpoint
+from hybridmoe.cli import main
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.weights.loader import load_model
@@ -43,3 +44,12 @@ def test_experts_on_the_gpu_are_not_counted(tiny, monkeypatch):
     # 6 of each layer's 8 experts "on the GPU" (the CPU stands in): the CPU's 48 KiB fit
     monkeypatch.setattr(expert_memory, "meminfo", lambda: (150 * KIB, 120 * KIB))
     load(tiny, gpu_experts_per_layer=6)
+
+
+def test_doctor_says_whether_they_fit(tiny, monkeypatch, capsys):
+    monkeypatch.setattr(expert_memory, "meminfo", lambda: (150 * KIB, 120 * KIB))
+    assert main(["doctor", "--model", str(tiny), "--measure-bytes", "1MiB", "--expert-backend", "native"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory:")]
+    assert line.endswith("in bf16: 192.00 KiB of 120.00 KiB available (150.00 KiB total); too large: use "
+                         "expert_format int8 (--expert-format int8: 104.00 KiB) or expert_format int4 "
+                         "(--expert-format int4 --expert-group-size 32: 60.00 KiB)"), line

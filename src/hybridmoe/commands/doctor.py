@@ -90,6 +90,7 @@ def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
     from hybridmoe.experts.placement import cpu_expert_bytes, format_bytes, model_footprint, placement_for
     from hybridmoe.models.registry import load_config
     from hybridmoe.system.auto import prefill_streaming_decision, resolve_engine_config, uses_hybrid
+    from hybridmoe.system.expert_memory import memory_line
     from hybridmoe.weights.gguf_model_dir import resolve_model_path
     from hybridmoe.weights.loader import resolve_dtype
 
@@ -109,6 +110,9 @@ def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
         plan = None
         fp = model_footprint(cls, config, dtype, ec)
         lines.append(f"placement:  every routed expert on the CPU ({fp.num_experts} x {len(fp.moe_layers)} MoE layers)")
+    if ec.expert_backend == "native":
+        cpu_experts = [fp.num_experts - (len(plan.on_gpu(layer)) if plan else 0) for layer in fp.moe_layers]
+        lines.append(memory_line(ec, cpu_experts, fp.hidden_size, fp.moe_intermediate_size))
     asked = replace(ec, prefill_streaming=engine_config.prefill_streaming,
                     prefill_streaming_tokens=engine_config.prefill_streaming_tokens)
     lines.append(f"streaming:  long prefill steps {prefill_streaming_decision(asked, config, dtype).reason}")

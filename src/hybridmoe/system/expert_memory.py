@@ -16,6 +16,7 @@ from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.placement import format_bytes
 from hybridmoe.experts.streamed_prefill import layer_packed_bytes
 from hybridmoe.system.host import meminfo
+from hybridmoe.weights.int4_codes import INT4_GROUPS
 
 _SMALLER = {"bf16": ("int8", "int4"), "int8": ("int4",), "int4": ()}
 
@@ -26,23 +27,45 @@ def packed_bytes(fmt: str, cpu_experts: list[int], hidden: int, inter: int, grou
     return sum(layer_packed_bytes(fmt, n, hidden, inter, group_size, zero_points) for n in cpu_experts if n)
 
 
-def check_expert_memory(ec: EngineConfig, cpu_experts: list[int], hidden: int, inter: int) -> None:
-    """ec resolved (the native engine's format); cpu_experts: the CPU's experts in each MoE layer."""
+def _int4_group(group: int, hidden: int, inter: int) -> int | None:
+    """group if int4 groups of it divide both sizes, else the largest group size that does (None: none)."""
+    fits = [g for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0]
+    return group if group in fits else max(fits, default=None)
+
+
+def _fits(ec: EngineConfig, cpu_experts: list[int], hidden: int, inter: int) -> tuple[int, int, int, str]:
+    """(bytes the packed CPU experts take, MemTotal, MemAvailable, what would fit instead)."""
     total, available = meminfo()
-    if total == 0:  # no /proc/meminfo: nothing to check against
-        return
     zero_points = bool(ec.expert_zero_points)
     need = packed_bytes(ec.expert_format, cpu_experts, hidden, inter, ec.expert_group_size, zero_points)
-    if need <= available:
-        return
-    fits = [(fmt, packed_bytes(fmt, cpu_experts, hidden, inter, ec.expert_group_size, zero_points))
-            for fmt in _SMALLER[ec.expert_format]]
-    fits = [f"expert_format {fmt} (--expert-format {fmt}: {format_bytes(n)})" for fmt, n in fits if n <= available]
+    fits = []
+    for fmt in _SMALLER[ec.expert_format]:
+        group = ec.expert_group_size if fmt != "int4" else _int4_group(ec.expert_group_size, hidden, inter)
+        n = packed_bytes(fmt, cpu_experts, hidden, inter, group, zero_points) if group else available + 1
+        if n <= available:
+            flags = f"--expert-format {fmt}" + (f" --expert-group-size {group}" if group != ec.expert_group_size else "")
+            fits.append(f"expert_format {fmt} ({flags}: {format_bytes(n)})")
     fix = "use " + " or ".join(fits) if fits else "no expert format fits"
     if ec.device.startswith("cuda"):
         fix += ", or a GPU memory budget (--gpu-memory-budget) that holds more of them on the GPU"
+    return need, total, available, fix
+
+
+def check_expert_memory(ec: EngineConfig, cpu_experts: list[int], hidden: int, inter: int) -> None:
+    """ec resolved (the native engine's format); cpu_experts: the CPU's experts in each MoE layer."""
+    need, total, available, fix = _fits(ec, cpu_experts, hidden, inter)
+    if total == 0 or need <= available:  # total 0: no /proc/meminfo, nothing to check against
+        return
     what = f"the routed experts packed for the CPU in {ec.expert_format} take {format_bytes(need)}"
     if need > total:
         raise HybridMoEError(f"{what}, more than this machine's {format_bytes(total)} of memory; {fix}")
     warnings.warn(f"{what}, more than the {format_bytes(available)} of memory available now; the load may "
                   f"swap or be killed; {fix}", stacklevel=3)
+
+
+def memory_line(ec: EngineConfig, cpu_experts: list[int], hidden: int, inter: int) -> str:
+    """`hybridmoe doctor`'s line: the packed CPU experts against the memory, and what fits if they do not."""
+    need, total, available, fix = _fits(ec, cpu_experts, hidden, inter)
+    line = (f"memory:     the CPU's routed experts in {ec.expert_format}: {format_bytes(need)} of "
+            f"{format_bytes(available)} available ({format_bytes(total)} total)")
+    return line if need <= available or total == 0 else f"{line}; too large: {fix}"
