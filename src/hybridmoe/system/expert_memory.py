@@ -43,7 +43,8 @@ def _fits(ec: EngineConfig, cpu_experts: list[int], hidden: int, inter: int) -> 
         group = ec.expert_group_size if fmt != "int4" else _int4_group(ec.expert_group_size, hidden, inter)
         n = packed_bytes(fmt, cpu_experts, hidden, inter, group, zero_points) if group else available + 1
         if n <= available:
-            flags = f"--expert-format {fmt}" + (f" --expert-group-size {group}" if group != ec.expert_group_size else "")
+            group_flag = f" --expert-group-size {group}" if group != ec.expert_group_size else ""
+            flags = f"--expert-format {fmt}{group_flag}"
             fits.append(f"expert_format {fmt} ({flags}: {format_bytes(n)})")
     fix = "use " + " or ".join(fits) if fits else "no expert format fits"
     if ec.device.startswith("cuda"):
