@@ -70,4 +70,4 @@ def test_fuse_decode_kernels_switches_the_layer_fusions_apart_from_the_others():
 
 
 def test_cpu_steps_keep_the_torch_path():
-    assert not decode_gemv(torch.randn(1, 8), True)
+    assert not decode_gemv(torch.randn(1, 8), True, torch.nn.Linear(8, 4))

@@ -224,7 +224,7 @@ class Attention(nn.Module):
 
     def _o_proj(self, o: torch.Tensor) -> torch.Tensor:
         """o [T, Hq D] -> [T, H]: the decode GEMV in short steps on CUDA (fused_layer), else cuBLAS."""
-        if decode_gemv(o, self.fused_layer):
+        if decode_gemv(o, self.fused_layer, self.o_proj):
             return norm_linear(o, self.o_proj)[0]
         return self.o_proj(o)
 

@@ -79,12 +79,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
-        gemv = decode_gemv(h, self.fused_layer)
-        if gemv and isinstance(attn, Attention):
+        if isinstance(attn, Attention) and decode_gemv(h, self.fused_layer, attn.qkv_proj):
             a = attn(None, positions, qkv=norm_linear(h, attn.qkv_proj, self.input_layernorm)[0])
         else:
             a = attn(self.input_layernorm(h), positions)
-        if gemv and getattr(mlp, "takes_router_logits", False):
+        if getattr(mlp, "takes_router_logits", False) and decode_gemv(h, self.fused_layer, mlp.gate):
             logits, x, h = norm_linear(a, mlp.gate, self.post_attention_layernorm, residual=h)
             return h + mlp(x, logits)
         x, h = self.post_attention_layernorm(a, residual=h)  # h + a and its norm: one kernel on CUDA
