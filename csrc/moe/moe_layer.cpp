@@ -370,6 +370,14 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   }
   const int R = T * K;
   const Matrix &gate = mats_[0], &up = mats_[1], &down = mats_[2];
+  if (T <= kCombineInRunTokens) {
+    // Decode: x (fresh from the caller, often not in this core's caches) and the rows its
+    // conversion writes, on their way while the tokens are grouped; each a few KiB.
+    prefetch_l2(c.x, size_t(T) * H * (c.x_bf16 ? 2 : 4));
+    if (!ws.act_tok.q.empty()) prefetch_l2(ws.act_tok.q.data(), std::min(ws.act_tok.q.size(), size_t(T) * (H + 32)) * 2);
+    if (!ws.act_tok.bf16.empty())
+      prefetch_l2(ws.act_tok.bf16.data(), std::min(ws.act_tok.bf16.size(), size_t(T) * (H + 32)) * 2);
+  }
   auto id_at = [&](int i) {
     return c.ids64 ? int(static_cast<const int64_t*>(c.ids)[i]) : static_cast<const int32_t*>(c.ids)[i];
   };
