@@ -10,8 +10,10 @@ T tokens, E experts, K experts per token, H hidden, I intermediate.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hybridmoe.experts.cpu_experts import CpuExperts
+from hybridmoe.experts.gpu_experts import weighted_experts
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
 from hybridmoe.layers.moe import softmax_topk
@@ -30,9 +32,16 @@ def backend(gpu_ids: list[int], deferred: int, layers: int = 1) -> HybridExperts
                       deferred_experts=deferred, num_layers=layers)
     g = torch.Generator().manual_seed(0)
     for layer in range(layers):
-        b.set_layer(layer, torch.randn(E, I, H, generator=g) / 8, torch.randn(E, I, H, generator=g) / 8,
-                    torch.randn(E, H, I, generator=g) / 6)
+        b.set_layer(layer, *weights(g))
     return b
+
+
+def weights(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's gate, up [E, I, H] and down [E, H, I]."""
+    return torch.randn(E, I, H, generator=g) / 8, torch.randn(E, I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 6
+
+
+WEIGHTS = weights(torch.Generator().manual_seed(0))  # layer 0's
 
 
 def layer(b: HybridExperts, x, ids, w) -> torch.Tensor:
@@ -77,6 +86,10 @@ def test_fixed_shapes_equal_the_synchronous_path_eager_and_replayed(T, gpu_ids, 
     w, ids = torch.randn(T, E, generator=g).softmax(-1).topk(K, dim=-1)
     ids, w = ids.cuda(), w.cuda()
     want = layer(backend(gpu_ids, deferred), x, ids, w)
+    # one layer: its deferred experts join right after it, so the layer is every routed expert's sum (the CPU
+    # engine's bf16 weights and activations: a loose bound, far below a misweighted expert)
+    torch.testing.assert_close(want.cpu(), weighted_experts(x.cpu(), *WEIGHTS, ids.cpu(), w.cpu(), None, F.silu),
+                               atol=3e-2, rtol=0)
     fixed = backend(gpu_ids, deferred)
     assert fixed.use_fixed_shapes(TMAX, torch.float32)
     torch.testing.assert_close(layer(fixed, x, ids, w), want, **FP32)

@@ -120,6 +120,8 @@ def test_split_defers_each_tokens_lowest_weights():
     assert torch.equal(later_w, torch.tensor([[0.2, 0.1], [0.25, 0.1]]))
     (ref_now, _), (ref_later, _) = split_by_loop(ids, w, 2)
     assert torch.equal(ref_now, now_ids) and torch.equal(ref_later, later_ids)
+    # laid out as their shapes say: the GPU share's kernels read weights[t, k] at t * K + k
+    assert all(t.is_contiguous() for t in (now_ids, now_w, later_ids, later_w))
 
 
 def test_cached_decode_with_deferral_equals_recomputing_the_whole_sequence(tiny_checkpoints):

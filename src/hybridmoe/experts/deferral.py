@@ -18,12 +18,13 @@ def split_deferred(topk_ids: torch.Tensor, topk_weights: torch.Tensor, deferred:
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, K] ids and weights -> (ids, weights) [T, K - deferred] run now, (ids, weights) [T, deferred] later.
 
-    Deferred are each token's `deferred` lowest weights (ties: the later slot is deferred).
+    Deferred are each token's `deferred` lowest weights (ties: the later slot is deferred). All four come
+    contiguous (column slices would be strided views, which kernels that read rows as laid out misread).
     """
     order = torch.sort(topk_weights, dim=1, descending=True, stable=True).indices
     ids, weights = topk_ids.gather(1, order), topk_weights.gather(1, order)
     keep = topk_ids.shape[1] - deferred
-    return ids[:, :keep], weights[:, :keep], ids[:, keep:], weights[:, keep:]
+    return tuple(t.contiguous() for t in (ids[:, :keep], weights[:, :keep], ids[:, keep:], weights[:, keep:]))
 
 
 @dataclass

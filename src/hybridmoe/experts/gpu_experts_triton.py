@@ -116,7 +116,7 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
         block = block_size(S, E)
         block_expert, block_slots = slot_blocks(torch.where(mask, ids.long(), E).reshape(S), E, block)
         NB = block_expert.numel()
-    w = weights.float().reshape(S)
+    w = weights.float().contiguous().reshape(S)  # the kernel reads w[s] at s: a strided view would be misread
     xw = x.to(gate.dtype).contiguous()
     h = torch.empty(S, I, dtype=torch.float32, device=x.device)  # rows of slots not here stay unread
     y = torch.zeros(S, H, dtype=torch.float32, device=x.device)  # slots not here add 0
