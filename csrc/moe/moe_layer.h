@@ -77,6 +77,7 @@ class MoeLayer {
   int item_prefetch() const { return item_prefetch_; }
   // Weight bytes per GEMM work item (gate and up counted both; 0: by item_blocks): gate/up items
   // of wide experts are then cut finer than down items, so every expert's h is ready sooner.
+  // Off: on the GPU host (r1, Qwen3 decode) 128/256 KiB items were no faster than 8 blocks.
   void set_item_bytes(int bytes) { item_bytes_ = bytes; }
   int item_bytes() const { return item_bytes_; }
   // Software prefetch distances of the memory-bound kernels (PackedView::prefetch_l1 / _l2).
@@ -87,10 +88,13 @@ class MoeLayer {
   int kernel_prefetch_l1() const { return kernel_prefetch_l1_; }
   int kernel_prefetch_l2() const { return kernel_prefetch_l2_; }
   // Whether the thread that runs a call (run()'s caller, or the pool's driver) computes GEMM
-  // items too, or only waits for the workers (ThreadPool::run's caller_works).
+  // items too, or only waits for the workers (ThreadPool::run's caller_works). On: off halved
+  // python's call and return on the GPU host (mini round, Qwen3 T=1: 9 + 3 us vs 13 + 5) but,
+  // one core fewer computing, was slower where the GEMMs dominate (int8 T=4 1273 vs 1147 us).
   void set_caller_works(bool on) { caller_works_ = on; }
   bool caller_works() const { return caller_works_; }
-  // Whether one-token experts read two weight blocks at once (PackedView::paired).
+  // Whether one-token experts read two weight blocks at once (PackedView::paired). Off: no
+  // clear win on the GPU host (mini round: within the noise, int8 T=1 slower).
   void set_paired(bool on) { paired_ = on; }
   bool paired() const { return paired_; }
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
