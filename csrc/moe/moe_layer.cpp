@@ -38,8 +38,8 @@ const Kernels& kernels_for(Isa isa) {
 // Backed by huge pages where the kernel's THP mode allows it ("madvise" or "always"): decode
 // streams each expert's weights once, and with 4 KiB pages every 4 KiB read is a TLB miss
 // (the host read probe, read_bandwidth.cpp, asks for huge pages too). On the GPU host (mini
-// round, Qwen3 decode loop, same run) huge pages read faster in 10 of 12 cells, e.g. int4 T=1
-// 195 and 185 us vs 229 and 198 with 4 KiB pages.
+// round, Qwen3 decode loop, same run, two repeats) huge pages were faster in 11 of 12 cells,
+// e.g. int4 T=1 210 and 176 us vs 223 and 217 with 4 KiB pages.
 void* alloc_on_node(size_t bytes, int node, int nodes) {
   if (bytes == 0) bytes = 1;
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
