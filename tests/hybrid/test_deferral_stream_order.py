@@ -1,0 +1,96 @@
+"""The fixed-shape (CUDA graph) path of HybridExperts with deferred experts, run on the CPU through a stand-in
+for the CUDA handoff that computes each CPU part when it is waited for and records the order of the stream's
+operations: the result equals the synchronous path, and the order is the one that overlaps the CPU with the
+GPU (a layer's own CPU part, then its deferred part, both sent before anything waits; the previous layer's
+deferred part waited for before this layer's own, which the CPU finishes after it; no wait between layers
+for a deferred part).
+
+T tokens, E experts, K experts per token, H hidden, I expert intermediate size.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridmoe.experts.gpu_experts import weighted_experts
+from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
+from hybridmoe.experts.placement import Footprint, PlacementPlan
+from hybridmoe.layers.moe import softmax_topk
+
+E, H, I, K, LAYERS = 8, 32, 16, 3, 3
+GPU = [0, 3, 5]
+
+
+class StreamLog:
+    """The stream's CPU operations in the order enqueued: (part, "go" | "wait", layer)."""
+
+    def __init__(self):
+        self.ops: list[tuple[str, str, int]] = []
+
+
+class CpuHandoff:
+    """CudaHandoff's enqueue_submit / enqueue_wait on CPU tensors: the rows are staged at submit, the layer's
+    CPU experts computed at wait (the native engine's result; repeated padding slots of weight 0 included)."""
+
+    def __init__(self, part: str, layers: dict[int, TorchCpuLayer], log: StreamLog):
+        self.part, self.layers, self.log = part, layers, log
+        self.dtype = torch.float32
+        self.staged: dict[int, tuple] = {}
+
+    def enqueue_submit(self, stream, layer, hidden, topk_ids, topk_weights):
+        assert layer not in self.staged
+        self.staged[layer] = (hidden.clone(), topk_ids.clone(), topk_weights.clone())
+        self.log.ops.append((self.part, "go", layer))
+
+    def enqueue_wait(self, stream, layer, out=None):
+        x, ids, w = self.staged.pop(layer)
+        self.log.ops.append((self.part, "wait", layer))
+        c = self.layers[layer]
+        return weighted_experts(x, c.gate, c.up, c.down, ids, w, None, F.silu)
+
+
+def backend(deferred: int, log: StreamLog | None = None) -> HybridExperts:
+    fp = Footprint(0, 0, 0, 3 * I * H * 4, list(range(LAYERS)), E, K, H, I)
+    plan = PlacementPlan(fp, None, "test", {layer: GPU for layer in range(LAYERS)})
+    b = HybridExperts(plan, "cpu", TorchCpuLayer, deferred_experts=deferred, num_layers=LAYERS)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(LAYERS):
+        b.set_layer(layer, torch.randn(E, I, H, generator=g) / 4, torch.randn(E, I, H, generator=g) / 4,
+                    torch.randn(E, H, I, generator=g) / 3)
+    if log is not None:  # the fixed-shape path, its handoffs on the CPU
+        cpu = {layer: b.cpu_engine(layer) for layer in range(LAYERS)}
+        own, later = CpuHandoff("own", cpu, log), CpuHandoff("deferred", cpu, log)
+        width = min(K - deferred, E - len(GPU)), min(deferred, E - len(GPU))
+        b._handoffs = {(part is later, layer): (part, w) for part, w in ((own, width[0]), (later, width[1]))
+                       for layer in range(LAYERS)}
+        b._fixed_tokens = 8
+        b._handoff = lambda deferred_part, layer, hidden: b._handoffs.get((deferred_part, layer), (None, 0))
+    return b
+
+
+def chain(b: HybridExperts, x: torch.Tensor, routers: torch.Tensor, fused_router: bool) -> torch.Tensor:
+    """LAYERS decoder layers' residual stream, each only its MoE block, routed by routers[i] [H, E]."""
+    h = x
+    for i in range(LAYERS):
+        logits = h @ routers[i]
+        out = b.forward_logits(i, h, logits, K, True) if fused_router else None
+        if out is None:  # the caller routes (the synchronous path; DeepSeek's own router)
+            w, ids = softmax_topk(logits, K, True, fused=False)
+            out = b.forward(i, h, ids, w)
+        h = b.after_layer(i, h + out)
+    return h
+
+
+@pytest.mark.parametrize("T,deferred,fused_router", [(1, 1, True), (4, 2, True), (4, 1, False), (1, 2, False)])
+def test_fixed_shapes_with_deferral_equal_the_synchronous_path_in_overlapping_order(T, deferred, fused_router):
+    g = torch.Generator().manual_seed(T)
+    x, routers = torch.randn(T, H, generator=g), torch.randn(LAYERS, H, E, generator=g)
+    want = chain(backend(deferred), x, routers, fused_router)
+    log = StreamLog()
+    torch.testing.assert_close(chain(backend(deferred, log), x, routers, fused_router), want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(want, chain(backend(0), x, routers, fused_router), atol=1e-3)  # deferral is not a no-op
+    expected = [("own", "go", 0), ("deferred", "go", 0), ("own", "wait", 0)]
+    for layer in range(1, LAYERS):
+        expected += [("own", "go", layer), ("deferred", "go", layer), ("deferred", "wait", layer - 1),
+                     ("own", "wait", layer)]
+    assert log.ops == expected + [("deferred", "wait", LAYERS - 1)]
