@@ -48,12 +48,15 @@ class DeepseekMoE(nn.Module):
             self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, hidden_act)
 
     def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]; logits: the router's float32 logits [T, E] of x if already made."""
+        """x [T, H] -> [T, H]; logits: the router's float32 logits [T, E] of x if already made.
+
+        The shared experts run between the routed experts' submit and wait: on a GPU they then fill the
+        time the stream waits for the CPU's routed experts instead of coming after it."""
         ids, weights = self.gate(x, logits)
-        out = self.experts.forward(self.layer_idx, x, ids, weights)
-        if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x)
-        return out
+        self.experts.submit(self.layer_idx, x, ids, weights)
+        shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
+        out = self.experts.wait(self.layer_idx)
+        return out if shared is None else out + shared
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):
