@@ -1,14 +1,17 @@
 """Decode speed with K deferred experts per token, side by side: K switched on one loaded engine, interleaved.
 
     python benchmarks/deferral_decode.py --synthetic qwen3-30b-a3b --layers 4,12 --formats int4,bf16
-        [--ks 0,1,2,3] [--repeats 3] [--gen-len 32] [--decode-prompt-len 64] [--json F]
+        [--ks 0,1,2,3] [--own-trim on,off] [--zero-copy off,on] | [--variants 0,1,2,0:notrim,0:zc]
+        [--repeats 3] [--gen-len 32] [--decode-prompt-len 64] [--json F]
         [engine options: --device cuda --gpu-memory-budget 16GiB --gpu-experts-per-layer 26 ...]
 
 For each depth (a synthetic checkpoint in memory, cut to that many layers) and expert format, one engine
-is loaded; then, `repeats` rounds of: for each K, HybridExperts.set_deferred_experts(K), the CUDA graphs
-dropped and captured again by a warm-up decode, and gen_len tokens decoded greedily at batch 1 and timed
-(the first step, the prompt, left out). Identical rows on the GPU host differ by up to 20% between runs,
-so the K are interleaved within each round and a row is the median of its rounds (every sample printed).
+is loaded; then, `repeats` rounds of: for each row (K deferred experts, and the handoffs' trim_padding
+and zero_copy as given), HybridExperts.set_deferred_experts(K), the CUDA graphs dropped and captured
+again by a warm-up decode, and gen_len tokens decoded greedily at batch 1 and timed (the first step,
+the prompt, left out). Identical rows on the GPU host differ by up to 20% between runs, so the rows are
+interleaved within each round and a row is the median of its rounds (every sample printed). "tokens =
+first row" compares each row's greedy tokens with the first row's (rows with the same K must agree).
 The floor is the CPU-resident expert bytes read per token (the routing of a K=0 decode) over the host
 read bandwidth measured in this run; deferred experts are still read, so it is the same for every K.
 With two or more depths (and every layer a MoE layer), decode time per token is also fitted as fixed +
