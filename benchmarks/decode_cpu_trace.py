@@ -30,13 +30,11 @@ import argparse
 import json
 import time
 
-import numpy as np
 import torch
 
 from e2e import _fmt, full_depth_gpu_experts
 from moe_layer import busy_wait
-from moe_trace import (B0, B1, DOWN, END, START, WAIT, WORKER, call_breakdown, matrix_block_bytes, med,
-                       print_cell)
+from moe_trace import call_breakdown, matrix_block_bytes, med, print_cell
 from hybridmoe import CpuExperts
 from hybridmoe.bench import _measure
 from hybridmoe.bench_anatomy import step_anatomy
@@ -198,39 +196,27 @@ def cell(side: Side, calls: list[tuple], inputs: list[tuple], bw_gbps: float) ->
     block_bytes = matrix_block_bytes(side.cpu)
     stats = [call_breakdown(rec, py0, py1, side.threads, block_bytes, rec["A"] * per_expert)
              for py0, py1, rec in calls]
-    s = {k: med([c[k] for c in stats]) for k in stats[0] if k != "late_by_worker"}
-    late = [c["late_by_worker"] for c in stats]  # nan: the worker did not join that call
-    s["late_by_worker"] = [med([v[w] for v in late if v[w] == v[w]]) for w in range(side.threads)]
+    by_worker = ("late_by_worker", "gbps_by_worker")  # per call, nan: the worker did not join / compute
+    s = {k: med([c[k] for c in stats]) for k in stats[0] if k not in by_worker}
+    for k in by_worker:
+        s[k] = [med([c[k][w] for c in stats if c[k][w] == c[k][w]]) for w in range(side.threads)]
     s["floor"] = s["bytes"] / (bw_gbps * 1e3)
     s["A"] = med([rec["A"] for _, _, rec in calls])
     s["T"], s["K"] = med([ids.shape[0] for _, ids, _ in inputs]), med([ids.shape[1] for _, ids, _ in inputs])
     s["zero_slots"] = med([int((w == 0).sum()) for _, _, w in inputs])
     s["rows_per_expert"] = s["T"] * s["K"] / s["A"]
     s["calls"] = len(stats)
-    by_worker = [worker_gbps(rec, side.threads, block_bytes) for _, _, rec in calls]
-    s["gbps_by_worker"] = [med([v[w] for v in by_worker if v[w] == v[w]]) for w in range(side.threads)]
     s["slept_by_worker"] = [sum(bool(rec["slept"][w]) for _, _, rec in calls) for w in range(side.threads)]
     return s
 
 
-def worker_gbps(rec: dict, threads: int, block_bytes: tuple[float, float]) -> list[float]:
-    """Per pool worker, GB/s while computing its GEMM items in this call (nan: it ran none): a slow core
-    (a busy sibling hyperthread, another thread on its CPU) stands out."""
-    it = rec["items"].numpy()
-    comp = it[:, END] - it[:, START] - it[:, WAIT]
-    nbytes = (it[:, B1] - it[:, B0]) * np.where(it[:, DOWN] == 1, block_bytes[1], block_bytes[0])
-    return [float(nbytes[it[:, WORKER] == w].sum() / max(comp[it[:, WORKER] == w].sum(), 1))
-            if (it[:, WORKER] == w).any() else float("nan") for w in range(threads)]
-
-
 def print_pair(key: str, side_cells: dict[str, dict], untraced: dict[str, float]) -> None:
     for name, s in side_cells.items():
-        print_cell(f"{key} {name}", s["calls"], untraced[name], s["floor"], s, s["late_by_worker"])
+        print_cell(f"{key} {name}", s["calls"], untraced[name], s["floor"], s, s["late_by_worker"], s["gbps_by_worker"])
         print(f"{'':<40} routing: T {s['T']:g}, K {s['K']:g} slots/token ({s['zero_slots']:g} of weight 0: "
               f"padding), A {s['A']:g} distinct experts, {s['rows_per_expert']:.2f} rows/expert; "
               f"read {s['bytes'] / 1e6:.2f} MB, floor {s['floor']:.1f} us, wall/floor {s['wall'] / s['floor']:.2f}")
-        print(f"{'':<40} GB/s by worker (median): " + " ".join(_fmt(v, ".1f") for v in s["gbps_by_worker"])
-              + "; calls each worker had slept before: " + " ".join(map(str, s["slept_by_worker"])))
+        print(f"{'':<40} calls each worker had slept before: " + " ".join(map(str, s["slept_by_worker"])))
     p, q = side_cells["pipeline"], side_cells["standalone"]
     print(f"{'':<40} pipeline / standalone: wall {p['wall'] / q['wall']:.2f}x, gemm {p['gemm'] / q['gemm']:.2f}x, "
           f"before {p['before'] - q['before']:+.1f} us, tail {p['tail'] - q['tail']:+.1f} us, late mean "
