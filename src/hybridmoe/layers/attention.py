@@ -222,6 +222,12 @@ class Attention(nn.Module):
         o = cached_attention(q, k, v, self.kv_cache, self.scale, self.sliding_window)
         return self._o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
+    def forward_normed(self, h: torch.Tensor, norm: RMSNorm, positions: torch.Tensor) -> torch.Tensor:
+        """forward(norm(h), positions), the norm folded into qkv_proj's decode GEMV where it runs (fused_layer)."""
+        if decode_gemv(h, self.fused_layer, self.qkv_proj):
+            return self(None, positions, qkv=norm_linear(h, self.qkv_proj, norm)[0])
+        return self(norm(h), positions)
+
     def _o_proj(self, o: torch.Tensor) -> torch.Tensor:
         """o [T, Hq D] -> [T, H]: the decode GEMV in short steps on CUDA (fused_layer), else cuBLAS."""
         if decode_gemv(o, self.fused_layer, self.o_proj):

@@ -21,6 +21,7 @@ from torch import nn
 
 from hybridmoe.engine.context import DecodeBatch, get_context
 from hybridmoe.experts.gpu_experts import HAVE_TRITON
+from hybridmoe.layers.linear import decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.layers.yarn import softmax_scale
@@ -66,7 +67,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = softmax_scale(rope, qk_head_dim)
         self.kv_cache: torch.Tensor | None = None  # [slots, max_len, R + P]
         # on CUDA, a fixed-shape decode step of at most FUSED_MAX_LEN positions: rotary, the latent's norm,
-        # the cache write and the attention in one kernel (mla_decode_triton.py); MoECausalLM.fuse_decode_kernels
+        # the cache write and the attention in one kernel (mla_decode_triton.py); one token: the projections
+        # as decode GEMVs (forward_normed, o_proj); MoECausalLM.fuse_decode_kernels
         self.fused_layer = False
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
@@ -76,24 +78,39 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], positions [T] -> [T, H]; writes the new tokens' latents into the cache."""
-        T, N, R, D = hidden.shape[0], self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim
         if hasattr(self, "q_proj"):
             q = self.q_proj(hidden)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        return self._attention(q, self.kv_a_proj_with_mqa(hidden), positions)
+
+    def forward_normed(self, h: torch.Tensor, norm: RMSNorm, positions: torch.Tensor) -> torch.Tensor:
+        """forward(norm(h), positions) with fused_layer's decode GEMVs where they run (layers/linear.py):
+        the norm folded into q_proj (or q_a_proj), q_a_layernorm into q_b_proj, and kv_a_proj_with_mqa."""
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        if not decode_gemv(h, self.fused_layer, first):
+            return self(norm(h), positions)
+        q, x, _ = norm_linear(h, first, norm)
+        if not hasattr(self, "q_proj"):
+            q = norm_linear(q, self.q_b_proj, self.q_a_layernorm)[0]
+        return self._attention(q, norm_linear(x, self.kv_a_proj_with_mqa)[0], positions)
+
+    def _attention(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """From the projections q [T, N (D + P)] and kv_a [T, R + P] of the step's tokens to the output [T, H]."""
+        T, N, R, D = q.shape[0], self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim
         q_nope, q_pe = q.view(T, N, -1).split([D, self.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([R, self.qk_rope_head_dim], dim=-1)
+        latent, k_pe = kv_a.split([R, self.qk_rope_head_dim], dim=-1)
         w_kv = self.kv_b_proj.weight.view(N, D + self.v_head_dim, R)
         w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # [N, D, R], [N, V, R]
         q_abs = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)  # [T, N, R]
         decode = get_context().decode
-        if (self.fused_layer and HAVE_TRITON and hidden.is_cuda and self.kv_cache is not None
+        if (self.fused_layer and HAVE_TRITON and q.is_cuda and self.kv_cache is not None
                 and decode is not None and decode.pad_len <= FUSED_MAX_LEN):
             from hybridmoe.layers.mla_decode_triton import triton_mla_decode
 
             norm = self.kv_a_layernorm
             out = triton_mla_decode(q_abs, q_pe, latent, k_pe, norm.weight, norm.eps, positions,
-                                    self.rotary.inv_freq(hidden.device), self.rotary.attention_scaling,
+                                    self.rotary.inv_freq(q.device), self.rotary.attention_scaling,
                                     self.rotate is apply_rotary_interleaved, self.kv_cache, decode.slots, decode.lens,
                                     self.scale)
         else:
@@ -102,8 +119,10 @@ class MultiHeadLatentAttention(nn.Module):
             k_pe = self.rotate(k_pe.unsqueeze(1), cos, sin).squeeze(1)
             query = torch.cat((q_abs, q_pe), dim=-1)  # [T, N, R + P]
             out = self._attend(query, torch.cat((self.kv_a_layernorm(latent), k_pe), dim=-1), positions)
-        out = torch.einsum("tnr,nvr->tnv", out, w_uv)  # [T, N, V]
-        return self.o_proj(out.reshape(T, N * self.v_head_dim))
+        out = torch.einsum("tnr,nvr->tnv", out, w_uv).reshape(T, N * self.v_head_dim)  # [T, N V]
+        if decode_gemv(out, self.fused_layer, self.o_proj):
+            return norm_linear(out, self.o_proj)[0]
+        return self.o_proj(out)
 
     def _attend(self, query: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Write kv [T, R + P] into the cache; query [T, N, R + P] -> [T, N, R] over each sequence's cache.

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from hybridmoe.experts.base import ExpertBackend
-from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.linear import decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 
@@ -62,10 +61,10 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h)).
 
     mlp_name is the attribute the checkpoint uses for the MLP ("mlp"; Mixtral: "block_sparse_moe").
-    fused_layer: in short steps on CUDA, each norm and the projection after it (the input norm and
-    Attention's qkv_proj, the post-attention norm with its residual add and the router of an MLP that
-    takes_router_logits) run as one Triton GEMV (layers/linear.py norm_linear); else as the norm's
-    kernel and cuBLAS.
+    fused_layer: in short steps on CUDA, each norm and the projection after it (the input norm and the
+    attention's first projection (forward_normed), the post-attention norm with its residual add and the
+    router of an MLP that takes_router_logits) run as one Triton GEMV (layers/linear.py norm_linear);
+    else as the norm's kernel and cuBLAS.
     """
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, mlp_name: str = "mlp"):
@@ -79,8 +78,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
-        if isinstance(attn, Attention) and decode_gemv(h, self.fused_layer, attn.qkv_proj):
-            a = attn(None, positions, qkv=norm_linear(h, attn.qkv_proj, self.input_layernorm)[0])
+        if self.fused_layer and hasattr(attn, "forward_normed"):  # the norm inside its first projection
+            a = attn.forward_normed(h, self.input_layernorm, positions)
         else:
             a = attn(self.input_layernorm(h), positions)
         if getattr(mlp, "takes_router_logits", False) and decode_gemv(h, self.fused_layer, mlp.gate):
