@@ -1,0 +1,122 @@
+// The AMX 2x2 tile loop of csrc/moe/amx_kernels.inc alone: ns per tile product (one TDPBF16PS or
+// TDPBSSD, 16 cycles each at the documented peak), one thread and every core at once, for step
+// orders (all loads first / the reordered loads of k_loop), A tiles from an L1- or L2-sized ring,
+// A prefetched into L1, and C round trips. Standalone (no repo code), for AMX hosts:
+//
+//   g++ -O2 -std=c++17 -mamx-tile -mamx-bf16 -mamx-int8 -mavx512f -o /tmp/amx_tile_loop \
+//       benchmarks/amx_tile_loop.cpp -lpthread && /tmp/amx_tile_loop
+//
+// GPU host (16 cores), session 4 final round, 16 threads, bf16 | int8 ns per product: products
+// alone 12.0 | 13.5; with tile loads 23.2-25.3 | 24.7-26.2 whatever the order, L1 or L2, or A
+// prefetch; a C round trip every 8 steps 26.1-28.5 | 27.6-29.3. Single-thread rows swung between
+// 6.4 and 27 ns from case to case (not repeatable there). So with every core busy one tile product
+// with loads costs ~2x one without, ~0.66 TFLOP/s per core in BF16: the ceiling of the tile loop.
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+struct alignas(64) Cfg { uint8_t palette = 1, start = 0, res[14] = {}; uint16_t colsb[16] = {}; uint8_t rows[16] = {}; };
+static void cfg() { Cfg c; for (int t = 0; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; } _tile_loadconfig(&c); }
+
+enum Order { kDpOnly, kLoadsFirst, kPipe };
+// steps: K steps per C round trip (0: C stays in tiles); abytes: size of the A ring (the stream);
+// pf: prefetch A 2 steps ahead into L1.
+template <bool kInt8>
+double run(Order order, int abytes, int steps, bool pf, long total_steps) {
+  cfg();
+  std::vector<uint8_t> Abuf(abytes + 4096 * 2), Bbuf(16384 + 4096), Cbuf(8192 + 128);
+  uint8_t* A = (uint8_t*)(((uintptr_t)Abuf.data() + 63) & ~uintptr_t(63));
+  uint8_t* B = (uint8_t*)(((uintptr_t)Bbuf.data() + 63) & ~uintptr_t(63));
+  uint8_t* C = (uint8_t*)(((uintptr_t)Cbuf.data() + 63) & ~uintptr_t(63));
+  for (int i = 0; i < abytes; ++i) A[i] = kInt8 ? uint8_t(i % 7) : uint8_t(i % 3 == 0 ? 0x3f : 0);
+  for (int i = 0; i < 16384; ++i) B[i] = kInt8 ? uint8_t(i % 5) : uint8_t(i % 3 == 0 ? 0x3f : 0);
+  memset(C, 0, 8192);
+  const int astep = 2048;  // two A tiles (tokens 0-15, 16-31) per step, contiguous here
+  const int nA = abytes / astep, nB = 16384 / 2048;
+  auto dp = [&](auto c) {
+    constexpr int cc = decltype(c)::value;
+    if constexpr (kInt8) {
+      if constexpr (cc == 0) _tile_dpbssd(0, 4, 6); else if constexpr (cc == 1) _tile_dpbssd(1, 4, 7);
+      else if constexpr (cc == 2) _tile_dpbssd(2, 5, 6); else _tile_dpbssd(3, 5, 7);
+    } else {
+      if constexpr (cc == 0) _tile_dpbf16ps(0, 4, 6); else if constexpr (cc == 1) _tile_dpbf16ps(1, 4, 7);
+      else if constexpr (cc == 2) _tile_dpbf16ps(2, 5, 6); else _tile_dpbf16ps(3, 5, 7);
+    }
+  };
+  using I0 = std::integral_constant<int, 0>; using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>; using I3 = std::integral_constant<int, 3>;
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_loadd(4, A, 64); _tile_loadd(5, A + 1024, 64); _tile_loadd(6, B, 128); _tile_loadd(7, B + 64, 128);
+  auto t0 = std::chrono::steady_clock::now();
+  long s = 0;
+  while (s < total_steps) {
+    const int n = steps ? steps : 64;
+    if (steps) { _tile_loadd(0, C, 128); _tile_loadd(1, C + 64, 128); _tile_loadd(2, C + 2048, 128); _tile_loadd(3, C + 2048 + 64, 128); }
+    for (int i = 0; i < n; ++i, ++s) {
+      const uint8_t* a = A + size_t(s % nA) * astep;
+      const uint8_t* b = B + size_t(s % nB) * 2048;
+      if (pf) {
+        const uint8_t* ap = A + size_t((s + 2) % nA) * astep;
+        for (int l = 0; l < 2048; l += 64) _mm_prefetch((const char*)ap + l, _MM_HINT_T0);
+      }
+      if (order == kDpOnly) { dp(I0{}); dp(I1{}); dp(I2{}); dp(I3{}); continue; }
+      if (order == kLoadsFirst) {
+        _tile_loadd(4, a, 64); _tile_loadd(5, a + 1024, 64); _tile_loadd(6, b, 128); _tile_loadd(7, b + 64, 128);
+        dp(I0{}); dp(I1{}); dp(I2{}); dp(I3{});
+      } else {
+        const uint8_t* an = A + size_t((s + 1) % nA) * astep;
+        const uint8_t* bn = B + size_t((s + 1) % nB) * 2048;
+        dp(I0{}); dp(I2{});
+        _tile_loadd(6, bn, 128);
+        dp(I1{}); dp(I3{});
+        _tile_loadd(4, an, 64); _tile_loadd(5, an + 1024, 64); _tile_loadd(7, bn + 64, 128);
+      }
+    }
+    if (steps) { _tile_stored(0, C, 128); _tile_stored(1, C + 64, 128); _tile_stored(2, C + 2048, 128); _tile_stored(3, C + 2048 + 64, 128); }
+  }
+  double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count();
+  _tile_release();
+  return ns / (4.0 * s);  // ns per tile product
+}
+
+int main() {
+  if (syscall(SYS_arch_prctl, 0x1023, 18)) { puts("no AMX permission"); return 1; }
+  struct Case { const char* name; Order o; int abytes; int steps; bool pf; };
+  const Case cases[] = {
+      {"products only (4 C tiles, no loads)", kDpOnly, 16384, 0, false},
+      {"loads first, A ring 16 KiB (L1), C kept", kLoadsFirst, 16384, 0, false},
+      {"pipe,        A ring 16 KiB (L1), C kept", kPipe, 16384, 0, false},
+      {"loads first, A ring 128 KiB (L2), C kept", kLoadsFirst, 131072, 0, false},
+      {"pipe,        A ring 128 KiB (L2), C kept", kPipe, 131072, 0, false},
+      {"pipe + A pf, A ring 128 KiB (L2), C kept", kPipe, 131072, 0, true},
+      {"pipe,        A ring 16 KiB, C round trip / 8 steps", kPipe, 16384, 8, false},
+      {"pipe + A pf, A ring 128 KiB, C round trip / 8 steps", kPipe, 131072, 8, true},
+      {"loads first, A ring 1 MiB (L2/L3), C kept", kLoadsFirst, 1 << 20, 0, false},
+      {"pipe + A pf, A ring 1 MiB (L2/L3), C kept", kPipe, 1 << 20, 0, true},
+  };
+  const long steps = 200000;
+  const int threads = std::thread::hardware_concurrency();
+  printf("ns per tile product (16 cycles each at peak): 1 thread bf16 | int8 || %d threads bf16 | int8 (mean)\n", threads);
+  for (const Case& c : cases) {
+    double r[4];
+    r[0] = run<false>(c.o, c.abytes, c.steps, c.pf, steps);
+    r[1] = run<true>(c.o, c.abytes, c.steps, c.pf, steps);
+    for (int k = 0; k < 2; ++k) {
+      std::vector<double> res(threads);
+      std::vector<std::thread> th;
+      for (int t = 0; t < threads; ++t)
+        th.emplace_back([&, t] { res[t] = k ? run<true>(c.o, c.abytes, c.steps, c.pf, steps) : run<false>(c.o, c.abytes, c.steps, c.pf, steps); });
+      for (auto& x : th) x.join();
+      double m = 0; for (double v : res) m += v;
+      r[2 + k] = m / threads;
+    }
+    printf("%-52s %6.2f %6.2f || %6.2f %6.2f\n", c.name, r[0], r[1], r[2], r[3]);
+  }
+}
