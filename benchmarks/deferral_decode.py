@@ -194,10 +194,17 @@ def rounds(engine, variants: list[Variant], args, prompt: list[int], samples: di
                   f"{_anatomy_line(seen)} (+{time.perf_counter() - START:.0f} s)", flush=True)
 
 
+RETIRED: list = []
+"""Graphs captured for earlier rows, never replayed again but kept alive: the runner captures every graph
+into one memory pool, and capturing into a pool whose graphs were all freed fails inside torch's allocator
+(use_count > 0, seen on the GPU host); bench_suite keeps its own retired graphs for the same reason."""
+
+
 def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tuple[float, list[int], dict]:
     """One timed decode with variant v: seconds per token, the tokens, the handoffs' anatomy."""
-    if engine.runner.fixed:  # the graphs captured for the previous K go before its handoffs
+    if engine.runner.fixed:  # the graphs captured for the previous K are not replayed again (new handoffs)
         torch.cuda.synchronize()
+        RETIRED.extend(engine.runner._graphs.values())
         engine.runner._graphs.clear()
     experts.set_deferred_experts(v.k)
     parts = part_stats(engine.runner.model)
@@ -267,6 +274,7 @@ def main(argv=None) -> int:
                 rows, stopped = measure_engine(engine, variants, args, bandwidth, method)
                 results += [dict(row, format=fmt, layers=n, moe_layers=moe) for row in rows]
                 del engine
+                RETIRED.clear()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     print(f"# {args.synthetic}, batch 1, {args.gen_len} tokens per sample, median of {args.repeats} interleaved "
