@@ -29,7 +29,8 @@ model, also with (ROWS, comma-separated, default all): graph: no CUDA graph (the
 prewake: the same engine with the CPU pool woken by the stream after every layer's wait; zero-copy: the
 same engine with the handoff's rows and output through the device's mapping of the pinned buffers
 instead of copies; trim: the same engine with one token's padding slots (weight 0) left out of its CPU
-work; these with graphs captured again, on the stream_mem_ops handoff only, and (without --repeats)
+work ("trim padding off", kept in, where the engine already trims: the default since session 4); these
+with graphs captured again, on the stream_mem_ops handoff only, and (without --repeats)
 followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
 on" has 0, else 0; switched on the same engine when it is the hybrid split, as with a GPU budget);
 gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on"
@@ -49,6 +50,7 @@ prefill at 512 (48 layers).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import signal
@@ -352,8 +354,8 @@ def full_depth_table(results, prompt_lens: list[int]) -> list[str]:
 
 
 def fit_table(fits, prompt_lens: list[int], results) -> list[str]:
-    """One row per fit; with repeats, also the decode range at full depth: the same fit through each
-    depth's fastest samples and through its slowest."""
+    """One row per fit; with repeats, also the decode range at full depth: the slowest and fastest of
+    the same fit through every choice of one sample per depth (the medians' fit is one of them)."""
     head = (["config (fit)", "from layers", "layers", "decode fixed ms", "decode ms/MoE layer", "fit max resid ms"]
             + [f"prefill {n}" for n in prompt_lens]
             + ["decode tok/s", "decode tok/s range", "ms/token", "floor ms", "decode/floor", "floor/MoE layer ms"])
@@ -362,10 +364,10 @@ def fit_table(fits, prompt_lens: list[int], results) -> list[str]:
         prefill = f.prefill_tok_s
         mine = [r for r in results if r.label == f.label and len(r.decode_samples_s) > 1]
         spread = "-"
-        if len({r.model_layers for r in mine}) >= 2:
-            at = lambda pick: fit_line([(len(r.floor.layers), pick(r.decode_samples_s)) for r in mine]).at(  # noqa: E731
-                f.full_moe_layers)
-            spread = f"{1 / at(max):.1f}-{1 / at(min):.1f}"
+        if len({r.model_layers for r in mine}) >= 2:  # every choice of one sample per depth, fitted
+            at = [fit_line([(len(r.floor.layers), d) for r, d in zip(mine, pick)]).at(f.full_moe_layers)
+                  for pick in itertools.product(*(r.decode_samples_s for r in mine))]
+            spread = f"{1 / max(at):.1f}-{1 / min(at):.1f}"
         rows.append([f.label, ",".join(map(str, f.depths)), str(f.full_layers), _fmt(1e3 * f.decode.fixed, ".3f"),
                      _fmt(1e3 * f.decode.per_layer, ".3f"), _fmt(1e3 * f.decode.max_residual, ".3f")]
                     + [_fmt(prefill.get(n), ".0f") for n in prompt_lens]

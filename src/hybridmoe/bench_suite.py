@@ -183,7 +183,9 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         if eager_label is not None:
             rows.append(Row(eager_label, False, None, False))
         rows += [Row(variant, bench.graphs, None, False, deferred=k) for variant, k in deferral_variants]
-        rows += [Row(variant, bench.graphs, options, False) for variant, options in handoff_variants if bench.memops]
+        for variant, options in handoff_variants if bench.memops else ():
+            variant, options = toggled(variant, options, bench.defaults)
+            rows.append(Row(variant, bench.graphs, options, False))
         prompts = {row.label: {n: prompt(n) for n in (prompt_lens if row.every_length else prompt_lens[:1])}
                    for row in rows}
         samples: dict[str, list[Sample]] = {row.label: [] for row in rows}
@@ -276,6 +278,14 @@ class _Bench:
             runner._graphs.clear()  # capture them again with these options
             self.captured = options
         runner.cuda_graph = row.graph
+
+
+def toggled(label: str, options: dict, defaults: dict) -> tuple[str, dict]:
+    """A handoff row that would set only what the engine already has (e.g. trim_padding, on by default
+    since session 4) measures the other way instead: the options negated, " off" after its label."""
+    if options and all(defaults.get(name) == value for name, value in options.items()):
+        return f"{label} off", {name: not value for name, value in options.items()}
+    return label, options
 
 
 def handoffs(model) -> list:

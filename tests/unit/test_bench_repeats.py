@@ -86,3 +86,11 @@ def test_deferral_rows_switch_k_on_the_loaded_engine(model_dir, monkeypatch):
     assert switched == [1, 0, 1]  # K0 K1 K0 K1: one switch before each row but the first
     assert (on.resolved.deferred_experts, k1.resolved.deferred_experts) == (0, 1)
     assert len(on.decode_samples_s) == len(k1.decode_samples_s) == 2
+
+
+def test_a_handoff_row_that_changes_nothing_measures_the_other_way():
+    defaults = {"trim_padding": True, "zero_copy": False}
+    assert suite.toggled("int4 trim padding", {"trim_padding": True}, defaults) == \
+        ("int4 trim padding off", {"trim_padding": False})
+    assert suite.toggled("int4 zero-copy", {"zero_copy": True}, defaults) == ("int4 zero-copy", {"zero_copy": True})
+    assert suite.toggled("int4 all on, again", {}, defaults) == ("int4 all on, again", {})
