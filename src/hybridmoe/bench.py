@@ -66,6 +66,11 @@ def run_e2e(model_dir: str, engine_config: EngineConfig, workload: Workload) -> 
     t0 = time.perf_counter()
     engine = LLMEngine(model_dir, engine_config)
     load_s = time.perf_counter() - t0
+    total = workload.prompt_len + workload.gen_len
+    if total > engine.max_model_len:
+        raise HybridMoEError(
+            f"--prompt-len {workload.prompt_len} + --gen-len {workload.gen_len} = {total} exceeds the model's "
+            f"context of {engine.max_model_len} tokens; lower --gen-len or --prompt-len, or raise --max-model-len")
     g = torch.Generator().manual_seed(workload.seed)
     prompts = torch.randint(0, engine.vocab_size, (workload.batch, workload.prompt_len), generator=g).tolist()
     _measure(engine, [prompts[0][:8]], 2)  # warm-up

@@ -36,3 +36,12 @@ def test_a_non_positive_workload_is_a_one_line_error(checkpoint, capsys, flag):
     err = capsys.readouterr().err
     assert err.startswith("hybridmoe bench: error:") and err.count("\n") == 1
     assert f"{flag} 1 or more" in err
+
+
+def test_a_workload_over_the_context_names_the_flags(checkpoint, capsys):
+    assert main(["bench", "--model", str(checkpoint), "--prompt-len", "500", "--gen-len", "100",
+                 "--expert-backend", "torch"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridmoe bench: error:") and err.count("\n") == 1
+    assert "--prompt-len 500 + --gen-len 100 = 600 exceeds the model's context of 512 tokens" in err
+    assert "max_tokens" not in err
