@@ -36,7 +36,8 @@ class EngineConfig:
     a GPU, else cpu)."""
 
     max_model_len: int | None = None
-    """Longest prompt + completion, in tokens. None: the model's max_position_embeddings, capped at 4096."""
+    """Longest prompt + completion, in tokens. None: the model's max_position_embeddings, capped at 4096.
+    More than max_position_embeddings (or what a YaRN rope_scaling stretches it to) fails the load."""
 
     max_num_seqs: int = 8
     """Most sequences decoded together in one step (the max batch)."""

@@ -1,8 +1,14 @@
+import json
+import shutil
+
 import pytest
 
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.cli import main
+from hybridmoe.config import EngineConfig
+from hybridmoe.engine.llm_engine import LLMEngine
+from hybridmoe.errors import HybridMoEError
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +42,8 @@ def test_run_with_a_seed_is_reproducible(checkpoint, capsys):
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--max-new-tokens", "5000"], "exceeds the context of 512 tokens"),
     (["--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
+    (["--max-model-len", "1024"],
+     "max_model_len 1024 (--max-model-len) exceeds the model's max_position_embeddings 512"),
 ])
 def test_mistakes_are_one_line_errors(checkpoint, capsys, extra, needle):
     assert main(["run", "--model", str(checkpoint), "--prompt", "Hi", *extra]) == 2
@@ -55,3 +63,31 @@ def test_engine_flags_map_onto_engine_config_fields():
     help_text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     for f in fields(EngineConfig):
         assert "--" + f.name.replace("_", "-") in help_text
+
+
+def _edit_config(checkpoint, tmp_path, edit):
+    d = tmp_path / "model"
+    shutil.copytree(checkpoint, d)
+    config = json.loads((d / "config.json").read_text())
+    edit(config)
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_max_model_len_up_to_the_model_positions_or_its_default(checkpoint):
+    assert LLMEngine(checkpoint, EngineConfig(max_model_len=512)).max_model_len == 512
+    assert LLMEngine(checkpoint).max_model_len == 512  # max_position_embeddings, under the 4096 cap
+
+
+def test_max_model_len_of_a_config_without_max_position_embeddings(checkpoint, tmp_path):
+    d = _edit_config(checkpoint, tmp_path, lambda c: c.pop("max_position_embeddings"))
+    assert LLMEngine(d, EngineConfig(max_model_len=1024)).max_model_len == 1024
+    assert LLMEngine(d).max_model_len == 4096  # the family's default (32768), capped
+
+
+def test_max_model_len_may_reach_what_yarn_stretches_the_model_to(checkpoint, tmp_path):
+    d = _edit_config(checkpoint, tmp_path, lambda c: c.update(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}))
+    assert LLMEngine(d, EngineConfig(max_model_len=2048)).max_model_len == 2048
+    with pytest.raises(HybridMoEError, match="exceeds the model's max_position_embeddings 2048"):
+        LLMEngine(d, EngineConfig(max_model_len=2049))

@@ -18,7 +18,7 @@ def run(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--synthetic", "qwen3_moe:tiny", "--layers", "2", "--device", "cpu",
          "--format", "int4", "--group-size", "32", "--calls", str(CALLS), "--threads", "2", "--prompt-len", "8",
-         "--bandwidth-bytes", str(16 << 20), "--torch-threads", "0,1", "--json", str(out)],
+         "--bandwidth-bytes", str(16 << 20), "--torch-threads", "0,1", "--max-model-len", "64", "--json", str(out)],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads(out.read_text())

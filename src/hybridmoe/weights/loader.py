@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.engine.llm_engine import max_model_len
 from hybridmoe.errors import CheckpointError, HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.experts.streamed_prefill import attach as attach_prefill_streamer
@@ -205,6 +206,7 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     engine_config = engine_config or EngineConfig()
     model_dir = resolve_model_path(model_dir, engine_config)
     cls, config = load_config(model_dir)
+    max_model_len(config, engine_config)  # a max_model_len the model cannot take fails before the weights load
     dtype = resolve_dtype(engine_config.dtype, config)
     engine_config = resolve_engine_config(engine_config, config, dtype, model_dir)
     experts = make_expert_backend(engine_config, config, cls, dtype)
