@@ -6,6 +6,7 @@ Binds to 127.0.0.1 unless --host says otherwise. Every engine option is a flag t
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 
@@ -53,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise HybridMoEError(f"--model {args.model} is not a directory; give a Hugging Face model directory")
     api_key = args.api_key or None
     name = args.served_model_name or model_dir.resolve().name
+    _check_port(args.host, args.port)  # before the load, which can take minutes
 
     engine = AsyncEngine(LLMEngine(model_dir, EngineConfig.from_kwargs(**kwargs)), max_queue=args.max_queue)
     app = build_app(engine, name, api_key=api_key)
@@ -61,3 +63,14 @@ def run(args: argparse.Namespace) -> int:
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """Bind host:port as uvicorn will (IPv6 when the host has a colon, SO_REUSEADDR) and let it go again."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise HybridMoEError(f"cannot listen on {host}:{port} ({e.strerror or e}); "
+                                 f"stop what holds port {port}, or pass another --port or --host") from None

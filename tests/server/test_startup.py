@@ -1,0 +1,21 @@
+"""What `hybridmoe serve` checks before it loads the model."""
+
+import socket
+
+import hybridmoe.weights.loader
+from hybridmoe.cli import main
+
+
+def test_a_taken_port_is_a_one_line_error_before_the_model_loads(tiny_model, capsys, monkeypatch):
+    loads = []
+    load_model = hybridmoe.weights.loader.load_model
+    monkeypatch.setattr(hybridmoe.weights.loader, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        rc = main(["serve", "--model", str(tiny_model), "--port", str(port), "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert rc == 2 and loads == []
+    assert err.startswith("hybridmoe serve: error: cannot listen on 127.0.0.1:") and err.count("\n") == 1
+    assert f"port {port}" in err and "--port" in err
