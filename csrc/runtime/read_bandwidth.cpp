@@ -23,30 +23,19 @@ constexpr size_t kAlign = size_t(2) << 20;      // buffer alignment: lets the ke
 volatile uint64_t g_sink;                        // the XOR of everything read, so no load is optimized away
 
 // Each reader XORs one block into four independent accumulators (loads in flight, not a chain
-// of dependent ops) and returns the folded 64-bit result.
+// of dependent ops) and returns the folded 64-bit result. Prefetch: software prefetches ahead of
+// the loads, as the decode kernels issue them (L1 4 KiB ahead, L2 16 KiB ahead): more bytes in
+// flight per core than the hardware prefetchers keep. A template argument, so the plain reader's
+// loop has no prefetch (nor any test for one) in it.
+template <bool Prefetch>
 __attribute__((target("avx512f"))) uint64_t read_avx512(const uint8_t* p, size_t n) {
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
   for (size_t i = 0; i < n; i += 256) {
-    a0 = _mm512_xor_si512(a0, _mm512_load_si512(p + i));
-    a1 = _mm512_xor_si512(a1, _mm512_load_si512(p + i + 64));
-    a2 = _mm512_xor_si512(a2, _mm512_load_si512(p + i + 128));
-    a3 = _mm512_xor_si512(a3, _mm512_load_si512(p + i + 192));
-  }
-  alignas(64) uint64_t lanes[8];
-  _mm512_store_si512(lanes, _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
-  uint64_t r = 0;
-  for (uint64_t v : lanes) r ^= v;
-  return r;
-}
-
-// The same with software prefetches ahead of the loads, as the decode kernels issue them (L1 4 KiB
-// ahead, L2 16 KiB ahead): more bytes in flight per core than the hardware prefetchers keep.
-__attribute__((target("avx512f"))) uint64_t read_avx512_prefetch(const uint8_t* p, size_t n) {
-  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  for (size_t i = 0; i < n; i += 256) {
-    for (int l = 0; l < 256; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + i + l) + 4096, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p + i + l) + 16384, _MM_HINT_T1);
+    if constexpr (Prefetch) {
+      for (int l = 0; l < 256; l += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + i + l) + 4096, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + i + l) + 16384, _MM_HINT_T1);
+      }
     }
     a0 = _mm512_xor_si512(a0, _mm512_load_si512(p + i));
     a1 = _mm512_xor_si512(a1, _mm512_load_si512(p + i + 64));
@@ -90,7 +79,7 @@ using Reader = uint64_t (*)(const uint8_t*, size_t);
 
 Reader best_reader(bool prefetch) {
   const auto& f = cpu_features();
-  if (f.avx512f) return prefetch ? read_avx512_prefetch : read_avx512;
+  if (f.avx512f) return prefetch ? read_avx512<true> : read_avx512<false>;
   if (f.avx2) return read_avx2;
   return read_generic;
 }
@@ -103,7 +92,7 @@ struct FreeDeleter {
 
 const char* read_bandwidth_isa() {
   const Reader r = best_reader(false);
-  return r == read_avx512 ? "avx512" : r == read_avx2 ? "avx2" : "generic";
+  return r == read_avx512<false> ? "avx512" : r == read_avx2 ? "avx2" : "generic";
 }
 
 namespace {
