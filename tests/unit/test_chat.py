@@ -66,6 +66,16 @@ def test_the_command_reads_turns_until_exit(checkpoint, capsys, monkeypatch):
     assert out.count(">>> ") == 6 and "(conversation cleared)" in err and "unknown command /what" in err
 
 
+def test_the_command_prints_the_engine_choices_to_stderr(checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("/exit\n"))
+    assert main(["chat", "--model", str(checkpoint), "--expert-backend", "torch"]) == 0
+    out, err = capsys.readouterr()
+    assert "choices:" not in out
+    line = err.splitlines()[0]  # the same line as bench's, before the help line
+    assert line.startswith("choices:    device cpu, expert_backend torch, gpu_memory_budget none")
+    assert line.endswith("cuda_graph off")
+
+
 def test_end_of_input_ends_the_session(checkpoint, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello!\n"))
     assert main(["chat", "--model", str(checkpoint), "--max-new-tokens", "4"]) == 0

@@ -28,6 +28,15 @@ def test_run_streams_the_completion_to_stdout(checkpoint, capsys):
     assert "[12 tokens, length;" in err
 
 
+def test_run_prints_the_engine_choices_to_stderr(checkpoint, capsys):
+    rc = main(["run", "--model", str(checkpoint), "--prompt", "Hi", "--max-new-tokens", "2", "--expert-backend", "torch"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "choices:" not in out
+    line = err.splitlines()[0]  # the same line as bench's, before the completion's summary
+    assert line.startswith("choices:    device cpu, expert_backend torch, gpu_memory_budget none")
+    assert line.endswith("cuda_graph off")
+
+
 def test_run_with_a_seed_is_reproducible(checkpoint, capsys):
     argv = ["run", "--model", str(checkpoint), "--prompt", "Hello", "--max-new-tokens", "8", "--seed", "3",
             "--top-k", "50", "--top-p", "0.9"]

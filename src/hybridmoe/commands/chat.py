@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridmoe.commands.doctor import print_choices
     from hybridmoe.llm import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
         raise HybridMoEError(f"{args.model} has no chat template (tokenizer_config.json chat_template); "
                              "use `hybridmoe run` for plain completion")
     session = ChatSession(llm, sampling_params(args), args.system)
+    print_choices(llm.engine)
     print(HELP, file=sys.stderr)
     while True:
         try:

@@ -9,6 +9,7 @@ routed-expert bytes one token reads on the CPU / the measured read bandwidth. Re
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 
 from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
@@ -83,6 +84,11 @@ def choices_line(ec, cuda_graph: bool | None = None) -> str:
             f"{format_bytes(ec.gpu_memory_budget) if ec.gpu_memory_budget is not None else 'none'}, "
             f"deferred_experts {ec.deferred_experts}, prefill_streaming {ec.prefill_streaming}"
             f"{f' ({tokens}+ tokens)' if tokens else ''}{graph}")
+
+
+def print_choices(engine) -> None:
+    """choices_line of a loaded LLMEngine, to stderr: what run/chat/serve chose (their stdout is the text)."""
+    print(choices_line(engine.resolved_config, engine.runner.cuda_graph), file=sys.stderr, flush=True)
 
 
 def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:

@@ -1,6 +1,7 @@
 """`hybridmoe run --model DIR --prompt TEXT`: complete one prompt, streaming the text to stdout.
 
-Only the completion goes to stdout; a one-line summary (tokens, speed) goes to stderr.
+Only the completion goes to stdout; the engine's choices (doctor's line) and a one-line summary
+(tokens, speed) go to stderr.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hybridmoe.commands.doctor import print_choices
     from hybridmoe.llm import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
@@ -32,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
     first = None
     out = None
     for out in llm.stream(prompt, params):
-        first = first or time.perf_counter()
+        if first is None:  # here, not before: a request the engine refuses stays a one-line error
+            first = time.perf_counter()
+            print_choices(llm.engine)
         sys.stdout.write(out.new_text)
         sys.stdout.flush()
     end = time.perf_counter()

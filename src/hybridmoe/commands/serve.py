@@ -1,6 +1,7 @@
 """`hybridmoe serve --model DIR`: an OpenAI- and Ollama-compatible HTTP server with a web chat page.
 
-Binds to 127.0.0.1 unless --host says otherwise. Every engine option is a flag too.
+Binds to 127.0.0.1 unless --host says otherwise. Every engine option is a flag too. Prints the
+engine's choices (doctor's line) to stderr before it starts listening.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from hybridmoe.commands.doctor import print_choices
     from hybridmoe.config import EngineConfig
     from hybridmoe.engine.llm_engine import LLMEngine
     from hybridmoe.server.app import build_app
@@ -56,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or model_dir.resolve().name
     _check_port(args.host, args.port)  # before the load, which can take minutes
 
-    engine = AsyncEngine(LLMEngine(model_dir, EngineConfig.from_kwargs(**kwargs)), max_queue=args.max_queue)
+    llm_engine = LLMEngine(model_dir, EngineConfig.from_kwargs(**kwargs))
+    print_choices(llm_engine)
+    engine = AsyncEngine(llm_engine, max_queue=args.max_queue)
     app = build_app(engine, name, api_key=api_key)
     print(f"serving {name} on http://{args.host}:{args.port} (max batch {engine.max_running}, "
           f"max queue {args.max_queue}, context {engine.max_model_len} tokens"
