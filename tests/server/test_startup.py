@@ -2,8 +2,6 @@
 
 import socket
 
-import uvicorn
-
 import hybridmoe.weights.loader
 from hybridmoe.cli import main
 
@@ -23,15 +21,9 @@ def test_a_taken_port_is_a_one_line_error_before_the_model_loads(tiny_model, cap
     assert f"port {port}" in err and "--port" in err
 
 
-def test_the_engine_choices_are_printed_before_the_server_listens(tiny_model, capsys, monkeypatch):
-    stderr_when_listening = []
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: stderr_when_listening.append(capsys.readouterr().err))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert main(["serve", "--model", str(tiny_model), "--port", str(port), "--dtype", "float32",
-                 "--expert-backend", "torch"]) == 0
-    [err] = stderr_when_listening
-    line = err.splitlines()[0]  # the same line as bench's, before "serving ... on http://..."
-    assert line.startswith("choices:    device cpu, expert_backend torch, gpu_memory_budget none")
-    assert line.endswith("cuda_graph off") and err.splitlines()[1].startswith("serving ")
+def test_the_engine_choices_are_printed_before_the_server_listens(server):
+    lines = server.log_path.read_text().splitlines()  # the real server's stdout and stderr
+    choices = [i for i, line in enumerate(lines) if line.startswith("choices:")]
+    serving = [i for i, line in enumerate(lines) if line.startswith("serving ")]
+    assert len(choices) == 1 and len(serving) == 1 and choices[0] < serving[0]
+    assert lines[choices[0]].startswith("choices:    device cpu, expert_backend ")  # the line bench prints
