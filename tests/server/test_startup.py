@@ -1,4 +1,4 @@
-"""What `hybridmoe serve` checks before it loads the model."""
+"""What `hybridmoe serve` checks before it loads the model, and prints before it listens."""
 
 import socket
 
