@@ -21,6 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from decode_gpu_ops import replay_us
 from hybridmoe.layers.gemv_triton import default_blocks, triton_norm_gemv
 from hybridmoe.layers.norm_triton import triton_rms_norm
 
@@ -68,19 +69,6 @@ def graph_us(fn, calls: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def median_replay_us(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -114,8 +102,8 @@ def main(argv=None) -> None:
             g_ref, g_new = graph_us(cublas, args.calls), graph_us(gemv, args.calls)
             ref_us, new_us = float("inf"), float("inf")
             for _ in range(3):
-                ref_us = min(ref_us, median_replay_us(g_ref) / args.calls)
-                new_us = min(new_us, median_replay_us(g_new) / args.calls)
+                ref_us = min(ref_us, replay_us(g_ref, 20, warmup=1) / args.calls)
+                new_us = min(new_us, replay_us(g_new, 20, warmup=1) / args.calls)
             best = (default_blocks(N, K), new_us)
             if args.sweep and T == args.batch[0]:
                 for blocks in SWEEP:
@@ -124,7 +112,7 @@ def main(argv=None) -> None:
                     except Exception as e:  # noqa: BLE001 (a block shape Triton cannot build is skipped)
                         print(f"    {blocks}: {type(e).__name__}")
                         continue
-                    us = min(median_replay_us(g) / args.calls for _ in range(2))
+                    us = min(replay_us(g, 20, warmup=1) / args.calls for _ in range(2))
                     if us < best[1]:
                         best = (blocks, us)
                     del g

@@ -250,9 +250,9 @@ def print_timeline(path: str, replay: dict) -> None:
           f"GPU-side time (span - waits) {replay['span_us'] - sum(waits):.1f} us")
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    """Median microseconds of one replay (CUDA events around each)."""
-    for _ in range(5):
+def replay_us(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 5) -> float:
+    """Median microseconds of one replay (CUDA events around each), after `warmup` untimed replays."""
+    for _ in range(warmup):
         graph.replay()
     times = []
     for _ in range(reps):
