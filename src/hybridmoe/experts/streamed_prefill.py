@@ -171,11 +171,7 @@ def cpu_path_seconds(engine, device: torch.device, tokens: int, share: float, to
     from hybridmoe.experts.hybrid import compact_slots
 
     E_cpu, H = (int(v) for v in engine.packed_state()["shape"][:2])
-    E = max(E_cpu, round(E_cpu / share))
-    g = torch.Generator().manual_seed(tokens)
-    ids = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :min(top_k, E)].to(device)  # CPU's: ids < E_cpu
-    weights = torch.rand(ids.shape, generator=g).to(device)
-    x = (torch.randn(tokens, H, generator=g) * 0.1).to(device, torch.bfloat16)
+    ids, weights, x = _random_step(tokens, max(E_cpu, round(E_cpu / share)), H, top_k, device)  # CPU's: ids < E_cpu
     best = math.inf
     for _ in range(repeats):
         _sync(device)
@@ -187,6 +183,17 @@ def cpu_path_seconds(engine, device: torch.device, tokens: int, share: float, to
         _sync(device)
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _random_step(tokens: int, E: int, H: int, top_k: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A timed step's inputs on device, the same for a token count: (ids [T, top_k] distinct of E each,
+    weights [T, top_k] in [0, 1), x [T, H] bf16 of scale 0.1)."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :min(top_k, E)].to(device)
+    weights = torch.rand(ids.shape, generator=g).to(device)
+    x = (torch.randn(tokens, H, generator=g) * 0.1).to(device, torch.bfloat16)
+    return ids, weights, x
 
 
 def _sync(device: torch.device) -> None:
@@ -203,10 +210,7 @@ def device_step_seconds(streamer: PrefillStreamer, layer: int, tokens: int, top_
     E, H = host.layout.E, host.layout.H
     key, parts = streamer.keys[layer][0], len(streamer.keys[layer])  # a layer in parts: its first, times parts
     part = streamer.units[key]
-    g = torch.Generator().manual_seed(tokens)
-    ids = torch.rand(tokens, E, generator=g).argsort(dim=1)[:, :min(top_k, E)].to(dev)
-    weights = torch.rand(ids.shape, generator=g).to(dev)
-    x = (torch.randn(tokens, H, generator=g) * 0.1).to(dev, torch.bfloat16)
+    ids, weights, x = _random_step(tokens, E, H, top_k, dev)
     mask = ids < part.layout.E  # the first part's experts: 0..
     streamer.slot_layer, streamer.current = [None, None], None
     marks = [_mark(streamer.copy_stream)]
