@@ -57,27 +57,23 @@ DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, comb
 
 def schedule_variants(args):
     """[(row key suffix, set_schedule kwargs)]: --variants if given, else every combination of the knob lists."""
+    typed = lambda kw: {k: bool(v) if isinstance(DEFAULT_SCHEDULE[k], bool) else v for k, v in kw.items()}
     if args.variants:
         out = []
         for spec in args.variants.split(";"):
             name, _, kvs = spec.partition("=")
             kw = {k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}
-            out.append((f" {name}" if name else "", {k: bool(v) if isinstance(DEFAULT_SCHEDULE[k], bool) else v
-                                                     for k, v in kw.items()}))
+            out.append((f" {name}" if name else "", typed(kw)))
         return out
-    lists = {"item_blocks": args.item_blocks, "item_prefetch": args.item_prefetch, "tail_split": args.tail_split,
-             "combine_in_run": args.combine_in_run, "item_bytes": args.item_bytes,
-             "kernel_prefetch_l1": args.kernel_prefetch_l1, "kernel_prefetch_l2": args.kernel_prefetch_l2,
-             "paired": args.paired, "caller_works": args.caller_works}
     short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir",
              "item_bytes": "iB", "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair",
              "caller_works": "cw"}
-    values = {k: [int(v) for v in s.split(",")] for k, s in lists.items()}
+    values = {k: [int(v) for v in getattr(args, k).split(",")] for k in DEFAULT_SCHEDULE}  # the knobs' --options
     out = []
     for combo in itertools.product(*values.values()):
         kw = dict(zip(values, combo))
         suffix = "".join(f" {short[k]}{v}" for k, v in kw.items() if len(values[k]) > 1)
-        out.append((suffix, {k: bool(v) if isinstance(DEFAULT_SCHEDULE[k], bool) else v for k, v in kw.items()}))
+        out.append((suffix, typed(kw)))
     return out
 
 
