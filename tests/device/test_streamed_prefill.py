@@ -33,6 +33,16 @@ def _engine(fmt: str, seed: int, zero_points: bool = False):
     return cpu_experts.CpuExperts(*(t * 0.05 for t in w), format=fmt, group_size=64, zero_points=zero_points)
 
 
+def _step(T: int, K: int, seed: int):
+    """A step's inputs on CUDA: x [T, H], ids [T, K] (K distinct experts a token), weights [T, K], mask [T, K]
+    all set."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).cuda()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
+    w = torch.rand(T, K, generator=g).cuda()
+    return x, ids, w, torch.ones(T, K, dtype=torch.bool, device="cuda")
+
+
 @pytest.mark.parametrize("fmt, zero_points", [("bf16", False), ("int8", False), ("int4", False), ("int4", True)])
 def test_dequantized_on_cuda_equals_the_engines_weights(fmt, zero_points):
     engine = _engine(fmt, 0, zero_points)
@@ -48,12 +58,7 @@ def test_dequantized_on_cuda_equals_the_engines_weights(fmt, zero_points):
 def test_layers_in_a_row_with_prefetch_equal_the_reference():
     engines = {layer: _engine("int8", layer) for layer in range(4)}
     streamer = PrefillStreamer(engines, "cuda", min_tokens=1)
-    g = torch.Generator().manual_seed(5)
-    T, K = 300, 4
-    x = torch.randn(T, H, generator=g).cuda()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
-    w = torch.rand(T, K, generator=g).cuda()
-    mask = torch.ones(T, K, dtype=torch.bool, device="cuda")
+    x, ids, w, mask = _step(300, 4, seed=5)
     refs = {}
     for layer, engine in engines.items():
         deq = [torch.stack(m).cuda() for m in zip(*(engine.dequantized(e) for e in range(E)))]
@@ -76,12 +81,7 @@ def test_layers_in_parts_with_prefetch_equal_the_reference(monkeypatch):
     monkeypatch.setattr(streamed_prefill, "SLOT_BYTES", nbytes // 2 - 1)
     streamer = PrefillStreamer(engines, "cuda", min_tokens=1)  # 3 parts of 6, 6 and 4 experts a layer
     assert streamer.keys[0] == [(0, 0), (0, 1), (0, 2)]
-    g = torch.Generator().manual_seed(5)
-    T, K = 300, 4
-    x = torch.randn(T, H, generator=g).cuda()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
-    w = torch.rand(T, K, generator=g).cuda()
-    mask = torch.ones(T, K, dtype=torch.bool, device="cuda")
+    x, ids, w, mask = _step(300, 4, seed=5)
     for _ in range(2):  # the second pass from the slots as the first left them
         for layer, engine in engines.items():
             deq = [torch.stack(m).cuda() for m in zip(*(engine.dequantized(e) for e in range(E)))]
