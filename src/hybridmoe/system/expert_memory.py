@@ -16,7 +16,7 @@ from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.placement import format_bytes
 from hybridmoe.experts.streamed_prefill import layer_packed_bytes
 from hybridmoe.system.host import meminfo
-from hybridmoe.weights.int4_codes import INT4_GROUPS
+from hybridmoe.weights.native_format import fitting_int4_group
 
 _SMALLER = {"bf16": ("int8", "int4"), "int8": ("int4",), "int4": ()}
 
@@ -27,12 +27,6 @@ def packed_bytes(fmt: str, cpu_experts: list[int], hidden: int, inter: int, grou
     return sum(layer_packed_bytes(fmt, n, hidden, inter, group_size, zero_points) for n in cpu_experts if n)
 
 
-def _int4_group(group: int, hidden: int, inter: int) -> int | None:
-    """group if int4 groups of it divide both sizes, else the largest group size that does (None: none)."""
-    fits = [g for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0]
-    return group if group in fits else max(fits, default=None)
-
-
 def _fits(ec: EngineConfig, cpu_experts: list[int], hidden: int, inter: int) -> tuple[int, int, int, str]:
     """(bytes the packed CPU experts take, MemTotal, MemAvailable, what would fit instead)."""
     total, available = meminfo()
@@ -40,7 +34,7 @@ def _fits(ec: EngineConfig, cpu_experts: list[int], hidden: int, inter: int) -> 
     need = packed_bytes(ec.expert_format, cpu_experts, hidden, inter, ec.expert_group_size, zero_points)
     fits = []
     for fmt in _SMALLER[ec.expert_format]:
-        group = ec.expert_group_size if fmt != "int4" else _int4_group(ec.expert_group_size, hidden, inter)
+        group = ec.expert_group_size if fmt != "int4" else fitting_int4_group(ec.expert_group_size, hidden, inter)
         n = packed_bytes(fmt, cpu_experts, hidden, inter, group, zero_points) if group else available + 1
         if n <= available:
             group_flag = f" --expert-group-size {group}" if group != ec.expert_group_size else ""

@@ -75,7 +75,7 @@ def _from_quantization_config(qc: dict) -> tuple[str, int | None, str] | None:
         return None
     bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
     fmt = "int8" if bits == 8 else "int4"
-    return fmt, group if fmt == "int4" and group in (32, 64, 128) else None, f"{method.upper()} {bits}-bit g{group}"
+    return fmt, group if fmt == "int4" and group in INT4_GROUPS else None, f"{method.upper()} {bits}-bit g{group}"
 
 
 def source_expert_format(model_dir: str | Path, config) -> tuple[str, int | None, str]:
@@ -117,13 +117,20 @@ def resolve_expert_format(engine_config: EngineConfig, config, model_dir: str | 
     return resolved
 
 
+def fitting_int4_group(group: int, hidden: int, inter: int) -> int | None:
+    """group if int4 groups of it divide both sizes, else the largest group size that does (None: none)."""
+    if hidden % group == 0 and inter % group == 0:
+        return group
+    return max((g for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0), default=None)
+
+
 def check_int4_group(group: int, hidden: int, inter: int, group_fix: str, format_fix: str) -> None:
     """int4 groups are runs of `group` input channels: of gate/up (hidden) and of down (inter), so the group
     must divide both. Else one line that names the fix: group_fix.format(g=a group size that divides both),
     or format_fix where none does."""
-    if hidden % group == 0 and inter % group == 0:
+    fit = fitting_int4_group(group, hidden, inter)
+    if fit == group:
         return
-    fits = [g for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0]
-    fix = group_fix.format(g=max(fits)) if fits else f"{format_fix} (no int4 group size divides both)"
+    fix = group_fix.format(g=fit) if fit else f"{format_fix} (no int4 group size divides both)"
     raise HybridMoEError(f"int4 in groups of {group} needs the hidden size ({hidden}) and the experts' intermediate "
                          f"size ({inter}) divisible by the group: {fix}")
