@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "moe/packed.h"
 
@@ -364,25 +363,16 @@ void gemm_paired(const PackedView& w, int b0, int b1, const ActView& a, float* o
 void silu_mul(float* g, const float* u, int n);
 
 // h = silu(x Wg^T) * (x Wu^T): with one token and paired views, gate's and up's block b in one
-// pass; else all of gate into h, all of up into a scratch row per token, then SiLU * up.
+// pass; else two GEMMs, as for kernel sets without gate_up.
 template <PairFn pair, GemmOne one>
 void gate_up(const PackedView& g, const PackedView& u, int b0, int b1, const ActView& a, float* h, int ldh) {
-  if (a.n == 1 && g.paired) {
-    alignas(64) float ub[kBlockRows];
-    for (int b = b0; b < b1; ++b) {
-      float* o[2] = {h + size_t(b - b0) * kBlockRows, ub};
-      pair({{&g, b}, {&u, b}}, a, o);
-      silu_mul(o[0], ub, kBlockRows);
-    }
-    return;
+  if (a.n != 1 || !g.paired) return gate_up_two_gemms(one, silu_mul, g, u, b0, b1, a, h, ldh);
+  alignas(64) float ub[kBlockRows];
+  for (int b = b0; b < b1; ++b) {
+    float* o[2] = {h + size_t(b - b0) * kBlockRows, ub};
+    pair({{&g, b}, {&u, b}}, a, o);
+    silu_mul(o[0], ub, kBlockRows);
   }
-  thread_local std::vector<float> ubuf;
-  const int cols = (b1 - b0) * kBlockRows, ldu = cols + 16;  // not a multiple of 4 KiB (L1 sets)
-  if (ubuf.size() < size_t(a.n) * ldu + 16) ubuf.resize(size_t(a.n) * ldu + 16);
-  float* us = ubuf.data() + ((64 - reinterpret_cast<uintptr_t>(ubuf.data()) % 64) % 64) / 4;  // rows on lines
-  one(g, b0, b1, a, h, ldh);
-  one(u, b0, b1, a, us, ldu);
-  for (int t = 0; t < a.n; ++t) silu_mul(h + size_t(t) * ldh, us + size_t(t) * ldu, cols);
 }
 
 // ---- Row-wise ops (RowOps) ----

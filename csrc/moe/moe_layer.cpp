@@ -622,19 +622,14 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
       const ActView a = n_of(it.j) == 1 ? tok1.view(tok_kind, tok[row_begin[it.j]], 1)
                                         : act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
-      const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows, cols = (it.b1 - it.b0) * kBlockRows;
+      const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows;
       float* hrow = h + size_t(row_begin[it.j]) * ldh + col0;
       if (kn.gate_up[int(fmt)]) {
         kn.gate_up[int(fmt)](view(gate, order[it.j], it.s), view(up, order[it.j], it.s), it.b0, it.b1, a, hrow,
                              int(ldh));
       } else {
-        thread_local AlignedVec<float> ubuf;
-        const int ldu = cols + 16;  // u [n, ldu]: not a multiple of 4 KiB either
-        float* u = grow(ubuf, size_t(a.n) * ldu);
-        const GemmFn gemm = gemm_of(kn, false, fmt);
-        gemm(view(gate, order[it.j], it.s), it.b0, it.b1, a, hrow, int(ldh));
-        gemm(view(up, order[it.j], it.s), it.b0, it.b1, a, u, ldu);
-        for (int t = 0; t < a.n; ++t) ops.silu_mul(hrow + size_t(t) * ldh, u + size_t(t) * ldu, cols);
+        gate_up_two_gemms(gemm_of(kn, false, fmt), ops.silu_mul, view(gate, order[it.j], it.s),
+                          view(up, order[it.j], it.s), it.b0, it.b1, a, hrow, int(ldh));
       }
       // The last one of this expert (acq_rel: it sees every other item's h) converts h.
       // Traced: the item's end is stamped before it lets its expert's down items go.
@@ -682,6 +677,16 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     tr->end_ns = trace_now_ns();
     tracer_.finish(std::move(trace));
   }
+}
+
+void gate_up_two_gemms(GemmFn gemm, void (*silu_mul)(float* g, const float* u, int n), const PackedView& gate,
+                       const PackedView& up, int b0, int b1, const ActView& a, float* h, int ldh) {
+  thread_local AlignedVec<float> ubuf;
+  const int cols = (b1 - b0) * kBlockRows, ldu = cols + 16;  // u [n, ldu]: not a multiple of 4 KiB either
+  float* u = grow(ubuf, size_t(a.n) * ldu);
+  gemm(gate, b0, b1, a, h, ldh);
+  gemm(up, b0, b1, a, u, ldu);
+  for (int t = 0; t < a.n; ++t) silu_mul(h + size_t(t) * ldh, u + size_t(t) * ldu, cols);
 }
 
 }  // namespace hmoe

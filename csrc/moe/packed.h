@@ -109,6 +109,12 @@ struct Kernels {
                      int ldh) = {};
 };
 
+// h = silu(x Wg^T) * (x Wu^T) with two GEMMs: gate's blocks [b0, b1) into h, up's into a scratch
+// row per token, then silu_mul: what Kernels::gate_up stands for where a kernel set has none, or
+// where its own does not apply (moe_layer.cpp; built for baseline x86-64).
+void gate_up_two_gemms(GemmFn gemm, void (*silu_mul)(float* g, const float* u, int n), const PackedView& gate,
+                       const PackedView& up, int b0, int b1, const ActView& a, float* h, int ldh);
+
 static inline GemmFn gemm_of(const Kernels& k, bool down, Format f) {
   return down && k.down_gemm[int(f)] ? k.down_gemm[int(f)] : k.gemm[int(f)];
 }
