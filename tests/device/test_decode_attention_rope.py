@@ -18,14 +18,21 @@ pytestmark = [pytest.mark.device,
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def attention(qk_norm: bool, window: int | None, dtype: torch.dtype, max_len: int) -> Attention:
+def seeded_attention(hidden: int, head_dim: int, qk_norm: bool, window: int | None, dtype: torch.dtype) -> Attention:
+    """Attention of 8 query and 2 key/value heads on CUDA, made after torch.manual_seed(0) (the same weights
+    each time); with qk_norm, its q/k norms' weights moved off 1. No cache yet."""
     torch.manual_seed(0)
-    a = Attention(512, 8, 2, 128, {"rope_type": "default", "rope_theta": 1e6},
+    a = Attention(hidden, 8, 2, head_dim, {"rope_type": "default", "rope_theta": 1e6},
                   qk_norm_eps=1e-6 if qk_norm else None, sliding_window=window).to("cuda", dtype)
     if qk_norm:
         with torch.no_grad():
-            a.q_norm.weight.add_(0.1 * torch.randn(128, device="cuda"))
-            a.k_norm.weight.add_(0.1 * torch.randn(128, device="cuda"))
+            a.q_norm.weight.add_(0.1 * torch.randn(head_dim, device="cuda"))
+            a.k_norm.weight.add_(0.1 * torch.randn(head_dim, device="cuda"))
+    return a
+
+
+def attention(qk_norm: bool, window: int | None, dtype: torch.dtype, max_len: int) -> Attention:
+    a = seeded_attention(512, 128, qk_norm, window, dtype)
     a.allocate_kv_cache(4, max_len)
     with torch.no_grad():  # a cache already written up to each row's new token
         a.kv_cache.k.normal_()

@@ -16,11 +16,12 @@ from hybridmoe.experts.cpu_experts import CpuExperts
 from hybridmoe.experts.decode_fused import add_parts, route_split, split_slots, sum_parts
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
-from hybridmoe.layers.attention import Attention, KVCache, _attend_decode, _StepIndex
+from hybridmoe.layers.attention import KVCache, _attend_decode, _StepIndex
 from hybridmoe.layers.moe import softmax_topk
 from hybridmoe.layers.norm import RMSNorm
 
 from test_cuda_graph import HYBRID, assert_greedy_close, runs
+from test_decode_attention_rope import seeded_attention
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -242,13 +243,7 @@ def test_attention_fused_equals_torch(qk_norm, window, dtype):
     torch.manual_seed(0)
     layers = []
     for fused in (True, False):
-        torch.manual_seed(0)
-        a = Attention(256, 8, 2, 64, {"rope_type": "default", "rope_theta": 1e6},
-                      qk_norm_eps=1e-6 if qk_norm else None, sliding_window=window).to("cuda", dtype)
-        if qk_norm:
-            with torch.no_grad():
-                a.q_norm.weight.add_(0.1 * torch.randn(64, device="cuda"))
-                a.k_norm.weight.add_(0.1 * torch.randn(64, device="cuda"))
+        a = seeded_attention(256, 64, qk_norm, window, dtype)
         a.allocate_kv_cache(3, 64)
         a.fused = fused
         layers.append(a)
