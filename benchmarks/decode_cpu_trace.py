@@ -34,7 +34,7 @@ import torch
 
 from e2e import _fmt, full_depth_gpu_experts
 from moe_layer import busy_wait
-from moe_trace import call_breakdown, matrix_block_bytes, med, print_cell
+from moe_trace import call_breakdown, cell_header, cell_medians, matrix_block_bytes, med, print_cell
 from hybridmoe import CpuExperts
 from hybridmoe.bench import _measure
 from hybridmoe.bench_anatomy import step_anatomy
@@ -46,11 +46,6 @@ from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import SamplingParams
 from hybridmoe.system.bandwidth import host_read_bandwidth, host_read_method
-
-HEADER = (f"{'layer side':<40} {'n':>4} {'untraced':>8} {'wall':>7} {'floor':>6} {'%bw':>5} |"
-          f" {'py>eng':>6} {'hand':>5} {'group':>5} {'acts':>5} {'build':>5} {'first':>5} | {'gemm':>6} {'tail':>5}"
-          f" {'close':>5} | {'comb':>5} {'ret':>5} | {'before':>6} {'g-flr':>6} {'after':>5}   (us, medians)")
-
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
@@ -196,10 +191,7 @@ def cell(side: Side, calls: list[tuple], inputs: list[tuple], bw_gbps: float) ->
     block_bytes = matrix_block_bytes(side.cpu)
     stats = [call_breakdown(rec, py0, py1, side.threads, block_bytes, rec["A"] * per_expert)
              for py0, py1, rec in calls]
-    by_worker = ("late_by_worker", "gbps_by_worker")  # per call, nan: the worker did not join / compute
-    s = {k: med([c[k] for c in stats]) for k in stats[0] if k not in by_worker}
-    for k in by_worker:
-        s[k] = [med([c[k][w] for c in stats if c[k][w] == c[k][w]]) for w in range(side.threads)]
+    s = cell_medians(stats, side.threads)
     s["floor"] = s["bytes"] / (bw_gbps * 1e3)
     s["A"] = med([rec["A"] for _, _, rec in calls])
     s["T"], s["K"] = med([ids.shape[0] for _, ids, _ in inputs]), med([ids.shape[1] for _, ids, _ in inputs])
@@ -310,7 +302,7 @@ def trace_round(args, engine, sides: list[Side], prompt: list[int], bw: float, t
                   f"us/layer (first layer {a.first_cpu_us:.1f}), gap {_fmt(a.gap_us)} us, go late "
                   f"{a.late_us:.2f} us, step {a.step_us:.0f} us" + (" (tracing between steps included)"
                                                                       if a is anatomy else ""))
-    print(HEADER)
+    print(cell_header("layer side"))
     untraced = {s.layer: [(p1 - p0) / 1e3 for p0, p1, _ in calls]
                 for s, calls in zip(sides, standalone(sides, args.gap_us * 1e-6, False).values())}
     solo = standalone(sides, args.gap_us * 1e-6, True)

@@ -153,6 +153,23 @@ def timed_calls(layers, calls, api, mode, reps, gap_s, sleep_s, flush, traced):
     return out
 
 
+def cell_medians(stats, threads):
+    """call_breakdown's values, each the median over the calls `stats`; late_by_worker and gbps_by_worker
+    per worker, over the calls it joined resp. computed in (nan: none)."""
+    by_worker = ("late_by_worker", "gbps_by_worker")
+    s = {k: med([c[k] for c in stats]) for k in stats[0] if k not in by_worker}
+    for k in by_worker:
+        s[k] = [med([c[k][w] for c in stats if c[k][w] == c[k][w]]) for w in range(threads)]
+    return s
+
+
+def cell_header(label):
+    """The column heads of print_cell's first line, `label` over its key."""
+    return (f"{label:<40} {'n':>4} {'untraced':>8} {'wall':>7} {'floor':>6} {'%bw':>5} |"
+            f" {'py>eng':>6} {'hand':>5} {'group':>5} {'acts':>5} {'build':>5} {'first':>5} | {'gemm':>6} {'tail':>5}"
+            f" {'close':>5} | {'comb':>5} {'ret':>5} | {'before':>6} {'g-flr':>6} {'after':>5}   (us, medians)")
+
+
 def print_cell(key, n, untraced, floor_us, s, lateness, worker_gbps):
     pct = lambda v: f"{100 * v:5.1f}"
     print(f"{key:<40} {n:>4} {untraced:>8.1f} {s['wall']:>7.1f} {floor_us:>6.1f} {100 * floor_us / untraced:>4.0f}% |"
@@ -231,9 +248,7 @@ def main():
     print(f"# {args.shape}: E={E} H={H} I={I} top-{K}; host read GB/s " +
           ", ".join(f"{bw[t]:.1f} at {t} threads" for t in thread_counts) +
           f"; loop gap {args.gap_us:g} us, sleep {args.sleep_ms:g} ms, {args.layers} layers", flush=True)
-    print(f"{'fmt T thr mode api':<40} {'n':>4} {'untraced':>8} {'wall':>7} {'floor':>6} {'%bw':>5} |"
-          f" {'py>eng':>6} {'hand':>5} {'group':>5} {'acts':>5} {'build':>5} {'first':>5} | {'gemm':>6} {'tail':>5}"
-          f" {'close':>5} | {'comb':>5} {'ret':>5} | {'before':>6} {'g-flr':>6} {'after':>5}   (us, medians)")
+    print(cell_header("fmt T thr mode api"))
     rows = []
     for fmt in args.format.split(","):
         t0 = time.perf_counter()
@@ -265,14 +280,8 @@ def main():
                         for py0, py1, rec in run(True):
                             touched = len(set(rec["items"][:, EXPERT].tolist()))
                             stats.append(call_breakdown(rec, py0, py1, threads, block_bytes, touched * per_expert))
-                        by_worker = ("late_by_worker", "gbps_by_worker")
-                        s = {k: med([c[k] for c in stats]) for k in stats[0] if k not in by_worker}
-                        # per worker, over the calls it joined (nan: it joined none)
-                        lateness = [med([c["late_by_worker"][w] for c in stats if c["late_by_worker"][w] == c["late_by_worker"][w]])
-                                    for w in range(threads)]
-                        worker_gbps = [med([c["gbps_by_worker"][w] for c in stats
-                                            if c["gbps_by_worker"][w] == c["gbps_by_worker"][w]])
-                                       for w in range(threads)]
+                        s = cell_medians(stats, threads)
+                        lateness, worker_gbps = s.pop("late_by_worker"), s.pop("gbps_by_worker")
                         floor_us = s["bytes"] / (bw[threads] * 1e3)
                         key = f"{fmt} {T} {threads} {mode} {api}{suffix}{page_key}"
                         print_cell(key, len(stats), untraced, floor_us, s, lateness, worker_gbps)
