@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from hybridmoe.bench_anatomy import step_anatomy
 from hybridmoe.bench_fit import fit_line
 from hybridmoe.bench_floor import decode_floor, decode_routing
 from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
@@ -114,19 +115,14 @@ def part_stats(model) -> dict[str, list]:
 
 
 def anatomy(parts: dict[str, list]) -> dict[str, dict]:
-    """Per part: layers served per step, CPU us per layer, gap us (done -> next go seen), poller lateness."""
+    """Per part: layers served per step, CPU us per layer, gap us (done -> next go seen), poller lateness
+    (bench_anatomy.step_anatomy of the part's handoffs; a part that served no step left out)."""
     out = {}
     for name, hs in parts.items():
-        stats = [h.take_stats() for h in hs]
-        if not stats:
-            continue
-        total = {k: sum(s[k] for s in stats) for k in stats[0]}
-        steps = max(s["steps"] for s in stats)
-        if not total["layers"] or not steps:
-            continue
-        out[name] = {"layers_per_step": total["layers"] / steps, "cpu_us": total["cpu_us"] / total["layers"],
-                     "gap_us": total["between_us"] / total["gaps"] if total["gaps"] else None,
-                     "late_us": total["late_us"] / total["layers"]}
+        a = step_anatomy([h.take_stats() for h in hs], 0.0)  # (the step time is not used here)
+        if a is not None:
+            out[name] = {"layers_per_step": a.layers_per_step, "cpu_us": a.cpu_us, "gap_us": a.gap_us,
+                         "late_us": a.late_us}
     return out
 
 
