@@ -27,11 +27,10 @@ from tqdm.auto import tqdm
 
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.models.registry import load_config
 from hybridmoe.weights.expert_cache import MANIFEST, PackedWriter
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
-from hybridmoe.weights.loader import load_weights, resolve_dtype
+from hybridmoe.weights.loader import NativeLayers, load_weights, resolve_dtype
 from hybridmoe.weights.native_format import check_int4_group, resolve_expert_format
 from hybridmoe.weights.quantized import open_checkpoint
 
@@ -118,32 +117,18 @@ class _CopyingReader:
             self.ckpt.release(name)
 
 
-class _PackAndWrite(ExpertBackend):
-    """set_layer packs the layer with the native engine and writes it; nothing stays in memory."""
+class _PackAndWrite(NativeLayers):
+    """The native engine's layers, each written as soon as it is packed (adopt); nothing stays in memory."""
 
     def __init__(self, writer: PackedWriter, options: dict, bar):
         from hybridmoe.experts.cpu_experts import CpuExperts
 
-        self.cls, self.writer, self.options, self.bar = CpuExperts, writer, options, bar
+        super().__init__(CpuExperts, **options)
+        self.writer, self.bar = writer, bar
         self.done: list[int] = []
         self.bytes = 0
 
-    def set_layer(self, layer, gate_proj, up_proj, down_proj):
-        self._write(layer, self.cls(gate_proj, up_proj, down_proj, **self.options))
-
-    def set_layer_experts(self, layer, experts, num_experts: int):
-        """Packed one expert at a time straight from the checkpoint (the loader's lean path)."""
-        self._write(layer, self.cls.from_experts(experts, num_experts, **self.options))
-
-    def int4_codes_group(self) -> int | None:
-        """The group size in which GPTQ/AWQ int4 codes are packed as they are (the loader's int4_codes_group)."""
-        o = self.options
-        return o["group_size"] if o["format"] == "int4" and o["zero_points"] else None
-
-    def set_layer_codes(self, layer, gate_proj, up_proj, down_proj):
-        self._write(layer, self.cls.from_codes(gate_proj, up_proj, down_proj, threads=self.options["threads"]))
-
-    def _write(self, layer, experts):
+    def adopt(self, layer, experts):
         self.writer.add(layer, experts)
         self.bytes += experts.packed_bytes
         self.done.append(layer)

@@ -81,7 +81,7 @@ def make_expert_backend(engine_config: EngineConfig, config: ModelConfig, model_
         return _hybrid_backend(engine_config, config, model_cls, dtype, act)
     if engine_config.expert_backend == "torch":
         return TorchExperts(act=act)
-    return _NativeLayers(_cpu_experts_class(), format=engine_config.expert_format,
+    return NativeLayers(_cpu_experts_class(), format=engine_config.expert_format,
                          group_size=engine_config.expert_group_size, threads=engine_config.cpu_threads,
                          zero_points=_zero_points(engine_config))
 
@@ -132,7 +132,7 @@ class _NativeLayer:
         return self._cls.from_experts(experts, num_experts, **self._options)
 
 
-class _NativeLayers(ExpertBackend):
+class NativeLayers(ExpertBackend):
     """One native CpuExperts per MoE layer behind the model-wide ExpertBackend interface.
 
     Activations cross to the CPU (where the native engine keeps its packed weights) and the
@@ -145,11 +145,11 @@ class _NativeLayers(ExpertBackend):
         self._out: dict[int, tuple[torch.device, torch.dtype]] = {}
 
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
-        self._layers[layer] = self._cls(gate_proj, up_proj, down_proj, **self._options)
+        self.adopt(layer, self._cls(gate_proj, up_proj, down_proj, **self._options))
 
     def set_layer_experts(self, layer, experts, num_experts: int):
         """The layer packed from (gate, up, down) of one expert at a time (CpuExperts.from_experts)."""
-        self._layers[layer] = self._cls.from_experts(experts, num_experts, **self._options)
+        self.adopt(layer, self._cls.from_experts(experts, num_experts, **self._options))
 
     def int4_codes_group(self) -> int | None:
         """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
@@ -157,13 +157,14 @@ class _NativeLayers(ExpertBackend):
         return o["group_size"] if o["format"] == "int4" and o["zero_points"] else None
 
     def set_layer_codes(self, layer, gate_proj: Int4Codes, up_proj: Int4Codes, down_proj: Int4Codes):
-        self._layers[layer] = self._cls.from_codes(gate_proj, up_proj, down_proj, threads=self._options["threads"])
+        self.adopt(layer, self._cls.from_codes(gate_proj, up_proj, down_proj, threads=self._options["threads"]))
 
     def from_packed(self, state: dict):
         """One layer's CpuExperts over already-packed buffers (a converted directory or the expert cache)."""
         return self._cls.from_packed(state, threads=self._options["threads"])
 
     def adopt(self, layer: int, experts) -> None:
+        """Where every packed layer goes (set_layer, set_layer_experts, set_layer_codes, the cache)."""
         self._layers[layer] = experts
 
     def layer_experts(self, layer: int):
