@@ -81,13 +81,13 @@ def make_expert_backend(engine_config: EngineConfig, config: ModelConfig, model_
         return _hybrid_backend(engine_config, config, model_cls, dtype, act)
     if engine_config.expert_backend == "torch":
         return TorchExperts(act=act)
-    return NativeLayers(_cpu_experts_class(), format=engine_config.expert_format,
-                         group_size=engine_config.expert_group_size, threads=engine_config.cpu_threads,
-                         zero_points=_zero_points(engine_config))
+    return NativeLayers(_cpu_experts_class(), **_native_options(engine_config))
 
 
-def _zero_points(engine_config: EngineConfig) -> bool:
-    return bool(engine_config.expert_zero_points) and engine_config.expert_format == "int4"
+def _native_options(ec: EngineConfig) -> dict:
+    """CpuExperts' packing options from a resolved EngineConfig."""
+    return dict(format=ec.expert_format, group_size=ec.expert_group_size, threads=ec.cpu_threads,
+                zero_points=bool(ec.expert_zero_points) and ec.expert_format == "int4")
 
 
 def _cpu_experts_class():
@@ -110,9 +110,7 @@ def _hybrid_backend(engine_config: EngineConfig, config: ModelConfig, model_cls,
                              f"{top_k} experts per token (at least one runs in its own layer)")
     plan, _ = placement_for(model_cls, config, dtype, engine_config)
     if engine_config.expert_backend == "native":
-        ec = engine_config
-        cpu_layer = _NativeLayer(_cpu_experts_class(), format=ec.expert_format, group_size=ec.expert_group_size,
-                                 threads=ec.cpu_threads, zero_points=_zero_points(ec))
+        cpu_layer = _NativeLayer(_cpu_experts_class(), **_native_options(engine_config))
     else:
         cpu_layer = lambda g, u, d: TorchCpuLayer(g, u, d, act)  # noqa: E731
     return HybridExperts(plan, engine_config.device, cpu_layer, act, engine_config.deferred_experts,
