@@ -8,24 +8,16 @@ import torch
 from hybridmoe.experts.cpu_experts import CpuExperts
 from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
 from hybridmoe.experts.placement import Footprint, PlacementPlan
+from hybridmoe.weights.loader import _NativeLayer  # the CPU engine factory the loader gives a native hybrid
 
 E, H, I, K, T = 8, 64, 32, 3, 5  # experts, hidden, intermediate, experts per token, tokens
-
-
-class NativeLayer:
-    """A CPU engine factory with the one-expert-at-a-time form (what the loader gives a native hybrid)."""
-
-    def __call__(self, gate, up, down):
-        return CpuExperts(gate, up, down, format="bf16", threads=1)
-
-    def from_experts(self, experts, num_experts):
-        return CpuExperts.from_experts(experts, num_experts, format="bf16", threads=1)
 
 
 def backend(gpu_ids, kind):
     fp = Footprint(0, 0, 0, 3 * I * H * 4, [0], E, K, H, I)
     plan = PlacementPlan(fp, None, "test", {0: gpu_ids} if gpu_ids else {})
-    return HybridExperts(plan, "cpu", NativeLayer() if kind == "native" else TorchCpuLayer)
+    cpu_layer = _NativeLayer(CpuExperts, format="bf16", threads=1) if kind == "native" else TorchCpuLayer
+    return HybridExperts(plan, "cpu", cpu_layer)
 
 
 @pytest.mark.parametrize("gpu_ids", [[], [6], [5, 0, 3], list(range(E))])
