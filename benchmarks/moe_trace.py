@@ -3,7 +3,7 @@
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
         [--tail-split 0,1] [--combine-in-run 0,1] [--item-bytes 0,131072]
-        [--kernel-prefetch-l1 0,2048,4096] [--kernel-prefetch-l2 0,8192]
+        [--kernel-prefetch-l1 0,2048,4096] [--kernel-prefetch-l2 0,8192] [--paired 0,1]
         [--variants 'new=;old=item_prefetch:0,tail_split:0,combine_in_run:0']
         [--json out.json]
 
@@ -51,7 +51,7 @@ N_ROUTINGS = 16
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
 DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True, item_bytes=0,
-                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384,
+                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False,
                         caller_works=True)
 
 
@@ -66,7 +66,7 @@ def schedule_variants(args):
             out.append((f" {name}" if name else "", typed(kw)))
         return out
     short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir",
-             "item_bytes": "iB", "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_",
+             "item_bytes": "iB", "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair",
              "caller_works": "cw"}
     values = {k: [int(v) for v in getattr(args, k).split(",")] for k in DEFAULT_SCHEDULE}  # the knobs' --options
     out = []
@@ -209,6 +209,8 @@ def main():
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L1 (0: none); key suffix k1_N")
     ap.add_argument("--kernel-prefetch-l2", default="16384",
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L2 (0: none); key suffix k2_N")
+    ap.add_argument("--paired", default="0",
+                    help="comma list of 0/1: one-token experts read two weight blocks at once; key suffix pairN")
     ap.add_argument("--pages", default="huge",
                     help="comma list: the layers' packed weights in huge pages (as the engine packs them) and/or "
                          "small (4 KiB pages: copies in torch's allocator); key suffix the name, if several")

@@ -329,6 +329,9 @@ NB_MODULE(_native, m) {
                      if (n < 0) fail("kernel_prefetch_l2 must be >= 0 bytes, got " + std::to_string(n));
                      e.layer().set_kernel_prefetch(e.layer().kernel_prefetch_l1(), n);
                    }, "Bytes ahead of its loads the AVX-512 kernels prefetch weights into L2 (0: none).")
+      .def_prop_rw("paired", [](const Engine& e) { return e.layer().paired(); },
+                   [](Engine& e, bool on) { e.layer().set_paired(on); },
+                   "Whether one-token experts read two weight blocks at once (two streams per core).")
       .def_prop_rw("caller_works", [](const Engine& e) { return e.layer().caller_works(); },
                    [](Engine& e, bool on) { e.layer().set_caller_works(on); },
                    "Whether the thread running a call computes GEMM items too, or only waits for the workers.")

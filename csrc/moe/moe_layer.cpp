@@ -290,6 +290,7 @@ PackedView MoeLayer::view(const Matrix& m, int e, int s) const {
   v.group = cfg_.group;
   v.prefetch_l1 = kernel_prefetch_l1_;
   v.prefetch_l2 = kernel_prefetch_l2_;
+  v.paired = paired_;
   return v;
 }
 

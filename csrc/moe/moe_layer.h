@@ -93,6 +93,10 @@ class MoeLayer {
   // one core fewer computing, was slower where the GEMMs dominate (int8 T=4 1273 vs 1147 us).
   void set_caller_works(bool on) { caller_works_ = on; }
   bool caller_works() const { return caller_works_; }
+  // Whether one-token experts read two weight blocks at once (PackedView::paired). Off: no
+  // clear win on the GPU host (mini round: within the noise, int8 T=1 slower).
+  void set_paired(bool on) { paired_ = on; }
+  bool paired() const { return paired_; }
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }
   bool tail_split() const { return tail_split_; }
@@ -127,6 +131,7 @@ class MoeLayer {
   // fastest of 0/2/4/8 KiB into L1 and 8 or 16 KiB into L2: int8 T=1 268 vs 425 us, bf16 T=4
   // 1963 vs 2451, int4 T=4 651 vs 680 (T=1 189 vs 197); per core 9-12 GB/s instead of 8-9.
   int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 16384;
+  bool paired_ = false;
   bool caller_works_ = true;
   bool tail_split_ = true;
   bool combine_in_run_ = true;

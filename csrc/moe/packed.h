@@ -52,6 +52,9 @@ struct PackedView {
   // into L1 (prefetcht0) and into L2 (prefetcht1); 0: none. Timing only, never results.
   int prefetch_l1 = 4096;
   int prefetch_l2 = 16384;
+  // One token (AVX-512): read two blocks at once (gate's and up's, or two halves of a range),
+  // two weight streams per core instead of one. Timing only, never results.
+  bool paired = false;
 };
 
 // Activations of n tokens (one expert), row-major, n rounded up to 16 rows of zeros.
@@ -107,8 +110,8 @@ struct Kernels {
 };
 
 // h = silu(x Wg^T) * (x Wu^T) with two GEMMs: gate's blocks [b0, b1) into h, up's into a scratch
-// row per token, then silu_mul: what Kernels::gate_up stands for where a kernel set has none
-// (moe_layer.cpp; built for baseline x86-64).
+// row per token, then silu_mul: what Kernels::gate_up stands for where a kernel set has none, or
+// where its own does not apply (moe_layer.cpp; built for baseline x86-64).
 void gate_up_two_gemms(GemmFn gemm, void (*silu_mul)(float* g, const float* u, int n), const PackedView& gate,
                        const PackedView& up, int b0, int b1, const ActView& a, float* h, int ldh);
 

@@ -155,6 +155,19 @@ def test_kernel_prefetch_changes_nothing_but_timing(make_weights, make_routing, 
     assert torch.equal(experts.forward(x, ids, weights), expected)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("T, item_blocks", [(1, 0), (1, 1), (1, 4), (2, 0), (5, 0)])
+def test_paired_streams_change_nothing_but_timing(make_weights, make_routing, fmt, T, item_blocks):
+    # blocks: gate/up 3 per expert, down 5 (odd: one block of a range left unpaired), and with
+    # 2 slices 1-2 and 2-3; T = 1: every expert has one token (the paired path), T = 5: a mix
+    experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2, numa_nodes=2)
+    x, ids, weights = make_routing(T, H, K, range(E))
+    experts.set_schedule(item_blocks=item_blocks)
+    expected = experts.forward(x, ids, weights)
+    experts.set_schedule(paired=True)
+    assert torch.equal(experts.forward(x, ids, weights), expected)
+
+
 @pytest.mark.parametrize("threads, numa_nodes", [(2, 1), (3, 1), (3, 2)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_a_caller_that_does_not_work_leaves_every_item_to_the_workers(make_weights, make_routing, threads,

@@ -283,7 +283,7 @@ class CpuExperts:
     def set_schedule(self, item_blocks: int | None = None, item_prefetch: int | None = None,
                      tail_split: bool | None = None, combine_in_run: bool | None = None,
                      item_bytes: int | None = None, kernel_prefetch_l1: int | None = None,
-                     kernel_prefetch_l2: int | None = None,
+                     kernel_prefetch_l2: int | None = None, paired: bool | None = None,
                      caller_works: bool | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
@@ -293,13 +293,15 @@ class CpuExperts:
         items (about two blocks per thread) into 1-block items (default on); combine_in_run: up to
         16 tokens, sum the experts' outputs per block of columns inside the GEMM run (default on),
         else after it; kernel_prefetch_l1 / kernel_prefetch_l2: bytes ahead of its loads the
-        AVX-512 kernels prefetch weights into L1 / L2 (defaults 4096 / 16384, 0: none); caller_works: the thread running a call (forward()'s caller,
+        AVX-512 kernels prefetch weights into L1 / L2 (defaults 4096 / 16384, 0: none); paired: experts
+        with one token read two weight blocks at once, gate's and up's or two halves of the down
+        rows (AVX-512; default off); caller_works: the thread running a call (forward()'s caller,
         or the pool's driver for submit()) computes GEMM items too (default on), else only waits
         for the other workers, its caches left to what it does before and after the GEMMs."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("item_bytes", item_bytes), ("kernel_prefetch_l1", kernel_prefetch_l1),
-                            ("kernel_prefetch_l2", kernel_prefetch_l2),
+                            ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
                             ("caller_works", caller_works)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
