@@ -121,6 +121,15 @@ def test_the_expert_cache_keeps_them_bit_for_bit(tiny_qwen3, tmp_path):
     assert {f.name: f.stat().st_mtime_ns for f in entry.iterdir()} == written
 
 
+def test_convert_to_int4_keeps_the_checkpoints_groups_and_codes(tiny_qwen3, tmp_path):
+    quantized, decoded = write_quantized(tiny_qwen3, tmp_path / "gptq", "gptq")
+    # an explicit int4 without --group-size: the checkpoint's g32 (the default 128 would re-quantize, and here
+    # does not even divide the experts)
+    summary = convert_checkpoint(quantized, tmp_path / "out", format="int4", threads=1, progress=False)
+    assert (summary.group_size, summary.zero_points) == (GROUP, True)
+    assert_experts_equal(load_model(tmp_path / "out", EngineConfig(**NATIVE)), decoded)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_logits_match_transformers_on_the_dequantized_weights(tiny_qwen3, tmp_path, method):
     quantized, decoded = write_quantized(tiny_qwen3, tmp_path / method, method)

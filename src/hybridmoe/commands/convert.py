@@ -11,7 +11,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="auto", choices=["auto", "bf16", "int8", "int4"],
                         help="packed expert format (default auto: the one a load picks, nearest the checkpoint's)")
     parser.add_argument("--group-size", type=int, default=None, choices=[32, 64, 128],
-                        help="int4 group size (default: the checkpoint's for GPTQ/AWQ, 32 for GGUF, else 128)")
+                        help="int4 group size (default: a 4-bit checkpoint's own: GPTQ/AWQ's, 32 for GGUF Q4; else 128)")
     parser.add_argument("--out", required=True, help="directory to write (new or empty)")
     parser.add_argument("--force", action="store_true", help="replace an earlier conversion in --out")
     parser.add_argument("--cpu-threads", type=int, default=None, help="packing threads (default: every core)")
