@@ -1,7 +1,7 @@
 """Decode speed with K deferred experts per token, side by side: K switched on one loaded engine, interleaved.
 
     python benchmarks/deferral_decode.py --synthetic qwen3-30b-a3b --layers 4,12 --formats int4,bf16
-        [--ks 0,1,2,3] [--own-trim on,off] [--zero-copy off,on] | [--variants 0,1,2,0:notrim,0:zc]
+        [--ks 0,1,2,3] [--own-trim on,off] [--zero-copy off,on] | [--variants 0,1,2,0:notrim,0:zc,0:pw]
         [--repeats 3] [--gen-len 32] [--decode-prompt-len 64] [--json F]
         [engine options: --device cuda --gpu-memory-budget 16GiB --gpu-experts-per-layer 26 ...]
 
@@ -58,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--zero-copy", default="off", help="off, on or off,on: every handoff stages its rows and "
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc], e.g. 0,1,2,3,0:notrim,2:zc")
+                        "K[:notrim][:zc][:pw] (pw: the wake word after each wait, CudaHandoff.prewake_layers), "
+                        "e.g. 0,1,2,3,0:notrim,2:zc,0:pw")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
@@ -86,9 +87,12 @@ class Variant:
     """Deferred experts per token."""
     own_trim: bool
     zero_copy: bool
+    prewake: bool = False
+    """Every handoff writes the wake word after each wait (CudaHandoff.prewake_layers)."""
 
     def label(self) -> str:
-        return f"K={self.k}" + ("" if self.own_trim else " own trim off") + (" zero-copy" if self.zero_copy else "")
+        return (f"K={self.k}" + ("" if self.own_trim else " own trim off") + (" zero-copy" if self.zero_copy else "")
+                + (" prewake" if self.prewake else ""))
 
 
 def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
@@ -122,17 +126,18 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
         a = step_anatomy([h.take_stats() for h in hs], 0.0)  # (the step time is not used here)
         if a is not None:
             out[name] = {"layers_per_step": a.layers_per_step, "cpu_us": a.cpu_us, "gap_us": a.gap_us,
-                         "late_us": a.late_us}
+                         "late_us": a.late_us, "first_cpu_us": a.first_cpu_us, "first_late_us": a.first_late_us,
+                         "back_us": a.back_us}
     return out
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc]" -> Variant."""
+    """"K[:notrim][:zc][:pw]" -> Variant."""
     k, *opts = spec.strip().split(":")
-    unknown = set(opts) - {"notrim", "zc"}
+    unknown = set(opts) - {"notrim", "zc", "pw"}
     if unknown:
-        raise HybridMoEError(f"--variants: unknown option(s) {', '.join(sorted(unknown))} in {spec!r} (notrim, zc)")
-    return Variant(int(k), "notrim" not in opts, "zc" in opts)
+        raise HybridMoEError(f"--variants: unknown option(s) {', '.join(sorted(unknown))} in {spec!r} (notrim, zc, pw)")
+    return Variant(int(k), "notrim" not in opts, "zc" in opts, "pw" in opts)
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -208,6 +213,7 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
         h.trim_padding = v.own_trim
     for h in parts["own"] + parts["deferred"]:
         h.zero_copy = v.zero_copy
+        h.prewake_layers = v.prewake
     decode_once(engine, prompt, 4)  # captures the graph(s) for this K
     anatomy(parts)  # zero the counters
     seconds, toks = decode_once(engine, prompt, gen_len)
@@ -229,8 +235,9 @@ def _stop(signum, frame):
 
 
 def _anatomy_line(a: dict) -> str:
-    return " ".join(f"[{name}: {v['layers_per_step']:.0f} layers/step, CPU {v['cpu_us']:.1f} us/layer, gap "
-                    f"{v['gap_us'] or 0:.1f} us, late {v['late_us']:.1f} us]" for name, v in a.items())
+    return " ".join(f"[{name}: {v['layers_per_step']:.0f} layers/step, CPU {v['cpu_us']:.1f} us/layer (first "
+                    f"{v['first_cpu_us']:.1f}), gap {v['gap_us'] or 0:.1f} us (back {v['back_us'] or 0:.1f}), late "
+                    f"{v['late_us']:.1f} us (first {v['first_late_us']:.1f})]" for name, v in a.items())
 
 
 def main(argv=None) -> int:
