@@ -123,11 +123,14 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
     (bench_anatomy.step_anatomy of the part's handoffs; a part that served no step left out)."""
     out = {}
     for name, hs in parts.items():
-        a = step_anatomy([h.take_stats() for h in hs], 0.0)  # (the step time is not used here)
+        stats = [h.take_stats() for h in hs]
+        a = step_anatomy(stats, 0.0)  # (the step time is not used here)
         if a is not None:
             out[name] = {"layers_per_step": a.layers_per_step, "cpu_us": a.cpu_us, "gap_us": a.gap_us,
                          "late_us": a.late_us, "first_cpu_us": a.first_cpu_us, "first_late_us": a.first_late_us,
-                         "back_us": a.back_us}
+                         "back_us": a.back_us, "late_max_us": max(s["late_max_us"] for s in stats),
+                         "slow_lates": sum(s["slow_lates"] for s in stats) / a.steps,
+                         "cpu_max_us": max(s["cpu_max_us"] for s in stats)}
     return out
 
 
@@ -237,7 +240,8 @@ def _stop(signum, frame):
 def _anatomy_line(a: dict) -> str:
     return " ".join(f"[{name}: {v['layers_per_step']:.0f} layers/step, CPU {v['cpu_us']:.1f} us/layer (first "
                     f"{v['first_cpu_us']:.1f}), gap {v['gap_us'] or 0:.1f} us (back {v['back_us'] or 0:.1f}), late "
-                    f"{v['late_us']:.1f} us (first {v['first_late_us']:.1f})]" for name, v in a.items())
+                    f"{v['late_us']:.1f} us (first {v['first_late_us']:.1f}, max {v['late_max_us']:.0f}, "
+                    f"{v['slow_lates']:.2f}/step > 20 us), CPU max {v['cpu_max_us']:.0f} us]" for name, v in a.items())
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -278,6 +279,9 @@ class Handoff : public hmoe::FlagChannel {
     d["between_ns"] = a.between_ns;
     d["woken_gaps"] = a.woken_gaps;
     d["back_ns"] = a.back_ns;
+    d["late_max_ns"] = a.late_max_ns;
+    d["slow_lates"] = a.slow_lates;
+    d["cpu_max_ns"] = a.cpu_max_ns;
     return d;
   }
 
@@ -331,6 +335,9 @@ class Handoff : public hmoe::FlagChannel {
     a.layers += 1;
     a.cpu_ns += done - seen;
     a.late_ns += late;
+    a.late_max_ns = std::max(a.late_max_ns, late);
+    a.slow_lates += late > kSlowLateNs;
+    a.cpu_max_ns = std::max(a.cpu_max_ns, done - seen);
     if (first || last_layer_ < 0) {
       a.steps += 1;
       a.first_cpu_ns += done - seen;
@@ -469,7 +476,11 @@ class Handoff : public hmoe::FlagChannel {
     // Gaps in which the stream wrote the wake word: done -> wake seen (the way back, up to the
     // next layer's GPU work), the rest of the gap being that GPU work and the way out.
     int64_t woken_gaps = 0, back_ns = 0;
+    // The spread behind the sums: the latest go and the longest CPU work of one layer, and how many
+    // gos came more than kSlowLateNs after the previous look (the poller off its CPU, not spinning).
+    int64_t late_max_ns = 0, slow_lates = 0, cpu_max_ns = 0;
   };
+  static constexpr int64_t kSlowLateNs = 20'000;
   std::mutex stats_mu_;
   Anatomy stats_;
   // The poller's own bookkeeping (only its thread touches these).

@@ -197,6 +197,8 @@ def test_stats_split_each_step_into_cpu_work_and_the_gaps_between_layers():
     stats = handoff.take_stats()
     assert (stats["layers"], stats["steps"], stats["gaps"], stats["woken_gaps"]) == (9, 3, 6, 6)
     assert stats["first_cpu_ns"] > 0 and stats["cpu_ns"] > stats["first_cpu_ns"]
+    assert stats["cpu_ns"] / 9 <= stats["cpu_max_ns"] <= stats["cpu_ns"]
+    assert stats["late_max_ns"] * 9 >= stats["late_ns"]
     # each gap holds the sleeps; its first half (done -> wake) the first sleep
     assert gap_s * 1e9 <= stats["between_ns"] / 6 < 20 * gap_s * 1e9
     assert gap_s / 2 * 1e9 <= stats["back_ns"] / 6 < stats["between_ns"] / 6
@@ -213,6 +215,7 @@ def test_a_go_that_finds_the_poller_napping_is_late_by_about_a_nap():
     stats = handoff.take_stats()
     assert (stats["steps"], stats["gaps"]) == (1, 0)
     assert stats["first_late_ns"] == stats["late_ns"] >= 500_000
+    assert stats["late_max_ns"] == stats["late_ns"] and stats["slow_lates"] == 1
 
 
 def test_trim_padding_leaves_out_one_tokens_trailing_zero_weight_slots():

@@ -350,6 +350,8 @@ class CudaHandoff:
                                  GPU work (attention, router, ...), copies its rows out, writes go
           woken_gaps, back_us    gaps in which the stream wrote the wake word (prewake_layers):
                                  done -> wake seen, the way back up to the next layer's GPU work
+          late_max_us,           the latest go of one layer; how many were later than 20 µs (the
+          slow_lates, cpu_max_us poller off its CPU); the longest CPU work of one layer
         """
         if self.path != "stream_mem_ops":
             return None
