@@ -1,0 +1,231 @@
+// moe_layer.py's decode loop (--gap-us) in C++: layers of packed experts called in turn with T
+// tokens, a gap of busy work between calls, ms per call and GB/s of the experts each call reads,
+// beside the host read probe. The engine's own time (no Python), so that two builds of the
+// kernels (benchmarks/build_decode_bench.sh, a patched kernel file) compare in seconds, without
+// building the extension twice; schedule knobs that are runtime options (--l1/--l2 prefetch
+// distances, --item-blocks) are rows of one run, interleaved round by round.
+//
+//   bash benchmarks/build_decode_bench.sh /tmp/dkr && /tmp/dkr/decode_engine_loop --shape deepseek-v3 \
+//       --formats int4,bf16 --tokens 1,4 --threads 15 [--experts 32] [--layers 3] [--gap-us 100]
+//       [--calls 120] [--rounds 2] [--l2 16384,32768] [--l1 4096] [--item-blocks 0]
+//
+// Each layer's experts are copies of one packed random expert (the kernels' time does not depend
+// on the values); every call routes each token to K distinct random experts, 16 routings cycled.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moe/moe_layer.h"
+#include "runtime/read_bandwidth.h"
+
+using namespace hmoe;
+
+namespace {
+
+struct Shape {
+  const char* name;
+  int H, I, E, K;
+};
+constexpr Shape kShapes[] = {{"deepseek-v3", 7168, 2048, 256, 8}, {"qwen3-30b-a3b", 2048, 768, 128, 8}};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t a = 0;
+  for (size_t b; (b = s.find(',', a)) != std::string::npos; a = b + 1) out.push_back(s.substr(a, b - a));
+  out.push_back(s.substr(a));
+  return out;
+}
+
+std::vector<int> ints(const std::string& s) {
+  std::vector<int> out;
+  for (const auto& v : split(s)) out.push_back(std::atoi(v.c_str()));
+  return out;
+}
+
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+void busy_wait(double s) {
+  for (const double end = now_s() + s; now_s() < end;) {
+  }
+}
+
+// memcpy on several threads (filling GBs of expert copies).
+void parallel_copy(uint8_t* dst, const uint8_t* src, size_t bytes, int threads) {
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([=] {
+      const size_t a = bytes * t / threads, b = bytes * (t + 1) / threads;
+      std::memcpy(dst + a, src + a, b - a);
+    });
+  for (auto& t : ts) t.join();
+}
+
+// Layers whose E experts are all copies of one packed random expert.
+std::vector<std::unique_ptr<MoeLayer>> make_layers(const MoeConfig& cfg, int layers) {
+  std::vector<std::unique_ptr<MoeLayer>> out;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> gate(size_t(cfg.I) * cfg.H), up(gate.size()), down(size_t(cfg.H) * cfg.I);
+  for (float& v : gate) v = nd(rng) / std::sqrt(float(cfg.H));
+  for (float& v : up) v = nd(rng) / std::sqrt(float(cfg.H));
+  for (float& v : down) v = nd(rng) / std::sqrt(float(cfg.I));
+  for (int l = 0; l < layers; ++l) {
+    out.push_back(std::make_unique<MoeLayer>(cfg, false));
+    MoeLayer& layer = *out.back();
+    if (l == 0) {
+      layer.pack_expert(0, gate.data(), up.data(), down.data());
+      for (const PackedBuffer& b : layer.buffers()) {  // expert e's part of a buffer: the e-th of E
+        const size_t per = b.bytes / cfg.E;
+        auto* p = static_cast<uint8_t*>(b.data);
+        for (int e = 1; e < cfg.E; ++e) std::memcpy(p + e * per, p, per);
+      }
+    } else {
+      const auto src = out[0]->buffers(), dst = layer.buffers();
+      for (size_t i = 0; i < src.size(); ++i)
+        parallel_copy(static_cast<uint8_t*>(dst[i].data), static_cast<const uint8_t*>(src[i].data), src[i].bytes,
+                      cfg.threads);
+    }
+  }
+  return out;
+}
+
+struct Routing {
+  std::vector<uint16_t> x;  // [T, H] bf16
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  int experts;  // distinct experts touched
+};
+
+Routing make_routing(int T, const Shape& s, int E, std::mt19937& rng) {
+  Routing r;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  r.x.resize(size_t(T) * s.H);
+  for (auto& v : r.x) v = f32_to_bf16(nd(rng));
+  std::vector<int> perm(E), used(E, 0);
+  for (int t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int k = 0; k < s.K; ++k) {
+      r.ids.push_back(perm[k]);
+      r.w.push_back(1.f / s.K);
+      used[perm[k]] = 1;
+    }
+  }
+  r.experts = int(std::count(used.begin(), used.end(), 1));
+  return r;
+}
+
+struct Knobs {
+  int l1, l2, item_blocks;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string shape_s = "deepseek-v3", formats_s = "int4,int8,bf16", tokens_s = "1,4", l1_s = "4096", l2_s = "16384",
+              ib_s = "0";
+  int threads = int(std::thread::hardware_concurrency()) - 1, experts = 32, layers = 3, calls = 120, rounds = 2;
+  double gap_us = 100;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--shape") shape_s = v;
+    else if (k == "--formats") formats_s = v;
+    else if (k == "--tokens") tokens_s = v;
+    else if (k == "--threads") threads = std::atoi(v.c_str());
+    else if (k == "--experts") experts = std::atoi(v.c_str());
+    else if (k == "--layers") layers = std::atoi(v.c_str());
+    else if (k == "--calls") calls = std::atoi(v.c_str());
+    else if (k == "--rounds") rounds = std::atoi(v.c_str());
+    else if (k == "--gap-us") gap_us = std::atof(v.c_str());
+    else if (k == "--l1") l1_s = v;
+    else if (k == "--l2") l2_s = v;
+    else if (k == "--item-blocks") ib_s = v;
+    else {
+      std::fprintf(stderr, "unknown option %s\n", k.c_str());
+      return 2;
+    }
+  }
+  const Shape* sh = nullptr;
+  for (const Shape& s : kShapes)
+    if (shape_s == s.name) sh = &s;
+  if (!sh) {
+    std::fprintf(stderr, "unknown shape %s\n", shape_s.c_str());
+    return 2;
+  }
+  std::vector<Knobs> knobs;
+  for (int l1 : ints(l1_s))
+    for (int l2 : ints(l2_s))
+      for (int ib : ints(ib_s)) knobs.push_back({l1, l2, ib});
+  const double probe = read_bandwidth(size_t(2) << 30, threads, 5, 3) / 1e9;
+  const double probe_pf = read_bandwidth(size_t(2) << 30, threads, 5, 3, true) / 1e9;
+  std::printf("# %s: E=%d (of %d) H=%d I=%d top-%d, %d layers, %d threads, gap %g us; host read %.1f GB/s (plain), "
+              "%.1f (with the kernels' prefetches)\n", sh->name, experts, sh->E, sh->H, sh->I, sh->K, layers, threads,
+              gap_us, probe, probe_pf);
+  std::printf("%-5s %2s %5s %6s %3s %5s | %8s %8s %7s %5s %5s\n", "fmt", "T", "l1", "l2", "ib", "round", "ms", "p90 ms",
+              "GB/s", "%bw", "%pf");
+  std::fflush(stdout);
+  for (const std::string& fname : split(formats_s)) {
+    MoeConfig cfg;
+    cfg.E = experts;
+    cfg.H = sh->H;
+    cfg.I = sh->I;
+    cfg.format = fname == "int4" ? Format::int4 : fname == "int8" ? Format::int8 : Format::bf16;
+    cfg.threads = threads;
+    cfg.isa = Isa::avx512;
+    const double t0 = now_s();
+    auto ls = make_layers(cfg, layers);
+    size_t layer_bytes = 0;
+    for (const PackedBuffer& b : ls[0]->buffers()) layer_bytes += b.bytes;
+    const double per_expert = double(layer_bytes) / experts;
+    std::printf("# %s: %d layers packed and copied in %.1f s, %.1f MB per expert\n", fname.c_str(), layers,
+                now_s() - t0, per_expert / 1e6);
+    for (int T : ints(tokens_s)) {
+      std::mt19937 rng(1000 + T);
+      std::vector<Routing> routings;
+      for (int r = 0; r < 16; ++r) routings.push_back(make_routing(T, *sh, experts, rng));
+      std::vector<uint16_t> out(size_t(T) * sh->H);
+      for (int round = 0; round < rounds; ++round)
+        for (const Knobs& kn : knobs) {
+          for (auto& l : ls) {
+            l->set_kernel_prefetch(kn.l1, kn.l2);
+            l->set_item_blocks(kn.item_blocks);
+          }
+          std::vector<double> ms, gbps;
+          for (int c = -layers; c < calls; ++c) {  // the first cycle over the layers warms up
+            const Routing& r = routings[(c + layers) % 16];
+            MoeCall call;
+            call.x = r.x.data();
+            call.x_bf16 = true;
+            call.T = T;
+            call.K = sh->K;
+            call.ids = r.ids.data();
+            call.weights = r.w.data();
+            call.out = out.data();
+            MoeLayer& layer = *ls[(c + layers) % layers];
+            busy_wait(gap_us * 1e-6);
+            const double a = now_s();
+            layer.run(call);
+            const double s = now_s() - a;
+            if (c < 0) continue;
+            ms.push_back(s * 1e3);
+            gbps.push_back(r.experts * per_expert / s / 1e9);
+          }
+          std::sort(ms.begin(), ms.end());
+          std::sort(gbps.begin(), gbps.end());
+          const double g = gbps[gbps.size() / 2];
+          std::printf("%-5s %2d %5d %6d %3d %5d | %8.3f %8.3f %7.1f %4.0f%% %4.0f%%\n", fname.c_str(), T, kn.l1, kn.l2,
+                      kn.item_blocks, round, ms[ms.size() / 2], ms[ms.size() * 9 / 10], g, 100 * g / probe,
+                      100 * g / probe_pf);
+          std::fflush(stdout);
+        }
+    }
+  }
+  return 0;
+}
