@@ -1,7 +1,11 @@
 // The AMX 2x2 tile loop of csrc/moe/amx_kernels.inc alone: ns per tile product (one TDPBF16PS or
 // TDPBSSD, 16 cycles each at the documented peak), one thread and every core at once, for step
 // orders (all loads first / the reordered loads of k_loop), A tiles from an L1- or L2-sized ring,
-// A prefetched into L1, and C round trips. Standalone (no repo code), for AMX hosts:
+// B from an L1- or L2-sized ring (bf16 kernels read B in place: 64 KiB a 32-row block of 1024 K),
+// A prefetched into L1, C round trips, and the kernels' L2 prefetch of the next block from DRAM
+// (prefetcht1, lines per step). Then the scaling of one case with the threads (1 .. every CPU,
+// pinned to CPUs 0..n-1, and half the CPUs on the even ones): per-thread time that grows past
+// some count is a shared unit (SMT siblings, power). Standalone (no repo code), for AMX hosts:
 //
 //   g++ -O2 -std=c++17 -mamx-tile -mamx-bf16 -mamx-int8 -mavx512f -o /tmp/amx_tile_loop \
 //       benchmarks/amx_tile_loop.cpp -lpthread && /tmp/amx_tile_loop
@@ -12,6 +16,8 @@
 // 6.4 and 27 ns from case to case (not repeatable there). So with every core busy one tile product
 // with loads costs ~2x one without, ~0.66 TFLOP/s per core in BF16: the ceiling of the tile loop.
 #include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <chrono>
@@ -26,20 +32,23 @@ struct alignas(64) Cfg { uint8_t palette = 1, start = 0, res[14] = {}; uint16_t 
 static void cfg() { Cfg c; for (int t = 0; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; } _tile_loadconfig(&c); }
 
 enum Order { kDpOnly, kLoadsFirst, kPipe };
-// steps: K steps per C round trip (0: C stays in tiles); abytes: size of the A ring (the stream);
-// pf: prefetch A 2 steps ahead into L1.
+// steps: K steps per C round trip (0: C stays in tiles); abytes / bbytes: size of the A / B ring
+// (the streams); pf: prefetch A 2 steps ahead into L1; dram: prefetcht1 lines per step from a
+// 64 MiB buffer of this thread's (the next block's weights on their way to L2).
 template <bool kInt8>
-double run(Order order, int abytes, int steps, bool pf, long total_steps) {
+double run(Order order, int abytes, int bbytes, int steps, bool pf, int dram, long total_steps) {
   cfg();
-  std::vector<uint8_t> Abuf(abytes + 4096 * 2), Bbuf(16384 + 4096), Cbuf(8192 + 128);
+  std::vector<uint8_t> Abuf(abytes + 4096 * 2), Bbuf(bbytes + 4096), Cbuf(8192 + 128);
+  std::vector<uint8_t> Dbuf(dram ? (64 << 20) : 0, 1);  // written: real pages, not the zero page
+  size_t doff = 0;
   uint8_t* A = (uint8_t*)(((uintptr_t)Abuf.data() + 63) & ~uintptr_t(63));
   uint8_t* B = (uint8_t*)(((uintptr_t)Bbuf.data() + 63) & ~uintptr_t(63));
   uint8_t* C = (uint8_t*)(((uintptr_t)Cbuf.data() + 63) & ~uintptr_t(63));
   for (int i = 0; i < abytes; ++i) A[i] = kInt8 ? uint8_t(i % 7) : uint8_t(i % 3 == 0 ? 0x3f : 0);
-  for (int i = 0; i < 16384; ++i) B[i] = kInt8 ? uint8_t(i % 5) : uint8_t(i % 3 == 0 ? 0x3f : 0);
+  for (int i = 0; i < bbytes; ++i) B[i] = kInt8 ? uint8_t(i % 5) : uint8_t(i % 3 == 0 ? 0x3f : 0);
   memset(C, 0, 8192);
   const int astep = 2048;  // two A tiles (tokens 0-15, 16-31) per step, contiguous here
-  const int nA = abytes / astep, nB = 16384 / 2048;
+  const int nA = abytes / astep, nB = bbytes / 2048;
   auto dp = [&](auto c) {
     constexpr int cc = decltype(c)::value;
     if constexpr (kInt8) {
@@ -62,6 +71,7 @@ double run(Order order, int abytes, int steps, bool pf, long total_steps) {
     for (int i = 0; i < n; ++i, ++s) {
       const uint8_t* a = A + size_t(s % nA) * astep;
       const uint8_t* b = B + size_t(s % nB) * 2048;
+      for (int l = 0; l < dram; ++l, doff = (doff + 64) % Dbuf.size()) _mm_prefetch((const char*)Dbuf.data() + doff, _MM_HINT_T1);
       if (pf) {
         const uint8_t* ap = A + size_t((s + 2) % nA) * astep;
         for (int l = 0; l < 2048; l += 64) _mm_prefetch((const char*)ap + l, _MM_HINT_T0);
@@ -86,37 +96,60 @@ double run(Order order, int abytes, int steps, bool pf, long total_steps) {
   return ns / (4.0 * s);  // ns per tile product
 }
 
+struct Case { const char* name; Order o; int abytes, bbytes, steps; bool pf; int dram; };
+
+// Mean ns per tile product of n threads at once, thread t pinned to CPU cpu0 + t * cpu_step.
+template <bool kInt8>
+double on_threads(const Case& c, int n, int cpu0, int cpu_step, long steps) {
+  std::vector<double> res(n);
+  std::vector<std::thread> th;
+  for (int t = 0; t < n; ++t)
+    th.emplace_back([&, t] {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(cpu0 + t * cpu_step, &set);
+      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+      res[t] = run<kInt8>(c.o, c.abytes, c.bbytes, c.steps, c.pf, c.dram, steps);
+    });
+  for (auto& x : th) x.join();
+  double m = 0;
+  for (double v : res) m += v;
+  return m / n;
+}
+
 int main() {
   if (syscall(SYS_arch_prctl, 0x1023, 18)) { puts("no AMX permission"); return 1; }
-  struct Case { const char* name; Order o; int abytes; int steps; bool pf; };
+  constexpr int L1A = 16384, L2A = 131072, L1B = 16384, L2B = 65536;
   const Case cases[] = {
-      {"products only (4 C tiles, no loads)", kDpOnly, 16384, 0, false},
-      {"loads first, A ring 16 KiB (L1), C kept", kLoadsFirst, 16384, 0, false},
-      {"pipe,        A ring 16 KiB (L1), C kept", kPipe, 16384, 0, false},
-      {"loads first, A ring 128 KiB (L2), C kept", kLoadsFirst, 131072, 0, false},
-      {"pipe,        A ring 128 KiB (L2), C kept", kPipe, 131072, 0, false},
-      {"pipe + A pf, A ring 128 KiB (L2), C kept", kPipe, 131072, 0, true},
-      {"pipe,        A ring 16 KiB, C round trip / 8 steps", kPipe, 16384, 8, false},
-      {"pipe + A pf, A ring 128 KiB, C round trip / 8 steps", kPipe, 131072, 8, true},
-      {"loads first, A ring 1 MiB (L2/L3), C kept", kLoadsFirst, 1 << 20, 0, false},
-      {"pipe + A pf, A ring 1 MiB (L2/L3), C kept", kPipe, 1 << 20, 0, true},
+      {"products only (4 C tiles, no loads)", kDpOnly, L1A, L1B, 0, false, 0},
+      {"loads first, A 16 KiB (L1), B 16 KiB (L1), C kept", kLoadsFirst, L1A, L1B, 0, false, 0},
+      {"pipe,        A 16 KiB (L1), B 16 KiB (L1), C kept", kPipe, L1A, L1B, 0, false, 0},
+      {"loads first, A 128 KiB (L2), B L1, C kept", kLoadsFirst, L2A, L1B, 0, false, 0},
+      {"pipe,        A 128 KiB (L2), B L1, C kept", kPipe, L2A, L1B, 0, false, 0},
+      {"pipe + A pf, A 128 KiB (L2), B L1, C kept", kPipe, L2A, L1B, 0, true, 0},
+      {"pipe,        A L1, B L1, C round trip / 8 steps", kPipe, L1A, L1B, 8, false, 0},
+      {"pipe + A pf, A L2, B L1, C round trip / 8 steps", kPipe, L2A, L1B, 8, true, 0},
+      {"loads first, A 1 MiB (L2/L3), B L1, C kept", kLoadsFirst, 1 << 20, L1B, 0, false, 0},
+      {"loads first, A L2, B 64 KiB (L2), C / 32 steps", kLoadsFirst, L2A, L2B, 32, false, 0},
+      {"pipe,        A L2, B 64 KiB (L2), C / 32 steps", kPipe, L2A, L2B, 32, false, 0},
+      {"loads first, A L2, B L2, C / 32, DRAM pf 4/step", kLoadsFirst, L2A, L2B, 32, false, 4},
+      {"loads first, A L2, B L2, C / 32, DRAM pf 8/step", kLoadsFirst, L2A, L2B, 32, false, 8},
+      {"loads first, A L2, B L1, C / 8, DRAM pf 8/step", kLoadsFirst, L2A, L1B, 8, false, 8},
+      {"pipe,        A L2, B L1, C / 8, DRAM pf 8/step", kPipe, L2A, L1B, 8, false, 8},
   };
   const long steps = 200000;
   const int threads = std::thread::hardware_concurrency();
   printf("ns per tile product (16 cycles each at peak): 1 thread bf16 | int8 || %d threads bf16 | int8 (mean)\n", threads);
-  for (const Case& c : cases) {
-    double r[4];
-    r[0] = run<false>(c.o, c.abytes, c.steps, c.pf, steps);
-    r[1] = run<true>(c.o, c.abytes, c.steps, c.pf, steps);
-    for (int k = 0; k < 2; ++k) {
-      std::vector<double> res(threads);
-      std::vector<std::thread> th;
-      for (int t = 0; t < threads; ++t)
-        th.emplace_back([&, t] { res[t] = k ? run<true>(c.o, c.abytes, c.steps, c.pf, steps) : run<false>(c.o, c.abytes, c.steps, c.pf, steps); });
-      for (auto& x : th) x.join();
-      double m = 0; for (double v : res) m += v;
-      r[2 + k] = m / threads;
-    }
-    printf("%-52s %6.2f %6.2f || %6.2f %6.2f\n", c.name, r[0], r[1], r[2], r[3]);
+  for (const Case& c : cases)
+    printf("%-52s %6.2f %6.2f || %6.2f %6.2f\n", c.name, on_threads<false>(c, 1, 0, 1, steps),
+           on_threads<true>(c, 1, 0, 1, steps), on_threads<false>(c, threads, 0, 1, steps),
+           on_threads<true>(c, threads, 0, 1, steps));
+  // Threads scaling, bf16: products alone and the kernels' shape (A, B in L2, DRAM prefetch).
+  printf("bf16 ns per tile product by threads (CPUs 0..n-1; 'even': n on CPUs 0, 2, 4, ...):\n");
+  for (int ci : {0, 11}) {
+    printf("%-52s", cases[ci].name);
+    for (int n = 1; n <= threads; n *= 2) printf("  %d: %6.2f", n, on_threads<false>(cases[ci], n, 0, 1, steps));
+    if (threads >= 2) printf("  even %d: %6.2f", threads / 2, on_threads<false>(cases[ci], threads / 2, 0, 2, steps));
+    printf("\n");
   }
 }
