@@ -7,12 +7,13 @@
 //
 //   bash benchmarks/build_decode_bench.sh /tmp/dkr && /tmp/dkr/decode_engine_loop --shape deepseek-v3 \
 //       --formats int4,bf16 --tokens 1,4 --threads 15 [--experts 32] [--layers 3] [--gap-us 100]
-//       [--calls 120] [--rounds 2] [--l2 16384,32768] [--l1 4096] [--item-blocks 0]
+//       [--calls 120] [--rounds 2] [--l2 16384,32768] [--l1 4096] [--item-blocks 0] [--probe 1]
 //
 // Each layer's experts are copies of one packed random expert (the kernels' time does not depend
 // on the values); every call routes each token to K distinct random experts, 16 routings cycled.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -67,15 +68,22 @@ void parallel_copy(uint8_t* dst, const uint8_t* src, size_t bytes, int threads) 
   for (auto& t : ts) t.join();
 }
 
+// v[i] uniform in [-a, a) (a counter hash: fast, for the tens of millions of weights of a DSV3 expert).
+void uniform_fill(std::vector<float>& v, float a, uint64_t seed) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    z = (z ^ (z >> 31)) * 0xBF58476D1CE4E5B9ull;
+    v[i] = a * (float(z >> 40) / float(1 << 23) - 1.f);
+  }
+}
+
 // Layers whose E experts are all copies of one packed random expert.
 std::vector<std::unique_ptr<MoeLayer>> make_layers(const MoeConfig& cfg, int layers) {
   std::vector<std::unique_ptr<MoeLayer>> out;
-  std::mt19937 rng(3);
-  std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<float> gate(size_t(cfg.I) * cfg.H), up(gate.size()), down(size_t(cfg.H) * cfg.I);
-  for (float& v : gate) v = nd(rng) / std::sqrt(float(cfg.H));
-  for (float& v : up) v = nd(rng) / std::sqrt(float(cfg.H));
-  for (float& v : down) v = nd(rng) / std::sqrt(float(cfg.I));
+  uniform_fill(gate, 1.f / std::sqrt(float(cfg.H)), 1);
+  uniform_fill(up, 1.f / std::sqrt(float(cfg.H)), 2);
+  uniform_fill(down, 1.f / std::sqrt(float(cfg.I)), 3);
   for (int l = 0; l < layers; ++l) {
     out.push_back(std::make_unique<MoeLayer>(cfg, false));
     MoeLayer& layer = *out.back();
@@ -131,7 +139,8 @@ struct Knobs {
 int main(int argc, char** argv) {
   std::string shape_s = "deepseek-v3", formats_s = "int4,int8,bf16", tokens_s = "1,4", l1_s = "4096", l2_s = "16384",
               ib_s = "0";
-  int threads = int(std::thread::hardware_concurrency()) - 1, experts = 32, layers = 3, calls = 120, rounds = 2;
+  int threads = int(std::thread::hardware_concurrency()) - 1, experts = 32, layers = 3, calls = 120, rounds = 2,
+      probe_on = 1;
   double gap_us = 100;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -143,6 +152,7 @@ int main(int argc, char** argv) {
     else if (k == "--layers") layers = std::atoi(v.c_str());
     else if (k == "--calls") calls = std::atoi(v.c_str());
     else if (k == "--rounds") rounds = std::atoi(v.c_str());
+    else if (k == "--probe") probe_on = std::atoi(v.c_str());
     else if (k == "--gap-us") gap_us = std::atof(v.c_str());
     else if (k == "--l1") l1_s = v;
     else if (k == "--l2") l2_s = v;
@@ -163,8 +173,9 @@ int main(int argc, char** argv) {
   for (int l1 : ints(l1_s))
     for (int l2 : ints(l2_s))
       for (int ib : ints(ib_s)) knobs.push_back({l1, l2, ib});
-  const double probe = read_bandwidth(size_t(2) << 30, threads, 5, 3) / 1e9;
-  const double probe_pf = read_bandwidth(size_t(2) << 30, threads, 5, 3, true) / 1e9;
+  // The host read probe (nan with --probe 0: runs that compare builds can probe once, not per build).
+  const double probe = probe_on ? read_bandwidth(size_t(2) << 30, threads, 5, 3) / 1e9 : NAN;
+  const double probe_pf = probe_on ? read_bandwidth(size_t(2) << 30, threads, 5, 3, true) / 1e9 : NAN;
   std::printf("# %s: E=%d (of %d) H=%d I=%d top-%d, %d layers, %d threads, gap %g us; host read %.1f GB/s (plain), "
               "%.1f (with the kernels' prefetches)\n", sh->name, experts, sh->E, sh->H, sh->I, sh->K, layers, threads,
               gap_us, probe, probe_pf);

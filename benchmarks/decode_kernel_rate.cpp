@@ -91,8 +91,9 @@ Packed pack(Format f, int N, int K, int group, std::mt19937& rng) {
   m.wbytes = size_t(m.blocks) * block_bytes(f, m.Kp);
   m.sfloats = f == Format::int8 ? size_t(N) : f == Format::int4 ? size_t(m.blocks) * (m.Kp / group) * kBlockRows : 0;
   std::vector<float> W(size_t(N) * K);
-  std::normal_distribution<float> nd(0.f, 0.02f);
-  for (float& v : W) v = nd(rng);
+  std::uniform_real_distribution<float> ud(-0.03f, 0.03f);
+  std::minstd_rand fast(rng());  // tens of millions of weights: a cheap generator
+  for (float& v : W) v = ud(fast);
   m.w.resize(m.wbytes);
   m.scale.resize(m.sfloats);
   pack_blocks(f, group, W.data(), N, K, m.Kp, 0, m.blocks, m.w.data(), m.sfloats ? m.scale.data() : nullptr, nullptr);
