@@ -1,13 +1,14 @@
 // moe_layer.py's decode loop (--gap-us) in C++: layers of packed experts called in turn with T
 // tokens, a gap of busy work between calls, ms per call and GB/s of the experts each call reads,
-// beside the host read probe. The engine's own time (no Python), so that two builds of the
-// kernels (benchmarks/build_decode_bench.sh, a patched kernel file) compare in seconds, without
-// building the extension twice; schedule knobs that are runtime options (--l1/--l2 prefetch
-// distances, --item-blocks) are rows of one run, interleaved round by round.
+// beside the host read probe: the engine's own time (no Python). Every kernel build the binary
+// holds (build_decode_bench.sh: the shipped kernels and patched copies) and every combination of
+// the runtime knobs (--l1/--l2 prefetch distances, --item-blocks) is a row, interleaved round by
+// round over the same packed weights (each build's layers adopt the same buffers).
 //
-//   bash benchmarks/build_decode_bench.sh /tmp/dkr && /tmp/dkr/decode_engine_loop --shape deepseek-v3 \
-//       --formats int4,bf16 --tokens 1,4 --threads 15 [--experts 32] [--layers 3] [--gap-us 100]
-//       [--calls 120] [--rounds 2] [--l2 16384,32768] [--l1 4096] [--item-blocks 0] [--probe 1]
+//   bash benchmarks/build_decode_bench.sh /tmp/dkr [NAME=KERNEL_FILE ...] && /tmp/dkr/decode_engine_loop \
+//       --shape deepseek-v3 --formats int4,bf16 --tokens 1,4 --threads 15 [--experts 32] [--layers 3]
+//       [--gap-us 100] [--calls 120] [--rounds 2] [--variants base,NAME] [--l2 16384,32768] [--l1 4096]
+//       [--item-blocks 0] [--probe 1]
 //
 // Each layer's experts are copies of one packed random expert (the kernels' time does not depend
 // on the values); every call routes each token to K distinct random experts, 16 routings cycled.
@@ -23,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernel_variants.h"
 #include "moe/moe_layer.h"
 #include "runtime/read_bandwidth.h"
 
@@ -92,7 +94,8 @@ std::vector<std::unique_ptr<MoeLayer>> make_layers(const MoeConfig& cfg, int lay
       for (const PackedBuffer& b : layer.buffers()) {  // expert e's part of a buffer: the e-th of E
         const size_t per = b.bytes / cfg.E;
         auto* p = static_cast<uint8_t*>(b.data);
-        for (int e = 1; e < cfg.E; ++e) std::memcpy(p + e * per, p, per);
+        for (int e = 1; e < cfg.E; e *= 2)  // experts [0, e) -> [e, 2e): doubling, each copy on every thread
+          parallel_copy(p + e * per, p, std::min(e, cfg.E - e) * per, cfg.threads);
       }
     } else {
       const auto src = out[0]->buffers(), dst = layer.buffers();
@@ -102,6 +105,13 @@ std::vector<std::unique_ptr<MoeLayer>> make_layers(const MoeConfig& cfg, int lay
     }
   }
   return out;
+}
+
+// A layer over src's packed buffers, running the kernel build selected now.
+std::unique_ptr<MoeLayer> adopting(const MoeLayer& src) {
+  auto l = std::make_unique<MoeLayer>(src.config(), true);
+  for (const PackedBuffer& b : src.buffers()) l->set_buffer(b.name, b.data, b.bytes);
+  return l;
 }
 
 struct Routing {
@@ -130,6 +140,32 @@ Routing make_routing(int T, const Shape& s, int E, std::mt19937& rng) {
   return r;
 }
 
+// ms and GB/s of each of `calls` calls, after one warm-up cycle over the layers: layer c % L,
+// routing c % 16, a busy gap before each.
+void timed_calls(std::vector<std::unique_ptr<MoeLayer>>& layers, const std::vector<Routing>& routings, const Shape& sh,
+                 int calls, double gap_s, double per_expert, uint16_t* out, std::vector<double>& ms,
+                 std::vector<double>& gbps) {
+  const int L = int(layers.size());
+  for (int c = -L; c < calls; ++c) {
+    const Routing& r = routings[(c + L) % routings.size()];
+    MoeCall call;
+    call.x = r.x.data();
+    call.x_bf16 = true;
+    call.T = int(r.x.size() / sh.H);
+    call.K = sh.K;
+    call.ids = r.ids.data();
+    call.weights = r.w.data();
+    call.out = out;
+    busy_wait(gap_s);
+    const double a = now_s();
+    layers[(c + L) % L]->run(call);
+    const double s = now_s() - a;
+    if (c < 0) continue;
+    ms.push_back(s * 1e3);
+    gbps.push_back(r.experts * per_expert / s / 1e9);
+  }
+}
+
 struct Knobs {
   int l1, l2, item_blocks;
 };
@@ -138,7 +174,7 @@ struct Knobs {
 
 int main(int argc, char** argv) {
   std::string shape_s = "deepseek-v3", formats_s = "int4,int8,bf16", tokens_s = "1,4", l1_s = "4096", l2_s = "16384",
-              ib_s = "0";
+              ib_s = "0", variants_s;
   int threads = int(std::thread::hardware_concurrency()) - 1, experts = 32, layers = 3, calls = 120, rounds = 2,
       probe_on = 1;
   double gap_us = 100;
@@ -157,6 +193,7 @@ int main(int argc, char** argv) {
     else if (k == "--l1") l1_s = v;
     else if (k == "--l2") l2_s = v;
     else if (k == "--item-blocks") ib_s = v;
+    else if (k == "--variants") variants_s = v;
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
       return 2;
@@ -169,6 +206,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "unknown shape %s\n", shape_s.c_str());
     return 2;
   }
+  std::vector<int> variants;  // indices into kernel_variants()
+  for (size_t i = 0; i < kernel_variants().size(); ++i)
+    if (variants_s.empty() || ("," + variants_s + ",").find(std::string(",") + kernel_variants()[i].name + ",") !=
+                                  std::string::npos)
+      variants.push_back(int(i));
   std::vector<Knobs> knobs;
   for (int l1 : ints(l1_s))
     for (int l2 : ints(l2_s))
@@ -179,8 +221,8 @@ int main(int argc, char** argv) {
   std::printf("# %s: E=%d (of %d) H=%d I=%d top-%d, %d layers, %d threads, gap %g us; host read %.1f GB/s (plain), "
               "%.1f (with the kernels' prefetches)\n", sh->name, experts, sh->E, sh->H, sh->I, sh->K, layers, threads,
               gap_us, probe, probe_pf);
-  std::printf("%-5s %2s %5s %6s %3s %5s | %8s %8s %7s %5s %5s\n", "fmt", "T", "l1", "l2", "ib", "round", "ms", "p90 ms",
-              "GB/s", "%bw", "%pf");
+  std::printf("%-5s %2s %-10s %5s %6s %3s %5s | %8s %8s %7s %5s %5s\n", "fmt", "T", "kernels", "l1", "l2", "ib", "round",
+              "ms", "p90 ms", "GB/s", "%bw", "%pf");
   std::fflush(stdout);
   for (const std::string& fname : split(formats_s)) {
     MoeConfig cfg;
@@ -203,39 +245,25 @@ int main(int argc, char** argv) {
       for (int r = 0; r < 16; ++r) routings.push_back(make_routing(T, *sh, experts, rng));
       std::vector<uint16_t> out(size_t(T) * sh->H);
       for (int round = 0; round < rounds; ++round)
-        for (const Knobs& kn : knobs) {
-          for (auto& l : ls) {
-            l->set_kernel_prefetch(kn.l1, kn.l2);
-            l->set_item_blocks(kn.item_blocks);
+        for (const Knobs& kn : knobs)
+          for (int vi : variants) {
+            select_kernel_variant(vi);
+            std::vector<std::unique_ptr<MoeLayer>> vl;
+            for (auto& l : ls) {
+              vl.push_back(adopting(*l));
+              vl.back()->set_kernel_prefetch(kn.l1, kn.l2);
+              vl.back()->set_item_blocks(kn.item_blocks);
+            }
+            std::vector<double> ms, gbps;
+            timed_calls(vl, routings, *sh, calls, gap_us * 1e-6, per_expert, out.data(), ms, gbps);
+            std::sort(ms.begin(), ms.end());
+            std::sort(gbps.begin(), gbps.end());
+            const double g = gbps[gbps.size() / 2];
+            std::printf("%-5s %2d %-10s %5d %6d %3d %5d | %8.3f %8.3f %7.1f %4.0f%% %4.0f%%\n", fname.c_str(), T,
+                        kernel_variants()[vi].name, kn.l1, kn.l2, kn.item_blocks, round, ms[ms.size() / 2],
+                        ms[ms.size() * 9 / 10], g, 100 * g / probe, 100 * g / probe_pf);
+            std::fflush(stdout);
           }
-          std::vector<double> ms, gbps;
-          for (int c = -layers; c < calls; ++c) {  // the first cycle over the layers warms up
-            const Routing& r = routings[(c + layers) % 16];
-            MoeCall call;
-            call.x = r.x.data();
-            call.x_bf16 = true;
-            call.T = T;
-            call.K = sh->K;
-            call.ids = r.ids.data();
-            call.weights = r.w.data();
-            call.out = out.data();
-            MoeLayer& layer = *ls[(c + layers) % layers];
-            busy_wait(gap_us * 1e-6);
-            const double a = now_s();
-            layer.run(call);
-            const double s = now_s() - a;
-            if (c < 0) continue;
-            ms.push_back(s * 1e3);
-            gbps.push_back(r.experts * per_expert / s / 1e9);
-          }
-          std::sort(ms.begin(), ms.end());
-          std::sort(gbps.begin(), gbps.end());
-          const double g = gbps[gbps.size() / 2];
-          std::printf("%-5s %2d %5d %6d %3d %5d | %8.3f %8.3f %7.1f %4.0f%% %4.0f%%\n", fname.c_str(), T, kn.l1, kn.l2,
-                      kn.item_blocks, round, ms[ms.size() / 2], ms[ms.size() * 9 / 10], g, 100 * g / probe,
-                      100 * g / probe_pf);
-          std::fflush(stdout);
-        }
     }
   }
   return 0;

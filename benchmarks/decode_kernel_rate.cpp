@@ -9,9 +9,10 @@
 // only where hot >= 0.9 * B / n per core (~10 GB/s on the 16-core GPU host).
 //
 // Built against the repo's kernel files with the extension's flags (the timed code is the shipped
-// code), by benchmarks/build_decode_bench.sh:
+// code), by benchmarks/build_decode_bench.sh; with --isa avx512 every kernel build the binary holds
+// (the shipped one and patched copies, kernel_variants.h) is a row:
 //
-//   bash benchmarks/build_decode_bench.sh /tmp/dkr && /tmp/dkr/decode_kernel_rate [--threads 1,16] [--isa avx512]
+//   bash benchmarks/build_decode_bench.sh /tmp/dkr [NAME=KERNEL_FILE ...] && /tmp/dkr/decode_kernel_rate [--threads 1,16] [--isa avx512]
 //       [--tokens 1,4] [--formats int4,int8,bf16] [--shapes deepseek-v3,qwen3-30b-a3b] [--modes hot,cold]
 //       [--l1 4096] [--l2 16384] [--cold-mib 256] [--hot-kib 384] [--item-blocks 8] [--reps 3]
 #include <sched.h>
@@ -28,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernel_variants.h"
 #include "moe/pack.h"
 #include "moe/packed.h"
 
@@ -215,10 +217,13 @@ std::vector<double> run_threads(const Case& c, int threads, bool hot) {
   return gbps;
 }
 
-const Kernels& kernels_named(const std::string& isa) {
-  if (isa == "generic") return kernels_generic();
-  if (isa == "avx2") return kernels_avx2();
-  return kernels_avx512();
+// (name, kernels) of --isa: each AVX-512 build, or the one portable set.
+std::vector<std::pair<std::string, const Kernels*>> kernel_sets(const std::string& isa) {
+  if (isa == "generic") return {{"generic", &kernels_generic()}};
+  if (isa == "avx2") return {{"avx2", &kernels_avx2()}};
+  std::vector<std::pair<std::string, const Kernels*>> out;
+  for (const KernelVariant& v : kernel_variants()) out.emplace_back(v.name, &v.kernels());
+  return out;
 }
 
 }  // namespace
@@ -247,12 +252,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const Kernels& kn = kernels_named(isa);
+  const auto sets = kernel_sets(isa);
   std::mt19937 rng(1);
   std::printf("# decode kernels (%s), GB/s of packed weights per core: hot %d KiB per core in cache; cold %d MiB per "
               "core, items of %d blocks\n", isa, hot_kib, cold_mib, item_blocks);
-  std::printf("%-14s %-5s %-4s %2s %-4s %3s %6s %6s | %7s %7s %7s %8s\n", "shape", "mat", "fmt", "T", "mode", "thr", "l1",
-              "l2", "median", "min", "max", "sum");
+  std::printf("%-14s %-5s %-4s %2s %-4s %3s %6s %6s %-10s | %7s %7s %7s %8s\n", "shape", "mat", "fmt", "T", "mode",
+              "thr", "l1", "l2", "kernels", "median", "min", "max", "sum");
   for (const std::string& sname : str_list(shapes_s)) {
     const Shape* sh = nullptr;
     for (const Shape& s : kShapes)
@@ -270,18 +275,19 @@ int main(int argc, char** argv) {
           for (const std::string& mode : str_list(modes_s))
             for (int threads : int_list(threads_s))
               for (int l1 : int_list(l1_s))
-                for (int l2 : int_list(l2_s)) {
-                  const Case c{&kn, &mats[mi], T, l1, l2, item_blocks, reps, size_t(hot_kib) << 10,
-                               size_t(cold_mib) << 20};
-                  std::vector<double> g = run_threads(c, threads, mode == "hot");
-                  double sum = 0;
-                  for (double v : g) sum += v;
-                  std::sort(g.begin(), g.end());
-                  std::printf("%-14s %-5s %-4s %2d %-4s %3d %6d %6d | %7.1f %7.1f %7.1f %8.1f\n", sh->name,
-                              mi ? "down" : "gate", fname.c_str(), T, mode.c_str(), threads, l1, l2, g[g.size() / 2],
-                              g.front(), g.back(), sum);
-                  std::fflush(stdout);
-                }
+                for (int l2 : int_list(l2_s))
+                  for (const auto& [kname, kn] : sets) {
+                    const Case c{kn, &mats[mi], T, l1, l2, item_blocks, reps, size_t(hot_kib) << 10,
+                                 size_t(cold_mib) << 20};
+                    std::vector<double> g = run_threads(c, threads, mode == "hot");
+                    double sum = 0;
+                    for (double v : g) sum += v;
+                    std::sort(g.begin(), g.end());
+                    std::printf("%-14s %-5s %-4s %2d %-4s %3d %6d %6d %-10s | %7.1f %7.1f %7.1f %8.1f\n", sh->name,
+                                mi ? "down" : "gate", fname.c_str(), T, mode.c_str(), threads, l1, l2, kname.c_str(),
+                                g[g.size() / 2], g.front(), g.back(), sum);
+                    std::fflush(stdout);
+                  }
     }
   }
   return 0;
