@@ -2,13 +2,13 @@
 // tokens, a gap of busy work between calls, ms per call and GB/s of the experts each call reads,
 // beside the host read probe: the engine's own time (no Python). Every kernel build the binary
 // holds (build_decode_bench.sh: the shipped kernels and patched copies) and every combination of
-// the runtime knobs (--l1/--l2 prefetch distances, --item-blocks) is a row, interleaved round by
+// the runtime knobs (--l1/--l2 prefetch distances, --item-blocks, --item-prefetch) is a row, interleaved round by
 // round over the same packed weights (each build's layers adopt the same buffers).
 //
 //   bash benchmarks/build_decode_bench.sh /tmp/dkr [NAME=KERNEL_FILE ...] && /tmp/dkr/decode_engine_loop \
 //       --shape deepseek-v3 --formats int4,bf16 --tokens 1,4 --threads 15 [--experts 32] [--layers 3]
 //       [--gap-us 100] [--calls 120] [--rounds 2] [--variants base,NAME] [--l2 16384,32768] [--l1 4096]
-//       [--item-blocks 0] [--probe 1]
+//       [--item-blocks 0] [--item-prefetch 4096] [--probe 1]
 //
 // Each layer's experts are copies of one packed random expert (the kernels' time does not depend
 // on the values); every call routes each token to K distinct random experts, 16 routings cycled.
@@ -167,14 +167,14 @@ void timed_calls(std::vector<std::unique_ptr<MoeLayer>>& layers, const std::vect
 }
 
 struct Knobs {
-  int l1, l2, item_blocks;
+  int l1, l2, item_blocks, item_prefetch;
 };
 
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string shape_s = "deepseek-v3", formats_s = "int4,int8,bf16", tokens_s = "1,4", l1_s = "4096", l2_s = "16384",
-              ib_s = "0", variants_s;
+              ib_s = "0", ipf_s = "4096", variants_s;
   int threads = int(std::thread::hardware_concurrency()) - 1, experts = 32, layers = 3, calls = 120, rounds = 2,
       probe_on = 1;
   double gap_us = 100;
@@ -193,6 +193,7 @@ int main(int argc, char** argv) {
     else if (k == "--l1") l1_s = v;
     else if (k == "--l2") l2_s = v;
     else if (k == "--item-blocks") ib_s = v;
+    else if (k == "--item-prefetch") ipf_s = v;
     else if (k == "--variants") variants_s = v;
     else {
       std::fprintf(stderr, "unknown option %s\n", k.c_str());
@@ -214,15 +215,16 @@ int main(int argc, char** argv) {
   std::vector<Knobs> knobs;
   for (int l1 : ints(l1_s))
     for (int l2 : ints(l2_s))
-      for (int ib : ints(ib_s)) knobs.push_back({l1, l2, ib});
+      for (int ib : ints(ib_s))
+        for (int ipf : ints(ipf_s)) knobs.push_back({l1, l2, ib, ipf});
   // The host read probe (nan with --probe 0: runs that compare builds can probe once, not per build).
   const double probe = probe_on ? read_bandwidth(size_t(2) << 30, threads, 5, 3) / 1e9 : NAN;
   const double probe_pf = probe_on ? read_bandwidth(size_t(2) << 30, threads, 5, 3, true) / 1e9 : NAN;
   std::printf("# %s: E=%d (of %d) H=%d I=%d top-%d, %d layers, %d threads, gap %g us; host read %.1f GB/s (plain), "
               "%.1f (with the kernels' prefetches)\n", sh->name, experts, sh->E, sh->H, sh->I, sh->K, layers, threads,
               gap_us, probe, probe_pf);
-  std::printf("%-5s %2s %-10s %5s %6s %3s %5s | %8s %8s %7s %5s %5s\n", "fmt", "T", "kernels", "l1", "l2", "ib", "round",
-              "ms", "p90 ms", "GB/s", "%bw", "%pf");
+  std::printf("%-5s %2s %-10s %5s %6s %3s %6s %5s | %8s %8s %7s %5s %5s\n", "fmt", "T", "kernels", "l1", "l2", "ib",
+              "ipf", "round", "ms", "p90 ms", "GB/s", "%bw", "%pf");
   std::fflush(stdout);
   for (const std::string& fname : split(formats_s)) {
     MoeConfig cfg;
@@ -253,15 +255,16 @@ int main(int argc, char** argv) {
               vl.push_back(adopting(*l));
               vl.back()->set_kernel_prefetch(kn.l1, kn.l2);
               vl.back()->set_item_blocks(kn.item_blocks);
+              vl.back()->set_item_prefetch(kn.item_prefetch);
             }
             std::vector<double> ms, gbps;
             timed_calls(vl, routings, *sh, calls, gap_us * 1e-6, per_expert, out.data(), ms, gbps);
             std::sort(ms.begin(), ms.end());
             std::sort(gbps.begin(), gbps.end());
             const double g = gbps[gbps.size() / 2];
-            std::printf("%-5s %2d %-10s %5d %6d %3d %5d | %8.3f %8.3f %7.1f %4.0f%% %4.0f%%\n", fname.c_str(), T,
-                        kernel_variants()[vi].name, kn.l1, kn.l2, kn.item_blocks, round, ms[ms.size() / 2],
-                        ms[ms.size() * 9 / 10], g, 100 * g / probe, 100 * g / probe_pf);
+            std::printf("%-5s %2d %-10s %5d %6d %3d %6d %5d | %8.3f %8.3f %7.1f %4.0f%% %4.0f%%\n", fname.c_str(), T,
+                        kernel_variants()[vi].name, kn.l1, kn.l2, kn.item_blocks, kn.item_prefetch, round,
+                        ms[ms.size() / 2], ms[ms.size() * 9 / 10], g, 100 * g / probe, 100 * g / probe_pf);
             std::fflush(stdout);
           }
     }

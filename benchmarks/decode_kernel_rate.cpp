@@ -15,6 +15,7 @@
 //   bash benchmarks/build_decode_bench.sh /tmp/dkr [NAME=KERNEL_FILE ...] && /tmp/dkr/decode_kernel_rate [--threads 1,16] [--isa avx512]
 //       [--tokens 1,4] [--formats int4,int8,bf16] [--shapes deepseek-v3,qwen3-30b-a3b] [--modes hot,cold]
 //       [--l1 4096] [--l2 16384] [--cold-mib 256] [--hot-kib 384] [--item-blocks 8] [--reps 3]
+//       [--variants base,NAME]
 #include <sched.h>
 #include <sys/mman.h>
 
@@ -217,12 +218,14 @@ std::vector<double> run_threads(const Case& c, int threads, bool hot) {
   return gbps;
 }
 
-// (name, kernels) of --isa: each AVX-512 build, or the one portable set.
-std::vector<std::pair<std::string, const Kernels*>> kernel_sets(const std::string& isa) {
+// (name, kernels) of --isa: each AVX-512 build named in `names` (empty: all), or the one portable set.
+std::vector<std::pair<std::string, const Kernels*>> kernel_sets(const std::string& isa, const std::string& names) {
   if (isa == "generic") return {{"generic", &kernels_generic()}};
   if (isa == "avx2") return {{"avx2", &kernels_avx2()}};
   std::vector<std::pair<std::string, const Kernels*>> out;
-  for (const KernelVariant& v : kernel_variants()) out.emplace_back(v.name, &v.kernels());
+  for (const KernelVariant& v : kernel_variants())
+    if (names.empty() || ("," + names + ",").find("," + std::string(v.name) + ",") != std::string::npos)
+      out.emplace_back(v.name, &v.kernels());
   return out;
 }
 
@@ -230,7 +233,8 @@ std::vector<std::pair<std::string, const Kernels*>> kernel_sets(const std::strin
 
 int main(int argc, char** argv) {
   const char *threads_s = "1", *isa = "avx512", *tokens_s = "1,4", *formats_s = "int4,int8,bf16",
-             *shapes_s = "deepseek-v3,qwen3-30b-a3b", *l1_s = "4096", *l2_s = "16384", *modes_s = "hot,cold";
+             *shapes_s = "deepseek-v3,qwen3-30b-a3b", *l1_s = "4096", *l2_s = "16384", *modes_s = "hot,cold",
+             *variants_s = "";
   int cold_mib = 256, hot_kib = 384, item_blocks = 8, reps = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
@@ -243,6 +247,7 @@ int main(int argc, char** argv) {
     else if (k == "--l1") l1_s = v;
     else if (k == "--l2") l2_s = v;
     else if (k == "--modes") modes_s = v;
+    else if (k == "--variants") variants_s = v;
     else if (k == "--cold-mib") cold_mib = std::atoi(v);
     else if (k == "--hot-kib") hot_kib = std::atoi(v);
     else if (k == "--item-blocks") item_blocks = std::atoi(v);
@@ -252,7 +257,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const auto sets = kernel_sets(isa);
+  const auto sets = kernel_sets(isa, variants_s);
   std::mt19937 rng(1);
   std::printf("# decode kernels (%s), GB/s of packed weights per core: hot %d KiB per core in cache; cold %d MiB per "
               "core, items of %d blocks\n", isa, hot_kib, cold_mib, item_blocks);
