@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,8 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--zero-copy", default="off", help="off, on or off,on: every handoff stages its rows and "
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc][:pw][:pin] (pw: the wake word after each wait, CudaHandoff.prewake_layers; "
-                        "pin: the timed decode's thread on the CPUs the handoff pool leaves free), e.g. 0,1,2,0:zc,0:pin")
+                        "K[:notrim][:zc][:pw][:nopin] (pw: the wake word after each wait, CudaHandoff.prewake_layers; "
+                        "nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread), "
+                        "e.g. 0,1,2,0:zc,0:nopin")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
@@ -91,12 +90,12 @@ class Variant:
     zero_copy: bool
     prewake: bool = False
     """Every handoff writes the wake word after each wait (CudaHandoff.prewake_layers)."""
-    pin: bool = False
-    """The timed decode runs with this (the GPU-driving) thread pinned to the CPUs the handoff pool leaves free."""
+    pin: bool = True
+    """The decode steps' thread pinned off the handoff pools' CPUs (HybridExperts.pin_decode_thread)."""
 
     def label(self) -> str:
         return (f"K={self.k}" + ("" if self.own_trim else " own trim off") + (" zero-copy" if self.zero_copy else "")
-                + (" prewake" if self.prewake else "") + (" pinned" if self.pin else ""))
+                + (" prewake" if self.prewake else "") + ("" if self.pin else " unpinned"))
 
 
 def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
@@ -139,13 +138,13 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc][:pw][:pin]" -> Variant."""
+    """"K[:notrim][:zc][:pw][:nopin]" -> Variant."""
     k, *opts = spec.strip().split(":")
-    unknown = set(opts) - {"notrim", "zc", "pw", "pin"}
+    unknown = set(opts) - {"notrim", "zc", "pw", "nopin"}
     if unknown:
         raise HybridMoEError(f"--variants: unknown option(s) {', '.join(sorted(unknown))} in {spec!r} "
-                             "(notrim, zc, pw, pin)")
-    return Variant(int(k), "notrim" not in opts, "zc" in opts, "pw" in opts, "pin" in opts)
+                             "(notrim, zc, pw, nopin)")
+    return Variant(int(k), "notrim" not in opts, "zc" in opts, "pw" in opts, "nopin" not in opts)
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -222,34 +221,12 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
     for h in parts["own"] + parts["deferred"]:
         h.zero_copy = v.zero_copy
         h.prewake_layers = v.prewake
+    experts.pin_decode_thread = v.pin
     decode_once(engine, prompt, 4)  # captures the graph(s) for this K
     anatomy(parts)  # zero the counters
-    with _pinned(spare_cpus(parts["own"]) if v.pin else None):
-        seconds, toks = decode_once(engine, prompt, gen_len)
+    seconds, toks = decode_once(engine, prompt, gen_len)
     return seconds, toks, anatomy(parts)
 
-
-def spare_cpus(handoffs: list) -> set[int] | None:
-    """The CPUs the handoffs' pool leaves free: with one group (one NUMA node) the native pool pins its
-    threads to the first `threads` allowed CPUs (thread_pool.cpp, shared_pool); None when none is free
-    or the pool spans NUMA groups."""
-    allowed = sorted(os.sched_getaffinity(0))
-    threads = max((n for h in handoffs for n in h.threads.values()), default=len(allowed))
-    groups = {n for h in handoffs for ex in h._experts.values() for n in [ex.packed_state()["numa_nodes"]]}
-    return set(allowed[threads:]) if threads < len(allowed) and groups <= {1} else None
-
-
-@contextmanager
-def _pinned(cpus: set[int] | None):
-    """This thread pinned to cpus for the block (the pools already made keep their CPUs; none is made
-    inside it), then back to its affinity before."""
-    before = os.sched_getaffinity(0)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def _median_of(row: dict, part: str, key: str) -> str:

@@ -4,6 +4,8 @@ Greedy tokens equal the all-CPU reference, batch 1 and 4, and the process's peak
 within the budget. Runs on the GPU host through scripts/device_check.sh.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -45,3 +47,29 @@ def test_hybrid_on_cuda_gives_the_cpu_reference_tokens(checkpoint, reference, cp
     else:  # bf16 experts on the CPU: random tiny models have near-ties, so compare the first tokens
         assert got_one[:4] == reference[0][:4]
     assert torch.cuda.max_memory_allocated() <= BUDGET
+
+
+def test_decode_steps_run_off_the_cpus_of_the_handoff_pool(checkpoint):
+    """Each decode step's thread runs on the CPUs the CUDA handoff's pool leaves free (it spins in CUDA's
+    waits: beside a pinned worker or the polling thread it would hold up the layers), and gets its own
+    affinity back after the step."""
+    llm = LLM(checkpoint, device="cuda", expert_backend="native", expert_format="bf16", gpu_experts_per_layer=3,
+              gpu_memory_budget=BUDGET)
+    runner = llm.engine.runner
+    experts = runner.model.experts
+    handoffs = {id(h): h for h, _ in experts._handoffs.values()}.values()
+    before = os.sched_getaffinity(0)
+    threads = max(n for h in handoffs for n in h.threads.values())
+    assert experts._driver_cpus == set(sorted(before)[threads:])
+    seen = []
+    decode = runner._run_decode
+
+    def spy(batch):
+        seen.append(os.sched_getaffinity(0))
+        return decode(batch)
+
+    runner._run_decode = spy
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert len(seen) == GREEDY.max_tokens - 1  # every step but the prompt's
+    assert all(s == (experts._driver_cpus or before) for s in seen)
+    assert os.sched_getaffinity(0) == before

@@ -14,6 +14,8 @@ Prefill and everything else runs eagerly in the shapes of the batch.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from hybridmoe.engine.context import Context, DecodeBatch, use_context
@@ -59,7 +61,14 @@ class ModelRunner:
     def run(self, batch: list[ScheduledSeq]) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """The next token of every sequence whose tokens are all computed after this step, else None;
         and its log-probabilities where the sequence's SamplingParams.logprobs asks for them."""
-        if self.fixed and batch and all(s.num_tokens == 1 and s.completes for s in batch):
+        decode = bool(self.fixed and batch and all(s.num_tokens == 1 and s.completes for s in batch))
+        # the step's thread off the CPU expert pools' CPUs while it launches and waits (HybridExperts)
+        decode_thread = getattr(self.model.experts, "decode_thread", None) if decode else None
+        with decode_thread() if decode_thread is not None else nullcontext():
+            return self._step(batch, decode)
+
+    def _step(self, batch: list[ScheduledSeq], decode: bool) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        if decode:
             logits = self._run_decode(batch)
             rows = list(range(len(batch)))
         else:

@@ -206,6 +206,8 @@ class HybridExperts(ExpertBackend):
         self._handoffs: dict[tuple[bool, int], tuple] = {}  # (deferred?, layer) -> (CudaHandoff, width)
         self._folded: dict[int, _Partial] = {}  # fixed shapes: layer -> the deferred part joining its output
         self.fused = True  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
+        self.pin_decode_thread = True  # decode_thread() pins the step's thread off the handoff pools' CPUs
+        self._driver_cpus: set[int] = set()  # the CPUs the handoffs' pools leave free (use_fixed_shapes)
 
     def _split(self, layer: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gpu_ids, cpu_ids, on_gpu [E] bool, local [E]: each expert's index among its side's experts)."""
@@ -311,8 +313,17 @@ class HybridExperts(ExpertBackend):
                 log.warning("CPU experts run without the CUDA handoff (and decode steps without CUDA graphs): %s", e)
                 return False
             self._handoffs = handoffs
+            self._driver_cpus = set.intersection(*(h.driver_cpus for h, _ in handoffs.values()))
         self._fixed_tokens, self._fixed_dtype = max_tokens, dtype
         return True
+
+    def decode_thread(self):
+        """A context for a fixed-shape step, around its launch and the wait for its result: the calling
+        thread (which drives the GPU and spins in CUDA's waits) runs on the CPUs the CUDA handoffs' pools
+        leave free (cuda_handoff.pinned), unless pin_decode_thread is False or none is free."""
+        from hybridmoe.experts.cuda_handoff import pinned
+
+        return pinned(self._driver_cpus if self.pin_decode_thread else set())
 
     def set_deferred_experts(self, k: int) -> None:
         """Defer k experts per token from the next forward on (0: exact). In fixed shapes the CUDA handoffs
