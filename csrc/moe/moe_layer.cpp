@@ -22,6 +22,8 @@ constexpr int kAmxMinTokens = 16;  // below this an expert's tile rows would be 
 // (decode: a few us on one thread after the run otherwise); above it, as its own parallel phase.
 constexpr int kCombineInRunTokens = 16;
 constexpr const char* kMatName[3] = {"gate", "up", "down"};
+// Calls of up to this many (token, slot) pairs group them by sorting (decode), not counting.
+constexpr int kFewRows = 64;
 
 const Kernels& kernels_for(Isa isa) {
   switch (isa) {
@@ -173,6 +175,19 @@ struct ActLayout {
 // One GEMM work item: gate/up (down = 0) or down rows of expert j, slice s, blocks [b0, b1).
 struct Item { int down, j, s, b0, b1; };
 
+// What a call's GEMM item list depends on: it names active slots j, not experts, so every call
+// with the same number of active experts, blocks and item sizes (a decode step's layers, one
+// after the other) has the same list, built once. A = 0: nothing built yet.
+struct PlanKey {
+  int A = 0, S = 0, gate_blocks = 0, down_blocks = 0, step_gate_up = 0, step_down = 0, threads = 0;
+  bool tail_split = false;
+  bool operator==(const PlanKey& o) const {
+    return A == o.A && S == o.S && gate_blocks == o.gate_blocks && down_blocks == o.down_blocks &&
+           step_gate_up == o.step_gate_up && step_down == o.step_down && threads == o.threads &&
+           tail_split == o.tail_split;
+  }
+};
+
 // Asks for [p, p + bytes) into L2 (prefetcht1); lines already on their way cost little.
 inline void prefetch_l2(const void* p, size_t bytes) {
   for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o, 0, 2);
@@ -187,7 +202,10 @@ inline void cpu_relax() {
 struct Workspace {
   std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets, slot_of, fill, chunk_first,
       tok_used;
+  std::vector<uint64_t> keys;  // (expert << 32 | i) of a decode call's (token, slot) pairs
+  std::vector<int> run_start, run_of;
   std::vector<Item> gemm_items, tail_items;
+  PlanKey plan;  // what gemm_items and offsets were built for (see forward)
   AtomicInts pending;   // per active expert
   AtomicInts col_left;  // per down block: experts whose y is still missing
   ActRows act, act2;  // activations of gate/up (x) and of down (h)
@@ -384,31 +402,74 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     return c.ids64 ? int(static_cast<const int64_t*>(c.ids)[i]) : static_cast<const int32_t*>(c.ids)[i];
   };
 
-  // Group (token, slot) pairs by expert; experts with most tokens first (longest work first).
-  int* counts = grow(ws.counts, E);
-  std::fill(counts, counts + E, 0);
-  for (int i = 0; i < R; ++i) ++counts[id_at(i)];
+  // Group (token, slot) pairs by expert: order[j] the expert of active slot j, most tokens first
+  // (longest work first), ties by expert id; rows of slot j [row_begin[j], row_begin[j+1]) in
+  // token order; tok[row] its token, pos[t * K + k] the row of (t, k).
   std::vector<int>& order = ws.order;
   order.clear();
-  for (int e = 0; e < E; ++e)
-    if (counts[e]) order.push_back(e);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return counts[a] > counts[b]; });
+  int* row_begin;
+  int* tok = grow(ws.tok, R);
+  int* pos = grow(ws.pos, R);
+  if (R <= kFewRows) {
+    // Decode: sort the R (expert, i) keys instead of counting over all E experts (the E-sized
+    // arrays, cold after the weights streamed through the caches, cost more than the sort).
+    uint64_t* key = grow(ws.keys, R);
+    for (int i = 0; i < R; ++i) {
+      const uint64_t k = uint64_t(id_at(i)) << 32 | uint32_t(i);
+      int r = i;
+      for (; r > 0 && key[r - 1] > k; --r) key[r] = key[r - 1];
+      key[r] = k;
+    }
+    int* run_start = grow(ws.run_start, R + 1);  // keys of the expert's run: [run_start[q], run_start[q+1])
+    int runs = 0;
+    for (int r = 0; r < R; ++r)
+      if (r == 0 || key[r] >> 32 != key[r - 1] >> 32) run_start[runs++] = r;
+    run_start[runs] = R;
+    // Runs by length, longest first, stably (insertion: runs are few); slot j takes run q.
+    int* run_of = grow(ws.run_of, runs);
+    for (int q = 0; q < runs; ++q) {
+      const int len = run_start[q + 1] - run_start[q];
+      int j = q;
+      for (; j > 0 && run_start[run_of[j - 1] + 1] - run_start[run_of[j - 1]] < len; --j) run_of[j] = run_of[j - 1];
+      run_of[j] = q;
+    }
+    row_begin = grow(ws.row_begin, runs + 1);
+    row_begin[0] = 0;
+    for (int j = 0; j < runs; ++j) {
+      const int q = run_of[j];
+      order.push_back(int(key[run_start[q]] >> 32));
+      for (int r = run_start[q]; r < run_start[q + 1]; ++r) {
+        const int i = int(uint32_t(key[r])), row = row_begin[j] + (r - run_start[q]);
+        tok[row] = i / K;
+        pos[i] = row;
+      }
+      row_begin[j + 1] = row_begin[j] + run_start[q + 1] - run_start[q];
+    }
+  } else {
+    int* counts = grow(ws.counts, E);
+    std::fill(counts, counts + E, 0);
+    for (int i = 0; i < R; ++i) ++counts[id_at(i)];
+    for (int e = 0; e < E; ++e)
+      if (counts[e]) order.push_back(e);
+    // Ties by id make it the stable order without std::stable_sort's buffer (a malloc per call).
+    std::sort(order.begin(), order.end(),
+              [&](int a, int b) { return counts[a] != counts[b] ? counts[a] > counts[b] : a < b; });
+    const int A = int(order.size());
+    row_begin = grow(ws.row_begin, A + 1);
+    int* slot_of = grow(ws.slot_of, E);  // read only for active experts, all set below
+    row_begin[0] = 0;
+    for (int j = 0; j < A; ++j) {
+      slot_of[order[j]] = j;
+      row_begin[j + 1] = row_begin[j] + counts[order[j]];
+    }
+    int* fill = std::copy(row_begin, row_begin + A, grow(ws.fill, A)) - A;
+    for (int i = 0; i < R; ++i) {
+      const int j = slot_of[id_at(i)];
+      tok[fill[j]] = i / K;
+      pos[i] = fill[j]++;
+    }
+  }
   const int A = int(order.size());
-  int* row_begin = grow(ws.row_begin, A + 1);  // rows of active expert j: [row_begin[j], row_begin[j+1])
-  int* slot_of = grow(ws.slot_of, E);  // read only for active experts, all set below
-  row_begin[0] = 0;
-  for (int j = 0; j < A; ++j) {
-    slot_of[order[j]] = j;
-    row_begin[j + 1] = row_begin[j] + counts[order[j]];
-  }
-  int* tok = grow(ws.tok, R);  // token of each row
-  int* pos = grow(ws.pos, R);  // row of each (t, k)
-  int* fill = std::copy(row_begin, row_begin + A, grow(ws.fill, A)) - A;
-  for (int i = 0; i < R; ++i) {
-    const int j = slot_of[id_at(i)];
-    tok[fill[j]] = i / K;
-    pos[i] = fill[j]++;
-  }
   if (tr) tr->grouped_ns = trace_now_ns();
   auto n_of = [&](int j) { return row_begin[j + 1] - row_begin[j]; };
   auto kernels_of = [&](int j) -> const Kernels& { return n_of(j) >= kAmxMinTokens ? *many_ : *base_; };
@@ -482,7 +543,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     }
   }
   const int chunks = int(items.size());
-  auto parallel_or_inline = [&](int n, size_t work, const std::function<void(int, int)>& fn) {
+  auto parallel_or_inline = [&](int n, size_t work, ItemFn fn) {
     if (work < (1u << 15)) {
       for (int i = 0; i < n; ++i) fn(i, 0);
     } else {
@@ -526,8 +587,6 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // steals only from exhausted groups), and claimed gate/up items never wait.
   std::vector<Item>& gemm_items = ws.gemm_items;
   std::vector<int>& offsets = ws.offsets;
-  gemm_items.clear();
-  offsets.assign(1, 0);
   // About 4 items per thread, of 1 to 8 blocks: each item restarts its weight streams (on the
   // GPU host 8-block items beat 5-block ones at T = 1, r1), and the tail split below keeps the
   // end of the run fine-grained.
@@ -545,28 +604,34 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     gate_up_items += (gate.slice_begin[s + 1] - gate.slice_begin[s] + per_item(0) - 1) / per_item(0);
   std::atomic<int>* pending = grow(ws.pending, A);
   for (int j = 0; j < A; ++j) pending[j].store(gate_up_items, std::memory_order_relaxed);
-  for (int s = 0; s < S; ++s)
-    for (int m = 0; m < 2; ++m) {
-      const Matrix& mat = m ? down : gate;
-      const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s], step = per_item(m);
-      for (int j = 0; j < A; ++j)
-        for (int b = 0; b < nb; b += step) {
-          gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
+  const PlanKey plan{A, S, gate.blocks, down.blocks, per_item(0), per_item(1), pool_->threads(), tail_split_};
+  if (!(plan == ws.plan)) {
+    gemm_items.clear();
+    offsets.assign(1, 0);
+    for (int s = 0; s < S; ++s)
+      for (int m = 0; m < 2; ++m) {
+        const Matrix& mat = m ? down : gate;
+        const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s], step = per_item(m);
+        for (int j = 0; j < A; ++j)
+          for (int b = 0; b < nb; b += step) {
+            gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
+          }
+        if (m && tail_split_) {
+          // The slice's last down items, about two blocks per thread of its group, become 1-block
+          // items: workers run out of work within a small item of each other.
+          size_t first = gemm_items.size();
+          for (int covered = 0; first > size_t(offsets.back()) && gemm_items[first - 1].down &&
+                                covered < 2 * pool_->threads() / S;)
+            --first, covered += gemm_items[first].b1 - gemm_items[first].b0;
+          ws.tail_items.assign(gemm_items.begin() + first, gemm_items.end());
+          gemm_items.resize(first);
+          for (const Item& it : ws.tail_items)
+            for (int b = it.b0; b < it.b1; ++b) gemm_items.push_back({it.down, it.j, it.s, b, b + 1});
         }
-      if (m && tail_split_) {
-        // The slice's last down items, about two blocks per thread of its group, become 1-block
-        // items: workers run out of work within a small item of each other.
-        size_t first = gemm_items.size();
-        for (int covered = 0; first > size_t(offsets.back()) && gemm_items[first - 1].down &&
-                              covered < 2 * pool_->threads() / S;)
-          --first, covered += gemm_items[first].b1 - gemm_items[first].b0;
-        ws.tail_items.assign(gemm_items.begin() + first, gemm_items.end());
-        gemm_items.resize(first);
-        for (const Item& it : ws.tail_items)
-          for (int b = it.b0; b < it.b1; ++b) gemm_items.push_back({it.down, it.j, it.s, b, b + 1});
+        if (m) offsets.push_back(int(gemm_items.size()));
       }
-      if (m) offsets.push_back(int(gemm_items.size()));
-    }
+    ws.plan = plan;
+  }
   TraceItem* titems = nullptr;  // tracing: one record per GEMM item, written by its worker
   if (tr) {
     tr->T = T;

@@ -203,7 +203,7 @@ void ThreadPool::worker_main(int worker) {
   }
 }
 
-void ThreadPool::run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn, bool caller_works) {
+void ThreadPool::run(const std::vector<int>& offsets, ItemFn fn, bool caller_works) {
   const int total = offsets.back() - offsets.front();
   if (total <= 0) return;
   for (int g = 0; g < groups_; ++g) {
@@ -268,7 +268,7 @@ void ThreadPool::prewake() {
   if (sleepers_.load() > 0) futex_wake_all(generation_);
 }
 
-void ThreadPool::run(int items, const std::function<void(int, int)>& fn) {
+void ThreadPool::run(int items, ItemFn fn) {
   std::vector<int> offsets(groups_ + 1, items);
   offsets[0] = 0;
   run(offsets, fn);
@@ -298,11 +298,6 @@ void ThreadPool::wait(uint64_t ticket) {
     error_ = nullptr;
     std::rethrow_exception(e);
   }
-}
-
-void ThreadPool::run_here(const std::function<void()>& job) {
-  std::lock_guard<std::mutex> exec(exec_mu_);
-  job();
 }
 
 void ThreadPool::driver_main() {

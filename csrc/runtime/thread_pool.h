@@ -20,9 +20,26 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace hmoe {
+
+// What run() calls per item, fn(item, worker): a reference to the caller's callable, not a
+// copy. A std::function would heap-allocate a lambda that captures more than two words (the
+// MoE layer's do), on every call, on the decode path.
+class ItemFn {
+ public:
+  template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, ItemFn>>>
+  ItemFn(F&& f)  // NOLINT: binds lambdas implicitly; f must outlive the run it is passed to
+      : obj_(const_cast<void*>(static_cast<const void*>(&f))),
+        call_([](void* o, int item, int worker) { (*static_cast<std::remove_reference_t<F>*>(o))(item, worker); }) {}
+  void operator()(int item, int worker) const { call_(obj_, item, worker); }
+
+ private:
+  void* obj_;
+  void (*call_)(void*, int, int);
+};
 
 class ThreadPool {
  public:
@@ -44,9 +61,9 @@ class ThreadPool {
   // caller_works = false: the calling thread (worker 0) takes no items, it only waits for the
   // others (its caches keep what it works with before and after the run; with no other
   // workers it still runs every item itself).
-  void run(const std::vector<int>& offsets, const std::function<void(int, int)>& fn, bool caller_works = true);
+  void run(const std::vector<int>& offsets, ItemFn fn, bool caller_works = true);
   // Same with every item in group 0's range (any worker may take them).
-  void run(int items, const std::function<void(int, int)>& fn);
+  void run(int items, ItemFn fn);
   // Wakes sleeping workers so that they spin (a run() is coming): their wake-up latency then
   // overlaps the caller's own preparation. Any thread may call it.
   void prewake();
@@ -64,7 +81,11 @@ class ThreadPool {
   void wait(uint64_t ticket);
   // Runs a job on the calling thread instead of the driver, exclusive with the driver's jobs
   // (a synchronous call skips two thread wake-ups: the driver's and the waiter's).
-  void run_here(const std::function<void()>& job);
+  template <class Job>
+  void run_here(Job&& job) {
+    std::lock_guard<std::mutex> exec(exec_mu_);
+    job();
+  }
 
  private:
   struct alignas(64) Counter { std::atomic<int> next{0}; int end = 0; };
@@ -79,7 +100,7 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   std::thread driver_;
   std::unique_ptr<Counter[]> counters_;
-  const std::function<void(int, int)>* fn_ = nullptr;
+  const ItemFn* fn_ = nullptr;
 
   // Workers sleep on generation_ and the driver on active_ with futexes, not a condition
   // variable: every woken thread returns on its own, none queues on a mutex behind the others.

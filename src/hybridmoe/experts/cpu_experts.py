@@ -224,15 +224,19 @@ class CpuExperts:
         layer's routing starts), so their wake-up overlaps it; a cheap no-op while they spin."""
         self._engine.prewake()
 
-    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """Start the layer on the CPU workers; wait() returns [T, H] in x's dtype."""
+    def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               out: torch.Tensor | None = None) -> None:
+        """Start the layer on the CPU workers; wait() returns [T, H] in x's dtype (`out` if given)."""
         if self._pending is not None:
             raise HybridMoEError("submit() called twice without wait(); call wait() first")
-        out = torch.empty_like(x) if x.dim() == 2 else x
-        ticket = self._call(self._engine.submit, *self._capsules(x, topk_ids, topk_weights, out))
+        if out is None:
+            out = torch.empty_like(x)
+        try:
+            ticket = self._engine.submit(*_capsules(x, topk_ids, topk_weights, out))
+        except (ValueError, TypeError) as e:
+            raise HybridMoEError(str(e)) from None
         # The engine reads these after submit returns: keep them alive until wait().
         self._pending = (ticket, out, x, topk_ids, topk_weights)
-        return None
 
     def wait(self) -> torch.Tensor:
         if self._pending is None:
@@ -244,16 +248,22 @@ class CpuExperts:
             self._pending = None  # only now may the inputs go
         return out
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]); x [T, H] bf16 or fp32.
 
-        Runs on the calling thread with the pool's workers (GIL released): no hand-off to the
-        pool's driver thread, which submit()/wait() need to overlap with other work.
+        Returns `out` ([T, H], x's dtype, overwritten) if given, else a new tensor. Runs on the
+        calling thread with the pool's workers (GIL released): no hand-off to the pool's driver
+        thread, which submit()/wait() need to overlap with other work.
         """
         if self._pending is not None:
             raise HybridMoEError("forward() called between submit() and wait(); call wait() first")
-        out = torch.empty_like(x) if x.dim() == 2 else x
-        self._call(self._engine.run, *self._capsules(x, topk_ids, topk_weights, out))
+        if out is None:
+            out = torch.empty_like(x)
+        try:
+            self._engine.run(*_capsules(x, topk_ids, topk_weights, out))
+        except (ValueError, TypeError) as e:
+            raise HybridMoEError(str(e)) from None
         return out
 
     __call__ = forward
@@ -306,15 +316,18 @@ class CpuExperts:
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
-    @staticmethod
-    def _capsules(*tensors):
-        """DLPack capsules of CPU torch tensors (anything else as is: the engine's checks refuse it
-        with their own message) for the engine's per-call arrays.
 
-        The engine checks a capsule exactly as a tensor, but a tensor's own __dlpack__ (Python code)
-        costs ~4 us per array on a 2-core dev box: ~15 us per call for the four.
-        """
-        return [to_dlpack(t) if isinstance(t, torch.Tensor) and t.is_cpu else t for t in tensors]
+
+def _capsules(x, topk_ids, topk_weights, out):
+    """DLPack capsules of the four per-call arrays, which the engine checks exactly as tensors: a
+    tensor's own __dlpack__ (Python code) costs ~4 us per array on a 2-core dev box, torch's C
+    to_dlpack ~0.25. What to_dlpack refuses (no storage, the meta device, not a tensor) goes as
+    is: the engine's checks refuse it with their own message."""
+    try:
+        return to_dlpack(x), to_dlpack(topk_ids), to_dlpack(topk_weights), to_dlpack(out)
+    except (TypeError, RuntimeError, BufferError):
+        return [t if not isinstance(t, torch.Tensor) or t.is_meta or t.is_sparse else to_dlpack(t)
+                for t in (x, topk_ids, topk_weights, out)]
 
 
 def trace_records(raw: list[dict]) -> list[dict]:
