@@ -3,7 +3,7 @@
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format bf16,int8,int4 \
         --tokens 1,4,64,512,2048 [--threads N] [--isa amx] [--flush write|read] [--json out.json]
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format int4 --tokens 1,4 --gap-us 100 [--layers 8]
-        [--api forward] [--budget-s 5]
+        [--api forward] [--budget-s 5] [--variants 'cw1=;cw0=caller_works:0']
 
 Per (format, T): median ms per call (decode sizes: caches flushed between calls, so weights
 come from DRAM), `engine ms` (the part inside the native engine, from its trace over every other
@@ -173,15 +173,29 @@ def busy_wait(seconds):
         pass
 
 
+def parse_variants(spec):
+    """--variants 'a=;b=caller_works:0,item_blocks:4' -> [(name, CpuExperts.set_schedule kwargs)]."""
+    if not spec:
+        return [("", {})]
+    out = []
+    for part in spec.split(";"):
+        name, _, kvs = part.partition("=")
+        kw = {k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}
+        out.append((name, kw))
+    return out
+
+
 def decode_loop(args, shape, threads, bw, bw_pf, gate, up, down, tokens):
-    """The --gap-us mode: ms per call of layers called in turn with a gap between calls."""
+    """The --gap-us mode: ms per call of layers called in turn with a gap between calls; with
+    --variants, the variants take turns cycle by cycle (one cycle: every layer once)."""
     E, H, K = shape["E"], shape["H"], shape["K"]
     gap_s = args.gap_us * 1e-6
     n_routings = 16  # per layer and T: fresh experts each call, cycled
+    variants = parse_variants(args.variants)
     rows = []
     best = max(bw, bw_pf) if bw_pf == bw_pf else bw
-    print(f"{'format':<6} {'T':>5} {'api':<7} {'ms':>9} {'p90 ms':>9} {'GB/s':>7} {'%bw':>5} {'engine ms':>9}"
-          f" {'%bw eng':>7} {'%best':>6}")
+    print(f"{'format':<6} {'T':>5} {'api':<7} {'variant':<10} {'ms':>9} {'p90 ms':>9} {'GB/s':>7} {'%bw':>5}"
+          f" {'engine ms':>9} {'%bw eng':>7} {'%best':>6}")
     for fmt in args.format.split(","):
         t0 = time.perf_counter()
         first = CpuExperts(gate, up, down, format=fmt, group_size=args.group_size, threads=threads, isa=args.isa)
@@ -191,6 +205,9 @@ def decode_loop(args, shape, threads, bw, bw_pf, gate, up, down, tokens):
                             for _ in range(args.layers - 1)]
         pack_s = time.perf_counter() - t0
         per_expert = layers[0].packed_bytes / E
+        # Each variant sets every knob any variant names (its own value, else the engine's default).
+        defaults = {k: getattr(first._engine, k) for _, kw in variants for k in kw}
+        schedules = [(name, {k: type(v)(kw.get(k, v)) for k, v in defaults.items()}) for name, kw in variants]
         for T in tokens:
             calls = [routing(T, H, E, K, seed=1000 * T + r) for r in range(n_routings)]
             touched = statistics.mean(len(torch.unique(ids)) for _, ids, _ in calls)
@@ -201,33 +218,39 @@ def decode_loop(args, shape, threads, bw, bw_pf, gate, up, down, tokens):
                     else:
                         layer.submit(x, ids, w)
                         layer.wait()
-                times, engine = [], []
+                times = {name: [] for name, _ in variants}
+                engine = {name: [] for name, _ in variants}
                 start = time.perf_counter()
                 for rep in range(args.reps + 1):
-                    for li, layer in enumerate(layers):
-                        x, ids, w = calls[(rep * len(layers) + li) % n_routings]
-                        busy_wait(gap_s)
-                        if rep % 2:  # every other cycle traced: the engine's own time
-                            layer.trace(1)
-                        t = time.perf_counter()
-                        call(layer, x, ids, w)
-                        if rep > 0:  # the first cycle warms up (and learns the gap)
-                            times.append((time.perf_counter() - t) * 1e3)
-                            engine.extend(engine_ms(layer))
-                    if time.perf_counter() - start > args.budget_s and rep >= 3:
+                    for name, schedule in schedules:
+                        for layer in layers:
+                            layer.set_schedule(**schedule)
+                        for li, layer in enumerate(layers):
+                            x, ids, w = calls[(rep * len(layers) + li) % n_routings]
+                            busy_wait(gap_s)
+                            if rep % 2:  # every other cycle traced: the engine's own time
+                                layer.trace(1)
+                            t = time.perf_counter()
+                            call(layer, x, ids, w)
+                            if rep > 0:  # the first cycle warms up (and learns the gap)
+                                times[name].append((time.perf_counter() - t) * 1e3)
+                                engine[name].extend(engine_ms(layer))
+                    if time.perf_counter() - start > args.budget_s * len(variants) and rep >= 3:
                         break
-                ms = statistics.median(times)
-                eng_ms = statistics.median(engine)
-                p90 = float(np.percentile(times, 90))
-                gbps = touched * per_expert / ms / 1e6
-                rows.append(dict(shape=args.shape, format=fmt, mode="decode_loop", api=api, gap_us=args.gap_us,
-                                 engine_bw_fraction=gbps * ms / eng_ms / bw, best_bw_fraction=gbps / best,
-                                 prefetching_read_gbps=bw_pf,
-                                 layers=args.layers, isa=layers[0].isa, threads=threads, tokens=T, ms=ms,
-                                 p90_ms=p90, engine_ms=eng_ms, calls=len(times), gbps=gbps, bw_fraction=gbps / bw,
-                                 pack_s=pack_s, host_read_gbps=bw))
-                print(f"{fmt:<6} {T:>5} {api:<7} {ms:>9.3f} {p90:>9.3f} {gbps:>7.1f} {100 * gbps / bw:>4.0f}%"
-                      f" {eng_ms:>9.3f} {100 * gbps * ms / eng_ms / bw:>6.0f}% {100 * gbps / best:>5.0f}%", flush=True)
+                for name, _ in variants:
+                    ms = statistics.median(times[name])
+                    eng_ms = statistics.median(engine[name])
+                    p90 = float(np.percentile(times[name], 90))
+                    gbps = touched * per_expert / ms / 1e6
+                    rows.append(dict(shape=args.shape, format=fmt, mode="decode_loop", api=api, variant=name,
+                                     gap_us=args.gap_us, engine_bw_fraction=gbps * ms / eng_ms / bw,
+                                     best_bw_fraction=gbps / best, prefetching_read_gbps=bw_pf,
+                                     layers=args.layers, isa=layers[0].isa, threads=threads, tokens=T, ms=ms,
+                                     p90_ms=p90, engine_ms=eng_ms, calls=len(times[name]), gbps=gbps,
+                                     bw_fraction=gbps / bw, pack_s=pack_s, host_read_gbps=bw))
+                    print(f"{fmt:<6} {T:>5} {api:<7} {name or '-':<10} {ms:>9.3f} {p90:>9.3f} {gbps:>7.1f}"
+                          f" {100 * gbps / bw:>4.0f}% {eng_ms:>9.3f} {100 * gbps * ms / eng_ms / bw:>6.0f}%"
+                          f" {100 * gbps / best:>5.0f}%", flush=True)
         print(f"#   {fmt}: {args.layers} layers packed in {pack_s:.1f} s", flush=True)
         del layers
     return rows
@@ -259,6 +282,10 @@ def main():
                     help="decode-loop mode: layers called in turn, this many us apart (see above)")
     ap.add_argument("--layers", type=int, default=8, help="layers cycled in --gap-us mode")
     ap.add_argument("--api", default="forward,submit", help="--gap-us mode: forward and/or submit (submit + wait)")
+    ap.add_argument("--variants", default=None,
+                    help="--gap-us mode: schedules taking turns cycle by cycle, each its own row, e.g. "
+                         "'cw1=;cw0=caller_works:0' (CpuExperts.set_schedule's knobs; a knob a variant "
+                         "leaves out keeps the engine's default)")
     ap.add_argument("--budget-s", type=float, default=5.0,
                     help="--gap-us mode: seconds per (format, T, api) after which it stops (at least 3 cycles)")
     args = ap.parse_args()

@@ -7,6 +7,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -50,17 +51,20 @@ std::string shape_of(const A& a) {
   return s + "]";
 }
 
-// Checks device, rank, exact shape (-1: any) and C-contiguity.
+// Checks device, rank, exact shape (-1: any) and C-contiguity. The shape is an initializer list,
+// not a vector: four checks per forward() would otherwise allocate four times.
 template <class A>
-void check_array(const A& a, const char* what, std::vector<int64_t> shape) {
+void check_array(const A& a, const char* what, std::initializer_list<int64_t> shape_list) {
+  const int64_t* shape = shape_list.begin();
   if (a.device_type() != nb::device::cpu::value)
     fail(std::string(what) + " must be a CPU tensor (got one on another device); copy it with .cpu() first");
-  if (a.ndim() != shape.size())
-    fail(std::string(what) + " must have " + std::to_string(shape.size()) + " dimensions, got shape " + shape_of(a));
-  for (size_t i = 0; i < shape.size(); ++i)
+  if (a.ndim() != shape_list.size())
+    fail(std::string(what) + " must have " + std::to_string(shape_list.size()) + " dimensions, got shape " +
+         shape_of(a));
+  for (size_t i = 0; i < shape_list.size(); ++i)
     if (shape[i] >= 0 && int64_t(a.shape(i)) != shape[i]) {
       std::string want = "[";
-      for (size_t j = 0; j < shape.size(); ++j)
+      for (size_t j = 0; j < shape_list.size(); ++j)
         want += (j ? ", " : "") + (shape[j] < 0 ? std::string("*") : std::to_string(shape[j]));
       fail(std::string(what) + " has shape " + shape_of(a) + ", expected " + want + "]");
     }

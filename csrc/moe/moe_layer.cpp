@@ -397,6 +397,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     if (!ws.act_tok.q.empty()) prefetch_l2(ws.act_tok.q.data(), std::min(ws.act_tok.q.size(), size_t(T) * (H + 32)) * 2);
     if (!ws.act_tok.bf16.empty())
       prefetch_l2(ws.act_tok.bf16.data(), std::min(ws.act_tok.bf16.size(), size_t(T) * (H + 32)) * 2);
+    // So are the item list this call will likely reuse (the plan) and the column counters it
+    // sets: a few KiB, evicted by the weights that streamed past since the last call.
+    prefetch_l2(ws.gemm_items.data(), ws.gemm_items.size() * sizeof(Item));
+    for (size_t o = 0; o < ws.col_left.size * sizeof(int); o += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(ws.col_left.data.get()) + o, 1, 2);
   }
   auto id_at = [&](int i) {
     return c.ids64 ? int(static_cast<const int64_t*>(c.ids)[i]) : static_cast<const int32_t*>(c.ids)[i];
