@@ -46,6 +46,7 @@ done
 } > "$out/kernel_variant_list.cpp"
 g++ $F -c "$out/kernel_variant_list.cpp" -o "$out/kernel_variant_list.o" & pids+=($!)
 for p in "${pids[@]}"; do wait "$p"; done
+pids=()
 for b in decode_kernel_rate decode_engine_loop; do
   g++ $F -o "$out/$b" "benchmarks/$b.cpp" "$out"/*.o -lpthread & pids+=($!)
 done
