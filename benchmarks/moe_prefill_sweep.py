@@ -26,12 +26,15 @@ from hybridmoe.experts.cpu_experts import default_threads
 SHAPES = {"qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8), "deepseek-v3": dict(H=7168, I=2048, E=256, K=8)}
 
 
-def weights(E, H, I, distinct=4):
-    """bf16 [E, I, H], [E, I, H], [E, H, I]: `distinct` Gaussian experts repeated."""
+def experts(E, H, I, distinct=4):
+    """E experts (gate [I, H], up [I, H], down [H, I], bf16) for CpuExperts.from_experts: `distinct` Gaussian
+    experts repeated (expert e is expert e % distinct), as views: never stacked E times in memory
+    (DeepSeek-V3's 64 would be 5.6 GB)."""
     g = torch.Generator().manual_seed(0)
     d = min(distinct, E)
-    mk = lambda a, b: (torch.randn(d, a, b, generator=g) / b**0.5).bfloat16().repeat(-(-E // d), 1, 1)[:E]
-    return mk(I, H), mk(I, H), mk(H, I)
+    mk = lambda a, b: (torch.randn(d, a, b, generator=g) / b**0.5).bfloat16()
+    gate, up, down = mk(I, H), mk(I, H), mk(H, I)
+    return [(gate[e % d], up[e % d], down[e % d]) for e in range(E)]
 
 
 def routing(T, H, E, K):
@@ -89,11 +92,11 @@ def main():
     print(f"{'format':<6} {'E':>4} {'K':>2} {'tok/expert':>10} {'threads':>7} {'ms':>9} {'TFLOP/s':>8}")
     for E in [s["E"] if e == "all" else int(e) for e in args.experts.split(",")]:
         K = min(s["K"], E)
-        w = weights(E, H, I)
+        w = experts(E, H, I)
         x, ids, tw = routing(T, H, E, K)
         for fmt in args.format.split(","):
             for th in threads:
-                ex = CpuExperts(*w, format=fmt, threads=th, isa=args.isa)
+                ex = CpuExperts.from_experts(w, E, format=fmt, threads=th, isa=args.isa)
                 ms = median_ms(lambda: ex.forward(x, ids, tw))
                 tf = 2 * 3 * H * I * T * K / ms / 1e9
                 print(f"{fmt:<6} {E:>4} {K:>2} {T * K // E:>10} {th:>7} {ms:>9.2f} {tf:>8.2f}", flush=True)
