@@ -1,7 +1,7 @@
 """Decode speed with K deferred experts per token, side by side: K switched on one loaded engine, interleaved.
 
     python benchmarks/deferral_decode.py --synthetic qwen3-30b-a3b --layers 4,12 --formats int4,bf16
-        [--ks 0,1,2,3] [--own-trim on,off] [--zero-copy off,on] | [--variants 0,1,2,0:notrim,0:zc,0:pw]
+        [--ks 0,1,2,3] [--own-trim on,off] [--zero-copy off,on] | [--variants 0,1,2,0:notrim,0:nozc,0:pw]
         [--repeats 3] [--gen-len 32] [--decode-prompt-len 64] [--json F]
         [engine options: --device cuda --gpu-memory-budget 16GiB --gpu-experts-per-layer 26 ...]
 
@@ -55,12 +55,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--own-trim", default="on", help="on (the engine's default), off or on,off: the layers' own "
                         "handoffs leave one token's padding slots out (CudaHandoff.trim_padding; the deferred ones "
                         "always do)")
-    parser.add_argument("--zero-copy", default="off", help="off, on or off,on: every handoff stages its rows and "
-                        "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy)")
+    parser.add_argument("--zero-copy", default=None, help="off, on or off,on: every handoff stages its rows and "
+                        "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy; "
+                        "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc][:pw][:nopin] (pw: the wake word after each wait, CudaHandoff.prewake_layers; "
+                        "K[:notrim][:zc|:nozc][:pw][:nopin] (zc/nozc: zero-copy on/off, else the engine's; pw: the wake word "
+                        "after each wait, CudaHandoff.prewake_layers; "
                         "nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread), "
-                        "e.g. 0,1,2,0:zc,0:nopin")
+                        "e.g. 0,1,2,0:nozc,0:nopin")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
@@ -87,14 +89,16 @@ class Variant:
     k: int
     """Deferred experts per token."""
     own_trim: bool
-    zero_copy: bool
+    zero_copy: bool | None
+    """Every handoff's CudaHandoff.zero_copy; None: the engine's (HybridExperts.zero_copy)."""
     prewake: bool = False
     """Every handoff writes the wake word after each wait (CudaHandoff.prewake_layers)."""
     pin: bool = True
     """The decode steps' thread pinned off the handoff pools' CPUs (HybridExperts.pin_decode_thread)."""
 
     def label(self) -> str:
-        return (f"K={self.k}" + ("" if self.own_trim else " own trim off") + (" zero-copy" if self.zero_copy else "")
+        copies = {None: "", True: " zero-copy", False: " copies"}[self.zero_copy]
+        return (f"K={self.k}" + ("" if self.own_trim else " own trim off") + copies
                 + (" prewake" if self.prewake else "") + ("" if self.pin else " unpinned"))
 
 
@@ -138,13 +142,14 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc][:pw][:nopin]" -> Variant."""
+    """"K[:notrim][:zc|:nozc][:pw][:nopin]" -> Variant."""
     k, *opts = spec.strip().split(":")
-    unknown = set(opts) - {"notrim", "zc", "pw", "nopin"}
-    if unknown:
-        raise HybridMoEError(f"--variants: unknown option(s) {', '.join(sorted(unknown))} in {spec!r} "
-                             "(notrim, zc, pw, nopin)")
-    return Variant(int(k), "notrim" not in opts, "zc" in opts, "pw" in opts, "nopin" not in opts)
+    unknown = set(opts) - {"notrim", "zc", "nozc", "pw", "nopin"}
+    if unknown or {"zc", "nozc"} <= set(opts):
+        raise HybridMoEError(f"--variants: unknown or contradicting option(s) in {spec!r} "
+                             "(notrim, zc or nozc, pw, nopin)")
+    zero_copy = True if "zc" in opts else False if "nozc" in opts else None
+    return Variant(int(k), "notrim" not in opts, zero_copy, "pw" in opts, "nopin" not in opts)
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -219,7 +224,8 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
     for h in parts["own"]:
         h.trim_padding = v.own_trim
     for h in parts["own"] + parts["deferred"]:
-        h.zero_copy = v.zero_copy
+        if v.zero_copy is not None:
+            h.zero_copy = v.zero_copy
         h.prewake_layers = v.prewake
     experts.pin_decode_thread = v.pin
     decode_once(engine, prompt, 4)  # captures the graph(s) for this K
@@ -254,7 +260,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ks = _ints(args.ks)
     variants = ([_variant(spec) for spec in args.variants.split(",")] if args.variants else
-                [Variant(k, trim, zc) for zc in _switches(args.zero_copy) for trim in _switches(args.own_trim)
+                [Variant(k, trim, zc) for zc in (_switches(args.zero_copy) if args.zero_copy else [None])
+                 for trim in _switches(args.own_trim)
                  for k in ks])
     depths = _ints(args.layers) if args.layers else [None]
     formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]

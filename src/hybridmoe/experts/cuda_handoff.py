@@ -248,12 +248,11 @@ class CudaHandoff:
         over the staging buffer, valid until the layer is enqueued again), instead of four copies.
         Needs triton. Set before the work is enqueued (or a graph captured).
 
-        Off by default. On the GPU host (H200) it saves the copies' time in the gap between layers
-        every time (benchmarks/handoff.py, 48 toy layers, T=1: 41.1 vs 58.3 and 44.5 vs 59.0 µs per
-        layer; e2e Qwen3-30B-A3B int4, the gap between layers 220 vs 232 µs at 16 layers, 55 vs 70 at
-        4 and 12), but whole decode steps were faster with it in round r1 (6.82 vs 7.09 ms, 16 layers)
-        and slower in the final round (1.74 and 1.50 vs 1.44 ms at 4 layers, 4.47 and 4.85 vs 3.73 at
-        12): the CPU work per layer, which varied by 20% between identical rows, decided it."""
+        Off by default here; HybridExperts turns it on (HybridExperts.zero_copy). On the GPU host (H200),
+        Qwen3-30B-A3B 4 layers: the gap between layers 54 vs 69 µs in every sample, int4 and bf16
+        (device round r1 of session 5). Whole decode steps had not shown it before (session 4: faster in
+        one round, slower in the next), likely because the CPU work per layer varied by 20% between identical
+        rows: the step's thread shared a CPU with the pool (HybridExperts.decode_thread now pins it off)."""
         return self._zero_copy
 
     @zero_copy.setter
