@@ -339,6 +339,9 @@ NB_MODULE(_native, m) {
       .def_prop_rw("caller_works", [](const Engine& e) { return e.layer().caller_works(); },
                    [](Engine& e, bool on) { e.layer().set_caller_works(on); },
                    "Whether the thread running a call computes GEMM items too, or only waits for the workers.")
+      .def_prop_rw("early_start", [](const Engine& e) { return e.layer().early_start(); },
+                   [](Engine& e, bool on) { e.layer().set_early_start(on); },
+                   "Whether a decode call starts the GEMM run before converting x (workers prefetch meanwhile).")
       .def_prop_rw("tail_split", [](const Engine& e) { return e.layer().tail_split(); },
                    [](Engine& e, bool on) { e.layer().set_tail_split(on); },
                    "Whether the last down items of a call are cut into 1-block items.")

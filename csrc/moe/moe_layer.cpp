@@ -559,37 +559,47 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     const int j = items[i], a0 = chunk_first[i];
     return std::make_pair(size_t(a0), std::min<size_t>(a0 + 16, act_begin[j] + rows_read(j)));
   };
-  parallel_or_inline(converts, rows_written * H, [&](int i, int) {  // A1
-    const int j = items[i], a0 = chunk_first[i];
-    if (j < 0) {  // token a0's row of tok1
-      tok1.write(ops, ops8, tok_kind, a0, static_cast<const char*>(c.x) + size_t(a0) * H * (c.x_bf16 ? 2 : 4),
-                 c.x_bf16, H);
-      return;
-    }
-    const ActKind kind = act_of(kernels_of(j), false, fmt);
-    const auto [r0, r1] = rows_of(i);
-    for (size_t r = r0; r < r1; ++r) {
-      const int local = r - act_begin[j];
-      const bool pad = local >= n_of(j);
-      const int t = pad ? 0 : tok[row_begin[j] + local];
-      const void* src = static_cast<const char*>(c.x) + size_t(t) * H * (c.x_bf16 ? 2 : 4);
-      act1.write(ops, ops8, kind, r, src, c.x_bf16, pad ? 0 : H);
-    }
-  });
-  // A2: a row copy moves 2 bytes per K, a conversion reads x and works on it more than once
-  parallel_or_inline(chunks - converts, rows_copied * H / 4, [&](int i, int) {
-    const int j = items[converts + i];
-    const auto [r0, r1] = rows_of(converts + i);
-    for (size_t r = r0; r < r1; ++r) act1.copy(tok_kind, r, tok1, tok[row_begin[j] + (r - act_begin[j])]);
-  });
-  if (tr) tr->acts_ns = trace_now_ns();
+  // x is converted here, or with early_start (a decode call, converted inline) inside the GEMM run,
+  // by its caller once the workers are on their way (gate/up items wait for acts_ready).
+  const bool inline_acts = rows_written * H < (1u << 15) && rows_copied * H / 4 < (1u << 15);
+  const bool early = early_start_ && inline_acts;
+  std::atomic<bool> acts_ready{!early};
+  auto convert_x = [&] {
+    parallel_or_inline(converts, rows_written * H, [&](int i, int) {  // A1
+      const int j = items[i], a0 = chunk_first[i];
+      if (j < 0) {  // token a0's row of tok1
+        tok1.write(ops, ops8, tok_kind, a0, static_cast<const char*>(c.x) + size_t(a0) * H * (c.x_bf16 ? 2 : 4),
+                   c.x_bf16, H);
+        return;
+      }
+      const ActKind kind = act_of(kernels_of(j), false, fmt);
+      const auto [r0, r1] = rows_of(i);
+      for (size_t r = r0; r < r1; ++r) {
+        const int local = r - act_begin[j];
+        const bool pad = local >= n_of(j);
+        const int t = pad ? 0 : tok[row_begin[j] + local];
+        const void* src = static_cast<const char*>(c.x) + size_t(t) * H * (c.x_bf16 ? 2 : 4);
+        act1.write(ops, ops8, kind, r, src, c.x_bf16, pad ? 0 : H);
+      }
+    });
+    // A2: a row copy moves 2 bytes per K, a conversion reads x and works on it more than once
+    parallel_or_inline(chunks - converts, rows_copied * H / 4, [&](int i, int) {
+      const int j = items[converts + i];
+      const auto [r0, r1] = rows_of(converts + i);
+      for (size_t r = r0; r < r1; ++r) act1.copy(tok_kind, r, tok1, tok[row_begin[j] + (r - act_begin[j])]);
+    });
+    if (tr) tr->acts_ns = trace_now_ns();
+    acts_ready.store(true, std::memory_order_release);
+  };
+  if (!early) convert_x();
 
   // Gate/up and down in one pool run, without a barrier between them. Items (expert, slice,
   // block range): per slice, all gate/up items (largest experts first), then all down items.
   // The gate/up item that finishes an expert last turns its h rows into down activations and
   // marks it ready; a down item of an expert not ready yet waits for it. That never deadlocks:
   // a worker reaches down items only after every gate/up item of its own group is claimed (and
-  // steals only from exhausted groups), and claimed gate/up items never wait.
+  // steals only from exhausted groups), and claimed gate/up items never wait (with early_start, only
+  // for x's rows, which the calling thread makes before it takes items or waits).
   std::vector<Item>& gemm_items = ws.gemm_items;
   std::vector<int>& offsets = ws.offsets;
   // About 4 items per thread, of 1 to 8 blocks: each item restarts its weight streams (on the
@@ -690,6 +700,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       if (!it.down) prefetch_heads(up, it);
     }
     if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
+      int64_t waited_ns = 0;  // early_start: for x's activation rows (its weights' heads on their way)
+      if (!acts_ready.load(std::memory_order_acquire)) {
+        while (!acts_ready.load(std::memory_order_acquire)) cpu_relax();
+        if (titems) waited_ns = trace_now_ns() - t0;
+      }
       const ActView a = n_of(it.j) == 1 ? tok1.view(tok_kind, tok[row_begin[it.j]], 1)
                                         : act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
       const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows;
@@ -703,7 +718,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       }
       // The last one of this expert (acq_rel: it sees every other item's h) converts h.
       // Traced: the item's end is stamped before it lets its expert's down items go.
-      if (titems) titems[i] = {worker, 0, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), 0, 0};
+      if (titems) titems[i] = {worker, 0, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0};
       if (pending[it.j].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         down_acts(it.j);
         pending[it.j].store(-1, std::memory_order_release);
@@ -729,7 +744,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
         for (int t = 0; t < T; ++t) combine(t, gb * kBlockRows, std::min(H, (gb + 1) * kBlockRows));
     }
     if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
-  }, caller_works_);
+  }, caller_works_, early ? FnRef<void()>(convert_x) : FnRef<void()>());
   if (tr) {
     tr->gemm_end_ns = trace_now_ns();
     pool_->set_join_log(nullptr, nullptr);

@@ -93,6 +93,11 @@ class MoeLayer {
   // one core fewer computing, was slower where the GEMMs dominate (int8 T=4 1273 vs 1147 us).
   void set_caller_works(bool on) { caller_works_ = on; }
   bool caller_works() const { return caller_works_; }
+  // Whether a decode call (x converted on one thread) starts the GEMM run before converting x:
+  // the workers join and prefetch their first items' weights while the calling thread converts
+  // x, and gate/up items wait for it. Traced, acts_ns then comes after items_ns.
+  void set_early_start(bool on) { early_start_ = on; }
+  bool early_start() const { return early_start_; }
   // Whether one-token experts read two weight blocks at once (PackedView::paired). Off: no
   // clear win on the GPU host (mini round: within the noise, int8 T=1 slower).
   void set_paired(bool on) { paired_ = on; }
@@ -133,6 +138,7 @@ class MoeLayer {
   int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 16384;
   bool paired_ = false;
   bool caller_works_ = true;
+  bool early_start_ = false;
   bool tail_split_ = true;
   bool combine_in_run_ = true;
 };

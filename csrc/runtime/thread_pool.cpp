@@ -203,7 +203,7 @@ void ThreadPool::worker_main(int worker) {
   }
 }
 
-void ThreadPool::run(const std::vector<int>& offsets, ItemFn fn, bool caller_works) {
+void ThreadPool::run(const std::vector<int>& offsets, ItemFn fn, bool caller_works, FnRef<void()> first) {
   const int total = offsets.back() - offsets.front();
   if (total <= 0) return;
   for (int g = 0; g < groups_; ++g) {
@@ -215,12 +215,14 @@ void ThreadPool::run(const std::vector<int>& offsets, ItemFn fn, bool caller_wor
   fn_ = &fn;
   if (int64_t* log = join_ns_.load(std::memory_order_relaxed)) log[0] = now_ns();
   if (workers_.empty() || total == 1) {
+    if (first) first();
     work(0);
     return;
   }
   learn_gap();
   const uint32_t gen = generation_.fetch_add(1) + 1;
   prewake();
+  if (first) first();
   if (caller_works) {
     work(0);
   } else {

@@ -25,21 +25,28 @@
 
 namespace hmoe {
 
-// What run() calls per item, fn(item, worker): a reference to the caller's callable, not a
-// copy. A std::function would heap-allocate a lambda that captures more than two words (the
-// MoE layer's do), on every call, on the decode path.
-class ItemFn {
+// A reference to a caller's callable, not a copy: what run() calls per item, fn(item, worker),
+// and before its own items, first(). A std::function would heap-allocate a lambda that captures
+// more than two words (the MoE layer's do), on every call, on the decode path. Empty when
+// default-constructed.
+template <class Sig>
+class FnRef;
+template <class R, class... Args>
+class FnRef<R(Args...)> {
  public:
-  template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, ItemFn>>>
-  ItemFn(F&& f)  // NOLINT: binds lambdas implicitly; f must outlive the run it is passed to
+  FnRef() = default;
+  template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, FnRef>>>
+  FnRef(F&& f)  // NOLINT: binds lambdas implicitly; f must outlive the call it is passed to
       : obj_(const_cast<void*>(static_cast<const void*>(&f))),
-        call_([](void* o, int item, int worker) { (*static_cast<std::remove_reference_t<F>*>(o))(item, worker); }) {}
-  void operator()(int item, int worker) const { call_(obj_, item, worker); }
+        call_([](void* o, Args... args) -> R { return (*static_cast<std::remove_reference_t<F>*>(o))(args...); }) {}
+  R operator()(Args... args) const { return call_(obj_, args...); }
+  explicit operator bool() const { return call_ != nullptr; }
 
  private:
-  void* obj_;
-  void (*call_)(void*, int, int);
+  void* obj_ = nullptr;
+  R (*call_)(void*, Args...) = nullptr;
 };
+using ItemFn = FnRef<void(int, int)>;
 
 class ThreadPool {
  public:
@@ -61,7 +68,10 @@ class ThreadPool {
   // caller_works = false: the calling thread (worker 0) takes no items, it only waits for the
   // others (its caches keep what it works with before and after the run; with no other
   // workers it still runs every item itself).
-  void run(const std::vector<int>& offsets, ItemFn fn, bool caller_works = true);
+  // first (if given): what the calling thread does once the workers are on their way, before it
+  // takes items or waits (the workers may already run items: fn must wait for what first
+  // makes); it must not throw.
+  void run(const std::vector<int>& offsets, ItemFn fn, bool caller_works = true, FnRef<void()> first = {});
   // Same with every item in group 0's range (any worker may take them).
   void run(int items, ItemFn fn);
   // Wakes sleeping workers so that they spin (a run() is coming): their wake-up latency then

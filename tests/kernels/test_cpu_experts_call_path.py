@@ -79,3 +79,30 @@ def test_inputs_that_are_not_tensors_are_refused(make_weights, make_routing, pos
     args[position] = args[position].tolist()
     with pytest.raises(HybridMoEError):
         experts.forward(*args, out=torch.empty(3, H))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("caller_works", [True, False])
+def test_early_start_gives_the_same_bits(make_weights, make_routing, fmt, caller_works, isa):
+    # Decode calls convert x inside the run (gate/up items wait for it); 40 tokens convert before it.
+    experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=3, isa=isa)
+    experts.set_schedule(caller_works=caller_works)
+    for T in (1, 4, 40):
+        x, ids, weights = make_routing(T, H, 6, range(E), seed=T)
+        expected = experts.forward(x, ids, weights)
+        experts.set_schedule(early_start=True)
+        assert torch.equal(experts.forward(x, ids, weights), expected)
+        experts.submit(x, ids, weights)
+        assert torch.equal(experts.wait(), expected)
+        experts.set_schedule(early_start=False)
+
+
+def test_early_start_trace_records_the_wait_for_x(make_weights, make_routing):
+    experts = CpuExperts(*make_weights(E, H, I), threads=2)
+    experts.set_schedule(early_start=True)
+    experts.trace(1)
+    experts.forward(*make_routing(1, H, 4, range(E)))
+    rec = experts.take_trace()[0]
+    gate_up = rec["items"][rec["items"][:, 1] == 0]
+    assert rec["items_ns"] <= rec["acts_ns"] <= rec["end_ns"]
+    assert (gate_up[:, 8] >= 0).all() and (gate_up[:, 8] <= gate_up[:, 7] - gate_up[:, 6]).all()
