@@ -32,6 +32,8 @@ CPU work can run slower or faster between GPU work than back to back).
 
     python benchmarks/handoff.py --layers 48 --tokens 1,4 --json out/handoff.json
     python benchmarks/handoff.py --threads 16,15 --variants gpu_only,cpu_step,cpu_step_here,memops,native
+
+The timing thread runs pinned off the handoff pool's CPUs, as a decode step's does (--no-pin: unpinned).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import time
 import torch
 
 from hybridmoe import CpuExperts
-from hybridmoe.experts.cuda_handoff import CudaHandoff
+from hybridmoe.experts.cuda_handoff import CudaHandoff, pinned
 
 TARGET_US = 10.0
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -65,6 +67,8 @@ def parse_args():
     p.add_argument("--variants", help="comma-separated variants to run (default: all)")
     p.add_argument("--reps", type=int, default=100, help="steps per timed trial")
     p.add_argument("--trials", type=int, default=5, help="timed trials (the median is reported)")
+    p.add_argument("--no-pin", action="store_true", help="time with this thread where the scheduler puts it, "
+                   "instead of pinned off the handoff pool's CPUs (as a decode step runs: HybridExperts.decode_thread)")
     p.add_argument("--json", help="write the results here")
     return p.parse_args()
 
@@ -184,7 +188,8 @@ def main():
         info.update(cudart=handoff.runtime, isa=experts.isa, memops_path=memops.path if memops else memops_error)
         print(f"{info['gpu']}, torch {info['torch']}, cudart {info['cudart']}, {info['cpus']} CPUs, "
               f"isa {info['isa']}; {L} layers, H={H}, toy CPU step E={E} I={I} K={K} on {n} threads "
-              f"({handoff.threads[0]} in the handoff's pool); "
+              f"({handoff.threads[0]} in the handoff's pool; timed "
+              f"{'unpinned' if args.no_pin else f'on CPUs {sorted((memops or handoff).driver_cpus)}'}); "
               f"stream_mem_ops: {info['memops_path']}")
         print(f"{'T':>3} {'variant':<16} {'us/step':>10} {'us/layer':>9} {'handoff us/layer':>17}", flush=True)
         base = Baselines(experts, L, max(tokens), H, K, handoff.runtime)
@@ -202,7 +207,8 @@ def main():
                     step = make()
                     if memops is not None:
                         memops.take_stats()
-                    t = times[name] = seconds_per_call(step, args.reps, args.trials, blocking)
+                    with pinned(set() if args.no_pin else (memops or handoff).driver_cpus):
+                        t = times[name] = seconds_per_call(step, args.reps, args.trials, blocking)
                     stats = memops.take_stats() if memops is not None else None
                     if name.startswith("memops") and stats and stats["layers"] and "gpu_only" in times:
                         # the CPU work's time as the polling thread measured it, inside this pipeline
