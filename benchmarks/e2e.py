@@ -29,8 +29,9 @@ model, also with (ROWS, comma-separated, default all): graph: no CUDA graph (the
 prewake: the same engine with the CPU pool woken by the stream after every layer's wait; zero-copy: the
 same engine with the handoff's rows and output through the device's mapping of the pinned buffers
 instead of copies; trim: the same engine with one token's padding slots (weight 0) left out of its CPU
-work ("trim padding off", kept in, where the engine already trims: the default since session 4); these
-with graphs captured again, on the stream_mem_ops handoff only, and (without --repeats)
+work ("trim padding off", kept in, where the engine already trims: the default since session 4); pin: the
+same engine with the decode steps' thread left where the scheduler puts it ("unpinned"; by default it runs
+off the handoff pool's CPUs, HybridExperts.pin_decode_thread); these with graphs captured again, on the stream_mem_ops handoff only, and (without --repeats)
 followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
 on" has 0, else 0; switched on the same engine when it is the hybrid split, as with a GPU budget);
 gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on"
@@ -79,11 +80,11 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
            "vs_llama_prefill": 1.5}
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 1 measured slower than 0 (see above)."""
-ABLATION_ROWS = ("graph", "prewake", "zero-copy", "trim", "deferral", "gpu-experts")
+ABLATION_ROWS = ("graph", "prewake", "zero-copy", "trim", "pin", "deferral", "gpu-experts")
 HANDOFF_ROWS = {"prewake": ("prewake", {"prewake_layers": True}), "zero-copy": ("zero-copy", {"zero_copy": True}),
-                "trim": ("trim padding", {"trim_padding": True})}
+                "trim": ("trim padding", {"trim_padding": True}), "pin": ("unpinned", {"pin_decode_thread": False})}
 """Ablation rows measured on the "all on" engine: label suffix and the CudaHandoff options changed
-(bench_suite.HANDOFF_OPTIONS). After them, "all on" again
+(bench_suite.HANDOFF_OPTIONS and EXPERT_OPTIONS). After them, "all on" again
 with its own options, which shows how much the same engine drifts between its first and last rows."""
 
 SUITES = {

@@ -33,6 +33,8 @@ from hybridmoe.errors import HybridMoEError
 
 HANDOFF_OPTIONS = ("prewake_layers", "zero_copy", "trim_padding")
 """CudaHandoff attributes a variant may set (cuda_handoff.py); the others keep the engine's own values."""
+EXPERT_OPTIONS = ("pin_decode_thread",)
+"""HybridExperts attributes a variant may set the same way (hybrid.py), reported with the handoff options."""
 
 
 @dataclass
@@ -229,7 +231,9 @@ class _Bench:
         self.engine, self.decode_prompt, self.gen_len = engine, decode_prompt, gen_len
         self.bandwidth, self.bandwidth_method, self.layer_times = bandwidth, bandwidth_method, layer_times
         self.memops = self._memops()
-        self.defaults = {name: getattr(self.memops[0], name) for name in HANDOFF_OPTIONS} if self.memops else None
+        experts = engine.runner.model.experts
+        self.defaults = ({**{name: getattr(self.memops[0], name) for name in HANDOFF_OPTIONS},
+                          **{name: getattr(experts, name) for name in EXPERT_OPTIONS}} if self.memops else None)
         self.graphs = engine.runner.cuda_graph
         self.captured = self.defaults  # the options the engine's graphs were captured with
         self.retired = []  # graphs captured with other options: kept alive, as their memory pool is reused
@@ -270,9 +274,9 @@ class _Bench:
             runner.model.experts.set_deferred_experts(deferred)
             self.memops = self._memops()
         options = self.options(row)
-        for h in self.memops:
-            for name, value in options.items():
-                setattr(h, name, value)
+        for name, value in (options or {}).items():  # None: no stream_mem_ops handoff, nothing to set
+            for target in [runner.model.experts] if name in EXPERT_OPTIONS else self.memops:
+                setattr(target, name, value)
         if self.graphs and options != self.captured:
             self.retired += runner._graphs.values()
             runner._graphs.clear()  # capture them again with these options

@@ -88,12 +88,13 @@ def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monk
 
 
 def test_ablation_variants_come_after_every_format():
-    every = E2E["ablation_rows"]("graph,prewake,zero-copy,trim,deferral,gpu-experts")
+    every = E2E["ablation_rows"]("graph,prewake,zero-copy,trim,pin,deferral,gpu-experts")
     runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
     assert [(r.label, r.eager_label, r.handoff_variants, r.every_length) for r in runs] == [
         ("int4 all on", "int4 no CUDA graph", (("int4 prewake", {"prewake_layers": True}),
                                                ("int4 zero-copy", {"zero_copy": True}),
                                                ("int4 trim padding", {"trim_padding": True}),
+                                               ("int4 unpinned", {"pin_decode_thread": False}),
                                                ("int4 all on, again", {})), True),
         ("bf16 all on", None, (), True), ("int4 no GPU experts", None, (), False)]
     assert [r.deferral_variants for r in runs] == [(("int4 deferral 1", 1),), (), ()]  # the hybrid split switches K
@@ -120,7 +121,7 @@ def test_with_repeats_the_handoff_rows_have_no_all_on_again_row():
 def test_ablation_rows_can_be_chosen():
     runs = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("graph"))
     assert [(r.label, r.eager_label, r.handoff_variants) for r in runs] == [("int4 all on", "int4 no CUDA graph", ())]
-    every = "graph,prewake,zero-copy,trim,deferral,gpu-experts"
+    every = "graph,prewake,zero-copy,trim,pin,deferral,gpu-experts"
     assert E2E["parse_args"](["--synthetic", "x", "--ablation"]).ablation == every
     with pytest.raises(HybridMoEError, match=f"--ablation takes rows among {every}, got graphs"):
         E2E["ablation_rows"]("graphs,prewake")
