@@ -89,7 +89,7 @@ with its own options, which shows how much the same engine drifts between its fi
 
 SUITES = {
     "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4,12", formats="int4,bf16", prompt_lens="512,2048,8192",
-                  gen_len=64, ablation="graph,trim,deferral,gpu-experts", repeats=3,
+                  gen_len=64, ablation="graph,trim,pin,deferral,gpu-experts", repeats=3,
                   engine=dict(gpu_memory_budget="16GiB")),
     "dsv2lite": dict(synthetic="deepseek-v2-lite", layers="8", formats="int4", prompt_lens="512,2048,8192",
                      gen_len=32, ablation=None, engine=dict(gpu_memory_budget="16GiB")),

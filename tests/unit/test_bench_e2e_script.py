@@ -56,7 +56,7 @@ def test_bad_prompt_lengths_are_a_one_line_error(capsys):
 def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     args = E2E["parse_args"](["--suite", "qwen3", "--gpu-memory-budget", "8GiB"])
     assert (args.synthetic, args.layers, args.formats, args.repeats) == ("qwen3-30b-a3b", "4,12", "int4,bf16", 3)
-    assert args.ablation == "graph,trim,deferral,gpu-experts"
+    assert args.ablation == "graph,trim,pin,deferral,gpu-experts"
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
     small = E2E["parse_args"](["--suite", "dsv3", "--layers", "1", "--prompt-lens", "16", "--formats", "bf16"])
