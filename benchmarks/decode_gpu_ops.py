@@ -10,7 +10,7 @@ for each path (fused: RMSNorm with its residual add, attention's q/k norms + rot
 router's top-k, the hybrid split and sum as one Triton kernel each, MoECausalLM.fuse_decode_kernels;
 layer: fused, and the fusions across a layer's ops: its linear layers as the Triton decode GEMV, qkv_proj
 and the router each with the norm before it (layers/gemv_triton.py), q/k norms + rotary + cache writes
-inside decode attention, MLA's decode in one kernel (layer fusions: fused_layer, off by default);
+inside decode attention, MLA's decode in one kernel (layer fusions: fused_layer, on by default);
 unfused: the torch ops they replace):
   - profiles one eager step: per decoder layer the GPU kernels, copies and memsets it launches and their
     GPU time (torch profiler; a launch belongs to the layer whose forward was running on the host), the

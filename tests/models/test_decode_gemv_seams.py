@@ -60,11 +60,11 @@ def test_fuse_decode_kernels_switches_the_layer_fusions_apart_from_the_others():
     model = tiny_model()
     gemv = [m for m in model.modules() if hasattr(m, "fused_layer")]
     assert {type(m) for m in gemv} == {DecoderLayer, Attention}  # MultiHeadLatentAttention too in DeepSeek
-    assert not any(m.fused_layer for m in gemv)  # off by default
-    model.fuse_decode_kernels(True, layer=True)
-    assert all(m.fused_layer for m in gemv) and model.model.norm.fused
-    model.fuse_decode_kernels(True)
+    assert all(m.fused_layer for m in gemv)  # on by default
+    model.fuse_decode_kernels(True, layer=False)
     assert not any(m.fused_layer for m in gemv) and model.model.norm.fused
+    model.fuse_decode_kernels(True)
+    assert all(m.fused_layer for m in gemv) and model.model.norm.fused
     model.fuse_decode_kernels(False, layer=True)  # the layer fusions only on top of the others
     assert not any(m.fused_layer for m in gemv)
 

@@ -197,7 +197,7 @@ class Attention(nn.Module):
         self.fused = True  # on CUDA: norms, rotary and cache writes in one kernel, decode attention in one
         # on CUDA, short steps: o_proj as the Triton GEMV (layers/linear.py); a decode step over at most
         # CHUNK cached positions: q/k norms, rotary, cache writes and attention in one kernel
-        self.fused_layer = False
+        self.fused_layer = True
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.o_proj.weight

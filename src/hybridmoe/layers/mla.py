@@ -69,7 +69,7 @@ class MultiHeadLatentAttention(nn.Module):
         # on CUDA, a fixed-shape decode step of at most FUSED_MAX_LEN positions: rotary, the latent's norm,
         # the cache write and the attention in one kernel (mla_decode_triton.py); one token: the projections
         # as decode GEMVs (forward_normed, o_proj); MoECausalLM.fuse_decode_kernels
-        self.fused_layer = False
+        self.fused_layer = True
 
     def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
         w = self.kv_a_proj_with_mqa.weight
