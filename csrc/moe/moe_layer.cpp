@@ -702,7 +702,10 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
       int64_t waited_ns = 0;  // early_start: for x's activation rows (its weights' heads on their way)
       if (!acts_ready.load(std::memory_order_acquire)) {
-        while (!acts_ready.load(std::memory_order_acquire)) cpu_relax();
+        // x's rows take the calling thread a few microseconds: pause that long (~1000 pauses), then
+        // yield, in case it waits for this core (more threads than cores).
+        for (int spin = 0; !acts_ready.load(std::memory_order_acquire); ++spin)
+          if (spin > 1024) std::this_thread::yield(); else cpu_relax();
         if (titems) waited_ns = trace_now_ns() - t0;
       }
       const ActView a = n_of(it.j) == 1 ? tok1.view(tok_kind, tok[row_begin[it.j]], 1)
