@@ -65,7 +65,7 @@ def test_rope_inside_decode_attention_equals_the_two_kernels_and_torch(lens, qk_
     two = triton_decode_attention(q, k2, v2, slots, lens_t, a.scale, window, 512)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
     torch.testing.assert_close(got, two, **TOL[dtype])
-    a.fused = False
+    a.fused = a.fused_layer = False  # the torch ops
     with use_context(Context(slot_ids=[], start_pos=[], cu_seqlens=[0], decode=DecodeBatch(slots, lens_t, 512))):
         want = a(x, positions)
     torch.testing.assert_close(a.o_proj(got.reshape(B, -1)), want, **TOL[dtype])

@@ -245,7 +245,7 @@ def test_attention_fused_equals_torch(qk_norm, window, dtype):
     for fused in (True, False):
         a = seeded_attention(256, 64, qk_norm, window, dtype)
         a.allocate_kv_cache(3, 64)
-        a.fused = fused
+        a.fused, a.fused_layer = fused, False  # the layer fusions against these: test_decode_attention_rope.py
         layers.append(a)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
     prefill = Context(slot_ids=[2, 0], start_pos=[0, 0], cu_seqlens=[0, 4, 7])
