@@ -416,8 +416,8 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   int* tok = grow(ws.tok, R);
   int* pos = grow(ws.pos, R);
   if (R <= kFewRows) {
-    // Decode: sort the R (expert, i) keys instead of counting over all E experts (the E-sized
-    // arrays, cold after the weights streamed through the caches, cost more than the sort).
+    // Decode: sort the R (expert, i) keys instead of counting over all E experts: only R-sized
+    // arrays are touched (counting clears and scans two E-sized ones, and sorts with a buffer).
     uint64_t* key = grow(ws.keys, R);
     for (int i = 0; i < R; ++i) {
       const uint64_t k = uint64_t(id_at(i)) << 32 | uint32_t(i);
