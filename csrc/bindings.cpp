@@ -342,6 +342,9 @@ NB_MODULE(_native, m) {
       .def_prop_rw("early_start", [](const Engine& e) { return e.layer().early_start(); },
                    [](Engine& e, bool on) { e.layer().set_early_start(on); },
                    "Whether a decode call starts the GEMM run before converting x (workers prefetch meanwhile).")
+      .def_prop_rw("padded_counters", [](const Engine& e) { return e.layer().padded_counters(); },
+                   [](Engine& e, bool on) { e.layer().set_padded_counters(on); },
+                   "Whether a call's counters (per active expert, per down block) sit on a cache line each.")
       .def_prop_rw("tail_split", [](const Engine& e) { return e.layer().tail_split(); },
                    [](Engine& e, bool on) { e.layer().set_tail_split(on); },
                    "Whether the last down items of a call are cut into 1-block items.")

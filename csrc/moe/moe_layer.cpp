@@ -95,6 +95,15 @@ std::atomic<int>* grow(AtomicInts& v, size_t n) {
   return v.data.get();
 }
 
+// A call's counters (one per active expert, one per down block), `stride` ints apart: 16 puts
+// each on a cache line of its own, so that workers counting down different ones do not bounce
+// one line between their cores.
+struct Counters {
+  std::atomic<int>* base;
+  int stride;
+  std::atomic<int>& operator[](int i) const { return base[size_t(i) * stride]; }
+};
+
 // One side's activation rows (x for gate/up, h for down), each row in the kind its expert's
 // kernels read: bf16 and i16 rows at stride Kp + 32, i8 and i8_groups rows at Kq + 64 (Kq = Kp
 // rounded up to 64, a whole AMX-INT8 step). Strides are not multiples of 4 KiB: rows that far
@@ -617,7 +626,8 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   int gate_up_items = 0;
   for (int s = 0; s < S; ++s)
     gate_up_items += (gate.slice_begin[s + 1] - gate.slice_begin[s] + per_item(0) - 1) / per_item(0);
-  std::atomic<int>* pending = grow(ws.pending, A);
+  const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
+  const Counters pending{grow(ws.pending, size_t(A) * stride), stride};
   for (int j = 0; j < A; ++j) pending[j].store(gate_up_items, std::memory_order_relaxed);
   const PlanKey plan{A, S, gate.blocks, down.blocks, per_item(0), per_item(1), pool_->threads(), tail_split_};
   if (!(plan == ws.plan)) {
@@ -667,7 +677,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     ops.combine(K, src, c.weights + size_t(t) * K, c1 - c0, o, c.x_bf16);
   };
   const bool combine_in_run = combine_in_run_ && T <= kCombineInRunTokens;
-  std::atomic<int>* col_left = grow(ws.col_left, down.blocks);
+  const Counters col_left{grow(ws.col_left, size_t(down.blocks) * stride), stride};
   if (combine_in_run)
     for (int b = 0; b < down.blocks; ++b) col_left[b].store(A, std::memory_order_relaxed);
   auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding as in phase A)

@@ -98,6 +98,9 @@ class MoeLayer {
   // x, and gate/up items wait for it. Traced, acts_ns then comes after items_ns.
   void set_early_start(bool on) { early_start_ = on; }
   bool early_start() const { return early_start_; }
+  // Whether a call's counters (per active expert, per down block) sit on a cache line each.
+  void set_padded_counters(bool on) { padded_counters_ = on; }
+  bool padded_counters() const { return padded_counters_; }
   // Whether one-token experts read two weight blocks at once (PackedView::paired). Off: no
   // clear win on the GPU host (mini round: within the noise, int8 T=1 slower).
   void set_paired(bool on) { paired_ = on; }
@@ -139,6 +142,7 @@ class MoeLayer {
   bool paired_ = false;
   bool caller_works_ = true;
   bool early_start_ = false;
+  bool padded_counters_ = false;
   bool tail_split_ = true;
   bool combine_in_run_ = true;
 };

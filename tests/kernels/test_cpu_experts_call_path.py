@@ -83,18 +83,19 @@ def test_inputs_that_are_not_tensors_are_refused(make_weights, make_routing, pos
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("caller_works", [True, False])
-def test_early_start_gives_the_same_bits(make_weights, make_routing, fmt, caller_works, isa):
+def test_early_start_and_padded_counters_give_the_same_bits(make_weights, make_routing, fmt, caller_works, isa):
     # Decode calls convert x inside the run (gate/up items wait for it); 40 tokens convert before it.
     experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=3, isa=isa)
     experts.set_schedule(caller_works=caller_works)
     for T in (1, 4, 40):
         x, ids, weights = make_routing(T, H, 6, range(E), seed=T)
         expected = experts.forward(x, ids, weights)
-        experts.set_schedule(early_start=True)
-        assert torch.equal(experts.forward(x, ids, weights), expected)
-        experts.submit(x, ids, weights)
-        assert torch.equal(experts.wait(), expected)
-        experts.set_schedule(early_start=False)
+        for knobs in ({"early_start": True}, {"padded_counters": True}, {"early_start": True, "padded_counters": True}):
+            experts.set_schedule(**knobs)
+            assert torch.equal(experts.forward(x, ids, weights), expected)
+            experts.submit(x, ids, weights)
+            assert torch.equal(experts.wait(), expected)
+            experts.set_schedule(early_start=False, padded_counters=False)
 
 
 def test_early_start_trace_records_the_wait_for_x(make_weights, make_routing):

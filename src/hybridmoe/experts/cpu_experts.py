@@ -295,7 +295,8 @@ class CpuExperts:
                      tail_split: bool | None = None, combine_in_run: bool | None = None,
                      item_bytes: int | None = None, kernel_prefetch_l1: int | None = None,
                      kernel_prefetch_l2: int | None = None, paired: bool | None = None,
-                     caller_works: bool | None = None, early_start: bool | None = None) -> None:
+                     caller_works: bool | None = None, early_start: bool | None = None,
+                     padded_counters: bool | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
         default); item_bytes: weight bytes per work item instead, gate and up counted together
@@ -311,12 +312,14 @@ class CpuExperts:
         for the other workers, its caches left to what it does before and after the GEMMs;
         early_start: a decode call (x converted on one thread) starts the GEMM run first, and its
         thread converts x while the workers join and prefetch their first items' weights (gate/up
-        items wait for x's rows; default off)."""
+        items wait for x's rows; default off); padded_counters: the counters workers count down
+        (per active expert, per down block) each on a cache line of its own (default off: packed)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("item_bytes", item_bytes), ("kernel_prefetch_l1", kernel_prefetch_l1),
                             ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
-                            ("caller_works", caller_works), ("early_start", early_start)):
+                            ("caller_works", caller_works), ("early_start", early_start),
+                            ("padded_counters", padded_counters)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
