@@ -324,7 +324,6 @@ class CpuExperts:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
 
-
 def _capsules(x, topk_ids, topk_weights, out):
     """DLPack capsules of the four per-call arrays, which the engine checks exactly as tensors: a
     tensor's own __dlpack__ (Python code) costs ~4 us per array on a 2-core dev box, torch's C
