@@ -35,9 +35,12 @@ off the handoff pool's CPUs, HybridExperts.pin_decode_thread); these with graphs
 followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
 on" has 0, else 0; switched on the same engine when it is the hybrid split, as with a GPU budget);
 gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on"
-by default because it lost on the GPU host: Qwen3-30B-A3B int4, 4 layers, 354 tok/s with 1 vs 370 with
-0 (each deferred expert adds a CPU handoff per layer); device round r1 of session 4, DeepSeek-V2-Lite 8
-layers: 341.1 vs 339.8 tok/s.
+by default: it changes the model's output (0 is exact; benchmarks/deferral_quality.py gives the cost). On
+the GPU host (device round r2 of session 5, benchmarks/deferral_decode.py, Qwen3-30B-A3B 4 layers, decode
+thread pinned, zero-copy) 1 deferred expert made int4 decode 1.27x faster (1.06 vs 1.35 ms/token: its CPU
+call, ~36 µs, fits in the GPU's ~50 µs between layers) and bf16 decode 0.92x (a bf16 expert's call, ~80 µs,
+outlasts that gap, and the next layer's own experts wait behind it). Before the decode thread was pinned
+(session 4) it measured no faster in int4 either.
 
 --repeats N measures the rows of each engine load N times, interleaved (all on, no CUDA graph, deferral,
 trim..., all on, no CUDA graph, ...): on the GPU host two identical rows differed by up to 20%, so a row
@@ -79,7 +82,7 @@ LLAMA_CPP = {"decode_tok_s": 47.0, "prefill512_tok_s": (650.0, 760.0)}
 TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama_decode": 1.75,
            "vs_llama_prefill": 1.5}
 DEFAULT_DEFERRED = 0
-"""Deferred experts of the "all on" rows unless given: 1 measured slower than 0 (see above)."""
+"""Deferred experts of the "all on" rows unless given: 0, exact (see above for what 1 gains)."""
 ABLATION_ROWS = ("graph", "prewake", "zero-copy", "trim", "pin", "deferral", "gpu-experts")
 HANDOFF_ROWS = {"prewake": ("prewake", {"prewake_layers": True}), "zero-copy": ("zero-copy", {"zero_copy": True}),
                 "trim": ("trim padding", {"trim_padding": True}), "pin": ("unpinned", {"pin_decode_thread": False})}
