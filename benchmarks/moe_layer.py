@@ -187,7 +187,8 @@ def parse_variants(spec):
 
 def decode_loop(args, shape, threads, bw, bw_pf, gate, up, down, tokens):
     """The --gap-us mode: ms per call of layers called in turn with a gap between calls; with
-    --variants, the variants take turns cycle by cycle (one cycle: every layer once)."""
+    --variants, the variants take turns cycle by cycle (one cycle: every layer once), in an order
+    rotated every round."""
     E, H, K = shape["E"], shape["H"], shape["K"]
     gap_s = args.gap_us * 1e-6
     n_routings = 16  # per layer and T: fresh experts each call, cycled
@@ -222,7 +223,9 @@ def decode_loop(args, shape, threads, bw, bw_pf, gate, up, down, tokens):
                 engine = {name: [] for name, _ in variants}
                 start = time.perf_counter()
                 for rep in range(args.reps + 1):
-                    for name, schedule in schedules:
+                    # Rotated each cycle: no variant always runs first, or after the same one (in r2 the
+                    # variants ran in a fixed order and came out faster and faster along it).
+                    for name, schedule in schedules[rep % len(schedules):] + schedules[:rep % len(schedules)]:
                         for layer in layers:
                             layer.set_schedule(**schedule)
                         for li, layer in enumerate(layers):

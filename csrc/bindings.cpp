@@ -339,6 +339,11 @@ NB_MODULE(_native, m) {
       .def_prop_rw("caller_works", [](const Engine& e) { return e.layer().caller_works(); },
                    [](Engine& e, bool on) { e.layer().set_caller_works(on); },
                    "Whether the thread running a call computes GEMM items too, or only waits for the workers.")
+      .def_prop_rw("caller_min_tokens", [](const Engine& e) { return e.layer().caller_min_tokens(); },
+                   [](Engine& e, int n) {
+                     if (n < 1) fail("caller_min_tokens must be >= 1, got " + std::to_string(n));
+                     e.layer().set_caller_min_tokens(n);
+                   }, "With caller_works, the calling thread computes items only in calls of at least this many tokens.")
       .def_prop_rw("early_start", [](const Engine& e) { return e.layer().early_start(); },
                    [](Engine& e, bool on) { e.layer().set_early_start(on); },
                    "Whether a decode call starts the GEMM run before converting x (workers prefetch meanwhile).")

@@ -597,10 +597,12 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       const auto [r0, r1] = rows_of(converts + i);
       for (size_t r = r0; r < r1; ++r) act1.copy(tok_kind, r, tok1, tok[row_begin[j] + (r - act_begin[j])]);
     });
-    if (tr) tr->acts_ns = trace_now_ns();
     acts_ready.store(true, std::memory_order_release);
   };
   if (!early) convert_x();
+  // Traced: x converted, or (early) its conversion handed to the run, whose gate/up items' wait
+  // then shows it.
+  if (tr) tr->acts_ns = trace_now_ns();
 
   // Gate/up and down in one pool run, without a barrier between them. Items (expert, slice,
   // block range): per slice, all gate/up items (largest experts first), then all down items.
@@ -757,7 +759,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
         for (int t = 0; t < T; ++t) combine(t, gb * kBlockRows, std::min(H, (gb + 1) * kBlockRows));
     }
     if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
-  }, caller_works_, early ? FnRef<void()>(convert_x) : FnRef<void()>());
+  }, caller_works_ && T >= caller_min_tokens_, early ? FnRef<void()>(convert_x) : FnRef<void()>());
   if (tr) {
     tr->gemm_end_ns = trace_now_ns();
     pool_->set_join_log(nullptr, nullptr);

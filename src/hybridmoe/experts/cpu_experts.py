@@ -280,11 +280,10 @@ class CpuExperts:
 
         Each: T, K, A (distinct experts); times in ns on time.monotonic_ns()'s clock: call_ns
         (submit/forward entered the engine), entry_ns (the layer started on its thread),
-        grouped_ns, acts_ns (x rows quantized), items_ns (GEMM run starts), gemm_end_ns, end_ns
+        grouped_ns, acts_ns (x rows quantized; with early_start, handed to the GEMM run), items_ns (GEMM run starts), gemm_end_ns, end_ns
         (combine done); items int64 [n, 10] per GEMM item: worker, down (0 gate/up, 1 down),
         expert, slice, b0, b1 (32-row blocks of the slice), start, end, wait (a down item waiting
-        for its expert's h; with early_start, a gate/up item waiting for x's rows, and acts_ns then
-        comes after items_ns), convert (after end: the gate/up item that turned its expert's h into
+        for its expert's h; with early_start, a gate/up item waiting for x's rows), convert (after end: the gate/up item that turned its expert's h into
         down activations; a down item summing the output columns it completed, up to 16 tokens);
         join_ns int64 [threads] (when each pool worker joined the GEMM run, 0:
         never) and slept bool [threads] (it had gone to sleep before).
@@ -295,8 +294,8 @@ class CpuExperts:
                      tail_split: bool | None = None, combine_in_run: bool | None = None,
                      item_bytes: int | None = None, kernel_prefetch_l1: int | None = None,
                      kernel_prefetch_l2: int | None = None, paired: bool | None = None,
-                     caller_works: bool | None = None, early_start: bool | None = None,
-                     padded_counters: bool | None = None) -> None:
+                     caller_works: bool | None = None, caller_min_tokens: int | None = None,
+                     early_start: bool | None = None, padded_counters: bool | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
         default); item_bytes: weight bytes per work item instead, gate and up counted together
@@ -310,15 +309,18 @@ class CpuExperts:
         rows (AVX-512; default off); caller_works: the thread running a call (forward()'s caller,
         or the pool's driver for submit()) computes GEMM items too (default on), else only waits
         for the other workers, its caches left to what it does before and after the GEMMs;
-        early_start: a decode call (x converted on one thread) starts the GEMM run first, and its
-        thread converts x while the workers join and prefetch their first items' weights (gate/up
-        items wait for x's rows; default off); padded_counters: the counters workers count down
-        (per active expert, per down block) each on a cache line of its own (default off: packed)."""
+        caller_min_tokens: with caller_works on, it computes items only in calls of at least this
+        many tokens (default 1: all); early_start: a decode call (x converted on one thread)
+        starts the GEMM run first, and its thread converts x while the workers join and prefetch
+        their first items' weights (gate/up items wait for x's rows; default on); padded_counters:
+        the counters workers count down (per active expert, per down block) each on a cache line
+        of its own (default on; off: packed)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("item_bytes", item_bytes), ("kernel_prefetch_l1", kernel_prefetch_l1),
                             ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
-                            ("caller_works", caller_works), ("early_start", early_start),
+                            ("caller_works", caller_works), ("caller_min_tokens", caller_min_tokens),
+                            ("early_start", early_start),
                             ("padded_counters", padded_counters)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
