@@ -15,6 +15,13 @@
 // prefetch; a C round trip every 8 steps 26.1-28.5 | 27.6-29.3. Single-thread rows swung between
 // 6.4 and 27 ns from case to case (not repeatable there). So with every core busy one tile product
 // with loads costs ~2x one without, ~0.66 TFLOP/s per core in BF16: the ceiling of the tile loop.
+//
+// Session 5 r2 (same host kind, 16 cores, one thread per core: lscpu and the siblings lists say so):
+// bf16 products alone 11.5-15.5 ns at 1, 2, 4, 8, 16 threads and on 8 even CPUs, so no unit is
+// shared between threads. The kernels' shape (A and B from L2, a C round trip every 32 steps) runs
+// 10.7 ns on one thread, 27.4 on 16; with 4 prefetcht1 lines per step from DRAM (the next block's
+// weights, as the kernels do) 30.7 and 27.3, with 8 lines 42.2 and 34.1: the L2 prefetch stream,
+// not the tile unit, sets the pace (it holds fill buffers that the tile loads need).
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
