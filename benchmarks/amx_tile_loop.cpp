@@ -21,7 +21,8 @@
 // shared between threads. The kernels' shape (A and B from L2, a C round trip every 32 steps) runs
 // 10.7 ns on one thread, 27.4 on 16; with 4 prefetcht1 lines per step from DRAM (the next block's
 // weights, as the kernels do) 30.7 and 27.3, with 8 lines 42.2 and 34.1: the L2 prefetch stream,
-// not the tile unit, sets the pace (it holds fill buffers that the tile loads need).
+// not the tile unit, sets the pace (a guess at why: each prefetch holds a fill buffer that the
+// tile loads missing L1 need as well).
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
