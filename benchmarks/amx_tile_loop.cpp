@@ -18,11 +18,11 @@
 //
 // Session 5 r2 (same host kind, 16 cores, one thread per core: lscpu and the siblings lists say so):
 // bf16 products alone 11.5-15.5 ns at 1, 2, 4, 8, 16 threads and on 8 even CPUs, so no unit is
-// shared between threads. The kernels' shape (A and B from L2, a C round trip every 32 steps) runs
-// 10.7 ns on one thread, 27.4 on 16; with 4 prefetcht1 lines per step from DRAM (the next block's
-// weights, as the kernels do) 30.7 and 27.3, with 8 lines 42.2 and 34.1: the L2 prefetch stream,
-// not the tile unit, sets the pace (a guess at why: each prefetch holds a fill buffer that the
-// tile loads missing L1 need as well).
+// shared between threads. The kernels' shape (A and B from L2, a C round trip every 32 steps):
+// 10.7 ns on one thread, 27.4 on 16. With 4 prefetcht1 lines per step from DRAM (the next block's
+// weights, as the kernels do) 30.7 and 27.3, with 8 lines 42.2 and 34.1. So on one thread the
+// prefetch stream triples the time (a guess at why: each prefetch holds a fill buffer that the
+// tile loads missing L1 need too); with every core busy the shape is as slow without it.
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
