@@ -245,6 +245,13 @@ int main(int argc, char** argv) {
       std::mt19937 rng(1000 + T);
       std::vector<Routing> routings;
       for (int r = 0; r < 16; ++r) routings.push_back(make_routing(T, *sh, experts, rng));
+      // Weights read by the other layers between two calls of one layer: below the LLC, part of a
+      // layer's experts can still be cached when it is called again (r3: Qwen3 int4, E 64 x 8 layers,
+      // ~140 MB, read at ~129% of the probe), so the rows are not DRAM-bound.
+      double call_bytes = 0;
+      for (const Routing& r : routings) call_bytes += r.experts * per_expert / routings.size();
+      std::printf("# %s T=%d: %.0f MB per call, %.0f MB read by the other layers between a layer's calls\n",
+                  fname.c_str(), T, call_bytes / 1e6, (layers - 1) * call_bytes / 1e6);
       std::vector<uint16_t> out(size_t(T) * sh->H);
       // Rows: (knobs, build) pairs. Each round runs them all, starting one row later than the round
       // before (no row always first after the warm-up); one untimed pass of the first row warms up
