@@ -89,11 +89,14 @@ inline void store_flag(uint32_t* w, uint32_t v) { __atomic_store_n(w, v, __ATOMI
 // channel looks at its flag words, serves what it finds and says whether it did. After work it
 // spins (pause, a yield every ~50 us) for kSpin, as long as the engine pool's longest spin
 // window, so the layers of a decode step (one every tens to hundreds of microseconds) find it
-// awake; idle longer, it naps 50 us at a time (the core is free for the thread that runs the
-// step between GPU launches: the pool's workers already fill the others), and after 100 ms idle
-// 1 ms at a time, so an idle server costs next to nothing (the first layer after a long idle
-// waits at most one nap). With no channel it sleeps. It does not keep the pool's workers awake
-// past their own window: a step's driver can wake them (MoeLayer::prewake, the wake word).
+// awake; idle longer, it naps 50 us at a time, and after 100 ms idle 1 ms at a time, so an idle
+// server costs next to nothing (the first layer after a long idle waits at most one nap). With no
+// channel it sleeps. It does not keep the pool's workers awake past their own window: a step's
+// driver can wake them (MoeLayer::prewake, the wake word). Its CPU is shared with nothing during
+// decode steps (the step's own thread runs pinned off the pool's CPUs: HybridExperts.decode_thread),
+// but the CPU expert pools' driver threads are pinned there too (each pool's first CPU) and spin for
+// their window after the jobs a prefill submits: likely why the first decode layers after a prompt
+// saw their go late by up to 1.4-3.6 ms in some samples on the GPU host (session 5), not yet fixed.
 class FlagChannel {
  public:
   virtual ~FlagChannel() = default;
