@@ -94,20 +94,24 @@ class MoeLayer {
   void set_caller_works(bool on) { caller_works_ = on; }
   bool caller_works() const { return caller_works_; }
   // With caller_works on, the calling thread computes items only in calls of at least this many
-  // tokens (1: in all): on the GPU host, Qwen3 T=1 ran faster with the caller only waiting
-  // (r2, same run: int4 0.156 vs 0.177 ms, int8 0.287 vs 0.318) and T=4 slower (int8 1.134 vs 1.119).
+  // tokens (1: in all). 1: on the GPU host (session 5 r3, Qwen3 decode loop, variants rotated in
+  // one run) 2 was no faster at T=1 (int4 forward 0.147 vs 0.148 ms, submit 0.161 vs 0.150; bf16
+  // 0.577 vs 0.569). (r2 had shown the caller only waiting well ahead, 0.156 vs 0.177, but there
+  // the variants ran in a fixed order and every later one came out faster.)
   void set_caller_min_tokens(int tokens) { caller_min_tokens_ = tokens; }
   int caller_min_tokens() const { return caller_min_tokens_; }
   // Whether a decode call (x converted on one thread) starts the GEMM run before converting x:
   // the workers join and prefetch their first items' weights while the calling thread converts
-  // x, and gate/up items wait for it (traced: their wait). On: on the GPU
-  // host (r2, Qwen3 decode loop, same run) faster than off in all 12 cells (int4 T=1 0.170 vs
-  // 0.177 ms, T=4 0.648 vs 0.666), as on tiny experts (1.1-1.3 us of 22-28).
+  // x, and gate/up items wait for it (traced: their wait). On, with padded_counters: on the GPU
+  // host (session 5 r3, Qwen3 decode loop at 15 threads, variants rotated in one run) the two
+  // together against neither: int4 T=1 0.148 vs 0.152 ms, T=4 0.594 vs 0.605, int8 T=4 1.093 vs
+  // 1.107, bf16 T=4 submit 2.080 vs 2.096; 9 of 12 cells faster, the others within 0.5%. On tiny
+  // experts (r2, rotated) early_start alone saved 0.2-1.3 us of a 22-28 us call.
   void set_early_start(bool on) { early_start_ = on; }
   bool early_start() const { return early_start_; }
-  // Whether a call's counters (per active expert, per down block) sit on a cache line each. On:
-  // on the GPU host (r2, same run) faster than packed ones in 11 of 12 cells (int4 T=1 0.164 vs
-  // 0.177 ms, int8 T=1 0.299 vs 0.318, bf16 T=4 1.997 vs 2.037).
+  // Whether a call's counters (per active expert, per down block) sit on a cache line each
+  // (workers counting down neighbouring ones would bounce one line between their cores). On: see
+  // early_start for the two measured together.
   void set_padded_counters(bool on) { padded_counters_ = on; }
   bool padded_counters() const { return padded_counters_; }
   // Whether one-token experts read two weight blocks at once (PackedView::paired). Off: no
