@@ -32,6 +32,12 @@ constexpr int64_t kMaxSpinNs = 2'000'000;
 // While spinning, give the core away every ~this often so that a thread sharing it (the
 // Python thread, a CUDA driver thread) is never starved for long.
 constexpr int64_t kYieldNs = 20'000;
+// The driver waits for its next job spinning at most this long (the workers' window, if shorter),
+// then sleeps: it is pinned to a CPU it may share (the CUDA handoff's flag poller runs there during
+// decode), and after a prefill's last job a 2 ms spin there is likely what delayed the first decode
+// layers' go by milliseconds on the GPU host (session 5, not measured since: sched_yield need not
+// hand the CPU over). Jobs of a submit()-driven decode loop come within ~100 us of each other.
+constexpr int64_t kDriverSpinNs = 300'000;
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -307,7 +313,7 @@ void ThreadPool::driver_main() {
   for (;;) {
     std::pair<uint64_t, std::function<void()>> job;
     spin_until([&] { return submitted_.load(std::memory_order_acquire) > taken || stop_; },
-               [this] { return spin_ns_.load(std::memory_order_relaxed); });
+               [this] { return std::min(spin_ns_.load(std::memory_order_relaxed), kDriverSpinNs); });
     {
       std::unique_lock<std::mutex> lk(jobs_mu_);
       jobs_cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
