@@ -4,6 +4,7 @@ Greedy tokens equal the all-CPU reference, batch 1 and 4, and the process's peak
 within the budget. Runs on the GPU host through scripts/device_check.sh.
 """
 
+import gc
 import os
 
 import pytest
@@ -35,7 +36,9 @@ def reference(checkpoint):
 
 @pytest.mark.parametrize("cpu_backend", ["torch", "native"])
 def test_hybrid_on_cuda_gives_the_cpu_reference_tokens(checkpoint, reference, cpu_backend):
+    gc.collect()
     torch.cuda.reset_peak_memory_stats()
+    held_before = torch.cuda.memory_allocated()  # other tests' engines still alive in this process are not ours
     options = dict(expert_format="bf16") if cpu_backend == "native" else {}
     llm = LLM(checkpoint, device="cuda", expert_backend=cpu_backend, gpu_experts_per_layer=3,
               gpu_memory_budget=BUDGET, **options)
@@ -46,7 +49,7 @@ def test_hybrid_on_cuda_gives_the_cpu_reference_tokens(checkpoint, reference, cp
         assert got_batch == reference
     else:  # bf16 experts on the CPU: random tiny models have near-ties, so compare the first tokens
         assert got_one[:4] == reference[0][:4]
-    assert torch.cuda.max_memory_allocated() <= BUDGET
+    assert torch.cuda.max_memory_allocated() - held_before <= BUDGET
 
 
 def test_decode_steps_run_off_the_cpus_of_the_handoff_pool(checkpoint):
