@@ -94,9 +94,11 @@ inline void store_flag(uint32_t* w, uint32_t v) { __atomic_store_n(w, v, __ATOMI
 // channel it sleeps. It does not keep the pool's workers awake past their own window: a step's
 // driver can wake them (MoeLayer::prewake, the wake word). Its CPU is shared with nothing during
 // decode steps (the step's own thread runs pinned off the pool's CPUs: HybridExperts.decode_thread),
-// but the CPU expert pools' driver threads are pinned there too (each pool's first CPU) and spin for
-// their window after the jobs a prefill submits: likely why the first decode layers after a prompt
-// saw their go late by up to 1.4-3.6 ms in some samples on the GPU host (session 5), not yet fixed.
+// but the CPU expert pools' driver threads are pinned there too (each pool's first CPU) and spun for
+// the workers' window (up to 2 ms) after the jobs a prefill submits: likely why the first decode
+// layers after a prompt saw their go late by up to 1.4-3.6 ms in some samples on the GPU host
+// (session 5). A driver now spins at most 300 us (thread_pool.cpp, kDriverSpinNs); not measured on
+// the GPU host since.
 class FlagChannel {
  public:
   virtual ~FlagChannel() = default;
