@@ -13,7 +13,8 @@ most max_tokens tokens runs in shapes fixed by T alone, with no host sync, so a 
 capture it: the CPU share goes through the CUDA handoff (experts/cuda_handoff.py: rows out, the native
 engine run by the handoff's polling thread, the output back, all ordered on the stream, the rows and the
 output through the device's mapping of pinned buffers by default (zero_copy); submitted before the GPU
-share, waited for after it; the step's own thread pinned off the handoff pool's CPUs, decode_thread) and the GPU share through fixed_shape_experts (experts/gpu_experts.py: Triton
+share, waited for after it; the step's own thread pinned off the handoff pool's CPUs, decode_thread) and
+the GPU share through fixed_shape_experts (experts/gpu_experts.py: Triton
 kernels that read only the routed experts' weights); the glue around them (splitting the slots,
 summing the parts) is one Triton kernel each (experts/decode_fused.py). Longer steps (prefill) and the CPU device
 take the path above. Deferred experts use a second handoff of their own width. In fixed shapes a
