@@ -234,7 +234,6 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
     return seconds, toks, anatomy(parts)
 
 
-
 def _median_of(row: dict, part: str, key: str) -> str:
     """The median over a row's samples of one anatomy figure, "-" where none was seen."""
     seen = [a[part][key] for a in row["anatomy"] if part in a and a[part][key] is not None]

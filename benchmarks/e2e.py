@@ -31,7 +31,8 @@ same engine with the handoff's rows and output through the device's mapping of t
 instead of copies; trim: the same engine with one token's padding slots (weight 0) left out of its CPU
 work ("trim padding off", kept in, where the engine already trims: the default since session 4); pin: the
 same engine with the decode steps' thread left where the scheduler puts it ("unpinned"; by default it runs
-off the handoff pool's CPUs, HybridExperts.pin_decode_thread); these with graphs captured again, on the stream_mem_ops handoff only, and (without --repeats)
+off the handoff pool's CPUs, HybridExperts.pin_decode_thread); these with graphs captured again, on the
+stream_mem_ops handoff only, and (without --repeats)
 followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
 on" has 0, else 0; switched on the same engine when it is the hybrid split, as with a GPU budget);
 gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on"
