@@ -185,11 +185,12 @@ def main():
                                                path="stream_mem_ops"), None
         except Exception as e:  # reported in the table, the other variants still run
             memops, memops_error = None, f"{type(e).__name__}: {e}"
+        timed_cpus = set() if args.no_pin else (memops or handoff).driver_cpus  # the timing thread's (pinned)
         info.update(cudart=handoff.runtime, isa=experts.isa, memops_path=memops.path if memops else memops_error)
         print(f"{info['gpu']}, torch {info['torch']}, cudart {info['cudart']}, {info['cpus']} CPUs, "
               f"isa {info['isa']}; {L} layers, H={H}, toy CPU step E={E} I={I} K={K} on {n} threads "
               f"({handoff.threads[0]} in the handoff's pool; timed "
-              f"{'unpinned' if args.no_pin else f'on CPUs {sorted((memops or handoff).driver_cpus)}'}); "
+              f"{'unpinned' if args.no_pin else f'on CPUs {sorted(timed_cpus)}'}); "
               f"stream_mem_ops: {info['memops_path']}")
         print(f"{'T':>3} {'variant':<16} {'us/step':>10} {'us/layer':>9} {'handoff us/layer':>17}", flush=True)
         base = Baselines(experts, L, max(tokens), H, K, handoff.runtime)
@@ -207,7 +208,7 @@ def main():
                     step = make()
                     if memops is not None:
                         memops.take_stats()
-                    with pinned(set() if args.no_pin else (memops or handoff).driver_cpus):
+                    with pinned(timed_cpus):
                         t = times[name] = seconds_per_call(step, args.reps, args.trials, blocking)
                     stats = memops.take_stats() if memops is not None else None
                     if name.startswith("memops") and stats and stats["layers"] and "gpu_only" in times:
