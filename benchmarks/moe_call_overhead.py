@@ -22,17 +22,9 @@ import torch
 
 from hybridmoe import CpuExperts
 from hybridmoe.experts.cpu_experts import default_threads
+from moe_layer import parse_variants, variant_schedules
 
 START, END = 6, 7  # take_trace()'s item columns
-
-
-def parse_variants(spec):
-    """'a=;b=caller_works:0' -> [(name, set_schedule kwargs)] (every knob any variant names, in each)."""
-    out = []
-    for part in (spec or "def=").split(";"):
-        name, _, kvs = part.partition("=")
-        out.append((name, {k: int(v) for k, v in (kv.split(":") for kv in kvs.split(",") if kv)}))
-    return out
 
 
 def layer_calls(E, H, K, T, n=8):
@@ -73,15 +65,14 @@ def main():
     g = torch.Generator().manual_seed(0)
     weights = (torch.randn(E, I, H, generator=g) / H**0.5, torch.randn(E, I, H, generator=g) / H**0.5,
                torch.randn(E, H, I, generator=g) / I**0.5)
-    variants = parse_variants(args.variants)
+    variants = parse_variants(args.variants or "def=")
     print(f"# E={E} H={H} I={I} top-{K}, threads={threads}; us, medians; variants take turns call by call")
     print(f"{'format':<6} {'T':>3} {'variant':<8} {'wall':>7} | {'py>eng':>6} {'prep':>6} {'run':>6} {'after':>6}"
           f" | {'late':>5} {'max':>5} {'math':>6}")
     rows = []
     for fmt in args.format.split(","):
         ex = CpuExperts(*weights, format=fmt, group_size=min(128, H, I), threads=threads)
-        defaults = {k: getattr(ex._engine, k) for _, kw in variants for k in kw}
-        schedules = [(name, {k: type(v)(kw.get(k, v)) for k, v in defaults.items()}) for name, kw in variants]
+        schedules = variant_schedules(ex, variants)
         for T in [int(t) for t in args.tokens.split(",")]:
             calls = layer_calls(E, H, K, T)
             walls = {name: [] for name, _ in schedules}

@@ -185,6 +185,13 @@ def parse_variants(spec):
     return out
 
 
+def variant_schedules(experts, variants):
+    """Each variant's set_schedule kwargs, setting every knob any variant names (its own value, else
+    the engine's default): a variant's calls never inherit the previous variant's knobs."""
+    defaults = {k: getattr(experts._engine, k) for _, kw in variants for k in kw}
+    return [(name, {k: type(v)(kw.get(k, v)) for k, v in defaults.items()}) for name, kw in variants]
+
+
 def decode_loop(args, shape, threads, bw, bw_pf, gate, up, down, tokens):
     """The --gap-us mode: ms per call of layers called in turn with a gap between calls; with
     --variants, the variants take turns cycle by cycle (one cycle: every layer once), in an order
@@ -206,9 +213,7 @@ def decode_loop(args, shape, threads, bw, bw_pf, gate, up, down, tokens):
                             for _ in range(args.layers - 1)]
         pack_s = time.perf_counter() - t0
         per_expert = layers[0].packed_bytes / E
-        # Each variant sets every knob any variant names (its own value, else the engine's default).
-        defaults = {k: getattr(first._engine, k) for _, kw in variants for k in kw}
-        schedules = [(name, {k: type(v)(kw.get(k, v)) for k, v in defaults.items()}) for name, kw in variants]
+        schedules = variant_schedules(first, variants)
         for T in tokens:
             calls = [routing(T, H, E, K, seed=1000 * T + r) for r in range(n_routings)]
             touched = statistics.mean(len(torch.unique(ids)) for _, ids, _ in calls)
