@@ -231,7 +231,7 @@ class CpuExperts:
             raise HybridMoEError("submit() called twice without wait(); call wait() first")
         if out is None:
             out = torch.empty_like(x)
-        try:
+        try:  # _call's try inline here and in forward(): one Python call fewer per layer call
             ticket = self._engine.submit(*_capsules(x, topk_ids, topk_weights, out))
         except (ValueError, TypeError) as e:
             raise HybridMoEError(str(e)) from None
@@ -280,13 +280,14 @@ class CpuExperts:
 
         Each: T, K, A (distinct experts); times in ns on time.monotonic_ns()'s clock: call_ns
         (submit/forward entered the engine), entry_ns (the layer started on its thread),
-        grouped_ns, acts_ns (x rows quantized; with early_start, handed to the GEMM run), items_ns (GEMM run starts), gemm_end_ns, end_ns
-        (combine done); items int64 [n, 10] per GEMM item: worker, down (0 gate/up, 1 down),
-        expert, slice, b0, b1 (32-row blocks of the slice), start, end, wait (a down item waiting
-        for its expert's h; with early_start, a gate/up item waiting for x's rows), convert (after end: the gate/up item that turned its expert's h into
+        grouped_ns, acts_ns (x rows quantized; with early_start, handed to the GEMM run), items_ns
+        (GEMM run starts), gemm_end_ns, end_ns (combine done); items int64 [n, 10] per GEMM item:
+        worker, down (0 gate/up, 1 down), expert, slice, b0, b1 (32-row blocks of the slice),
+        start, end, wait (a down item waiting for its expert's h; with early_start, a gate/up item
+        waiting for x's rows), convert (after end: the gate/up item that turned its expert's h into
         down activations; a down item summing the output columns it completed, up to 16 tokens);
-        join_ns int64 [threads] (when each pool worker joined the GEMM run, 0:
-        never) and slept bool [threads] (it had gone to sleep before).
+        join_ns int64 [threads] (when each pool worker joined the GEMM run, 0: never) and slept
+        bool [threads] (it had gone to sleep before).
         """
         return trace_records(self._engine.take_trace())
 
