@@ -75,7 +75,8 @@ class SuiteResult:
     anatomy: StepAnatomy | None = None
     """Where the decode step's time went (stream_mem_ops handoff only)."""
     handoff_options: dict | None = None
-    """The stream_mem_ops handoffs' HANDOFF_OPTIONS in this run, None without such a handoff."""
+    """The stream_mem_ops handoffs' HANDOFF_OPTIONS and the hybrid experts' EXPERT_OPTIONS in this run, None
+    without such a handoff."""
     prefill_layer_times: dict[int, LayerTimes] = field(default_factory=dict)
     """Prompt length -> its prefill timed per layer (a cut model's first sample), for full_depth."""
     decode_samples_s: list[float] = field(default_factory=list)
@@ -129,7 +130,8 @@ class Row:
     graph: bool
     """CUDA graphs on (as the engine loaded) or off."""
     options: dict | None
-    """HANDOFF_OPTIONS set on the stream_mem_ops handoffs, over the engine's own (None: its own)."""
+    """HANDOFF_OPTIONS set on the stream_mem_ops handoffs (EXPERT_OPTIONS on the hybrid experts), over the
+    engine's own (None: its own)."""
     every_length: bool
     """Prefill every prompt length (else the first only)."""
     deferred: int | None = None
@@ -150,7 +152,8 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
     with CUDA graphs off (prefill at prompt_lens[0] only) as a further result; for each (label, K) of
     deferral_variants, again with K deferred experts (HybridExperts.set_deferred_experts, the graphs
     captured anew); for each (label, options) of handoff_variants, again with graphs on and those
-    HANDOFF_OPTIONS set on the stream_mem_ops handoffs (when the model has any). The rows after the
+    HANDOFF_OPTIONS set on the stream_mem_ops handoffs (EXPERT_OPTIONS on the hybrid experts; either only
+    when the model has such handoffs). The rows after the
     first prefill prompt_lens[0] only; a variant row that fails is reported and dropped. With repeats N,
     the rows are measured N times interleaved (A B C A B C ...), so that a drift of the host shows in
     every row's spread instead of between rows; each result holds its N samples and reports their
