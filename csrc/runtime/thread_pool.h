@@ -11,8 +11,9 @@
 // requests nor starves the thread that feeds it.
 //
 // Jobs (submit / wait) run in order on the pool's driver thread (between jobs it spins at most
-// 300 us, then sleeps), which also acts as worker 0 of group 0 inside run(); run() must only be called from a job. run_here() runs a job on the
-// caller's thread (as worker 0), one job at a time with the driver's.
+// 300 us, then sleeps), which also acts as worker 0 of group 0 inside run(); run() must only be
+// called from a job. run_here() runs a job on the caller's thread (as worker 0), one job at a
+// time with the driver's.
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
