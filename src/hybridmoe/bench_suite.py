@@ -155,8 +155,9 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
     HANDOFF_OPTIONS set on the stream_mem_ops handoffs (EXPERT_OPTIONS on the hybrid experts; either only
     when the model has such handoffs). The rows after the
     first prefill prompt_lens[0] only; a variant row that fails is reported and dropped. With repeats N,
-    the rows are measured N times interleaved (A B C A B C ...), so that a drift of the host shows in
-    every row's spread instead of between rows; each result holds its N samples and reports their
+    the rows are measured N times interleaved, each round starting one row later (A B C, B C A, C A B ...),
+    so that a drift of the host, or a slow first row after a switch, shows in every row's spread instead
+    of between rows; each result holds its N samples and reports their
     median. An interruption (a BaseException that is no Exception, e.g. the caller's SIGTERM)
     once a row has a sample is raised again with the results so far as its `results` (the rounds every
     row completed; in the first round, the rows done). The engine is dropped after."""
@@ -197,7 +198,10 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         stopped = None
         for rep in range(repeats):
             try:
-                for row in [r for r in rows if r.label in samples]:
+                live = [r for r in rows if r.label in samples]
+                # each round starts one row later: no row is always the first after a switch (a bias the
+                # session-5 device rounds saw: the row right after a change ran 5-15% slow)
+                for row in live[rep % len(live):] + live[:rep % len(live)]:
                     bench.measure(row, prompts[row.label], samples, first=rep == 0)
             except Exception:
                 raise

@@ -43,16 +43,17 @@ def run(model_dir, repeats):
 def test_rows_are_interleaved_and_each_reports_the_median_of_its_samples(model_dir, monkeypatch):
     calls = fake_sampler(monkeypatch, [1.0, 5.0, 3.0, 6.0, 2.0, 4.0])
     on, off = run(model_dir, repeats=3)
-    assert calls == [(2, True), (1, True), (2, False), (1, False), (2, False), (1, False)]
-    assert on.decode_samples_s == [1.0, 3.0, 2.0] and on.decode_s == 2.0
-    assert off.decode_samples_s == [5.0, 6.0, 4.0] and off.decode_s == 5.0
-    assert off.decode_spread == pytest.approx((6.0 - 4.0) / 5.0)
-    assert on.prefill_samples == {16: [1.0, 1 / 3, 0.5], 32: [1.0, 1 / 3, 0.5]} and on.prefill_tok_s[32] == 0.5
+    # each round starts one row later: on off, off on, on off
+    assert calls == [(2, True), (1, True), (1, False), (2, False), (2, False), (1, False)]
+    assert on.decode_samples_s == [1.0, 6.0, 2.0] and on.decode_s == 2.0
+    assert off.decode_samples_s == [5.0, 3.0, 4.0] and off.decode_s == 4.0
+    assert off.decode_spread == pytest.approx((5.0 - 3.0) / 4.0)
+    assert on.prefill_samples == {16: [1.0, 1 / 6, 0.5], 32: [1.0, 1 / 6, 0.5]} and on.prefill_tok_s[32] == 0.5
     assert set(off.prefill_tok_s) == {16} and off.cuda_graph is False and off.resolved.cuda_graph is False
 
 
 def test_an_interruption_after_the_first_round_comes_with_the_complete_rounds(model_dir, monkeypatch):
-    fake_sampler(monkeypatch, [1.0, 5.0, 3.0], stop_at=3)  # stops in round 2, after "all on" got its sample
+    fake_sampler(monkeypatch, [1.0, 5.0, 3.0], stop_at=3)  # stops in round 2, after "no graph" got its sample
     with pytest.raises(Interrupted) as stopped:
         run(model_dir, repeats=3)
     on, off = stopped.value.results
@@ -83,7 +84,7 @@ def test_deferral_rows_switch_k_on_the_loaded_engine(model_dir, monkeypatch):
     ec = EngineConfig(device="cpu", max_num_seqs=1, expert_backend="torch", gpu_experts_per_layer=1)
     on, k1 = suite.run_suite("K0", model_dir, ec, [16], 3, 1e9, "probe", decode_prompt_len=8,
                              deferral_variants=(("K1", 1),), repeats=2)
-    assert switched == [1, 0, 1]  # K0 K1 K0 K1: one switch before each row but the first
+    assert switched == [1, 0]  # K0 K1, K1 K0 (each round starts one row later): a switch where the row changes
     assert (on.resolved.deferred_experts, k1.resolved.deferred_experts) == (0, 1)
     assert len(on.decode_samples_s) == len(k1.decode_samples_s) == 2
 
