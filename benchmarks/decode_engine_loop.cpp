@@ -13,7 +13,6 @@
 // Each layer's experts are copies of one packed random expert (the kernels' time does not depend
 // on the values); every call routes each token to K distinct random experts, 16 routings cycled.
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "decode_bench_common.h"
 #include "kernel_variants.h"
 #include "moe/moe_layer.h"
 #include "runtime/read_bandwidth.h"
@@ -31,28 +31,6 @@
 using namespace hmoe;
 
 namespace {
-
-struct Shape {
-  const char* name;
-  int H, I, E, K;
-};
-constexpr Shape kShapes[] = {{"deepseek-v3", 7168, 2048, 256, 8}, {"qwen3-30b-a3b", 2048, 768, 128, 8}};
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t a = 0;
-  for (size_t b; (b = s.find(',', a)) != std::string::npos; a = b + 1) out.push_back(s.substr(a, b - a));
-  out.push_back(s.substr(a));
-  return out;
-}
-
-std::vector<int> ints(const std::string& s) {
-  std::vector<int> out;
-  for (const auto& v : split(s)) out.push_back(std::atoi(v.c_str()));
-  return out;
-}
-
-double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 void busy_wait(double s) {
   for (const double end = now_s() + s; now_s() < end;) {
@@ -121,7 +99,7 @@ struct Routing {
   int experts;  // distinct experts touched
 };
 
-Routing make_routing(int T, const Shape& s, int E, std::mt19937& rng) {
+Routing make_routing(int T, const DecodeShape& s, int E, std::mt19937& rng) {
   Routing r;
   std::normal_distribution<float> nd(0.f, 1.f);
   r.x.resize(size_t(T) * s.H);
@@ -142,7 +120,7 @@ Routing make_routing(int T, const Shape& s, int E, std::mt19937& rng) {
 
 // ms and GB/s of each of `calls` calls, after one warm-up cycle over the layers: layer c % L,
 // routing c % 16, a busy gap before each.
-void timed_calls(std::vector<std::unique_ptr<MoeLayer>>& layers, const std::vector<Routing>& routings, const Shape& sh,
+void timed_calls(std::vector<std::unique_ptr<MoeLayer>>& layers, const std::vector<Routing>& routings, const DecodeShape& sh,
                  int calls, double gap_s, double per_expert, uint16_t* out, std::vector<double>& ms,
                  std::vector<double>& gbps) {
   const int L = int(layers.size());
@@ -200,23 +178,19 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const Shape* sh = nullptr;
-  for (const Shape& s : kShapes)
-    if (shape_s == s.name) sh = &s;
+  const DecodeShape* sh = find_decode_shape(shape_s);
   if (!sh) {
     std::fprintf(stderr, "unknown shape %s\n", shape_s.c_str());
     return 2;
   }
   std::vector<int> variants;  // indices into kernel_variants()
   for (size_t i = 0; i < kernel_variants().size(); ++i)
-    if (variants_s.empty() || ("," + variants_s + ",").find(std::string(",") + kernel_variants()[i].name + ",") !=
-                                  std::string::npos)
-      variants.push_back(int(i));
+    if (variant_chosen(kernel_variants()[i].name, variants_s)) variants.push_back(int(i));
   std::vector<Knobs> knobs;
-  for (int l1 : ints(l1_s))
-    for (int l2 : ints(l2_s))
-      for (int ib : ints(ib_s))
-        for (int ipf : ints(ipf_s)) knobs.push_back({l1, l2, ib, ipf});
+  for (int l1 : int_list(l1_s))
+    for (int l2 : int_list(l2_s))
+      for (int ib : int_list(ib_s))
+        for (int ipf : int_list(ipf_s)) knobs.push_back({l1, l2, ib, ipf});
   // The host read probe (nan with --probe 0: runs that compare builds can probe once, not per build).
   const double probe = probe_on ? read_bandwidth(size_t(2) << 30, threads, 5, 3) / 1e9 : NAN;
   const double probe_pf = probe_on ? read_bandwidth(size_t(2) << 30, threads, 5, 3, true) / 1e9 : NAN;
@@ -226,7 +200,7 @@ int main(int argc, char** argv) {
   std::printf("%-5s %2s %-10s %5s %6s %3s %6s %5s | %8s %8s %7s %5s %5s\n", "fmt", "T", "kernels", "l1", "l2", "ib",
               "ipf", "round", "ms", "p90 ms", "GB/s", "%bw", "%pf");
   std::fflush(stdout);
-  for (const std::string& fname : split(formats_s)) {
+  for (const std::string& fname : str_list(formats_s)) {
     MoeConfig cfg;
     cfg.E = experts;
     cfg.H = sh->H;
@@ -241,7 +215,7 @@ int main(int argc, char** argv) {
     const double per_expert = double(layer_bytes) / experts;
     std::printf("# %s: %d layers packed and copied in %.1f s, %.1f MB per expert\n", fname.c_str(), layers,
                 now_s() - t0, per_expert / 1e6);
-    for (int T : ints(tokens_s)) {
+    for (int T : int_list(tokens_s)) {
       std::mt19937 rng(1000 + T);
       std::vector<Routing> routings;
       for (int r = 0; r < 16; ++r) routings.push_back(make_routing(T, *sh, experts, rng));

@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "decode_bench_common.h"
 #include "kernel_variants.h"
 #include "moe/pack.h"
 #include "moe/packed.h"
@@ -37,37 +37,6 @@
 using namespace hmoe;
 
 namespace {
-
-struct Shape {
-  const char* name;
-  int H, I;
-};
-constexpr Shape kShapes[] = {{"deepseek-v3", 7168, 2048}, {"qwen3-30b-a3b", 2048, 768}};
-
-std::vector<int> int_list(const char* s) {
-  std::vector<int> out;
-  for (const char* p = s; *p;) {
-    out.push_back(std::atoi(p));
-    while (*p && *p != ',') ++p;
-    if (*p) ++p;
-  }
-  return out;
-}
-
-std::vector<std::string> str_list(const char* s) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (const char* p = s;; ++p) {
-    if (!*p || *p == ',') {
-      out.push_back(cur);
-      cur.clear();
-      if (!*p) break;
-    } else {
-      cur += *p;
-    }
-  }
-  return out;
-}
 
 void* huge_alloc(size_t bytes) {  // as the engine packs experts (moe_layer.cpp alloc_on_node)
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -145,8 +114,6 @@ void pin(int cpu) {
   CPU_SET(cpu, &set);
   sched_setaffinity(0, sizeof(set), &set);
 }
-
-double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 struct Case {
   const Kernels* kn;
@@ -227,8 +194,7 @@ std::vector<std::pair<std::string, const Kernels*>> kernel_sets(const std::strin
   if (isa == "avx2") return {{"avx2", &kernels_avx2()}};
   std::vector<std::pair<std::string, const Kernels*>> out;
   for (const KernelVariant& v : kernel_variants())
-    if (names.empty() || ("," + names + ",").find("," + std::string(v.name) + ",") != std::string::npos)
-      out.emplace_back(v.name, &v.kernels());
+    if (variant_chosen(v.name, names)) out.emplace_back(v.name, &v.kernels());
   return out;
 }
 
@@ -267,9 +233,7 @@ int main(int argc, char** argv) {
   std::printf("%-14s %-5s %-4s %2s %-4s %3s %6s %6s %-10s | %7s %7s %7s %8s\n", "shape", "mat", "fmt", "T", "mode",
               "thr", "l1", "l2", "kernels", "median", "min", "max", "sum");
   for (const std::string& sname : str_list(shapes_s)) {
-    const Shape* sh = nullptr;
-    for (const Shape& s : kShapes)
-      if (sname == s.name) sh = &s;
+    const DecodeShape* sh = find_decode_shape(sname);
     if (!sh) {
       std::fprintf(stderr, "unknown shape %s\n", sname.c_str());
       return 2;
