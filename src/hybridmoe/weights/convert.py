@@ -173,10 +173,12 @@ def convert_checkpoint(src: str | Path, out: str | Path, format: str = "auto", g
     # int4 from GPTQ/AWQ 4-bit keeps its zero points, so that codes in the checkpoint's group size pack as they are
     resolved = resolve_expert_format(options, config, model_dir)
     format, zero_points = resolved.expert_format, resolved.expert_zero_points
-    if group_size is None:
-        # an explicit int4 keeps a 4-bit checkpoint's own groups too, as auto does (GPTQ/AWQ codes pack as they are)
+    if group_size is None and format == options.expert_format == "int4":
+        # an explicit int4 keeps a 4-bit checkpoint's own groups too, as auto does in resolve_expert_format
+        # (GPTQ/AWQ codes then pack as they are)
         source_format, source_group, _ = source_expert_format(model_dir, config)
-        group_size = source_group if format == source_format == "int4" and source_group else resolved.expert_group_size
+        group_size = source_group if source_format == "int4" else None
+    group_size = group_size or resolved.expert_group_size
     spec = {"format": format, "group_size": group_size, "zero_points": zero_points}
     writer = PackedWriter(out, spec, {"model_dir": str(Path(src).resolve())})
     try:
