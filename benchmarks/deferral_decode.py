@@ -190,7 +190,8 @@ def rounds(engine, variants: list[Variant], args, prompt: list[int], samples: di
     experts = model.experts
     failed: set[Variant] = set()
     for round_ in range(args.repeats):
-        for v in variants:
+        # each round starts one row later (A B C, B C A, ...): a fixed order cannot tell a first-row bias apart
+        for v in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
             if v in failed:
                 continue
             try:
