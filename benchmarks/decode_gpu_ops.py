@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import json
 import os
@@ -265,6 +266,12 @@ def replay_us(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def decode_thread(model):
+    """The engine's context for a decode step's thread (pinned off the CPU pools' CPUs), or none."""
+    pin = getattr(model.experts, "decode_thread", None)
+    return pin() if pin is not None else contextlib.nullcontext()
+
+
 def use_path(model, path: str) -> None:
     """Switch the model's decode kernels to one of PATHS."""
     model.fuse_decode_kernels(path != "unfused", layer=path == "layer")
@@ -346,7 +353,8 @@ def main(argv=None) -> None:
             if cuda_fixed:
                 graphs[path] = capture(step, device)
                 result["paths"][path]["graph_nodes"] = graph_node_types(graphs[path])
-                replay = profile_replay(graphs[path])
+                with decode_thread(model):
+                    replay = profile_replay(graphs[path])
                 print_timeline(path, replay)
                 result["paths"][path]["replay_profile"] = replay
         except Exception:  # noqa: BLE001 (one path's failure must not lose the other's rows)
@@ -356,9 +364,10 @@ def main(argv=None) -> None:
             graphs.pop(path, None)
     if graphs:
         us = {path: [] for path in graphs}
-        for _ in range(3):  # interleaved, so that every path sees the same machine state
-            for path, graph in graphs.items():
-                us[path].append(replay_us(graph, args.reps))
+        with decode_thread(model):  # pinned off the CPU pools' CPUs, as the engine's own steps run
+            for _ in range(3):  # interleaved, so that every path sees the same machine state
+                for path, graph in graphs.items():
+                    us[path].append(replay_us(graph, args.reps))
         print(f"\ncaptured step, replay time: the least of 3 medians of {args.reps} replays")
         for path in graphs:
             r = result["paths"][path]
