@@ -4,7 +4,7 @@ pool's workers, the combine, the return). Variants (CpuExperts.set_schedule's kn
 call by call in one process, in an order rotated every round.
 
     python benchmarks/moe_call_overhead.py [--threads 15] [--format int4,bf16] [--tokens 1,4]
-        [--variants 'def=;noearly=early_start:0;cw0=caller_works:0'] [--calls 2000] [--json out.json]
+        [--variants 'def=;noearly=early_start:0'] [--calls 2000] [--json out.json]
 
 Per (format, T, variant), medians in us: wall (python, untraced calls), then over traced calls:
 py>eng (python entry -> the engine has the call), prep (-> the GEMM run starts: grouping, x
@@ -55,7 +55,7 @@ def main():
     ap.add_argument("--format", default="int4,bf16")
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--variants", default="def=;noearly=early_start:0;cw0=caller_works:0")
+    ap.add_argument("--variants", default="def=;noearly=early_start:0")
     ap.add_argument("--calls", type=int, default=2000, help="per variant and cell (every other one traced)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -3,7 +3,7 @@
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format bf16,int8,int4 \
         --tokens 1,4,64,512,2048 [--threads N] [--isa amx] [--flush write|read] [--json out.json]
     python benchmarks/moe_layer.py --shape qwen3-30b-a3b --format int4 --tokens 1,4 --gap-us 100 [--layers 8]
-        [--api forward] [--budget-s 5] [--variants 'cw1=;cw0=caller_works:0']
+        [--api forward] [--budget-s 5] [--variants 'def=;noearly=early_start:0']
 
 Per (format, T): median ms per call (decode sizes: caches flushed between calls, so weights
 come from DRAM), `engine ms` (the part inside the native engine, from its trace over every other
@@ -174,7 +174,7 @@ def busy_wait(seconds):
 
 
 def parse_variants(spec):
-    """--variants 'a=;b=caller_works:0,item_blocks:4' -> [(name, CpuExperts.set_schedule kwargs)]."""
+    """--variants 'a=;b=early_start:0,item_blocks:4' -> [(name, CpuExperts.set_schedule kwargs)]."""
     if not spec:
         return [("", {})]
     out = []
@@ -292,7 +292,7 @@ def main():
     ap.add_argument("--api", default="forward,submit", help="--gap-us mode: forward and/or submit (submit + wait)")
     ap.add_argument("--variants", default=None,
                     help="--gap-us mode: schedules taking turns cycle by cycle, each its own row, e.g. "
-                         "'cw1=;cw0=caller_works:0' (CpuExperts.set_schedule's knobs; a knob a variant "
+                         "'def=;noearly=early_start:0' (CpuExperts.set_schedule's knobs; a knob a variant "
                          "leaves out keeps the engine's default)")
     ap.add_argument("--budget-s", type=float, default=5.0,
                     help="--gap-us mode: seconds per (format, T, api) after which it stops (at least 3 cycles)")

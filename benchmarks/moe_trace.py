@@ -2,7 +2,7 @@
 
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
-        [--tail-split 0,1] [--combine-in-run 0,1] [--item-bytes 0,131072]
+        [--tail-split 0,1] [--combine-in-run 0,1]
         [--kernel-prefetch-l1 0,2048,4096] [--kernel-prefetch-l2 0,8192] [--paired 0,1]
         [--variants 'new=;old=item_prefetch:0,tail_split:0,combine_in_run:0']
         [--json out.json]
@@ -50,9 +50,8 @@ N_ROUTINGS = 16
 
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
-DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True, item_bytes=0,
-                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False,
-                        caller_works=True)
+DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True,
+                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False)
 
 
 def schedule_variants(args):
@@ -66,8 +65,7 @@ def schedule_variants(args):
             out.append((f" {name}" if name else "", typed(kw)))
         return out
     short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir",
-             "item_bytes": "iB", "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair",
-             "caller_works": "cw"}
+             "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair"}
     values = {k: [int(v) for v in getattr(args, k).split(",")] for k in DEFAULT_SCHEDULE}  # the knobs' --options
     out = []
     for combo in itertools.product(*values.values()):
@@ -203,8 +201,6 @@ def main():
                     help="comma list of 0/1: cut the last down items into 1-block items; key suffix tailN")
     ap.add_argument("--combine-in-run", default="1",
                     help="comma list of 0/1: few tokens sum the outputs inside the GEMM run; key suffix cirN")
-    ap.add_argument("--item-bytes", default="0",
-                    help="comma list: weight bytes per GEMM item, gate and up together (0: by item blocks); key suffix iBN")
     ap.add_argument("--kernel-prefetch-l1", default="4096",
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L1 (0: none); key suffix k1_N")
     ap.add_argument("--kernel-prefetch-l2", default="16384",
@@ -214,8 +210,6 @@ def main():
     ap.add_argument("--pages", default="huge",
                     help="comma list: the layers' packed weights in huge pages (as the engine packs them) and/or "
                          "small (4 KiB pages: copies in torch's allocator); key suffix the name, if several")
-    ap.add_argument("--caller-works", default="1",
-                    help="comma list of 0/1: the calling thread computes GEMM items too; key suffix cwN")
     ap.add_argument("--variants", default=None,
                     help="instead of the knob lists: 'name=knob:value,...;name2=...' (knobs: "
                          + ", ".join(DEFAULT_SCHEDULE) + "; unset knobs keep their defaults); key suffix name")

@@ -318,11 +318,6 @@ NB_MODULE(_native, m) {
                      if (n < 0) fail("item_prefetch must be >= 0 bytes, got " + std::to_string(n));
                      e.layer().set_item_prefetch(n);
                    }, "Bytes of each weight stream of a GEMM item prefetched as it starts (0: none).")
-      .def_prop_rw("item_bytes", [](const Engine& e) { return e.layer().item_bytes(); },
-                   [](Engine& e, int n) {
-                     if (n < 0) fail("item_bytes must be >= 0 (0: by item_blocks), got " + std::to_string(n));
-                     e.layer().set_item_bytes(n);
-                   }, "Weight bytes per GEMM work item, gate and up together (0: by item_blocks).")
       .def_prop_rw("kernel_prefetch_l1", [](const Engine& e) { return e.layer().kernel_prefetch_l1(); },
                    [](Engine& e, int n) {
                      if (n < 0) fail("kernel_prefetch_l1 must be >= 0 bytes, got " + std::to_string(n));
@@ -336,14 +331,6 @@ NB_MODULE(_native, m) {
       .def_prop_rw("paired", [](const Engine& e) { return e.layer().paired(); },
                    [](Engine& e, bool on) { e.layer().set_paired(on); },
                    "Whether one-token experts read two weight blocks at once (two streams per core).")
-      .def_prop_rw("caller_works", [](const Engine& e) { return e.layer().caller_works(); },
-                   [](Engine& e, bool on) { e.layer().set_caller_works(on); },
-                   "Whether the thread running a call computes GEMM items too, or only waits for the workers.")
-      .def_prop_rw("caller_min_tokens", [](const Engine& e) { return e.layer().caller_min_tokens(); },
-                   [](Engine& e, int n) {
-                     if (n < 1) fail("caller_min_tokens must be >= 1, got " + std::to_string(n));
-                     e.layer().set_caller_min_tokens(n);
-                   }, "With caller_works, the calling thread computes items only in calls of at least this many tokens.")
       .def_prop_rw("early_start", [](const Engine& e) { return e.layer().early_start(); },
                    [](Engine& e, bool on) { e.layer().set_early_start(on); },
                    "Whether a decode call starts the GEMM run before converting x (workers prefetch meanwhile).")

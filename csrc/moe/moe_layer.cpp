@@ -188,12 +188,11 @@ struct Item { int down, j, s, b0, b1; };
 // with the same number of active experts, blocks and item sizes (a decode step's layers, one
 // after the other) has the same list, built once. A = 0: nothing built yet.
 struct PlanKey {
-  int A = 0, S = 0, gate_blocks = 0, down_blocks = 0, step_gate_up = 0, step_down = 0, threads = 0;
+  int A = 0, S = 0, gate_blocks = 0, down_blocks = 0, step = 0, threads = 0;
   bool tail_split = false;
   bool operator==(const PlanKey& o) const {
     return A == o.A && S == o.S && gate_blocks == o.gate_blocks && down_blocks == o.down_blocks &&
-           step_gate_up == o.step_gate_up && step_down == o.step_down && threads == o.threads &&
-           tail_split == o.tail_split;
+           step == o.step && threads == o.threads && tail_split == o.tail_split;
   }
 };
 
@@ -617,28 +616,23 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // GPU host 8-block items beat 5-block ones at T = 1, r1), and the tail split below keeps the
   // end of the run fine-grained.
   const int64_t total_blocks = int64_t(gate.blocks + down.blocks) * A;
-  const int by_blocks = item_blocks_ > 0 ? item_blocks_
-                                         : int(std::clamp<int64_t>(total_blocks / (4 * pool_->threads()), 1, 8));
-  auto per_item = [&](int m) {  // blocks per item of gate/up (m = 0) or down (1)
-    if (item_bytes_ <= 0) return by_blocks;
-    const size_t block = m ? block_bytes(fmt, down.Kp) : 2 * block_bytes(fmt, gate.Kp);
-    return int(std::clamp<size_t>((item_bytes_ + block / 2) / block, 1, 64));
-  };
+  const int step = item_blocks_ > 0 ? item_blocks_
+                                    : int(std::clamp<int64_t>(total_blocks / (4 * pool_->threads()), 1, 8));
   // Gate/up items per expert (the same for all): each one counts down its expert's pending.
   int gate_up_items = 0;
   for (int s = 0; s < S; ++s)
-    gate_up_items += (gate.slice_begin[s + 1] - gate.slice_begin[s] + per_item(0) - 1) / per_item(0);
+    gate_up_items += (gate.slice_begin[s + 1] - gate.slice_begin[s] + step - 1) / step;
   const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
   const Counters pending{grow(ws.pending, size_t(A) * stride), stride};
   for (int j = 0; j < A; ++j) pending[j].store(gate_up_items, std::memory_order_relaxed);
-  const PlanKey plan{A, S, gate.blocks, down.blocks, per_item(0), per_item(1), pool_->threads(), tail_split_};
+  const PlanKey plan{A, S, gate.blocks, down.blocks, step, pool_->threads(), tail_split_};
   if (!(plan == ws.plan)) {
     gemm_items.clear();
     offsets.assign(1, 0);
     for (int s = 0; s < S; ++s)
       for (int m = 0; m < 2; ++m) {
         const Matrix& mat = m ? down : gate;
-        const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s], step = per_item(m);
+        const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
         for (int j = 0; j < A; ++j)
           for (int b = 0; b < nb; b += step) {
             gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
@@ -759,7 +753,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
         for (int t = 0; t < T; ++t) combine(t, gb * kBlockRows, std::min(H, (gb + 1) * kBlockRows));
     }
     if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
-  }, caller_works_ && T >= caller_min_tokens_, early ? FnRef<void()>(convert_x) : FnRef<void()>());
+  }, early ? FnRef<void()>(convert_x) : FnRef<void()>());
   if (tr) {
     tr->gemm_end_ns = trace_now_ns();
     pool_->set_join_log(nullptr, nullptr);

@@ -75,11 +75,6 @@ class MoeLayer {
   // Bytes of each weight stream (and scales) of a GEMM item prefetched into L2 as it starts (0: none).
   void set_item_prefetch(int bytes) { item_prefetch_ = bytes; }
   int item_prefetch() const { return item_prefetch_; }
-  // Weight bytes per GEMM work item (gate and up counted both; 0: by item_blocks): gate/up items
-  // of wide experts are then cut finer than down items, so every expert's h is ready sooner.
-  // Off: on the GPU host (r1, Qwen3 decode) 128/256 KiB items were no faster than 8 blocks.
-  void set_item_bytes(int bytes) { item_bytes_ = bytes; }
-  int item_bytes() const { return item_bytes_; }
   // Software prefetch distances of the memory-bound kernels (PackedView::prefetch_l1 / _l2).
   void set_kernel_prefetch(int l1_bytes, int l2_bytes) {
     kernel_prefetch_l1_ = l1_bytes;
@@ -87,19 +82,6 @@ class MoeLayer {
   }
   int kernel_prefetch_l1() const { return kernel_prefetch_l1_; }
   int kernel_prefetch_l2() const { return kernel_prefetch_l2_; }
-  // Whether the thread that runs a call (run()'s caller, or the pool's driver) computes GEMM
-  // items too, or only waits for the workers (ThreadPool::run's caller_works). On: off halved
-  // python's call and return on the GPU host (mini round, Qwen3 T=1: 9 + 3 us vs 13 + 5) but,
-  // one core fewer computing, was slower where the GEMMs dominate (int8 T=4 1273 vs 1147 us).
-  void set_caller_works(bool on) { caller_works_ = on; }
-  bool caller_works() const { return caller_works_; }
-  // With caller_works on, the calling thread computes items only in calls of at least this many
-  // tokens (1: in all). 1: on the GPU host (session 5 r3, Qwen3 decode loop, variants rotated in
-  // one run) 2 was no faster at T=1 (int4 forward 0.147 vs 0.148 ms, submit 0.161 vs 0.150; bf16
-  // 0.577 vs 0.569). (r2 had shown the caller only waiting well ahead, 0.156 vs 0.177, but there
-  // the variants ran in a fixed order and every later one came out faster.)
-  void set_caller_min_tokens(int tokens) { caller_min_tokens_ = tokens; }
-  int caller_min_tokens() const { return caller_min_tokens_; }
   // Whether a decode call (x converted on one thread) starts the GEMM run before converting x:
   // the workers join and prefetch their first items' weights while the calling thread converts
   // x, and gate/up items wait for it (traced: their wait). On, with padded_counters: on the GPU
@@ -147,14 +129,11 @@ class MoeLayer {
   Tracer tracer_;
   int item_blocks_ = 0;
   int item_prefetch_ = 4096;
-  int item_bytes_ = 0;
   // L1 4 KiB and L2 16 KiB ahead: on the GPU host (r1, Qwen3 decode loop, side by side) the
   // fastest of 0/2/4/8 KiB into L1 and 8 or 16 KiB into L2: int8 T=1 268 vs 425 us, bf16 T=4
   // 1963 vs 2451, int4 T=4 651 vs 680 (T=1 189 vs 197); per core 9-12 GB/s instead of 8-9.
   int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 16384;
   bool paired_ = false;
-  bool caller_works_ = true;
-  int caller_min_tokens_ = 1;
   bool early_start_ = true;
   bool padded_counters_ = true;
   bool tail_split_ = true;

@@ -209,7 +209,7 @@ void ThreadPool::worker_main(int worker) {
   }
 }
 
-void ThreadPool::run(const std::vector<int>& offsets, ItemFn fn, bool caller_works, FnRef<void()> first) {
+void ThreadPool::run(const std::vector<int>& offsets, ItemFn fn, FnRef<void()> first) {
   const int total = offsets.back() - offsets.front();
   if (total <= 0) return;
   for (int g = 0; g < groups_; ++g) {
@@ -229,19 +229,7 @@ void ThreadPool::run(const std::vector<int>& offsets, ItemFn fn, bool caller_wor
   const uint32_t gen = generation_.fetch_add(1) + 1;
   prewake();
   if (first) first();
-  if (caller_works) {
-    work(0);
-  } else {
-    // Every item claimed (by workers inside active_, so waiting for active_ below waits for
-    // them all), as when work(0) returns.
-    auto claimed = [&] {
-      for (int g = 0; g < groups_; ++g)
-        if (counters_[g].next.load(std::memory_order_acquire) < counters_[g].end) return false;
-      return true;
-    };
-    while (!spin_until(claimed)) {
-    }
-  }
+  work(0);
   // Every item is claimed now: close the run and wait only for the workers inside it (their
   // claimed items), not for those still waking up (a core leaving a deep idle state can take
   // a few hundred microseconds); they will find the run closed and go back to waiting.

@@ -66,13 +66,10 @@ class ThreadPool {
   int driver_cpu() const { return driver_cpu_; }
 
   // Calls fn(item, worker) for every item; group g prefers items [offsets[g], offsets[g+1]).
-  // caller_works = false: the calling thread (worker 0) takes no items, it only waits for the
-  // others (its caches keep what it works with before and after the run; with no other
-  // workers it still runs every item itself).
   // first (if given): what the calling thread does once the workers are on their way, before it
   // takes items or waits (the workers may already run items: fn must wait for what first
   // makes); it must not throw.
-  void run(const std::vector<int>& offsets, ItemFn fn, bool caller_works = true, FnRef<void()> first = {});
+  void run(const std::vector<int>& offsets, ItemFn fn, FnRef<void()> first = {});
   // Same with every item in group 0's range (any worker may take them).
   void run(int items, ItemFn fn);
   // Wakes sleeping workers so that they spin (a run() is coming): their wake-up latency then

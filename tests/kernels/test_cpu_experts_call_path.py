@@ -82,17 +82,15 @@ def test_inputs_that_are_not_tensors_are_refused(make_weights, make_routing, pos
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-@pytest.mark.parametrize("caller_works", [True, False])
-def test_schedule_knobs_give_the_same_bits(make_weights, make_routing, fmt, caller_works, isa):
+def test_schedule_knobs_give_the_same_bits(make_weights, make_routing, fmt, isa):
     # Decode calls convert x inside the run (gate/up items wait for it); 40 tokens convert before it.
     experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=3, isa=isa)
-    plain = dict(caller_works=caller_works, caller_min_tokens=1, early_start=False, padded_counters=False)
+    plain = dict(early_start=False, padded_counters=False)
     for T in (1, 4, 40):
         x, ids, weights = make_routing(T, H, 6, range(E), seed=T)
         experts.set_schedule(**plain)
         expected = experts.forward(x, ids, weights)
-        for knobs in ({"early_start": True}, {"padded_counters": True}, {"caller_min_tokens": 2},
-                      {"early_start": True, "padded_counters": True, "caller_min_tokens": 5}):
+        for knobs in ({"early_start": True}, {"padded_counters": True}, {"early_start": True, "padded_counters": True}):
             experts.set_schedule(**{**plain, **knobs})
             assert torch.equal(experts.forward(x, ids, weights), expected)
             experts.submit(x, ids, weights)

@@ -131,22 +131,6 @@ def test_item_prefetch_changes_nothing_but_timing(make_weights, make_routing, nb
     check_call(experts.take_trace()[0], ids, threads=2, slices=2)
 
 
-def test_item_bytes_cut_gate_up_and_down_items_by_their_own_block_bytes(make_weights, make_routing):
-    experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2)
-    x, ids, weights = make_routing(5, H, K, range(E))
-    expected = experts.forward(x, ids, weights)
-    # int4 blocks: gate and up 32 x H / 2 bytes each (5120 together), down 32 x I / 2 = 1536
-    experts.set_schedule(item_bytes=5120, tail_split=False)
-    experts.trace(1)
-    assert torch.equal(experts.forward(x, ids, weights), expected)
-    rec = experts.take_trace()[0]
-    check_call(rec, ids, threads=2, slices=1)
-    items = rec["items"]
-    sizes = items[:, B1] - items[:, B0]
-    assert sizes[items[:, DOWN] == 0].eq(1).all()
-    assert sizes[items[:, DOWN] == 1].max() == 3  # 5120 / 1536 rounded
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("l1, l2", [(0, 0), (64, 0), (8192, 0), (0, 16384), (2048, 8192)])
 def test_kernel_prefetch_changes_nothing_but_timing(make_weights, make_routing, fmt, l1, l2):
@@ -170,32 +154,7 @@ def test_paired_streams_change_nothing_but_timing(make_weights, make_routing, fm
     assert torch.equal(experts.forward(x, ids, weights), expected)
 
 
-@pytest.mark.parametrize("threads, numa_nodes", [(2, 1), (3, 1), (3, 2)])
-@pytest.mark.parametrize("T", [1, 5])
-def test_a_caller_that_does_not_work_leaves_every_item_to_the_workers(make_weights, make_routing, threads,
-                                                                       numa_nodes, T):
-    experts = CpuExperts(*make_weights(E, H, I), format="int8", threads=threads, numa_nodes=numa_nodes)
-    x, ids, weights = make_routing(T, H, K, range(E))
-    expected = experts.forward(x, ids, weights)
-    experts.set_schedule(caller_works=False)
-    for call in (experts.forward, lambda *a: (experts.submit(*a), experts.wait())[1]):
-        experts.trace(1)
-        assert torch.equal(call(x, ids, weights), expected)
-        rec = experts.take_trace()[0]
-        check_call(rec, ids, threads=threads, slices=numa_nodes)
-        assert rec["items"][:, WORKER].ne(0).all()
-
-
-def test_a_lone_caller_works_even_when_told_not_to(make_weights, make_routing):
-    experts = CpuExperts(*make_weights(E, H, I), format="int8", threads=1)
-    x, ids, weights = make_routing(3, H, K, range(E))
-    expected = experts.forward(x, ids, weights)
-    experts.set_schedule(caller_works=False)
-    assert torch.equal(experts.forward(x, ids, weights), expected)
-
-
-@pytest.mark.parametrize("knob", ["item_blocks", "item_prefetch", "item_bytes", "kernel_prefetch_l1",
-                                  "kernel_prefetch_l2"])
+@pytest.mark.parametrize("knob", ["item_blocks", "item_prefetch", "kernel_prefetch_l1", "kernel_prefetch_l2"])
 def test_schedule_knobs_must_not_be_negative(make_weights, knob):
     experts = CpuExperts(*make_weights(E, H, I), threads=1)
     with pytest.raises(HybridMoEError, match=knob):

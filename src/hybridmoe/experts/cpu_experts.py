@@ -293,36 +293,27 @@ class CpuExperts:
 
     def set_schedule(self, item_blocks: int | None = None, item_prefetch: int | None = None,
                      tail_split: bool | None = None, combine_in_run: bool | None = None,
-                     item_bytes: int | None = None, kernel_prefetch_l1: int | None = None,
-                     kernel_prefetch_l2: int | None = None, paired: bool | None = None,
-                     caller_works: bool | None = None, caller_min_tokens: int | None = None,
-                     early_start: bool | None = None, padded_counters: bool | None = None) -> None:
+                     kernel_prefetch_l1: int | None = None, kernel_prefetch_l2: int | None = None,
+                     paired: bool | None = None, early_start: bool | None = None,
+                     padded_counters: bool | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
-        default); item_bytes: weight bytes per work item instead, gate and up counted together
-        (0: by item_blocks, the default); item_prefetch: bytes of each item's weight streams
-        prefetched into L2 as it starts (default 4096, 0: none); tail_split: cut the last down
-        items (about two blocks per thread) into 1-block items (default on); combine_in_run: up to
-        16 tokens, sum the experts' outputs per block of columns inside the GEMM run (default on),
+        default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
+        starts (default 4096, 0: none); tail_split: cut the last down items (about two blocks per
+        thread) into 1-block items (default on); combine_in_run: up to 16 tokens, sum the experts' outputs per block of columns inside the GEMM run (default on),
         else after it; kernel_prefetch_l1 / kernel_prefetch_l2: bytes ahead of its loads the
         AVX-512 kernels prefetch weights into L1 / L2 (defaults 4096 / 16384, 0: none); paired: experts
         with one token read two weight blocks at once, gate's and up's or two halves of the down
-        rows (AVX-512; default off); caller_works: the thread running a call (forward()'s caller,
-        or the pool's driver for submit()) computes GEMM items too (default on), else only waits
-        for the other workers, its caches left to what it does before and after the GEMMs;
-        caller_min_tokens: with caller_works on, it computes items only in calls of at least this
-        many tokens (default 1: all); early_start: a decode call (x converted on one thread)
+        rows (AVX-512; default off); early_start: a decode call (x converted on one thread)
         starts the GEMM run first, and its thread converts x while the workers join and prefetch
         their first items' weights (gate/up items wait for x's rows; default on); padded_counters:
         the counters workers count down (per active expert, per down block) each on a cache line
         of its own (default on; off: packed)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
-                            ("item_bytes", item_bytes), ("kernel_prefetch_l1", kernel_prefetch_l1),
+                            ("kernel_prefetch_l1", kernel_prefetch_l1),
                             ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
-                            ("caller_works", caller_works), ("caller_min_tokens", caller_min_tokens),
-                            ("early_start", early_start),
-                            ("padded_counters", padded_counters)):
+                            ("early_start", early_start), ("padded_counters", padded_counters)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
