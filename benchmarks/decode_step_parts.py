@@ -1,0 +1,252 @@
+"""Where a decode step's time goes outside its layers: the host's part of each engine step beside the GPU's.
+
+    python benchmarks/decode_step_parts.py --synthetic qwen3-30b-a3b --layers 4 --formats int4,bf16
+        [--gen-len 64] [--decode-prompt-len 64] [--replays 64] [--json F]
+        [engine options: --device cuda --gpu-memory-budget 16GiB --gpu-experts-per-layer 26 ...]
+
+Per engine (a synthetic checkpoint in memory, one expert format), greedy decode at batch 1:
+- "engine": gen_len tokens through LLMEngine.step(), seconds per token (the prompt's step left out).
+- host phases of those steps (perf_counter around the engine's own methods): schedule, the runner's step
+  up to the graph launch (input copies, thread pinning), the launch itself, the wait for the token (the
+  sampler reads it back), the runner's step after it, postprocess, and what is left of the step.
+- GPU, from CUDA events recorded around the same calls: the replayed graph's time, the sampler's GPU work
+  after it, and the time the GPU had nothing queued between one step's token and the next step's graph
+  (idle: the host's serial share of the step).
+- "replays": the last decode step's CUDA graph replayed back to back `replays` times with no host in the
+  loop (same inputs): the step as the GPU and the CPU experts alone run it.
+- eager parts on the GPU (CUDA events, median of 50): embedding, final norm, lm_head (with its GB/s),
+  argmax, the logits' clone and the token's read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from hybridmoe.checkpoint.synthetic import synthetic_checkpoint
+from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
+from hybridmoe.config import EngineConfig
+from hybridmoe.sampling_params import SamplingParams
+
+PHASES = ("schedule", "run_pre", "launch", "wait_token", "run_post", "postprocess", "loop_other")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--synthetic", required=True, metavar="PRESET", help="a make-model preset, written to memory")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the cut model (default 4)")
+    parser.add_argument("--formats", default=None, help="expert formats, e.g. int4,bf16 (default: the engine's)")
+    parser.add_argument("--gen-len", type=int, default=64, help="tokens decoded per timed run (default 64)")
+    parser.add_argument("--decode-prompt-len", type=int, default=64)
+    parser.add_argument("--replays", type=int, default=64, help="back-to-back graph replays (default 64)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="also write the results here")
+    add_engine_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def decode(engine, prompt: list[int], gen_len: int) -> float:
+    """Seconds per decoded token, greedy, batch 1, the prompt's step left out."""
+    engine.add_request(prompt, SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True))
+    first = None
+    while engine.has_unfinished():
+        engine.step()
+        if first is None:
+            first = time.perf_counter()
+    return (time.perf_counter() - first) / (gen_len - 1)
+
+
+class StepProbe:
+    """Host timestamps and CUDA events around the engine's step methods, wrapped on the instances only."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.marks: list[dict] = []  # one per step: name -> perf_counter
+        self.events: list[dict] = []  # one per step: name -> torch.cuda.Event
+
+    def _mark(self, name: str, event: bool = False) -> None:
+        self.marks[-1][name] = time.perf_counter()
+        if event and torch.cuda.is_available():
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events[-1][name] = e
+
+    @contextmanager
+    def installed(self):
+        engine, runner = self.engine, self.engine.runner
+        schedule, run, postprocess, sampler = (engine.scheduler.schedule, runner.run, engine._postprocess,
+                                               runner.sampler)
+        replay = torch.cuda.CUDAGraph.replay
+
+        def schedule_w():
+            self.marks.append({"start": time.perf_counter()})
+            self.events.append({})
+            out = schedule()
+            self._mark("scheduled")
+            return out
+
+        def run_w(batch):
+            self._mark("run_in")
+            out = run(batch)
+            self._mark("run_out")
+            return out
+
+        def sampler_w(logits, rows):
+            out = sampler(logits, rows)
+            self._mark("token", event=True)
+            return out
+
+        def replay_w(graph):
+            self._mark("launch_in", event=True)
+            replay(graph)
+            self._mark("launch_out", event=True)
+
+        def postprocess_w(*a):
+            self._mark("post_in")
+            out = postprocess(*a)
+            self._mark("post_out")
+            return out
+
+        engine.scheduler.schedule, runner.run, engine._postprocess, runner.sampler = (
+            schedule_w, run_w, postprocess_w, sampler_w)
+        torch.cuda.CUDAGraph.replay = replay_w
+        try:
+            yield self
+        finally:
+            torch.cuda.CUDAGraph.replay = replay
+            del engine.scheduler.schedule, runner.run, engine._postprocess, runner.sampler
+
+    def summary(self) -> dict:
+        """Mean us per decode step of each host phase and GPU span (steps with a graph launch only, the first
+        of them left out: its idle time starts at the prompt's step)."""
+        steps = [(m, e) for m, e in zip(self.marks, self.events) if "launch_in" in m and "token" in m]
+        host = {k: [] for k in PHASES}
+        gpu = {"graph": [], "after_graph": [], "idle_before": []}
+        for i, (m, e) in enumerate(steps):
+            host["schedule"].append(m["scheduled"] - m["start"])
+            host["run_pre"].append(m["launch_in"] - m["run_in"])
+            host["launch"].append(m["launch_out"] - m["launch_in"])
+            host["wait_token"].append(m["token"] - m["launch_out"])
+            host["run_post"].append(m["run_out"] - m["token"])
+            host["postprocess"].append(m["post_out"] - m["post_in"])
+            if e:
+                gpu["graph"].append(e["launch_in"].elapsed_time(e["launch_out"]) / 1e3)
+                gpu["after_graph"].append(e["launch_out"].elapsed_time(e["token"]) / 1e3)
+            if i:
+                if e:
+                    gpu["idle_before"].append(steps[i - 1][1]["token"].elapsed_time(e["launch_in"]) / 1e3)
+                total = m["start"] - steps[i - 1][0]["start"]
+                host["loop_other"].append(total - sum(host[k][i - 1] for k in PHASES[:-1]))
+        if not all("launch_in" in e for _, e in steps):
+            gpu = {k: [] for k in gpu}  # no CUDA events on this machine
+        mean = lambda xs: 1e6 * statistics.fmean(xs) if xs else float("nan")  # noqa: E731
+        walls = [b[0]["start"] - a[0]["start"] for a, b in zip(steps, steps[1:])]
+        return {"steps": len(steps), "step_us": mean(walls), "host_us": {k: mean(v) for k, v in host.items()},
+                "gpu_us": {k: mean(v) for k, v in gpu.items()}}
+
+
+def replay_loop(engine, replays: int) -> float:
+    """Seconds per replay of the engine's most recently captured decode graph, back to back."""
+    runner = engine.runner
+    if not runner.captured:
+        return float("nan")
+    graph, _ = runner._graphs[max(runner._graphs)]
+    decode_thread = getattr(runner.model.experts, "decode_thread", nullcontext)
+    with decode_thread():
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / replays
+
+
+def gpu_ms(fn, n: int = 50) -> float:
+    """Median ms of fn() on the GPU (CUDA events around each call; the wall clock without CUDA)."""
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(n + 3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times[3:])
+    times = []
+    for _ in range(n + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[3:])
+
+
+def eager_parts(engine) -> dict:
+    model = engine.runner.model
+    dev = engine.runner.device
+    H = model.lm_head.weight.shape[1]
+    ids = torch.zeros(1, dtype=torch.long, device=dev)
+    h = torch.randn(1, H, dtype=model.lm_head.weight.dtype, device=dev)
+    logits = model.compute_logits(h)
+    with torch.inference_mode():
+        parts = {"embed": gpu_ms(lambda: model.model.embed_tokens(ids)),
+                 "final_norm": gpu_ms(lambda: model.model.norm(h)),
+                 "lm_head": gpu_ms(lambda: model.compute_logits(h)),
+                 "argmax": gpu_ms(lambda: logits.argmax(dim=-1)),
+                 "clone": gpu_ms(lambda: logits.clone()),
+                 "argmax_tolist": gpu_ms(lambda: logits.argmax(dim=-1).tolist())}
+    w = model.lm_head.weight
+    parts["lm_head_gbps"] = w.numel() * w.element_size() / (parts["lm_head"] * 1e-3) / 1e9
+    return {k: (1e3 * v if k != "lm_head_gbps" else v) for k, v in parts.items()}  # us, and GB/s
+
+
+def measure(engine, args) -> dict:
+    g = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, engine.vocab_size, (args.decode_prompt_len,), generator=g).tolist()
+    decode(engine, prompt, args.gen_len)  # captures the graphs these lengths replay
+    plain = [decode(engine, prompt, args.gen_len) for _ in range(2)]
+    probe = StepProbe(engine)
+    with probe.installed():
+        probed = decode(engine, prompt, args.gen_len)
+    return {"engine_us": [1e6 * s for s in plain], "probed_engine_us": 1e6 * probed, "probe": probe.summary(),
+            "replay_us": 1e6 * replay_loop(engine, args.replays), "eager_us": eager_parts(engine),
+            "graphs": [list(k) for k in engine.runner.captured]}
+
+
+def main(argv=None) -> int:
+    from hybridmoe.engine.llm_engine import LLMEngine
+
+    args = parse_args(argv)
+    kwargs = engine_kwargs(args)
+    results = []
+    with synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) as ckpt:
+        for fmt in (args.formats.split(",") if args.formats else [None]):
+            ec = EngineConfig.from_kwargs(**dict(kwargs, **({"expert_format": fmt} if fmt else {})))
+            engine = LLMEngine(str(ckpt.out_dir), ec)
+            r = {"format": fmt, "layers": args.layers, **measure(engine, args)}
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            results.append(r)
+            p = r["probe"]
+            print(f"== {fmt} {args.layers} layers, graphs {r['graphs']}")
+            print(f"  engine step us/token: {' '.join(f'{v:.0f}' for v in r['engine_us'])} (probed "
+                  f"{r['probed_engine_us']:.0f}, probe's own step mean {p['step_us']:.0f}); graph replayed back to "
+                  f"back: {r['replay_us']:.0f} us ({r['replay_us'] / min(r['engine_us']):.3f} of the engine step)")
+            print("  host us/step: " + ", ".join(f"{k} {v:.1f}" for k, v in p["host_us"].items()))
+            print("  GPU us/step:  " + ", ".join(f"{k} {v:.1f}" for k, v in p["gpu_us"].items()))
+            print("  eager GPU us: " + ", ".join(f"{k} {v:.1f}" for k, v in r["eager_us"].items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
