@@ -112,14 +112,21 @@ class StepProbe:
             self._mark("post_out")
             return out
 
-        engine.scheduler.schedule, runner.run, engine._postprocess, runner.sampler = (
-            schedule_w, run_w, postprocess_w, sampler_w)
+        wrapped = [(engine.scheduler, "schedule", schedule_w), (runner, "run", run_w),
+                   (engine, "_postprocess", postprocess_w), (runner, "sampler", sampler_w)]
+        own = [(obj, name, vars(obj).get(name)) for obj, name, _ in wrapped]  # instance attributes before
+        for obj, name, fn in wrapped:
+            setattr(obj, name, fn)
         torch.cuda.CUDAGraph.replay = replay_w
         try:
             yield self
         finally:
             torch.cuda.CUDAGraph.replay = replay
-            del engine.scheduler.schedule, runner.run, engine._postprocess, runner.sampler
+            for obj, name, before in own:
+                if before is None:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, before)
 
     def summary(self) -> dict:
         """Mean us per decode step of each host phase and GPU span (steps with a graph launch only, the first
