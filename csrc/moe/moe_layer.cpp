@@ -107,7 +107,10 @@ struct Counters {
 // One side's activation rows (x for gate/up, h for down), each row in the kind its expert's
 // kernels read: bf16 and i16 rows at stride Kp + 32, i8 and i8_groups rows at Kq + 64 (Kq = Kp
 // rounded up to 64, a whole AMX-INT8 step). Strides are not multiples of 4 KiB: rows that far
-// apart would put all 16 rows of an AMX A tile (and the kernels' per-token loads) into one L1 set.
+// apart would put all of a kernel's per-token loads into one L1 set. Tile kinds (AMX experts)
+// share the buffer of their row-major kind: 16-row tiles of Kp (bf16) or Kq (i8) per row, back
+// to back from the start, tile t holding rows 16t..16t+15. The AMX experts come first (most
+// tokens first) with whole tiles each, so their tiles end before the first row-major row starts.
 struct ActRows {
   AlignedVec<uint16_t> bf16;
   AlignedVec<int16_t> q;
@@ -132,11 +135,12 @@ struct ActLayout {
   ActLayout(ActRows& rows, int Kp_, int group_, size_t Ra, const bool use[kActKinds])
       : Kp(Kp_), Kq(round_up(Kp_, 64)), group(group_), ng((Kq + kActGroupK - 1) / kActGroupK), ld(Kp_ + 32),
         ld8(Kq + 64) {
-    if (use[int(ActKind::bf16)]) bf16 = grow(rows.bf16, Ra * ld);
+    if (use[int(ActKind::bf16)] || use[int(ActKind::bf16_tiles)]) bf16 = grow(rows.bf16, Ra * ld);
     if (use[int(ActKind::i16)]) q = grow(rows.q, Ra * ld);
-    if (use[int(ActKind::i8)] || use[int(ActKind::i8_groups)]) q8 = grow(rows.q8, Ra * ld8);
+    for (int k = 0; k < kActKinds; ++k)
+      if (use[k] && act_int8(ActKind(k))) q8 = grow(rows.q8, Ra * ld8);
     scale = grow(rows.scale, Ra);
-    if (use[int(ActKind::i8_groups)]) gscale = grow(rows.gscale, Ra * ng);
+    if (use[int(ActKind::i8_groups)] || use[int(ActKind::i8_groups_tiles)]) gscale = grow(rows.gscale, Ra * ng);
     if (group && use[int(ActKind::i16)]) sums = grow(rows.sums, Ra * (Kp / group));
   }
 
@@ -149,7 +153,32 @@ struct ActLayout {
         break;
       case ActKind::i8: ops8.to_i8(src, src_bf16, n, Kq, 0, q8 + r * ld8, scale + r); break;
       case ActKind::i8_groups: ops8.to_i8(src, src_bf16, n, Kq, kActGroupK, q8 + r * ld8, gscale + r * ng); break;
+      case ActKind::bf16_tiles: {
+        uint8_t* row = tile_row(size_t(Kp) * 2);
+        ops.to_bf16(src, src_bf16, n, Kp, reinterpret_cast<uint16_t*>(row));
+        to_tiles(row, Kp / 32, reinterpret_cast<uint8_t*>(bf16) + r / 16 * 32 * size_t(Kp), r);
+        break;
+      }
+      case ActKind::i8_tiles:
+      case ActKind::i8_groups_tiles: {
+        const bool groups = kind == ActKind::i8_groups_tiles;
+        uint8_t* row = tile_row(Kq);
+        ops8.to_i8(src, src_bf16, n, Kq, groups ? kActGroupK : 0, reinterpret_cast<int8_t*>(row),
+                   groups ? gscale + r * ng : scale + r);
+        to_tiles(row, Kq / 64, reinterpret_cast<uint8_t*>(q8) + r / 16 * 16 * size_t(Kq), r);
+        break;
+      }
     }
+  }
+
+  // A row made whole (L1-resident scratch of the writing thread), then spread over its tiles.
+  static uint8_t* tile_row(size_t bytes) {
+    thread_local AlignedVec<uint8_t> row;
+    return grow(row, bytes);
+  }
+  // Row r's `steps` 64-byte pieces into its tile at `tile` ([steps][16 rows][64 B]).
+  static void to_tiles(const uint8_t* row, int steps, uint8_t* tile, size_t r) {
+    for (int s = 0; s < steps; ++s) std::memcpy(tile + size_t(s) * 1024 + (r % 16) * 64, row + size_t(s) * 64, 64);
   }
 
   // Row r = row sr of `src` (same Kp and group; kinds bf16 and i16, whose rows hold all of it).
@@ -163,16 +192,22 @@ struct ActLayout {
     if (sums) std::memcpy(sums + r * (Kp / group), src.sums + sr * (Kp / group), size_t(Kp / group) * 4);
   }
 
-  // The rows of n tokens starting at activation row r0.
+  // The rows of n tokens starting at activation row r0 (tile kinds: a multiple of 16).
   ActView view(ActKind kind, size_t r0, int n) const {
     ActView a;
     a.n = n;
-    a.ld = int(kind == ActKind::i8 || kind == ActKind::i8_groups ? ld8 : ld);
-    if (bf16) a.bf16 = bf16 + r0 * ld;
-    if (q) a.q = q + r0 * ld;
-    if (q8) a.q8 = q8 + r0 * ld8;
+    if (act_tiles(kind)) {
+      if (r0 % 16) throw std::logic_error("tile-order activations must start at a whole tile");
+      if (bf16) a.bf16 = bf16 + r0 * Kp;
+      if (q8) a.q8 = q8 + r0 * Kq;
+    } else {
+      a.ld = int(act_int8(kind) ? ld8 : ld);
+      if (bf16) a.bf16 = bf16 + r0 * ld;
+      if (q) a.q = q + r0 * ld;
+      if (q8) a.q8 = q8 + r0 * ld8;
+    }
     a.qscale = scale + r0;
-    if (kind == ActKind::i8_groups) {
+    if (act_groups(kind)) {
       a.qscale = gscale + r0 * ng;
       a.qgroups = ng;
     }

@@ -57,20 +57,32 @@ struct PackedView {
   bool paired = false;
 };
 
-// Activations of n tokens (one expert), row-major, n rounded up to 16 rows of zeros.
+// Activations of n tokens (one expert), n rounded up to 16 rows of zeros. Row-major kinds at
+// stride ld; tile kinds (the AMX kernels') in A-tile order, written once per expert so that no
+// GEMM item copies them again: 16-token tiles back to back, each [Kt / step][16 rows][64 B]
+// (step: 32 K of bf16 or 64 K of int8; Kt: Kp, or kind i8's Kp rounded up to 64), so that
+// tokens 16t..16t+15 at K step s are one 1 KiB tile at byte (t * Kt / step + s) * 1024.
 struct ActView {
   int n = 0;
-  int ld = 0;                    // elements between rows (>= Kp; kind i8: >= Kp rounded up to 64)
-  const uint16_t* bf16 = nullptr;  // kind bf16: [n][ld]
+  int ld = 0;                    // row-major kinds: elements between rows (>= Kp; i8: >= Kp rounded up to 64)
+  const uint16_t* bf16 = nullptr;  // kind bf16: [n][ld]; bf16_tiles: tiles
   const int16_t* q = nullptr;      // kind i16: [n][ld], x ~= q * qscale[t]
-  const int8_t* q8 = nullptr;      // kinds i8, i8_groups: [n][ld], x ~= q8 * scale, zeros past K
+  const int8_t* q8 = nullptr;      // kinds i8, i8_groups: [n][ld], x ~= q8 * scale, zeros past K; *_tiles: tiles
   const float* qscale = nullptr;   // [n]; kind i8_groups: [n][qgroups], K group k / kActGroupK
   int qgroups = 0;                 // kind i8_groups: scales per row
   const int32_t* qsum = nullptr;   // int4: [n][Kp/group] sums of q over each group
 };
 
-enum class ActKind : int { bf16 = 0, i16 = 1, i8 = 2, i8_groups = 3 };
-constexpr int kActKinds = 4;
+// *_tiles: the same values and scales as the kind without the suffix, in A-tile order (ActView).
+enum class ActKind : int {
+  bf16 = 0, i16 = 1, i8 = 2, i8_groups = 3, bf16_tiles = 4, i8_tiles = 5, i8_groups_tiles = 6
+};
+constexpr int kActKinds = 7;
+static inline bool act_tiles(ActKind k) { return k >= ActKind::bf16_tiles; }
+static inline bool act_int8(ActKind k) {
+  return k == ActKind::i8 || k == ActKind::i8_groups || k == ActKind::i8_tiles || k == ActKind::i8_groups_tiles;
+}
+static inline bool act_groups(ActKind k) { return k == ActKind::i8_groups || k == ActKind::i8_groups_tiles; }
 
 // out[t * ldo + (b - b0) * 32 + r] = sum_k W[b*32 + r, k] * x[t, k] for blocks [b0, b1).
 using GemmFn = void (*)(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo);
