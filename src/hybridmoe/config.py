@@ -12,6 +12,8 @@ EXPERT_BACKENDS = ("auto", "torch", "native")
 EXPERT_FORMATS = ("auto", "bf16", "int8", "int4")
 EXPERT_PLACEMENTS = ("uniform", "frequency", "front-loading")
 PREFILL_STREAMING = ("auto", "on", "off")
+DEFAULT_EXPERT_GROUP_SIZE = 128
+"""int4 group size where neither expert_group_size nor the checkpoint gives one."""
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -56,8 +58,11 @@ class EngineConfig:
     checkpoint's own (GGUF Q8_0/Q5/Q6 -> int8, Q4/Q3/Q2 -> int4 g32, GPTQ/AWQ 4-bit -> int4 in their group size
     when it is 32/64/128; float weights -> bf16), said in a log line; weights/native_format.py has the table."""
 
-    expert_group_size: int = 128
-    """Group size for int4 experts (32, 64 or 128)."""
+    expert_group_size: int | None = None
+    """Group size for int4 experts (32, 64 or 128). None: the checkpoint's own where its experts are 4-bit in
+    groups of one of these (GPTQ/AWQ's, GGUF Q4's 32, a converted directory's), else 128 (also for any format
+    but int4, which ignores it); the load resolves it
+    (weights/native_format.py)."""
 
     expert_zero_points: bool | None = None
     """int4 experts with a zero point per group (asymmetric) instead of symmetric groups (other formats ignore
@@ -133,7 +138,7 @@ class EngineConfig:
         if self.expert_format not in EXPERT_FORMATS:
             raise HybridMoEError(
                 f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, got {self.expert_format!r}")
-        if self.expert_group_size not in (32, 64, 128):
+        if self.expert_group_size not in (None, 32, 64, 128):
             raise HybridMoEError(f"expert_group_size must be 32, 64 or 128, got {self.expert_group_size}")
         if self.max_num_seqs < 1:
             raise HybridMoEError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
@@ -150,6 +155,12 @@ class EngineConfig:
             raise HybridMoEError(f"prefill_streaming_tokens must be at least 1, got {self.prefill_streaming_tokens}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise HybridMoEError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+
+    @property
+    def expert_group_size_or_default(self) -> int:
+        """expert_group_size, or while it is unset (None: the load has not read the checkpoint's yet) the default:
+        what sizes estimated from an unresolved config assume."""
+        return self.expert_group_size or DEFAULT_EXPERT_GROUP_SIZE
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -72,6 +72,23 @@ def test_float_checkpoints_stay_bf16_and_a_chosen_format_is_kept(tiny_qwen3):
     assert (ec.expert_format, ec.expert_group_size) == ("int8", 64)
 
 
+@pytest.mark.parametrize("options,want", [
+    ({"expert_format": "int4"}, ("int4", 64)), ({"expert_format": "int4", "expert_group_size": 32}, ("int4", 32)),
+    ({"expert_group_size": 128}, ("int4", 128)), ({"expert_format": "int8"}, ("int8", 128)),
+])
+def test_a_group_size_left_unset_is_the_4_bit_checkpoints_own_and_one_given_is_kept(tiny_qwen3, tmp_path, options,
+                                                                                   want):
+    config = json.loads((tiny_qwen3 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ec = resolve(tmp_path, **options)
+    assert (ec.expert_format, ec.expert_group_size) == want
+
+
+def test_an_int4_from_float_weights_is_in_groups_of_128(tiny_qwen3):
+    assert resolve(tiny_qwen3, expert_format="int4").expert_group_size == 128
+
+
 def test_a_converted_directory_is_read_in_the_format_it_was_packed_in(tiny_qwen3, tmp_path):
     convert_checkpoint(tiny_qwen3, tmp_path / "conv", format="int4", group_size=32, threads=1, progress=False)
     ec = resolve(tmp_path / "conv")

@@ -130,6 +130,12 @@ def test_convert_to_int4_keeps_the_checkpoints_groups_and_codes(tiny_qwen3, tmp_
     assert_experts_equal(load_model(tmp_path / "out", EngineConfig(**NATIVE)), decoded)
 
 
+def test_load_as_int4_keeps_the_checkpoints_groups_and_codes(tiny_qwen3, tmp_path):
+    quantized, decoded = write_quantized(tiny_qwen3, tmp_path / "gptq", "gptq")
+    # an explicit int4 without expert_group_size loads as convert packs: in the checkpoint's g32
+    assert_experts_equal(load_model(quantized, EngineConfig(**NATIVE, expert_format="int4")), decoded)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_logits_match_transformers_on_the_dequantized_weights(tiny_qwen3, tmp_path, method):
     quantized, decoded = write_quantized(tiny_qwen3, tmp_path / method, method)

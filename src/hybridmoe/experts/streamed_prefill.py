@@ -122,7 +122,7 @@ def reserved_bytes(engine_config, E: int, H: int, I: int, top_k: int) -> int:
     if engine_config.prefill_streaming != "on":
         return 0
     fmt = "bf16" if engine_config.expert_format == "auto" else engine_config.expert_format  # unresolved: the most
-    layer_bytes = layer_packed_bytes(fmt, E, H, I, engine_config.expert_group_size,
+    layer_bytes = layer_packed_bytes(fmt, E, H, I, engine_config.expert_group_size_or_default,
                                      bool(engine_config.expert_zero_points))
     return device_bytes(layer_bytes, E, H, I, top_k, engine_config.max_num_batched_tokens)
 

@@ -167,7 +167,7 @@ def prefill_streaming_decision(ec: EngineConfig, config, dtype: torch.dtype) -> 
     model_cls = get_model_class(architecture_of(config.to_dict()))  # config keeps config.json's "architectures"
     fp = model_footprint(model_cls, config, dtype, replace(ec, prefill_streaming="off"))
     H, I, K = fp.hidden_size, fp.moe_intermediate_size, fp.top_k
-    layer_bytes = layer_packed_bytes(ec.expert_format, fp.num_experts, H, I, ec.expert_group_size,
+    layer_bytes = layer_packed_bytes(ec.expert_format, fp.num_experts, H, I, ec.expert_group_size_or_default,
                                      bool(ec.expert_zero_points))
     reserve = device_bytes(layer_bytes, fp.num_experts, H, I, K, ec.max_num_batched_tokens)
     if torch.device(ec.device).type != "cuda":

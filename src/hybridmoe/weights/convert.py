@@ -31,7 +31,7 @@ from hybridmoe.models.registry import load_config
 from hybridmoe.weights.expert_cache import MANIFEST, PackedWriter
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
 from hybridmoe.weights.loader import NativeLayers, load_weights, resolve_dtype
-from hybridmoe.weights.native_format import check_int4_group, resolve_expert_format, source_expert_format
+from hybridmoe.weights.native_format import check_int4_group, resolve_expert_format
 from hybridmoe.weights.quantized import open_checkpoint
 
 SHARD_BYTES = 4 << 30
@@ -156,10 +156,11 @@ def _check_out_dir(out: Path, force: bool) -> None:
 
 def convert_checkpoint(src: str | Path, out: str | Path, format: str = "auto", group_size: int | None = None,
                        force: bool = False, threads: int | None = None, progress: bool = True) -> ConvertSummary:
-    """format "auto" and group_size None: what a load of src would pick (weights/native_format.py); group_size
-    None with int4: a 4-bit source's own group size, else the engine's default; a group_size given is kept."""
+    """format "auto" and group_size None: what a load of src would pick (weights/native_format.py's
+    resolve_expert_format: group_size None with int4 is a 4-bit source's own group size, else the engine's
+    default; a group_size given is kept)."""
     start = time.perf_counter()
-    options = EngineConfig(expert_backend="native", expert_format=format, expert_group_size=group_size or 128,
+    options = EngineConfig(expert_backend="native", expert_format=format, expert_group_size=group_size,
                            cpu_threads=threads)
     out = Path(out)
     _check_out_dir(out, force)
@@ -172,13 +173,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, format: str = "auto", g
     dtype = resolve_dtype("auto", config)
     # int4 from GPTQ/AWQ 4-bit keeps its zero points, so that codes in the checkpoint's group size pack as they are
     resolved = resolve_expert_format(options, config, model_dir)
-    format, zero_points = resolved.expert_format, resolved.expert_zero_points
-    if group_size is None and format == options.expert_format == "int4":
-        # an explicit int4 keeps a 4-bit checkpoint's own groups too, as auto does in resolve_expert_format
-        # (GPTQ/AWQ codes then pack as they are)
-        source_format, source_group, _ = source_expert_format(model_dir, config)
-        group_size = source_group if source_format == "int4" else None
-    group_size = group_size or resolved.expert_group_size
+    format, group_size, zero_points = resolved.expert_format, resolved.expert_group_size, resolved.expert_zero_points
     spec = {"format": format, "group_size": group_size, "zero_points": zero_points}
     writer = PackedWriter(out, spec, {"model_dir": str(Path(src).resolve())})
     try:

@@ -4,7 +4,7 @@
     GGUF Q4_0, Q4_1, Q4_K, IQ4_*                       -> int4, groups of 32 (their blocks)
     GGUF Q3_K, Q2_K, IQ3/IQ2/IQ1 (blocks of 16 or 32)  -> int4, groups of 32 (the finest the engine has)
     GPTQ / AWQ 4-bit (and 2/3-bit GPTQ)                -> int4 in the checkpoint's group size if it is 32, 64
-                                                          or 128, else expert_group_size; 4-bit with zero
+                                                          or 128, else 128; 4-bit with zero
                                                           points (expert_zero_points None -> on), so the
                                                           codes load as they are (weights/int4_codes.py)
     GPTQ 8-bit                                         -> int8
@@ -12,6 +12,8 @@
     a `hybridmoe convert`ed directory                  -> the format and group size it was packed in
 A GGUF that mixes types across its expert tensors (Q4_K_M keeps some down projections in Q6_K) takes
 the format that most expert weights map to; a tie goes to the more precise one.
+expert_group_size None (unset) takes the checkpoint's int4 group size from this table whenever the experts
+end up int4, auto or chosen (`convert` does the same); a group size given is kept.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from hybridmoe.config import EngineConfig
+from hybridmoe.config import DEFAULT_EXPERT_GROUP_SIZE, EngineConfig
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.weights.int4_codes import INT4_GROUPS
 
@@ -79,7 +81,7 @@ def _from_quantization_config(qc: dict) -> tuple[str, int | None, str] | None:
 
 
 def source_expert_format(model_dir: str | Path, config) -> tuple[str, int | None, str]:
-    """(native format, int4 group size or None for "keep expert_group_size", what the source is)."""
+    """(native format, int4 group size or None for "none of the engine's", what the source is)."""
     from hybridmoe.weights.expert_cache import read_manifest
 
     model_dir = Path(model_dir)
@@ -102,14 +104,22 @@ def _zero_points(engine_config: EngineConfig, config) -> bool:
 
 
 def resolve_expert_format(engine_config: EngineConfig, config, model_dir: str | Path) -> EngineConfig:
-    """engine_config with expert_format "auto" replaced by the source's nearest native format (logged) and
-    expert_zero_points None by its choice (on for int4 from GPTQ/AWQ 4-bit, whose codes then load as they are)."""
-    if engine_config.expert_format != "auto":
-        return replace(engine_config, expert_zero_points=_zero_points(engine_config, config))
-    fmt, group, source = source_expert_format(model_dir, config)
-    resolved = replace(engine_config, expert_format=fmt, expert_group_size=group or engine_config.expert_group_size)
+    """engine_config with expert_format "auto" replaced by the source's nearest native format (logged),
+    expert_group_size None by the source's int4 groups where the experts are int4 and the source has them (else
+    DEFAULT_EXPERT_GROUP_SIZE), and expert_zero_points None by its choice (on for int4 from GPTQ/AWQ 4-bit,
+    whose codes then load as they are)."""
+    chosen = engine_config.expert_format
+    resolved = engine_config
+    if chosen == "auto" or (chosen == "int4" and engine_config.expert_group_size is None):
+        fmt, group, source = source_expert_format(model_dir, config)
+        if chosen == "auto":
+            resolved = replace(resolved, expert_format=fmt)
+        if resolved.expert_format == fmt == "int4" and resolved.expert_group_size is None:
+            resolved = replace(resolved, expert_group_size=group)
+    if resolved.expert_group_size is None:
+        resolved = replace(resolved, expert_group_size=DEFAULT_EXPERT_GROUP_SIZE)
     resolved = replace(resolved, expert_zero_points=_zero_points(resolved, config))
-    if engine_config.expert_backend != "torch":
+    if chosen == "auto" and engine_config.expert_backend != "torch":
         group_note = f" g{resolved.expert_group_size}" if fmt == "int4" else ""
         zero_note = " with zero points" if resolved.expert_zero_points else ""
         log.info("routed experts: %s%s%s in the native engine, nearest to the checkpoint's %s "
