@@ -59,10 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy; "
                         "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc|:nozc][:pw][:nopin] (zc/nozc: zero-copy on/off, else the engine's; pw: the wake word "
-                        "after each wait, CudaHandoff.prewake_layers; "
-                        "nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread), "
-                        "e.g. 0,1,2,0:nozc,0:nopin")
+                        "K[:notrim][:zc|:nozc][:pw][:nopin][:sr|:nosr][:kf|:nokf] (zc/nozc: zero-copy on/off, else the "
+                        "engine's; pw: the wake word after each wait, CudaHandoff.prewake_layers; "
+                        "nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread; sr/nosr: the "
+                        "router's kernel stages the CPU's rows, HybridExperts.stage_in_router; kf/nokf: kernels play the "
+                        "handoff's flags, HybridExperts.kernel_flags; else the engine's), e.g. 0,1,2,0:nozc,0:nopin,0:kf")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
@@ -95,11 +96,17 @@ class Variant:
     """Every handoff writes the wake word after each wait (CudaHandoff.prewake_layers)."""
     pin: bool = True
     """The decode steps' thread pinned off the handoff pools' CPUs (HybridExperts.pin_decode_thread)."""
+    stage_in_router: bool | None = None
+    """HybridExperts.stage_in_router; None: the engine's."""
+    kernel_flags: bool | None = None
+    """HybridExperts.kernel_flags; None: the engine's."""
 
     def label(self) -> str:
         copies = {None: "", True: " zero-copy", False: " copies"}[self.zero_copy]
         return (f"K={self.k}" + ("" if self.own_trim else " own trim off") + copies
-                + (" prewake" if self.prewake else "") + ("" if self.pin else " unpinned"))
+                + (" prewake" if self.prewake else "") + ("" if self.pin else " unpinned")
+                + {None: "", True: " router stages", False: " no router staging"}[self.stage_in_router]
+                + {None: "", True: " kernel flags", False: " stream flags"}[self.kernel_flags])
 
 
 def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
@@ -142,14 +149,17 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc|:nozc][:pw][:nopin]" -> Variant."""
+    """"K[:notrim][:zc|:nozc][:pw][:nopin][:sr|:nosr][:kf|:nokf]" -> Variant."""
     k, *opts = spec.strip().split(":")
-    unknown = set(opts) - {"notrim", "zc", "nozc", "pw", "nopin"}
-    if unknown or {"zc", "nozc"} <= set(opts):
+    unknown = set(opts) - {"notrim", "zc", "nozc", "pw", "nopin", "sr", "nosr", "kf", "nokf"}
+    if unknown or any({on, "no" + on} <= set(opts) for on in ("zc", "sr", "kf")):
         raise HybridMoEError(f"--variants: unknown or contradicting option(s) in {spec!r} "
-                             "(notrim, zc or nozc, pw, nopin)")
-    zero_copy = True if "zc" in opts else False if "nozc" in opts else None
-    return Variant(int(k), "notrim" not in opts, zero_copy, "pw" in opts, "nopin" not in opts)
+                             "(notrim, zc or nozc, pw, nopin, sr or nosr, kf or nokf)")
+
+    def switch(on: str) -> bool | None:
+        return True if on in opts else False if "no" + on in opts else None
+    return Variant(int(k), "notrim" not in opts, switch("zc"), "pw" in opts, "nopin" not in opts, switch("sr"),
+                   switch("kf"))
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -229,6 +239,9 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
             h.zero_copy = v.zero_copy
         h.prewake_layers = v.prewake
     experts.pin_decode_thread = v.pin
+    for name in ("stage_in_router", "kernel_flags"):
+        if getattr(v, name) is not None:
+            setattr(experts, name, getattr(v, name))
     decode_once(engine, prompt, 4)  # captures the graph(s) for this K
     anatomy(parts)  # zero the counters
     seconds, toks = decode_once(engine, prompt, gen_len)

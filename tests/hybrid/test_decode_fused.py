@@ -81,6 +81,31 @@ def test_route_split_with_deferral_splits_the_first_columns_and_split_slots_a_pa
         assert torch.equal(cid, want_cid) and torch.equal(cw, want_cw)
 
 
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_route_split_staged_writes_the_cpu_rows_into_the_given_buffers(ids_dtype):
+    g = torch.Generator().manual_seed(3)
+    logits, x = torch.randn(4, E, generator=g), torch.randn(4, 16, generator=g).to(torch.bfloat16)
+    x_dst, ids_dst, w_dst = torch.zeros(4, 16), torch.zeros(4, K, dtype=ids_dtype), torch.zeros(4, K)
+    w, ids, (gid, mask, cid, cw) = route_split(logits, K, True, ON_GPU, LOCAL, K, stage=(x, x_dst, ids_dst, w_dst))
+    want = route_split(logits, K, True, ON_GPU, LOCAL, K)
+    assert torch.equal(ids, want[1]) and torch.equal(w, want[0])
+    assert cid is ids_dst and cw is w_dst  # the staging buffers are the CPU slots
+    assert torch.equal(ids_dst, want[2][2].to(ids_dtype)) and torch.equal(w_dst, want[2][3])
+    assert torch.equal(x_dst, x.float())  # in the staging buffer's dtype
+    assert torch.equal(gid, want[2][0]) and torch.equal(mask, want[2][1])
+
+
+def test_route_split_staging_and_flags_errors():
+    logits, x = torch.randn(1, E), torch.randn(1, 16)
+    with pytest.raises(ValueError, match="width"):
+        route_split(logits, K, True, ON_GPU, LOCAL, 0, stage=(x, x, torch.zeros(1, 0), torch.zeros(1, 0)))
+    stage = (x, torch.zeros(1, 16), torch.zeros(1, K, dtype=torch.int64), torch.zeros(1, K))
+    with pytest.raises(ValueError, match="signal needs the Triton kernel"):
+        route_split(logits, K, True, ON_GPU, LOCAL, K, stage=stage, signal=(torch.zeros(1), torch.zeros(1)))
+    with pytest.raises(ValueError, match="done needs the Triton kernel"):
+        sum_parts([x, x], torch.float32, done=torch.zeros(1, dtype=torch.int32))
+
+
 def test_sum_parts_adds_in_float32_and_rounds_once():
     a = torch.tensor([[256.0, 1.0]], dtype=torch.bfloat16)
     b = torch.tensor([[1 + 2.0 ** -8, 2.0 ** -9]])

@@ -8,6 +8,8 @@ for a deferred part).
 T tokens, E experts, K experts per token, H hidden, I expert intermediate size.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,26 +32,38 @@ class StreamLog:
 
 class CpuHandoff:
     """CudaHandoff's enqueue_submit / enqueue_wait on CPU tensors: the rows are staged at submit, the layer's
-    CPU experts computed at wait (the native engine's result; repeated padding slots of weight 0 included)."""
+    CPU experts computed at wait (the native engine's result; repeated padding slots of weight 0 included).
+    zero_copy: staging(layer, T) hands out the layer's staging buffers, which a staged submit reads."""
 
-    def __init__(self, part: str, layers: dict[int, TorchCpuLayer], log: StreamLog):
-        self.part, self.layers, self.log = part, layers, log
+    path = "host_function"  # no flag words: no kernel plays them
+
+    def __init__(self, part: str, layers: dict[int, TorchCpuLayer], log: StreamLog, width: int, zero_copy: bool):
+        self.part, self.layers, self.log, self.zero_copy = part, layers, log, zero_copy
         self.dtype = torch.float32
         self.staged: dict[int, tuple] = {}
+        self.buffers = {layer: (torch.full((8, H), float("nan")), torch.zeros(8, width, dtype=torch.int64),
+                                torch.full((8, width), float("nan"))) for layer in layers}
 
-    def enqueue_submit(self, stream, layer, hidden, topk_ids, topk_weights):
-        assert layer not in self.staged
-        self.staged[layer] = (hidden.clone(), topk_ids.clone(), topk_weights.clone())
+    def staging(self, layer, T):
+        x, ids, w = self.buffers[layer]
+        return SimpleNamespace(x=x[:T], ids=ids[:T], weights=w[:T])
+
+    def enqueue_submit(self, stream, layer, hidden, topk_ids, topk_weights, staged=False, signaled=False):
+        assert layer not in self.staged and not signaled and (self.zero_copy or not staged)
+        rows = self.staging(layer, hidden.shape[0])
+        self.staged[layer] = ((rows.x, rows.ids, rows.weights) if staged else
+                              (hidden.clone(), topk_ids.clone(), topk_weights.clone()))
         self.log.ops.append((self.part, "go", layer))
 
-    def enqueue_wait(self, stream, layer, out=None):
+    def enqueue_wait(self, stream, layer, out=None, in_kernel=False):
+        assert not in_kernel
         x, ids, w = self.staged.pop(layer)
         self.log.ops.append((self.part, "wait", layer))
         c = self.layers[layer]
         return weighted_experts(x, c.gate, c.up, c.down, ids, w, None, F.silu)
 
 
-def backend(deferred: int, log: StreamLog | None = None) -> HybridExperts:
+def backend(deferred: int, log: StreamLog | None = None, stage_in_router: bool = False) -> HybridExperts:
     fp = Footprint(0, 0, 0, 3 * I * H * 4, list(range(LAYERS)), E, K, H, I)
     plan = PlacementPlan(fp, None, "test", {layer: GPU for layer in range(LAYERS)})
     b = HybridExperts(plan, "cpu", TorchCpuLayer, deferred_experts=deferred, num_layers=LAYERS)
@@ -59,8 +73,10 @@ def backend(deferred: int, log: StreamLog | None = None) -> HybridExperts:
                     torch.randn(E, H, I, generator=g) / 3)
     if log is not None:  # the fixed-shape path, its handoffs on the CPU
         cpu = {layer: b.cpu_engine(layer) for layer in range(LAYERS)}
-        own, later = CpuHandoff("own", cpu, log), CpuHandoff("deferred", cpu, log)
         width = min(K - deferred, E - len(GPU)), min(deferred, E - len(GPU))
+        own = CpuHandoff("own", cpu, log, width[0], stage_in_router)
+        later = CpuHandoff("deferred", cpu, log, width[1], stage_in_router)
+        b.stage_in_router = stage_in_router
         b._handoffs = {(part is later, layer): (part, w) for part, w in ((own, width[0]), (later, width[1]))
                        for layer in range(LAYERS)}
         b._fixed_tokens = 8
@@ -81,13 +97,19 @@ def chain(b: HybridExperts, x: torch.Tensor, routers: torch.Tensor, fused_router
     return h
 
 
-@pytest.mark.parametrize("T,deferred,fused_router", [(1, 1, True), (4, 2, True), (4, 1, False), (1, 2, False)])
-def test_fixed_shapes_with_deferral_equal_the_synchronous_path_in_overlapping_order(T, deferred, fused_router):
+@pytest.mark.parametrize("T,deferred,fused_router,stage_in_router",
+                         [(1, 1, True, False), (4, 2, True, False), (4, 1, False, False), (1, 2, False, False),
+                          (1, 1, True, True), (4, 2, True, True), (4, 1, False, True)])
+def test_fixed_shapes_with_deferral_equal_the_synchronous_path_in_overlapping_order(T, deferred, fused_router,
+                                                                                   stage_in_router):
+    """stage_in_router: the fused router writes the own part's rows into its handoff's staging buffers (the
+    deferred part and the caller-routed path still hand theirs over at submit)."""
     g = torch.Generator().manual_seed(T)
     x, routers = torch.randn(T, H, generator=g), torch.randn(LAYERS, H, E, generator=g)
     want = chain(backend(deferred), x, routers, fused_router)
     log = StreamLog()
-    torch.testing.assert_close(chain(backend(deferred, log), x, routers, fused_router), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chain(backend(deferred, log, stage_in_router), x, routers, fused_router), want,
+                               atol=1e-4, rtol=1e-4)
     assert not torch.allclose(want, chain(backend(0), x, routers, fused_router), atol=1e-3)  # deferral is not a no-op
     expected = [("own", "go", 0), ("deferred", "go", 0), ("own", "wait", 0)]
     for layer in range(1, LAYERS):

@@ -198,6 +198,7 @@ class CudaHandoff:
         the pool's workers spin when the next layer's rows arrive, and take_stats can split the
         gap between layers (back_us). Set before the work is enqueued (or a graph captured)."""
         self._zero_copy = False
+        self._flags_mapped: torch.Tensor | None = None  # the flag words as the GPU sees them (flag_words)
         self._native = self._call(_native().CudaHandoff, self.max_tokens, self.top_k)
         self._experts = experts  # their packed buffers are the ones the native layers compute with
         self._index: dict[int, int] = {}
@@ -303,29 +304,81 @@ class CudaHandoff:
             raise HybridMoEError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
 
     def enqueue_submit(self, stream: torch.cuda.Stream | None, layer: int, hidden: torch.Tensor,
-                       topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+                       topk_ids: torch.Tensor, topk_weights: torch.Tensor, staged: bool = False,
+                       signaled: bool = False) -> None:
         """On `stream`: copy hidden [T, H], topk_ids [T, K], topk_weights [T, K] to the staging
-        buffers, then start the layer on the CPU (the host function returns at once)."""
+        buffers, then start the layer on the CPU (the host function returns at once).
+
+        staged (zero_copy): a kernel already on `stream` wrote them to staging(layer, T): no copy. signaled
+        (staged, stream_mem_ops path): that kernel also cleared the layer's done word and wrote its go word
+        (flag_words), so nothing more is enqueued here."""
         stream = self._stream(stream)
         if layer in self._pending:
             raise HybridMoEError(f"layer {layer} was submitted twice; enqueue_wait it first")
-        T = self._stage(stream, layer, hidden, topk_ids, topk_weights)
-        self._call(self._native.enqueue_submit, stream.cuda_stream, self._index[layer], T)
+        if signaled and not staged:
+            raise HybridMoEError("signaled needs staged: the kernel that writes go writes the rows first")
+        if staged and not self._zero_copy:
+            raise HybridMoEError("staged rows need zero_copy (they are written through the device's mapping)")
+        T = self._stage(stream, layer, hidden, topk_ids, topk_weights, copy=not staged)
+        if signaled:
+            self._flags_path("signaled")
+        else:
+            self._call(self._native.enqueue_submit, stream.cuda_stream, self._index[layer], T)
         self._pending[layer] = T
 
     def enqueue_wait(self, stream: torch.cuda.Stream | None, layer: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, in_kernel: bool = False) -> torch.Tensor:
         """On `stream`: block until the layer's CPU work is done, then copy its output [T, H] to
-        `out` (allocated on the GPU if None; with zero_copy, None hands back the mapping) and return it."""
+        `out` (allocated on the GPU if None; with zero_copy, None hands back the mapping) and return it.
+
+        in_kernel (zero_copy, no out, stream_mem_ops path): nothing is enqueued; the mapping is handed back
+        at once and the kernel that reads it must first wait for the layer's done word (flag_words) itself."""
         stream = self._stream(stream)
         if layer not in self._pending:
             raise HybridMoEError(f"layer {layer} has no enqueue_submit to wait for")
         T = self._pending[layer]
+        if in_kernel:
+            self._flags_path("in_kernel")
+            if out is not None or not self._zero_copy:
+                raise HybridMoEError("in_kernel waits hand back the mapping: they need zero_copy and no out")
+            del self._pending[layer]
+            return self._staging[layer].mapped.out[:T]
         out = self._out(stream, layer, T, out)
         self._call(self._native.enqueue_wait, stream.cuda_stream, self._index[layer], T)
         del self._pending[layer]
         self._wake_after_wait(stream)
         return self._give_out(stream, layer, T, out)
+
+    def staging(self, layer: int, T: int) -> SimpleNamespace:
+        """The first T rows of the layer's staging buffers as the GPU sees them (zero_copy): x [T, H] (dtype),
+        ids [T, K] (ids_dtype), weights [T, K] float32; for a kernel that writes them (enqueue_submit staged)."""
+        if not self._zero_copy:
+            raise HybridMoEError("the staging buffers are mapped for the GPU only with zero_copy")
+        if layer not in self._index:
+            raise HybridMoEError(f"layer {layer} has no CPU experts in this handoff (layers: {self.layers})")
+        if not 1 <= T <= self.max_tokens:
+            raise HybridMoEError(f"T must be between 1 and max_tokens ({self.max_tokens}), got {T}")
+        m = self._staging[layer].mapped
+        return SimpleNamespace(x=m.x[:T], ids=m.ids[:T], weights=m.weights[:T])
+
+    def flag_words(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(done, go): the layer's flag words as the GPU sees them, int32 [1] each (stream_mem_ops path), for
+        kernels that play the stream's part of the protocol: clear done, then (after a system-wide fence)
+        write go = T; wait for done == 1 before reading the output."""
+        self._flags_path("flag_words")
+        if layer not in self._index:
+            raise HybridMoEError(f"layer {layer} has no CPU experts in this handoff (layers: {self.layers})")
+        if self._flags_mapped is None:
+            from hybridmoe.experts.mapped_staging import device_view
+
+            self._flags_mapped = device_view(self._flags, self.device)
+        i = self._index[layer]
+        done, go = self._native.done_word(i), self._native.go_word(i)
+        return self._flags_mapped[done:done + 1], self._flags_mapped[go:go + 1]
+
+    def _flags_path(self, what: str) -> None:
+        if self.path != "stream_mem_ops":
+            raise HybridMoEError(f"{what} needs the stream_mem_ops path (flag words), this handoff runs {self.path}")
 
     def enqueue(self, stream: torch.cuda.Stream | None, layer: int, hidden: torch.Tensor,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -398,8 +451,8 @@ class CudaHandoff:
         if err is not None:
             raise HybridMoEError(f"CPU experts on the CUDA stream failed: {err}")
 
-    def _stage(self, stream, layer: int, hidden, topk_ids, topk_weights) -> int:
-        """Checks the inputs, enqueues their copies to the layer's staging buffers; returns T."""
+    def _stage(self, stream, layer: int, hidden, topk_ids, topk_weights, copy: bool = True) -> int:
+        """Checks the inputs, enqueues their copies to the layer's staging buffers (unless not copy); returns T."""
         if layer not in self._index:
             raise HybridMoEError(f"layer {layer} has no CPU experts in this handoff (layers: {self.layers})")
         T = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() == 2 else -1
@@ -407,9 +460,12 @@ class CudaHandoff:
             raise HybridMoEError(f"hidden must be [T, H] with 1 <= T <= max_tokens ({self.max_tokens}), "
                                  f"got shape {list(getattr(hidden, 'shape', []))}")
         s = self._staging[layer]
-        self._check_gpu("hidden", hidden, (T, s.x.shape[1]), (self.dtype,))
+        # staged: the kernel that wrote the rows rounded them to the staging dtype
+        self._check_gpu("hidden", hidden, (T, s.x.shape[1]), (self.dtype,) if copy else (*_HIDDEN_DTYPES, torch.float16))
         self._check_gpu("topk_ids", topk_ids, (T, self.top_k), _IDS_DTYPES)
         self._check_gpu("topk_weights", topk_weights, (T, self.top_k), _WEIGHT_DTYPES)
+        if not copy:
+            return T
         with torch.cuda.stream(stream):
             if self._zero_copy:
                 from hybridmoe.experts.mapped_staging import copy_words

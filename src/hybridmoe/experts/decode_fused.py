@@ -70,32 +70,53 @@ def split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, 
 
 
 def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
-                local: torch.Tensor, width: int, fused: bool = True, deferred: int = 0):
+                local: torch.Tensor, width: int, fused: bool = True, deferred: int = 0, stage=None, signal=None):
     """The router's softmax top-k (layers/moe.py softmax_topk) and split_slots of its result, one kernel
     on CUDA (fused): (weights [T, K] float32, ids [T, K] int64, split_slots' four outputs).
 
     With deferred > 0 (expert deferral, experts/deferral.py: the top-k comes out largest weight first,
     so each token's deferred slots are its last `deferred` columns) the split is of the first
     K - deferred columns (part (0, K - deferred)); split_slots(..., part=(K - deferred, K)) splits the
-    others when they are due."""
+    others when they are due.
+
+    stage (x [T, H], x_dst [T, H], ids_dst [T, width], w_dst [T, width]): the step's rows for the CPU go
+    straight to the CUDA handoff's staging buffers: the CPU slots are written to ids_dst, w_dst (returned as
+    cpu_ids, cpu_weights) and x to x_dst (in x_dst's dtype), in the same kernel. signal (done, go: the
+    handoff's mapped flag words, int32 [1]; with stage, on CUDA with triton only): the kernel also clears
+    done and then writes go = T, which hands the rows to the CPU (CudaHandoff.kernel_flags)."""
+    if stage is not None and not width:
+        raise ValueError("route_split: stage needs CPU slots (width > 0)")
     if _triton(router_logits, fused):
         from hybridmoe.experts.decode_fused_triton import triton_route_split
 
-        return triton_route_split(router_logits, top_k, renormalize, on_gpu, local, width, deferred)
+        return triton_route_split(router_logits, top_k, renormalize, on_gpu, local, width, deferred, stage, signal)
+    if signal is not None:
+        raise ValueError("route_split: signal needs the Triton kernel (CUDA, triton, fused)")
     from hybridmoe.layers.moe import softmax_topk
 
     weights, ids = softmax_topk(router_logits, top_k, renormalize, fused=False)
     part = (0, top_k - deferred) if deferred else None
-    return weights, ids, split_slots(ids, weights, on_gpu, local, width, fused=False, part=part)
+    gpu_ids, gpu_mask, cpu_ids, cpu_w = split_slots(ids, weights, on_gpu, local, width, fused=False, part=part)
+    if stage is not None:
+        x, x_dst, ids_dst, w_dst = stage
+        x_dst.copy_(x)
+        ids_dst.copy_(cpu_ids)
+        w_dst.copy_(cpu_w)
+        cpu_ids, cpu_w = ids_dst, w_dst
+    return weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_w)
 
 
-def sum_parts(parts: list[torch.Tensor], dtype: torch.dtype, fused: bool = True) -> torch.Tensor:
+def sum_parts(parts: list[torch.Tensor], dtype: torch.dtype, fused: bool = True, done: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """The sum of 2 to 4 partial outputs in float32, in list order, rounded once to dtype; parts [T, H] on one
-    device, any float dtypes."""
+    device, any float dtypes. done (the CUDA handoff's mapped done word, int32 [1]; on CUDA with triton only):
+    the kernel first waits for it to read 1 (part 0 is that handoff's output), and one part is allowed."""
     if _triton(parts[0], fused):
         from hybridmoe.experts.decode_fused_triton import triton_sum_parts
 
-        return triton_sum_parts(parts, dtype)
+        return triton_sum_parts(parts, dtype, done)
+    if done is not None:
+        raise ValueError("sum_parts: done needs the Triton kernel (CUDA, triton, fused)")
     total = parts[0].float() + parts[1].float()
     for p in parts[2:]:
         total = total + p.float()

@@ -41,7 +41,8 @@ def _split(e, w, valid, lo, hi, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr
         batch_first = tl.sum(tl.where(tt == first_t, first, 0), axis=0)  # 0 when none has
         pad = tl.where(count > 0, first, batch_first)
         out = (t < T) & (j[None, :] < W)
-        tl.store(cpu_ids_ptr + t * W + j[None, :], tl.where(filled, cid, pad[:, None]).to(tl.int64), mask=out)
+        tl.store(cpu_ids_ptr + t * W + j[None, :], tl.where(filled, cid, pad[:, None]).to(cpu_ids_ptr.dtype.element_ty),
+                 mask=out)
         tl.store(cpu_w_ptr + t * W + j[None, :], tl.where(filled, cw, 0.0), mask=out)
 
 
@@ -59,12 +60,32 @@ def _split_slots_kernel(ids_ptr, w_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_
 
 
 @triton.jit
+def _signal_go(done_ptr, go_ptr, T):
+    """Thread 0 of the program: done = 0, then, after a system-wide fence (every store of the program before it,
+    the staged rows included, visible to the host first), go = T. The caller puts a barrier in front."""
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred first;
+        .reg .u32 tid;
+        mov.u32 tid, %tid.x;
+        setp.eq.u32 first, tid, 0;
+        @first st.volatile.global.u32 [$1], 0;
+        fence.sc.sys;
+        @first st.volatile.global.u32 [$2], $3;
+        mov.u32 $0, 0;
+        }""",
+        constraints="=r,l,l,r", args=[done_ptr, go_ptr, T], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr,
-                        cpu_w_ptr, T, E, stride_l, W, K: tl.constexpr, KD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                        cpu_w_ptr, x_ptr, stage_x_ptr, done_ptr, go_ptr, T, E, stride_l, W, H, stride_x,
+                        K: tl.constexpr, KD: tl.constexpr, RENORMALIZE: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                        HAS_CPU: tl.constexpr):
+                        HAS_CPU: tl.constexpr, STAGE_X: tl.constexpr, SIGNAL: tl.constexpr, BLOCK_H: tl.constexpr):
     """softmax_topk (layers/router_triton.py, row by row) then _split of the first K - KD columns, the top-k
-    kept in registers."""
+    kept in registers. STAGE_X: also copy the rows x [T, H] to stage_x (the CUDA handoff's staging buffer).
+    SIGNAL: then hand the step to the CPU (_signal_go)."""
     t = tl.arange(0, BLOCK_T)[:, None]
     cols = tl.arange(0, BLOCK_E)[None, :]
     x = tl.load(logits_ptr + t * stride_l + cols, mask=(t < T) & (cols < E), other=-float("inf")).to(tl.float32)
@@ -88,6 +109,16 @@ def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_i
     tl.store(ids_ptr + t * K + ks, top_i, mask=valid)
     _split(top_i, top_w, valid, 0, K - KD, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr,
            T, K, W, BLOCK_T, BLOCK_W, HAS_CPU)
+    if STAGE_X:
+        h = tl.arange(0, BLOCK_H)
+        for row in range(T):
+            for h0 in range(0, H, BLOCK_H):
+                ok = h0 + h < H
+                v = tl.load(x_ptr + row * stride_x + h0 + h, mask=ok)
+                tl.store(stage_x_ptr + row * H + h0 + h, v.to(stage_x_ptr.dtype.element_ty), mask=ok)
+    if SIGNAL:
+        tl.debug_barrier()
+        _signal_go(done_ptr, go_ptr, T)
 
 
 def _split_outputs(T: int, K: int, width: int, device: torch.device):
@@ -98,20 +129,36 @@ def _split_outputs(T: int, K: int, width: int, device: torch.device):
 
 
 def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
-                       local: torch.Tensor, width: int, deferred: int = 0):
+                       local: torch.Tensor, width: int, deferred: int = 0, stage=None, signal=None):
     """route_split in one kernel: (weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_weights)) as
-    triton_softmax_topk and triton_split_slots give them; the split of the first top_k - deferred columns."""
+    triton_softmax_topk and triton_split_slots give them; the split of the first top_k - deferred columns.
+    stage (x [T, H], x_dst [T, H], ids_dst [T, width], w_dst [T, width]): the CPU slots are written to
+    ids_dst, w_dst (and come back as cpu_ids, cpu_weights) and x is copied to x_dst, in the same kernel (the
+    CUDA handoff's staging buffers, through the device's mapping). signal (done [1], go [1] int32, mapped flag
+    words; needs stage): the kernel then clears done and writes go = T itself (the handoff's protocol)."""
     T, E = router_logits.shape
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
-    gpu_ids, gpu_mask, cpu_ids, cpu_w = _split_outputs(T, top_k, width, logits.device)
+    if stage is not None:
+        x, x_dst, cpu_ids, cpu_w = stage
+        gpu_ids, gpu_mask, _, _ = _split_outputs(T, top_k, 0, logits.device)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        H, stride_x = x.shape[1], x.stride(0)
+    else:
+        gpu_ids, gpu_mask, cpu_ids, cpu_w = _split_outputs(T, top_k, width, logits.device)
+        x = x_dst = None
+        H = stride_x = 0
+    done, go = signal if signal is not None else (None, None)
     _route_split_kernel[(1,)](
         logits, weights, ids, on_gpu.view(torch.uint8), local, gpu_ids, gpu_mask.view(torch.uint8),
-        cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, T, E, logits.stride(0), width, K=top_k,
+        cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, x if x is not None else weights,
+        x_dst if x_dst is not None else weights, done if done is not None else gpu_ids,
+        go if go is not None else gpu_ids, T, E, logits.stride(0), width, H, stride_x, K=top_k,
         KD=deferred, RENORMALIZE=renormalize, BLOCK_T=max(2, triton.next_power_of_2(T)),
         BLOCK_E=triton.next_power_of_2(E), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
-        BLOCK_W=max(2, triton.next_power_of_2(width)), HAS_CPU=width > 0)
+        BLOCK_W=max(2, triton.next_power_of_2(width)), HAS_CPU=width > 0, STAGE_X=stage is not None,
+        SIGNAL=signal is not None, BLOCK_H=1024)
     return weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_w)
 
 
@@ -133,10 +180,27 @@ def triton_split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.T
 
 
 @triton.jit
-def _sum_parts_kernel(a_ptr, b_ptr, c_ptr, d_ptr, out_ptr, N, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+def _wait_done(done_ptr):
+    """Spin until the mapped flag word done_ptr reads 1 (a system-scope acquire: what the host wrote before it
+    is seen after it)."""
+    seen = tl.inline_asm_elementwise(asm="ld.acquire.sys.global.u32 $0, [$1];", constraints="=r,l",
+                                     args=[done_ptr], dtype=tl.int32, is_pure=False, pack=1)
+    while seen != 1:
+        seen = tl.inline_asm_elementwise(asm="ld.acquire.sys.global.u32 $0, [$1];", constraints="=r,l",
+                                         args=[done_ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _sum_parts_kernel(a_ptr, b_ptr, c_ptr, d_ptr, out_ptr, done_ptr, N, PARTS: tl.constexpr, WAIT: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """WAIT: first wait for the CUDA handoff's done word (the CPU's part is part a, in its staging buffer)."""
+    if WAIT:
+        _wait_done(done_ptr)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
-    total = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32) + tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
+    total = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if PARTS > 1:
+        total += tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
     if PARTS > 2:
         total += tl.load(c_ptr + i, mask=m, other=0.0).to(tl.float32)
     if PARTS > 3:
@@ -144,15 +208,18 @@ def _sum_parts_kernel(a_ptr, b_ptr, c_ptr, d_ptr, out_ptr, N, PARTS: tl.constexp
     tl.store(out_ptr + i, total.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def triton_sum_parts(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """sum_parts in one kernel: 2 to 4 parts [T, H] summed in float32 in order, rounded to dtype."""
-    if not 2 <= len(parts) <= 4:
-        raise ValueError(f"sum_parts takes 2 to 4 parts, got {len(parts)}")
+def triton_sum_parts(parts: list[torch.Tensor], dtype: torch.dtype, done: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_parts in one kernel: 2 to 4 parts [T, H] summed in float32 in order, rounded to dtype. done (a mapped
+    int32 flag word [1]): the kernel first waits for it to read 1 (the CUDA handoff's done word for part 0,
+    which may then be the only part)."""
+    if not (1 if done is not None else 2) <= len(parts) <= 4:
+        raise ValueError(f"sum_parts takes 2 to 4 parts (1 to 4 with a done word), got {len(parts)}")
     ps = [p.contiguous() for p in parts]
     ps += [ps[0]] * (4 - len(ps))
     out = torch.empty(ps[0].shape, dtype=dtype, device=ps[0].device)
     N, block = out.numel(), 1024
-    _sum_parts_kernel[(triton.cdiv(N, block),)](*ps, out, N, PARTS=len(parts), BLOCK=block)
+    _sum_parts_kernel[(triton.cdiv(N, block),)](*ps, out, done if done is not None else out, N, PARTS=len(parts),
+                                                WAIT=done is not None, BLOCK=block)
     return out
 
 

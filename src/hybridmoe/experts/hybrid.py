@@ -124,13 +124,16 @@ class _Partial:
     """
 
     def __init__(self, layer: int, st: _Layer, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 act, handoff=None, fused: bool = False, split: tuple | None = None, part: tuple | None = None):
+                 act, handoff=None, fused: bool = False, split: tuple | None = None, part: tuple | None = None,
+                 staged: tuple[bool, bool] = (False, False)):
         self.layer, self.device, self.dtype, self.shape = layer, hidden.device, hidden.dtype, hidden.shape
         self.fused = fused
         self.cpu, self.handoff, self.cpu_out, self.gpu_out = None, None, None, None
         self._gpu_share = None  # fixed shapes: the GPU share's arguments until start_gpu
+        self._signaled = False  # fixed shapes: the kernels signal the handoff's flags (HybridExperts.kernel_flags)
+        self._done = None  # then: the done word the kernel that reads cpu_out waits for (finish)
         if handoff is not None:
-            self._start_fixed(st, hidden, ids, weights, act, *handoff, split, part)
+            self._start_fixed(st, hidden, ids, weights, act, *handoff, split, part, staged)
             return
         streamed = st.cpu is not None and st.streamer is not None and st.streamer.takes(hidden)
         if streamed:  # the streamer runs the GPU experts' slots too, in the same grouped kernels
@@ -145,11 +148,16 @@ class _Partial:
         if st.gpu_weights is not None and not streamed:
             self.gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, st.on_gpu[ids], act)
 
-    def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int, split=None, part=None) -> None:
+    def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int, split=None, part=None,
+                     staged: tuple[bool, bool] = (False, False)) -> None:
+        """staged: (route_split already wrote the CPU's rows to the handoff's staging buffers, and also its
+        go word)."""
         local, mask, cids, cw = split or split_slots(ids, weights, st.on_gpu, st.local,
                                                      width if st.cpu is not None else 0, self.fused, part)
         if st.cpu is not None:
-            handoff.enqueue_submit(None, self.layer, hidden.to(handoff.dtype), cids, cw)
+            rows, self._signaled = staged
+            handoff.enqueue_submit(None, self.layer, hidden if rows else hidden.to(handoff.dtype), cids, cw,
+                                   staged=rows, signaled=self._signaled)
             self.handoff = handoff
         if st.gpu_weights is not None:
             self._gpu_share = (hidden, *st.gpu_weights, local, weights, mask, act)
@@ -164,7 +172,10 @@ class _Partial:
         if self.cpu is not None:
             self.cpu_out, self.cpu = self.cpu.wait(), None
         if self.handoff is not None:
-            self.cpu_out, self.handoff = self.handoff.enqueue_wait(None, self.layer), None
+            if self._signaled:  # the mapping at once; finish's kernel waits for the done word
+                self._done = self.handoff.flag_words(self.layer)[0]
+            self.cpu_out = self.handoff.enqueue_wait(None, self.layer, in_kernel=self._signaled)
+            self.handoff = None
 
     def _parts(self) -> list[torch.Tensor]:
         self.start_gpu()
@@ -175,6 +186,8 @@ class _Partial:
         """[T, H] in the hidden state's dtype and device; plus folded's output (an earlier layer's deferred
         experts, joining here), summed with this one's parts before the one rounding."""
         parts = self._parts() + (folded._parts() if folded is not None else [])
+        if self._done is not None:  # parts[0] is the CPU's output: the kernel waits for it first
+            return sum_parts(parts, self.dtype, self.fused, done=self._done)
         if not parts:
             return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         if len(parts) == 1:
@@ -213,6 +226,15 @@ class HybridExperts(ExpertBackend):
         # (CudaHandoff.zero_copy; needs triton): on the GPU host the gap between layers 54 vs 69 µs, Qwen3-30B-A3B
         # 4 layers, int4 and bf16, every sample (device round r1 of session 5). Read by use_fixed_shapes.
         self.zero_copy = True
+        self.stage_in_router = False
+        """Fixed shapes, zero_copy: the router's kernel (route_split) writes the CPU's rows (x, ids, weights) to
+        the handoff's staging buffers itself, instead of a kernel of their own (mapped_staging.copy_words).
+        Read when a step is enqueued (captured)."""
+        self.kernel_flags = False
+        """Fixed shapes, zero_copy, stream_mem_ops: as stage_in_router, and the router's kernel also clears the
+        layer's done word and writes its go word (no stream memory operations), and the kernel that sums the
+        layer's parts waits for the done word itself (no cuStreamWaitValue32 node). Read when a step is
+        enqueued (captured)."""
         self._driver_cpus: set[int] = set()  # the CPUs the handoffs' pools leave free (use_fixed_shapes)
 
     def _split(self, layer: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -366,11 +388,17 @@ class HybridExperts(ExpertBackend):
             return None
         st = self._layers[layer]
         kd = self.deferred_experts
+        handoff, width = fixed
+        stage = signal = None
+        if st.cpu is not None and handoff.zero_copy and (self.stage_in_router or self.kernel_flags):
+            rows = handoff.staging(layer, hidden.shape[0])
+            stage = (hidden, rows.x, rows.ids, rows.weights)
+            signal = handoff.flag_words(layer) if self.kernel_flags and handoff.path == "stream_mem_ops" else None
         weights, ids, split = route_split(router_logits, top_k, renormalize, st.on_gpu, st.local,
-                                          fixed[1] if st.cpu is not None else 0, self.fused, kd)
+                                          width if st.cpu is not None else 0, self.fused, kd, stage, signal)
         # the deferred part: the same [T, K] slots, its own columns (split once the layer's own part is on its way)
         later = (ids, weights, (top_k - kd, top_k)) if kd else None
-        self._submit_fixed(layer, hidden, ids, weights, split, later)
+        self._submit_fixed(layer, hidden, ids, weights, split, later, (stage is not None, signal is not None))
         return self.wait(layer)
 
     def submit(self, layer, hidden, topk_ids, topk_weights):
@@ -399,17 +427,18 @@ class HybridExperts(ExpertBackend):
             self._inflight.clear()
             self._folded.clear()  # their CPU parts were joined when they were folded
 
-    def _submit_fixed(self, layer, hidden, ids, weights, split, later) -> None:
+    def _submit_fixed(self, layer, hidden, ids, weights, split, later, staged=(False, False)) -> None:
         """A fixed-shape step's layer (CUDA, handoff): its CPU part, then its deferred experts' CPU part,
         go to the CPU at once, in stream order, behind whatever the CPU still has queued (the previous
         layer's deferred experts); then both GPU parts. Nothing waits here: the layer's own part is
         joined in wait(), the deferred one where it joins the residual (after_layer of the next layer).
         split: route_split's split of (ids, weights), or None to split here. later: the deferred part's
-        (ids, weights, part: its columns of them, None for all), or None without deferral."""
+        (ids, weights, part: its columns of them, None for all), or None without deferral. staged: _Partial's
+        (route_split wrote the own part's rows to the handoff, and its go word)."""
         self._restart_if_interrupted(layer)
         st = self._layers[layer]
         parts = [_Partial(layer, st, hidden, ids, weights, self.act, self._handoff(False, layer, hidden), self.fused,
-                          split)]
+                          split, staged=staged)]
         if later is not None:
             later_ids, later_weights, part = later
             parts.append(_Partial(layer, st, hidden, later_ids, later_weights, self.act,
