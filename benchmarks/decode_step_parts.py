@@ -1,19 +1,23 @@
-"""Where a decode step's time goes outside its layers: the host's part of each engine step beside the GPU's.
+"""Where a decode step's time goes outside its layers, and what the runner's host paths cost, side by side.
 
     python benchmarks/decode_step_parts.py --synthetic qwen3-30b-a3b --layers 4 --formats int4,bf16
-        [--gen-len 64] [--decode-prompt-len 64] [--replays 64] [--json F]
-        [engine options: --device cuda --gpu-memory-budget 16GiB --gpu-experts-per-layer 26 ...]
+        [--variants old,device,ahead] [--repeats 3] [--gen-len 64] [--decode-prompt-len 64] [--replays 64]
+        [--json F] [engine options: --device cuda --gpu-memory-budget 16GiB --gpu-experts-per-layer 26 ...]
 
-Per engine (a synthetic checkpoint in memory, one expert format), greedy decode at batch 1:
-- "engine": gen_len tokens through LLMEngine.step(), seconds per token (the prompt's step left out).
-- host phases of those steps (perf_counter around the engine's own methods): schedule, the runner's step
-  up to the graph launch (input copies, thread pinning), the launch itself, the wait for the token (the
-  sampler reads it back), the runner's step after it, postprocess, and what is left of the step.
-- GPU, from CUDA events recorded around the same calls: the replayed graph's time, the sampler's GPU work
-  after it, and the time the GPU had nothing queued between one step's token and the next step's graph
-  (idle: the host's serial share of the step).
-- "replays": the last decode step's CUDA graph replayed back to back `replays` times with no host in the
-  loop (same inputs): the step as the GPU and the CPU experts alone run it.
+Per engine (a synthetic checkpoint in memory, one expert format), greedy decode at batch 1, with the model
+runner's host path of each variant (VARIANTS: ModelRunner.sample_on_device and lookahead), switched on the
+same engine and measured `repeats` times interleaved (each round starting one row later):
+- us/token: gen_len tokens through LLMEngine.step(), the prompt's step left out (median of the samples);
+  "tokens" says whether the variant decoded the first variant's tokens.
+- host phases (first round, a probed run: perf_counter around the engine's own methods): schedule, the
+  runner's step up to the graph launch (input copies, thread pinning), the launch itself, the wait for the
+  token, the runner's step after it, postprocess, and what is left of the step. With lookahead the launch
+  is the next step's, made before this step's token is waited for.
+- GPU (CUDA events around the same calls): the replayed graph's span, the span from its end to the token
+  read, and the time between one step's token and the next launch (without lookahead the GPU is idle then:
+  the host's serial share of the step).
+- "replays": the decode step's CUDA graph (the old variant's) replayed back to back `replays` times with no
+  host in the loop: the step as the GPU and the CPU experts alone run it.
 - eager parts on the GPU (CUDA events, median of 50): embedding, final norm, lm_head (with its GB/s),
   argmax, the logits' clone and the token's read back.
 """
@@ -33,6 +37,12 @@ from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
 from hybridmoe.config import EngineConfig
 from hybridmoe.sampling_params import SamplingParams
 
+VARIANTS = {"old": dict(sample_on_device=False, lookahead=False),
+            "device": dict(sample_on_device=True, lookahead=False),
+            "ahead": dict(sample_on_device=True, lookahead=True)}
+"""ModelRunner attributes of each variant: old, the sampler on copied-back logits and the inputs copied every
+step; device, the step's own argmax read back and inputs left on the device; ahead, also the next step
+launched before this one's token is read."""
 PHASES = ("schedule", "run_pre", "launch", "wait_token", "run_post", "postprocess", "loop_other")
 
 
@@ -43,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--formats", default=None, help="expert formats, e.g. int4,bf16 (default: the engine's)")
     parser.add_argument("--gen-len", type=int, default=64, help="tokens decoded per timed run (default 64)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
+    parser.add_argument("--variants", default="old,device,ahead", help=f"among {','.join(VARIANTS)} (default all)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the variants (default 3)")
     parser.add_argument("--replays", type=int, default=64, help="back-to-back graph replays (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
@@ -50,15 +62,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def decode(engine, prompt: list[int], gen_len: int) -> float:
-    """Seconds per decoded token, greedy, batch 1, the prompt's step left out."""
+def decode(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
+    """Seconds per decoded token, greedy, batch 1, the prompt's step left out; and the tokens."""
     engine.add_request(prompt, SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True))
-    first = None
+    first, tokens = None, []
     while engine.has_unfinished():
-        engine.step()
+        for out in engine.step():
+            tokens += out.new_token_ids
         if first is None:
             first = time.perf_counter()
-    return (time.perf_counter() - first) / (gen_len - 1)
+    return (time.perf_counter() - first) / (gen_len - 1), tokens
 
 
 class StepProbe:
@@ -90,10 +103,10 @@ class StepProbe:
             self._mark("scheduled")
             return out
 
-        def run_w(batch):
+        def run_w(batch, **kwargs):
             self._mark("run_in")
-            out = run(batch)
-            self._mark("run_out")
+            out = run(batch, **kwargs)
+            self._mark("run_out", event=True)
             return out
 
         def sampler_w(logits, rows):
@@ -131,6 +144,11 @@ class StepProbe:
     def summary(self) -> dict:
         """Mean us per decode step of each host phase and GPU span (steps with a graph launch only, the first
         of them left out: its idle time starts at the prompt's step)."""
+        for m, e in zip(self.marks, self.events):  # a step whose token the runner read itself: at run's return
+            if "token" not in m and "run_out" in m:
+                m["token"] = m["run_out"]
+                if "run_out" in e:
+                    e["token"] = e["run_out"]
         steps = [(m, e) for m, e in zip(self.marks, self.events) if "launch_in" in m and "token" in m]
         host = {k: [] for k in PHASES}
         gpu = {"graph": [], "after_graph": [], "idle_before": []}
@@ -162,7 +180,7 @@ def replay_loop(engine, replays: int) -> float:
     runner = engine.runner
     if not runner.captured:
         return float("nan")
-    graph, _ = runner._graphs[max(runner._graphs)]
+    graph = runner._graphs[max(runner._graphs)][0]
     decode_thread = getattr(runner.model.experts, "decode_thread", nullcontext)
     with decode_thread():
         graph.replay()
@@ -213,16 +231,32 @@ def eager_parts(engine) -> dict:
     return {k: (1e3 * v if k != "lm_head_gbps" else v) for k, v in parts.items()}  # us, and GB/s
 
 
+def set_variant(engine, name: str) -> None:
+    for attr, value in VARIANTS[name].items():
+        setattr(engine.runner, attr, value)
+
+
 def measure(engine, args) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, engine.vocab_size, (args.decode_prompt_len,), generator=g).tolist()
-    decode(engine, prompt, args.gen_len)  # captures the graphs these lengths replay
-    plain = [decode(engine, prompt, args.gen_len) for _ in range(2)]
-    probe = StepProbe(engine)
-    with probe.installed():
-        probed = decode(engine, prompt, args.gen_len)
-    return {"engine_us": [1e6 * s for s in plain], "probed_engine_us": 1e6 * probed, "probe": probe.summary(),
-            "replay_us": 1e6 * replay_loop(engine, args.replays), "eager_us": eager_parts(engine),
+    names = args.variants.split(",")
+    samples, tokens, probes = {n: [] for n in names}, {}, {}
+    for rep in range(args.repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            set_variant(engine, name)
+            decode(engine, prompt, args.gen_len)  # captures the graphs these lengths replay (again, if switched)
+            seconds, tokens[name] = decode(engine, prompt, args.gen_len)
+            samples[name].append(1e6 * seconds)
+            if rep == 0:
+                probe = StepProbe(engine)
+                with probe.installed():
+                    decode(engine, prompt, args.gen_len)
+                probes[name] = probe.summary()
+    set_variant(engine, "old")
+    decode(engine, prompt, args.gen_len)
+    rows = {n: {"us": statistics.median(samples[n]), "samples_us": samples[n], "tokens_equal": tokens[n] == tokens[names[0]],
+                "probe": probes[n]} for n in names}
+    return {"variants": rows, "replay_us": 1e6 * replay_loop(engine, args.replays), "eager_us": eager_parts(engine),
             "graphs": [list(k) for k in engine.runner.captured]}
 
 
@@ -241,13 +275,16 @@ def main(argv=None) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             results.append(r)
-            p = r["probe"]
-            print(f"== {fmt} {args.layers} layers, graphs {r['graphs']}")
-            print(f"  engine step us/token: {' '.join(f'{v:.0f}' for v in r['engine_us'])} (probed "
-                  f"{r['probed_engine_us']:.0f}, probe's own step mean {p['step_us']:.0f}); graph replayed back to "
-                  f"back: {r['replay_us']:.0f} us ({r['replay_us'] / min(r['engine_us']):.3f} of the engine step)")
-            print("  host us/step: " + ", ".join(f"{k} {v:.1f}" for k, v in p["host_us"].items()))
-            print("  GPU us/step:  " + ", ".join(f"{k} {v:.1f}" for k, v in p["gpu_us"].items()))
+            print(f"== {fmt} {args.layers} layers, graphs {r['graphs']}; graph replayed back to back: "
+                  f"{r['replay_us']:.0f} us/step")
+            base = r["variants"][args.variants.split(",")[0]]["us"]
+            for name, v in r["variants"].items():
+                p = v["probe"]
+                print(f"  {name:<7} {v['us']:7.0f} us/token ({base / v['us']:.3f}x the first; replay/this "
+                      f"{r['replay_us'] / v['us']:.3f}) samples {' '.join(f'{x:.0f}' for x in v['samples_us'])}"
+                      f"  tokens {'equal' if v['tokens_equal'] else 'DIFFER'}")
+                print("          host us/step: " + ", ".join(f"{k} {x:.1f}" for k, x in p["host_us"].items()))
+                print("          GPU us/step:  " + ", ".join(f"{k} {x:.1f}" for k, x in p["gpu_us"].items()))
             print("  eager GPU us: " + ", ".join(f"{k} {v:.1f}" for k, v in r["eager_us"].items()))
     if args.json:
         with open(args.json, "w") as f:

@@ -101,8 +101,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for each request that got a token (finished or not)."""
         batch = self.scheduler.schedule()
-        tokens, logprobs = self.runner.run(batch)
-        return self._postprocess(batch, tokens, logprobs)
+        tokens, logprobs = self.runner.run(batch, lookahead=not self.scheduler.admits())
+        outputs = self._postprocess(batch, tokens, logprobs)
+        if not self.scheduler.has_unfinished():
+            self.runner.settle()  # a decode step launched ahead for a sequence that stopped is not run on
+        return outputs
 
     def _postprocess(self, batch: list[ScheduledSeq], tokens: list[int | None],
                      logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:

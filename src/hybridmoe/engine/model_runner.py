@@ -10,17 +10,28 @@ row attending over one padded length Lp, inputs in static device buffers. With c
 step for each (Bp, Lp) is captured once as a CUDA graph (lazily, after one eager warm-up run)
 and replayed; without, the same fixed-shape step runs eagerly, so both give the same tokens.
 Prefill and everything else runs eagerly in the shapes of the batch.
+
+A fixed-shape step also takes each row's greedy token (the argmax of its logits) and writes the
+next step's inputs in place (that token, position and length + 1), on the device. For a batch of
+plain greedy rows (no penalties, no logprobs: sample_on_device) the host then reads back only the
+tokens (one pinned copy) and copies no inputs when the device already holds them; and (lookahead)
+the next step is launched before this step's tokens are read, so the host's share of a step (the
+read back, the engine's Python, the launch) runs while the device computes the next one. A step
+launched ahead whose batch does not come (a sequence stopped at EOS, a request arrived) is dropped:
+it ran on its own KV-cache positions only, which the next writes there replace.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 
 from hybridmoe.engine.context import Context, DecodeBatch, use_context
 from hybridmoe.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from hybridmoe.engine.scheduler import ScheduledSeq
+from hybridmoe.sampling_params import SamplingParams
 
 SMALL_BATCHES = 8
 """Batch sizes up to this get a bucket each (a padding row computes its own routed experts);
@@ -46,10 +57,24 @@ class ModelRunner:
         self.fixed = fixed_shapes
         model.allocate_kv_cache(num_slots + 1 if self.fixed else num_slots, max_len)  # + the padding rows' slot
         self.cuda_graph = self.fixed and cuda_graph and self.device.type == "cuda"
+        self.sample_on_device = False
+        """Plain greedy decode steps read back only the step's own argmax, and copy no inputs the device holds
+        (a graph captured the other way is captured again at its next step)."""
+        self.lookahead = True
+        """With sample_on_device, launch the next decode step before reading this one's tokens."""
+        self._holds: list[list[int]] | None = None  # what _inputs hold once the steps enqueued ran, if known
+        self._ahead: _Launched | None = None  # the next decode step, launched before this one's tokens were read
+        self._pinned: ExitStack | None = None  # the decode thread's pinning, held while steps are in flight
         if self.fixed:
-            self._ids, self._positions, self._slots, self._lens = (
-                torch.zeros(num_slots, dtype=torch.long, device=self.device) for _ in range(4))
-            self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+            cuda = self.device.type == "cuda"
+            # [4, S] long, rows: token ids, positions, KV-cache slots, cached lengths after the step
+            self._inputs = torch.zeros(4, num_slots, dtype=torch.long, device=self.device)
+            self._ids, self._positions, self._slots, self._lens = self._inputs
+            self._staged = torch.zeros(4, num_slots, dtype=torch.long, pin_memory=cuda)  # host side of _inputs
+            self._read = [torch.zeros(num_slots, dtype=torch.long, pin_memory=cuda) for _ in range(2)]  # tokens back
+            self._flip = 0  # which _read the next step writes (a step ahead and the one before it use both)
+            self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, bool]] = {}
+            self._retired: list[tuple] = []  # graphs captured with sample_on_device the other way (_graph)
             self._pool = None
 
     @property
@@ -58,21 +83,42 @@ class ModelRunner:
         return sorted(self._graphs) if self.cuda_graph else []
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+    def run(self, batch: list[ScheduledSeq], lookahead: bool = False) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """The next token of every sequence whose tokens are all computed after this step, else None;
-        and its log-probabilities where the sequence's SamplingParams.logprobs asks for them."""
+        and its log-probabilities where the sequence's SamplingParams.logprobs asks for them.
+        lookahead: the caller schedules the same sequences next unless one finishes (no request waits
+        to be admitted), so the next decode step may be launched before this one's tokens are read."""
         decode = bool(self.fixed and batch and all(s.num_tokens == 1 and s.completes for s in batch))
-        # the step's thread off the CPU expert pools' CPUs while it launches and waits (HybridExperts)
-        decode_thread = getattr(self.model.experts, "decode_thread", None) if decode else None
-        with decode_thread() if decode_thread is not None else nullcontext():
-            return self._step(batch, decode)
-
-    def _step(self, batch: list[ScheduledSeq], decode: bool) -> tuple[list[int | None], list[TokenLogprobs | None]]:
-        if decode:
-            logits = self._run_decode(batch)
-            rows = list(range(len(batch)))
-        else:
+        if not decode:
+            self.settle()
             logits, rows = self._run_eager(batch)
+            out = self._sample(batch, logits, rows)
+            if self.fixed:
+                self._check()  # (short steps run their CPU layers on the stream too; the sampler synchronized)
+            return out
+        if self._pinned is None:
+            # the step's thread off the CPU expert pools' CPUs while steps are in flight (HybridExperts)
+            self._pinned = ExitStack()
+            decode_thread = getattr(self.model.experts, "decode_thread", None)
+            if decode_thread is not None:
+                self._pinned.enter_context(decode_thread())
+        try:
+            return self._run_decode(batch, lookahead)
+        finally:
+            if self._ahead is None:
+                self.settle()
+
+    def settle(self) -> None:
+        """Drop a step launched ahead (its tokens are never read) and unpin the thread: when no step follows."""
+        if self._ahead is not None:
+            self._ahead, self._holds = None, None  # it advanced the inputs past what _holds says
+        if self._pinned is not None:
+            self._pinned, pinned = None, self._pinned
+            pinned.close()
+
+    def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor | None,
+                rows: list[int]) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """Tokens (and logprobs) of batch's rows `rows` from their logits [len(rows), V] by the sampler."""
         tokens: list[int | None] = [None] * len(batch)
         logprobs: list[TokenLogprobs | None] = [None] * len(batch)
         if rows:
@@ -86,9 +132,6 @@ class ModelRunner:
                 found = token_logprobs(raw, [sampled[j] for j in wanted], [seqs[j].params.logprobs for j in wanted])
                 for j, lp in zip(wanted, found):
                     logprobs[rows[j]] = lp
-        check = getattr(self.model.experts, "check", None)
-        if self.fixed and check is not None:
-            check()  # errors of CPU layers run on the CUDA stream (the sampler synchronized)
         return tokens, logprobs
 
     def _run_eager(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor | None, list[int]]:
@@ -111,38 +154,102 @@ class ModelRunner:
         last = torch.tensor([cu_seqlens[b + 1] - 1 for b in rows], device=self.device)
         return self.model.compute_logits(hidden[last]), rows
 
-    def _run_decode(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """A decode step in fixed shapes (a graph replay with cuda_graph): logits [B, V] float32."""
+    def _run_decode(self, batch: list[ScheduledSeq], lookahead: bool) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """A decode step in fixed shapes (a graph replay with cuda_graph): each sequence's token and logprobs."""
         B = len(batch)
         Bp = B if B <= SMALL_BATCHES else min(-(-B // SMALL_BATCHES) * SMALL_BATCHES, self.num_slots)
         lens = [s.seq.num_computed + 1 for s in batch]
-        pad_len = min(self.max_len, max(MIN_PAD_LEN, 1 << (max(lens) - 1).bit_length()))
         pad = Bp - B  # padding rows: token 0 at position 0 of the spare slot
-        ids = [s.seq.token_ids(s.seq.num_computed, s.seq.num_computed + 1)[0] for s in batch] + [0] * pad
-        host = torch.tensor([ids, [n - 1 for n in lens] + [0] * pad,
-                             [s.seq.slot for s in batch] + [self.num_slots] * pad, lens + [1] * pad])  # [4, Bp]
-        for buf, row in zip((self._ids, self._positions, self._slots, self._lens), host):
-            buf[:Bp].copy_(row)
-        if not self.cuda_graph:
-            return self._forward_fixed(Bp, pad_len)[:B]
+        inputs = [[s.seq.token_ids(s.seq.num_computed, s.seq.num_computed + 1)[0] for s in batch] + [0] * pad,
+                  [n - 1 for n in lens] + [0] * pad, [s.seq.slot for s in batch] + [self.num_slots] * pad,
+                  lens + [1] * pad]  # [4, Bp]
+        on_device = self.sample_on_device and all(_plain_greedy(s.seq.params) for s in batch)
+        step, self._ahead = self._ahead, None
+        if step is None or step.inputs != inputs:
+            if step is not None:
+                self._holds = None  # the step ahead is dropped, but it advanced the inputs
+            step = self._launch(inputs, Bp, read=on_device)
+        if not on_device:
+            self._holds = None  # the step's own argmax (its next ids) may not be the sampler's tokens
+            tokens, logprobs = self._sample(batch, step.logits[:B].clone(), list(range(B)))
+        else:
+            ahead = None
+            if (self.lookahead and lookahead and pad == 0
+                    and all(len(s.seq.output_ids) + 1 < s.seq.params.max_tokens for s in batch)):
+                ahead = self._launch(None, Bp, read=True, lens=[n + 1 for n in lens])
+            tokens = step.tokens()
+            # after the step the device holds its tokens and the next positions (after the ahead, the ones after)
+            self._holds = [tokens, [p + 1 for p in inputs[1]], inputs[2], [n + 1 for n in inputs[3]]]
+            if ahead is not None:
+                ahead.inputs, self._ahead, self._holds = self._holds, ahead, None
+            tokens, logprobs = tokens[:B], [None] * B
+        self._check()
+        return tokens, logprobs
+
+    def _check(self) -> None:
+        """Raise what CPU layers run on the CUDA stream recorded (after the step's results were waited for)."""
+        check = getattr(self.model.experts, "check", None)
+        if check is not None:
+            check()
+
+    def _launch(self, inputs: list[list[int]] | None, Bp: int, read: bool,
+                lens: list[int] | None = None) -> _Launched | None:
+        """Enqueue a decode step of Bp rows on inputs [4, Bp] (None: on what the device holds, the rows'
+        lengths then `lens`); read: copy its greedy tokens back. None (nothing launched) when inputs is
+        None and the step's graph is not captured yet (capturing runs a step eagerly first)."""
+        lens = inputs[3] if inputs is not None else lens
+        pad_len = min(self.max_len, max(MIN_PAD_LEN, 1 << (max(lens) - 1).bit_length()))
         key = (Bp, pad_len)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(Bp, pad_len)
-        graph, logits = self._graphs[key]
-        graph.replay()
-        return logits[:B].clone()
+        if self.cuda_graph and inputs is None and self._graph(key, capture=False) is None:
+            return None
+        if inputs is not None and inputs != self._holds:
+            self._staged[:, :Bp] = torch.tensor(inputs)
+            self._inputs[:, :Bp].copy_(self._staged[:, :Bp], non_blocking=True)
+        if not self.cuda_graph:
+            logits = self._forward_fixed(Bp, pad_len)
+        else:
+            graph, logits, _ = self._graph(key, capture=True)
+            graph.replay()
+        step = _Launched(inputs, logits)
+        if read:
+            step.read = self._read[self._flip][:Bp]
+            self._flip ^= 1
+            step.read.copy_(self._ids[:Bp], non_blocking=True)  # the step wrote its tokens there
+            if self.device.type == "cuda":
+                step.done = torch.cuda.Event()
+                step.done.record()
+        return step
+
+    def _graph(self, key: tuple[int, int], capture: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, bool] | None:
+        """(graph, its logits, whether it samples on the device) of the decode step of key (rows, padded
+        length) as sample_on_device is now: captured anew if it changed since (the old graph is kept: its
+        memory pool is shared); None if there is none and not capture."""
+        entry = self._graphs.get(key)
+        if entry is not None and entry[2] != self.sample_on_device:
+            self._retired.append(self._graphs.pop(key))
+            entry = None
+        if entry is None and capture:
+            entry = self._graphs[key] = (*self._capture(*key), self.sample_on_device)
+        return entry
 
     def _forward_fixed(self, Bp: int, pad_len: int) -> torch.Tensor:
-        """The model over the static buffers' first Bp rows -> logits [Bp, V] float32."""
+        """The model over the static buffers' first Bp rows -> logits [Bp, V] float32; with
+        sample_on_device, the buffers then hold the next step's inputs: each row's greedy token at the
+        next position, one more cached."""
         ctx = Context(slot_ids=[], start_pos=[], cu_seqlens=[0],
                       decode=DecodeBatch(self._slots[:Bp], self._lens[:Bp], pad_len))
         with use_context(ctx):
-            return self.model.compute_logits(self.model(self._ids[:Bp], self._positions[:Bp]))
+            logits = self.model.compute_logits(self.model(self._ids[:Bp], self._positions[:Bp]))
+        if self.sample_on_device:
+            torch.argmax(logits, dim=-1, out=self._ids[:Bp])
+            self._inputs[1::2, :Bp] += 1  # positions and lens
+        return logits
 
     def _capture(self, Bp: int, pad_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up computes this step eagerly (writing the keys the replay writes again, the same
         # values), so lazily created state (cuBLAS handles, the handoff's argument packs) exists
         # before capture, where no allocation outside the graph's pool may happen.
+        inputs = self._inputs.clone()  # the warm-up may advance them, and the replay must see them as they are
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -153,4 +260,31 @@ class ModelRunner:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward_fixed(Bp, pad_len)
+        self._inputs.copy_(inputs)
         return graph, logits
+
+
+@dataclass
+class _Launched:
+    """A fixed-shape decode step enqueued on the device."""
+
+    inputs: list[list[int]] | None
+    """The [4, Bp] rows it runs on (ids, positions, slots, lens); for a step launched ahead, known once the
+    step before it has its tokens read."""
+    logits: torch.Tensor
+    """[Bp, V] float32 (a graph's output: valid until the graph's next replay)."""
+    read: torch.Tensor | None = None
+    """[Bp] long: its greedy tokens, copied back (pinned on CUDA)."""
+    done: torch.cuda.Event | None = None
+    """Recorded after that copy (CUDA)."""
+
+    def tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.read.tolist()
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that needs the logits on the host: the step's own argmax is the token."""
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0)

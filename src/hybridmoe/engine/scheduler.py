@@ -40,6 +40,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def admits(self) -> bool:
+        """The next schedule() admits a waiting sequence (one waits and a slot is free)."""
+        return bool(self.waiting and self.free_slots)
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch = []

@@ -1,0 +1,125 @@
+"""Fixed-shape decode steps that take their own greedy tokens and launch the next step ahead (ModelRunner's
+sample_on_device and lookahead), run eagerly on the CPU, give the plain runner's tokens: when sequences stop
+at a stop token (the step launched ahead is dropped), when a request arrives between steps, with sampled and
+penalized rows beside greedy ones (those take the sampler), and with padding rows; and every step launched
+ahead of an uninterrupted greedy decode is used.
+"""
+
+import pytest
+
+from hybridmoe import LLM, SamplingParams
+from hybridmoe.checkpoint.make import make_checkpoint
+from hybridmoe.engine.model_runner import ModelRunner
+
+PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 13], [99, 2, 8, 31, 4], [11], [3, 3, 3], [8, 1], [42] * 9,
+           [6, 60, 16], [70, 71], [20, 2, 12, 4]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    make_checkpoint("qwen3_moe", "tiny", path, dtype="fp32", seed=2, progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint, device="cpu", expert_backend="torch", max_num_seqs=16, max_model_len=32)
+
+
+@pytest.fixture
+def fixed(llm):
+    """The same model behind a fixed-shape runner, its launches counted (inputs None: a step launched ahead)."""
+    plain = llm.engine.runner
+    runner = ModelRunner(plain.model, 16, 32, "cpu", fixed_shapes=True)
+    runner.sample_on_device = runner.lookahead = True
+    launch = runner._launch
+    runner.launches = []
+
+    def counted(inputs, *args, **kwargs):
+        runner.launches.append(inputs is None)
+        return launch(inputs, *args, **kwargs)
+
+    runner._launch = counted
+    llm.engine.runner = runner
+    yield runner
+    llm.engine.runner = plain
+
+
+def tokens(llm, prompts, params):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_every_step_launched_ahead_of_a_greedy_decode_is_used(llm, fixed):
+    want = tokens(llm, PROMPTS[:3], GREEDY)
+    fixed.launches.clear()
+    got = tokens(llm, PROMPTS[:3], GREEDY)
+    assert got == want
+    # the prompts' step runs eagerly; then 5 decode steps, the first launched by itself, 4 launched ahead
+    assert fixed.launches == [False] + [True] * (GREEDY.max_tokens - 2)
+    assert fixed._ahead is None and fixed._pinned is None
+
+
+def test_the_step_ahead_of_a_stop_token_is_dropped(llm, fixed):
+    fixed.sample_on_device = False
+    free = tokens(llm, PROMPTS[:4], GREEDY)
+    stop = free[1][2]  # the second sequence stops at its third token
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    want = tokens(llm, PROMPTS[:4], params)
+    fixed.sample_on_device = True
+    fixed.launches.clear()
+    assert tokens(llm, PROMPTS[:4], params) == want
+    assert len(want[1]) < GREEDY.max_tokens and any(fixed.launches) and fixed._ahead is None
+
+
+def test_a_request_arriving_between_steps_drops_the_step_ahead(llm, fixed):
+    def run() -> list[list[int]]:
+        engine = llm.engine
+        ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+        got = {i: [] for i in ids}
+        steps = 0
+        while engine.has_unfinished():
+            if steps == 3:  # decoding, with a step launched ahead
+                ids.append(engine.add_request(PROMPTS[2], GREEDY))
+                got[ids[-1]] = []
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+            steps += 1
+        return [got[i] for i in ids]
+
+    fixed.sample_on_device = False
+    want = run()
+    fixed.sample_on_device = True
+    fixed.launches.clear()
+    assert run() == want
+    assert any(fixed.launches)
+
+
+def test_sampled_and_penalized_rows_take_the_sampler_beside_greedy_ones(llm, fixed):
+    params = [GREEDY, SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.5, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)]
+    fixed.sample_on_device = False
+    want = [(o.token_ids, o.new_logprobs) for o in llm.generate(PROMPTS[:4], params)]
+    fixed.sample_on_device = True
+    fixed.launches.clear()
+    for i in range(1, len(params)):  # each alone beside a greedy row: the sampler chooses every step's tokens
+        sampler, calls = fixed.sampler, []
+        fixed.sampler = lambda logits, seqs: calls.append(len(seqs)) or sampler(logits, seqs)
+        try:
+            assert tokens(llm, [PROMPTS[0], PROMPTS[i]], [GREEDY, params[i]]) == [want[0][0], want[i][0]]
+        finally:
+            fixed.sampler = sampler
+        assert calls == [2] * GREEDY.max_tokens
+    assert [(o.token_ids, o.new_logprobs) for o in llm.generate(PROMPTS[:4], params)] == want
+    assert not any(fixed.launches)  # no batch is all plain greedy: no step ahead
+
+
+def test_padded_batches_decode_their_greedy_tokens_without_steps_ahead(llm, fixed):
+    fixed.sample_on_device = False
+    want = tokens(llm, PROMPTS, GREEDY)  # 10 sequences: 16 rows, 6 of them padding
+    fixed.sample_on_device = True
+    fixed.launches.clear()
+    assert tokens(llm, PROMPTS, GREEDY) == want
+    assert not any(fixed.launches)
