@@ -154,7 +154,7 @@ class ModelRunner:
         last = torch.tensor([cu_seqlens[b + 1] - 1 for b in rows], device=self.device)
         return self.model.compute_logits(hidden[last]), rows
 
-    def _run_decode(self, batch: list[ScheduledSeq], lookahead: bool) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _run_decode(self, batch: list[ScheduledSeq], lookahead: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
         """A decode step in fixed shapes (a graph replay with cuda_graph): each sequence's token and logprobs."""
         B = len(batch)
         Bp = B if B <= SMALL_BATCHES else min(-(-B // SMALL_BATCHES) * SMALL_BATCHES, self.num_slots)
@@ -204,7 +204,7 @@ class ModelRunner:
             return None
         if inputs is not None and inputs != self._holds:
             self._staged[:, :Bp] = torch.tensor(inputs)
-            self._inputs[:, :Bp].copy_(self._staged[:, :Bp], non_blocking=True)
+            self._inputs.copy_(self._staged, non_blocking=True)  # whole (one copy): rows past Bp are not read
         if not self.cuda_graph:
             logits = self._forward_fixed(Bp, pad_len)
         else:
