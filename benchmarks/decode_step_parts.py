@@ -171,7 +171,10 @@ class StepProbe:
             gpu = {k: [] for k in gpu}  # no CUDA events on this machine
         mean = lambda xs: 1e6 * statistics.fmean(xs) if xs else float("nan")  # noqa: E731
         walls = [b[0]["start"] - a[0]["start"] for a, b in zip(steps, steps[1:])]
-        return {"steps": len(steps), "step_us": mean(walls), "host_us": {k: mean(v) for k, v in host.items()},
+        q = statistics.quantiles(walls, n=10, method="inclusive") if len(walls) > 1 else [float("nan")] * 9
+        return {"steps": len(steps), "step_us": mean(walls),
+                "step_pct_us": {"p10": 1e6 * q[0], "p50": 1e6 * q[4], "p90": 1e6 * q[8],
+                                "max": 1e6 * max(walls, default=float("nan"))}, "host_us": {k: mean(v) for k, v in host.items()},
                 "gpu_us": {k: mean(v) for k, v in gpu.items()}}
 
 
@@ -283,6 +286,8 @@ def main(argv=None) -> int:
                 print(f"  {name:<7} {v['us']:7.0f} us/token ({base / v['us']:.3f}x the first; replay/this "
                       f"{r['replay_us'] / v['us']:.3f}) samples {' '.join(f'{x:.0f}' for x in v['samples_us'])}"
                       f"  tokens {'equal' if v['tokens_equal'] else 'DIFFER'}")
+                print(f"          probed step us: mean {p['step_us']:.0f}, "
+                      + ", ".join(f"{k} {x:.0f}" for k, x in p["step_pct_us"].items()))
                 print("          host us/step: " + ", ".join(f"{k} {x:.1f}" for k, x in p["host_us"].items()))
                 print("          GPU us/step:  " + ", ".join(f"{k} {x:.1f}" for k, x in p["gpu_us"].items()))
             print("  eager GPU us: " + ", ".join(f"{k} {v:.1f}" for k, v in r["eager_us"].items()))
