@@ -123,3 +123,15 @@ def test_padded_batches_decode_their_greedy_tokens_without_steps_ahead(llm, fixe
     fixed.launches.clear()
     assert tokens(llm, PROMPTS, GREEDY) == want
     assert not any(fixed.launches)
+
+
+def test_an_abort_mid_decode_drops_the_step_ahead_and_the_next_request_decodes_its_own_tokens(llm, fixed):
+    want = tokens(llm, PROMPTS[1:2], GREEDY)
+    engine = llm.engine
+    request = engine.add_request(PROMPTS[0], GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert fixed._ahead is not None
+    engine.abort(request)
+    assert fixed._ahead is None and fixed._pinned is None
+    assert tokens(llm, PROMPTS[1:2], GREEDY) == want

@@ -93,6 +93,8 @@ class LLMEngine:
             return False
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
+        if not self.scheduler.has_unfinished():
+            self.runner.settle()
         return True
 
     def has_unfinished(self) -> bool:
@@ -104,7 +106,7 @@ class LLMEngine:
         tokens, logprobs = self.runner.run(batch, lookahead=not self.scheduler.admits())
         outputs = self._postprocess(batch, tokens, logprobs)
         if not self.scheduler.has_unfinished():
-            self.runner.settle()  # a decode step launched ahead for a sequence that stopped is not run on
+            self.runner.settle()  # no step follows: a step launched ahead (a sequence stopped) is dropped
         return outputs
 
     def _postprocess(self, batch: list[ScheduledSeq], tokens: list[int | None],
