@@ -1,7 +1,7 @@
 """Decode speed with K deferred experts per token, side by side: K switched on one loaded engine, interleaved.
 
     python benchmarks/deferral_decode.py --synthetic qwen3-30b-a3b --layers 4,12 --formats int4,bf16
-        [--ks 0,1,2,3] [--own-trim on,off] [--zero-copy off,on] | [--variants 0,1,2,0:notrim,0:nozc,0:pw]
+        [--ks 0,1,2,3] [--own-trim on,off] [--zero-copy off,on] | [--variants 0,1,2,0:notrim,0:nozc,0:kf]
         [--repeats 3] [--gen-len 32] [--decode-prompt-len 64] [--json F]
         [engine options: --device cuda --gpu-memory-budget 16GiB --gpu-experts-per-layer 26 ...]
 
@@ -59,9 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy; "
                         "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc|:nozc][:pw][:nopin][:sr|:nosr][:kf|:nokf] (zc/nozc: zero-copy on/off, else the "
-                        "engine's; pw: the wake word after each wait, CudaHandoff.prewake_layers; "
-                        "nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread; sr/nosr: the "
+                        "K[:notrim][:zc|:nozc][:nopin][:sr|:nosr][:kf|:nokf] (zc/nozc: zero-copy on/off, else the "
+                        "engine's; nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread; sr/nosr: the "
                         "router's kernel stages the CPU's rows, HybridExperts.stage_in_router; kf/nokf: kernels play the "
                         "handoff's flags, HybridExperts.kernel_flags; else the engine's), e.g. 0,1,2,0:nozc,0:nopin,0:kf")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
@@ -92,8 +91,6 @@ class Variant:
     own_trim: bool
     zero_copy: bool | None
     """Every handoff's CudaHandoff.zero_copy; None: the engine's (HybridExperts.zero_copy)."""
-    prewake: bool = False
-    """Every handoff writes the wake word after each wait (CudaHandoff.prewake_layers)."""
     pin: bool = True
     """The decode steps' thread pinned off the handoff pools' CPUs (HybridExperts.pin_decode_thread)."""
     stage_in_router: bool | None = None
@@ -104,7 +101,7 @@ class Variant:
     def label(self) -> str:
         copies = {None: "", True: " zero-copy", False: " copies"}[self.zero_copy]
         return (f"K={self.k}" + ("" if self.own_trim else " own trim off") + copies
-                + (" prewake" if self.prewake else "") + ("" if self.pin else " unpinned")
+                + ("" if self.pin else " unpinned")
                 + {None: "", True: " router stages", False: " no router staging"}[self.stage_in_router]
                 + {None: "", True: " kernel flags", False: " stream flags"}[self.kernel_flags])
 
@@ -142,24 +139,23 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
         if a is not None:
             out[name] = {"layers_per_step": a.layers_per_step, "cpu_us": a.cpu_us, "gap_us": a.gap_us,
                          "late_us": a.late_us, "first_cpu_us": a.first_cpu_us, "first_late_us": a.first_late_us,
-                         "back_us": a.back_us, "late_max_us": max(s["late_max_us"] for s in stats),
+                         "late_max_us": max(s["late_max_us"] for s in stats),
                          "slow_lates": sum(s["slow_lates"] for s in stats) / a.steps,
                          "cpu_max_us": max(s["cpu_max_us"] for s in stats)}
     return out
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc|:nozc][:pw][:nopin][:sr|:nosr][:kf|:nokf]" -> Variant."""
+    """"K[:notrim][:zc|:nozc][:nopin][:sr|:nosr][:kf|:nokf]" -> Variant."""
     k, *opts = spec.strip().split(":")
-    unknown = set(opts) - {"notrim", "zc", "nozc", "pw", "nopin", "sr", "nosr", "kf", "nokf"}
+    unknown = set(opts) - {"notrim", "zc", "nozc", "nopin", "sr", "nosr", "kf", "nokf"}
     if unknown or any({on, "no" + on} <= set(opts) for on in ("zc", "sr", "kf")):
         raise HybridMoEError(f"--variants: unknown or contradicting option(s) in {spec!r} "
-                             "(notrim, zc or nozc, pw, nopin, sr or nosr, kf or nokf)")
+                             "(notrim, zc or nozc, nopin, sr or nosr, kf or nokf)")
 
     def switch(on: str) -> bool | None:
         return True if on in opts else False if "no" + on in opts else None
-    return Variant(int(k), "notrim" not in opts, switch("zc"), "pw" in opts, "nopin" not in opts, switch("sr"),
-                   switch("kf"))
+    return Variant(int(k), "notrim" not in opts, switch("zc"), "nopin" not in opts, switch("sr"), switch("kf"))
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -237,7 +233,6 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
     for h in parts["own"] + parts["deferred"]:
         if v.zero_copy is not None:
             h.zero_copy = v.zero_copy
-        h.prewake_layers = v.prewake
     experts.pin_decode_thread = v.pin
     for name in ("stage_in_router", "kernel_flags"):
         if getattr(v, name) is not None:
@@ -264,7 +259,7 @@ def _stop(signum, frame):
 
 def _anatomy_line(a: dict) -> str:
     return " ".join(f"[{name}: {v['layers_per_step']:.0f} layers/step, CPU {v['cpu_us']:.1f} us/layer (first "
-                    f"{v['first_cpu_us']:.1f}), gap {v['gap_us'] or 0:.1f} us (back {v['back_us'] or 0:.1f}), late "
+                    f"{v['first_cpu_us']:.1f}), gap {v['gap_us'] or 0:.1f} us, late "
                     f"{v['late_us']:.1f} us (first {v['first_late_us']:.1f}, max {v['late_max_us']:.0f}, "
                     f"{v['slow_lates']:.2f}/step > 20 us), CPU max {v['cpu_max_us']:.0f} us]" for name, v in a.items())
 

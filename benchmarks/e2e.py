@@ -20,13 +20,13 @@ layer as the full-depth model would under the same budget, so its per-layer figu
 model's.
 
 On CUDA with the stream_mem_ops handoff, every row also says where its decode step's time went
-(bench_anatomy.py): per MoE layer the CPU work, the GPU gap to the next layer's go (and its first part,
-the flag's way back, when the wake word is written), how late the poller saw the go; per token the rest.
+(bench_anatomy.py): per MoE layer the CPU work, the GPU gap to the next layer's go, how late the poller
+saw the go; per token the rest.
 
 --formats runs each expert format in turn, one engine at a time, in this process. --ablation runs each
 format "all on" (graphs, GPU experts; deferred experts as given, else 0) and the first format, on the same
 model, also with (ROWS, comma-separated, default all): graph: no CUDA graph (the same engine, graphs off);
-prewake: the same engine with the CPU pool woken by the stream after every layer's wait; zero-copy: the
+zero-copy: the
 same engine with the handoff's rows and output through the device's mapping of the pinned buffers
 instead of copies; trim: the same engine with one token's padding slots (weight 0) left out of its CPU
 work ("trim padding off", kept in, where the engine already trims: the default since session 4); pin: the
@@ -84,8 +84,8 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
            "vs_llama_prefill": 1.5}
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 0, exact (see above for what 1 gains)."""
-ABLATION_ROWS = ("graph", "prewake", "zero-copy", "trim", "pin", "deferral", "gpu-experts")
-HANDOFF_ROWS = {"prewake": ("prewake", {"prewake_layers": True}), "zero-copy": ("zero-copy", {"zero_copy": True}),
+ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "deferral", "gpu-experts")
+HANDOFF_ROWS = {"zero-copy": ("zero-copy", {"zero_copy": True}),
                 "trim": ("trim padding", {"trim_padding": True}), "pin": ("unpinned", {"pin_decode_thread": False})}
 """Ablation rows measured on the "all on" engine: label suffix and the CudaHandoff options changed
 (bench_suite.HANDOFF_OPTIONS and EXPERT_OPTIONS). After them, "all on" again
@@ -310,9 +310,9 @@ def _streaming(ec) -> str:
 
 def anatomy_table(results) -> list[str]:
     """Per row with an anatomy: per MoE layer through the handoff, CPU work (beside its floor), the gap to
-    the next layer's go and the handoff's share of it; per token, what the layers leave of the measured step."""
+    the next layer's go and how late the poller saw it; per token, what the layers leave of the measured step."""
     head = ["config", "layers", "steps", "CPU layers/step", "CPU us/layer", "floor us/layer", "first layer CPU us",
-            "gap us/layer", "flag back us", "go late us", "first go late us", "handoff us/layer",
+            "gap us/layer", "go late us", "first go late us",
             "layers ms/token", "rest ms/token", "step ms/token"]
     rows = []
     for r in results:
@@ -321,8 +321,8 @@ def anatomy_table(results) -> list[str]:
             continue
         per_layers = None if a.rest_us is None else a.step_us - a.rest_us
         rows.append([r.label, str(r.model_layers), str(a.steps), _fmt(a.layers_per_step), _fmt(a.cpu_us),
-                     _fmt(1e6 * r.floor.per_moe_layer_seconds()), _fmt(a.first_cpu_us), _fmt(a.gap_us), _fmt(a.back_us), _fmt(a.late_us, ".2f"),
-                     _fmt(a.first_late_us, ".2f"), _fmt(a.handoff_us),
+                     _fmt(1e6 * r.floor.per_moe_layer_seconds()), _fmt(a.first_cpu_us), _fmt(a.gap_us), _fmt(a.late_us, ".2f"),
+                     _fmt(a.first_late_us, ".2f"),
                      _fmt(None if per_layers is None else per_layers / 1e3, ".3f"),
                      _fmt(None if a.rest_us is None else a.rest_us / 1e3, ".3f"), _fmt(a.step_us / 1e3, ".3f")])
     return _table(head, rows) if rows else []

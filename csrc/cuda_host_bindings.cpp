@@ -10,7 +10,7 @@
 //   (layer, T) node), so a captured graph replays the same protocol each time; the stream
 //   clears done just before it writes go (both writes carry a memory barrier, in that order),
 //   and we clear go before we set done, so neither side can see a stale value, even after a go
-//   that was never waited for. A wake word (0) lets the stream wake the pool's workers early.
+//   that was never waited for.
 //
 // Per layer: a MoeLayer that adopts the packed buffers of a CpuExperts engine (shared, not
 // copied; the same worker pool) and computes on fixed staging buffers x [Tmax, H], ids [Tmax, K],
@@ -168,12 +168,6 @@ class Handoff : public hmoe::FlagChannel {
       launch(stream, &forward_fn, job(layer, T));
     }
   }
-  // Polling mode: the stream writes the wake word; the poller wakes the layers' pool workers.
-  void enqueue_prewake(uintptr_t stream) {
-    if (!polling_) fail("enqueue_prewake needs the stream-memory-op mode (start_polling)");
-    hmoe::stream_write_value32(stream, flag_addr(kWakeWord), 1);
-  }
-
   // What the stream's CPU work does, called here in order (no CUDA): the CPU half of a step.
   // Host-function mode: submit and wait (the pool's driver thread computes); polling mode: the
   // layer on this thread, as the poller runs it.
@@ -184,11 +178,11 @@ class Handoff : public hmoe::FlagChannel {
     for (Job* j : jobs) polling_ ? serve(j) : forward_fn(j);
   }
 
-  // Flag words: [wake | go 0 | done 0 | go 1 | done 1 | ...], each word alone on a 64-byte line.
-  static constexpr int kWordsPerLine = 16, kWakeWord = 0;
-  int flag_words() const { return (1 + 2 * num_layers()) * kWordsPerLine; }
-  int go_word(int layer) const { return (1 + 2 * layer) * kWordsPerLine; }
-  int done_word(int layer) const { return (2 + 2 * layer) * kWordsPerLine; }
+  // Flag words: [go 0 | done 0 | go 1 | done 1 | ...], each word alone on a 64-byte line.
+  static constexpr int kWordsPerLine = 16;
+  int flag_words() const { return 2 * num_layers() * kWordsPerLine; }
+  int go_word(int layer) const { return 2 * layer * kWordsPerLine; }
+  int done_word(int layer) const { return (1 + 2 * layer) * kWordsPerLine; }
 
   // "" if this device can run the polling mode on these (pinned) flag words, else why not.
   std::string probe_stream_mem_ops(MutArray flags) {
@@ -220,12 +214,6 @@ class Handoff : public hmoe::FlagChannel {
   bool poll() override {
     bool served = false;
     const int64_t look = hmoe::trace_now_ns();
-    if (hmoe::load_flag(&flags_[kWakeWord])) {
-      hmoe::store_flag(&flags_[kWakeWord], 0);
-      for (auto& l : layers_) l->moe->prewake();  // one pool in practice: a no-op past the first
-      wake_seen_ns_ = look;
-      served = true;
-    }
     for (int layer = 0; layer < num_layers(); ++layer) {
       const uint32_t T = hmoe::load_flag(&flags_[go_word(layer)]);
       if (T == 0) continue;
@@ -277,8 +265,6 @@ class Handoff : public hmoe::FlagChannel {
     d["first_late_ns"] = a.first_late_ns;
     d["gaps"] = a.gaps;
     d["between_ns"] = a.between_ns;
-    d["woken_gaps"] = a.woken_gaps;
-    d["back_ns"] = a.back_ns;
     d["late_max_ns"] = a.late_max_ns;
     d["slow_lates"] = a.slow_lates;
     d["cpu_max_ns"] = a.cpu_max_ns;
@@ -345,10 +331,6 @@ class Handoff : public hmoe::FlagChannel {
     } else {
       a.gaps += 1;
       a.between_ns += seen - last_done_ns_;
-      if (wake_seen_ns_ > last_done_ns_) {  // the stream woke the pool after the last layer's done
-        a.woken_gaps += 1;
-        a.back_ns += wake_seen_ns_ - last_done_ns_;
-      }
     }
     last_layer_ = layer;
     last_done_ns_ = done;
@@ -473,9 +455,6 @@ class Handoff : public hmoe::FlagChannel {
     // Within a step: one layer's done -> the next one's go seen (the stream sees done, copies
     // the output back, runs the next layer's GPU work, copies its rows out and writes go).
     int64_t gaps = 0, between_ns = 0;
-    // Gaps in which the stream wrote the wake word: done -> wake seen (the way back, up to the
-    // next layer's GPU work), the rest of the gap being that GPU work and the way out.
-    int64_t woken_gaps = 0, back_ns = 0;
     // The spread behind the sums: the latest go and the longest CPU work of one layer, and how many
     // gos came more than kSlowLateNs after the previous look (the poller off its CPU, not spinning).
     int64_t late_max_ns = 0, slow_lates = 0, cpu_max_ns = 0;
@@ -485,7 +464,7 @@ class Handoff : public hmoe::FlagChannel {
   Anatomy stats_;
   // The poller's own bookkeeping (only its thread touches these).
   int last_layer_ = -1;
-  int64_t last_done_ns_ = 0, last_look_ns_ = 0, wake_seen_ns_ = 0;
+  int64_t last_done_ns_ = 0, last_look_ns_ = 0;
   std::mutex error_mu_;
   std::optional<std::string> error_;
 };
@@ -516,7 +495,6 @@ void register_cuda_host(nb::module_& m) {
       .def("enqueue_submit", &Handoff::enqueue_submit, "stream"_a, "layer"_a, "T"_a)
       .def("enqueue_wait", &Handoff::enqueue_wait, "stream"_a, "layer"_a, "T"_a)
       .def("enqueue_forward", &Handoff::enqueue_forward, "stream"_a, "layer"_a, "T"_a)
-      .def("enqueue_prewake", &Handoff::enqueue_prewake, "stream"_a)
       .def("run", &Handoff::run, "layers"_a, "T"_a)
       .def("probe_stream_mem_ops", &Handoff::probe_stream_mem_ops, "flags"_a)
       .def("start_polling", &Handoff::start_polling, "flags"_a, "device_mapped"_a, nb::keep_alive<1, 2>())

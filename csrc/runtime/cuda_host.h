@@ -91,13 +91,12 @@ inline void store_flag(uint32_t* w, uint32_t v) { __atomic_store_n(w, v, __ATOMI
 // window, so the layers of a decode step (one every tens to hundreds of microseconds) find it
 // awake; idle longer, it naps 50 us at a time, and after 100 ms idle 1 ms at a time, so an idle
 // server costs next to nothing (the first layer after a long idle waits at most one nap). With no
-// channel it sleeps. It does not keep the pool's workers awake past their own window: a step's
-// driver can wake them (MoeLayer::prewake, the wake word). Its CPU is shared with nothing during
-// decode steps (the step's own thread runs pinned off the pool's CPUs: HybridExperts.decode_thread),
-// but the CPU expert pools' driver threads are pinned there too (each pool's first CPU) and spun for
-// the workers' window (up to 2 ms) after the jobs a prefill submits: likely why the first decode
-// layers after a prompt saw their go late by up to 1.4-3.6 ms in some samples on the GPU host
-// (session 5). A driver now spins at most 300 us (thread_pool.cpp, kDriverSpinNs); not measured on
+// channel it sleeps. It does not keep the pool's workers awake past their own window. Its CPU is
+// shared with nothing during decode steps (the step's own thread runs pinned off the pool's CPUs:
+// HybridExperts.decode_thread), but the CPU expert pools' driver threads are pinned there too
+// (each pool's first CPU) and spun for the workers' window (up to 2 ms) after the jobs a prefill
+// submits: likely why the first decode layers after a prompt saw their go late by up to 1.4-3.6 ms
+// in some samples on the GPU host (session 5). A driver now spins at most 300 us (thread_pool.cpp, kDriverSpinNs); not measured on
 // the GPU host since.
 class FlagChannel {
  public:

@@ -9,8 +9,7 @@ step of n such layers is then
 
 CPU: the layer's CPU work. gap: one layer's done -> the next layer's go seen: the stream sees done,
 copies the output back, runs the next layer's GPU work (attention, router, GPU experts' tail),
-copies its rows out and writes go. With the wake word written right after each wait
-(CudaHandoff.prewake_layers) the gap splits at it: done -> wake seen is the flag's way back alone.
+copies its rows out and writes go.
 The rest of the measured step time (before the first go and after the last done: embedding, the
 first layer's attention, final norm, lm_head, sampling, the Python step) is per token, not per
 layer. All on the host's clock; the poller's reaction time ("late": since its previous look at the
@@ -34,8 +33,6 @@ class StepAnatomy:
     """The same for a step's first layer alone (after the gap between steps)."""
     gap_us: float | None
     """Within a step, one layer's done -> the next layer's go seen; None with one layer per step."""
-    back_us: float | None
-    """The part of gap_us up to the wake word (the flag's way back); None when no wake was written."""
     late_us: float
     """How late the poller may have seen a go (its reaction time), per layer."""
     first_late_us: float
@@ -56,13 +53,8 @@ class StepAnatomy:
             return None
         return self.step_us - self.layers_per_step * self.cpu_us - self.gaps_per_step_us
 
-    @property
-    def handoff_us(self) -> float | None:
-        """Per layer: the flag's way back plus the poller's reaction to the go (None without the wake)."""
-        return None if self.back_us is None else self.back_us + self.late_us
-
     def to_json(self) -> dict:
-        return {**asdict(self), "rest_us": self.rest_us, "handoff_us": self.handoff_us}
+        return {**asdict(self), "rest_us": self.rest_us}
 
 
 def step_anatomy(stats: list[dict | None], step_s: float) -> StepAnatomy | None:
@@ -79,6 +71,5 @@ def step_anatomy(stats: list[dict | None], step_s: float) -> StepAnatomy | None:
         steps=steps, layers_per_step=n / steps, cpu_us=total["cpu_us"] / n,
         first_cpu_us=total["first_cpu_us"] / total["steps"],
         gap_us=total["between_us"] / total["gaps"] if total["gaps"] else None,
-        back_us=total["back_us"] / total["woken_gaps"] if total["woken_gaps"] else None,
         late_us=total["late_us"] / n, first_late_us=total["first_late_us"] / total["steps"],
         step_us=step_s * 1e6, handoffs=sum(1 for s in stats if s["layers"]))

@@ -7,8 +7,8 @@ the same decode); peak GPU memory and RSS; with a DepthInfo, per-layer times for
 extrapolation (bench_layers.py); on the CUDA handoff's stream_mem_ops path, where the decode step's time
 goes (bench_anatomy.py). Optionally the same engine again with CUDA graphs off (the runner then runs the
 same fixed shapes eagerly, which is what --no-cuda-graph loads), and with graphs on again and options of
-the stream_mem_ops handoffs changed (HANDOFF_OPTIONS: the wake word after every layer's wait, zero-copy
-staging, one token's padding slots left out; the graphs captured anew). With repeats, every row of the
+the stream_mem_ops handoffs changed (HANDOFF_OPTIONS: zero-copy staging, one token's padding slots left
+out; the graphs captured anew). With repeats, every row of the
 engine is measured that many times, the rows interleaved, and reports the median and the samples.
 """
 
@@ -31,7 +31,7 @@ from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 
 
-HANDOFF_OPTIONS = ("prewake_layers", "zero_copy", "trim_padding")
+HANDOFF_OPTIONS = ("zero_copy", "trim_padding")
 """CudaHandoff attributes a variant may set (cuda_handoff.py); the others keep the engine's own values."""
 EXPERT_OPTIONS = ("pin_decode_thread",)
 """HybridExperts attributes a variant may set the same way (hybrid.py), reported with the handoff options."""

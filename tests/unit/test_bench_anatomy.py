@@ -6,7 +6,7 @@ from hybridmoe.bench_anatomy import step_anatomy
 def stats(**over):
     """take_stats() of one handoff: 10 steps of 4 layers, 200 us of CPU work each (250 the first)."""
     base = dict(layers=40, cpu_us=40 * 200 + 10 * 50, late_us=40 * 0.5, steps=10, first_cpu_us=10 * 250,
-                first_late_us=10 * 2.0, gaps=30, between_us=30 * 100, woken_gaps=0, back_us=0)
+                first_late_us=10 * 2.0, gaps=30, between_us=30 * 100)
     return {**base, **over}
 
 
@@ -14,14 +14,9 @@ def test_a_step_is_its_layers_cpu_work_the_gaps_between_them_and_the_rest():
     a = step_anatomy([stats()], step_s=2e-3)
     assert (a.steps, a.layers_per_step) == (10, 4)
     assert a.cpu_us == pytest.approx(212.5) and a.first_cpu_us == pytest.approx(250)
-    assert a.gap_us == pytest.approx(100) and a.back_us is None and a.handoff_us is None
+    assert a.gap_us == pytest.approx(100)
     assert a.late_us == pytest.approx(0.5) and a.first_late_us == pytest.approx(2.0)
     assert a.rest_us == pytest.approx(2000 - 4 * 212.5 - 3 * 100)
-
-
-def test_the_wake_word_splits_the_gap_and_gives_the_handoff():
-    a = step_anatomy([stats(woken_gaps=30, back_us=30 * 8)], step_s=2e-3)
-    assert a.back_us == pytest.approx(8) and a.handoff_us == pytest.approx(8.5)
 
 
 def test_no_stream_mem_ops_handoff_or_no_step_gives_none():

@@ -77,22 +77,21 @@ def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monk
 
     run, load = E2E["run_configuration"], E2E["Load"]
     monkeypatch.setitem(run.__globals__, "run_suite", flaky)  # the script's own namespace, not run_path's copy
-    prewake = (("int4 prewake", {"prewake_layers": True}),)
-    assert run("M", load("int4 all on", {"device": "cpu"}, "int4 no CUDA graph", prewake), [16]) == ["rows"]
-    assert calls == [("int4 all on", "auto", "int4 no CUDA graph", prewake),
+    trim = (("int4 trim padding off", {"trim_padding": False}),)
+    assert run("M", load("int4 all on", {"device": "cpu"}, "int4 no CUDA graph", trim), [16]) == ["rows"]
+    assert calls == [("int4 all on", "auto", "int4 no CUDA graph", trim),
                      ("int4 all on (streaming off)", "off", "int4 no CUDA graph (streaming off)",
-                      (("int4 prewake (streaming off)", {"prewake_layers": True}),))]
+                      (("int4 trim padding off (streaming off)", {"trim_padding": False}),))]
     assert "int4 all on: FAILED (RuntimeError: CUDA error: invalid argument)" in capsys.readouterr().out
     monkeypatch.setitem(run.__globals__, "run_suite", lambda *a, **k: 1 / 0)
     assert run("M", load("bf16", {"device": "cpu", "prefill_streaming": "off"}), [16]) == []  # no second try
 
 
 def test_ablation_variants_come_after_every_format():
-    every = E2E["ablation_rows"]("graph,prewake,zero-copy,trim,pin,deferral,gpu-experts")
+    every = E2E["ablation_rows"]("graph,zero-copy,trim,pin,deferral,gpu-experts")
     runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
     assert [(r.label, r.eager_label, r.handoff_variants, r.every_length) for r in runs] == [
-        ("int4 all on", "int4 no CUDA graph", (("int4 prewake", {"prewake_layers": True}),
-                                               ("int4 zero-copy", {"zero_copy": True}),
+        ("int4 all on", "int4 no CUDA graph", (("int4 zero-copy", {"zero_copy": True}),
                                                ("int4 trim padding", {"trim_padding": True}),
                                                ("int4 unpinned", {"pin_decode_thread": False}),
                                                ("int4 all on, again", {})), True),
@@ -121,10 +120,10 @@ def test_with_repeats_the_handoff_rows_have_no_all_on_again_row():
 def test_ablation_rows_can_be_chosen():
     runs = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("graph"))
     assert [(r.label, r.eager_label, r.handoff_variants) for r in runs] == [("int4 all on", "int4 no CUDA graph", ())]
-    every = "graph,prewake,zero-copy,trim,pin,deferral,gpu-experts"
+    every = "graph,zero-copy,trim,pin,deferral,gpu-experts"
     assert E2E["parse_args"](["--synthetic", "x", "--ablation"]).ablation == every
     with pytest.raises(HybridMoEError, match=f"--ablation takes rows among {every}, got graphs"):
-        E2E["ablation_rows"]("graphs,prewake")
+        E2E["ablation_rows"]("graphs,trim")
 
 
 def test_a_cut_model_gets_the_gpu_experts_per_layer_of_the_full_depth_plan():
@@ -177,13 +176,13 @@ def test_anatomy_table_sets_each_layer_beside_its_floor():
     from hybridmoe.bench_anatomy import step_anatomy
 
     stats = dict(layers=40, cpu_us=40 * 200, late_us=40 * 0.5, steps=10, first_cpu_us=10 * 250,
-                 first_late_us=10 * 2.0, gaps=30, between_us=30 * 100, woken_gaps=30, back_us=30 * 8)
+                 first_late_us=10 * 2.0, gaps=30, between_us=30 * 100)
     floor = SimpleNamespace(per_moe_layer_seconds=lambda: 132e-6)
     row = SimpleNamespace(label="int4 all on", model_layers=4, floor=floor, anatomy=step_anatomy([stats], 2e-3))
     head, _, line = E2E["anatomy_table"]([row, SimpleNamespace(anatomy=None)])
     cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in line.split("|")]))
     assert (cells["CPU us/layer"], cells["floor us/layer"], cells["gap us/layer"]) == ("200.0", "132.0", "100.0")
-    assert (cells["flag back us"], cells["handoff us/layer"], cells["rest ms/token"]) == ("8.0", "8.5", "0.900")
+    assert (cells["go late us"], cells["rest ms/token"]) == ("0.50", "0.900")
 
 
 def test_with_repeats_the_fit_table_gives_the_full_depth_range_of_the_samples():

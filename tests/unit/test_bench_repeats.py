@@ -102,12 +102,12 @@ def test_an_expert_option_row_sets_the_experts_and_the_next_row_its_own_value_ag
     a row without options puts the engine's own values back."""
     from types import SimpleNamespace as NS
 
-    handoff = NS(path="stream_mem_ops", prewake_layers=False, zero_copy=True, trim_padding=True)
+    handoff = NS(path="stream_mem_ops", zero_copy=True, trim_padding=True)
     experts = NS(_handoffs={(False, 0): (handoff, 4), (False, 1): (handoff, 4)}, pin_decode_thread=True)
     runner = NS(model=NS(experts=experts), cuda_graph=True, _graphs={})
     engine = NS(runner=runner, resolved_config=NS(deferred_experts=0), config=NS(device="cuda"))
     bench = suite._Bench(engine, [1], 4, 1e9, "probe", False)
-    assert bench.defaults == {"prewake_layers": False, "zero_copy": True, "trim_padding": True,
+    assert bench.defaults == {"zero_copy": True, "trim_padding": True,
                               "pin_decode_thread": True}
     bench._set_up(suite.Row("int4 unpinned", True, {"pin_decode_thread": False}, False))
     assert experts.pin_decode_thread is False and not hasattr(handoff, "pin_decode_thread")

@@ -193,10 +193,6 @@ class CudaHandoff:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.runtime = load_cuda_runtime()
         self.dtype, self.max_tokens, self.top_k = dtype, int(max_tokens), int(top_k)
-        self.prewake_layers = False
-        """stream_mem_ops path: after each layer's wait, the stream also writes the wake word, so
-        the pool's workers spin when the next layer's rows arrive, and take_stats can split the
-        gap between layers (back_us). Set before the work is enqueued (or a graph captured)."""
         self._zero_copy = False
         self._flags_mapped: torch.Tensor | None = None  # the flag words as the GPU sees them (flag_words)
         self._native = self._call(_native().CudaHandoff, self.max_tokens, self.top_k)
@@ -346,7 +342,6 @@ class CudaHandoff:
         out = self._out(stream, layer, T, out)
         self._call(self._native.enqueue_wait, stream.cuda_stream, self._index[layer], T)
         del self._pending[layer]
-        self._wake_after_wait(stream)
         return self._give_out(stream, layer, T, out)
 
     def staging(self, layer: int, T: int) -> SimpleNamespace:
@@ -390,7 +385,6 @@ class CudaHandoff:
         T = self._stage(stream, layer, hidden, topk_ids, topk_weights)
         out = self._out(stream, layer, T, out)
         self._call(self._native.enqueue_forward, stream.cuda_stream, self._index[layer], T)
-        self._wake_after_wait(stream)
         return self._give_out(stream, layer, T, out)
 
     def _give_out(self, stream, layer: int, T: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -401,18 +395,6 @@ class CudaHandoff:
         with torch.cuda.stream(stream):
             out.copy_((s.mapped if self._zero_copy else s).out[:T], non_blocking=True)
         return out
-
-    def enqueue_prewake(self, stream: torch.cuda.Stream | None = None) -> None:
-        """On `stream` (stream_mem_ops path only; a no-op otherwise): wake the CPU pool's workers,
-        e.g. at the start of a layer's attention, so that they spin when its rows arrive."""
-        if self.path == "stream_mem_ops":
-            self._call(self._native.enqueue_prewake, self._stream(stream).cuda_stream)
-
-    def _wake_after_wait(self, stream: torch.cuda.Stream) -> None:
-        # right after the wait, before the output's copy: the earliest point of the next layer's
-        # GPU work, so the wake also times the flag's way back alone (done -> the stream's write)
-        if self.prewake_layers:
-            self.enqueue_prewake(stream)
 
     def run_on_host(self, layers: Sequence[int], T: int) -> None:
         """What the stream's CPU work does, here and without CUDA: each layer's CPU work on the first
@@ -435,8 +417,6 @@ class CudaHandoff:
           gaps, between_us       within a step, one layer's done -> the next one's go seen: the
                                  stream sees done, copies the output back, runs the next layer's
                                  GPU work (attention, router, ...), copies its rows out, writes go
-          woken_gaps, back_us    gaps in which the stream wrote the wake word (prewake_layers):
-                                 done -> wake seen, the way back up to the next layer's GPU work
           late_max_us,           the latest go of one layer; how many were later than 20 µs (the
           slow_lates, cpu_max_us poller off its CPU); the longest CPU work of one layer
         """
