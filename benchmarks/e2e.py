@@ -31,7 +31,10 @@ same engine with the handoff's rows and output through the device's mapping of t
 instead of copies; trim: the same engine with one token's padding slots (weight 0) left out of its CPU
 work ("trim padding off", kept in, where the engine already trims: the default since session 4); pin: the
 same engine with the decode steps' thread left where the scheduler puts it ("unpinned"; by default it runs
-off the handoff pool's CPUs, HybridExperts.pin_decode_thread); these with graphs captured again, on the
+off the handoff pool's CPUs, HybridExperts.pin_decode_thread); ahead: the same engine with greedy tokens
+taken on the GPU and each decode step launched before the previous token is read ("step ahead", or "step
+ahead off" where the engine already does: ModelRunner.sample_on_device and lookahead); these with graphs
+captured again, on the
 stream_mem_ops handoff only, and (without --repeats)
 followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
 on" has 0, else 0; switched on the same engine when it is the hybrid split, as with a GPU budget);
@@ -84,16 +87,17 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
            "vs_llama_prefill": 1.5}
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 0, exact (see above for what 1 gains)."""
-ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "deferral", "gpu-experts")
+ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "ahead", "deferral", "gpu-experts")
 HANDOFF_ROWS = {"zero-copy": ("zero-copy", {"zero_copy": True}),
-                "trim": ("trim padding", {"trim_padding": True}), "pin": ("unpinned", {"pin_decode_thread": False})}
+                "trim": ("trim padding", {"trim_padding": True}), "pin": ("unpinned", {"pin_decode_thread": False}),
+                "ahead": ("step ahead", {"sample_on_device": True, "lookahead": True})}
 """Ablation rows measured on the "all on" engine: label suffix and the CudaHandoff options changed
-(bench_suite.HANDOFF_OPTIONS and EXPERT_OPTIONS). After them, "all on" again
+(bench_suite.HANDOFF_OPTIONS, EXPERT_OPTIONS and RUNNER_OPTIONS). After them, "all on" again
 with its own options, which shows how much the same engine drifts between its first and last rows."""
 
 SUITES = {
     "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4,12", formats="int4,bf16", prompt_lens="512,2048,8192",
-                  gen_len=64, ablation="graph,trim,pin,deferral,gpu-experts", repeats=3,
+                  gen_len=64, ablation="graph,trim,pin,ahead,deferral,gpu-experts", repeats=3,
                   engine=dict(gpu_memory_budget="16GiB")),
     "dsv2lite": dict(synthetic="deepseek-v2-lite", layers="8", formats="int4", prompt_lens="512,2048,8192",
                      gen_len=32, ablation=None, engine=dict(gpu_memory_budget="16GiB")),

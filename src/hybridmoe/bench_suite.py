@@ -35,6 +35,8 @@ HANDOFF_OPTIONS = ("zero_copy", "trim_padding")
 """CudaHandoff attributes a variant may set (cuda_handoff.py); the others keep the engine's own values."""
 EXPERT_OPTIONS = ("pin_decode_thread",)
 """HybridExperts attributes a variant may set the same way (hybrid.py), reported with the handoff options."""
+RUNNER_OPTIONS = ("sample_on_device", "lookahead")
+"""ModelRunner attributes a variant may set the same way (model_runner.py: the decode step's host path)."""
 
 
 @dataclass
@@ -75,8 +77,8 @@ class SuiteResult:
     anatomy: StepAnatomy | None = None
     """Where the decode step's time went (stream_mem_ops handoff only)."""
     handoff_options: dict | None = None
-    """The stream_mem_ops handoffs' HANDOFF_OPTIONS and the hybrid experts' EXPERT_OPTIONS in this run, None
-    without such a handoff."""
+    """The stream_mem_ops handoffs' HANDOFF_OPTIONS, the hybrid experts' EXPERT_OPTIONS and the runner's
+    RUNNER_OPTIONS in this run, None without such a handoff."""
     prefill_layer_times: dict[int, LayerTimes] = field(default_factory=dict)
     """Prompt length -> its prefill timed per layer (a cut model's first sample), for full_depth."""
     decode_samples_s: list[float] = field(default_factory=list)
@@ -130,8 +132,8 @@ class Row:
     graph: bool
     """CUDA graphs on (as the engine loaded) or off."""
     options: dict | None
-    """HANDOFF_OPTIONS set on the stream_mem_ops handoffs (EXPERT_OPTIONS on the hybrid experts), over the
-    engine's own (None: its own)."""
+    """HANDOFF_OPTIONS set on the stream_mem_ops handoffs (EXPERT_OPTIONS on the hybrid experts, RUNNER_OPTIONS on
+    the model runner), over the engine's own (None: its own)."""
     every_length: bool
     """Prefill every prompt length (else the first only)."""
     deferred: int | None = None
@@ -240,7 +242,8 @@ class _Bench:
         self.memops = self._memops()
         experts = engine.runner.model.experts
         self.defaults = ({**{name: getattr(self.memops[0], name) for name in HANDOFF_OPTIONS},
-                          **{name: getattr(experts, name) for name in EXPERT_OPTIONS}} if self.memops else None)
+                          **{name: getattr(experts, name) for name in EXPERT_OPTIONS},
+                          **{name: getattr(engine.runner, name) for name in RUNNER_OPTIONS}} if self.memops else None)
         self.graphs = engine.runner.cuda_graph
         self.captured = self.defaults  # the options the engine's graphs were captured with
         self.retired = []  # graphs captured with other options: kept alive, as their memory pool is reused
@@ -282,7 +285,9 @@ class _Bench:
             self.memops = self._memops()
         options = self.options(row)
         for name, value in (options or {}).items():  # None: no stream_mem_ops handoff, nothing to set
-            for target in [runner.model.experts] if name in EXPERT_OPTIONS else self.memops:
+            targets = ([runner.model.experts] if name in EXPERT_OPTIONS else [runner] if name in RUNNER_OPTIONS
+                       else self.memops)
+            for target in targets:
                 setattr(target, name, value)
         if self.graphs and options != self.captured:
             self.retired += runner._graphs.values()
