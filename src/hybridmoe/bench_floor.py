@@ -114,7 +114,8 @@ def decode_routing(engine, prompt: list[int], gen_len: int):
     from hybridmoe.sampling_params import SamplingParams
 
     runner, model = engine.runner, engine.runner.model
-    graphs, runner.cuda_graph = runner.cuda_graph, False
+    # eager steps one at a time (no step launched ahead: the counter reads each step's ids as it runs)
+    (graphs, ahead), runner.cuda_graph, runner.lookahead = (runner.cuda_graph, runner.lookahead), False, False
     counter = RoutingCounter.install(model)
     try:
         engine.add_request(prompt, SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True))
@@ -124,5 +125,5 @@ def decode_routing(engine, prompt: list[int], gen_len: int):
             engine.step()
     finally:
         counter.uninstall(model)
-        runner.cuda_graph = graphs
+        runner.cuda_graph, runner.lookahead = graphs, ahead
     return counter.stats()

@@ -110,7 +110,8 @@ def measure_layer_times(engine, prompt: list[int], gen_len: int) -> LayerTimes:
     from hybridmoe.sampling_params import SamplingParams
 
     runner, model = engine.runner, engine.runner.model
-    graphs, runner.cuda_graph = runner.cuda_graph, False
+    # each step timed alone: eager, and no step launched before the previous one's token is read
+    (graphs, ahead), runner.cuda_graph, runner.lookahead = (runner.cuda_graph, runner.lookahead), False, False
     timer = _LayerTimer(model.model.layers, model.model.norm, runner.device)
     steps: list[float] = []
     try:
@@ -123,7 +124,7 @@ def measure_layer_times(engine, prompt: list[int], gen_len: int) -> LayerTimes:
         layer_s = timer.mean_seconds()
     finally:
         timer.remove()
-        runner.cuda_graph = graphs
+        runner.cuda_graph, runner.lookahead = graphs, ahead
     return LayerTimes(sum(steps) / len(steps), layer_s, list(model.moe_layers))
 
 

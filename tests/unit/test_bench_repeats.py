@@ -99,8 +99,7 @@ def test_a_handoff_row_that_changes_nothing_measures_the_other_way():
 
 def test_an_expert_option_row_sets_the_experts_and_the_next_row_its_own_value_again():
     """pin_decode_thread (EXPERT_OPTIONS) is set on the hybrid experts, RUNNER_OPTIONS on the model runner, the
-    handoff options on each handoff;
-    a row without options puts the engine's own values back."""
+    handoff options on each handoff; a row without options puts the engine's own values back."""
     from types import SimpleNamespace as NS
 
     handoff = NS(path="stream_mem_ops", zero_copy=True, trim_padding=True)
