@@ -11,14 +11,15 @@ step for each (Bp, Lp) is captured once as a CUDA graph (lazily, after one eager
 and replayed; without, the same fixed-shape step runs eagerly, so both give the same tokens.
 Prefill and everything else runs eagerly in the shapes of the batch.
 
-A fixed-shape step also takes each row's greedy token (the argmax of its logits) and writes the
-next step's inputs in place (that token, position and length + 1), on the device. For a batch of
-plain greedy rows (no penalties, no logprobs: sample_on_device) the host then reads back only the
-tokens (one pinned copy) and copies no inputs when the device already holds them; and (lookahead)
-the next step is launched before this step's tokens are read, so the host's share of a step (the
-read back, the engine's Python, the launch) runs while the device computes the next one. A step
-launched ahead whose batch does not come (a sequence stopped at EOS, a request arrived) is dropped:
-it ran on its own KV-cache positions only, which the next writes there replace.
+With sample_on_device, a fixed-shape step also takes each row's greedy token (the argmax of its
+logits) and writes the next step's inputs in place (that token, position and length + 1), on the
+device. For a batch of plain greedy rows (no penalties, no logprobs) the host then reads back only
+the tokens (one pinned copy) and copies no inputs when the device already holds them; and (with
+lookahead) the next step is launched before this step's tokens are read, so the host's share of a
+step (the read back, the engine's Python, the launch) runs while the device computes the next one.
+A step launched ahead whose batch does not come (a sequence stopped at EOS, a request arrived) is
+dropped: it ran on its own KV-cache positions only, which the next writes there replace. The
+decode thread stays pinned (HybridExperts.decode_thread) while steps are in flight.
 """
 
 from __future__ import annotations
