@@ -1,14 +1,16 @@
 """Where a decode step's time goes outside its layers, and what the runner's host paths cost, side by side.
 
     python benchmarks/decode_step_parts.py --synthetic qwen3-30b-a3b --layers 4 --formats int4,bf16
-        [--variants old,device,ahead] [--repeats 3] [--gen-len 64] [--decode-prompt-len 64] [--replays 64]
+        [--variants old,device,ahead] [--repeats 3] [--runs 1] [--gen-len 64] [--decode-prompt-len 64] [--replays 64]
         [--json F] [engine options: --device cuda --gpu-memory-budget 16GiB --gpu-experts-per-layer 26 ...]
 
 Per engine (a synthetic checkpoint in memory, one expert format), greedy decode at batch 1, with the model
 runner's host path of each variant (VARIANTS: ModelRunner.sample_on_device and lookahead), switched on the
 same engine and measured `repeats` times interleaved (each round starting one row later):
-- us/token: gen_len tokens through LLMEngine.step(), the prompt's step left out (median of the samples);
-  "tokens" says whether the variant decoded the first variant's tokens.
+- us/token: gen_len tokens through LLMEngine.step(), the prompt's step left out (median of the samples, a
+  sample the median of `runs` decode runs in a row); "tokens" says whether the variant decoded the first
+  variant's tokens; the spread (slowest - fastest) / median over the samples of their i-th runs alone and
+  of their medians: whether e2e's samples would scatter less with several runs each.
 - host phases (first round, a probed run: perf_counter around the engine's own methods): schedule, the
   runner's step up to the graph launch (input copies, thread pinning), the launch itself, the wait for the
   token, the runner's step after it, postprocess, and what is left of the step. With lookahead the launch
@@ -55,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-prompt-len", type=int, default=64)
     parser.add_argument("--variants", default="old,device,ahead", help=f"among {','.join(VARIANTS)} (default all)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the variants (default 3)")
+    parser.add_argument("--runs", type=int, default=1, help="timed decode runs per sample, the sample their median "
+                        "(default 1); the output gives the spread over the samples of their first runs and of the medians")
     parser.add_argument("--replays", type=int, default=64, help="back-to-back graph replays (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
@@ -234,6 +238,11 @@ def eager_parts(engine) -> dict:
     return {k: (1e3 * v if k != "lm_head_gbps" else v) for k, v in parts.items()}  # us, and GB/s
 
 
+def spread(values: list[float]) -> float:
+    """(slowest - fastest) / median, as e2e's repeats table gives it."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
 def set_variant(engine, name: str) -> None:
     for attr, value in VARIANTS[name].items():
         setattr(engine.runner, attr, value)
@@ -248,8 +257,11 @@ def measure(engine, args) -> dict:
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             set_variant(engine, name)
             decode(engine, prompt, args.gen_len)  # captures the graphs these lengths replay (again, if switched)
-            seconds, tokens[name] = decode(engine, prompt, args.gen_len)
-            samples[name].append(1e6 * seconds)
+            runs = []
+            for _ in range(args.runs):
+                seconds, tokens[name] = decode(engine, prompt, args.gen_len)
+                runs.append(1e6 * seconds)
+            samples[name].append(runs)
             if rep == 0:
                 probe = StepProbe(engine)
                 with probe.installed():
@@ -257,7 +269,10 @@ def measure(engine, args) -> dict:
                 probes[name] = probe.summary()
     set_variant(engine, "old")
     decode(engine, prompt, args.gen_len)
-    rows = {n: {"us": statistics.median(samples[n]), "samples_us": samples[n], "tokens_equal": tokens[n] == tokens[names[0]],
+    rows = {n: {"us": statistics.median(map(statistics.median, samples[n])), "samples_us": samples[n],
+                "spread_runs": [spread([r[i] for r in samples[n]]) for i in range(args.runs)],
+                "spread_median": spread(list(map(statistics.median, samples[n]))),
+                "tokens_equal": tokens[n] == tokens[names[0]],
                 "probe": probes[n]} for n in names}
     return {"variants": rows, "replay_us": 1e6 * replay_loop(engine, args.replays), "eager_us": eager_parts(engine),
             "graphs": [list(k) for k in engine.runner.captured]}
@@ -284,8 +299,11 @@ def main(argv=None) -> int:
             for name, v in r["variants"].items():
                 p = v["probe"]
                 print(f"  {name:<7} {v['us']:7.0f} us/token ({base / v['us']:.3f}x the first; replay/this "
-                      f"{r['replay_us'] / v['us']:.3f}) samples {' '.join(f'{x:.0f}' for x in v['samples_us'])}"
-                      f"  tokens {'equal' if v['tokens_equal'] else 'DIFFER'}")
+                      f"{r['replay_us'] / v['us']:.3f})  tokens {'equal' if v['tokens_equal'] else 'DIFFER'}; spread over "
+                      f"samples: run 1, 2, ... alone {' '.join(f'{100 * x:.1f}%' for x in v['spread_runs'])}, median "
+                      f"of {args.runs} runs {100 * v['spread_median']:.1f}%")
+                print("          runs us/token: " + " | ".join(" ".join(f"{x:.0f}" for x in runs)
+                                                            for runs in v["samples_us"]))
                 print(f"          probed step us: mean {p['step_us']:.0f}, "
                       + ", ".join(f"{k} {x:.0f}" for k, x in p["step_pct_us"].items()))
                 print("          host us/step: " + ", ".join(f"{k} {x:.1f}" for k, x in p["host_us"].items()))
