@@ -1,8 +1,9 @@
 """The CUDA handoff's rows written by the router's kernel (HybridExperts.stage_in_router) and its flags played by
-kernels (HybridExperts.kernel_flags: route_split clears done and writes go, sum_parts waits for done) give the same
-layers, bit for bit, as the rows copied by their own kernel and the flags written and waited for by stream memory
-operations: eagerly and as CUDA graph replays, with and without GPU experts and deferred experts. Runs on the GPU
-host through scripts/device_check.sh.
+kernels (HybridExperts.kernel_flags: route_split clears done and writes go, sum_parts / add_parts wait for done),
+and the residual added by the backend (forward_logits(..., residual), as DecoderLayer asks for it) give the same
+layers, bit for bit, as the rows copied by their own kernel, the flags written and waited for by stream memory
+operations and the residual added by the caller: eagerly and as CUDA graph replays, with and without GPU experts
+and deferred experts. Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, E experts, K experts per token, H hidden, I intermediate.
 """
@@ -20,7 +21,9 @@ pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 E, H, I, K, TMAX = 8, 64, 32, 3, 8
-MODES = {"copies": {}, "router": {"stage_in_router": True}, "kernel_flags": {"kernel_flags": True}}
+MODES = {"copies": {}, "residual": {}, "router": {"stage_in_router": True}, "kernel_flags": {"kernel_flags": True},
+         "kernel_flags_sum": {"kernel_flags": True}}
+"""Backend options per mode; every mode but copies and kernel_flags_sum has the backend add the residual."""
 
 
 def backend(gpu_ids: list[int], deferred: int, dtype: torch.dtype, mode: str) -> HybridExperts:
@@ -39,11 +42,14 @@ def backend(gpu_ids: list[int], deferred: int, dtype: torch.dtype, mode: str) ->
     return b
 
 
-def chain(b: HybridExperts, x, router: torch.Tensor) -> torch.Tensor:
-    """Two decoder layers' residual stream, each layer only its MoE block, routed by the fused router."""
+def chain(b: HybridExperts, x, router: torch.Tensor, residual: bool) -> torch.Tensor:
+    """Two decoder layers' residual stream, each layer only its MoE block, routed by the fused router; residual:
+    the backend adds the residual stream to the block's output."""
     h = x
     for i in range(2):
-        h = b.after_layer(i, h + b.forward_logits(i, h, (h @ router).float(), K, True))
+        logits = (h @ router).float()
+        h = b.after_layer(i, b.forward_logits(i, h, logits, K, True, residual=h) if residual
+                          else h + b.forward_logits(i, h, logits, K, True))
     return h
 
 
@@ -58,7 +64,7 @@ def replayed(b: HybridExperts, fn) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("mode", ["router", "kernel_flags"])
+@pytest.mark.parametrize("mode", ["residual", "router", "kernel_flags", "kernel_flags_sum"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("gpu_ids", [[], [0, 3, 5]])
@@ -69,12 +75,13 @@ def test_rows_staged_by_the_router_and_flags_in_kernels_equal_copies_and_stream_
     x = torch.randn(T, H, generator=g).to(dtype).cuda()
     router = torch.randn(H, E, generator=g).to(dtype).cuda()
     ref = backend(gpu_ids, deferred, dtype, "copies")
-    want = chain(ref, x, router)
-    want_replayed = replayed(ref, lambda: chain(ref, x, router))
+    want = chain(ref, x, router, False)
+    want_replayed = replayed(ref, lambda: chain(ref, x, router, False))
     assert torch.equal(want_replayed, want)
     b = backend(gpu_ids, deferred, dtype, mode)
-    assert torch.equal(chain(b, x, router), want)
-    assert torch.equal(replayed(b, lambda: chain(b, x, router)), want)
+    residual = mode not in ("copies", "kernel_flags_sum")
+    assert torch.equal(chain(b, x, router, residual), want)
+    assert torch.equal(replayed(b, lambda: chain(b, x, router, residual)), want)
 
 
 @pytest.fixture

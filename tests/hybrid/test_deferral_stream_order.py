@@ -84,11 +84,16 @@ def backend(deferred: int, log: StreamLog | None = None, stage_in_router: bool =
     return b
 
 
-def chain(b: HybridExperts, x: torch.Tensor, routers: torch.Tensor, fused_router: bool) -> torch.Tensor:
-    """LAYERS decoder layers' residual stream, each only its MoE block, routed by routers[i] [H, E]."""
+def chain(b: HybridExperts, x: torch.Tensor, routers: torch.Tensor, fused_router: bool,
+          residual: bool = False) -> torch.Tensor:
+    """LAYERS decoder layers' residual stream, each only its MoE block, routed by routers[i] [H, E]; residual:
+    the fused router's backend adds the residual stream to the block's output itself."""
     h = x
     for i in range(LAYERS):
         logits = h @ routers[i]
+        if fused_router and residual:
+            h = b.after_layer(i, b.forward_logits(i, h, logits, K, True, residual=h))
+            continue
         out = b.forward_logits(i, h, logits, K, True) if fused_router else None
         if out is None:  # the caller routes (the synchronous path; DeepSeek's own router)
             w, ids = softmax_topk(logits, K, True, fused=False)
@@ -97,19 +102,21 @@ def chain(b: HybridExperts, x: torch.Tensor, routers: torch.Tensor, fused_router
     return h
 
 
-@pytest.mark.parametrize("T,deferred,fused_router,stage_in_router",
-                         [(1, 1, True, False), (4, 2, True, False), (4, 1, False, False), (1, 2, False, False),
-                          (1, 1, True, True), (4, 2, True, True), (4, 1, False, True)])
+@pytest.mark.parametrize("T,deferred,fused_router,stage_in_router,residual",
+                         [(1, 1, True, False, False), (4, 2, True, False, False), (4, 1, False, False, False),
+                          (1, 2, False, False, False), (1, 1, True, True, False), (4, 2, True, True, False),
+                          (4, 1, False, True, False), (1, 1, True, False, True), (4, 2, True, True, True)])
 def test_fixed_shapes_with_deferral_equal_the_synchronous_path_in_overlapping_order(T, deferred, fused_router,
-                                                                                   stage_in_router):
+                                                                                   stage_in_router, residual):
     """stage_in_router: the fused router writes the own part's rows into its handoff's staging buffers (the
-    deferred part and the caller-routed path still hand theirs over at submit)."""
+    deferred part and the caller-routed path still hand theirs over at submit). residual: the backend adds
+    the residual stream to the MoE output (in the kernel that sums the parts, where it can)."""
     g = torch.Generator().manual_seed(T)
     x, routers = torch.randn(T, H, generator=g), torch.randn(LAYERS, H, E, generator=g)
     want = chain(backend(deferred), x, routers, fused_router)
     log = StreamLog()
-    torch.testing.assert_close(chain(backend(deferred, log, stage_in_router), x, routers, fused_router), want,
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(chain(backend(deferred, log, stage_in_router), x, routers, fused_router, residual),
+                               want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(want, chain(backend(0), x, routers, fused_router), atol=1e-3)  # deferral is not a no-op
     expected = [("own", "go", 0), ("deferred", "go", 0), ("own", "wait", 0)]
     for layer in range(1, LAYERS):

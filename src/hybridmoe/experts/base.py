@@ -44,9 +44,10 @@ class ExpertBackend(ABC):
         return hidden
 
     def forward_logits(self, layer: int, hidden: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-                       renormalize: bool) -> torch.Tensor | None:
+                       renormalize: bool, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """forward() of the router's softmax top-k of router_logits [T, E], for a backend that routes a
-        step itself (fusing the top-k into what it does next); None: it does not, the caller routes."""
+        step itself (fusing the top-k into what it does next); None: it does not, the caller routes.
+        residual [T, H]: return residual + forward() (rounded as torch adds them) instead."""
         return None
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,

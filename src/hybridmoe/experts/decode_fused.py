@@ -123,14 +123,18 @@ def sum_parts(parts: list[torch.Tensor], dtype: torch.dtype, fused: bool = True,
     return total.to(dtype)
 
 
-def add_parts(hidden: torch.Tensor, parts: list[torch.Tensor], fused: bool = True) -> torch.Tensor:
+def add_parts(hidden: torch.Tensor, parts: list[torch.Tensor], fused: bool = True, done: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """hidden + the sum of one or two partial outputs (sum_parts' rounding), as torch adds them:
     hidden + (a + b in float32, rounded to hidden's dtype), rounded once more. hidden [T, H]; parts
-    [T, H] of any float dtypes, on hidden's device. One kernel on CUDA (fused) instead of two."""
+    [T, H] of any float dtypes, on hidden's device. One kernel on CUDA (fused) instead of two. done: as
+    sum_parts' (the kernel first waits for the CUDA handoff's done word of part 0)."""
     if _triton(hidden, fused):
         from hybridmoe.experts.decode_fused_triton import triton_add_parts
 
-        return triton_add_parts(hidden, parts)
+        return triton_add_parts(hidden, parts, done)
+    if done is not None:
+        raise ValueError("add_parts: done needs the Triton kernel (CUDA, triton, fused)")
     if len(parts) == 1:
         return hidden + parts[0].to(hidden.dtype)
     return hidden + sum_parts(parts, hidden.dtype, fused=False)

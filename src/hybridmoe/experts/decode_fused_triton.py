@@ -224,7 +224,11 @@ def triton_sum_parts(parts: list[torch.Tensor], dtype: torch.dtype, done: torch.
 
 
 @triton.jit
-def _add_parts_kernel(h_ptr, a_ptr, b_ptr, out_ptr, N, TWO: tl.constexpr, BLOCK: tl.constexpr):
+def _add_parts_kernel(h_ptr, a_ptr, b_ptr, out_ptr, done_ptr, N, TWO: tl.constexpr, WAIT: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """WAIT: first wait for the CUDA handoff's done word (as _sum_parts_kernel)."""
+    if WAIT:
+        _wait_done(done_ptr)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     t = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32)
@@ -235,11 +239,12 @@ def _add_parts_kernel(h_ptr, a_ptr, b_ptr, out_ptr, N, TWO: tl.constexpr, BLOCK:
     tl.store(out_ptr + i, (h + t).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def triton_add_parts(hidden: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
-    """add_parts in one kernel; hidden, parts [T, H]."""
+def triton_add_parts(hidden: torch.Tensor, parts: list[torch.Tensor], done: torch.Tensor | None = None) -> torch.Tensor:
+    """add_parts in one kernel; hidden, parts [T, H]; done: as triton_sum_parts'."""
     h = hidden.contiguous()
     a, b = (p.contiguous() for p in (parts + parts)[:2])
     out = torch.empty_like(h)
     N, block = h.numel(), 1024
-    _add_parts_kernel[(triton.cdiv(N, block),)](h, a, b, out, N, TWO=len(parts) == 2, BLOCK=block)
+    _add_parts_kernel[(triton.cdiv(N, block),)](h, a, b, out, done if done is not None else out, N,
+                                                TWO=len(parts) == 2, WAIT=done is not None, BLOCK=block)
     return out

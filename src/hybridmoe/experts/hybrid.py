@@ -182,17 +182,22 @@ class _Partial:
         self.join_cpu()
         return [p.to(self.device) for p in (self.cpu_out, self.gpu_out) if p is not None]
 
-    def finish(self, folded: _Partial | None = None) -> torch.Tensor:
+    def finish(self, folded: _Partial | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H] in the hidden state's dtype and device; plus folded's output (an earlier layer's deferred
-        experts, joining here), summed with this one's parts before the one rounding."""
+        experts, joining here), summed with this one's parts before the one rounding. residual [T, H]: returned
+        is residual + that (rounded once more, as torch adds them), in one kernel with the sum where it can."""
         parts = self._parts() + (folded._parts() if folded is not None else [])
+        if residual is not None and 1 <= len(parts) <= 2:
+            return add_parts(residual, parts, self.fused, done=self._done)
         if self._done is not None:  # parts[0] is the CPU's output: the kernel waits for it first
-            return sum_parts(parts, self.dtype, self.fused, done=self._done)
-        if not parts:
-            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        if len(parts) == 1:
-            return parts[0].to(self.dtype)  # one rounding, as through float32
-        return sum_parts(parts, self.dtype, self.fused)
+            out = sum_parts(parts, self.dtype, self.fused, done=self._done)
+        elif not parts:
+            out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        elif len(parts) == 1:
+            out = parts[0].to(self.dtype)  # one rounding, as through float32
+        else:
+            out = sum_parts(parts, self.dtype, self.fused)
+        return out if residual is None else residual + out
 
     def add_to(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + finish(), in one kernel where it can (add_parts)."""
@@ -380,9 +385,10 @@ class HybridExperts(ExpertBackend):
             return None
         return self._handoffs.get((deferred, layer), (None, 0))
 
-    def forward_logits(self, layer, hidden, router_logits, top_k, renormalize):
+    def forward_logits(self, layer, hidden, router_logits, top_k, renormalize, residual=None):
         """A fixed-shape step, fused on CUDA: the router's top-k and the split of the step's slots (both
-        parts' with deferred experts) in one kernel (route_split); anything else: None (the caller routes)."""
+        parts' with deferred experts) in one kernel (route_split), and residual + the output in the kernel
+        that sums the parts (finish); anything else: None (the caller routes)."""
         fixed = self._handoff(False, layer, hidden)
         if fixed is None or not self.fused:
             return None
@@ -399,7 +405,8 @@ class HybridExperts(ExpertBackend):
         # the deferred part: the same [T, K] slots, its own columns (split once the layer's own part is on its way)
         later = (ids, weights, (top_k - kd, top_k)) if kd else None
         self._submit_fixed(layer, hidden, ids, weights, split, later, (stage is not None, signal is not None))
-        return self.wait(layer)
+        partial, _, _ = self._inflight.pop(layer)
+        return partial.finish(self._folded.pop(layer, None), residual)
 
     def submit(self, layer, hidden, topk_ids, topk_weights):
         if self._handoff(False, layer, hidden) is not None:

@@ -39,6 +39,10 @@ class SparseMoeBlock(nn.Module):
 
     takes_router_logits = True
     """forward(x, logits) takes gate(x) made by the caller (DecoderLayer's norm + router GEMV)."""
+    adds_residual = False
+    """DecoderLayer hands it the residual stream: forward(x, logits, residual) returns residual + the block's
+    output (the backend may add it in the kernel that sums its experts' parts: one kernel less per decode layer).
+    Off until measured on the GPU host."""
 
     def __init__(self, layer_idx: int, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
                  experts: ExpertBackend):
@@ -48,14 +52,16 @@ class SparseMoeBlock(nn.Module):
         self.experts = experts
         self.fused = True  # the router in one kernel on CUDA (softmax_topk)
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]. logits: gate(x) [T, E] if the caller made it (DecoderLayer, with the norm
-        before it in one kernel)."""
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H] (residual + that, if residual [T, H] is given). logits: gate(x) [T, E] if the
+        caller made it (DecoderLayer, with the norm before it in one kernel)."""
         if logits is None:
             logits = self.gate(x)
         if self.fused:  # the backend may fuse the top-k into its split of the step (HybridExperts)
-            out = self.experts.forward_logits(self.layer_idx, x, logits, self.top_k, self.renormalize)
+            out = self.experts.forward_logits(self.layer_idx, x, logits, self.top_k, self.renormalize, residual)
             if out is not None:
                 return out
         weights, ids = softmax_topk(logits, self.top_k, self.renormalize, self.fused)
-        return self.experts.forward(self.layer_idx, x, ids, weights)
+        out = self.experts.forward(self.layer_idx, x, ids, weights)
+        return out if residual is None else residual + out

@@ -84,6 +84,8 @@ class DecoderLayer(nn.Module):
             a = attn(self.input_layernorm(h), positions)
         if getattr(mlp, "takes_router_logits", False) and decode_gemv(h, self.fused_layer, mlp.gate):
             logits, x, h = norm_linear(a, mlp.gate, self.post_attention_layernorm, residual=h)
+            if getattr(mlp, "adds_residual", False):  # the add inside the MoE's last kernel
+                return mlp(x, logits, residual=h)
             return h + mlp(x, logits)
         x, h = self.post_attention_layernorm(a, residual=h)  # h + a and its norm: one kernel on CUDA
         return h + mlp(x)

@@ -42,10 +42,13 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
         self.shared_expert = GatedMLP(c.hidden_size, c.shared_expert_intermediate_size, c.hidden_act)
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]; logits: the router's gate(x) [T, E] if already made."""
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H] (residual + that, if given: the shared expert joins the routed ones first);
+        logits: the router's gate(x) [T, E] if already made."""
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().forward(x, logits) + shared
+        out = super().forward(x, logits) + shared
+        return out if residual is None else residual + out
 
 
 class _QwenMoeForCausalLM(MoECausalLM):
