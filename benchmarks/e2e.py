@@ -4,6 +4,7 @@ in this run), at batch 1; one table, and (with --json) a JSON file that carries 
 
     python benchmarks/e2e.py --model DIR | --synthetic PRESET [--layers N[,N2,...]]
         [--formats int4,bf16] [--prompt-lens 512,2048,8192] [--gen-len 32] [--ablation [ROWS]] [--repeats N]
+        [--decode-runs N]
         [--json F] [engine options: --device, --gpu-memory-budget, --deferred-experts, ...]
     python benchmarks/e2e.py --suite qwen3 | dsv2lite | dsv3 [any option above, over the suite's own]
 
@@ -49,7 +50,8 @@ outlasts that gap, and the next layer's own experts wait behind it). Before the 
 --repeats N measures the rows of each engine load N times, interleaved (all on, no CUDA graph, deferral,
 trim..., all on, no CUDA graph, ...): on the GPU host two identical rows differed by up to 20%, so a row
 is its median, and a table lists every sample and the spread; rows of other loads (no GPU experts,
-other formats) are each measured N times back to back on their own engine. A SIGTERM (e.g.
+other formats) are each measured N times back to back on their own engine. --decode-runs N times the
+decode N times in each sample (after its one untimed run) and takes their median as the sample's. A SIGTERM (e.g.
 `timeout`) ends the run with the tables of the configurations measured so far. Qwen3-30B-A3B rows are
 also set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s
 prefill at 512 (48 layers).
@@ -123,6 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="one length for both: --prompt-lens N --decode-prompt-len N (the earlier interface)")
     parser.add_argument("--ablation", nargs="?", const=",".join(ABLATION_ROWS), metavar="ROWS",
                         help=f"also these rows (default all: {','.join(ABLATION_ROWS)}; see above)")
+    parser.add_argument("--decode-runs", type=int, default=1,
+                        help="timed decode runs of gen_len tokens in each sample, the sample their median (default 1)")
     parser.add_argument("--repeats", type=int,
                         help="measure each engine's rows this many times, interleaved, and report the median and "
                              "the spread (default 1)")
@@ -512,7 +516,7 @@ def _main(args) -> int:
                     rows = run_configuration(model_dir, load, prompt_lens, gen_len=args.gen_len,
                                              bandwidth=bandwidth, bandwidth_method=method,
                                              decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth,
-                                             repeats=args.repeats)
+                                             repeats=args.repeats, decode_runs=args.decode_runs)
                 except Stopped as e:  # the rows of this load measured so far come with it
                     rows = getattr(e, "results", [])
                     notes.append(f"stopped by SIGTERM (time limit) during {load.label} at "
@@ -564,7 +568,7 @@ def _main(args) -> int:
     if args.json:
         setup = {"model": args.model, "synthetic": args.synthetic, "layers": measured,
                  "full_layers": full.layers if cut else None, "engine_options": kwargs, "notes": notes,
-                 "prompt_lens": prompt_lens, "gen_len": args.gen_len, "repeats": args.repeats,
+                 "prompt_lens": prompt_lens, "gen_len": args.gen_len, "repeats": args.repeats, "decode_runs": args.decode_runs,
                  "bandwidth_gbps": bandwidth / 1e9,
                  "bandwidth_method": method, "torch": torch.__version__, "llama_cpp": LLAMA_CPP, "targets": TARGETS}
         with open(args.json, "w") as f:

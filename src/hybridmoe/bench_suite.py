@@ -55,8 +55,8 @@ class SuiteResult:
     """Prompt length -> prompt tokens/s (one request, time to its first token)."""
     ttft_s: dict[int, float]
     decode_s: float
-    """Seconds per decoded token (mean over the gen_len - 1 steps after the first token; the median of
-    the samples' means)."""
+    """Seconds per decoded token (mean over the gen_len - 1 steps after the first token; a sample's is the
+    median of its decode_runs runs, the result the median of the samples')."""
     load_s: float
     rss_gib: float
     """Resident memory once loaded and warmed up."""
@@ -149,7 +149,8 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
               bandwidth: float, bandwidth_method: str, *, decode_prompt_len: int = 64, seed: int = 0,
               depth: DepthInfo | None = None, eager_label: str | None = None,
               handoff_variants: tuple[tuple[str, dict], ...] = (),
-              deferral_variants: tuple[tuple[str, int], ...] = (), repeats: int = 1) -> list[SuiteResult]:
+              deferral_variants: tuple[tuple[str, int], ...] = (), repeats: int = 1,
+              decode_runs: int = 1) -> list[SuiteResult]:
     """Load model_dir with engine_config and measure it; with eager_label, measure the same engine again
     with CUDA graphs off (prefill at prompt_lens[0] only) as a further result; for each (label, K) of
     deferral_variants, again with K deferred experts (HybridExperts.set_deferred_experts, the graphs
@@ -169,6 +170,8 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         raise HybridMoEError(f"gen_len must be at least 2 to time decoding, got {gen_len}")
     if repeats < 1:
         raise HybridMoEError(f"repeats must be at least 1, got {repeats}")
+    if decode_runs < 1:
+        raise HybridMoEError(f"decode_runs must be at least 1, got {decode_runs}")
     cuda = torch.device(engine_config.device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -186,7 +189,8 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
         # measured below (longer prompts run in chunks of max_num_batched_tokens) kept out of the numbers
         for n in sorted({min(n, engine.config.max_num_batched_tokens) for n in prompt_lens}):
             _measure(engine, [prompt(n)], 1)  # the prompt only: decode graphs are captured below
-        bench = _Bench(engine, prompt(decode_prompt_len), gen_len, bandwidth, bandwidth_method, depth is not None)
+        bench = _Bench(engine, prompt(decode_prompt_len), gen_len, bandwidth, bandwidth_method, depth is not None,
+                       decode_runs)
         rows = [Row(label, bench.graphs, None, True)]
         if eager_label is not None:
             rows.append(Row(eager_label, False, None, False))
@@ -236,8 +240,8 @@ class _Bench:
     """A loaded engine switched between rows (graphs on or off, handoff options) and measured."""
 
     def __init__(self, engine, decode_prompt: list[int], gen_len: int, bandwidth: float, bandwidth_method: str,
-                 layer_times: bool):
-        self.engine, self.decode_prompt, self.gen_len = engine, decode_prompt, gen_len
+                 layer_times: bool, decode_runs: int = 1):
+        self.engine, self.decode_prompt, self.gen_len, self.decode_runs = engine, decode_prompt, gen_len, decode_runs
         self.bandwidth, self.bandwidth_method, self.layer_times = bandwidth, bandwidth_method, layer_times
         self.memops = self._memops()
         experts = engine.runner.model.experts
@@ -260,8 +264,8 @@ class _Bench:
         fails is reported and its label dropped from samples."""
         try:
             self._set_up(row)
-            samples[row.label].append(_sample(self.engine, prompts, self.decode_prompt, self.gen_len, first=first,
-                                              layer_times=self.layer_times, bandwidth=self.bandwidth,
+            samples[row.label].append(_sample(self.engine, prompts, self.decode_prompt, self.gen_len, self.decode_runs,
+                                              first=first, layer_times=self.layer_times, bandwidth=self.bandwidth,
                                               bandwidth_method=self.bandwidth_method))
         except Exception as e:  # noqa: BLE001 (a variant's crash must not lose the rows measured)
             if not row.variant:
@@ -324,10 +328,11 @@ class Sample:
     uniform_floor: DecodeFloor | None = None
 
 
-def _sample(engine, prompts: dict[int, list[int]], decode_prompt: list[int], gen_len: int, *, first: bool,
-            layer_times: bool, bandwidth: float, bandwidth_method: str) -> Sample:
+def _sample(engine, prompts: dict[int, list[int]], decode_prompt: list[int], gen_len: int, decode_runs: int, *,
+            first: bool, layer_times: bool, bandwidth: float, bandwidth_method: str) -> Sample:
     """Each prompt's prefill, then gen_len decoded tokens (once untimed first: it captures the graphs these
-    lengths replay); on the first sample of a row also the per-layer times (when asked) and the floor."""
+    lengths replay; then decode_runs times, the sample their median); on the first sample of a row also the
+    per-layer times (when asked) and the floor."""
     prefill, ttft = {}, {}
     for n, p in prompts.items():
         timing = _measure(engine, [p], 1)
@@ -336,8 +341,10 @@ def _sample(engine, prompts: dict[int, list[int]], decode_prompt: list[int], gen
     hs = handoffs(engine.runner.model)
     for h in hs:
         h.take_stats()
-    decode_s = 1.0 / _measure(engine, [decode_prompt], gen_len)["decode_tok_s"]
-    sample = Sample(prefill, ttft, decode_s, step_anatomy([h.take_stats() for h in hs], decode_s))
+    runs = [1.0 / _measure(engine, [decode_prompt], gen_len)["decode_tok_s"] for _ in range(decode_runs)]
+    # the handoffs' counts span every run: their mean step goes with them
+    anatomy = step_anatomy([h.take_stats() for h in hs], statistics.fmean(runs))
+    sample = Sample(prefill, ttft, statistics.median(runs), anatomy)
     if first:
         model = engine.runner.model
         if layer_times:

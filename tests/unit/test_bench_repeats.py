@@ -20,7 +20,7 @@ def fake_sampler(monkeypatch, decode_s, stop_at=None):
     (the "all on" row prefills every length, the others the first only); call stop_at raises Interrupted."""
     calls = []
 
-    def sample(engine, prompts, decode_prompt, gen_len, *, first, **kw):
+    def sample(engine, prompts, decode_prompt, gen_len, decode_runs, *, first, **kw):
         if len(calls) == stop_at:
             raise Interrupted
         calls.append((len(prompts), first))
@@ -50,6 +50,17 @@ def test_rows_are_interleaved_and_each_reports_the_median_of_its_samples(model_d
     assert off.decode_spread == pytest.approx((5.0 - 3.0) / 4.0)
     assert on.prefill_samples == {16: [1.0, 1 / 6, 0.5], 32: [1.0, 1 / 6, 0.5]} and on.prefill_tok_s[32] == 0.5
     assert set(off.prefill_tok_s) == {16} and off.cuda_graph is False and off.resolved.cuda_graph is False
+
+
+def test_a_sample_is_the_median_of_its_decode_runs(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    rates = iter([0.1, 1.0, 4.0, 2.0])  # tok/s: the untimed decode (capturing graphs), then three timed runs
+    monkeypatch.setattr(suite, "_measure", lambda engine, prompts, gen_len: {"decode_tok_s": next(rates)})
+    engine = NS(runner=NS(model=NS(experts=NS())))
+    sample = suite._sample(engine, {}, [1], 4, 3, first=False, layer_times=False, bandwidth=1e9,
+                           bandwidth_method="probe")
+    assert sample.decode_s == 0.5  # of 1, 0.25 and 0.5 s per token
 
 
 def test_an_interruption_after_the_first_round_comes_with_the_complete_rounds(model_dir, monkeypatch):
