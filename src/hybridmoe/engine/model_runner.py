@@ -66,6 +66,9 @@ class ModelRunner:
         (a graph captured the other way is captured again at its next step)."""
         self.lookahead = True
         """With sample_on_device, launch the next decode step before reading this one's tokens."""
+        self.sleep_wait = False
+        """With sample_on_device, wait for a step's tokens asleep (a blocking CUDA event) instead of spinning:
+        the waiting thread's CPU stays free for the CPU experts' threads (its hyperthread sibling)."""
         self._holds: list[list[int]] | None = None  # what _inputs hold once the steps enqueued ran, if known
         self._ahead: _Launched | None = None  # the next decode step, launched before this one's tokens were read
         self._pinned: ExitStack | None = None  # the decode thread's pinning, held while steps are in flight
@@ -220,7 +223,7 @@ class ModelRunner:
             self._flip ^= 1
             step.read.copy_(self._ids[:Bp], non_blocking=True)  # the step wrote its tokens there
             if self.device.type == "cuda":
-                step.done = torch.cuda.Event()
+                step.done = torch.cuda.Event(blocking=self.sleep_wait)
                 step.done.record()
         return step
 
