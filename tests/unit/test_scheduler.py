@@ -28,10 +28,12 @@ def test_admits_up_to_the_number_of_slots_and_a_finished_sequence_frees_its_slot
     run(batch := sched.schedule())
     assert plan(batch) == [("a", 3), ("b", 3)]
     assert (a.slot, b.slot, c.status) == (0, 1, SequenceStatus.WAITING)
+    assert not sched.admits()  # c waits, but no slot is free: the next step runs the same sequences
     sched.finish(a)
     assert a.status is SequenceStatus.FINISHED and a.slot is None
+    assert sched.admits()
     assert plan(sched.schedule()) == [("b", 1), ("c", 3)]
-    assert c.slot == 0
+    assert c.slot == 0 and not sched.admits()
 
 
 def test_an_aborted_waiting_sequence_is_never_scheduled():
