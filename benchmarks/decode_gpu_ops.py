@@ -13,7 +13,8 @@ and the router each with the norm before it (layers/gemv_triton.py), q/k norms +
 inside decode attention, MLA's decode in one kernel (layer fusions: fused_layer, on by default);
 kflags: layer, and the CUDA handoff's rows staged and its flags played by the router's and the sum's
 kernels (HybridExperts.kernel_flags), the residual added in the MoE's last kernel (SparseMoeBlock.adds_residual);
-unfused: the torch ops they replace):
+prefetch: kflags, and the next layer's attention weights prefetched into L2 while the CPU runs a layer
+(HybridExperts.prefetch_next); unfused: the torch ops they replace):
   - profiles one eager step: per decoder layer the GPU kernels, copies and memsets it launches and their
     GPU time (torch profiler; a launch belongs to the layer whose forward was running on the host), the
     last MoE layer's kernels by name, and its top-level torch ops (on the CPU, the only column);
@@ -61,7 +62,7 @@ from hybridmoe.engine.model_runner import MIN_PAD_LEN
 from hybridmoe.sampling_params import SamplingParams
 
 PROMPT_LEN = 16
-PATHS = ("unfused", "fused", "layer", "kflags")
+PATHS = ("unfused", "fused", "layer", "kflags", "prefetch")
 CPU_WAIT_US = 15.0
 """An idle GPU gap at least this long in a replay is a wait for the CPU experts (launch gaps are ~1-4 us)."""
 GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -86,7 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="unfused (torch), fused (Triton kernels for norms, rotary, router, hybrid split and "
                              "sum), layer (fused + the decode GEMV with the norms folded in, rotary inside attention), "
                              "kflags (layer + the handoff's flags in kernels, HybridExperts.kernel_flags, and the "
-                             "residual added in the MoE's last kernel), "
+                             "residual added in the MoE's last kernel), prefetch (kflags + the next layer's "
+                             "attention weights prefetched into L2 during the CPU's part), "
                              "comma-separated, measured side by side, each against the first "
                              "(default unfused,fused,layer)")
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
@@ -278,13 +280,14 @@ def decode_thread(model):
 
 def use_path(model, path: str) -> None:
     """Switch the model's decode kernels to one of PATHS."""
-    model.fuse_decode_kernels(path != "unfused", layer=path in ("layer", "kflags"))
+    model.fuse_decode_kernels(path != "unfused", layer=path in ("layer", "kflags", "prefetch"))
     if hasattr(model.experts, "kernel_flags"):
-        model.experts.kernel_flags = path == "kflags"
+        model.experts.kernel_flags = path in ("kflags", "prefetch")
+        model.experts.prefetch_next = path == "prefetch"
     for layer in model.model.layers:
         mlp = getattr(layer, layer.mlp_name)
         if hasattr(mlp, "adds_residual"):
-            mlp.adds_residual = path == "kflags"
+            mlp.adds_residual = path in ("kflags", "prefetch")
 
 
 def decode_step(engine: LLMEngine, seqs: list, cuda_fixed: bool):

@@ -59,11 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy; "
                         "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc|:nozc][:nopin][:sr|:nosr][:kf|:nokf][:res|:nores] (zc/nozc: zero-copy on/off, else the "
+                        "K[:notrim][:zc|:nozc][:nopin][:sr|:nosr][:kf|:nokf][:res|:nores][:pf|:nopf] (zc/nozc: zero-copy "
+                        "on/off, else the "
                         "engine's; nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread; sr/nosr: the "
                         "router's kernel stages the CPU's rows, HybridExperts.stage_in_router; kf/nokf: kernels play the "
                         "handoff's flags, HybridExperts.kernel_flags; res/nores: the MoE blocks hand the residual add to the "
-                        "backend, SparseMoeBlock.adds_residual; else the engine's), e.g. 0,1,2,0:nozc,0:nopin,0:kf")
+                        "backend, SparseMoeBlock.adds_residual; pf/nopf: the next layer's attention weights prefetched "
+                        "into L2 during the CPU's part, HybridExperts.prefetch_next; else the engine's), "
+                        "e.g. 0,1,2,0:nozc,0:nopin,0:kf")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
@@ -100,6 +103,8 @@ class Variant:
     """HybridExperts.kernel_flags; None: the engine's."""
     residual: bool | None = None
     """Every MoE block's adds_residual (layers/moe.py); None: the model's."""
+    prefetch: bool | None = None
+    """HybridExperts.prefetch_next; None: the engine's."""
 
     def label(self) -> str:
         copies = {None: "", True: " zero-copy", False: " copies"}[self.zero_copy]
@@ -107,7 +112,8 @@ class Variant:
                 + ("" if self.pin else " unpinned")
                 + {None: "", True: " router stages", False: " no router staging"}[self.stage_in_router]
                 + {None: "", True: " kernel flags", False: " stream flags"}[self.kernel_flags]
-                + {None: "", True: " residual in the MoE", False: " residual added after"}[self.residual])
+                + {None: "", True: " residual in the MoE", False: " residual added after"}[self.residual]
+                + {None: "", True: " prefetch", False: " no prefetch"}[self.prefetch])
 
 
 def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
@@ -150,17 +156,18 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc|:nozc][:nopin][:sr|:nosr][:kf|:nokf][:res|:nores]" -> Variant."""
+    """"K[:notrim][:zc|:nozc][:nopin][:sr|:nosr][:kf|:nokf][:res|:nores][:pf|:nopf]" -> Variant."""
     k, *opts = spec.strip().split(":")
-    unknown = set(opts) - {"notrim", "zc", "nozc", "nopin", "sr", "nosr", "kf", "nokf", "res", "nores"}
-    if unknown or any({on, "no" + on} <= set(opts) for on in ("zc", "sr", "kf", "res")):
+    switches = ("zc", "sr", "kf", "res", "pf")
+    unknown = set(opts) - {"notrim", "nopin"} - {s for on in switches for s in (on, "no" + on)}
+    if unknown or any({on, "no" + on} <= set(opts) for on in switches):
         raise HybridMoEError(f"--variants: unknown or contradicting option(s) in {spec!r} "
-                             "(notrim, zc or nozc, nopin, sr or nosr, kf or nokf, res or nores)")
+                             "(notrim, nopin, and one of zc/nozc, sr/nosr, kf/nokf, res/nores, pf/nopf each)")
 
     def switch(on: str) -> bool | None:
         return True if on in opts else False if "no" + on in opts else None
     return Variant(int(k), "notrim" not in opts, switch("zc"), "nopin" not in opts, switch("sr"), switch("kf"),
-                   switch("res"))
+                   switch("res"), switch("pf"))
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -239,9 +246,10 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
         if v.zero_copy is not None:
             h.zero_copy = v.zero_copy
     experts.pin_decode_thread = v.pin
-    for name in ("stage_in_router", "kernel_flags"):
-        if getattr(v, name) is not None:
-            setattr(experts, name, getattr(v, name))
+    for name, on in (("stage_in_router", v.stage_in_router), ("kernel_flags", v.kernel_flags),
+                     ("prefetch_next", v.prefetch)):
+        if on is not None:
+            setattr(experts, name, on)
     for layer in engine.runner.model.model.layers:
         mlp = getattr(layer, layer.mlp_name)
         if v.residual is not None and hasattr(mlp, "adds_residual"):

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.device,
 
 E, H, I, K, TMAX = 8, 64, 32, 3, 8
 MODES = {"copies": {}, "residual": {}, "router": {"stage_in_router": True}, "kernel_flags": {"kernel_flags": True},
-         "kernel_flags_sum": {"kernel_flags": True}}
+         "kernel_flags_sum": {"kernel_flags": True}, "prefetch": {"kernel_flags": True, "prefetch_next": True}}
 """Backend options per mode; every mode but copies and kernel_flags_sum has the backend add the residual."""
 
 
@@ -39,6 +39,8 @@ def backend(gpu_ids: list[int], deferred: int, dtype: torch.dtype, mode: str) ->
     assert b.use_fixed_shapes(TMAX, dtype)
     for name, on in MODES[mode].items():
         setattr(b, name, on)
+    # while layer 0's CPU part runs, layer 1's "attention" weights into L2 (prefetch_next)
+    b.prefetch_during(0, [torch.nn.Linear(H, 3 * H, device="cuda"), torch.nn.Linear(H, H, device="cuda")])
     return b
 
 
@@ -64,7 +66,7 @@ def replayed(b: HybridExperts, fn) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("mode", ["residual", "router", "kernel_flags", "kernel_flags_sum"])
+@pytest.mark.parametrize("mode", ["residual", "router", "kernel_flags", "kernel_flags_sum", "prefetch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("gpu_ids", [[], [0, 3, 5]])

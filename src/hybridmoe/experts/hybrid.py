@@ -240,6 +240,11 @@ class HybridExperts(ExpertBackend):
         layer's done word and writes its go word (no stream memory operations), and the kernel that sums the
         layer's parts waits for the done word itself (no cuStreamWaitValue32 node). Read when a step is
         enqueued (captured)."""
+        self.prefetch_next = False
+        """Fixed shapes on CUDA: while a layer's CPU part runs, the GPU prefetches into L2 the weights given by
+        prefetch_during (the next layer's attention and router), after the layer's GPU share. Read when a step
+        is enqueued (captured)."""
+        self._prefetch: dict[int, list] = {}  # layer -> modules whose .weight to prefetch (prefetch_during)
         self._driver_cpus: set[int] = set()  # the CPUs the handoffs' pools leave free (use_fixed_shapes)
 
     def _split(self, layer: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -351,6 +356,13 @@ class HybridExperts(ExpertBackend):
         self._fixed_tokens, self._fixed_dtype = max_tokens, dtype
         return True
 
+    def prefetch_during(self, layer: int, modules: list) -> None:
+        """While layer's CPU part runs (prefetch_next), prefetch up to three modules' .weight into the GPU's L2
+        (read at enqueue time: the modules may get their weights after this call)."""
+        if not 1 <= len(modules) <= 3:
+            raise HybridMoEError(f"prefetch_during takes one to three modules, got {len(modules)}")
+        self._prefetch[layer] = list(modules)
+
     def decode_thread(self):
         """A context for a fixed-shape step, around its launch and the wait for its result: the calling
         thread (which drives the GPU and spins in CUDA's waits) runs on the CPUs the CUDA handoffs' pools
@@ -453,6 +465,10 @@ class HybridExperts(ExpertBackend):
             self._deferred.add(layer, parts[1])
         for p in parts:
             p.start_gpu()
+        if self.prefetch_next and layer in self._prefetch and HAVE_TRITON and hidden.is_cuda:
+            from hybridmoe.layers.prefetch_triton import prefetch_l2
+
+            prefetch_l2([m.weight for m in self._prefetch[layer]])
         # the previous layer's deferred part joins the residual with this layer's output (the same sum, in
         # another order): its output comes back while the GPU waits for this layer's CPU part anyway,
         # instead of a wait, a copy and an add after this layer

@@ -52,6 +52,18 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
 
 
 class _QwenMoeForCausalLM(MoECausalLM):
+    def __init__(self, config, experts: ExpertBackend):
+        super().__init__(config, experts)
+        prefetch_during = getattr(experts, "prefetch_during", None)  # HybridExperts: while a layer's CPU part runs
+        if prefetch_during is not None:
+            layers = self.model.layers
+            for i in range(len(layers) - 1):
+                nxt = layers[i + 1]
+                if self.is_moe_layer(i):  # the next layer's decode GEMVs: qkv, o_proj, and its router if any
+                    gate = getattr(nxt.mlp, "gate", None)
+                    prefetch_during(i, [nxt.self_attn.qkv_proj, nxt.self_attn.o_proj]
+                                    + ([gate] if isinstance(gate, nn.Linear) else []))
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         c = self.config
         return (layer_idx not in c.mlp_only_layers and c.num_experts > 0
