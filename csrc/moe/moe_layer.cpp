@@ -144,7 +144,7 @@ struct ActLayout {
     if (group && use[int(ActKind::i16)]) sums = grow(rows.sums, Ra * (Kp / group));
   }
 
-  // Row r from src[0:n] (n = 0: a padding row of zeros).
+  // Row r from src[0:n] (n = 0: a padding row of zeros); row-major kinds.
   void write(const RowOps& ops, const RowOps& ops8, ActKind kind, size_t r, const void* src, bool src_bf16, int n) {
     switch (kind) {
       case ActKind::bf16: ops.to_bf16(src, src_bf16, n, Kp, bf16 + r * ld); break;
@@ -153,32 +153,44 @@ struct ActLayout {
         break;
       case ActKind::i8: ops8.to_i8(src, src_bf16, n, Kq, 0, q8 + r * ld8, scale + r); break;
       case ActKind::i8_groups: ops8.to_i8(src, src_bf16, n, Kq, kActGroupK, q8 + r * ld8, gscale + r * ng); break;
-      case ActKind::bf16_tiles: {
-        uint8_t* row = tile_row(size_t(Kp) * 2);
-        ops.to_bf16(src, src_bf16, n, Kp, reinterpret_cast<uint16_t*>(row));
-        to_tiles(row, Kp / 32, reinterpret_cast<uint8_t*>(bf16) + r / 16 * 32 * size_t(Kp), r);
-        break;
-      }
-      case ActKind::i8_tiles:
-      case ActKind::i8_groups_tiles: {
-        const bool groups = kind == ActKind::i8_groups_tiles;
-        uint8_t* row = tile_row(Kq);
-        ops8.to_i8(src, src_bf16, n, Kq, groups ? kActGroupK : 0, reinterpret_cast<int8_t*>(row),
-                   groups ? gscale + r * ng : scale + r);
-        to_tiles(row, Kq / 64, reinterpret_cast<uint8_t*>(q8) + r / 16 * 16 * size_t(Kq), r);
-        break;
-      }
+      default: throw std::logic_error("tile-order rows are written a tile at a time (write_rows)");
     }
   }
 
-  // A row made whole (L1-resident scratch of the writing thread), then spread over its tiles.
-  static uint8_t* tile_row(size_t bytes) {
-    thread_local AlignedVec<uint8_t> row;
-    return grow(row, bytes);
-  }
-  // Row r's `steps` 64-byte pieces into its tile at `tile` ([steps][16 rows][64 B]).
-  static void to_tiles(const uint8_t* row, int steps, uint8_t* tile, size_t r) {
-    for (int s = 0; s < steps; ++s) std::memcpy(tile + size_t(s) * 1024 + (r % 16) * 64, row + size_t(s) * 64, 64);
+  // Rows [r0, r1) from row(r) = {src, n} (n = 0: a padding row of zeros), any kind; tile kinds
+  // need r0 and r1 at whole tiles. A tile's 16 rows are converted into a scratch block of the
+  // writing thread (L2-resident), then copied out step by step, so that the tile is written in
+  // order: written row by row (each row's 64-byte pieces 1 KiB apart) the h conversion took
+  // 1.3-1.8x the thread time of row-major rows on the GPU host (session 6 r1, Qwen3 shape, T=2048).
+  template <class Row>
+  void write_rows(const RowOps& ops, const RowOps& ops8, ActKind kind, size_t r0, size_t r1, bool src_bf16,
+                  Row row) {
+    if (!act_tiles(kind)) {
+      for (size_t r = r0; r < r1; ++r) {
+        const auto [src, n] = row(r);
+        write(ops, ops8, kind, r, src, src_bf16, n);
+      }
+      return;
+    }
+    if (r0 % 16 || r1 % 16) throw std::logic_error("tile-order activations are written in whole tiles");
+    const bool i8 = kind != ActKind::bf16_tiles;
+    const size_t bytes = i8 ? size_t(Kq) : size_t(Kp) * 2, lds = bytes + 64;  // scratch rows not 4 KiB apart
+    thread_local AlignedVec<uint8_t> scratch;
+    uint8_t* blk = grow(scratch, 16 * lds);
+    for (size_t t0 = r0; t0 < r1; t0 += 16) {
+      for (int i = 0; i < 16; ++i) {
+        const size_t r = t0 + i;
+        const auto [src, n] = row(r);
+        uint8_t* d = blk + i * lds;
+        if (!i8) ops.to_bf16(src, src_bf16, n, Kp, reinterpret_cast<uint16_t*>(d));
+        else if (kind == ActKind::i8_tiles) ops8.to_i8(src, src_bf16, n, Kq, 0, reinterpret_cast<int8_t*>(d), scale + r);
+        else ops8.to_i8(src, src_bf16, n, Kq, kActGroupK, reinterpret_cast<int8_t*>(d), gscale + r * ng);
+      }
+      // tile t0 / 16: [bytes / 64 steps][16 rows][64 B]
+      uint8_t* tile = (i8 ? reinterpret_cast<uint8_t*>(q8) : reinterpret_cast<uint8_t*>(bf16)) + t0 * bytes;
+      for (size_t s = 0; s < bytes / 64; ++s)
+        for (int i = 0; i < 16; ++i) std::memcpy(tile + (s * 16 + i) * 64, blk + i * lds + s * 64, 64);
+    }
   }
 
   // Row r = row sr of `src` (same Kp and group; kinds bf16 and i16, whose rows hold all of it).
@@ -617,13 +629,13 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       }
       const ActKind kind = act_of(kernels_of(j), false, fmt);
       const auto [r0, r1] = rows_of(i);
-      for (size_t r = r0; r < r1; ++r) {
+      act1.write_rows(ops, ops8, kind, r0, r1, c.x_bf16, [&](size_t r) {
         const int local = r - act_begin[j];
         const bool pad = local >= n_of(j);
         const int t = pad ? 0 : tok[row_begin[j] + local];
         const void* src = static_cast<const char*>(c.x) + size_t(t) * H * (c.x_bf16 ? 2 : 4);
-        act1.write(ops, ops8, kind, r, src, c.x_bf16, pad ? 0 : H);
-      }
+        return std::make_pair(src, pad ? 0 : H);
+      });
     });
     // A2: a row copy moves 2 bytes per K, a conversion reads x and works on it more than once
     parallel_or_inline(chunks - converts, rows_copied * H / 4, [&](int i, int) {
@@ -713,12 +725,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     for (int b = 0; b < down.blocks; ++b) col_left[b].store(A, std::memory_order_relaxed);
   auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding as in phase A)
     const ActKind kind = act_of(kernels_of(j), true, fmt);
-    for (size_t r = act_begin[j]; r < size_t(act_begin[j] + rows_read(j)); ++r) {
+    act2.write_rows(ops, ops8, kind, act_begin[j], act_begin[j] + rows_read(j), false, [&](size_t r) {
       const int local = r - act_begin[j];
       const bool pad = local >= n_of(j);
-      const float* src = h + size_t(pad ? 0 : row_begin[j] + local) * ldh;
-      act2.write(ops, ops8, kind, r, src, false, pad ? 0 : I);
-    }
+      return std::make_pair(static_cast<const void*>(h + size_t(pad ? 0 : row_begin[j] + local) * ldh), pad ? 0 : I);
+    });
   };
 
   if (tr) tr->items_ns = trace_now_ns();
