@@ -26,7 +26,11 @@ csrc/cuda_host_bindings.cpp and csrc/runtime/cuda_host.cpp):
 How the rows and the output cross: three D2H copies and one H2D copy, each a copy-engine operation
 of a few µs; or (`zero_copy`, off by default) one kernel writes hidden, ids and weights straight into
 the pinned buffers through the device's mapping of them, and the output is handed back as the mapping
-of its buffer (the next kernel reads it over PCIe).
+of its buffer (the next kernel reads it over PCIe). With zero_copy a kernel of the caller's can also
+write the rows itself (`staging`, enqueue_submit(staged=True)) and, on the stream_mem_ops path, play the
+stream's part of the flags (`flag_words`: clear done, fence, go = T; enqueue_submit(signaled=True)) and
+wait for done in the kernel that reads the output (enqueue_wait(in_kernel=True)): no stream memory
+operation at all (HybridExperts.kernel_flags, experts/decode_fused_triton.py).
 
 "auto" takes stream_mem_ops when a probe at construction shows the device waits on host
 memory and replays a captured graph of such operations, else host_function; a log line says
