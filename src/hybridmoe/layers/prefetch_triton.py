@@ -19,18 +19,23 @@ BLOCK = 1024  # lines per program
 
 @triton.jit
 def _prefetch_kernel(p0, n0, p1, n1, p2, n2, BLOCK: tl.constexpr, LINE: tl.constexpr):
-    """Program (b, i): lines b*BLOCK .. (b+1)*BLOCK - 1 of region i (base p_i, n_i lines); past the end, the
-    region's last line again (a prefetch has no mask)."""
+    """Program (b, i): lines b*BLOCK .. (b+1)*BLOCK - 1 of region i (base p_i, n_i lines), those that exist."""
     i = tl.program_id(1)
     line = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     if i == 0:
-        ptr = p0 + tl.minimum(line, n0 - 1).to(tl.int64) * LINE
+        ptr, ok = p0 + tl.minimum(line, n0 - 1).to(tl.int64) * LINE, line < n0
     elif i == 1:
-        ptr = p1 + tl.minimum(line, n1 - 1).to(tl.int64) * LINE
+        ptr, ok = p1 + tl.minimum(line, n1 - 1).to(tl.int64) * LINE, line < n1
     else:
-        ptr = p2 + tl.minimum(line, n2 - 1).to(tl.int64) * LINE
-    tl.inline_asm_elementwise(asm="prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", constraints="=r,l",
-                              args=[ptr], dtype=tl.int32, is_pure=False, pack=1)
+        ptr, ok = p2 + tl.minimum(line, n2 - 1).to(tl.int64) * LINE, line < n2
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred ok;
+        setp.ne.u32 ok, $2, 0;
+        @ok prefetch.global.L2::evict_last [$1];
+        mov.u32 $0, 0;
+        }""",
+        constraints="=r,l,r", args=[ptr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def prefetch_l2(tensors: list[torch.Tensor]) -> None:
