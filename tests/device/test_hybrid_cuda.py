@@ -67,9 +67,9 @@ def test_decode_steps_run_off_the_cpus_of_the_handoff_pool(checkpoint):
     seen = []
     decode = runner._run_decode
 
-    def spy(batch):
+    def spy(batch, *args):
         seen.append(os.sched_getaffinity(0))
-        return decode(batch)
+        return decode(batch, *args)
 
     runner._run_decode = spy
     llm.generate(PROMPTS[:1], GREEDY)
