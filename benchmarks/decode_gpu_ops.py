@@ -10,11 +10,13 @@ for each path (fused: RMSNorm with its residual add, attention's q/k norms + rot
 router's top-k, the hybrid split and sum as one Triton kernel each, MoECausalLM.fuse_decode_kernels;
 layer: fused, and the fusions across a layer's ops: its linear layers as the Triton decode GEMV, qkv_proj
 and the router each with the norm before it (layers/gemv_triton.py), q/k norms + rotary + cache writes
-inside decode attention, MLA's decode in one kernel (layer fusions: fused_layer, on by default);
-kflags: layer, and the CUDA handoff's rows staged and its flags played by the router's and the sum's
+inside decode attention, MLA's decode in one kernel (layer fusions: fused_layer, on by default), the
+handoff's rows and flags on their own kernel and stream memory operations and the residual added after
+the MoE (the default before session 6); kflags: layer, and the CUDA handoff's rows staged and its flags
+played by the router's and the sum's
 kernels (HybridExperts.kernel_flags), the residual added in the MoE's last kernel (SparseMoeBlock.adds_residual);
 prefetch: kflags, and the next layer's attention weights prefetched into L2 while the CPU runs a layer
-(HybridExperts.prefetch_next); unfused: the torch ops they replace):
+(HybridExperts.prefetch_next; the default since session 6); unfused: the torch ops they replace):
   - profiles one eager step: per decoder layer the GPU kernels, copies and memsets it launches and their
     GPU time (torch profiler; a launch belongs to the layer whose forward was running on the host), the
     last MoE layer's kernels by name, and its top-level torch ops (on the CPU, the only column);

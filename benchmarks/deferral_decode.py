@@ -59,11 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy; "
                         "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc|:nozc][:nopin][:sr|:nosr][:kf|:nokf][:res|:nores][:pf|:nopf] (zc/nozc: zero-copy "
+                        "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf] (zc/nozc: zero-copy "
                         "on/off, else the "
-                        "engine's; nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread; sr/nosr: the "
-                        "router's kernel stages the CPU's rows, HybridExperts.stage_in_router; kf/nokf: kernels play the "
-                        "handoff's flags, HybridExperts.kernel_flags; res/nores: the MoE blocks hand the residual add to the "
+                        "engine's; nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread; "
+                        "kf/nokf: the router's kernel stages the CPU's rows and kernels play the handoff's flags, "
+                        "HybridExperts.kernel_flags; res/nores: the MoE blocks hand the residual add to the "
                         "backend, SparseMoeBlock.adds_residual; pf/nopf: the next layer's attention weights prefetched "
                         "into L2 during the CPU's part, HybridExperts.prefetch_next; else the engine's), "
                         "e.g. 0,1,2,0:nozc,0:nopin,0:kf")
@@ -97,8 +97,6 @@ class Variant:
     """Every handoff's CudaHandoff.zero_copy; None: the engine's (HybridExperts.zero_copy)."""
     pin: bool = True
     """The decode steps' thread pinned off the handoff pools' CPUs (HybridExperts.pin_decode_thread)."""
-    stage_in_router: bool | None = None
-    """HybridExperts.stage_in_router; None: the engine's."""
     kernel_flags: bool | None = None
     """HybridExperts.kernel_flags; None: the engine's."""
     residual: bool | None = None
@@ -110,7 +108,6 @@ class Variant:
         copies = {None: "", True: " zero-copy", False: " copies"}[self.zero_copy]
         return (f"K={self.k}" + ("" if self.own_trim else " own trim off") + copies
                 + ("" if self.pin else " unpinned")
-                + {None: "", True: " router stages", False: " no router staging"}[self.stage_in_router]
                 + {None: "", True: " kernel flags", False: " stream flags"}[self.kernel_flags]
                 + {None: "", True: " residual in the MoE", False: " residual added after"}[self.residual]
                 + {None: "", True: " prefetch", False: " no prefetch"}[self.prefetch])
@@ -156,18 +153,18 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc|:nozc][:nopin][:sr|:nosr][:kf|:nokf][:res|:nores][:pf|:nopf]" -> Variant."""
+    """"K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf]" -> Variant."""
     k, *opts = spec.strip().split(":")
-    switches = ("zc", "sr", "kf", "res", "pf")
+    switches = ("zc", "kf", "res", "pf")
     unknown = set(opts) - {"notrim", "nopin"} - {s for on in switches for s in (on, "no" + on)}
     if unknown or any({on, "no" + on} <= set(opts) for on in switches):
         raise HybridMoEError(f"--variants: unknown or contradicting option(s) in {spec!r} "
-                             "(notrim, nopin, and one of zc/nozc, sr/nosr, kf/nokf, res/nores, pf/nopf each)")
+                             "(notrim, nopin, and one of zc/nozc, kf/nokf, res/nores, pf/nopf each)")
 
     def switch(on: str) -> bool | None:
         return True if on in opts else False if "no" + on in opts else None
-    return Variant(int(k), "notrim" not in opts, switch("zc"), "nopin" not in opts, switch("sr"), switch("kf"),
-                   switch("res"), switch("pf"))
+    return Variant(int(k), "notrim" not in opts, switch("zc"), "nopin" not in opts, switch("kf"), switch("res"),
+                   switch("pf"))
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -246,8 +243,7 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
         if v.zero_copy is not None:
             h.zero_copy = v.zero_copy
     experts.pin_decode_thread = v.pin
-    for name, on in (("stage_in_router", v.stage_in_router), ("kernel_flags", v.kernel_flags),
-                     ("prefetch_next", v.prefetch)):
+    for name, on in (("kernel_flags", v.kernel_flags), ("prefetch_next", v.prefetch)):
         if on is not None:
             setattr(experts, name, on)
     for layer in engine.runner.model.model.layers:

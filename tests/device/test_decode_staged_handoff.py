@@ -1,9 +1,10 @@
-"""The CUDA handoff's rows written by the router's kernel (HybridExperts.stage_in_router) and its flags played by
-kernels (HybridExperts.kernel_flags: route_split clears done and writes go, sum_parts / add_parts wait for done),
-and the residual added by the backend (forward_logits(..., residual), as DecoderLayer asks for it) give the same
-layers, bit for bit, as the rows copied by their own kernel, the flags written and waited for by stream memory
-operations and the residual added by the caller: eagerly and as CUDA graph replays, with and without GPU experts
-and deferred experts. Runs on the GPU host through scripts/device_check.sh.
+"""The CUDA handoff's rows written by the router's kernel and its flags played by kernels (HybridExperts.kernel_flags:
+route_split stages the rows, clears done and writes go, sum_parts / add_parts wait for done; on the host-function
+path the rows alone), the residual added by the backend (forward_logits(..., residual), as DecoderLayer asks for
+it) and the next layer's weights prefetched into L2 (prefetch_next) give the same layers, bit for bit, as the rows
+copied by their own kernel, the flags written and waited for by stream memory operations (or host functions) and
+the residual added by the caller: eagerly and as CUDA graph replays, with and without GPU experts and deferred
+experts. Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, E experts, K experts per token, H hidden, I intermediate.
 """
@@ -21,12 +22,15 @@ pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 E, H, I, K, TMAX = 8, 64, 32, 3, 8
-MODES = {"copies": {}, "residual": {}, "router": {"stage_in_router": True}, "kernel_flags": {"kernel_flags": True},
-         "kernel_flags_sum": {"kernel_flags": True}, "prefetch": {"kernel_flags": True, "prefetch_next": True}}
-"""Backend options per mode; every mode but copies and kernel_flags_sum has the backend add the residual."""
+OFF = {"kernel_flags": False, "prefetch_next": False}
+MODES = {"copies": OFF, "residual": OFF, "kernel_flags": {**OFF, "kernel_flags": True},
+         "kernel_flags_sum": {**OFF, "kernel_flags": True}, "prefetch": {"kernel_flags": True, "prefetch_next": True},
+         "host_function": {**OFF, "kernel_flags": True}}
+"""Backend options per mode; every mode but copies and kernel_flags_sum has the backend add the residual; host_function
+runs the handoffs on host functions (the rows staged by the router, no flag words)."""
 
 
-def backend(gpu_ids: list[int], deferred: int, dtype: torch.dtype, mode: str) -> HybridExperts:
+def backend(gpu_ids: list[int], deferred: int, dtype: torch.dtype, mode: str, monkeypatch=None) -> HybridExperts:
     """Two layers, fixed shapes on CUDA, rows staged and flags played as `mode` says."""
     fp = Footprint(0, 0, 0, 3 * I * H * 4, [0, 1], E, K, H, I)
     plan = PlacementPlan(fp, None, "test", {layer: gpu_ids for layer in (0, 1)} if gpu_ids else {})
@@ -36,6 +40,11 @@ def backend(gpu_ids: list[int], deferred: int, dtype: torch.dtype, mode: str) ->
     for layer in (0, 1):
         b.set_layer(layer, torch.randn(E, I, H, generator=g) / 8, torch.randn(E, I, H, generator=g) / 8,
                     torch.randn(E, H, I, generator=g) / 6)
+    if mode == "host_function":
+        import hybridmoe.experts.cuda_handoff as ch
+
+        made = ch.CudaHandoff
+        monkeypatch.setattr(ch, "CudaHandoff", lambda *a, **k: made(*a, **{**k, "path": "host_function"}))
     assert b.use_fixed_shapes(TMAX, dtype)
     for name, on in MODES[mode].items():
         setattr(b, name, on)
@@ -66,13 +75,13 @@ def replayed(b: HybridExperts, fn) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("mode", ["residual", "router", "kernel_flags", "kernel_flags_sum", "prefetch"])
+@pytest.mark.parametrize("mode", ["residual", "kernel_flags", "kernel_flags_sum", "prefetch", "host_function"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("gpu_ids", [[], [0, 3, 5]])
 @pytest.mark.parametrize("T", [1, 4])
 def test_rows_staged_by_the_router_and_flags_in_kernels_equal_copies_and_stream_flags(T, gpu_ids, deferred, dtype,
-                                                                                    mode):
+                                                                                    mode, monkeypatch):
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(dtype).cuda()
     router = torch.randn(H, E, generator=g).to(dtype).cuda()
@@ -80,7 +89,7 @@ def test_rows_staged_by_the_router_and_flags_in_kernels_equal_copies_and_stream_
     want = chain(ref, x, router, False)
     want_replayed = replayed(ref, lambda: chain(ref, x, router, False))
     assert torch.equal(want_replayed, want)
-    b = backend(gpu_ids, deferred, dtype, mode)
+    b = backend(gpu_ids, deferred, dtype, mode, monkeypatch)
     residual = mode not in ("copies", "kernel_flags_sum")
     assert torch.equal(chain(b, x, router, residual), want)
     assert torch.equal(replayed(b, lambda: chain(b, x, router, residual)), want)

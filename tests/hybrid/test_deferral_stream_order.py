@@ -63,7 +63,7 @@ class CpuHandoff:
         return weighted_experts(x, c.gate, c.up, c.down, ids, w, None, F.silu)
 
 
-def backend(deferred: int, log: StreamLog | None = None, stage_in_router: bool = False) -> HybridExperts:
+def backend(deferred: int, log: StreamLog | None = None, staged: bool = False) -> HybridExperts:
     fp = Footprint(0, 0, 0, 3 * I * H * 4, list(range(LAYERS)), E, K, H, I)
     plan = PlacementPlan(fp, None, "test", {layer: GPU for layer in range(LAYERS)})
     b = HybridExperts(plan, "cpu", TorchCpuLayer, deferred_experts=deferred, num_layers=LAYERS)
@@ -74,9 +74,8 @@ def backend(deferred: int, log: StreamLog | None = None, stage_in_router: bool =
     if log is not None:  # the fixed-shape path, its handoffs on the CPU
         cpu = {layer: b.cpu_engine(layer) for layer in range(LAYERS)}
         width = min(K - deferred, E - len(GPU)), min(deferred, E - len(GPU))
-        own = CpuHandoff("own", cpu, log, width[0], stage_in_router)
-        later = CpuHandoff("deferred", cpu, log, width[1], stage_in_router)
-        b.stage_in_router = stage_in_router
+        own = CpuHandoff("own", cpu, log, width[0], staged)  # zero_copy: what kernel_flags stages through
+        later = CpuHandoff("deferred", cpu, log, width[1], staged)
         b._handoffs = {(part is later, layer): (part, w) for part, w in ((own, width[0]), (later, width[1]))
                        for layer in range(LAYERS)}
         b._fixed_tokens = 8
@@ -102,20 +101,21 @@ def chain(b: HybridExperts, x: torch.Tensor, routers: torch.Tensor, fused_router
     return h
 
 
-@pytest.mark.parametrize("T,deferred,fused_router,stage_in_router,residual",
+@pytest.mark.parametrize("T,deferred,fused_router,staged,residual",
                          [(1, 1, True, False, False), (4, 2, True, False, False), (4, 1, False, False, False),
                           (1, 2, False, False, False), (1, 1, True, True, False), (4, 2, True, True, False),
                           (4, 1, False, True, False), (1, 1, True, False, True), (4, 2, True, True, True)])
 def test_fixed_shapes_with_deferral_equal_the_synchronous_path_in_overlapping_order(T, deferred, fused_router,
-                                                                                   stage_in_router, residual):
-    """stage_in_router: the fused router writes the own part's rows into its handoff's staging buffers (the
-    deferred part and the caller-routed path still hand theirs over at submit). residual: the backend adds
+                                                                                   staged, residual):
+    """staged: the handoffs have staging buffers (zero_copy), and the fused router writes the own part's rows
+    into them (HybridExperts.kernel_flags; the deferred part and the caller-routed path still hand theirs over
+    at submit; the stand-in has no flag words to signal). residual: the backend adds
     the residual stream to the MoE output (in the kernel that sums the parts, where it can)."""
     g = torch.Generator().manual_seed(T)
     x, routers = torch.randn(T, H, generator=g), torch.randn(LAYERS, H, E, generator=g)
     want = chain(backend(deferred), x, routers, fused_router)
     log = StreamLog()
-    torch.testing.assert_close(chain(backend(deferred, log, stage_in_router), x, routers, fused_router, residual),
+    torch.testing.assert_close(chain(backend(deferred, log, staged), x, routers, fused_router, residual),
                                want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(want, chain(backend(0), x, routers, fused_router), atol=1e-3)  # deferral is not a no-op
     expected = [("own", "go", 0), ("deferred", "go", 0), ("own", "wait", 0)]

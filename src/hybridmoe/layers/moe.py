@@ -39,10 +39,10 @@ class SparseMoeBlock(nn.Module):
 
     takes_router_logits = True
     """forward(x, logits) takes gate(x) made by the caller (DecoderLayer's norm + router GEMV)."""
-    adds_residual = False
+    adds_residual = True
     """DecoderLayer hands it the residual stream: forward(x, logits, residual) returns residual + the block's
-    output (the backend may add it in the kernel that sums its experts' parts: one kernel less per decode layer).
-    Off until measured on the GPU host."""
+    output (the backend may add it in the kernel that sums its experts' parts: one kernel less per decode layer;
+    measured with HybridExperts.kernel_flags on the GPU host, session 6 r2)."""
 
     def __init__(self, layer_idx: int, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
                  experts: ExpertBackend):
