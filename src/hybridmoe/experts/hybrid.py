@@ -16,7 +16,11 @@ output through the device's mapping of pinned buffers by default (zero_copy); su
 share, waited for after it; the step's own thread pinned off the handoff pool's CPUs, decode_thread) and
 the GPU share through fixed_shape_experts (experts/gpu_experts.py: Triton
 kernels that read only the routed experts' weights); the glue around them (splitting the slots,
-summing the parts) is one Triton kernel each (experts/decode_fused.py). Longer steps (prefill) and the CPU device
+summing the parts) is one Triton kernel each (experts/decode_fused.py). By default (kernel_flags) the
+router's kernel also writes the CPU's rows to the handoff and its go word, and the kernel that sums the
+parts (and adds the residual, when the MoE block hands it over) waits for the done word: between two
+layers' CPU work the GPU runs kernels only; while the CPU works, it prefetches the next layer's attention
+weights into L2 (prefetch_next). Longer steps (prefill) and the CPU device
 take the path above. Deferred experts use a second handoff of their own width. In fixed shapes a
 layer's own CPU part and its deferred one are both sent to the CPU when the layer starts (the
 router's kernel splits the own part, one more kernel the deferred part while the CPU starts on the
@@ -414,7 +418,7 @@ class HybridExperts(ExpertBackend):
         if st.cpu is not None and self.kernel_flags and handoff.zero_copy:
             rows = handoff.staging(layer, hidden.shape[0])
             stage = (hidden, rows.x, rows.ids, rows.weights)
-            signal = handoff.flag_words(layer) if self.kernel_flags and handoff.path == "stream_mem_ops" else None
+            signal = handoff.flag_words(layer) if handoff.path == "stream_mem_ops" else None
         weights, ids, split = route_split(router_logits, top_k, renormalize, st.on_gpu, st.local,
                                           width if st.cpu is not None else 0, self.fused, kd, stage, signal)
         # the deferred part: the same [T, K] slots, its own columns (split once the layer's own part is on its way)
