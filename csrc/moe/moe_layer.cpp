@@ -159,9 +159,11 @@ struct ActLayout {
 
   // Rows [r0, r1) from row(r) = {src, n} (n = 0: a padding row of zeros), any kind; tile kinds
   // need r0 and r1 at whole tiles. A tile's 16 rows are converted into a scratch block of the
-  // writing thread (L2-resident), then copied out step by step, so that the tile is written in
-  // order: written row by row (each row's 64-byte pieces 1 KiB apart) the h conversion took
-  // 1.3-1.8x the thread time of row-major rows on the GPU host (session 6 r1, Qwen3 shape, T=2048).
+  // writing thread (L1/L2-resident), then copied out step by step by the tile kinds' kernel set
+  // (RowOps::to_tiles, AVX-512), so that the tile is written in order. Written row by row (each
+  // row's 64-byte pieces 1 KiB apart) the h conversion took 1.3-1.8x the thread time of row-major
+  // rows on the GPU host (session 6 r1, Qwen3 shape, T=2048), and still 2x with this file's
+  // memcpy of 64 bytes at a time (built at -Os: a call each; r2).
   template <class Row>
   void write_rows(const RowOps& ops, const RowOps& ops8, ActKind kind, size_t r0, size_t r1, bool src_bf16,
                   Row row) {
@@ -188,8 +190,7 @@ struct ActLayout {
       }
       // tile t0 / 16: [bytes / 64 steps][16 rows][64 B]
       uint8_t* tile = (i8 ? reinterpret_cast<uint8_t*>(q8) : reinterpret_cast<uint8_t*>(bf16)) + t0 * bytes;
-      for (size_t s = 0; s < bytes / 64; ++s)
-        for (int i = 0; i < 16; ++i) std::memcpy(tile + (s * 16 + i) * 64, blk + i * lds + s * 64, 64);
+      ops8.to_tiles(blk, lds, int(bytes / 64), tile);
     }
   }
 

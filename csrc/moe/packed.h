@@ -104,6 +104,9 @@ struct RowOps {
   // round(src / s) in [-127, 127], zeros in [n, Kp); one s = amax / 127 per row (group 0) or per
   // group of `group` K (scale[0:ceil(Kp / group)], the last group maybe partial).
   void (*to_i8)(const void* src, bool src_bf16, int n, int Kp, int group, int8_t* dst, float* scale) = nullptr;
+  // Kernel sets that read tile kinds (ActView) only: 16 rows of `steps` x 64 bytes (row i at
+  // rows + i * lds, both 64-byte aligned) -> one A tile, tile[s][i][0:64] = row i's piece s.
+  void (*to_tiles)(const uint8_t* rows, size_t lds, int steps, uint8_t* tile) = nullptr;
 };
 
 struct Kernels {
