@@ -41,11 +41,10 @@ from hybridmoe.sampling_params import SamplingParams
 
 VARIANTS = {"old": dict(sample_on_device=False, lookahead=False),
             "device": dict(sample_on_device=True, lookahead=False),
-            "ahead": dict(sample_on_device=True, lookahead=True),
-            "sleep": dict(sample_on_device=True, lookahead=True, sleep_wait=True)}
+            "ahead": dict(sample_on_device=True, lookahead=True)}
 """ModelRunner attributes of each variant: old, the sampler on copied-back logits and the inputs copied every
 step; device, the step's own argmax read back and inputs left on the device; ahead, also the next step
-launched before this one's token is read; sleep, also the token waited for asleep (a blocking CUDA event)."""
+launched before this one's token is read."""
 PHASES = ("schedule", "run_pre", "launch", "wait_token", "run_post", "postprocess", "loop_other")
 
 
@@ -56,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--formats", default=None, help="expert formats, e.g. int4,bf16 (default: the engine's)")
     parser.add_argument("--gen-len", type=int, default=64, help="tokens decoded per timed run (default 64)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
-    parser.add_argument("--variants", default="old,device,ahead", help=f"among {','.join(VARIANTS)} (default old,device,ahead)")
+    parser.add_argument("--variants", default="old,device,ahead", help=f"among {','.join(VARIANTS)} (default all)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the variants (default 3)")
     parser.add_argument("--runs", type=int, default=1, help="timed decode runs per sample, the sample their median "
                         "(default 1); the output gives the spread over the samples of their first runs and of the medians")
@@ -245,7 +244,7 @@ def spread(values: list[float]) -> float:
 
 
 def set_variant(engine, name: str) -> None:
-    for attr, value in {"sleep_wait": False, **VARIANTS[name]}.items():
+    for attr, value in VARIANTS[name].items():
         setattr(engine.runner, attr, value)
 
 

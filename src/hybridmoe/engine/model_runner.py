@@ -61,14 +61,13 @@ class ModelRunner:
         # On the GPU host (device round r1 of session 6, benchmarks/decode_step_parts.py, Qwen3-30B-A3B 4 layers,
         # batch 1, one engine, interleaved, same tokens): us/token int4 1179 (sampler, inputs copied), 1063
         # (sample_on_device), 948 (and lookahead: the GPU idle 1.3 us per step instead of 287); bf16 2528, 2496, 2291.
+        # r2: int4 1178 -> 999 (5 rounds of 3 runs); e2e int4 fit to 48 layers 131.9 -> 140.9 tok/s (4 and 12 layers).
         self.sample_on_device = True
         """Plain greedy decode steps read back only the step's own argmax, and copy no inputs the device holds
         (a graph captured the other way is captured again at its next step)."""
         self.lookahead = True
         """With sample_on_device, launch the next decode step before reading this one's tokens."""
-        self.sleep_wait = False
-        """With sample_on_device, wait for a step's tokens asleep (a blocking CUDA event) instead of spinning:
-        the waiting thread's CPU stays free for the CPU experts' threads (its hyperthread sibling)."""
+
         self._holds: list[list[int]] | None = None  # what _inputs hold once the steps enqueued ran, if known
         self._ahead: _Launched | None = None  # the next decode step, launched before this one's tokens were read
         self._pinned: ExitStack | None = None  # the decode thread's pinning, held while steps are in flight
@@ -223,7 +222,7 @@ class ModelRunner:
             self._flip ^= 1
             step.read.copy_(self._ids[:Bp], non_blocking=True)  # the step wrote its tokens there
             if self.device.type == "cuda":
-                step.done = torch.cuda.Event(blocking=self.sleep_wait)
+                step.done = torch.cuda.Event()  # spun on: waiting asleep (blocking) was 1.04x slower in r2
                 step.done.record()
         return step
 
