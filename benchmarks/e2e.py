@@ -51,7 +51,10 @@ outlasts that gap, and the next layer's own experts wait behind it). Before the 
 trim..., all on, no CUDA graph, ...): on the GPU host two identical rows differed by up to 20%, so a row
 is its median, and a table lists every sample and the spread; rows of other loads (no GPU experts,
 other formats) are each measured N times back to back on their own engine. --decode-runs N times the
-decode N times in each sample (after its one untimed run) and takes their median as the sample's. A SIGTERM (e.g.
+decode N times in each sample (after its one untimed run) and takes their median as the sample's: in r2 of
+session 6 (benchmarks/decode_step_parts.py --runs 3, int4 4 layers, 5 samples per row, three rows) the samples'
+medians spread 9.5, 6.1 and 1.5% where their single runs spread 7-19, 6-11 and 3-8%: less than a single run
+on average, not less than the best, so the suites keep 1. A SIGTERM (e.g.
 `timeout`) ends the run with the tables of the configurations measured so far. Qwen3-30B-A3B rows are
 also set against llama.cpp's reference figures on the GPU host (issue #4): 47 tok/s decode, 650-760 tok/s
 prefill at 512 (48 layers).
