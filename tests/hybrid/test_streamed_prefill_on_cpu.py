@@ -45,14 +45,14 @@ def test_routed_experts_from_packed_bytes_equal_the_float32_reference(fmt):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_experts_dequantized_a_few_at_a_time_give_the_same_sum(fmt, monkeypatch):
     engine = _layer(fmt)
-    x = torch.randn(40, 64)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     ids, w, mask = _routing(40, 3, 6)
     whole = PrefillStreamer({0: engine}, "cpu", min_tokens=1).run(0, x, ids, w, mask, F.silu)
     per_expert = 64 * 96 * (3 * 2 + streamed_prefill.DEQUANT_BYTES_PER_WEIGHT)  # torch's dequantization
     monkeypatch.setattr(streamed_prefill, "DEQUANT_WORKSPACE_BYTES", 4 * per_expert)  # chunks of 4, then 2
     assert streamed_prefill.dequant_chunk_experts(64, 96, fused=False) == 4
     chunked = PrefillStreamer({0: engine}, "cpu", min_tokens=1).run(0, x, ids, w, mask, F.silu)
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=1e-4)  # float32 sums in another order
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
