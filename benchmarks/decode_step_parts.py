@@ -57,8 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-prompt-len", type=int, default=64)
     parser.add_argument("--variants", default="old,device,ahead", help=f"among {','.join(VARIANTS)} (default all)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the variants (default 3)")
-    parser.add_argument("--runs", type=int, default=1, help="timed decode runs per sample, the sample their median "
-                        "(default 1); the output gives the spread over the samples of their first runs and of the medians")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="timed decode runs per sample, the sample their median (default 1); the output gives "
+                        "the spread over the samples of each run alone and of the medians")
     parser.add_argument("--replays", type=int, default=64, help="back-to-back graph replays (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
@@ -178,7 +179,8 @@ class StepProbe:
         q = statistics.quantiles(walls, n=10, method="inclusive") if len(walls) > 1 else [float("nan")] * 9
         return {"steps": len(steps), "step_us": mean(walls),
                 "step_pct_us": {"p10": 1e6 * q[0], "p50": 1e6 * q[4], "p90": 1e6 * q[8],
-                                "max": 1e6 * max(walls, default=float("nan"))}, "host_us": {k: mean(v) for k, v in host.items()},
+                                "max": 1e6 * max(walls, default=float("nan"))},
+                "host_us": {k: mean(v) for k, v in host.items()},
                 "gpu_us": {k: mean(v) for k, v in gpu.items()}}
 
 
@@ -299,7 +301,8 @@ def main(argv=None) -> int:
             for name, v in r["variants"].items():
                 p = v["probe"]
                 print(f"  {name:<7} {v['us']:7.0f} us/token ({base / v['us']:.3f}x the first; replay/this "
-                      f"{r['replay_us'] / v['us']:.3f})  tokens {'equal' if v['tokens_equal'] else 'DIFFER'}; spread over "
+                      f"{r['replay_us'] / v['us']:.3f})  tokens {'equal' if v['tokens_equal'] else 'DIFFER'}; "
+                      "spread over "
                       f"samples: run 1, 2, ... alone {' '.join(f'{100 * x:.1f}%' for x in v['spread_runs'])}, median "
                       f"of {args.runs} runs {100 * v['spread_median']:.1f}%")
                 print("          runs us/token: " + " | ".join(" ".join(f"{x:.0f}" for x in runs)

@@ -571,7 +571,8 @@ def _main(args) -> int:
     if args.json:
         setup = {"model": args.model, "synthetic": args.synthetic, "layers": measured,
                  "full_layers": full.layers if cut else None, "engine_options": kwargs, "notes": notes,
-                 "prompt_lens": prompt_lens, "gen_len": args.gen_len, "repeats": args.repeats, "decode_runs": args.decode_runs,
+                 "prompt_lens": prompt_lens, "gen_len": args.gen_len, "repeats": args.repeats,
+                 "decode_runs": args.decode_runs,
                  "bandwidth_gbps": bandwidth / 1e9,
                  "bandwidth_method": method, "torch": torch.__version__, "llama_cpp": LLAMA_CPP, "targets": TARGETS}
         with open(args.json, "w") as f:

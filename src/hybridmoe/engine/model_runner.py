@@ -89,7 +89,8 @@ class ModelRunner:
         return sorted(self._graphs) if self.cuda_graph else []
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], lookahead: bool = False) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+    def run(self, batch: list[ScheduledSeq],
+            lookahead: bool = False) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """The next token of every sequence whose tokens are all computed after this step, else None;
         and its log-probabilities where the sequence's SamplingParams.logprobs asks for them.
         lookahead: the caller schedules the same sequences next unless one finishes (no request waits
@@ -160,7 +161,8 @@ class ModelRunner:
         last = torch.tensor([cu_seqlens[b + 1] - 1 for b in rows], device=self.device)
         return self.model.compute_logits(hidden[last]), rows
 
-    def _run_decode(self, batch: list[ScheduledSeq], lookahead: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _run_decode(self, batch: list[ScheduledSeq],
+                    lookahead: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
         """A decode step in fixed shapes (a graph replay with cuda_graph): each sequence's token and logprobs."""
         B = len(batch)
         Bp = B if B <= SMALL_BATCHES else min(-(-B // SMALL_BATCHES) * SMALL_BATCHES, self.num_slots)
