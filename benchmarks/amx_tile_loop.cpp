@@ -23,6 +23,14 @@
 // weights, as the kernels do) 30.7 and 27.3, with 8 lines 42.2 and 34.1. So on one thread the
 // prefetch stream triples the time (a guess at why: each prefetch holds a fill buffer that the
 // tile loads missing L1 need too); with every core busy the shape is as slow without it.
+//
+// Session 6 r2 (16 threads, bf16 | int8 ns per product): products alone 10.5 | 12.3; with loads
+// 17.2-26.5 | 17.4-26.7; the kernels' shape (A, B in L2, C every 32 steps) 26.5 | 26.7, with 4
+// DRAM prefetch lines per step 28.0 | 27.1. So the loaded loop's ceiling is ~0.6 TFLOP/s per core
+// in BF16 (16384 FLOP per product / 26.5 ns), 1.2 in INT8. The kernels' per-thread rates in the
+// same run (moe_prefill_sweep's split, T=2048, gate/up | down): DeepSeek-V3 with 64 experts (256
+// tokens each) bf16 0.65 | 0.57, int8 1.20 | 0.72, int4 0.58 | 0.49: at the ceiling for gate/up;
+// Qwen3 (128 tokens each, K 2048 / 768) bf16 0.34 | 0.26, int8 0.71 | 0.37, int4 0.41 | 0.32.
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
