@@ -11,6 +11,7 @@
 #include <new>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 
 #include "moe/pack.h"
 
@@ -158,12 +159,13 @@ struct ActLayout {
   }
 
   // Rows [r0, r1) from row(r) = {src, n} (n = 0: a padding row of zeros), any kind; tile kinds
-  // need r0 and r1 at whole tiles. A tile's 16 rows are converted into a scratch block of the
-  // writing thread (L1/L2-resident), then copied out step by step by the tile kinds' kernel set
-  // (RowOps::to_tiles, AVX-512), so that the tile is written in order. Written row by row (each
-  // row's 64-byte pieces 1 KiB apart) the h conversion took 1.3-1.8x the thread time of row-major
-  // rows on the GPU host (session 6 r1, Qwen3 shape, T=2048), and still 2x with this file's
-  // memcpy of 64 bytes at a time (built at -Os: a call each; r2).
+  // need r0 and r1 at whole tiles, each written in order by the tile kinds' kernel set: bf16
+  // converted straight into tile order (RowOps::to_bf16_tile), int8 (a scale per row or group
+  // first) quantized into a scratch block of the writing thread, then copied out step by step
+  // (RowOps::to_tiles). Written row by row (each row's 64-byte pieces 1 KiB apart) the h
+  // conversion took 1.3-1.8x the thread time of row-major rows on the GPU host (session 6 r1,
+  // Qwen3 shape, T=2048), and still 2x through a scratch block and this file's memcpy of 64
+  // bytes at a time (built at -Os: a call each; r2).
   template <class Row>
   void write_rows(const RowOps& ops, const RowOps& ops8, ActKind kind, size_t r0, size_t r1, bool src_bf16,
                   Row row) {
@@ -175,22 +177,27 @@ struct ActLayout {
       return;
     }
     if (r0 % 16 || r1 % 16) throw std::logic_error("tile-order activations are written in whole tiles");
-    const bool i8 = kind != ActKind::bf16_tiles;
-    const size_t bytes = i8 ? size_t(Kq) : size_t(Kp) * 2, lds = bytes + 64;  // scratch rows not 4 KiB apart
-    thread_local AlignedVec<uint8_t> scratch;
-    uint8_t* blk = grow(scratch, 16 * lds);
+    if (kind == ActKind::bf16_tiles) {
+      for (size_t t0 = r0; t0 < r1; t0 += 16) {
+        const void* src[16];
+        int n[16];
+        for (int i = 0; i < 16; ++i) std::tie(src[i], n[i]) = row(t0 + i);
+        ops8.to_bf16_tile(src, src_bf16, n, Kp, bf16 + t0 * Kp);  // tile t0 / 16
+      }
+      return;
+    }
+    const size_t lds = size_t(Kq) + 64;  // scratch rows not 4 KiB apart
+    thread_local AlignedVec<int8_t> scratch;
+    int8_t* blk = grow(scratch, 16 * lds);
     for (size_t t0 = r0; t0 < r1; t0 += 16) {
       for (int i = 0; i < 16; ++i) {
         const size_t r = t0 + i;
         const auto [src, n] = row(r);
-        uint8_t* d = blk + i * lds;
-        if (!i8) ops.to_bf16(src, src_bf16, n, Kp, reinterpret_cast<uint16_t*>(d));
-        else if (kind == ActKind::i8_tiles) ops8.to_i8(src, src_bf16, n, Kq, 0, reinterpret_cast<int8_t*>(d), scale + r);
-        else ops8.to_i8(src, src_bf16, n, Kq, kActGroupK, reinterpret_cast<int8_t*>(d), gscale + r * ng);
+        if (kind == ActKind::i8_tiles) ops8.to_i8(src, src_bf16, n, Kq, 0, blk + i * lds, scale + r);
+        else ops8.to_i8(src, src_bf16, n, Kq, kActGroupK, blk + i * lds, gscale + r * ng);
       }
-      // tile t0 / 16: [bytes / 64 steps][16 rows][64 B]
-      uint8_t* tile = (i8 ? reinterpret_cast<uint8_t*>(q8) : reinterpret_cast<uint8_t*>(bf16)) + t0 * bytes;
-      ops8.to_tiles(blk, lds, int(bytes / 64), tile);
+      // tile t0 / 16: [Kq / 64 steps][16 rows][64 B]
+      ops8.to_tiles(reinterpret_cast<const uint8_t*>(blk), lds, Kq / 64, reinterpret_cast<uint8_t*>(q8 + t0 * Kq));
     }
   }
 

@@ -107,6 +107,9 @@ struct RowOps {
   // Kernel sets that read tile kinds (ActView) only: 16 rows of `steps` x 64 bytes (row i at
   // rows + i * lds, both 64-byte aligned) -> one A tile, tile[s][i][0:64] = row i's piece s.
   void (*to_tiles)(const uint8_t* rows, size_t lds, int steps, uint8_t* tile) = nullptr;
+  // Likewise: 16 rows (row i: src[i][0:n[i]], fp32 or bf16; zeros in [n[i], Kp)) -> one tile of
+  // kind bf16_tiles, [Kp / 32][16 rows][32] (Kp a multiple of 32).
+  void (*to_bf16_tile)(const void* const* src, bool src_bf16, const int* n, int Kp, uint16_t* tile) = nullptr;
 };
 
 struct Kernels {
