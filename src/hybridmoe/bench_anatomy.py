@@ -12,8 +12,11 @@ copies the output back, runs the next layer's GPU work (attention, router, GPU e
 copies its rows out and writes go.
 The rest of the measured step time (before the first go and after the last done: embedding, the
 first layer's attention, final norm, lm_head, sampling, the Python step) is per token, not per
-layer. All on the host's clock; the poller's reaction time ("late": since its previous look at the
-flags) bounds how late it saw each go.
+layer. With the next step launched before the token is read (ModelRunner.lookahead, the default for
+plain greedy decoding) the Python step overlaps the device's work and leaves the rest: on the GPU host
+(r2 of session 6, Qwen3-30B-A3B int4) 234 us per token at 4 layers against 492 without. All on the
+host's clock; the poller's reaction time ("late": since its previous look at the flags) bounds how late
+it saw each go.
 """
 
 from __future__ import annotations
