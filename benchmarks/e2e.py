@@ -4,7 +4,7 @@ in this run), at batch 1; one table, and (with --json) a JSON file that carries 
 
     python benchmarks/e2e.py --model DIR | --synthetic PRESET [--layers N[,N2,...]]
         [--formats int4,bf16] [--prompt-lens 512,2048,8192] [--gen-len 32] [--ablation [ROWS]] [--repeats N]
-        [--decode-runs N]
+        [--decode-runs N] [--deferral-rows 1,2]
         [--json F] [engine options: --device, --gpu-memory-budget, --deferred-experts, ...]
     python benchmarks/e2e.py --suite qwen3 | dsv2lite | dsv3 [any option above, over the suite's own]
 
@@ -39,7 +39,8 @@ captured again, on the
 stream_mem_ops handoff only, and (without --repeats)
 followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
 on" has 0, else 0; switched on the same engine when it is the hybrid split, as with a GPU budget);
-gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on"
+gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). --deferral-rows K1,K2,...
+gives the deferral rows' deferred experts when "all on" has none (default 1). Deferral is not in "all on"
 by default: it changes the model's output (0 is exact; benchmarks/deferral_quality.py gives the cost). On
 the GPU host (device round r2 of session 5, benchmarks/deferral_decode.py, Qwen3-30B-A3B 4 layers, decode
 thread pinned, zero-copy) 1 deferred expert made int4 decode 1.27x faster (1.06 vs 1.35 ms/token: its CPU
@@ -103,7 +104,7 @@ with its own options, which shows how much the same engine drifts between its fi
 SUITES = {
     "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4,12", formats="int4,bf16", prompt_lens="512,2048,8192",
                   gen_len=64, ablation="graph,trim,pin,ahead,deferral,gpu-experts", repeats=3,
-                  engine=dict(gpu_memory_budget="16GiB")),
+                  deferral_rows="1,2", engine=dict(gpu_memory_budget="16GiB")),
     "dsv2lite": dict(synthetic="deepseek-v2-lite", layers="8", formats="int4", prompt_lens="512,2048,8192",
                      gen_len=32, ablation=None, engine=dict(gpu_memory_budget="16GiB")),
     "dsv3": dict(synthetic="deepseek-v3", layers="2", formats="int4", prompt_lens="512,2048", gen_len=16,
@@ -130,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"also these rows (default all: {','.join(ABLATION_ROWS)}; see above)")
     parser.add_argument("--decode-runs", type=int, default=1,
                         help="timed decode runs of gen_len tokens in each sample, the sample their median (default 1)")
+    parser.add_argument("--deferral-rows", metavar="KS",
+                        help="deferred experts of the deferral rows when all on has none (default 1; e.g. 1,2)")
     parser.add_argument("--repeats", type=int,
                         help="measure each engine's rows this many times, interleaved, and report the median and "
                              "the spread (default 1)")
@@ -142,7 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.prompt_lens, args.decode_prompt_len = str(args.prompt_len), args.prompt_len
     # a suite's settings, then the defaults, fill what the command line left out
     suite = SUITES[args.suite] if args.suite else {"engine": {}}
-    defaults = dict(prompt_lens="512,2048,8192", gen_len=32, repeats=1)
+    defaults = dict(prompt_lens="512,2048,8192", gen_len=32, repeats=1, deferral_rows="1")
     for key, value in [*suite.items(), *defaults.items(), *suite["engine"].items()]:
         if key != "engine" and getattr(args, key) is None:
             setattr(args, key, value)
@@ -222,10 +225,12 @@ def handoff_variants(name: str, ablation: list[str], repeats: int = 1) -> tuple[
     return rows + ((f"{name} all on, again", {}),) if rows and repeats == 1 else rows
 
 
-def configurations(kwargs: dict, formats: list[str | None], ablation: list[str], repeats: int = 1) -> list[Load]:
+def configurations(kwargs: dict, formats: list[str | None], ablation: list[str], repeats: int = 1,
+                   deferral_ks: tuple[int, ...] = (1,)) -> list[Load]:
     """Each format; with ablation rows, each format "all on", the first also with graphs off, with deferral
-    toggled and with the handoff options (same engine), and after every format the first without GPU experts
-    (these prefill the first prompt length only), so that a time limit cuts the ablation before a format.
+    toggled (to each of deferral_ks, or to 0 where "all on" defers) and with the handoff options (same
+    engine), and after every format the first without GPU experts (these prefill the first prompt length
+    only), so that a time limit cuts the ablation before a format.
     Deferral is switched on the same engine where it is the hybrid split (HybridExperts), else loaded anew
     after the formats."""
     runs, variants = [], []
@@ -239,9 +244,10 @@ def configurations(kwargs: dict, formats: list[str | None], ablation: list[str],
         first = k == 0
         deferral = ()
         if first and "deferral" in ablation:
-            deferral = ((f"{name} deferral 1", 1) if base["deferred_experts"] == 0 else (f"{name} no deferral", 0),)
-            if not uses_hybrid(EngineConfig.from_kwargs(**base)):  # no switch: a load of its own
-                variants.append(Load(deferral[0][0], dict(base, deferred_experts=deferral[0][1]), every_length=False))
+            deferral = (tuple((f"{name} deferral {k}", k) for k in deferral_ks) if base["deferred_experts"] == 0
+                        else ((f"{name} no deferral", 0),))
+            if not uses_hybrid(EngineConfig.from_kwargs(**base)):  # no switch: a load of its own each
+                variants += [Load(label, dict(base, deferred_experts=k), every_length=False) for label, k in deferral]
                 deferral = ()
         runs.append(Load(f"{name} all on", base,
                          eager_label=f"{name} no CUDA graph" if first and "graph" in ablation else None,
@@ -475,6 +481,7 @@ def _main(args) -> int:
         raise HybridMoEError(f"--repeats must be at least 1, got {args.repeats}")
     formats = [f.strip() for f in args.formats.split(",")] if args.formats else [None]
     ablation = ablation_rows(args.ablation)
+    deferral_ks = tuple(_ints(args.deferral_rows, "--deferral-rows"))
     depths = _ints(args.layers, "--layers") if args.layers is not None else [None]
     if depths != [None] and not args.synthetic:
         raise HybridMoEError("--layers cuts a --synthetic model; a --model directory runs at its own depth")
@@ -514,7 +521,7 @@ def _main(args) -> int:
                 print(f"synthetic {args.synthetic}: {raw_cut['num_hidden_layers']} layers, "
                       f"{synthetic.total_bytes / 1e9:.1f} GB written to {synthetic.out_dir} in "
                       f"{time.perf_counter() - written:.1f} s (+{time.perf_counter() - start:.0f} s)", flush=True)
-            for load in configurations(kwargs, formats, ablation, args.repeats):
+            for load in configurations(kwargs, formats, ablation, args.repeats, deferral_ks):
                 try:
                     rows = run_configuration(model_dir, load, prompt_lens, gen_len=args.gen_len,
                                              bandwidth=bandwidth, bandwidth_method=method,

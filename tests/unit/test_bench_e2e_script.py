@@ -57,6 +57,7 @@ def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     args = E2E["parse_args"](["--suite", "qwen3", "--gpu-memory-budget", "8GiB"])
     assert (args.synthetic, args.layers, args.formats, args.repeats) == ("qwen3-30b-a3b", "4,12", "int4,bf16", 3)
     assert args.ablation == "graph,trim,pin,ahead,deferral,gpu-experts"
+    assert args.deferral_rows == "1,2" and E2E["parse_args"](["--synthetic", "x"]).deferral_rows == "1"
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
     small = E2E["parse_args"](["--suite", "dsv3", "--layers", "1", "--prompt-lens", "16", "--formats", "bf16"])
@@ -108,6 +109,11 @@ def test_ablation_variants_come_after_every_format():
     plain = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("deferral"))
     assert [(r.label, r.kwargs["deferred_experts"], r.every_length) for r in plain] == [
         ("int4 all on", 0, True), ("int4 deferral 1", 1, False)]
+    two = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4"], E2E["ablation_rows"]("deferral"), 1, (1, 2))
+    assert [r.deferral_variants for r in two] == [(("int4 deferral 1", 1), ("int4 deferral 2", 2))]
+    plain = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("deferral"), 1, (1, 2))
+    assert [(r.label, r.kwargs["deferred_experts"]) for r in plain] == [
+        ("int4 all on", 0), ("int4 deferral 1", 1), ("int4 deferral 2", 2)]
 
 
 def test_with_repeats_the_handoff_rows_have_no_all_on_again_row():
