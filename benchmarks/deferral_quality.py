@@ -20,29 +20,19 @@ a trained model's numbers will differ. --synthetic writes such a checkpoint of a
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from hybridmoe.checkpoint.synthetic import synthetic_checkpoint
-from hybridmoe.config import EngineConfig
+from hybridmoe.bench_prompts import add_arguments, load_reference, measure_each, random_prompts, write_json
 from hybridmoe.engine.context import single_sequence_context, use_context
-from hybridmoe.weights.loader import load_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", default=[], metavar="DIR", help="repeat for several models")
-    parser.add_argument("--synthetic", metavar="PRESET", help="also a make-model preset, written to memory")
-    parser.add_argument("--layers", type=int, help="with --synthetic: decoder layers (default: full depth)")
+    add_arguments(parser)
     parser.add_argument("--ks", default="1,2,3", help="deferred experts per token to measure (default 1,2,3)")
-    parser.add_argument("--prompts", type=int, default=4, help="random prompts per model")
-    parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (each position is measured)")
-    parser.add_argument("--dtype", default="auto", help="compute dtype (default: the checkpoint's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="FILE", help="also write the results here")
     return parser.parse_args(argv)
 
 
@@ -55,13 +45,9 @@ def log_probs(model, ids: list[int]) -> torch.Tensor:
 
 
 def measure(model_dir: str, ks: list[int], args) -> list[dict]:
-    loaded = load_model(model_dir, EngineConfig(dtype=args.dtype, expert_backend="torch", gpu_experts_per_layer=0,
-                                                max_num_seqs=1, max_model_len=args.prompt_len))
+    loaded = load_reference(model_dir, args)
     model, experts, config = loaded.model, loaded.experts, loaded.config
-    model.allocate_kv_cache(1, args.prompt_len)
-    g = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(0, config.vocab_size, (args.prompt_len,), generator=g).tolist()
-               for _ in range(args.prompts)]
+    prompts = random_prompts(config.vocab_size, args)
     experts.deferred_experts = 0
     exact = [log_probs(model, p) for p in prompts]
     # how peaked p_0 is: random-weight models are nearly flat, so their argmax flips on tiny changes
@@ -91,21 +77,14 @@ def measure(model_dir: str, ks: list[int], args) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
-    if not args.model and not args.synthetic:
-        raise SystemExit("give --model DIR or --synthetic PRESET")
-    rows = [row for model_dir in args.model for row in measure(model_dir, ks, args)]
-    if args.synthetic:
-        with synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) as synthetic:
-            rows += measure(str(synthetic.out_dir), ks, args)
+    rows = measure_each(args, lambda model_dir: measure(model_dir, ks, args))
     print(f"{'model':<40} {'type':<12} {'layers':>6} {'top-k':>5} {'K':>2} {'mean KL (nats)':>15} "
           f"{'greedy agree':>12} {'p0 top-1':>8} {'positions':>9}")
     for r in rows:
         print(f"{Path(r['model']).name:<40} {r['model_type']:<12} {r['layers']:>6} {r['experts_per_token']:>5} "
               f"{r['deferred_experts']:>2} {r['mean_kl_nats']:>15.3e} {100 * r['greedy_agreement']:>11.1f}% "
               f"{r['mean_top1_prob_k0']:>8.1e} {r['positions']:>9}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"prompts": args.prompts, "prompt_len": args.prompt_len,
-                                               "seed": args.seed, "results": rows}, indent=2) + "\n")
+    write_json(args, rows)
     return 0
 
 

@@ -19,29 +19,19 @@ not what a trained model gives.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from hybridmoe.checkpoint.synthetic import synthetic_checkpoint
-from hybridmoe.config import EngineConfig
+from hybridmoe.bench_prompts import add_arguments, load_reference, measure_each, random_prompts, write_json
 from hybridmoe.engine.context import single_sequence_context, use_context
 from hybridmoe.layers.moe import SparseMoeBlock, softmax_topk
 from hybridmoe.models.deepseek import DeepseekMoE
-from hybridmoe.weights.loader import load_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", default=[], metavar="DIR", help="repeat for several models")
-    parser.add_argument("--synthetic", metavar="PRESET", help="also a make-model preset, written to memory")
-    parser.add_argument("--layers", type=int, help="with --synthetic: decoder layers (default: full depth)")
-    parser.add_argument("--prompts", type=int, default=4, help="random prompts per model")
-    parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (each position is measured)")
-    parser.add_argument("--dtype", default="auto", help="compute dtype (default: the checkpoint's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="FILE", help="also write the results here")
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -80,14 +70,10 @@ def prompt_overlaps(model, ids: list[int]) -> dict[int, torch.Tensor]:
 
 
 def measure(model_dir: str, args) -> dict:
-    loaded = load_model(model_dir, EngineConfig(dtype=args.dtype, expert_backend="torch", gpu_experts_per_layer=0,
-                                                max_num_seqs=1, max_model_len=args.prompt_len))
+    loaded = load_reference(model_dir, args)
     model, config = loaded.model, loaded.config
-    model.allocate_kv_cache(1, args.prompt_len)
-    g = torch.Generator().manual_seed(args.seed)
     per_layer: dict[int, list[torch.Tensor]] = {}
-    for _ in range(args.prompts):
-        prompt = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=g).tolist()
+    for prompt in random_prompts(config.vocab_size, args):
         for layer, share in prompt_overlaps(model, prompt).items():
             per_layer.setdefault(layer, []).append(share)
     shares = {layer: float(torch.cat(v).mean()) for layer, v in per_layer.items()}
@@ -100,12 +86,7 @@ def measure(model_dir: str, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not args.model and not args.synthetic:
-        raise SystemExit("give --model DIR or --synthetic PRESET")
-    rows = [measure(model_dir, args) for model_dir in args.model]
-    if args.synthetic:
-        with synthetic_checkpoint(args.synthetic, args.layers, seed=args.seed) as synthetic:
-            rows.append(measure(str(synthetic.out_dir), args))
+    rows = measure_each(args, lambda model_dir: [measure(model_dir, args)])
     print(f"{'model':<40} {'type':<12} {'layers':>6} {'E':>4} {'top-k':>5} {'predicted':>9} {'random':>7} "
           f"{'positions':>9}  per MoE layer")
     for r in rows:
@@ -113,9 +94,7 @@ def main(argv=None) -> int:
         print(f"{Path(r['model']).name:<40} {r['model_type']:<12} {r['layers']:>6} {r['experts']:>4} "
               f"{r['experts_per_token']:>5} {100 * r['mean_overlap']:>8.1f}% {100 * r['random_guess']:>6.1f}% "
               f"{r['positions']:>9}  {layers}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"prompts": args.prompts, "prompt_len": args.prompt_len,
-                                               "seed": args.seed, "results": rows}, indent=2) + "\n")
+    write_json(args, rows)
     return 0
 
 
