@@ -37,10 +37,10 @@ taken on the GPU and each decode step launched before the previous token is read
 ahead off" where the engine already does: ModelRunner.sample_on_device and lookahead); these with graphs
 captured again, on the
 stream_mem_ops handoff only, and (without --repeats)
-followed by "all on" again on the same engine; deferral: deferral toggled (deferred experts 1 when "all
-on" has 0, else 0; switched on the same engine when it is the hybrid split, as with a GPU budget);
-gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). --deferral-rows K1,K2,...
-gives the deferral rows' deferred experts when "all on" has none (default 1). Deferral is not in "all on"
+followed by "all on" again on the same engine; deferral: deferral toggled (a row for each K of
+--deferral-rows K1,K2,... when "all on" has 0, default 1; else one row with 0; switched on the same engine
+when it is the hybrid split, as with a GPU budget);
+gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on"
 by default: it changes the model's output (0 is exact; benchmarks/deferral_quality.py gives the cost). On
 the GPU host (device round r2 of session 5, benchmarks/deferral_decode.py, Qwen3-30B-A3B 4 layers, decode
 thread pinned, zero-copy) 1 deferred expert made int4 decode 1.27x faster (1.06 vs 1.35 ms/token: its CPU
@@ -244,10 +244,10 @@ def configurations(kwargs: dict, formats: list[str | None], ablation: list[str],
         first = k == 0
         deferral = ()
         if first and "deferral" in ablation:
-            deferral = (tuple((f"{name} deferral {k}", k) for k in deferral_ks) if base["deferred_experts"] == 0
+            deferral = (tuple((f"{name} deferral {d}", d) for d in deferral_ks) if base["deferred_experts"] == 0
                         else ((f"{name} no deferral", 0),))
             if not uses_hybrid(EngineConfig.from_kwargs(**base)):  # no switch: a load of its own each
-                variants += [Load(label, dict(base, deferred_experts=k), every_length=False) for label, k in deferral]
+                variants += [Load(label, dict(base, deferred_experts=d), every_length=False) for label, d in deferral]
                 deferral = ()
         runs.append(Load(f"{name} all on", base,
                          eager_label=f"{name} no CUDA graph" if first and "graph" in ablation else None,
