@@ -1,3 +1,4 @@
+import argparse
 import json
 import runpy
 from pathlib import Path
@@ -5,9 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridmoe.bench_prompts import load_reference
 from hybridmoe.checkpoint.make import make_checkpoint
-from hybridmoe.config import EngineConfig
-from hybridmoe.weights.loader import load_model
 
 SCRIPT = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "route_prediction.py"), run_name="rp")
 
@@ -16,10 +16,7 @@ SCRIPT = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "route_pr
 def model(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     make_checkpoint(request.param, "tiny", out, dtype="fp32", seed=3, force=True, progress=False)
-    loaded = load_model(str(out), EngineConfig(dtype="float32", expert_backend="torch", max_num_seqs=1,
-                                               max_model_len=48))
-    loaded.model.allocate_kv_cache(1, 48)
-    return loaded.model
+    return load_reference(str(out), argparse.Namespace(dtype="float32", prompt_len=48)).model
 
 
 def test_overlap_counts_the_shared_ids_per_token():
