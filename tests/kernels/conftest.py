@@ -28,10 +28,20 @@ TOLERANCE = {
 }
 
 
-
 @pytest.fixture(scope="session")
 def tolerance():
     return TOLERANCE
+
+
+@pytest.fixture(scope="session")
+def kernel_bound():
+    """kernel_bound(fmt, isa): the bound vs the held weights. Experts with many tokens on the AMX
+    paths ("amx", "amx_emulated") read int8 activations in int8 (AMX-INT8): the table's bound for
+    that; every other path (and format) the plain vs_dequantized bound."""
+    def bound(fmt: str, isa: str) -> float:
+        tol = TOLERANCE[fmt]
+        return tol["vs_dequantized_int8_activations"] if fmt == "int8" and isa.startswith("amx") else tol["vs_dequantized"]
+    return bound
 
 
 @pytest.fixture(scope="session")

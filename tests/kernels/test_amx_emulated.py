@@ -21,12 +21,6 @@ SHAPES = {"bf16": (6, 200, 72), "int8": (6, 200, 72), "int4": (6, 192, 96)}
 K = 3
 
 
-def kernel_tolerance(tolerance, fmt):
-    """AMX int8 reads int8 activations: the table's bound for that."""
-    tol = tolerance[fmt]
-    return tol["vs_dequantized_int8_activations"] if fmt == "int8" else tol["vs_dequantized"]
-
-
 @pytest.fixture(scope="module")
 def packed(dequantized_layer):
     cache = {}
@@ -45,31 +39,31 @@ def packed(dequantized_layer):
 
 @pytest.mark.parametrize("T", [33, 47, 300])
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_emulated_amx_matches_reference(packed, make_routing, tolerance, rel_err, fmt, T):
+def test_emulated_amx_matches_reference(packed, make_routing, tolerance, kernel_bound, rel_err, fmt, T):
     (gate, up, down), experts, deq = packed(fmt)
     assert experts.isa == "amx_emulated"
     E, H, I = SHAPES[fmt]
     # Expert E-1 gets no tokens; the others 16..180 each (odd counts: partial 16- and 32-token tiles).
     x, ids, weights = make_routing(T, H, K, range(E - 1), seed=T)
     out = experts.forward(x, ids, weights)
-    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_tolerance(tolerance, fmt)
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(fmt, "amx_emulated")
     vs_fp32 = tolerance[fmt]["vs_fp32"][32] if fmt == "int4" else tolerance[fmt]["vs_fp32"]
     assert rel_err(out, ref_moe(x, gate, up, down, ids, weights)) < vs_fp32
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_emulated_amx_mixed_with_avx512_experts(packed, make_routing, tolerance, rel_err, fmt):
+def test_emulated_amx_mixed_with_avx512_experts(packed, make_routing, kernel_bound, rel_err, fmt):
     # Expert 0 takes all 40 tokens (tiles); the second choices spread 8 or so per expert (AVX-512).
     _, experts, deq = packed(fmt)
     E, H, I = SHAPES[fmt]
     x, ids, weights = make_routing(40, H, 2, range(1, E), seed=5)
     ids[:, 0] = 0
     out = experts.forward(x, ids, weights)
-    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_tolerance(tolerance, fmt)
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(fmt, "amx_emulated")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_emulated_amx_bf16_input(packed, make_routing, tolerance, rel_err, fmt):
+def test_emulated_amx_bf16_input(packed, make_routing, kernel_bound, rel_err, fmt):
     _, experts, deq = packed(fmt)
     E, H, I = SHAPES[fmt]
     x, ids, weights = make_routing(64, H, K, range(E), seed=3)
@@ -77,7 +71,7 @@ def test_emulated_amx_bf16_input(packed, make_routing, tolerance, rel_err, fmt):
     out = experts.forward(x, ids, weights)
     assert out.dtype == torch.bfloat16
     # Output rounding to bf16 adds up to ~0.4% on top of the kernel's own error.
-    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_tolerance(tolerance, fmt) + 0.005
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(fmt, "amx_emulated") + 0.005
 
 
 def test_emulated_amx_is_never_picked_or_listed():
@@ -87,7 +81,7 @@ def test_emulated_amx_is_never_picked_or_listed():
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_emulated_amx_many_chunks_and_panels(make_weights, tolerance, rel_err, dequantized_layer, fmt):
+def test_emulated_amx_many_chunks_and_panels(make_weights, kernel_bound, rel_err, dequantized_layer, fmt):
     # H = 2112: several K chunks with a partial last one in every source (bf16 in place and int4
     # dequantized: 1024 values; int8 quads: 512; int8 down, I = 320: 512 with groups of 128), and
     # 270 tokens on expert 0: token panels of 256 + 14 (int4: the next chunk's A tiles prefetched
@@ -101,11 +95,11 @@ def test_emulated_amx_many_chunks_and_panels(make_weights, tolerance, rel_err, d
     ids = (torch.arange(T) >= 270).long().reshape(T, 1)
     weights = torch.rand(T, 1, generator=g)
     out = experts.forward(x, ids, weights)
-    assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_tolerance(tolerance, fmt)
+    assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_bound(fmt, "amx_emulated")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_emulated_amx_error_at_qwen3_shape(make_weights, tolerance, rel_err, dequantized_layer, fmt):
+def test_emulated_amx_error_at_qwen3_shape(make_weights, tolerance, kernel_bound, rel_err, dequantized_layer, fmt):
     # The table's bounds at a real width (H 2048, I 768), where int8 activations lose the most.
     E, H, I, T = 2, 2048, 768, 64
     gate, up, down = make_weights(E, H, I)
@@ -115,13 +109,13 @@ def test_emulated_amx_error_at_qwen3_shape(make_weights, tolerance, rel_err, deq
     ids = torch.arange(T).remainder(E).reshape(T, 1)
     weights = torch.rand(T, 1, generator=g)
     out = experts.forward(x, ids, weights)
-    assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_tolerance(tolerance, fmt)
+    assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_bound(fmt, "amx_emulated")
     vs_fp32 = tolerance[fmt]["vs_fp32"][128] if fmt == "int4" else tolerance[fmt]["vs_fp32"]
     assert rel_err(out, ref_moe(x, gate, up, down, ids, weights)) < vs_fp32
 
 
 @pytest.mark.parametrize("group", [32, 128])
-def test_emulated_amx_int4_zero_points(make_weights, tolerance, rel_err, dequantized_layer, group):
+def test_emulated_amx_int4_zero_points(make_weights, kernel_bound, rel_err, dequantized_layer, group):
     # Asymmetric groups: (q - z) s per group in the dequantized B chunks; several groups per K
     # chunk (32) and groups of several tile steps (128).
     E, H, I, T = 2, 512, 256, 40
@@ -133,10 +127,10 @@ def test_emulated_amx_int4_zero_points(make_weights, tolerance, rel_err, dequant
     ids = torch.arange(T).remainder(E).reshape(T, 1)
     weights = torch.rand(T, 1, generator=g)
     out = experts.forward(x, ids, weights)
-    assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_tolerance(tolerance, "int4")
+    assert rel_err(out, ref_moe(x, *dequantized_layer(experts), ids, weights)) < kernel_bound("int4", "amx_emulated")
 
 
-def test_emulated_amx_int8_down_scales_each_group_of_h(tolerance, rel_err, dequantized_layer):
+def test_emulated_amx_int8_down_scales_each_group_of_h(kernel_bound, rel_err, dequantized_layer):
     # h's first 128 columns are ~100x the others (gate/up rows x10) and down's matching columns
     # /100, so every group of h carries a like share of the output: one scale per token would
     # round the small groups to zero (rel. error 0.48); one per (token, 128 K) keeps them.
@@ -152,4 +146,4 @@ def test_emulated_amx_int8_down_scales_each_group_of_h(tolerance, rel_err, dequa
     ids, weights = torch.zeros(T, 1, dtype=torch.long), torch.rand(T, 1, generator=g)
     out = experts.forward(x, ids, weights)
     ref = ref_moe(x, *dequantized_layer(experts), ids, weights)
-    assert rel_err(out, ref) < kernel_tolerance(tolerance, "int8")
+    assert rel_err(out, ref) < kernel_bound("int8", "amx_emulated")

@@ -32,28 +32,22 @@ def packed(dequantized_layer):
     return get
 
 
-def kernel_bound(tolerance, fmt, isa):
-    """vs the held weights; AMX int8 reads int8 activations (AMX-INT8): the table's bound for that."""
-    tol = tolerance[fmt]
-    return tol["vs_dequantized_int8_activations"] if fmt == "int8" and isa == "amx" else tol["vs_dequantized"]
-
-
 @pytest.mark.parametrize("T", TOKENS)
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_layer_matches_fp32_reference(packed, make_routing, tolerance, rel_err, fmt, isa, T):
+def test_layer_matches_fp32_reference(packed, make_routing, tolerance, kernel_bound, rel_err, fmt, isa, T):
     (gate, up, down), experts, deq = packed(fmt, isa)
     E, H, I = SHAPES[fmt]
     x, ids, weights = make_routing(T, H, K, range(E), seed=T)
     out = experts.forward(x, ids, weights)
     assert out.shape == (T, H) and out.dtype == torch.float32
     tol = tolerance[fmt]
-    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(tolerance, fmt, isa)
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(fmt, isa)
     vs_fp32 = tol["vs_fp32"][32] if fmt == "int4" else tol["vs_fp32"]
     assert rel_err(out, ref_moe(x, gate, up, down, ids, weights)) < vs_fp32
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_bf16_input_gives_bf16_output(packed, make_routing, tolerance, rel_err, fmt, isa):
+def test_bf16_input_gives_bf16_output(packed, make_routing, kernel_bound, rel_err, fmt, isa):
     _, experts, deq = packed(fmt, isa)
     E, H, I = SHAPES[fmt]
     x, ids, weights = make_routing(9, H, K, range(E))
@@ -61,4 +55,4 @@ def test_bf16_input_gives_bf16_output(packed, make_routing, tolerance, rel_err, 
     out = experts.forward(x, ids, weights)
     assert out.dtype == torch.bfloat16
     # Output rounding to bf16 adds up to ~0.4% on top of the kernel's own error.
-    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(tolerance, fmt, isa) + 0.005
+    assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(fmt, isa) + 0.005

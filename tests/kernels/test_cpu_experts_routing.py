@@ -10,7 +10,7 @@ E, H, I = 8, 96, 64
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_experts_without_tokens_and_one_expert_with_all(make_weights, make_routing, tolerance, rel_err,
+def test_experts_without_tokens_and_one_expert_with_all(make_weights, make_routing, kernel_bound, rel_err,
                                                         dequantized_layer, fmt, isa):
     experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2, isa=isa)
     deq = dequantized_layer(experts)
@@ -18,7 +18,7 @@ def test_experts_without_tokens_and_one_expert_with_all(make_weights, make_routi
     for T, K, pool in [(23, 2, [1, 2, 3, 4]), (40, 1, [3])]:
         x, ids, weights = make_routing(T, H, K, pool)
         out = experts.forward(x, ids, weights)
-        assert rel_err(out, ref_moe(x, *deq, ids, weights)) < tolerance[fmt]["vs_dequantized"]
+        assert rel_err(out, ref_moe(x, *deq, ids, weights)) < kernel_bound(fmt, isa)
 
 
 def test_int32_and_int64_ids_agree(make_weights, make_routing):
