@@ -1,6 +1,8 @@
 """End-to-end speed as issue #4 reports it: prefill tok/s per prompt length, TTFT, decode tok/s, peak GPU
 memory, RSS, and the decode floor (CPU-resident expert bytes read per token / host read bandwidth measured
-in this run), at batch 1; one table, and (with --json) a JSON file that carries the floor.
+in this run: system.bandwidth.floor_bandwidth, probed before the first configuration and after each, a
+row's floor at the higher of the probes around its configuration), at batch 1; one table, and (with
+--json) a JSON file that carries the floor.
 
     python benchmarks/e2e.py --model DIR | --synthetic PRESET [--layers N[,N2,...]]
         [--formats int4,bf16] [--prompt-lens 512,2048,8192] [--gen-len 32] [--ablation [ROWS]] [--repeats N]
@@ -64,6 +66,7 @@ prefill at 512 (48 layers).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -85,7 +88,7 @@ from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.system.auto import uses_hybrid
-from hybridmoe.system.bandwidth import host_read_bandwidth, host_read_method
+from hybridmoe.system.bandwidth import floor_bandwidth, floor_bandwidth_method
 
 LLAMA_CPP = {"decode_tok_s": 47.0, "prefill512_tok_s": (650.0, 760.0)}
 """llama.cpp on the GPU host, every routed expert on the CPU, Qwen3-30B-A3B Q4_K_M, 48 layers (issue #4)."""
@@ -499,10 +502,10 @@ def _main(args) -> int:
             kwargs["gpu_experts_per_layer"] = per_layer
             notes.append(note)
     threads = kwargs.get("cpu_threads")
-    bandwidth = host_read_bandwidth(args.bandwidth_bytes, threads)
-    method = host_read_method()
-    print(f"host read bandwidth: {bandwidth / 1e9:.1f} GB/s ({method}, {args.bandwidth_bytes >> 20} MiB, "
-          f"{threads or 'all'} threads)", flush=True)
+    method = floor_bandwidth_method()
+    probes = [floor_bandwidth(args.bandwidth_bytes, threads)]
+    print(f"host read bandwidth: {probes[0] / 1e9:.1f} GB/s ({method}, {args.bandwidth_bytes >> 20} MiB, "
+          f"{threads or 'all'} threads); probed again after each configuration", flush=True)
     full = layer_counts(raw_full) if raw_full else None
     results, stopped, raw_cut = [], False, {}
     start = time.perf_counter()
@@ -524,7 +527,7 @@ def _main(args) -> int:
             for load in configurations(kwargs, formats, ablation, args.repeats, deferral_ks):
                 try:
                     rows = run_configuration(model_dir, load, prompt_lens, gen_len=args.gen_len,
-                                             bandwidth=bandwidth, bandwidth_method=method,
+                                             bandwidth=probes[-1], bandwidth_method=method,
                                              decode_prompt_len=args.decode_prompt_len, seed=args.seed, depth=depth,
                                              repeats=args.repeats, decode_runs=args.decode_runs)
                 except Stopped as e:  # the rows of this load measured so far come with it
@@ -534,7 +537,9 @@ def _main(args) -> int:
                                  f"{' (its rows measured so far are shown)' if rows else ''}: later "
                                  "configurations not run")
                     stopped = True
+                probes.append(floor_bandwidth(args.bandwidth_bytes, threads))
                 for r in rows:
+                    floor_between(r, probes[-2], probes[-1])
                     print(progress_line(r, start), flush=True)
                 results += rows
                 if stopped:
@@ -548,8 +553,10 @@ def _main(args) -> int:
              f"{' and '.join(map(str, measured))} layers"
              f"{f' (cut from {full.layers})' if cut else ''}, batch 1, device {results[0].resolved.device}, "
              f"budget {kwargs.get('gpu_memory_budget', 'none')}, {torch.get_num_threads()} torch threads",
-             f"# floor: CPU-resident expert bytes read per token / {bandwidth / 1e9:.1f} GB/s ({method}); "
-             f"assumption: {ASSUMPTION}", *[f"# {n}" for n in notes], ""]
+             f"# floor: CPU-resident expert bytes read per token / the host read bandwidth, the higher of the "
+             f"probes just before and just after its configuration ({method}; probes "
+             f"{', '.join(f'{b / 1e9:.1f}' for b in probes)} GB/s in order); assumption: {ASSUMPTION}",
+             *[f"# {n}" for n in notes], ""]
     lines += results_table(results, prompt_lens)
     repeated = repeats_table(results, prompt_lens)
     if repeated:
@@ -580,12 +587,21 @@ def _main(args) -> int:
                  "full_layers": full.layers if cut else None, "engine_options": kwargs, "notes": notes,
                  "prompt_lens": prompt_lens, "gen_len": args.gen_len, "repeats": args.repeats,
                  "decode_runs": args.decode_runs,
-                 "bandwidth_gbps": bandwidth / 1e9,
+                 "bandwidth_probes_gbps": [b / 1e9 for b in probes],
                  "bandwidth_method": method, "torch": torch.__version__, "llama_cpp": LLAMA_CPP, "targets": TARGETS}
         with open(args.json, "w") as f:
             json.dump({"setup": setup, "results": [r.to_json() for r in results],
                        "depth_fits": [f.to_json() for f in fits]}, f, indent=2, default=str)
     return 0
+
+
+def floor_between(r, before: float, after: float) -> None:
+    """Row r's floors at the higher of the host read probes taken just before and just after its configuration:
+    on the GPU host the probe moved between 115 and 148 GB/s within one session (session 8), and a floor from an
+    earlier, slower probe put bf16 decode at 0.90x its floor."""
+    bandwidth = max(before, after)
+    r.floor = dataclasses.replace(r.floor, bandwidth=bandwidth)
+    r.uniform_floor = dataclasses.replace(r.uniform_floor, bandwidth=bandwidth)
 
 
 def progress_line(r, start: float) -> str:

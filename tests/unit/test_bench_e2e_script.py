@@ -31,6 +31,12 @@ def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report
     assert engines["bf16 all on"]["deferred_experts"] == 0 and engines["bf16 deferral 1"]["deferred_experts"] == 1
     assert engines["bf16 no CUDA graph"]["cuda_graph"] is False
     assert engines["bf16 no GPU experts"]["gpu_experts_per_layer"] == 0
+    # the host read probed before the first load and after each (all on with no CUDA graph; deferral 1; no GPU
+    # experts): each row's floor at the higher of the probes around its load
+    probes = data["setup"]["bandwidth_probes_gbps"]
+    assert len(probes) == 4
+    around = [max(probes[i], probes[i + 1]) for i in (0, 0, 1, 2)]
+    assert [r["floor"]["bandwidth_gbps"] for r in data["results"]] == pytest.approx(around)
     for r in data["results"]:
         floor = r["floor"]
         # 1 MoE layer, K=2 experts of 3 x 32 x 64 bf16 weights, all on the CPU

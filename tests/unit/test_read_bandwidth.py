@@ -43,6 +43,22 @@ def test_host_read_bandwidth_falls_back_to_torch_without_the_extension(monkeypat
     assert bandwidth.host_read_method() == "float32 sum"
 
 
+@pytest.mark.parametrize("plain, prefetching", [(5e10, 6e10), (7e10, 6e10)])
+def test_floor_bandwidth_is_the_faster_of_plain_and_prefetching_loads(monkeypatch, plain, prefetching):
+    calls = []
+    monkeypatch.setattr(native, "read_bandwidth", lambda n, t, passes=5, prefetch=False:
+                        calls.append(prefetch) or (prefetching if prefetch else plain))
+    assert bandwidth.floor_bandwidth(SMALL, 2) == max(plain, prefetching)
+    assert sorted(calls) == [False, True]
+    assert bandwidth.floor_bandwidth_method().endswith("the higher of plain and prefetching")
+
+
+def test_floor_bandwidth_without_the_extension_is_the_torch_probe(monkeypatch):
+    monkeypatch.setattr(bandwidth, "native_engine_built", lambda: False)
+    monkeypatch.setattr(native, "read_bandwidth", lambda *a, **k: pytest.fail("native probe called"))
+    assert math.isfinite(bandwidth.floor_bandwidth(SMALL, 1)) and bandwidth.floor_bandwidth_method() == "float32 sum"
+
+
 def test_per_worker_probe_gives_each_reading_worker_a_plausible_rate():
     rates = native.read_bandwidth_by_worker(SMALL, 2, passes=2)
     # The caller always reads; the pinned worker too unless it woke after every block was taken

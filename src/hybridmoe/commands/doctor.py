@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridmoe.config import EngineConfig, parse_bytes
     from hybridmoe.experts.placement import format_bytes
     from hybridmoe.system.auto import PCIE_MEASURE_BYTES, measured_pcie_bandwidth
-    from hybridmoe.system.bandwidth import host_read_bandwidth, host_read_method
+    from hybridmoe.system.bandwidth import floor_bandwidth, floor_bandwidth_method
     from hybridmoe.system.host import host_info
 
     measure = parse_bytes(args.measure_bytes)
@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpu {i}:      {g.name}, {format_bytes(g.total_bytes)} total, {format_bytes(g.free_bytes)} free")
     if not host.gpus:
         print("gpu:        none (torch sees no CUDA device): everything runs on the CPU")
-    bandwidth = host_read_bandwidth(measure, engine_config.cpu_threads)
-    print(f"host read:  {bandwidth / 1e9:.1f} GB/s ({host_read_method()} over {format_bytes(measure)}, "
+    bandwidth = floor_bandwidth(measure, engine_config.cpu_threads)
+    print(f"host read:  {bandwidth / 1e9:.1f} GB/s ({floor_bandwidth_method()} over {format_bytes(measure)}, "
           f"{engine_config.cpu_threads or host.allowed_cpus} threads)")
     if host.gpus:
         pcie = measured_pcie_bandwidth(engine_config.device if engine_config.device.startswith("cuda") else "cuda")
