@@ -606,7 +606,7 @@ def floor_between(r, before: float, after: float) -> None:
 
 def progress_line(r, start: float) -> str:
     line = (f"  {r.label} ({r.model_layers} layers): decode {r.decode_tok_s:.1f} tok/s, floor "
-            f"{1e3 * r.floor.seconds:.2f} ms, prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())}"
+            f"{1e3 * r.floor.seconds:.2f} ms (at {r.floor.bandwidth / 1e9:.1f} GB/s), prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())}"
             f" tok/s, load {r.load_s:.1f} s (+{time.perf_counter() - start:.0f} s)")
     if len(r.decode_samples_s) > 1:
         line += f"\n    decode samples: {' '.join(f'{1 / d:.1f}' for d in r.decode_samples_s)} tok/s"
