@@ -435,10 +435,11 @@ def llama_cpp_lines(final: list[dict]) -> list[str]:
     lines = []
     lo, hi = LLAMA_CPP["prefill512_tok_s"]
     for h in final:
-        line = (f"  {h['label']}: decode {h['decode_tok_s']:.1f} / {LLAMA_CPP['decode_tok_s']:.0f} = "
-                f"{h['decode_tok_s'] / LLAMA_CPP['decode_tok_s']:.2f}x (target >= {TARGETS['vs_llama_decode']}x)")
+        d = h["decode_tok_s"]
+        line = (f"  {h['label']}: decode {_fmt(d)} / {LLAMA_CPP['decode_tok_s']:.0f} = "
+                f"{_fmt(d / LLAMA_CPP['decode_tok_s'], '.2f')}x (target >= {TARGETS['vs_llama_decode']}x)")
         p = h["prefill_tok_s"].get(512)
-        if p is not None:
+        if p is not None and not math.isnan(p):
             line += (f"; prefill 512 {p:.0f} / {lo:.0f}-{hi:.0f} = {p / hi:.2f}-{p / lo:.2f}x "
                      f"(target >= {TARGETS['vs_llama_prefill']}x)")
         lines.append(line + (f" [{h['extrapolated']}]" if h["extrapolated"] else ""))
@@ -453,6 +454,7 @@ def target_lines(final: list[dict], budget: int | None) -> list[str]:
             lines.append(f"  {h['label']}: peak GPU memory {h['peak_gpu_gib']:.2f} GiB, {within} the budget "
                          f"{budget / 2**30:.2f} GiB")
         p2048 = h["prefill_tok_s"].get(2048)
+        p2048 = None if p2048 is not None and math.isnan(p2048) else p2048
         lines.append(f"  {h['label']}: decode/floor {_fmt(h['decode_over_floor'], '.2f')} (target <= "
                      f"{TARGETS['decode_over_floor']})"
                      + (f"; prefill 2048 / decode = {p2048 / h['decode_tok_s']:.1f}x (target >= "

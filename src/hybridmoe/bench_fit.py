@@ -9,6 +9,7 @@ deepest measurement).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hybridmoe.errors import HybridMoEError
@@ -23,6 +24,12 @@ class LinearFit:
 
     def at(self, layers: float) -> float:
         return self.fixed + self.per_layer * layers
+
+    def at_depth(self, layers: float) -> float:
+        """at(layers) if the time grows with depth, else nan: a fit that falls with depth is the depths' noise
+        (on the GPU host two samples of one row differed by up to 20%) and says nothing at full depth; extended
+        to 48 layers it gave a negative time to first token (session 8)."""
+        return self.at(layers) if self.per_layer >= 0 else math.nan
 
 
 def fit_line(points: list[tuple[float, float]]) -> LinearFit:
@@ -52,7 +59,7 @@ class DepthFit:
 
     @property
     def decode_s(self) -> float:
-        return self.decode.at(self.full_moe_layers)
+        return self.decode.at_depth(self.full_moe_layers)
 
     @property
     def floor_s(self) -> float:
@@ -65,16 +72,18 @@ class DepthFit:
 
     @property
     def prefill_tok_s(self) -> dict[int, float]:
-        return {n: n / fit.at(self.full_moe_layers) for n, fit in self.ttft.items()}
+        """Prompt length -> tokens/s at full depth (nan where its fit falls with depth)."""
+        return {n: n / fit.at_depth(self.full_moe_layers) for n, fit in self.ttft.items()}
 
     def to_json(self) -> dict:
         fit = lambda f: {"fixed_s": f.fixed, "per_moe_layer_s": f.per_layer, "max_residual_s": f.max_residual}  # noqa: E731
+        known = lambda v: None if math.isnan(v) else v  # noqa: E731  (JSON has no nan)
         return {"label": self.label, "depths": self.depths, "full_layers": self.full_layers,
                 "full_moe_layers": self.full_moe_layers, "decode_fit": fit(self.decode),
-                "ttft_fit": {n: fit(f) for n, f in self.ttft.items()}, "decode_s": self.decode_s,
-                "decode_tok_s": 1.0 / self.decode_s, "floor_s": self.floor_s,
-                "decode_over_floor": self.decode_over_floor,
-                "prefill_tok_s": self.prefill_tok_s}
+                "ttft_fit": {n: fit(f) for n, f in self.ttft.items()}, "decode_s": known(self.decode_s),
+                "decode_tok_s": known(1.0 / self.decode_s), "floor_s": self.floor_s,
+                "decode_over_floor": known(self.decode_over_floor) if self.decode_over_floor is not None else None,
+                "prefill_tok_s": {n: known(v) for n, v in self.prefill_tok_s.items()}}
 
 
 def depth_fits(results: list, full_layers: int, full_moe_layers: int) -> list[DepthFit]:

@@ -1,3 +1,4 @@
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -34,3 +35,12 @@ def test_depth_fits_extrapolate_decode_and_prefill_per_label():
     assert fit.prefill_tok_s[512] == pytest.approx(512 / (10e-3 + 48 * 5e-3))
     assert fit.floor_s == pytest.approx(48 * 0.13e-3)  # the deepest measurement's floor per layer
     assert fit.to_json()["decode_over_floor"] == pytest.approx(fit.decode_s / fit.floor_s)
+
+
+def test_a_fit_that_falls_with_depth_gives_no_full_depth_figure():
+    # TTFT of 512 tokens 60 ms at 4 layers but 40 ms at 12 (noise): extended to 48 layers it would be negative
+    rows = [result("int4", 4, 3.2e-3, {512: 60e-3}, 0.12e-3), result("int4", 12, 5.6e-3, {512: 40e-3}, 0.12e-3)]
+    (fit,) = depth_fits(rows, full_layers=48, full_moe_layers=48)
+    assert fit.ttft[512].at(48) < 0 and math.isnan(fit.prefill_tok_s[512])
+    assert fit.decode_s == pytest.approx(2e-3 + 48 * 0.3e-3)  # decode rises with depth: still extrapolated
+    assert fit.to_json()["prefill_tok_s"] == {512: None}
