@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from e2e import full_depth_gpu_experts
 from hybridmoe.bench_anatomy import step_anatomy
 from hybridmoe.bench_fit import fit_line
 from hybridmoe.bench_floor import decode_floor, decode_routing
@@ -43,7 +44,7 @@ from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import SamplingParams
-from hybridmoe.system.bandwidth import host_read_bandwidth, host_read_method
+from hybridmoe.system.bandwidth import floor_bandwidth, floor_bandwidth_method
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
     parser.add_argument("--decode-prompt-len", type=int, default=64)
-    parser.add_argument("--bandwidth-bytes", type=int, default=1 << 30, help="host read probe size")
+    parser.add_argument("--bandwidth-bytes", type=int, default=4 << 30, help="host read probe size (default 4 GiB, as e2e.py)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="also write the results here")
     add_engine_arguments(parser)
@@ -290,9 +291,16 @@ def main(argv=None) -> int:
     kwargs.setdefault("max_num_seqs", 1)
     kwargs.setdefault("max_model_len", args.decode_prompt_len + args.gen_len)
     kwargs.setdefault("cache_dir", "")  # a throwaway model: nothing to keep packed on disk
-    bandwidth, method = host_read_bandwidth(args.bandwidth_bytes, kwargs.get("cpu_threads")), host_read_method()
+    bandwidth, method = floor_bandwidth(args.bandwidth_bytes, kwargs.get("cpu_threads")), floor_bandwidth_method()
     print(f"host read bandwidth: {bandwidth / 1e9:.1f} GB/s ({method})", flush=True)
     full = full_config(args.synthetic)
+    # a cut model gets the full model's GPU experts per layer under the budget (as e2e.py): in session 8 a
+    # 12-layer cut under 16 GiB held nearly every expert on the GPU and measured 25 us of CPU work per layer
+    if kwargs.get("gpu_memory_budget") is not None and "gpu_experts_per_layer" not in kwargs \
+            and any(d is not None and d < full["num_hidden_layers"] for d in depths):
+        kwargs["gpu_experts_per_layer"], note = full_depth_gpu_experts(
+            full, {k: v for k, v in kwargs.items() if k != "cache_dir"})
+        print(f"# {note}", flush=True)
     from hybridmoe.engine.llm_engine import LLMEngine
 
     signal.signal(signal.SIGTERM, _stop)
