@@ -8,11 +8,10 @@
 // computes int4 at 6.6 GB/s of weights, int8 12.3, bf16 15.6 with the weights in cache
 // (decode_kernel_rate --isa avx2): int4 is compute-bound on two cores, not on eight.
 //
-// A pass covers one half block (16 rows: two 8-lane vectors) for up to M tokens, so that its
-// accumulators (2 per token) and the weights of a K step fit the 16 ymm registers; the other half
-// is a second pass over the block. bf16 pairs are widened to fp32 by shifts and summed by FMA;
-// int8 and int4 weights are widened to int16 and multiplied with the int16 activations by vpmaddwd
-// (pairs of products summed into int32 lanes, exact), as the AVX-512 kernels do with vpdpwssd.
+// A pass covers 16 or 8 rows of a block for up to four tokens (see int4_vectors below). bf16
+// pairs are widened to fp32 by shifts and summed by FMA; int8 and int4 weights are widened to
+// int16 and multiplied with the int16 activations by vpmaddwd (pairs of products summed into
+// int32 lanes, exact), as the AVX-512 kernels do with vpdpwssd.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -36,8 +35,8 @@ inline __m256i bcast32(const void* p) { return _mm256_set1_epi32(*static_cast<co
 inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i widen_s8(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// The first pass over a block (h = 0) prefetches both halves of its K steps, step_bytes apart, the view's
-// distances ahead (PackedView::prefetch_l1 / prefetch_l2; 0: none); the second pass then reads its half
+// The first pass over a block (row group 0) prefetches its K steps whole, step_bytes each, the view's
+// distances ahead (PackedView::prefetch_l1 / prefetch_l2; 0: none); the later passes read their rows
 // from the cache.
 struct Prefetch {
   int l1, l2;
@@ -50,87 +49,102 @@ struct Prefetch {
   }
 };
 
-inline void store_half(const __m256 (&acc)[2], float* out) {
-  _mm256_storeu_ps(out, acc[0]);
-  _mm256_storeu_ps(out + 8, acc[1]);
+// A pass computes V vectors of 8 rows (rows 8 rg .. 8 (rg + V) - 1 of the block) for M tokens, V so
+// that the accumulators (M x V), the K step's weights and the tokens' activations stay within the 16
+// ymm registers: 16 rows for bf16 and int8; int4 (four weight vectors and four activation pairs per
+// token at each K step) 16 rows for one token, 8 for more: with 16 rows at four tokens its
+// accumulators went to the stack.
+template <int M>
+constexpr int int4_vectors() { return M == 1 ? 2 : 1; }
+
+template <int M, int V>
+void store_rows(const __m256 (&acc)[M][V], int rg, float* out, int ldo) {
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(out + size_t(i) * ldo + 8 * (rg + v), acc[i][v]);
 }
 
-// bf16 [Kp/2][32 rows][2]: half h's 16 rows at one K pair are 64 bytes at p * 128 + h * 64, two
-// vectors of 8 (row, pair) lanes; the low 16 bits of a lane are k = 2p, the high ones 2p + 1.
-template <int M>
-void bf16_half(const uint16_t* wb, int np, int h, const uint16_t* x, int ld, float* out, int ldo, Prefetch pf) {
+// bf16 [Kp/2][32 rows][2]: 8 rows at one K pair are 32 bytes (lanes (row, pair)) at p * 128 + 32 g
+// for row group g; the low 16 bits of a lane are k = 2p, the high ones 2p + 1: a shift and a mask
+// make them fp32.
+template <int M, int V>
+void bf16_pass(const uint16_t* wb, int np, int rg, const uint16_t* x, int ld, float* out, int ldo, Prefetch pf) {
   const __m256i hi = _mm256_set1_epi32(int(0xFFFF0000u));
-  __m256 acc[M][2];
-  for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  const uint16_t* w = wb + h * 32;
-  for (int p = 0; p < np; ++p, w += 64) {
-    if (h == 0) pf.ahead(w, 128);
-    __m256 even[2], odd[2];
-    for (int v = 0; v < 2; ++v) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * v));
+  __m256 acc[M][V];
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int p = 0; p < np; ++p) {
+    const uint16_t* step = wb + size_t(p) * 64;
+    if (rg == 0) pf.ahead(step, 128);
+    __m256 even[V], odd[V];
+    for (int v = 0; v < V; ++v) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 16 * (rg + v)));
       even[v] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
       odd[v] = _mm256_castsi256_ps(_mm256_and_si256(raw, hi));
     }
     for (int i = 0; i < M; ++i) {
       const uint16_t* xi = x + size_t(i) * ld + 2 * p;
       const __m256 x0 = _mm256_set1_ps(bf16_to_f32(xi[0])), x1 = _mm256_set1_ps(bf16_to_f32(xi[1]));
-      for (int v = 0; v < 2; ++v) acc[i][v] = _mm256_fmadd_ps(odd[v], x1, _mm256_fmadd_ps(even[v], x0, acc[i][v]));
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(odd[v], x1, _mm256_fmadd_ps(even[v], x0, acc[i][v]));
     }
   }
-  for (int i = 0; i < M; ++i) store_half(acc[i], out + size_t(i) * ldo + h * 16);
+  store_rows<M, V>(acc, rg, out, ldo);
 }
 
-// int8 [Kp/2][32 rows][2]: half h's 16 rows at one K pair are 32 bytes at p * 64 + h * 32; int32
-// sums go to fp32 every kInt8FlushK (as the other paths), then times row scale x token scale.
-template <int M>
-void int8_half(const int8_t* wb, int Kp, int h, const int16_t* x, int ld, const float* xscale, const float* wscale,
+// int8 [Kp/2][32 rows][2]: 8 rows at one K pair are 16 bytes at p * 64 + 16 g; int32 sums go to
+// fp32 every kInt8FlushK (as the other paths), then times row scale x token scale.
+template <int M, int V>
+void int8_pass(const int8_t* wb, int Kp, int rg, const int16_t* x, int ld, const float* xscale, const float* wscale,
                float* out, int ldo, Prefetch pf) {
-  __m256 facc[M][2];
-  for (int i = 0; i < M; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+  __m256 facc[M][V];
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < V; ++v) facc[i][v] = _mm256_setzero_ps();
   for (int k0 = 0; k0 < Kp; k0 += kInt8FlushK) {
     const int pend = std::min(Kp, k0 + kInt8FlushK) / 2;
-    __m256i acc[M][2];
-    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    __m256i acc[M][V];
+    for (int i = 0; i < M; ++i)
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_si256();
     for (int p = k0 / 2; p < pend; ++p) {
-      const int8_t* w = wb + size_t(p) * 64 + h * 32;
-      if (h == 0) pf.ahead(w, 64);
-      const __m256i w0 = widen_s8(w), w1 = widen_s8(w + 16);
+      const int8_t* step = wb + size_t(p) * 64;
+      if (rg == 0) pf.ahead(step, 64);
+      __m256i w[V];
+      for (int v = 0; v < V; ++v) w[v] = widen_s8(step + 16 * (rg + v));
       for (int i = 0; i < M; ++i) {
         const __m256i xb = bcast32(x + size_t(i) * ld + 2 * p);
-        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(w0, xb));
-        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(w1, xb));
+        for (int v = 0; v < V; ++v) acc[i][v] = _mm256_add_epi32(acc[i][v], _mm256_madd_epi16(w[v], xb));
       }
     }
     for (int i = 0; i < M; ++i)
-      for (int v = 0; v < 2; ++v) facc[i][v] = _mm256_add_ps(facc[i][v], _mm256_cvtepi32_ps(acc[i][v]));
+      for (int v = 0; v < V; ++v) facc[i][v] = _mm256_add_ps(facc[i][v], _mm256_cvtepi32_ps(acc[i][v]));
   }
-  const __m256 s0 = _mm256_loadu_ps(wscale + h * 16), s1 = _mm256_loadu_ps(wscale + h * 16 + 8);
-  for (int i = 0; i < M; ++i) {
-    const __m256 xs = _mm256_set1_ps(xscale[i]);
-    facc[i][0] = _mm256_mul_ps(facc[i][0], _mm256_mul_ps(s0, xs));
-    facc[i][1] = _mm256_mul_ps(facc[i][1], _mm256_mul_ps(s1, xs));
-    store_half(facc[i], out + size_t(i) * ldo + h * 16);
+  for (int v = 0; v < V; ++v) {
+    const __m256 s = _mm256_loadu_ps(wscale + 8 * (rg + v));
+    for (int i = 0; i < M; ++i) facc[i][v] = _mm256_mul_ps(facc[i][v], _mm256_mul_ps(s, _mm256_set1_ps(xscale[i])));
   }
+  store_rows<M, V>(facc, rg, out, ldo);
 }
 
-// int4 [Kp/8][2 halves][64 B]: half h of K step p is 64 bytes at p * 128 + h * 64. Bytes 2r + j
-// (r < 16, j < 2) hold k = j (low nibble) and 4 + j (high), bytes 32 + 2r + j hold 2 + j and 6 + j:
-// widened to words, row r's lane (words 2r, 2r + 1) is masked to the pair (k0, k1) or (k2, k3), or
-// shifted to (k4, k5) or (k6, k7). Per group: exact int32 sums, then scale * (sum - zero * sum(x)).
-template <int M>
-void int4_half(const uint8_t* wb, const float* sc, const float* zr, int G, int steps, int h, const int16_t* x, int ld,
+// int4 [Kp/8][2 halves][64 B]: half h of K step p is 64 bytes at p * 128 + 64 h; in it bytes 2r + j
+// (r < 16, j < 2) hold k = j (low nibble) and 4 + j (high), bytes 32 + 2r + j hold 2 + j and 6 + j.
+// Widened to words, row r's lane (words 2r, 2r + 1) is masked to the pair (k0, k1) or (k2, k3), or
+// shifted to (k4, k5) or (k6, k7). Row group g is half g / 2, bytes 16 (g % 2) on. Per group: exact
+// int32 sums, then scale * (sum - zero * sum(x)).
+template <int M, int V>
+void int4_pass(const uint8_t* wb, const float* sc, const float* zr, int G, int steps, int rg, const int16_t* x, int ld,
                const float* xscale, const int32_t* xsum, float* out, int ldo, Prefetch pf) {
   const __m256i nib = _mm256_set1_epi16(0x0F);
-  __m256 facc[M][2];
-  for (int i = 0; i < M; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+  __m256 facc[M][V];
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < V; ++v) facc[i][v] = _mm256_setzero_ps();
   for (int g = 0; g < G; ++g) {
-    __m256i acc[M][2];
-    for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    __m256i acc[M][V];
+    for (int i = 0; i < M; ++i)
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_si256();
     for (int p = g * steps; p < (g + 1) * steps; ++p) {
-      const uint8_t* w = wb + size_t(p) * 128 + h * 64;
-      if (h == 0) pf.ahead(w, 128);
-      for (int v = 0; v < 2; ++v) {  // rows 8v .. 8v + 7 of the half
-        const __m256i a = widen_u8(w + 16 * v), b = widen_u8(w + 32 + 16 * v);
+      const uint8_t* step = wb + size_t(p) * 128;
+      if (rg == 0) pf.ahead(step, 128);
+      for (int v = 0; v < V; ++v) {
+        const uint8_t* w = step + 64 * ((rg + v) / 2) + 16 * ((rg + v) % 2);
+        const __m256i a = widen_u8(w), b = widen_u8(w + 32);
         const __m256i q01 = _mm256_and_si256(a, nib), q45 = _mm256_srli_epi16(a, 4);
         const __m256i q23 = _mm256_and_si256(b, nib), q67 = _mm256_srli_epi16(b, 4);
         for (int i = 0; i < M; ++i) {
@@ -141,26 +155,23 @@ void int4_half(const uint8_t* wb, const float* sc, const float* zr, int G, int s
         }
       }
     }
-    const size_t si = size_t(g) * kBlockRows + h * 16;
-    for (int v = 0; v < 2; ++v) {
-      const __m256 scale = _mm256_loadu_ps(sc + si + 8 * v);
-      const __m256 z = zr ? _mm256_loadu_ps(zr + si + 8 * v) : _mm256_set1_ps(8.f);
+    for (int v = 0; v < V; ++v) {
+      const size_t si = size_t(g) * kBlockRows + 8 * (rg + v);
+      const __m256 scale = _mm256_loadu_ps(sc + si);
+      const __m256 z = zr ? _mm256_loadu_ps(zr + si) : _mm256_set1_ps(8.f);
       for (int i = 0; i < M; ++i) {
         const __m256 xs = _mm256_set1_ps(float(xsum[size_t(i) * G + g]));
         facc[i][v] = _mm256_fmadd_ps(_mm256_fnmadd_ps(z, xs, _mm256_cvtepi32_ps(acc[i][v])), scale, facc[i][v]);
       }
     }
   }
-  for (int i = 0; i < M; ++i) {
-    const __m256 xs = _mm256_set1_ps(xscale[i]);
-    facc[i][0] = _mm256_mul_ps(facc[i][0], xs);
-    facc[i][1] = _mm256_mul_ps(facc[i][1], xs);
-    store_half(facc[i], out + size_t(i) * ldo + h * 16);
-  }
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < V; ++v) facc[i][v] = _mm256_mul_ps(facc[i][v], _mm256_set1_ps(xscale[i]));
+  store_rows<M, V>(facc, rg, out, ldo);
 }
 
-// Each GEMM: per block, per group of up to kPassTokens tokens, both halves; the pass functions are
-// instantiated per token count so that their accumulator arrays live in registers.
+// Each GEMM: per block, per group of up to kPassTokens tokens, the passes over its row groups; the
+// pass functions are instantiated per token count so that their accumulator arrays live in registers.
 template <class Pass>
 void each_pass(int n, Pass pass) {
   for (int t0 = 0; t0 < n; t0 += kPassTokens) {
@@ -180,8 +191,9 @@ void gemm_bf16(const PackedView& w, int b0, int b1, const ActView& a, float* out
     const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.w) + size_t(b) * np * 64;
     float* o = out + size_t(b - b0) * kBlockRows;
     each_pass(a.n, [&](int t0, auto m) {
-      for (int h = 0; h < 2; ++h)
-        bf16_half<decltype(m)::value>(wb, np, h, a.bf16 + size_t(t0) * a.ld, a.ld, o + size_t(t0) * ldo, ldo, pf);
+      constexpr int M = decltype(m)::value;
+      for (int rg = 0; rg < 4; rg += 2)
+        bf16_pass<M, 2>(wb, np, rg, a.bf16 + size_t(t0) * a.ld, a.ld, o + size_t(t0) * ldo, ldo, pf);
     });
   }
 }
@@ -192,9 +204,10 @@ void gemm_int8(const PackedView& w, int b0, int b1, const ActView& a, float* out
     const int8_t* wb = reinterpret_cast<const int8_t*>(w.w) + size_t(b) * (w.Kp / 2) * 64;
     float* o = out + size_t(b - b0) * kBlockRows;
     each_pass(a.n, [&](int t0, auto m) {
-      for (int h = 0; h < 2; ++h)
-        int8_half<decltype(m)::value>(wb, w.Kp, h, a.q + size_t(t0) * a.ld, a.ld, a.qscale + t0,
-                                      w.scale + size_t(b) * kBlockRows, o + size_t(t0) * ldo, ldo, pf);
+      constexpr int M = decltype(m)::value;
+      for (int rg = 0; rg < 4; rg += 2)
+        int8_pass<M, 2>(wb, w.Kp, rg, a.q + size_t(t0) * a.ld, a.ld, a.qscale + t0, w.scale + size_t(b) * kBlockRows,
+                        o + size_t(t0) * ldo, ldo, pf);
     });
   }
 }
@@ -207,10 +220,10 @@ void gemm_int4(const PackedView& w, int b0, int b1, const ActView& a, float* out
     const size_t sbase = size_t(b) * G * kBlockRows;
     float* o = out + size_t(b - b0) * kBlockRows;
     each_pass(a.n, [&](int t0, auto m) {
-      for (int h = 0; h < 2; ++h)
-        int4_half<decltype(m)::value>(wb, w.scale + sbase, w.zero ? w.zero + sbase : nullptr, G, steps, h,
-                                      a.q + size_t(t0) * a.ld, a.ld, a.qscale + t0, a.qsum + size_t(t0) * G,
-                                      o + size_t(t0) * ldo, ldo, pf);
+      constexpr int M = decltype(m)::value, V = int4_vectors<M>();
+      for (int rg = 0; rg < 4; rg += V)
+        int4_pass<M, V>(wb, w.scale + sbase, w.zero ? w.zero + sbase : nullptr, G, steps, rg, a.q + size_t(t0) * a.ld,
+                        a.ld, a.qscale + t0, a.qsum + size_t(t0) * G, o + size_t(t0) * ldo, ldo, pf);
     });
   }
 }
