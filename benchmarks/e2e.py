@@ -601,7 +601,7 @@ def _main(args) -> int:
 
 def floor_between(r, before: float, after: float) -> None:
     """Row r's floors at the higher of the host read probes taken just before and just after its configuration:
-    on the GPU host the probe moved between 115 and 148 GB/s within one session (session 8), and a floor from an
+    on the GPU host the probe moved between 115 and 172 GB/s within one session (session 8), and a floor from an
     earlier, slower probe put bf16 decode at 0.90x its floor."""
     bandwidth = max(before, after)
     r.floor = dataclasses.replace(r.floor, bandwidth=bandwidth)
@@ -609,8 +609,9 @@ def floor_between(r, before: float, after: float) -> None:
 
 
 def progress_line(r, start: float) -> str:
+    prefill = ", ".join(f"{n}: {v:.0f}" for n, v in r.prefill_tok_s.items())
     line = (f"  {r.label} ({r.model_layers} layers): decode {r.decode_tok_s:.1f} tok/s, floor "
-            f"{1e3 * r.floor.seconds:.2f} ms (at {r.floor.bandwidth / 1e9:.1f} GB/s), prefill {', '.join(f'{n}: {v:.0f}' for n, v in r.prefill_tok_s.items())}"
+            f"{1e3 * r.floor.seconds:.2f} ms (at {r.floor.bandwidth / 1e9:.1f} GB/s), prefill {prefill}"
             f" tok/s, load {r.load_s:.1f} s (+{time.perf_counter() - start:.0f} s)")
     if len(r.decode_samples_s) > 1:
         line += f"\n    decode samples: {' '.join(f'{1 / d:.1f}' for d in r.decode_samples_s)} tok/s"

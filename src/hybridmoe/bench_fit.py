@@ -77,12 +77,12 @@ class DepthFit:
 
     def to_json(self) -> dict:
         fit = lambda f: {"fixed_s": f.fixed, "per_moe_layer_s": f.per_layer, "max_residual_s": f.max_residual}  # noqa: E731
-        known = lambda v: None if math.isnan(v) else v  # noqa: E731  (JSON has no nan)
+        known = lambda v: None if v is None or math.isnan(v) else v  # noqa: E731  (JSON has no nan)
         return {"label": self.label, "depths": self.depths, "full_layers": self.full_layers,
                 "full_moe_layers": self.full_moe_layers, "decode_fit": fit(self.decode),
                 "ttft_fit": {n: fit(f) for n, f in self.ttft.items()}, "decode_s": known(self.decode_s),
                 "decode_tok_s": known(1.0 / self.decode_s), "floor_s": self.floor_s,
-                "decode_over_floor": known(self.decode_over_floor) if self.decode_over_floor is not None else None,
+                "decode_over_floor": known(self.decode_over_floor),
                 "prefill_tok_s": {n: known(v) for n, v in self.prefill_tok_s.items()}}
 
 
