@@ -32,8 +32,9 @@ constexpr int kPassTokens = 4;
 inline __m256i bcast32(const void* p) { return _mm256_set1_epi32(*static_cast<const int32_t*>(p)); }
 
 // 16 bytes -> 16 words (one vector), in place order, zero- or sign-extended.
-inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256i widen_s8(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi16(load16(p)); }
+inline __m256i widen_s8(const int8_t* p) { return _mm256_cvtepi8_epi16(load16(p)); }
 
 // The first pass over a block (row group 0) prefetches its K steps whole, step_bytes each, the view's
 // distances ahead (PackedView::prefetch_l1 / prefetch_l2; 0: none); the later passes read their rows
@@ -149,8 +150,9 @@ void int4_pass(const uint8_t* wb, const float* sc, const float* zr, int G, int s
         const __m256i q23 = _mm256_and_si256(b, nib), q67 = _mm256_srli_epi16(b, 4);
         for (int i = 0; i < M; ++i) {
           const int16_t* xi = x + size_t(i) * ld + 8 * p;
-          const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(q01, bcast32(xi)), _mm256_madd_epi16(q23, bcast32(xi + 2)));
-          const __m256i s45 = _mm256_add_epi32(_mm256_madd_epi16(q45, bcast32(xi + 4)), _mm256_madd_epi16(q67, bcast32(xi + 6)));
+          auto dot = [&](__m256i q, int k) { return _mm256_madd_epi16(q, bcast32(xi + k)); };
+          const __m256i s01 = _mm256_add_epi32(dot(q01, 0), dot(q23, 2));
+          const __m256i s45 = _mm256_add_epi32(dot(q45, 4), dot(q67, 6));
           acc[i][v] = _mm256_add_epi32(acc[i][v], _mm256_add_epi32(s01, s45));
         }
       }
