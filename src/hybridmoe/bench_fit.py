@@ -21,15 +21,17 @@ class LinearFit:
     per_layer: float
     max_residual: float
     """Largest |measured - fitted| over the points (0 with two depths: the line goes through both)."""
+    deepest: float
+    """The largest x measured."""
 
     def at(self, layers: float) -> float:
         return self.fixed + self.per_layer * layers
 
     def at_depth(self, layers: float) -> float:
-        """at(layers) if the time grows with depth, else nan: a fit that falls with depth is the depths' noise
-        (on the GPU host two samples of one row differed by up to 20%) and says nothing at full depth; extended
-        to 48 layers it gave a negative time to first token (session 8)."""
-        return self.at(layers) if self.per_layer >= 0 else math.nan
+        """at(layers), or nan where a fit that falls with depth is extended past the deepest measurement: such a
+        fit is the depths' noise (on the GPU host two samples of one row differed by up to 20%) and says nothing
+        deeper; extended to 48 layers one gave a negative time to first token (session 8)."""
+        return math.nan if self.per_layer < 0 and layers > self.deepest else self.at(layers)
 
 
 def fit_line(points: list[tuple[float, float]]) -> LinearFit:
@@ -41,7 +43,7 @@ def fit_line(points: list[tuple[float, float]]) -> LinearFit:
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
     slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
     fixed = my - slope * mx
-    return LinearFit(fixed, slope, max(abs(y - (fixed + slope * x)) for x, y in points))
+    return LinearFit(fixed, slope, max(abs(y - (fixed + slope * x)) for x, y in points), max(xs))
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class DepthFit:
 
     @property
     def prefill_tok_s(self) -> dict[int, float]:
-        """Prompt length -> tokens/s at full depth (nan where its fit falls with depth)."""
+        """Prompt length -> tokens/s at full depth (nan where a falling fit would be extended)."""
         return {n: n / fit.at_depth(self.full_moe_layers) for n, fit in self.ttft.items()}
 
     def to_json(self) -> dict:

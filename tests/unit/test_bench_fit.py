@@ -44,3 +44,6 @@ def test_a_fit_that_falls_with_depth_gives_no_full_depth_figure():
     assert fit.ttft[512].at(48) < 0 and math.isnan(fit.prefill_tok_s[512])
     assert fit.decode_s == pytest.approx(2e-3 + 48 * 0.3e-3)  # decode rises with depth: still extrapolated
     assert fit.to_json()["prefill_tok_s"] == {512: None}
+    # within the depths measured the same falling fit still interpolates
+    (at_12,) = depth_fits(rows, full_layers=12, full_moe_layers=12)
+    assert at_12.prefill_tok_s[512] == pytest.approx(512 / 40e-3)
