@@ -49,12 +49,13 @@ def floor_bandwidth(nbytes: int = 1 << 30, threads: int | None = None) -> float:
     loads (host_read_bandwidth) and the same probe with the decode kernels' software prefetches ahead of its
     loads, which read faster on the GPU host (137 vs 127 GB/s in one run of session 8) as the kernels do;
     a floor below what our own decode reaches is no floor. Otherwise host_read_bandwidth."""
+    threads = threads or len(os.sched_getaffinity(0))
     plain = host_read_bandwidth(nbytes, threads)
     if not native_engine_built():
         return plain
     from hybridmoe import _native
 
-    return max(plain, _native.read_bandwidth(nbytes, threads or len(os.sched_getaffinity(0)), prefetch=True))
+    return max(plain, _native.read_bandwidth(nbytes, threads, prefetch=True))
 
 
 def floor_bandwidth_method() -> str:
