@@ -166,6 +166,21 @@ class Engine {
     layer_->run(call);
   }
 
+  // run() with each token's last `deferred` slots summed into out2 instead of out (MoeCall::deferred).
+  void run_deferred(Array x, Array ids, Array weights, int deferred, MutArray out, MutArray out2) {
+    hmoe::MoeCall call = make_call(x, ids, weights, out);
+    if (deferred < 0 || deferred > call.K)
+      fail("deferred must be between 0 and the " + std::to_string(call.K) + " slots per token, got " +
+           std::to_string(deferred));
+    check_array(out2, "out2", {call.T, cfg().H});
+    check_dtype(out2.dtype(), x.dtype(), "out2");
+    call.deferred = deferred;
+    call.out2 = out2.data();
+    if (deferred == 0) std::memset(out2.data(), 0, out2.nbytes());  // no deferred slot: out2 sums nothing
+    nb::gil_scoped_release nogil;
+    layer_->run(call);
+  }
+
   hmoe::MoeCall make_call(Array& x, Array& ids, Array& weights, MutArray& out) {
     const auto& c = cfg();
     check_array(x, "x", {-1, c.H});
@@ -346,6 +361,8 @@ NB_MODULE(_native, m) {
       .def("take_trace", &Engine::take_trace, "The records of the traced calls since the last take (moe_trace.h).")
       .def("run", &Engine::run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
            "submit + wait on the calling thread (GIL released), without the driver thread.")
+      .def("run_deferred", &Engine::run_deferred, "x"_a, "topk_ids"_a, "topk_weights"_a, "deferred"_a, "out"_a,
+           "out2"_a, "run() with each token's last `deferred` slots summed into out2 instead of out.")
       .def_prop_ro("isa", [](const Engine& e) { return std::string(kIsaNames[int(e.cfg().isa)]); })
       .def_prop_ro("format", [](const Engine& e) { return std::string(kFormatNames[int(e.cfg().format)]); })
       .def_prop_ro("threads", [](const Engine& e) { return e.cfg().threads; })

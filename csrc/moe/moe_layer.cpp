@@ -243,11 +243,11 @@ struct Item { int down, j, s, b0, b1; };
 // with the same number of active experts, blocks and item sizes (a decode step's layers, one
 // after the other) has the same list, built once. A = 0: nothing built yet.
 struct PlanKey {
-  int A = 0, S = 0, gate_blocks = 0, down_blocks = 0, step = 0, threads = 0;
+  int A = 0, A_own = 0, S = 0, gate_blocks = 0, down_blocks = 0, step = 0, threads = 0;
   bool tail_split = false;
   bool operator==(const PlanKey& o) const {
-    return A == o.A && S == o.S && gate_blocks == o.gate_blocks && down_blocks == o.down_blocks &&
-           step == o.step && threads == o.threads && tail_split == o.tail_split;
+    return A == o.A && A_own == o.A_own && S == o.S && gate_blocks == o.gate_blocks &&
+           down_blocks == o.down_blocks && step == o.step && threads == o.threads && tail_split == o.tail_split;
   }
 };
 
@@ -266,11 +266,13 @@ struct Workspace {
   std::vector<int> counts, order, row_begin, act_begin, tok, pos, items, offsets, slot_of, fill, chunk_first,
       tok_used;
   std::vector<uint64_t> keys;  // (expert << 32 | i) of a decode call's (token, slot) pairs
-  std::vector<int> run_start, run_of;
+  std::vector<int> run_start, run_of, run_own;
+  std::vector<uint8_t> own;  // per expert: in an own slot of some token (MoeCall::deferred)
   std::vector<Item> gemm_items, tail_items;
   PlanKey plan;  // what gemm_items and offsets were built for (see forward)
   AtomicInts pending;   // per active expert
   AtomicInts col_left;  // per down block: experts whose y is still missing
+  AtomicInts col_own;   // the same for the own experts alone (MoeCall::deferred)
   ActRows act, act2;  // activations of gate/up (x) and of down (h)
   ActRows act_tok;    // x once per token, for the experts of one token (decode)
   AlignedVec<float> h, y;
@@ -452,6 +454,8 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     tr->entry_ns = trace_now_ns();
   }
   const int R = T * K;
+  // With deferral, the experts of own slots (k < K_own) come first (order, and the GEMM items below).
+  const int K_own = K - c.deferred;
   const Matrix &gate = mats_[0], &up = mats_[1], &down = mats_[2];
   if (T <= kCombineInRunTokens) {
     // Decode: x (fresh from the caller, often not in this core's caches) and the rows its
@@ -472,10 +476,12 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
 
   // Group (token, slot) pairs by expert: order[j] the expert of active slot j, most tokens first
   // (longest work first), ties by expert id; rows of slot j [row_begin[j], row_begin[j+1]) in
-  // token order; tok[row] its token, pos[t * K + k] the row of (t, k).
+  // token order; tok[row] its token, pos[t * K + k] the row of (t, k). With deferral the A_own
+  // experts that some token has in an own slot come first, each side in that order.
   std::vector<int>& order = ws.order;
   order.clear();
   int* row_begin;
+  int A_own = 0;
   int* tok = grow(ws.tok, R);
   int* pos = grow(ws.pos, R);
   if (R <= kFewRows) {
@@ -493,12 +499,19 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     for (int r = 0; r < R; ++r)
       if (r == 0 || key[r] >> 32 != key[r - 1] >> 32) run_start[runs++] = r;
     run_start[runs] = R;
-    // Runs by length, longest first, stably (insertion: runs are few); slot j takes run q.
+    // Runs own first, then by length, longest first, stably (insertion: runs are few); slot j takes run q.
+    int* run_own = grow(ws.run_own, runs);
+    for (int q = 0; q < runs; ++q) {
+      run_own[q] = 0;
+      for (int r = run_start[q]; r < run_start[q + 1]; ++r) run_own[q] |= int(uint32_t(key[r]) % K) < K_own;
+      A_own += run_own[q];
+    }
+    auto rank = [&](int q) { return run_start[q + 1] - run_start[q] + run_own[q] * (R + 1); };
     int* run_of = grow(ws.run_of, runs);
     for (int q = 0; q < runs; ++q) {
-      const int len = run_start[q + 1] - run_start[q];
+      const int r = rank(q);
       int j = q;
-      for (; j > 0 && run_start[run_of[j - 1] + 1] - run_start[run_of[j - 1]] < len; --j) run_of[j] = run_of[j - 1];
+      for (; j > 0 && rank(run_of[j - 1]) < r; --j) run_of[j] = run_of[j - 1];
       run_of[j] = q;
     }
     row_begin = grow(ws.row_begin, runs + 1);
@@ -517,11 +530,16 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     int* counts = grow(ws.counts, E);
     std::fill(counts, counts + E, 0);
     for (int i = 0; i < R; ++i) ++counts[id_at(i)];
+    uint8_t* own = grow(ws.own, E);
+    std::fill(own, own + E, uint8_t(c.deferred == 0));
+    if (c.deferred)
+      for (int i = 0; i < R; ++i) own[id_at(i)] |= i % K < K_own;
     for (int e = 0; e < E; ++e)
-      if (counts[e]) order.push_back(e);
+      if (counts[e]) order.push_back(e), A_own += own[e];
     // Ties by id make it the stable order without std::stable_sort's buffer (a malloc per call).
-    std::sort(order.begin(), order.end(),
-              [&](int a, int b) { return counts[a] != counts[b] ? counts[a] > counts[b] : a < b; });
+    std::sort(order.begin(), order.end(), [&](int a, int b) {
+      return own[a] != own[b] ? own[a] > own[b] : counts[a] != counts[b] ? counts[a] > counts[b] : a < b;
+    });
     const int A = int(order.size());
     row_begin = grow(ws.row_begin, A + 1);
     int* slot_of = grow(ws.slot_of, E);  // read only for active experts, all set below
@@ -659,12 +677,13 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   if (tr) tr->acts_ns = trace_now_ns();
 
   // Gate/up and down in one pool run, without a barrier between them. Items (expert, slice,
-  // block range): per slice, all gate/up items (largest experts first), then all down items.
-  // The gate/up item that finishes an expert last turns its h rows into down activations and
-  // marks it ready; a down item of an expert not ready yet waits for it. That never deadlocks:
-  // a worker reaches down items only after every gate/up item of its own group is claimed (and
-  // steals only from exhausted groups), and claimed gate/up items never wait (with early_start, only
-  // for x's rows, which the calling thread makes before it takes items or waits).
+  // block range): per slice, all gate/up items (largest experts first), then all down items; with
+  // deferral that for the own experts, then again for the deferred ones. The gate/up item that
+  // finishes an expert last turns its h rows into down activations and marks it ready; a down item
+  // of an expert not ready yet waits for it. That never deadlocks: a worker reaches an expert's down
+  // items only after every gate/up item of that expert in its own group is claimed (and steals only
+  // from exhausted groups), and claimed gate/up items never wait (with early_start, only for x's
+  // rows, which the calling thread makes before it takes items or waits).
   std::vector<Item>& gemm_items = ws.gemm_items;
   std::vector<int>& offsets = ws.offsets;
   // About 4 items per thread, of 1 to 8 blocks: each item restarts its weight streams (on the
@@ -680,32 +699,32 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
   const Counters pending{grow(ws.pending, size_t(A) * stride), stride};
   for (int j = 0; j < A; ++j) pending[j].store(gate_up_items, std::memory_order_relaxed);
-  const PlanKey plan{A, S, gate.blocks, down.blocks, step, pool_->threads(), tail_split_};
+  const PlanKey plan{A, A_own, S, gate.blocks, down.blocks, step, pool_->threads(), tail_split_};
   if (!(plan == ws.plan)) {
     gemm_items.clear();
     offsets.assign(1, 0);
-    for (int s = 0; s < S; ++s)
-      for (int m = 0; m < 2; ++m) {
-        const Matrix& mat = m ? down : gate;
-        const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
-        for (int j = 0; j < A; ++j)
-          for (int b = 0; b < nb; b += step) {
-            gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
+    for (int s = 0; s < S; ++s) {
+      for (const auto& [j0, j1] : {std::pair{0, A_own}, std::pair{A_own, A}})
+        for (int m = 0; m < 2; ++m) {
+          const Matrix& mat = m ? down : gate;
+          const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
+          const size_t seg = gemm_items.size();
+          for (int j = j0; j < j1; ++j)
+            for (int b = 0; b < nb; b += step) gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
+          if (m && tail_split_) {
+            // The last down items, about two blocks per thread of the group, become 1-block items:
+            // workers run out of work (or reach the deferred experts) within a small item of each other.
+            size_t first = gemm_items.size();
+            for (int covered = 0; first > seg && covered < 2 * pool_->threads() / S;)
+              --first, covered += gemm_items[first].b1 - gemm_items[first].b0;
+            ws.tail_items.assign(gemm_items.begin() + first, gemm_items.end());
+            gemm_items.resize(first);
+            for (const Item& it : ws.tail_items)
+              for (int b = it.b0; b < it.b1; ++b) gemm_items.push_back({it.down, it.j, it.s, b, b + 1});
           }
-        if (m && tail_split_) {
-          // The slice's last down items, about two blocks per thread of its group, become 1-block
-          // items: workers run out of work within a small item of each other.
-          size_t first = gemm_items.size();
-          for (int covered = 0; first > size_t(offsets.back()) && gemm_items[first - 1].down &&
-                                covered < 2 * pool_->threads() / S;)
-            --first, covered += gemm_items[first].b1 - gemm_items[first].b0;
-          ws.tail_items.assign(gemm_items.begin() + first, gemm_items.end());
-          gemm_items.resize(first);
-          for (const Item& it : ws.tail_items)
-            for (int b = it.b0; b < it.b1; ++b) gemm_items.push_back({it.down, it.j, it.s, b, b + 1});
         }
-        if (m) offsets.push_back(int(gemm_items.size()));
-      }
+      offsets.push_back(int(gemm_items.size()));
+    }
     ws.plan = plan;
   }
   TraceItem* titems = nullptr;  // tracing: one record per GEMM item, written by its worker
@@ -719,18 +738,38 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     tr->slept.assign(pool_->threads(), 0);
     pool_->set_join_log(tr->join_ns.data(), tr->slept.data());
   }
-  // out[t, c0:c1] = sum_k w[t, k] * y[row of (t, k), c0:c1], k in order (deterministic).
-  auto combine = [&](int t, int c0, int c1) {
+  // dst[t, c0:c1] = sum_k w[t, k] * y[row of (t, k), c0:c1], k0 <= k < k1 in order (deterministic):
+  // combine(t, c0, c1) for out (the own slots), combine_deferred for out2.
+  const size_t esize = c.x_bf16 ? 2 : 4;
+  auto combine_slots = [&](int t, int k0, int k1, void* dst, int c0, int c1) {
     thread_local std::vector<const float*> srcv;
     const float** src = grow(srcv, K);
-    for (int k = 0; k < K; ++k) src[k] = y + size_t(pos[size_t(t) * K + k]) * ldy + c0;
-    char* o = static_cast<char*>(c.out) + (size_t(t) * H + c0) * (c.x_bf16 ? 2 : 4);
-    ops.combine(K, src, c.weights + size_t(t) * K, c1 - c0, o, c.x_bf16);
+    for (int k = k0; k < k1; ++k) src[k - k0] = y + size_t(pos[size_t(t) * K + k]) * ldy + c0;
+    char* o = static_cast<char*>(dst) + (size_t(t) * H + c0) * esize;
+    ops.combine(k1 - k0, src, c.weights + size_t(t) * K + k0, c1 - c0, o, c.x_bf16);
+  };
+  auto combine = [&](int t, int c0, int c1) { combine_slots(t, 0, K_own, c.out, c0, c1); };
+  auto combine_deferred = [&](int t, int c0, int c1) { combine_slots(t, K_own, K, c.out2, c0, c1); };
+  auto out_ready = [&] {
+    if (c.out_ready_ns) *c.out_ready_ns = trace_now_ns();
+    if (c.out_ready) __atomic_store_n(c.out_ready, 1u, __ATOMIC_RELEASE);
   };
   const bool combine_in_run = combine_in_run_ && T <= kCombineInRunTokens;
+  // out is ready inside the run once the own experts have all summed every block (own_blocks_left),
+  // with deferral in the run; else when the call ends. With no own slot at all, at once.
+  const bool ready_in_run = c.deferred > 0 && K_own > 0 && combine_in_run;
+  if (c.deferred > 0 && K_own == 0) {
+    std::memset(c.out, 0, size_t(T) * H * esize);
+    out_ready();
+  }
   const Counters col_left{grow(ws.col_left, size_t(down.blocks) * stride), stride};
+  const Counters col_own{grow(ws.col_own, size_t(down.blocks) * stride), stride};
+  alignas(64) std::atomic<int> own_blocks_left{down.blocks};
   if (combine_in_run)
-    for (int b = 0; b < down.blocks; ++b) col_left[b].store(A, std::memory_order_relaxed);
+    for (int b = 0; b < down.blocks; ++b) {
+      col_left[b].store(A, std::memory_order_relaxed);
+      col_own[b].store(A_own, std::memory_order_relaxed);
+    }
   auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding as in phase A)
     const ActKind kind = act_of(kernels_of(j), true, fmt);
     act2.write_rows(ops, ops8, kind, act_begin[j], act_begin[j] + rows_read(j), false, [&](size_t r) {
@@ -800,11 +839,21 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     if (titems) titems[i] = {worker, 1, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0};
     if (!combine_in_run) return;
     // The last expert to finish a block of output columns (acq_rel: it sees every other
-    // expert's y there) sums them; traced as this item's convert time.
+    // expert's y there) sums them; traced as this item's convert time. With deferral: the last own
+    // expert sums out's block (and the last block makes out ready), the last of all out2's.
     for (int b = it.b0; b < it.b1; ++b) {
-      const int gb = down.slice_begin[it.s] + b;
+      const int gb = down.slice_begin[it.s] + b, c0 = gb * kBlockRows, c1 = std::min(H, c0 + kBlockRows);
+      if (c.deferred == 0) {
+        if (col_left[gb].fetch_sub(1, std::memory_order_acq_rel) == 1)
+          for (int t = 0; t < T; ++t) combine(t, c0, c1);
+        continue;
+      }
+      if (it.j < A_own && col_own[gb].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        for (int t = 0; t < T; ++t) combine(t, c0, c1);
+        if (own_blocks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) out_ready();
+      }
       if (col_left[gb].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        for (int t = 0; t < T; ++t) combine(t, gb * kBlockRows, std::min(H, (gb + 1) * kBlockRows));
+        for (int t = 0; t < T; ++t) combine_deferred(t, c0, c1);
     }
     if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
   }, early ? FnRef<void()>(convert_x) : FnRef<void()>());
@@ -820,7 +869,9 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     parallel_or_inline(T * col_chunks, size_t(R) * H, [&](int i, int) {
       const int t = i / col_chunks, c0 = (i % col_chunks) * kCols;
       combine(t, c0, std::min(H, c0 + kCols));
+      if (c.deferred) combine_deferred(t, c0, std::min(H, c0 + kCols));
     });
+  if (!ready_in_run && !(c.deferred > 0 && K_own == 0)) out_ready();
   if (tr) {
     tr->end_ns = trace_now_ns();
     tracer_.finish(std::move(trace));

@@ -35,6 +35,15 @@ struct MoeCall {
   bool ids64 = false;
   const float* weights = nullptr;  // [T, K]
   void* out = nullptr;             // [T, H], x's dtype
+  // Expert deferral in one call (the hybrid decode's, HybridExperts.merged_deferral): each token's last
+  // `deferred` slots are summed into out2 [T, H] (x's dtype) instead of out. The run computes the experts of
+  // the other slots first; once out is complete it notes the time in *out_ready_ns and stores 1 to *out_ready
+  // (release; either may be null) and goes on with the deferred slots' experts. Without deferral out_ready is
+  // stored when the call ends.
+  int deferred = 0;
+  void* out2 = nullptr;
+  uint32_t* out_ready = nullptr;
+  int64_t* out_ready_ns = nullptr;
 };
 
 struct PackedBuffer {

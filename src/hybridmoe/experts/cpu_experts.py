@@ -268,6 +268,22 @@ class CpuExperts:
 
     __call__ = forward
 
+    def forward_deferred(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, deferred: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() split by slot, in one pass over the weights: (the sum over each token's first K - deferred
+        slots, the sum over its last `deferred`), both [T, H] in x's dtype. The first comes out complete before
+        the experts only the deferred slots use are computed (expert deferral: experts/deferral.py; the CUDA
+        handoff hands it to the GPU at that point)."""
+        if self._pending is not None:
+            raise HybridMoEError("forward_deferred() called between submit() and wait(); call wait() first")
+        out, out2 = torch.empty_like(x), torch.empty_like(x)
+        try:
+            x_, ids_, w_, out_ = _capsules(x, topk_ids, topk_weights, out)
+            self._engine.run_deferred(x_, ids_, w_, int(deferred), out_, to_dlpack(out2))
+        except (ValueError, TypeError) as e:
+            raise HybridMoEError(str(e)) from None
+        return out, out2
+
     def trace(self, calls: int) -> None:
         """Record the next `calls` forward()/submit() calls of this layer (off again after them).
 
