@@ -172,10 +172,17 @@ class Handoff : public hmoe::FlagChannel {
   // Host-function mode: submit and wait (the pool's driver thread computes); polling mode: the
   // layer on this thread, as the poller runs it.
   void run(const std::vector<int>& layers, int T) {
-    std::vector<Job*> jobs;
-    for (int layer : layers) jobs.push_back(job(layer, T));
+    std::vector<std::pair<Job*, Job*>> jobs;  // a linked layer's own and deferred parts (else nullptr)
+    for (int layer : layers) {
+      const Handoff* partner = layer >= 0 && layer < int(links_.size()) ? links_[layer].partner : nullptr;
+      jobs.emplace_back(job(layer, T), partner ? links_[layer].partner->job(links_[layer].layer, T) : nullptr);
+    }
     nb::gil_scoped_release nogil;
-    for (Job* j : jobs) polling_ ? serve(j) : forward_fn(j);
+    for (auto [j, d] : jobs) {
+      int64_t ready = 0;
+      if (d) serve_linked(j, d, ready);
+      else polling_ ? serve(j) : forward_fn(j);
+    }
   }
 
   // Flag words: [go 0 | done 0 | go 1 | done 1 | ...], each word alone on a 64-byte line.
@@ -210,6 +217,30 @@ class Handoff : public hmoe::FlagChannel {
     hmoe::FlagPoller::instance().add(this);
   }
 
+  // Expert deferral in one call per layer (HybridExperts.merged_deferral): `partner` (polling too) holds
+  // the deferred part of this handoff's layer `layer`, as its layer `partner_layer`: the same packed experts,
+  // its own staging ids, weights and output (x is this layer's). The stream then stages both parts' rows,
+  // clears both done words and writes only this layer's go word; the poller runs the two parts as one call
+  // (MoeCall::deferred): this layer's done word is set as soon as its output is complete, the partner's
+  // once the deferred output is too. Link before work is enqueued for the layer.
+  void link_deferred(int layer, Handoff& partner, int partner_layer) {
+    checked(layer);
+    partner.checked(partner_layer);
+    if (&partner == this) fail("link_deferred: the deferred part needs a handoff of its own");
+    if (!polling_ || !partner.polling_) fail("link_deferred needs both handoffs polling (start_polling)");
+    if (partner.max_tokens_ != max_tokens_)
+      fail("link_deferred: max_tokens differ (" + std::to_string(max_tokens_) + " vs " +
+           std::to_string(partner.max_tokens_) + ")");
+    const Layer &a = *layers_[layer], &b = *partner.layers_[partner_layer];
+    const auto wa = a.moe->buffers(), wb = b.moe->buffers();
+    if (a.E != b.E || a.H != b.H || a.base.x_bf16 != b.base.x_bf16 || wa.size() != wb.size() ||
+        wa[0].data != wb[0].data)
+      fail("link_deferred: partner layer " + std::to_string(partner_layer) + " does not compute with layer " +
+           std::to_string(layer) + "'s packed experts and dtype");
+    links_.resize(num_layers());
+    links_[layer] = {&partner, partner_layer};
+  }
+
   // Called by the poller thread only: serve every layer whose go word is set.
   bool poll() override {
     bool served = false;
@@ -219,14 +250,26 @@ class Handoff : public hmoe::FlagChannel {
       if (T == 0) continue;
       hmoe::store_flag(&flags_[go_word(layer)], 0);
       const int64_t seen = hmoe::trace_now_ns();
-      if (T <= uint32_t(max_tokens_)) {
-        serve(served_[size_t(layer) * max_tokens_ + T - 1]);
-      } else {
+      const Link link = layer < int(links_.size()) ? links_[layer] : Link{};
+      int64_t ready = 0;  // linked: when the own output was complete (the engine sets done then)
+      if (T > uint32_t(max_tokens_)) {
         record("layer " + std::to_string(layer) + ": the stream asked for " + std::to_string(T) + " tokens");
+      } else if (link.partner) {
+        serve_linked(served_[size_t(layer) * max_tokens_ + T - 1],
+                     link.partner->served_[size_t(link.layer) * max_tokens_ + T - 1], ready);
+      } else {
+        serve(served_[size_t(layer) * max_tokens_ + T - 1]);
       }
       const int64_t done = hmoe::trace_now_ns();
-      hmoe::store_flag(&flags_[done_word(layer)], 1);
-      note_layer(layer, look, seen, done);
+      if (!ready) {
+        ready = done;
+        hmoe::store_flag(&flags_[done_word(layer)], 1);
+      }
+      note_layer(layer, look, seen, ready);
+      if (link.partner) {
+        hmoe::store_flag(&link.partner->flags_[link.partner->done_word(link.layer)], 1);
+        link.partner->note_layer(link.layer, ready, ready, done, /*late=*/0);  // its CPU work: after the own part
+      }
       served = true;
     }
     last_look_ns_ = hmoe::trace_now_ns();
@@ -311,11 +354,12 @@ class Handoff : public hmoe::FlagChannel {
   // `done` when the layer's work ended (just before done was written). A step is a run of
   // layers in increasing order (a decode step serves its layers 0..n-1 once each), so a layer
   // not above the previous one starts a new step.
-  void note_layer(int layer, int64_t look, int64_t seen, int64_t done) {
+  // late: how late the go may have been seen, if known otherwise (a linked deferred part has no go).
+  void note_layer(int layer, int64_t look, int64_t seen, int64_t done, int64_t late = -1) {
     const bool first = layer <= last_layer_;
     // The go was written after the poller's previous look at the flags, so it waited at most
     // this long to be seen (a poller napping between looks shows here).
-    const int64_t late = last_look_ns_ ? look - last_look_ns_ : 0;
+    if (late < 0) late = last_look_ns_ ? look - last_look_ns_ : 0;
     std::lock_guard<std::mutex> lk(stats_mu_);
     Anatomy& a = stats_;
     a.layers += 1;
@@ -406,6 +450,49 @@ class Handoff : public hmoe::FlagChannel {
     std::memset(j.call.out, 0, j.l->out_row_bytes * j.call.T);
   }
 
+  // Polling mode, a linked layer (link_deferred): the own part (job o, this handoff's) and the deferred part
+  // (job d, the partner's, same T) as one call. o's done word is set inside the call once o's output is
+  // complete (ready_ns then says when); left 0 if it was not (a failure: the caller sets it). Both outputs
+  // are zeroed on failure (out2 only after ready: the GPU may read out already).
+  void serve_linked(Job* o, Job* d, int64_t& ready_ns) noexcept {
+    const hmoe::MoeCall co = trimmed(*o), cd = trimmed(*d);
+    const size_t row = o->l->out_row_bytes * co.T;
+    if (!ids_in_range(*o) || !ids_in_range(*d) || co.K + cd.K == 0) {
+      std::memset(o->call.out, 0, row);
+      std::memset(d->call.out, 0, row);
+      return;
+    }
+    // Each token's own slots, then its deferred ones (int64, as the staging of either may be int32).
+    const int T = co.T, K = co.K + cd.K;
+    merged_ids_.resize(size_t(T) * K);
+    merged_w_.resize(size_t(T) * K);
+    for (int t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) {
+        const hmoe::MoeCall& c = k < co.K ? co : cd;
+        const int i = t * c.K + (k < co.K ? k : k - co.K);
+        merged_ids_[size_t(t) * K + k] = id_at(c, i);
+        merged_w_[size_t(t) * K + k] = c.weights[i];
+      }
+    hmoe::MoeCall m = co;
+    m.K = K;
+    m.deferred = cd.K;
+    m.ids = merged_ids_.data();
+    m.ids64 = true;
+    m.weights = merged_w_.data();
+    m.out2 = d->call.out;
+    m.out_ready = &flags_[done_word(o->layer)];
+    m.out_ready_ns = &ready_ns;
+    if (cd.K == 0) std::memset(d->call.out, 0, row);  // no deferred slot left to compute: out2 sums nothing
+    try {
+      o->l->moe->run(m);
+      return;
+    } catch (const std::exception& e) {
+      record_failure(*o, e.what());
+    }
+    if (!ready_ns) std::memset(o->call.out, 0, row);
+    std::memset(d->call.out, 0, row);
+  }
+
   static void submit_fn(void* p) noexcept {
     Job& j = *static_cast<Job*>(p);
     j.started = false;
@@ -447,6 +534,15 @@ class Handoff : public hmoe::FlagChannel {
   uint32_t* flags_ = nullptr;
   uint64_t flags_dev_ = 0;
   std::vector<Job*> served_;
+  // link_deferred: per layer the partner handoff and its layer holding the deferred part (none: nullptr).
+  struct Link {
+    Handoff* partner = nullptr;
+    int layer = -1;
+  };
+  std::vector<Link> links_;
+  // serve_linked's merged rows, [T, K own + K deferred] (the poller's thread, or run()'s, never both at once).
+  std::vector<int64_t> merged_ids_;
+  std::vector<float> merged_w_;
   // What the poller saw of the steps it served, summed (nanoseconds of the steady clock).
   struct Anatomy {
     int64_t layers = 0, cpu_ns = 0;  // layers served; their CPU work (go seen -> done written)
@@ -496,6 +592,8 @@ void register_cuda_host(nb::module_& m) {
       .def("enqueue_wait", &Handoff::enqueue_wait, "stream"_a, "layer"_a, "T"_a)
       .def("enqueue_forward", &Handoff::enqueue_forward, "stream"_a, "layer"_a, "T"_a)
       .def("run", &Handoff::run, "layers"_a, "T"_a)
+      .def("link_deferred", &Handoff::link_deferred, "layer"_a, "partner"_a, "partner_layer"_a,
+           nb::keep_alive<1, 3>())
       .def("probe_stream_mem_ops", &Handoff::probe_stream_mem_ops, "flags"_a)
       .def("start_polling", &Handoff::start_polling, "flags"_a, "device_mapped"_a, nb::keep_alive<1, 2>())
       .def("go_word", [](const Handoff& h, int layer) { return h.go_word(h.checked(layer)); }, "layer"_a)
