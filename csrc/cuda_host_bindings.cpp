@@ -170,7 +170,7 @@ class Handoff : public hmoe::FlagChannel {
   }
   // What the stream's CPU work does, called here in order (no CUDA): the CPU half of a step.
   // Host-function mode: submit and wait (the pool's driver thread computes); polling mode: the
-  // layer on this thread, as the poller runs it.
+  // layer on this thread, as the poller runs it (a linked layer with its deferred part, as a merged go).
   void run(const std::vector<int>& layers, int T) {
     std::vector<std::pair<Job*, Job*>> jobs;  // a linked layer's own and deferred parts (else nullptr)
     for (int layer : layers) {
@@ -185,6 +185,8 @@ class Handoff : public hmoe::FlagChannel {
     }
   }
 
+  // A go word's flag for a merged call of a linked layer (link_deferred); the low bits are T.
+  static constexpr uint32_t kMergedGo = 1u << 30;
   // Flag words: [go 0 | done 0 | go 1 | done 1 | ...], each word alone on a 64-byte line.
   static constexpr int kWordsPerLine = 16;
   int flag_words() const { return 2 * num_layers() * kWordsPerLine; }
@@ -222,7 +224,8 @@ class Handoff : public hmoe::FlagChannel {
   // its own staging ids, weights and output (x is this layer's). The stream then stages both parts' rows,
   // clears both done words and writes only this layer's go word; the poller runs the two parts as one call
   // (MoeCall::deferred): this layer's done word is set as soon as its output is complete, the partner's
-  // once the deferred output is too. Link before work is enqueued for the layer.
+  // once the deferred output is too. That go word carries kMergedGo | T; a plain T still runs this part
+  // alone (the partner's part then has a go of its own). Link before such work is enqueued.
   void link_deferred(int layer, Handoff& partner, int partner_layer) {
     checked(layer);
     partner.checked(partner_layer);
@@ -246,14 +249,19 @@ class Handoff : public hmoe::FlagChannel {
     bool served = false;
     const int64_t look = hmoe::trace_now_ns();
     for (int layer = 0; layer < num_layers(); ++layer) {
-      const uint32_t T = hmoe::load_flag(&flags_[go_word(layer)]);
-      if (T == 0) continue;
+      const uint32_t go = hmoe::load_flag(&flags_[go_word(layer)]);
+      if (go == 0) continue;
       hmoe::store_flag(&flags_[go_word(layer)], 0);
       const int64_t seen = hmoe::trace_now_ns();
-      const Link link = layer < int(links_.size()) ? links_[layer] : Link{};
-      int64_t ready = 0;  // linked: when the own output was complete (the engine sets done then)
-      if (T > uint32_t(max_tokens_)) {
+      const uint32_t T = go & ~kMergedGo;
+      const Link link = go & kMergedGo && layer < int(links_.size()) ? links_[layer] : Link{};
+      int64_t ready = 0;  // merged: when the own output was complete (the engine sets done then)
+      if (T == 0 || T > uint32_t(max_tokens_)) {
         record("layer " + std::to_string(layer) + ": the stream asked for " + std::to_string(T) + " tokens");
+      } else if (go & kMergedGo && !link.partner) {
+        record("layer " + std::to_string(layer) + ": a merged go, but no deferred part is linked (link_deferred)");
+        Job* j = served_[size_t(layer) * max_tokens_ + T - 1];
+        std::memset(j->call.out, 0, j->l->out_row_bytes * T);
       } else if (link.partner) {
         serve_linked(served_[size_t(layer) * max_tokens_ + T - 1],
                      link.partner->served_[size_t(link.layer) * max_tokens_ + T - 1], ready);
@@ -599,6 +607,7 @@ void register_cuda_host(nb::module_& m) {
       .def("go_word", [](const Handoff& h, int layer) { return h.go_word(h.checked(layer)); }, "layer"_a)
       .def("done_word", [](const Handoff& h, int layer) { return h.done_word(h.checked(layer)); }, "layer"_a)
       .def_prop_ro("flag_words", &Handoff::flag_words)
+      .def_ro_static("merged_go", &Handoff::kMergedGo, "A go word's flag: run the linked deferred part along.")
       .def_prop_ro("mode", &Handoff::mode)
       .def_rw("trim_padding", &Handoff::trim_padding_,
               "One token: leave out its trailing slots of weight 0 (padding) instead of computing them.")

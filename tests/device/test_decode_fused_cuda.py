@@ -156,6 +156,34 @@ def test_route_split_and_split_slots_of_a_part_with_deferral_equal_torch(T, E, K
                        split_slots(ids, w, on_gpu, local, later_width, fused=False, part=part))
 
 
+@pytest.mark.parametrize("E,K,on,deferred", [(8, 3, 3, 1), (8, 3, 0, 2), (128, 8, 26, 2), (128, 8, 120, 3)])
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_route_split_with_the_deferred_part_staged_equals_torch(T, E, K, on, deferred):
+    """Both parts' splits from the router's kernel (later: the linked handoffs of HybridExperts.merged_deferral),
+    each part's CPU slots in its own staging buffers, x staged once."""
+    on_gpu, local = placement(E, on, seed=E + on)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).cuda()
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T + 1)).to("cuda", torch.bfloat16)
+    width, later_width = min(K - deferred, E - on), min(deferred, E - on)
+    if not width or not later_width:
+        pytest.skip("a part with no CPU slots is not staged")
+    results = []
+    for fused in (True, False):
+        bufs = (torch.zeros(T, 64, device="cuda"), torch.zeros(T, width, dtype=torch.int64, device="cuda"),
+                torch.zeros(T, width, device="cuda"), torch.zeros(T, later_width, dtype=torch.int64, device="cuda"),
+                torch.zeros(T, later_width, device="cuda"))
+        w, ids, split, split2 = route_split(logits, K, True, on_gpu, local, width, fused, deferred, (x, *bufs[:3]),
+                                            later=(later_width, bufs[3], bufs[4], None))
+        assert split2[2] is bufs[3] and split2[3] is bufs[4]
+        results.append((w, ids, split, split2, bufs))
+    (w, ids, split, split2, bufs), (want_w, want_ids, _, _, want_bufs) = results
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
+    assert_split_equal(split, split_slots(ids, w, on_gpu, local, width, fused=False, part=(0, K - deferred)))
+    assert_split_equal(split2, split_slots(ids, w, on_gpu, local, later_width, fused=False, part=(K - deferred, K)))
+    assert torch.equal(bufs[0], x.float())
+
+
 def test_sum_parts_kernel_equals_torch():
     g = torch.Generator().manual_seed(0)
     a = torch.randn(4, 2048, generator=g).to("cuda", torch.bfloat16)

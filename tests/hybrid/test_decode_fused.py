@@ -95,6 +95,24 @@ def test_route_split_staged_writes_the_cpu_rows_into_the_given_buffers(ids_dtype
     assert torch.equal(gid, want[2][0]) and torch.equal(mask, want[2][1])
 
 
+@pytest.mark.parametrize("deferred", [1, 2])
+def test_route_split_with_later_stages_the_deferred_part_too(deferred):
+    g = torch.Generator().manual_seed(4)
+    logits, x = torch.randn(4, E, generator=g), torch.randn(4, 16, generator=g)
+    keep = K - deferred
+    stage = (x, torch.zeros(4, 16), torch.zeros(4, keep, dtype=torch.int64), torch.zeros(4, keep))
+    ids2, w2 = torch.zeros(4, deferred, dtype=torch.int32), torch.zeros(4, deferred)
+    w, ids, now, later = route_split(logits, K, True, ON_GPU, LOCAL, keep, deferred=deferred, stage=stage,
+                                     later=(deferred, ids2, w2, None))
+    want = route_split(logits, K, True, ON_GPU, LOCAL, keep, deferred=deferred)
+    assert torch.equal(ids, want[1]) and torch.equal(w, want[0])
+    for got, exp in zip(now, want[2]):
+        assert torch.equal(got, exp)
+    assert later[2] is ids2 and later[3] is w2
+    for got, exp in zip(later, split_slots(ids, w, ON_GPU, LOCAL, deferred, part=(keep, K))):
+        assert torch.equal(got.to(exp.dtype), exp)
+
+
 def test_route_split_staging_and_flags_errors():
     logits, x = torch.randn(1, E), torch.randn(1, 16)
     with pytest.raises(ValueError, match="width"):
@@ -102,6 +120,8 @@ def test_route_split_staging_and_flags_errors():
     stage = (x, torch.zeros(1, 16), torch.zeros(1, K, dtype=torch.int64), torch.zeros(1, K))
     with pytest.raises(ValueError, match="signal needs the Triton kernel"):
         route_split(logits, K, True, ON_GPU, LOCAL, K, stage=stage, signal=(torch.zeros(1), torch.zeros(1)))
+    with pytest.raises(ValueError, match="later needs stage, deferred experts"):
+        route_split(logits, K, True, ON_GPU, LOCAL, K, stage=stage, later=(1, torch.zeros(1, 1), torch.zeros(1, 1), None))
     with pytest.raises(ValueError, match="done needs the Triton kernel"):
         sum_parts([x, x], torch.float32, done=torch.zeros(1, dtype=torch.int32))
 

@@ -81,11 +81,11 @@ def fill(layer, T: int, seed: int, pad_own: int = 0, pad_later: int = 0) -> tupl
 
 
 def stream(own, own_flags, later, later_flags, indices: list[int], T: int) -> None:
-    """Per layer: clear both done words, write the own go; then wait for both done words."""
+    """Per layer: clear both done words, write the own go (merged); then wait for both done words."""
     for i in indices:
         own_flags[own.done_word(i)] = 0
         later_flags[later.done_word(i)] = 0
-        own_flags[own.go_word(i)] = T
+        own_flags[own.go_word(i)] = T | native.CudaHandoff.merged_go
     for i in indices:
         wait_for(own_flags, own.done_word(i), 1)
         wait_for(later_flags, later.done_word(i), 1)
@@ -107,6 +107,33 @@ def test_linked_layers_give_both_parts_from_one_go(T, pad_own, pad_later):
     assert not any(later_flags[later.go_word(i)].item() for i in range(2))  # the deferred go is never used
     stats, later_stats = own.take_stats(), later.take_stats()
     assert stats["layers"] == later_stats["layers"] == 6
+
+
+def test_a_plain_go_runs_the_own_part_alone_and_the_deferred_part_on_its_own_go():
+    """The caller-routed path of HybridExperts: each part staged and started by its own go, as unlinked."""
+    own, own_flags, later, later_flags, layers = linked(seeds=(2,))
+    want_own, want_later = fill(layers[0], 2, seed=1)
+    ex, o, d = layers[0]
+    own_flags[own.done_word(0)] = 0
+    own_flags[own.go_word(0)] = 2
+    wait_for(own_flags, own.done_word(0), 1)
+    torch.testing.assert_close(o.out[:2], want_own, atol=0, rtol=0)
+    assert (d.out == 7.0).all()
+    d.x.copy_(o.x)  # unlinked, the deferred part reads its own staged rows
+    later_flags[later.done_word(0)] = 0
+    later_flags[later.go_word(0)] = 2
+    wait_for(later_flags, later.done_word(0), 1)
+    torch.testing.assert_close(d.out[:2], want_later, atol=0, rtol=0)
+
+
+def test_a_merged_go_without_a_link_is_an_error_and_still_answered():
+    ex = experts(0)
+    p = Part(K)
+    h, flags = handoff_of([(ex, p)], K)
+    flags[h.go_word(0)] = 1 | native.CudaHandoff.merged_go
+    wait_for(flags, h.done_word(0), 1)
+    assert "a merged go, but no deferred part is linked" in h.take_error()
+    assert not p.out[:1].any() and (p.out[1:] == 7.0).all()  # the layer's output zeroed, as for other failures
 
 
 def test_run_on_host_serves_linked_layers_in_one_call():

@@ -204,6 +204,7 @@ class CudaHandoff:
         self._index: dict[int, int] = {}
         self._staging: dict[int, _Staging] = {}
         self._pending: dict[int, int] = {}  # layer -> T of an enqueue_submit not yet waited for
+        self._linked: dict[int, CudaHandoff] = {}  # layer -> the handoff of its deferred part (link_deferred)
         allowed = os.sched_getaffinity(0)
         # layer -> workers of its pool here (the same packed weights as its CpuExperts; another pool
         # only when that one would leave no CPU free)
@@ -374,6 +375,24 @@ class CudaHandoff:
         i = self._index[layer]
         done, go = self._native.done_word(i), self._native.go_word(i)
         return self._flags_mapped[done:done + 1], self._flags_mapped[go:go + 1]
+
+    def link_deferred(self, layer: int, other: "CudaHandoff") -> None:
+        """Run `other`'s part of `layer` (the same layer's deferred experts: HybridExperts.merged_deferral) in
+        one CPU call with this handoff's part, started by this handoff's go word alone: a kernel stages both
+        parts' rows (x in this handoff's staging only; staging(layer, T) of each for ids and weights), clears
+        both done words (flag_words of each) and writes this go word. This done word is set as soon as its
+        output is complete, other's once the deferred output is, which the CPU computes after it (while the
+        GPU goes on). stream_mem_ops path and zero_copy, both handoffs."""
+        self._flags_path("link_deferred")
+        other._flags_path("link_deferred")
+        if not (self._zero_copy and other._zero_copy):
+            raise HybridMoEError("link_deferred needs zero_copy on both handoffs (a kernel stages both parts)")
+        if layer not in self._index or layer not in other._index:
+            raise HybridMoEError(f"layer {layer} is not in both handoffs (layers: {self.layers}, {other.layers})")
+        if self.dtype != other.dtype:
+            raise HybridMoEError(f"link_deferred: the handoffs' dtypes differ ({self.dtype}, {other.dtype})")
+        self._call(self._native.link_deferred, self._index[layer], other._native, other._index[layer])
+        self._linked[layer] = other  # keeps it (and its staging) alive as long as this one
 
     def _flags_path(self, what: str) -> None:
         if self.path != "stream_mem_ops":

@@ -70,7 +70,8 @@ def split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, 
 
 
 def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
-                local: torch.Tensor, width: int, fused: bool = True, deferred: int = 0, stage=None, signal=None):
+                local: torch.Tensor, width: int, fused: bool = True, deferred: int = 0, stage=None, signal=None,
+                later=None):
     """The router's softmax top-k (layers/moe.py softmax_topk) and split_slots of its result, one kernel
     on CUDA (fused): (weights [T, K] float32, ids [T, K] int64, split_slots' four outputs).
 
@@ -83,13 +84,21 @@ def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_g
     straight to the CUDA handoff's staging buffers: the CPU slots are written to ids_dst, w_dst (returned as
     cpu_ids, cpu_weights) and x to x_dst (in x_dst's dtype), in the same kernel. signal (done, go: the
     handoff's mapped flag words, int32 [1]; with stage, on CUDA with triton only): the kernel also clears
-    done and then writes go = T, which hands the rows to the CPU (CudaHandoff.kernel_flags)."""
+    done and then writes go = T, which hands the rows to the CPU (CudaHandoff.kernel_flags).
+
+    later (width2, ids_dst2, w_dst2, done2; with stage and deferred > 0): the deferred columns are split here too,
+    their CPU slots written to ids_dst2, w_dst2 [T, width2] (the deferred part's staging), and with signal done2
+    is cleared before go (the linked handoffs of HybridExperts.merged_deferral, which the one go starts): a fourth
+    result, that split (split_slots' four outputs, cpu_ids and cpu_weights being ids_dst2, w_dst2)."""
     if stage is not None and not width:
         raise ValueError("route_split: stage needs CPU slots (width > 0)")
+    if later is not None and (stage is None or not deferred or not later[0]):
+        raise ValueError("route_split: later needs stage, deferred experts and CPU slots for them (width2 > 0)")
     if _triton(router_logits, fused):
         from hybridmoe.experts.decode_fused_triton import triton_route_split
 
-        return triton_route_split(router_logits, top_k, renormalize, on_gpu, local, width, deferred, stage, signal)
+        return triton_route_split(router_logits, top_k, renormalize, on_gpu, local, width, deferred, stage, signal,
+                                  later)
     if signal is not None:
         raise ValueError("route_split: signal needs the Triton kernel (CUDA, triton, fused)")
     from hybridmoe.layers.moe import softmax_topk
@@ -103,7 +112,14 @@ def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_g
         ids_dst.copy_(cpu_ids)
         w_dst.copy_(cpu_w)
         cpu_ids, cpu_w = ids_dst, w_dst
-    return weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_w)
+    if later is None:
+        return weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_w)
+    width2, ids_dst2, w_dst2, _ = later
+    gpu_ids2, gpu_mask2, cpu_ids2, cpu_w2 = split_slots(ids, weights, on_gpu, local, width2, fused=False,
+                                                        part=(top_k - deferred, top_k))
+    ids_dst2.copy_(cpu_ids2)
+    w_dst2.copy_(cpu_w2)
+    return weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_w), (gpu_ids2, gpu_mask2, ids_dst2, w_dst2)
 
 
 def sum_parts(parts: list[torch.Tensor], dtype: torch.dtype, fused: bool = True, done: torch.Tensor | None = None

@@ -78,14 +78,32 @@ def _signal_go(done_ptr, go_ptr, T):
 
 
 @triton.jit
+def _clear(done_ptr):
+    """Thread 0 of the program: done = 0 (a mapped flag word; _signal_go's fence orders it before go)."""
+    tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred first;
+        .reg .u32 tid;
+        mov.u32 tid, %tid.x;
+        setp.eq.u32 first, tid, 0;
+        @first st.volatile.global.u32 [$1], 0;
+        mov.u32 $0, 0;
+        }""",
+        constraints="=r,l", args=[done_ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr,
-                        cpu_w_ptr, x_ptr, stage_x_ptr, done_ptr, go_ptr, T, E, stride_l, W, H, stride_x,
+                        cpu_w_ptr, x_ptr, stage_x_ptr, done_ptr, go_ptr, gpu_ids2_ptr, gpu_mask2_ptr, cpu_ids2_ptr,
+                        cpu_w2_ptr, done2_ptr, T, E, stride_l, W, W2, H, stride_x,
                         K: tl.constexpr, KD: tl.constexpr, RENORMALIZE: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-                        HAS_CPU: tl.constexpr, STAGE_X: tl.constexpr, SIGNAL: tl.constexpr, BLOCK_H: tl.constexpr):
+                        HAS_CPU: tl.constexpr, STAGE_X: tl.constexpr, SIGNAL: tl.constexpr, BLOCK_H: tl.constexpr,
+                        SPLIT2: tl.constexpr, BLOCK_W2: tl.constexpr, HAS_CPU2: tl.constexpr):
     """softmax_topk (layers/router_triton.py, row by row) then _split of the first K - KD columns, the top-k
     kept in registers. STAGE_X: also copy the rows x [T, H] to stage_x (the CUDA handoff's staging buffer).
-    SIGNAL: then hand the step to the CPU (_signal_go)."""
+    SPLIT2: also _split the last KD columns into the *2 outputs (W2 CPU slots). SIGNAL: then hand the step to
+    the CPU (_signal_go; with SPLIT2 also clearing done2 first)."""
     t = tl.arange(0, BLOCK_T)[:, None]
     cols = tl.arange(0, BLOCK_E)[None, :]
     x = tl.load(logits_ptr + t * stride_l + cols, mask=(t < T) & (cols < E), other=-float("inf")).to(tl.float32)
@@ -109,6 +127,9 @@ def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_i
     tl.store(ids_ptr + t * K + ks, top_i, mask=valid)
     _split(top_i, top_w, valid, 0, K - KD, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr, cpu_w_ptr,
            T, K, W, BLOCK_T, BLOCK_W, HAS_CPU)
+    if SPLIT2:
+        _split(top_i, top_w, valid, K - KD, K, on_gpu_ptr, local_ptr, gpu_ids2_ptr, gpu_mask2_ptr, cpu_ids2_ptr,
+               cpu_w2_ptr, T, K, W2, BLOCK_T, BLOCK_W2, HAS_CPU2)
     if STAGE_X:
         h = tl.arange(0, BLOCK_H)
         for row in range(T):
@@ -118,6 +139,8 @@ def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_i
                 tl.store(stage_x_ptr + row * H + h0 + h, v.to(stage_x_ptr.dtype.element_ty), mask=ok)
     if SIGNAL:
         tl.debug_barrier()
+        if SPLIT2:
+            _clear(done2_ptr)
         _signal_go(done_ptr, go_ptr, T)
 
 
@@ -129,13 +152,15 @@ def _split_outputs(T: int, K: int, width: int, device: torch.device):
 
 
 def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
-                       local: torch.Tensor, width: int, deferred: int = 0, stage=None, signal=None):
+                       local: torch.Tensor, width: int, deferred: int = 0, stage=None, signal=None, later=None):
     """route_split in one kernel: (weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_weights)) as
     triton_softmax_topk and triton_split_slots give them; the split of the first top_k - deferred columns.
     stage (x [T, H], x_dst [T, H], ids_dst [T, width], w_dst [T, width]): the CPU slots are written to
     ids_dst, w_dst (and come back as cpu_ids, cpu_weights) and x is copied to x_dst, in the same kernel (the
     CUDA handoff's staging buffers, through the device's mapping). signal (done [1], go [1] int32, mapped flag
-    words; needs stage): the kernel then clears done and writes go = T itself (the handoff's protocol)."""
+    words; needs stage): the kernel then clears done and writes go = T itself (the handoff's protocol).
+    later (width2, ids_dst2, w_dst2, done2; needs stage): also the last `deferred` columns' split, its CPU slots
+    written to ids_dst2, w_dst2 [T, width2] (and with signal done2 cleared before go): a fourth result."""
     T, E = router_logits.shape
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
@@ -150,6 +175,11 @@ def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: boo
         x = x_dst = None
         H = stride_x = 0
     done, go = signal if signal is not None else (None, None)
+    width2, split2, done2 = 0, None, None
+    if later is not None:
+        width2, ids2, w2, done2 = later
+        gpu_ids2, gpu_mask2, _, _ = _split_outputs(T, top_k, 0, logits.device)
+        split2 = (gpu_ids2, gpu_mask2, ids2, w2)
     block_t = max(2, triton.next_power_of_2(T))
     # a few tokens on one warp: the top-k's reductions in shuffles alone (on the GPU host, Qwen3's router at T=1
     # in a CUDA graph: 3.22 vs 4.24 us with 4 warps, session 6 r2)
@@ -157,11 +187,16 @@ def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: boo
         logits, weights, ids, on_gpu.view(torch.uint8), local, gpu_ids, gpu_mask.view(torch.uint8),
         cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, x if x is not None else weights,
         x_dst if x_dst is not None else weights, done if done is not None else gpu_ids,
-        go if go is not None else gpu_ids, T, E, logits.stride(0), width, H, stride_x, K=top_k,
+        go if go is not None else gpu_ids,
+        *((split2[0], split2[1].view(torch.uint8), *split2[2:]) if split2 is not None else (gpu_ids,) * 4),
+        done2 if done2 is not None else gpu_ids, T, E, logits.stride(0), width, width2, H, stride_x, K=top_k,
         KD=deferred, RENORMALIZE=renormalize, BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
         BLOCK_W=max(2, triton.next_power_of_2(width)), HAS_CPU=width > 0, STAGE_X=stage is not None,
-        SIGNAL=signal is not None, BLOCK_H=1024, num_warps=1 if block_t <= 4 else 4)
+        SIGNAL=signal is not None, BLOCK_H=1024, SPLIT2=later is not None,
+        BLOCK_W2=max(2, triton.next_power_of_2(width2)), HAS_CPU2=width2 > 0, num_warps=1 if block_t <= 4 else 4)
+    if later is not None:
+        return weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_w), split2
     return weights, ids, (gpu_ids, gpu_mask, cpu_ids, cpu_w)
 
 
