@@ -60,13 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy; "
                         "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf] (zc/nozc: zero-copy "
-                        "on/off, else the "
-                        "engine's; nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread; "
+                        "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg] (zc/nozc: "
+                        "zero-copy on/off, else the engine's; nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread; "
                         "kf/nokf: the router's kernel stages the CPU's rows and kernels play the handoff's flags, "
                         "HybridExperts.kernel_flags; res/nores: the MoE blocks hand the residual add to the "
                         "backend, SparseMoeBlock.adds_residual; pf/nopf: the next layer's attention weights prefetched "
-                        "into L2 during the CPU's part, HybridExperts.prefetch_next; else the engine's), "
+                        "into L2 during the CPU's part, HybridExperts.prefetch_next; mg/nomg: a layer's own and "
+                        "deferred CPU parts in one call, HybridExperts.merged_deferral; else the engine's), "
                         "e.g. 0,1,2,0:nozc,0:nopin,0:kf")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
@@ -104,6 +104,8 @@ class Variant:
     """Every MoE block's adds_residual (layers/moe.py); None: the model's."""
     prefetch: bool | None = None
     """HybridExperts.prefetch_next; None: the engine's."""
+    merged: bool | None = None
+    """HybridExperts.merged_deferral; None: the engine's."""
 
     def label(self) -> str:
         copies = {None: "", True: " zero-copy", False: " copies"}[self.zero_copy]
@@ -111,7 +113,8 @@ class Variant:
                 + ("" if self.pin else " unpinned")
                 + {None: "", True: " kernel flags", False: " stream flags"}[self.kernel_flags]
                 + {None: "", True: " residual in the MoE", False: " residual added after"}[self.residual]
-                + {None: "", True: " prefetch", False: " no prefetch"}[self.prefetch])
+                + {None: "", True: " prefetch", False: " no prefetch"}[self.prefetch]
+                + {None: "", True: " one call", False: " two calls"}[self.merged])
 
 
 def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
@@ -154,18 +157,18 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf]" -> Variant."""
+    """"K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg]" -> Variant."""
     k, *opts = spec.strip().split(":")
-    switches = ("zc", "kf", "res", "pf")
+    switches = ("zc", "kf", "res", "pf", "mg")
     unknown = set(opts) - {"notrim", "nopin"} - {s for on in switches for s in (on, "no" + on)}
     if unknown or any({on, "no" + on} <= set(opts) for on in switches):
         raise HybridMoEError(f"--variants: unknown or contradicting option(s) in {spec!r} "
-                             "(notrim, nopin, and one of zc/nozc, kf/nokf, res/nores, pf/nopf each)")
+                             "(notrim, nopin, and one of zc/nozc, kf/nokf, res/nores, pf/nopf, mg/nomg each)")
 
     def switch(on: str) -> bool | None:
         return True if on in opts else False if "no" + on in opts else None
     return Variant(int(k), "notrim" not in opts, switch("zc"), "nopin" not in opts, switch("kf"), switch("res"),
-                   switch("pf"))
+                   switch("pf"), switch("mg"))
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -236,6 +239,11 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
         torch.cuda.synchronize()
         RETIRED.extend(engine.runner._graphs.values())
         engine.runner._graphs.clear()
+    # before the handoffs are made again: use_fixed_shapes links them by merged_deferral and kernel_flags
+    for name, on in (("kernel_flags", v.kernel_flags), ("prefetch_next", v.prefetch),
+                     ("merged_deferral", v.merged)):
+        if on is not None:
+            setattr(experts, name, on)
     experts.set_deferred_experts(v.k)
     parts = part_stats(engine.runner.model)
     for h in parts["own"]:
@@ -244,9 +252,6 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
         if v.zero_copy is not None:
             h.zero_copy = v.zero_copy
     experts.pin_decode_thread = v.pin
-    for name, on in (("kernel_flags", v.kernel_flags), ("prefetch_next", v.prefetch)):
-        if on is not None:
-            setattr(experts, name, on)
     for layer in engine.runner.model.model.layers:
         mlp = getattr(layer, layer.mlp_name)
         if v.residual is not None and hasattr(mlp, "adds_residual"):

@@ -121,7 +121,8 @@ def test_route_split_staging_and_flags_errors():
     with pytest.raises(ValueError, match="signal needs the Triton kernel"):
         route_split(logits, K, True, ON_GPU, LOCAL, K, stage=stage, signal=(torch.zeros(1), torch.zeros(1)))
     with pytest.raises(ValueError, match="later needs stage, deferred experts"):
-        route_split(logits, K, True, ON_GPU, LOCAL, K, stage=stage, later=(1, torch.zeros(1, 1), torch.zeros(1, 1), None))
+        route_split(logits, K, True, ON_GPU, LOCAL, K, stage=stage,
+                    later=(1, torch.zeros(1, 1), torch.zeros(1, 1), None))
     with pytest.raises(ValueError, match="done needs the Triton kernel"):
         sum_parts([x, x], torch.float32, done=torch.zeros(1, dtype=torch.int32))
 

@@ -45,7 +45,7 @@ def handoff_of(layers: list[tuple[CpuExperts, Part]], width: int):
 
 
 def linked(seeds=(0, 1), deferred_ids=torch.int64):
-    """(own handoff, its flags, deferred handoff, its flags, [(experts, own part, deferred part)]), every layer linked."""
+    """(own handoff, its flags, deferred handoff, its flags, [(experts, own part, deferred part)]), all linked."""
     layers = [(experts(s), Part(K), Part(KD, deferred_ids)) for s in seeds]
     own, own_flags = handoff_of([(ex, o) for ex, o, _ in layers], K)
     later, later_flags = handoff_of([(ex, d) for ex, _, d in layers], KD)

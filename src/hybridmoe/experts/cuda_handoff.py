@@ -376,11 +376,17 @@ class CudaHandoff:
         done, go = self._native.done_word(i), self._native.go_word(i)
         return self._flags_mapped[done:done + 1], self._flags_mapped[go:go + 1]
 
+    @property
+    def merged_go(self) -> int:
+        """The flag a kernel ORs into a linked layer's go word (go = merged_go | T) to run its deferred part
+        along (link_deferred); a plain go = T runs this part alone."""
+        return self._native.merged_go
+
     def link_deferred(self, layer: int, other: "CudaHandoff") -> None:
         """Run `other`'s part of `layer` (the same layer's deferred experts: HybridExperts.merged_deferral) in
         one CPU call with this handoff's part, started by this handoff's go word alone: a kernel stages both
         parts' rows (x in this handoff's staging only; staging(layer, T) of each for ids and weights), clears
-        both done words (flag_words of each) and writes this go word. This done word is set as soon as its
+        both done words (flag_words of each) and writes this go word = merged_go | T. This done word is set as soon as its
         output is complete, other's once the deferred output is, which the CPU computes after it (while the
         GPU goes on). stream_mem_ops path and zero_copy, both handoffs."""
         self._flags_path("link_deferred")

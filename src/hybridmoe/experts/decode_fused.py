@@ -84,7 +84,8 @@ def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_g
     straight to the CUDA handoff's staging buffers: the CPU slots are written to ids_dst, w_dst (returned as
     cpu_ids, cpu_weights) and x to x_dst (in x_dst's dtype), in the same kernel. signal (done, go: the
     handoff's mapped flag words, int32 [1]; with stage, on CUDA with triton only): the kernel also clears
-    done and then writes go = T, which hands the rows to the CPU (CudaHandoff.kernel_flags).
+    done and then writes go = T, which hands the rows to the CPU (CudaHandoff.kernel_flags); (done, go, value):
+    go = value instead (CudaHandoff.merged_go | T, for linked handoffs).
 
     later (width2, ids_dst2, w_dst2, done2; with stage and deferred > 0): the deferred columns are split here too,
     their CPU slots written to ids_dst2, w_dst2 [T, width2] (the deferred part's staging), and with signal done2

@@ -95,7 +95,7 @@ def _clear(done_ptr):
 @triton.jit
 def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_mask_ptr, cpu_ids_ptr,
                         cpu_w_ptr, x_ptr, stage_x_ptr, done_ptr, go_ptr, gpu_ids2_ptr, gpu_mask2_ptr, cpu_ids2_ptr,
-                        cpu_w2_ptr, done2_ptr, T, E, stride_l, W, W2, H, stride_x,
+                        cpu_w2_ptr, done2_ptr, T, GO, E, stride_l, W, W2, H, stride_x,
                         K: tl.constexpr, KD: tl.constexpr, RENORMALIZE: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
                         HAS_CPU: tl.constexpr, STAGE_X: tl.constexpr, SIGNAL: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -103,7 +103,7 @@ def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_i
     """softmax_topk (layers/router_triton.py, row by row) then _split of the first K - KD columns, the top-k
     kept in registers. STAGE_X: also copy the rows x [T, H] to stage_x (the CUDA handoff's staging buffer).
     SPLIT2: also _split the last KD columns into the *2 outputs (W2 CPU slots). SIGNAL: then hand the step to
-    the CPU (_signal_go; with SPLIT2 also clearing done2 first)."""
+    the CPU (_signal_go of go = GO; with SPLIT2 also clearing done2 first)."""
     t = tl.arange(0, BLOCK_T)[:, None]
     cols = tl.arange(0, BLOCK_E)[None, :]
     x = tl.load(logits_ptr + t * stride_l + cols, mask=(t < T) & (cols < E), other=-float("inf")).to(tl.float32)
@@ -141,7 +141,7 @@ def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_i
         tl.debug_barrier()
         if SPLIT2:
             _clear(done2_ptr)
-        _signal_go(done_ptr, go_ptr, T)
+        _signal_go(done_ptr, go_ptr, GO)
 
 
 def _split_outputs(T: int, K: int, width: int, device: torch.device):
@@ -158,9 +158,10 @@ def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: boo
     stage (x [T, H], x_dst [T, H], ids_dst [T, width], w_dst [T, width]): the CPU slots are written to
     ids_dst, w_dst (and come back as cpu_ids, cpu_weights) and x is copied to x_dst, in the same kernel (the
     CUDA handoff's staging buffers, through the device's mapping). signal (done [1], go [1] int32, mapped flag
-    words; needs stage): the kernel then clears done and writes go = T itself (the handoff's protocol).
-    later (width2, ids_dst2, w_dst2, done2; needs stage): also the last `deferred` columns' split, its CPU slots
-    written to ids_dst2, w_dst2 [T, width2] (and with signal done2 cleared before go): a fourth result."""
+    words; needs stage): the kernel then clears done and writes go = T itself (the handoff's protocol); a third
+    element, the value to write instead (CudaHandoff.merged_go | T). later (width2, ids_dst2, w_dst2, done2;
+    needs stage): also the last `deferred` columns' split, its CPU slots written to ids_dst2, w_dst2 [T, width2]
+    (and with signal done2 cleared before go): a fourth result."""
     T, E = router_logits.shape
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
@@ -174,7 +175,7 @@ def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: boo
         gpu_ids, gpu_mask, cpu_ids, cpu_w = _split_outputs(T, top_k, width, logits.device)
         x = x_dst = None
         H = stride_x = 0
-    done, go = signal if signal is not None else (None, None)
+    done, go, go_value = (*signal, T)[:3] if signal is not None else (None, None, T)
     width2, split2, done2 = 0, None, None
     if later is not None:
         width2, ids2, w2, done2 = later
@@ -189,8 +190,8 @@ def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: boo
         x_dst if x_dst is not None else weights, done if done is not None else gpu_ids,
         go if go is not None else gpu_ids,
         *((split2[0], split2[1].view(torch.uint8), *split2[2:]) if split2 is not None else (gpu_ids,) * 4),
-        done2 if done2 is not None else gpu_ids, T, E, logits.stride(0), width, width2, H, stride_x, K=top_k,
-        KD=deferred, RENORMALIZE=renormalize, BLOCK_T=block_t,
+        done2 if done2 is not None else gpu_ids, T, go_value, E, logits.stride(0), width, width2, H, stride_x,
+        K=top_k, KD=deferred, RENORMALIZE=renormalize, BLOCK_T=block_t,
         BLOCK_E=triton.next_power_of_2(E), BLOCK_K=max(2, triton.next_power_of_2(top_k)),
         BLOCK_W=max(2, triton.next_power_of_2(width)), HAS_CPU=width > 0, STAGE_X=stage is not None,
         SIGNAL=signal is not None, BLOCK_H=1024, SPLIT2=later is not None,

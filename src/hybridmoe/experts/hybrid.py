@@ -189,12 +189,17 @@ class _Partial:
     def finish(self, folded: _Partial | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H] in the hidden state's dtype and device; plus folded's output (an earlier layer's deferred
         experts, joining here), summed with this one's parts before the one rounding. residual [T, H]: returned
-        is residual + that (rounded once more, as torch adds them), in one kernel with the sum where it can."""
+        is residual + that (rounded once more, as torch adds them), in one kernel with the sum where it can.
+
+        The kernel waits for one done word: this part's, else folded's. A merged deferred part (folded, signaled)
+        needs no wait of its own behind this part's: the polling thread sets its done word when its call ends,
+        before it serves any later layer (cuda_host_bindings.cpp, poll), so this part's done implies it."""
         parts = self._parts() + (folded._parts() if folded is not None else [])
+        done = self._done if self._done is not None or folded is None else folded._done
         if residual is not None and 1 <= len(parts) <= 2:
-            return add_parts(residual, parts, self.fused, done=self._done)
-        if self._done is not None:  # parts[0] is the CPU's output: the kernel waits for it first
-            out = sum_parts(parts, self.dtype, self.fused, done=self._done)
+            return add_parts(residual, parts, self.fused, done=done)
+        if done is not None:  # the kernel waits for the CPU's output first
+            out = sum_parts(parts, self.dtype, self.fused, done=done)
         elif not parts:
             out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         elif len(parts) == 1:
@@ -204,9 +209,9 @@ class _Partial:
         return out if residual is None else residual + out
 
     def add_to(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden + finish(), in one kernel where it can (add_parts)."""
+        """hidden + finish(), in one kernel where it can (add_parts; it waits for the done word, if signaled)."""
         parts = self._parts()
-        return add_parts(hidden, parts, self.fused) if parts else hidden + torch.zeros_like(hidden)
+        return add_parts(hidden, parts, self.fused, done=self._done) if parts else hidden + torch.zeros_like(hidden)
 
 
 class HybridExperts(ExpertBackend):
@@ -244,6 +249,15 @@ class HybridExperts(ExpertBackend):
         Qwen3-30B-A3B 4 layers, 2 interleaved rounds on one engine (with the residual added in the MoE): the gap
         between layers 41.6 vs 51.7 us (45.4 in the round without late gos) int4, 41.6 vs 46.0 bf16; decode 1.094x
         int4, 1.022x bf16 (device round r2 of session 6)."""
+        self.merged_deferral = True
+        """Fixed shapes with deferred experts, kernel_flags, the stream_mem_ops path: a layer's own CPU part and
+        its deferred one run as one CPU call (CudaHandoff.link_deferred, MoeCall::deferred): the router's kernel
+        stages both parts and writes one go; the CPU computes the own experts first and marks their output done at
+        once, then the deferred experts, while the GPU goes on with the next layer. Two calls instead pay a call's
+        fixed cost twice (a one-expert deferred call took ~40 us in session 8's call 4, Qwen3-30B-A3B 12 layers
+        int4 K=1: the GPU's 38 us gap between layers grew to 61 with it). Read by use_fixed_shapes (the handoffs
+        are linked there) and when a step is enqueued."""
+        self._merged: set[int] = set()  # layers whose handoffs use_fixed_shapes linked (merged_deferral)
         self.prefetch_next = True
         """Fixed shapes on CUDA: while a layer's CPU part runs, the GPU prefetches into L2 the weights given by
         prefetch_during (the next layer's attention and router), after the layer's GPU share. Read when a step
@@ -360,6 +374,13 @@ class HybridExperts(ExpertBackend):
                 return False
             self._handoffs = handoffs
             self._driver_cpus = set.intersection(*(h.driver_cpus for h, _ in handoffs.values()))
+            self._merged = set()
+            if self.deferred_experts and self.merged_deferral and self.kernel_flags and HAVE_TRITON:
+                for layer in cpu:
+                    own, later = handoffs.get((False, layer)), handoffs.get((True, layer))
+                    if own and later and own[0].zero_copy and own[0].path == later[0].path == "stream_mem_ops":
+                        own[0].link_deferred(layer, later[0])
+                        self._merged.add(layer)
         self._fixed_tokens, self._fixed_dtype = max_tokens, dtype
         return True
 
@@ -412,17 +433,25 @@ class HybridExperts(ExpertBackend):
         if fixed is None or not self.fused:
             return None
         st = self._layers[layer]
-        kd = self.deferred_experts
+        kd, T = self.deferred_experts, hidden.shape[0]
         handoff, width = fixed
-        stage = signal = None
+        stage = signal = merged = None
         if st.cpu is not None and self.kernel_flags and handoff.zero_copy:
-            rows = handoff.staging(layer, hidden.shape[0])
+            rows = handoff.staging(layer, T)
             stage = (hidden, rows.x, rows.ids, rows.weights)
             signal = handoff.flag_words(layer) if handoff.path == "stream_mem_ops" else None
-        weights, ids, split = route_split(router_logits, top_k, renormalize, st.on_gpu, st.local,
-                                          width if st.cpu is not None else 0, self.fused, kd, stage, signal)
-        # the deferred part: the same [T, K] slots, its own columns (split once the layer's own part is on its way)
-        later = (ids, weights, (top_k - kd, top_k)) if kd else None
+        if signal is not None and kd and self.merged_deferral and layer in self._merged:
+            # both parts staged by the router's kernel, and one go (merged) for the CPU's one call
+            later_handoff, later_width = self._handoffs[(True, layer)]
+            later_rows = later_handoff.staging(layer, T)
+            merged = (later_width, later_rows.ids, later_rows.weights, later_handoff.flag_words(layer)[0])
+            signal = (*signal, T | handoff.merged_go)
+        routed = route_split(router_logits, top_k, renormalize, st.on_gpu, st.local, width if st.cpu is not None else 0,
+                             self.fused, kd, stage, signal, merged)
+        weights, ids, split = routed[:3]
+        # the deferred part: the same [T, K] slots, its own columns (split once the layer's own part is on its way,
+        # or already, merged); merged: already staged and started with the own part
+        later = (ids, weights, (top_k - kd, top_k), routed[3] if merged else None) if kd else None
         self._submit_fixed(layer, hidden, ids, weights, split, later, (stage is not None, signal is not None))
         partial, _, _ = self._inflight.pop(layer)
         return partial.finish(self._folded.pop(layer, None), residual)
@@ -432,7 +461,7 @@ class HybridExperts(ExpertBackend):
             later = None
             if self.deferred_experts:
                 topk_ids, topk_weights, *later = split_deferred(topk_ids, topk_weights, self.deferred_experts)
-                later.append(None)
+                later += [None, None]
             self._submit_fixed(layer, hidden, topk_ids, topk_weights, None, later)
             return
         self._restart_if_interrupted(layer)
@@ -459,16 +488,18 @@ class HybridExperts(ExpertBackend):
         layer's deferred experts); then both GPU parts. Nothing waits here: the layer's own part is
         joined in wait(), the deferred one where it joins the residual (after_layer of the next layer).
         split: route_split's split of (ids, weights), or None to split here. later: the deferred part's
-        (ids, weights, part: its columns of them, None for all), or None without deferral. staged: _Partial's
+        (ids, weights, part: its columns of them, None for all; route_split's split of that part, staged and started
+        with the own part's go (merged_deferral), or None), or None without deferral. staged: _Partial's
         (route_split wrote the own part's rows to the handoff, and its go word)."""
         self._restart_if_interrupted(layer)
         st = self._layers[layer]
         parts = [_Partial(layer, st, hidden, ids, weights, self.act, self._handoff(False, layer, hidden), self.fused,
                           split, staged=staged)]
         if later is not None:
-            later_ids, later_weights, part = later
+            later_ids, later_weights, part, merged = later
             parts.append(_Partial(layer, st, hidden, later_ids, later_weights, self.act,
-                                  self._handoff(True, layer, hidden), self.fused, part=part))
+                                  self._handoff(True, layer, hidden), self.fused, merged, part,
+                                  (True, True) if merged is not None else (False, False)))
             self._deferred.add(layer, parts[1])
         for p in parts:
             p.start_gpu()
