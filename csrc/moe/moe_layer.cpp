@@ -243,11 +243,12 @@ struct Item { int down, j, s, b0, b1; };
 // with the same number of active experts, blocks and item sizes (a decode step's layers, one
 // after the other) has the same list, built once. A = 0: nothing built yet.
 struct PlanKey {
-  int A = 0, A_own = 0, S = 0, gate_blocks = 0, down_blocks = 0, step = 0, threads = 0;
+  int A = 0, A_own = 0, S = 0, gate_blocks = 0, down_blocks = 0, step_own = 0, step_deferred = 0, threads = 0;
   bool tail_split = false;
   bool operator==(const PlanKey& o) const {
     return A == o.A && A_own == o.A_own && S == o.S && gate_blocks == o.gate_blocks &&
-           down_blocks == o.down_blocks && step == o.step && threads == o.threads && tail_split == o.tail_split;
+           down_blocks == o.down_blocks && step_own == o.step_own && step_deferred == o.step_deferred &&
+           threads == o.threads && tail_split == o.tail_split;
   }
 };
 
@@ -688,23 +689,31 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   std::vector<int>& offsets = ws.offsets;
   // About 4 items per thread, of 1 to 8 blocks: each item restarts its weight streams (on the
   // GPU host 8-block items beat 5-block ones at T = 1, r1), and the tail split below keeps the
-  // end of the run fine-grained.
-  const int64_t total_blocks = int64_t(gate.blocks + down.blocks) * A;
-  const int step = item_blocks_ > 0 ? item_blocks_
-                                    : int(std::clamp<int64_t>(total_blocks / (4 * pool_->threads()), 1, 8));
-  // Gate/up items per expert (the same for all): each one counts down its expert's pending.
-  int gate_up_items = 0;
-  for (int s = 0; s < S; ++s)
-    gate_up_items += (gate.slice_begin[s + 1] - gate.slice_begin[s] + step - 1) / step;
+  // end of the run fine-grained. Sized per side with deferral: the deferred experts (often one or
+  // two) in items as small as their own count asks for, so that every worker reads their weights
+  // (in 8-block items one expert's gate/up would be 3 items for 15 workers, and its down items
+  // would wait for the slowest of them: session 9's call 1).
+  auto step_for = [&](int experts) {
+    const int64_t blocks = int64_t(gate.blocks + down.blocks) * experts;
+    return item_blocks_ > 0 ? item_blocks_ : int(std::clamp<int64_t>(blocks / (4 * pool_->threads()), 1, 8));
+  };
+  const int step_own = step_for(A_own), step_deferred = step_for(A - A_own);
+  // Gate/up items per expert (the same for all of one side): each one counts down its expert's pending.
+  auto gate_up_items = [&](int step) {
+    int n = 0;
+    for (int s = 0; s < S; ++s) n += (gate.slice_begin[s + 1] - gate.slice_begin[s] + step - 1) / step;
+    return n;
+  };
+  const int own_items = gate_up_items(step_own), deferred_items = gate_up_items(step_deferred);
   const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
   const Counters pending{grow(ws.pending, size_t(A) * stride), stride};
-  for (int j = 0; j < A; ++j) pending[j].store(gate_up_items, std::memory_order_relaxed);
-  const PlanKey plan{A, A_own, S, gate.blocks, down.blocks, step, pool_->threads(), tail_split_};
+  for (int j = 0; j < A; ++j) pending[j].store(j < A_own ? own_items : deferred_items, std::memory_order_relaxed);
+  const PlanKey plan{A, A_own, S, gate.blocks, down.blocks, step_own, step_deferred, pool_->threads(), tail_split_};
   if (!(plan == ws.plan)) {
     gemm_items.clear();
     offsets.assign(1, 0);
     for (int s = 0; s < S; ++s) {
-      for (const auto& [j0, j1] : {std::pair{0, A_own}, std::pair{A_own, A}})
+      for (const auto& [j0, j1, step] : {std::tuple{0, A_own, step_own}, std::tuple{A_own, A, step_deferred}})
         for (int m = 0; m < 2; ++m) {
           const Matrix& mat = m ? down : gate;
           const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];

@@ -4,7 +4,8 @@ path the rows alone), the residual added by the backend (forward_logits(..., res
 it) and the next layer's weights prefetched into L2 (prefetch_next) give the same layers, bit for bit, as the rows
 copied by their own kernel, the flags written and waited for by stream memory operations (or host functions) and
 the residual added by the caller: eagerly and as CUDA graph replays, with and without GPU experts and deferred
-experts. Runs on the GPU host through scripts/device_check.sh.
+experts (those of several tokens to float32 rounding: with kernel flags they share their own part's CPU call).
+Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, E experts, K experts per token, H hidden, I intermediate.
 """
@@ -91,8 +92,15 @@ def test_rows_staged_by_the_router_and_flags_in_kernels_equal_copies_and_stream_
     assert torch.equal(want_replayed, want)
     b = backend(gpu_ids, deferred, dtype, mode, monkeypatch)
     residual = mode not in ("copies", "kernel_flags_sum")
-    assert torch.equal(chain(b, x, router, residual), want)
-    assert torch.equal(replayed(b, lambda: chain(b, x, router, residual)), want)
+    # with kernel flags a layer's deferred part runs in its own part's CPU call (HybridExperts.merged_deferral):
+    # an expert of one token's own slots and another's deferred ones then computes both rows in one kernel call,
+    # which may round them otherwise than two one-row calls (float32 outputs differed in the last bits at T=4)
+    merged = bool(deferred) and T > 1 and MODES[mode].get("kernel_flags", False) and mode != "host_function"
+    for got in (chain(b, x, router, residual), replayed(b, lambda: chain(b, x, router, residual))):
+        if merged:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        else:
+            assert torch.equal(got, want)
 
 
 @pytest.fixture

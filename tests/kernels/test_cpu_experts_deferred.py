@@ -34,8 +34,9 @@ def test_both_outputs_equal_forward_on_their_columns(make_weights, isa, fmt, T, 
     want = experts.forward(x, *own) if keep else torch.zeros_like(x)
     want2 = experts.forward(x, *later) if deferred else torch.zeros_like(x)
     # an expert shared by one token's own slots and another's deferred ones has more rows in one pass than in
-    # either call, which may take it to another kernel (AMX from 16 rows): bf16-rounding-sized differences
-    tol = dict(atol=0, rtol=0) if T < 16 else dict(atol=2e-2, rtol=2e-2)
+    # either call, which may take it to another kernel (several-token kernels, AMX from 16 rows; on the GPU host
+    # avx512 and amx at T=3 differed in the last bf16 bits): bit for bit only at one token
+    tol = dict(atol=0, rtol=0) if T == 1 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out, want, **tol)
     torch.testing.assert_close(out2, want2, **tol)
 
