@@ -166,8 +166,17 @@ class Engine {
     layer_->run(call);
   }
 
-  // run() with each token's last `deferred` slots summed into out2 instead of out (MoeCall::deferred).
+  // run() / submit() with each token's last `deferred` slots summed into out2 instead of out (MoeCall::deferred).
   void run_deferred(Array x, Array ids, Array weights, int deferred, MutArray out, MutArray out2) {
+    const hmoe::MoeCall call = deferred_call(x, ids, weights, deferred, out, out2);
+    nb::gil_scoped_release nogil;
+    layer_->run(call);
+  }
+  uint64_t submit_deferred(Array x, Array ids, Array weights, int deferred, MutArray out, MutArray out2) {
+    return layer_->submit(deferred_call(x, ids, weights, deferred, out, out2));
+  }
+
+  hmoe::MoeCall deferred_call(Array& x, Array& ids, Array& weights, int deferred, MutArray& out, MutArray& out2) {
     hmoe::MoeCall call = make_call(x, ids, weights, out);
     if (deferred < 0 || deferred > call.K)
       fail("deferred must be between 0 and the " + std::to_string(call.K) + " slots per token, got " +
@@ -177,8 +186,7 @@ class Engine {
     call.deferred = deferred;
     call.out2 = out2.data();
     if (deferred == 0) std::memset(out2.data(), 0, out2.nbytes());  // no deferred slot: out2 sums nothing
-    nb::gil_scoped_release nogil;
-    layer_->run(call);
+    return call;
   }
 
   hmoe::MoeCall make_call(Array& x, Array& ids, Array& weights, MutArray& out) {
@@ -206,12 +214,14 @@ class Engine {
         if (id < 0 || id >= c.E)
           fail("topk_ids[" + std::to_string(t) + ", " + std::to_string(k) + "] = " + std::to_string(id) +
                " is out of range for " + std::to_string(c.E) + " experts");
-        for (int64_t k2 = 0; k2 < k; ++k2) {
+        // A slot of weight 0 may repeat an expert (padding: it adds nothing; the hybrid split pads so).
+        const float* w = static_cast<const float*>(weights.data()) + t * K;
+        for (int64_t k2 = 0; k2 < k && w[k] != 0.0f; ++k2) {
           const int64_t other = ids64 ? static_cast<const int64_t*>(ids.data())[t * K + k2]
                                       : static_cast<const int32_t*>(ids.data())[t * K + k2];
-          if (other == id)
+          if (other == id && w[k2] != 0.0f)
             fail("token " + std::to_string(t) + " lists expert " + std::to_string(id) +
-                 " twice in topk_ids; each token's experts must be distinct");
+                 " twice in topk_ids; each token's experts must be distinct (but in slots of weight 0)");
         }
       }
     hmoe::MoeCall call;
@@ -363,6 +373,8 @@ NB_MODULE(_native, m) {
            "submit + wait on the calling thread (GIL released), without the driver thread.")
       .def("run_deferred", &Engine::run_deferred, "x"_a, "topk_ids"_a, "topk_weights"_a, "deferred"_a, "out"_a,
            "out2"_a, "run() with each token's last `deferred` slots summed into out2 instead of out.")
+      .def("submit_deferred", &Engine::submit_deferred, "x"_a, "topk_ids"_a, "topk_weights"_a, "deferred"_a,
+           "out"_a, "out2"_a, "submit() with each token's last `deferred` slots summed into out2 instead of out.")
       .def_prop_ro("isa", [](const Engine& e) { return std::string(kIsaNames[int(e.cfg().isa)]); })
       .def_prop_ro("format", [](const Engine& e) { return std::string(kFormatNames[int(e.cfg().format)]); })
       .def_prop_ro("threads", [](const Engine& e) { return e.cfg().threads; })

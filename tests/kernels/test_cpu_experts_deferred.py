@@ -48,3 +48,43 @@ def test_deferred_out_of_range_and_bad_out2_fail_with_a_message(make_weights):
         experts.forward_deferred(x, ids, w, K + 1)
     with pytest.raises(HybridMoEError, match="deferred must be between"):
         experts.forward_deferred(x, ids, w, -1)
+
+
+def test_a_slot_of_weight_zero_may_repeat_an_expert(make_weights):
+    """Padding (the hybrid split's compacted rows): a repeat in a slot of weight 0 adds nothing; a repeat of
+    weight is still refused."""
+    experts = CpuExperts(*make_weights(E, H, I), format="bf16", threads=1)
+    x, ids, w = routed(2, seed=3)
+    padded_ids, padded_w = ids.clone(), w.clone()
+    padded_ids[:, 3], padded_w[:, 3] = ids[:, 0], 0.0
+    want = experts.forward(x, ids[:, :3].contiguous(), w[:, :3].contiguous())
+    torch.testing.assert_close(experts.forward(x, padded_ids, padded_w), want, atol=0, rtol=0)
+    padded_w[0, 3] = 0.5
+    with pytest.raises(HybridMoEError, match="lists expert .* twice"):
+        experts.forward(x, padded_ids, padded_w)
+
+
+def test_two_part_slots_feed_submit_deferred_as_the_torch_reference_computes_them(make_weights):
+    """The synchronous hybrid path's one CPU call per layer with deferral: each side compacted (padding may repeat
+    an expert of the token's other side), both sides' sums as the torch reference gives them."""
+    from hybridmoe.experts.hybrid import TorchCpuLayer, two_part_slots
+
+    weights = make_weights(E, H, I)
+    experts = CpuExperts(*weights, format="bf16", threads=2)
+    ref = TorchCpuLayer(*(t.bfloat16().float() for t in weights))
+    g = torch.Generator().manual_seed(7)
+    T = 5
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    keep = torch.rand(T, K, generator=g) > 0.4  # the slots on the CPU (the others on the GPU)
+    keep[0] = False  # a token with no CPU slot at all
+    dense = two_part_slots(ids, w, keep, own=2)
+    experts.submit_deferred(x, *dense)
+    got = experts.wait()
+    ref.submit_deferred(x.float(), *dense)
+    want = ref.wait()
+    for side, want_side in zip(got, want):
+        assert side.shape == (T, H)
+        torch.testing.assert_close(side.float(), want_side, atol=2e-2, rtol=2e-2)
+    assert not got[0][0].any() and not got[1][0].any()  # the token with no CPU slot

@@ -238,7 +238,21 @@ class CpuExperts:
         # The engine reads these after submit returns: keep them alive until wait().
         self._pending = (ticket, out, x, topk_ids, topk_weights)
 
-    def wait(self) -> torch.Tensor:
+    def submit_deferred(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        deferred: int) -> None:
+        """submit() of forward_deferred(): wait() then returns its two outputs (a tuple)."""
+        if self._pending is not None:
+            raise HybridMoEError("submit_deferred() called while a submit() is pending; call wait() first")
+        out, out2 = torch.empty_like(x), torch.empty_like(x)
+        try:
+            x_, ids_, w_, out_ = _capsules(x, topk_ids, topk_weights, out)
+            ticket = self._engine.submit_deferred(x_, ids_, w_, int(deferred), out_, to_dlpack(out2))
+        except (ValueError, TypeError) as e:
+            raise HybridMoEError(str(e)) from None
+        self._pending = (ticket, (out, out2), x, topk_ids, topk_weights)
+
+    def wait(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """submit()'s output [T, H] (submit_deferred's two)."""
         if self._pending is None:
             raise HybridMoEError("wait() called without a submit()")
         ticket, out = self._pending[:2]

@@ -68,7 +68,14 @@ class TorchCpuLayer:
     def submit(self, x, ids, weights) -> None:
         self._out = weighted_experts(x, self.gate, self.up, self.down, ids, weights, None, self.act)
 
-    def wait(self) -> torch.Tensor:
+    def submit_deferred(self, x, ids, weights, deferred: int) -> None:
+        """As CpuExperts.submit_deferred: wait() returns (the first K - deferred slots' sum, the last deferred's)."""
+        keep = ids.shape[1] - deferred
+        self._out = tuple(weighted_experts(x, self.gate, self.up, self.down, i, w, None, self.act) if i.shape[1]
+                          else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+                          for i, w in ((ids[:, :keep], weights[:, :keep]), (ids[:, keep:], weights[:, keep:])))
+
+    def wait(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out, self._out = self._out, None
         return out
 
@@ -94,6 +101,19 @@ def compact_slots(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor
     free = torch.sort(member.to(torch.int32), dim=1, stable=True).indices  # the others first
     pad = active[free.gather(1, (torch.arange(width, device=ids.device) - counts.unsqueeze(1)).clamp(min=0))]
     return torch.where(valid, cids, pad), torch.where(valid, cw, torch.zeros_like(cw))
+
+
+def two_part_slots(ids: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor, own: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """compact_slots of the first `own` columns and of the others, side by side: (ids [T, a + b], weights, b) for
+    the engine's submit_deferred (b deferred slots per token), or None if no slot is kept. A padding slot (weight 0)
+    may repeat an expert of the token's other side, which the engine allows."""
+    sides = [compact_slots(ids[:, cols], weights[:, cols], keep[:, cols]) for cols in (slice(0, own), slice(own, None))]
+    kept = [side for side in sides if side is not None]
+    if not kept:
+        return None
+    return (torch.cat([i for i, _ in kept], 1).contiguous(), torch.cat([w for _, w in kept], 1).contiguous(),
+            sides[1][0].shape[1] if sides[1] is not None else 0)
 
 
 def _put(stacked: list[torch.Tensor], n: int, i: int, weights, device: torch.device) -> None:
@@ -125,14 +145,18 @@ class _Partial:
     fused: the fixed shapes' glue (split_slots, sum_parts) as one kernel each where it can.
     split: split_slots' outputs for ids, weights, already made (route_split), in fixed shapes only.
     part: (lo, hi), in fixed shapes: only the columns lo <= k < hi of ids, weights are this computation's.
+    deferred (the synchronous path, a CPU engine with submit_deferred, not streamed): the last `deferred` columns
+    are the layer's deferred experts, computed in the same CPU call (their weights read once) and handed over
+    by deferred_result().
     """
 
     def __init__(self, layer: int, st: _Layer, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  act, handoff=None, fused: bool = False, split: tuple | None = None, part: tuple | None = None,
-                 staged: tuple[bool, bool] = (False, False)):
+                 staged: tuple[bool, bool] = (False, False), deferred: int = 0):
         self.layer, self.device, self.dtype, self.shape = layer, hidden.device, hidden.dtype, hidden.shape
         self.fused = fused
         self.cpu, self.handoff, self.cpu_out, self.gpu_out = None, None, None, None
+        self.deferred_cpu_out = self.deferred_gpu_out = None  # deferred: the deferred experts' parts
         self._gpu_share = None  # fixed shapes: the GPU share's arguments until start_gpu
         self._signaled = False  # fixed shapes: the kernels signal the handoff's flags (HybridExperts.kernel_flags)
         self._done = None  # then: the done word the kernel that reads cpu_out waits for (finish)
@@ -144,13 +168,23 @@ class _Partial:
             self.cpu_out = st.streamer.run(layer, hidden, st.local[ids], weights, ~st.on_gpu[ids], act, st.gpu_weights)
         elif st.cpu is not None:
             ids_c, w_c = ids.cpu(), weights.float().cpu()
-            dense = compact_slots(st.local_cpu[ids_c], w_c, ~st.on_gpu_cpu[ids_c])
-            if dense is not None:
-                native_dtype = torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype
-                st.cpu.submit(hidden.to("cpu", native_dtype), *dense)
-                self.cpu = st.cpu
+            native_dtype = torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype
+            if deferred:
+                dense = two_part_slots(st.local_cpu[ids_c], w_c, ~st.on_gpu_cpu[ids_c], ids.shape[1] - deferred)
+                if dense is not None:
+                    st.cpu.submit_deferred(hidden.to("cpu", native_dtype), *dense)
+            else:
+                dense = compact_slots(st.local_cpu[ids_c], w_c, ~st.on_gpu_cpu[ids_c])
+                if dense is not None:
+                    st.cpu.submit(hidden.to("cpu", native_dtype), *dense)
+            self.cpu = st.cpu if dense is not None else None
         if st.gpu_weights is not None and not streamed:
-            self.gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, st.on_gpu[ids], act)
+            mask = st.on_gpu[ids]
+            if deferred:  # each side's GPU slots apart
+                own = torch.arange(ids.shape[1], device=ids.device) < ids.shape[1] - deferred
+                self.deferred_gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, mask & ~own, act)
+                mask = mask & own
+            self.gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, mask, act)
 
     def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int, split=None, part=None,
                      staged: tuple[bool, bool] = (False, False)) -> None:
@@ -175,6 +209,8 @@ class _Partial:
     def join_cpu(self) -> None:
         if self.cpu is not None:
             self.cpu_out, self.cpu = self.cpu.wait(), None
+            if isinstance(self.cpu_out, tuple):  # submit_deferred's (own, deferred)
+                self.cpu_out, self.deferred_cpu_out = self.cpu_out
         if self.handoff is not None:
             if self._signaled:  # the mapping at once; finish's kernel waits for the done word
                 self._done = self.handoff.flag_words(self.layer)[0]
@@ -212,6 +248,27 @@ class _Partial:
         """hidden + finish(), in one kernel where it can (add_parts; it waits for the done word, if signaled)."""
         parts = self._parts()
         return add_parts(hidden, parts, self.fused, done=self._done) if parts else hidden + torch.zeros_like(hidden)
+
+    def deferred_result(self) -> "_DeferredOfPass":
+        """The deferred experts' output (constructed with deferred), as a pending deferred computation."""
+        return _DeferredOfPass(self)
+
+
+class _DeferredOfPass:
+    """The deferred experts of a _Partial that computed them in its own CPU call (the synchronous path): their
+    output joins the residual as a separate _Partial's would (join_cpu, add_to)."""
+
+    def __init__(self, owner: _Partial):
+        self.owner = owner
+
+    def join_cpu(self) -> None:
+        self.owner.join_cpu()
+
+    def add_to(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.join_cpu()
+        parts = [p.to(hidden.device) for p in (self.owner.deferred_cpu_out, self.owner.deferred_gpu_out)
+                 if p is not None]
+        return add_parts(hidden, parts, self.owner.fused) if parts else hidden + torch.zeros_like(hidden)
 
 
 class HybridExperts(ExpertBackend):
@@ -468,9 +525,18 @@ class HybridExperts(ExpertBackend):
         # the CPU engines run one call at a time: the previous layer's deferred experts first
         self._deferred.drain_cpu()
         later = None
-        if self.deferred_experts:
-            topk_ids, topk_weights, *later = split_deferred(topk_ids, topk_weights, self.deferred_experts)
+        kd = self.deferred_experts
+        if kd:
+            topk_ids, topk_weights, *later = split_deferred(topk_ids, topk_weights, kd)
         st = self._layers[layer]
+        if later is not None and st.cpu is not None and hasattr(st.cpu, "submit_deferred") and not (
+                st.streamer is not None and st.streamer.takes(hidden)):
+            # both sides in one CPU call: in a prefill nearly every expert is on both sides, and two calls read its
+            # weights twice (session 8: prefill with deferral at half the speed)
+            both = _Partial(layer, st, hidden, torch.cat([topk_ids, later[0]], 1),
+                            torch.cat([topk_weights, later[1]], 1), self.act, fused=self.fused, deferred=kd)
+            self._inflight[layer] = (both, hidden, both.deferred_result())
+            return
         self._inflight[layer] = (_Partial(layer, st, hidden, topk_ids, topk_weights, self.act, fused=self.fused),
                                  hidden, later)
 
@@ -520,7 +586,9 @@ class HybridExperts(ExpertBackend):
     def wait(self, layer):
         partial, hidden, later = self._inflight.pop(layer)
         out = partial.finish(self._folded.pop(layer, None))
-        if later is not None:
+        if isinstance(later, _DeferredOfPass):
+            self._deferred.add(layer, later)
+        elif later is not None:
             self._deferred.add(layer, _Partial(layer, self._layers[layer], hidden, *later, self.act, fused=self.fused))
         return out
 
