@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
                         "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg] (zc/nozc: "
-                        "zero-copy on/off, else the engine's; nopin: the decode steps' thread left unpinned, HybridExperts.pin_decode_thread; "
+                        "zero-copy on/off, else the engine's; nopin: the decode steps' thread left unpinned, "
+                        "HybridExperts.pin_decode_thread; "
                         "kf/nokf: the router's kernel stages the CPU's rows and kernels play the handoff's flags, "
                         "HybridExperts.kernel_flags; res/nores: the MoE blocks hand the residual add to the "
                         "backend, SparseMoeBlock.adds_residual; pf/nopf: the next layer's attention weights prefetched "

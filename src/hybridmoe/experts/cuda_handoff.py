@@ -386,9 +386,9 @@ class CudaHandoff:
         """Run `other`'s part of `layer` (the same layer's deferred experts: HybridExperts.merged_deferral) in
         one CPU call with this handoff's part, started by this handoff's go word alone: a kernel stages both
         parts' rows (x in this handoff's staging only; staging(layer, T) of each for ids and weights), clears
-        both done words (flag_words of each) and writes this go word = merged_go | T. This done word is set as soon as its
-        output is complete, other's once the deferred output is, which the CPU computes after it (while the
-        GPU goes on). stream_mem_ops path and zero_copy, both handoffs."""
+        both done words (flag_words of each) and writes this go word = merged_go | T. This done word is set as
+        soon as its output is complete, other's once the deferred output is, which the CPU computes after it
+        (while the GPU goes on). stream_mem_ops path and zero_copy, both handoffs."""
         self._flags_path("link_deferred")
         other._flags_path("link_deferred")
         if not (self._zero_copy and other._zero_copy):
