@@ -281,6 +281,8 @@ def main():
     ap.add_argument("--isa", default=None, choices=["generic", "avx2", "avx512", "amx"])
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--experts", type=int, default=None, help="override E (to fit a small machine)")
+    ap.add_argument("--top-k", type=int, default=None, help="override the experts per token (e.g. the ~6 of 8 "
+                    "a hybrid split leaves on the CPU)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
     ap.add_argument("--flush", default="write", choices=["write", "read"],
@@ -301,6 +303,8 @@ def main():
     shape = dict(SHAPES[args.shape])
     if args.experts:
         shape["E"] = args.experts
+    if args.top_k:
+        shape["K"] = args.top_k
     E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
     threads = args.threads or default_threads()
     tokens = [int(t) for t in args.tokens.split(",")]

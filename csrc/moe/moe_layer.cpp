@@ -687,23 +687,38 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // rows, which the calling thread makes before it takes items or waits).
   std::vector<Item>& gemm_items = ws.gemm_items;
   std::vector<int>& offsets = ws.offsets;
-  // About 4 items per thread, of 1 to 8 blocks: each item restarts its weight streams (on the
-  // GPU host 8-block items beat 5-block ones at T = 1, r1), and the tail split below keeps the
-  // end of the run fine-grained. Sized per side with deferral: the deferred experts (often one or
-  // two) in items as small as their own count asks for, so that every worker reads their weights
-  // (in 8-block items one expert's gate/up would be 3 items for 15 workers, and its down items
-  // would wait for the slowest of them: session 9's call 1).
-  auto step_for = [&](int experts) {
-    const int64_t blocks = int64_t(gate.blocks + down.blocks) * experts;
-    return item_blocks_ > 0 ? item_blocks_ : int(std::clamp<int64_t>(blocks / (4 * pool_->threads()), 1, 8));
-  };
-  const int step_own = step_for(A_own), step_deferred = step_for(A - A_own);
   // Gate/up items per expert (the same for all of one side): each one counts down its expert's pending.
   auto gate_up_items = [&](int step) {
     int n = 0;
     for (int s = 0; s < S; ++s) n += (gate.slice_begin[s + 1] - gate.slice_begin[s] + step - 1) / step;
     return n;
   };
+  // Items of 1 to 8 blocks: each item restarts its weight streams (on the GPU host 8-block items
+  // beat 5-block ones at T = 1, r1), and the tail split below keeps the end of the run fine-grained.
+  // Balanced (the default): the size whose rounds of gate/up items over the workers end soonest,
+  // an item costing its blocks plus about one block for its restart. An expert's down items wait
+  // for all its gate/up items, so one round too many holds up the run: 6 one-token experts of
+  // Qwen3-30B-A3B (24 gate blocks) in 8-block items are 18 items for 15 workers, the last 3 run
+  // after the others and their experts' down items wait for them; in 5-block items 30 items are two
+  // full rounds. Otherwise about 4 items per thread over gate/up and down blocks. Sized per side
+  // with deferral: the deferred experts (often one or two) in items as small as their own count
+  // asks for, so that every worker reads their weights.
+  auto step_for = [&](int experts) {
+    if (item_blocks_ > 0) return item_blocks_;
+    const int threads = pool_->threads();
+    if (!balanced_items_) {
+      const int64_t blocks = int64_t(gate.blocks + down.blocks) * experts;
+      return int(std::clamp<int64_t>(blocks / (4 * threads), 1, 8));
+    }
+    int best = 8;
+    int64_t best_cost = INT64_MAX;
+    for (int step = 8; step >= 1; --step) {  // ties: the larger items
+      const int64_t rounds = (int64_t(experts) * gate_up_items(step) + threads - 1) / threads;
+      if (rounds * (step + 1) < best_cost) best = step, best_cost = rounds * (step + 1);
+    }
+    return best;
+  };
+  const int step_own = step_for(A_own), step_deferred = step_for(A - A_own);
   const int own_items = gate_up_items(step_own), deferred_items = gate_up_items(step_deferred);
   const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
   const Counters pending{grow(ws.pending, size_t(A) * stride), stride};

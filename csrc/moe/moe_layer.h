@@ -112,6 +112,10 @@ class MoeLayer {
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }
   bool tail_split() const { return tail_split_; }
+  // Whether GEMM items are sized so that the gate/up items' rounds over the workers end soonest
+  // (see forward), else about 4 items per thread over all blocks.
+  void set_balanced_items(bool on) { balanced_items_ = on; }
+  bool balanced_items() const { return balanced_items_; }
   // Whether calls of few tokens sum the experts' outputs inside the GEMM run (see forward).
   void set_combine_in_run(bool on) { combine_in_run_ = on; }
   bool combine_in_run() const { return combine_in_run_; }
@@ -147,6 +151,7 @@ class MoeLayer {
   bool padded_counters_ = true;
   bool tail_split_ = true;
   bool combine_in_run_ = true;
+  bool balanced_items_ = true;
 };
 
 }  // namespace hmoe

@@ -325,7 +325,7 @@ class CpuExperts:
                      tail_split: bool | None = None, combine_in_run: bool | None = None,
                      kernel_prefetch_l1: int | None = None, kernel_prefetch_l2: int | None = None,
                      paired: bool | None = None, early_start: bool | None = None,
-                     padded_counters: bool | None = None) -> None:
+                     padded_counters: bool | None = None, balanced_items: bool | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
         default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
@@ -338,12 +338,14 @@ class CpuExperts:
         starts the GEMM run first, and its thread converts x while the workers join and prefetch
         their first items' weights (gate/up items wait for x's rows; default on); padded_counters:
         the counters workers count down (per active expert, per down block) each on a cache line
-        of its own (default on; off: packed)."""
+        of its own (default on; off: packed); balanced_items: automatic item sizes chosen so that the
+        gate/up items' rounds over the workers end soonest (default on; off: about 4 items per thread)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("kernel_prefetch_l1", kernel_prefetch_l1),
                             ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
-                            ("early_start", early_start), ("padded_counters", padded_counters)):
+                            ("early_start", early_start), ("padded_counters", padded_counters),
+                            ("balanced_items", balanced_items)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
