@@ -60,9 +60,10 @@ def _split_slots_kernel(ids_ptr, w_ptr, on_gpu_ptr, local_ptr, gpu_ids_ptr, gpu_
 
 
 @triton.jit
-def _signal_go(done_ptr, go_ptr, T):
-    """Thread 0 of the program: done = 0, then, after a system-wide fence (every store of the program before it,
-    the staged rows included, visible to the host first), go = T. The caller puts a barrier in front."""
+def _signal_go(done_ptr, done2_ptr, go_ptr, value):
+    """Thread 0 of the program: done = done2 = 0 (done2 may be done itself), then, after a system-wide fence (every
+    store of the program before it, the staged rows included, visible to the host first), go = value. The caller
+    puts a barrier in front."""
     tl.inline_asm_elementwise(
         asm="""{
         .reg .pred first;
@@ -70,26 +71,13 @@ def _signal_go(done_ptr, go_ptr, T):
         mov.u32 tid, %tid.x;
         setp.eq.u32 first, tid, 0;
         @first st.volatile.global.u32 [$1], 0;
+        @first st.volatile.global.u32 [$2], 0;
         fence.sc.sys;
-        @first st.volatile.global.u32 [$2], $3;
+        @first st.volatile.global.u32 [$3], $4;
         mov.u32 $0, 0;
         }""",
-        constraints="=r,l,l,r", args=[done_ptr, go_ptr, T], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _clear(done_ptr):
-    """Thread 0 of the program: done = 0 (a mapped flag word; _signal_go's fence orders it before go)."""
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred first;
-        .reg .u32 tid;
-        mov.u32 tid, %tid.x;
-        setp.eq.u32 first, tid, 0;
-        @first st.volatile.global.u32 [$1], 0;
-        mov.u32 $0, 0;
-        }""",
-        constraints="=r,l", args=[done_ptr], dtype=tl.int32, is_pure=False, pack=1)
+        constraints="=r,l,l,l,r", args=[done_ptr, done2_ptr, go_ptr, value], dtype=tl.int32, is_pure=False,
+        pack=1)
 
 
 @triton.jit
@@ -140,8 +128,9 @@ def _route_split_kernel(logits_ptr, w_ptr, ids_ptr, on_gpu_ptr, local_ptr, gpu_i
     if SIGNAL:
         tl.debug_barrier()
         if SPLIT2:
-            _clear(done2_ptr)
-        _signal_go(done_ptr, go_ptr, GO)
+            _signal_go(done_ptr, done2_ptr, go_ptr, GO)
+        else:
+            _signal_go(done_ptr, done_ptr, go_ptr, GO)
 
 
 def _split_outputs(T: int, K: int, width: int, device: torch.device):
