@@ -120,6 +120,23 @@ def test_item_blocks_change_the_items_not_the_result(make_weights, make_routing,
         assert sizes[-4:].eq(1).all() and rec["items"][-4:, DOWN].eq(1).all()
 
 
+@pytest.mark.parametrize("T", [1, 3, 20])
+def test_balanced_items_change_the_items_not_the_result(make_weights, make_routing, T):
+    """Item sizes chosen by the rounds of gate/up items (balanced_items) or by 4 items per thread: the same result,
+    and every item within 1 to 8 blocks."""
+    experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2)
+    x, ids, weights = make_routing(T, H, K, range(E))
+    experts.set_schedule(balanced_items=False)
+    expected = experts.forward(x, ids, weights)
+    experts.set_schedule(balanced_items=True)
+    experts.trace(1)
+    assert torch.equal(experts.forward(x, ids, weights), expected)
+    rec = experts.take_trace()[0]
+    check_call(rec, ids, threads=2, slices=1)
+    sizes = rec["items"][:, B1] - rec["items"][:, B0]
+    assert sizes.ge(1).all() and sizes.le(8).all()
+
+
 @pytest.mark.parametrize("nbytes", [0, 64, 1 << 20])
 def test_item_prefetch_changes_nothing_but_timing(make_weights, make_routing, nbytes):
     experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2, numa_nodes=2)
