@@ -243,10 +243,12 @@ struct Item { int down, j, s, b0, b1; };
 // with the same number of active experts, blocks and item sizes (a decode step's layers, one
 // after the other) has the same list, built once. A = 0: nothing built yet.
 struct PlanKey {
-  int A = 0, A_own = 0, S = 0, gate_blocks = 0, down_blocks = 0, step_own = 0, step_deferred = 0, threads = 0;
+  int A = 0, A_own = 0, A_tiles = 0, A_tiles_own = 0, S = 0, gate_blocks = 0, down_blocks = 0, step_own = 0,
+      step_deferred = 0, threads = 0;
   bool tail_split = false;
   bool operator==(const PlanKey& o) const {
-    return A == o.A && A_own == o.A_own && S == o.S && gate_blocks == o.gate_blocks &&
+    return A == o.A && A_own == o.A_own && A_tiles == o.A_tiles && A_tiles_own == o.A_tiles_own && S == o.S &&
+           gate_blocks == o.gate_blocks &&
            down_blocks == o.down_blocks && step_own == o.step_own && step_deferred == o.step_deferred &&
            threads == o.threads && tail_split == o.tail_split;
   }
@@ -268,7 +270,8 @@ struct Workspace {
       tok_used;
   std::vector<uint64_t> keys;  // (expert << 32 | i) of a decode call's (token, slot) pairs
   std::vector<int> run_start, run_of, run_own;
-  std::vector<uint8_t> own;  // per expert: in an own slot of some token (MoeCall::deferred)
+  std::vector<uint8_t> own;       // per expert: in an own slot of some token (MoeCall::deferred)
+  std::vector<uint8_t> slot_own;  // the same per active slot j
   std::vector<Item> gemm_items, tail_items;
   PlanKey plan;  // what gemm_items and offsets were built for (see forward)
   AtomicInts pending;   // per active expert
@@ -478,11 +481,13 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // Group (token, slot) pairs by expert: order[j] the expert of active slot j, most tokens first
   // (longest work first), ties by expert id; rows of slot j [row_begin[j], row_begin[j+1]) in
   // token order; tok[row] its token, pos[t * K + k] the row of (t, k). With deferral the A_own
-  // experts that some token has in an own slot come first, each side in that order.
+  // experts that some token has in an own slot come first, each side in that order; but the experts of
+  // AMX tiles first of all (their activation rows are whole tiles from the start, see ActRows).
   std::vector<int>& order = ws.order;
   order.clear();
   int* row_begin;
   int A_own = 0;
+  auto tiles = [&](int n) { return many_ != base_ && n >= kAmxMinTokens; };
   int* tok = grow(ws.tok, R);
   int* pos = grow(ws.pos, R);
   if (R <= kFewRows) {
@@ -507,7 +512,10 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       for (int r = run_start[q]; r < run_start[q + 1]; ++r) run_own[q] |= int(uint32_t(key[r]) % K) < K_own;
       A_own += run_own[q];
     }
-    auto rank = [&](int q) { return run_start[q + 1] - run_start[q] + run_own[q] * (R + 1); };
+    auto rank = [&](int q) {
+      const int n = run_start[q + 1] - run_start[q];
+      return n + run_own[q] * (R + 1) + tiles(n) * 2 * (R + 1);
+    };
     int* run_of = grow(ws.run_of, runs);
     for (int q = 0; q < runs; ++q) {
       const int r = rank(q);
@@ -517,8 +525,10 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     }
     row_begin = grow(ws.row_begin, runs + 1);
     row_begin[0] = 0;
+    uint8_t* slot_own = grow(ws.slot_own, runs);
     for (int j = 0; j < runs; ++j) {
       const int q = run_of[j];
+      slot_own[j] = uint8_t(run_own[q]);
       order.push_back(int(key[run_start[q]] >> 32));
       for (int r = run_start[q]; r < run_start[q + 1]; ++r) {
         const int i = int(uint32_t(key[r])), row = row_begin[j] + (r - run_start[q]);
@@ -539,14 +549,17 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       if (counts[e]) order.push_back(e), A_own += own[e];
     // Ties by id make it the stable order without std::stable_sort's buffer (a malloc per call).
     std::sort(order.begin(), order.end(), [&](int a, int b) {
+      if (tiles(counts[a]) != tiles(counts[b])) return tiles(counts[a]);
       return own[a] != own[b] ? own[a] > own[b] : counts[a] != counts[b] ? counts[a] > counts[b] : a < b;
     });
     const int A = int(order.size());
     row_begin = grow(ws.row_begin, A + 1);
     int* slot_of = grow(ws.slot_of, E);  // read only for active experts, all set below
+    uint8_t* slot_own = grow(ws.slot_own, A);
     row_begin[0] = 0;
     for (int j = 0; j < A; ++j) {
       slot_of[order[j]] = j;
+      slot_own[j] = own[order[j]];
       row_begin[j + 1] = row_begin[j] + counts[order[j]];
     }
     int* fill = std::copy(row_begin, row_begin + A, grow(ws.fill, A)) - A;
@@ -559,6 +572,9 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   const int A = int(order.size());
   if (tr) tr->grouped_ns = trace_now_ns();
   auto n_of = [&](int j) { return row_begin[j + 1] - row_begin[j]; };
+  const uint8_t* slot_own = ws.slot_own.data();  // an own expert (all are, without deferral)
+  int A_tiles = 0, A_tiles_own = 0;  // the first slots (AMX experts), the own ones among them
+  for (int j = 0; j < A && tiles(n_of(j)); ++j) ++A_tiles, A_tiles_own += slot_own[j];
   auto kernels_of = [&](int j) -> const Kernels& { return n_of(j) >= kAmxMinTokens ? *many_ : *base_; };
   // Activation rows expert j's kernels read: AMX tiles read whole 16-row panels (padding rows
   // zeros), the other kernels n rows only; a decode step's experts (1 token each) would
@@ -722,19 +738,22 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   const int own_items = gate_up_items(step_own), deferred_items = gate_up_items(step_deferred);
   const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
   const Counters pending{grow(ws.pending, size_t(A) * stride), stride};
-  for (int j = 0; j < A; ++j) pending[j].store(j < A_own ? own_items : deferred_items, std::memory_order_relaxed);
-  const PlanKey plan{A, A_own, S, gate.blocks, down.blocks, step_own, step_deferred, pool_->threads(), tail_split_};
+  for (int j = 0; j < A; ++j) pending[j].store(slot_own[j] ? own_items : deferred_items, std::memory_order_relaxed);
+  // (with A_own and the AMX experts' counts, the own slots are known: own AMX experts, deferred ones, own others)
+  const PlanKey plan{A, A_own, A_tiles, A_tiles_own, S, gate.blocks, down.blocks, step_own, step_deferred,
+                     pool_->threads(), tail_split_};
   if (!(plan == ws.plan)) {
     gemm_items.clear();
     offsets.assign(1, 0);
     for (int s = 0; s < S; ++s) {
-      for (const auto& [j0, j1, step] : {std::tuple{0, A_own, step_own}, std::tuple{A_own, A, step_deferred}})
+      for (const auto& [side, step] : {std::pair{1, step_own}, std::pair{0, step_deferred}})
         for (int m = 0; m < 2; ++m) {
           const Matrix& mat = m ? down : gate;
           const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
           const size_t seg = gemm_items.size();
-          for (int j = j0; j < j1; ++j)
-            for (int b = 0; b < nb; b += step) gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
+          for (int j = 0; j < A; ++j)
+            if (slot_own[j] == side)
+              for (int b = 0; b < nb; b += step) gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
           if (m && tail_split_) {
             // The last down items, about two blocks per thread of the group, become 1-block items:
             // workers run out of work (or reach the deferred experts) within a small item of each other.
@@ -872,7 +891,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
           for (int t = 0; t < T; ++t) combine(t, c0, c1);
         continue;
       }
-      if (it.j < A_own && col_own[gb].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      if (slot_own[it.j] && col_own[gb].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         for (int t = 0; t < T; ++t) combine(t, c0, c1);
         if (own_blocks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) out_ready();
       }

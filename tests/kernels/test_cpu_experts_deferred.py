@@ -22,7 +22,8 @@ def routed(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-@pytest.mark.parametrize("T", [1, 3, 17, 40])  # 17, 40: above the sums in the run (16 tokens); 40 also AMX rows
+# 17, 40: above the sums in the run (16 tokens); 128: 32 tokens per expert, AMX tiles for deferred experts too
+@pytest.mark.parametrize("T", [1, 3, 17, 40, 128])
 @pytest.mark.parametrize("deferred", [0, 1, 2, K])
 def test_both_outputs_equal_forward_on_their_columns(make_weights, isa, fmt, T, deferred):
     experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2, isa=isa)
