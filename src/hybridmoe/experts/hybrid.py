@@ -22,15 +22,17 @@ parts (and adds the residual, when the MoE block hands it over) waits for the do
 layers' CPU work the GPU runs kernels only; while the CPU works, it prefetches the next layer's attention
 weights into L2 (prefetch_next). Longer steps (prefill) and the CPU device
 take the path above. Deferred experts use a second handoff of their own width. In fixed shapes a
-layer's own CPU part and its deferred one are both sent to the CPU when the layer starts (the
-router's kernel splits the own part, one more kernel the deferred part while the CPU starts on the
-own), one behind the other in stream order, and nothing waits for the
-deferred part until it joins the residual with the next layer's output (its own and GPU parts, and
-the deferred parts, summed once: the deferred output comes back while the GPU waits for the next
-layer's CPU part): the CPU runs layer L's deferred experts while the GPU runs layer L+1's attention,
-then L+1's own experts, with no wait between.
-On the CPU device (and in prefill) the engines run one call at a time, so a layer's deferred
-experts finish before the next layer's own start (same result, no overlap).
+layer's own CPU part and its deferred one are both sent to the CPU when the layer starts, and nothing
+waits for the deferred part until it joins the residual with the next layer's output (its own and GPU
+parts, and the deferred parts, summed once: the deferred output comes back while the GPU waits for
+the next layer's CPU part): the CPU runs layer L's deferred experts while the GPU runs layer L+1's
+attention, then L+1's own experts, with no wait between. By default (merged_deferral) the router's
+kernel stages both parts and the CPU runs them as one call, which marks the own output done before it
+computes the deferred experts (CudaHandoff.link_deferred); else the router's kernel splits the own
+part, one more kernel the deferred part, and they are two calls one behind the other in stream order.
+On the CPU device (and in prefill) a layer's own and deferred experts are one CPU call with two outputs
+(submit_deferred: each expert's weights read once), the deferred output joining one layer later (same
+result, no overlap).
 
 T tokens, K experts per token, H hidden, E experts, I expert intermediate size.
 `_Partial` is the one place a layer's CPU work is started and joined.
