@@ -25,4 +25,6 @@ def prompt_logits(model, ids: list[int] = PROMPT) -> torch.Tensor:
 
 
 def load(path, **options):
-    return load_model(path, EngineConfig(**options))
+    """The model on the CPU unless options say otherwise: these tests hold it to CPU references (on a GPU host
+    "auto" would load it on the GPU)."""
+    return load_model(path, EngineConfig(**{"device": "cpu", **options}))

@@ -76,6 +76,38 @@ def test_a_layer_above_the_slot_size_streams_in_parts_with_the_same_sum(fmt, mon
     assert parts.slot_layer.count((1, 2)) == 1 and (2, 0) in parts.slot_layer  # the last part, then the next unit
 
 
+@pytest.mark.parametrize("slot_parts", [1, 3])
+def test_deferred_columns_come_apart_from_one_stream_of_the_layer(monkeypatch, slot_parts):
+    """run(deferred=d): the sums over each token's first K - d columns and its last d, as two runs over each
+    column set give them, every unit of the layer copied once (a layer whole, and in 3 parts)."""
+    engine = _layer("int4")
+    x = torch.randn(40, 64)
+    ids, w, mask = _routing(40, 3, 6)
+    G = 2
+    resident = tuple(torch.randn(G, *shape) * 0.05 for shape in ((96, 64), (96, 64), (64, 96)))
+    rids = torch.where(mask, ids, ids % G)
+    plain = PrefillStreamer({0: engine}, "cpu", min_tokens=1)
+    later = torch.tensor([False, False, True])
+    # each side alone: the other columns as resident slots of weight 0 (expert 0)
+    want = [plain.run(0, x, torch.where(cols, rids, 0), w * cols, mask & cols, F.silu, resident)
+            for cols in (~later, later)]
+    if slot_parts > 1:
+        monkeypatch.setattr(streamed_prefill, "SLOT_BYTES", plain.layers[0].nbytes // slot_parts)
+    streamer = PrefillStreamer({0: engine}, "cpu", min_tokens=1)
+    copied = []  # the units whose copy a _stage call started (not already in a slot)
+
+    def stage(key, stage=streamer._stage):
+        copied.extend([key] if key not in streamer.slot_layer else [])
+        return stage(key)
+    monkeypatch.setattr(streamer, "_stage", stage)
+    got = streamer.run(0, x, rids, w, mask, F.silu, resident, deferred=1)
+    # each unit once for both sides, and the first again as the next step's (a one-unit layer is still in its slot)
+    keys = streamer.keys[0]
+    assert copied == keys + keys[:1] if len(keys) > 1 else copied == keys
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, atol=1e-4, rtol=1e-4)
+
+
 def test_a_bf16_step_computes_in_bf16_against_the_native_engine():
     engine = _layer("bf16")
     x = torch.randn(33, 64).to(torch.bfloat16)
@@ -157,5 +189,5 @@ def test_deferred_experts_stream_too(tiny_checkpoints, streamed_layers):
     want = prompt_logits(load(path, prefill_streaming="off", **common).model)
     loaded = load(path, prefill_streaming="on", prefill_streaming_tokens=len(PROMPT), **common)
     got = prompt_logits(loaded.model)
-    assert streamed_layers == [0, 0, 1, 1]  # each layer's own experts, then its deferred one
+    assert streamed_layers == [0, 1]  # each layer once, for its own experts and its deferred one
     assert ((got - want).norm() / want.norm()).item() < 2e-2

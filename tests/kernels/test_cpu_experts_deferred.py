@@ -25,7 +25,7 @@ def routed(T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # 17, 40: above the sums in the run (16 tokens); 128: 32 tokens per expert, AMX tiles for deferred experts too
 @pytest.mark.parametrize("T", [1, 3, 17, 40, 128])
 @pytest.mark.parametrize("deferred", [0, 1, 2, K])
-def test_both_outputs_equal_forward_on_their_columns(make_weights, isa, fmt, T, deferred):
+def test_both_outputs_equal_forward_on_their_columns(make_weights, kernel_bound, rel_err, isa, fmt, T, deferred):
     experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2, isa=isa)
     x, ids, w = routed(T, seed=T + 10 * deferred)
     out, out2 = experts.forward_deferred(x, ids, w, deferred)
@@ -36,10 +36,14 @@ def test_both_outputs_equal_forward_on_their_columns(make_weights, isa, fmt, T, 
     want2 = experts.forward(x, *later) if deferred else torch.zeros_like(x)
     # an expert shared by one token's own slots and another's deferred ones has more rows in one pass than in
     # either call, which may take it to another kernel (several-token kernels, AMX from 16 rows; on the GPU host
-    # avx512 and amx at T=3 differed in the last bf16 bits): bit for bit only at one token
-    tol = dict(atol=0, rtol=0) if T == 1 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out, want, **tol)
-    torch.testing.assert_close(out2, want2, **tol)
+    # avx512 and amx at T=3 differed in the last bf16 bits, amx int8 at T=128 by AMX-INT8's activation rounding
+    # where one call had an expert below 16 rows): bit for bit only at one token, else within twice the kernel's
+    # own bound of each other
+    for got, ref in ((out, want), (out2, want2)):
+        if T == 1 or not ref.any():
+            torch.testing.assert_close(got, ref, atol=0, rtol=0)
+        else:
+            assert rel_err(got, ref.float()) <= 2 * kernel_bound(fmt, isa)
 
 
 def test_deferred_out_of_range_and_bad_out2_fail_with_a_message(make_weights):

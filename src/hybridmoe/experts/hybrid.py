@@ -147,9 +147,9 @@ class _Partial:
     fused: the fixed shapes' glue (split_slots, sum_parts) as one kernel each where it can.
     split: split_slots' outputs for ids, weights, already made (route_split), in fixed shapes only.
     part: (lo, hi), in fixed shapes: only the columns lo <= k < hi of ids, weights are this computation's.
-    deferred (the synchronous path, a CPU engine with submit_deferred, not streamed): the last `deferred` columns
-    are the layer's deferred experts, computed in the same CPU call (their weights read once) and handed over
-    by deferred_result().
+    deferred (the synchronous path: streamed, or a CPU engine with submit_deferred): the last `deferred` columns
+    are the layer's deferred experts, computed in the same CPU call or stream of the layer (their weights read
+    once) and handed over by deferred_result().
     """
 
     def __init__(self, layer: int, st: _Layer, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -167,7 +167,8 @@ class _Partial:
             return
         streamed = st.cpu is not None and st.streamer is not None and st.streamer.takes(hidden)
         if streamed:  # the streamer runs the GPU experts' slots too, in the same grouped kernels
-            self.cpu_out = st.streamer.run(layer, hidden, st.local[ids], weights, ~st.on_gpu[ids], act, st.gpu_weights)
+            out = st.streamer.run(layer, hidden, st.local[ids], weights, ~st.on_gpu[ids], act, st.gpu_weights, deferred)
+            self.cpu_out, self.deferred_cpu_out = out if deferred else (out, None)
         elif st.cpu is not None:
             ids_c, w_c = ids.cpu(), weights.float().cpu()
             native_dtype = torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype
@@ -531,10 +532,10 @@ class HybridExperts(ExpertBackend):
         if kd:
             topk_ids, topk_weights, *later = split_deferred(topk_ids, topk_weights, kd)
         st = self._layers[layer]
-        if later is not None and st.cpu is not None and hasattr(st.cpu, "submit_deferred") and not (
-                st.streamer is not None and st.streamer.takes(hidden)):
-            # both sides in one CPU call: in a prefill nearly every expert is on both sides, and two calls read its
-            # weights twice (session 8: prefill with deferral at half the speed)
+        streamed = st.streamer is not None and st.streamer.takes(hidden)
+        if later is not None and st.cpu is not None and (streamed or hasattr(st.cpu, "submit_deferred")):
+            # both sides in one CPU call (or one stream of the layer): in a prefill nearly every expert is on both
+            # sides, and two calls read its weights twice (session 8: prefill with deferral at half the speed)
             both = _Partial(layer, st, hidden, torch.cat([topk_ids, later[0]], 1),
                             torch.cat([topk_weights, later[1]], 1), self.act, fused=self.fused, deferred=kd)
             self._inflight[layer] = (both, hidden, both.deferred_result())

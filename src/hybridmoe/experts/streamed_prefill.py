@@ -373,15 +373,26 @@ class PrefillStreamer:
         return hidden.shape[0] >= self.min_tokens and hidden.device.type == self.device.type
 
     def run(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            mask: torch.Tensor, act, resident: tuple | None = None) -> torch.Tensor:
+            mask: torch.Tensor, act, resident: tuple | None = None, deferred: int = 0):
         """sum over slots with mask of weights * expert_ids(hidden): float32 [T, H] on the device; with
         resident (the layer's GPU experts: gate, up [G, I, H], down [G, H, I]), the other slots' too.
 
         hidden [T, H]; ids [T, K] local to the layer's CPU engine where mask [T, K] is set, to resident's
         experts elsewhere; weights [T, K]. A layer in parts: each part's slots (ids e0.. of the part,
-        renumbered from 0), the resident experts' with the last.
+        renumbered from 0), the resident experts' with the last. deferred > 0: the sums over the first
+        K - deferred columns and over the last `deferred` apart, a pair, from one stream of the weights.
         """
-        keys, out = self.keys[layer], None
+        if deferred:
+            later = torch.arange(ids.shape[1], device=ids.device) >= ids.shape[1] - deferred  # [K]
+            return tuple(self._run(layer, hidden, ids, weights, mask, act, resident, [~later, later]))
+        return self._run(layer, hidden, ids, weights, mask, act, resident, [None])[0]
+
+    def _run(self, layer, hidden, ids, weights, mask, act, resident, columns: list) -> list[torch.Tensor]:
+        """run()'s sum for each entry of columns ([K] bool: the slots of those columns; None: all), every unit of
+        the layer staged once for all of them."""
+        sides = [(weights, mask, ~mask) if cols is None else (weights * cols, mask & cols, ~mask & cols)
+                 for cols in columns]
+        keys, outs = self.keys[layer], [None] * len(sides)
         for p, key in enumerate(keys):
             slot = self._stage(key)
             self.current = key
@@ -390,16 +401,17 @@ class PrefillStreamer:
             if self.prefetch_next:  # after the last unit the first, whose copy then overlaps the next step's start
                 self._stage(self.order[(self.order.index(key) + 1) % len(self.order)])
             part, last = self.units[key], p == len(keys) - 1
-            part_ids, part_mask = ids, mask
-            if len(keys) > 1:
-                part_mask = mask & (ids >= part.e0) & (ids < part.e0 + part.layout.E)
-                part_ids = torch.where(part_mask, ids - part.e0, ids)  # the resident slots keep theirs
-            y = routed_experts(part.layout, self._slot_views(slot, part), hidden, part_ids, weights, part_mask, act,
-                               resident if last else None, ~mask if last else None)
+            for i, (side_weights, side_mask, side_resident) in enumerate(sides):
+                part_ids, part_mask = ids, side_mask
+                if len(keys) > 1:
+                    part_mask = side_mask & (ids >= part.e0) & (ids < part.e0 + part.layout.E)
+                    part_ids = torch.where(part_mask, ids - part.e0, ids)  # the resident slots keep theirs
+                y = routed_experts(part.layout, self._slot_views(slot, part), hidden, part_ids, side_weights, part_mask,
+                                   act, resident if last else None, side_resident if last else None)
+                outs[i] = y if outs[i] is None else outs[i] + y
             if self.freed[slot] is not None:
                 self.freed[slot].record(torch.cuda.current_stream(self.device))
-            out = y if out is None else out + y
-        return out
+        return outs
 
     def _stream(self):
         """The compute stream on CUDA; None on the CPU device (for _mark: the host clock)."""
