@@ -48,7 +48,12 @@ the GPU host (device round r2 of session 5, benchmarks/deferral_decode.py, Qwen3
 thread pinned, zero-copy) 1 deferred expert made int4 decode 1.27x faster (1.06 vs 1.35 ms/token: its CPU
 call, ~36 µs, fits in the GPU's ~50 µs between layers) and bf16 decode 0.92x (a bf16 expert's call, ~80 µs,
 outlasts that gap, and the next layer's own experts wait behind it). Before the decode thread was pinned
-(session 4) it measured no faster in int4 either.
+(session 4) it measured no faster in int4 either. With 28 GPU experts per layer (the 16 GiB budget's, as
+the suites run) it gains less: session 9's call 5 (`--suite qwen3 --layers 12,24 --formats int4 --ablation
+deferral --deferral-rows 1,2 --repeats 2`) measured 443.5 and 452.1 tok/s with K=1 and 2 against 442.4 at
+12 layers (216.2 and 212.3 against 185.7, whose two samples were 165 and 212, at 24): the deferred part,
+after the own part's done, outlasts the GPU's 38 µs between layers (the CPU then reads the deferred experts
+as fast as the own ones, and the next layer's own part waits for it).
 
 --repeats N measures the rows of each engine load N times, interleaved (all on, no CUDA graph, deferral,
 trim..., all on, no CUDA graph, ...): on the GPU host two identical rows differed by up to 20%, so a row

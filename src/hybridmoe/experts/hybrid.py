@@ -313,10 +313,11 @@ class HybridExperts(ExpertBackend):
         """Fixed shapes with deferred experts, kernel_flags, the stream_mem_ops path: a layer's own CPU part and
         its deferred one run as one CPU call (CudaHandoff.link_deferred, MoeCall::deferred): the router's kernel
         stages both parts and writes one go; the CPU computes the own experts first and marks their output done at
-        once, then the deferred experts, while the GPU goes on with the next layer. Two calls instead pay a call's
-        fixed cost twice (a one-expert deferred call took ~40 us in session 8's call 4, Qwen3-30B-A3B 12 layers
-        int4 K=1: the GPU's 38 us gap between layers grew to 61 with it). Read by use_fixed_shapes (the handoffs
-        are linked there) and when a step is enqueued."""
+        once, then the deferred experts, while the GPU goes on with the next layer; off: two calls, one behind the
+        other, each with its own fixed cost. On the GPU host (session 9, deferral_decode.py, Qwen3-30B-A3B 12
+        layers int4, 28 GPU experts per layer, K=1) one call vs two: 445.5 vs 433.9 tok/s (2 rounds), 296.9 vs
+        345.7 (3 rounds on a disturbed host, samples 2.7-4.1 ms): no clear difference either way. Read by
+        use_fixed_shapes (the handoffs are linked there) and when a step is enqueued."""
         self._merged: set[int] = set()  # layers whose handoffs use_fixed_shapes linked (merged_deferral)
         self.prefetch_next = True
         """Fixed shapes on CUDA: while a layer's CPU part runs, the GPU prefetches into L2 the weights given by
