@@ -711,16 +711,21 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   };
   // Items of 1 to 8 blocks: each item restarts its weight streams (on the GPU host 8-block items
   // beat 5-block ones at T = 1, r1), and the tail split below keeps the end of the run fine-grained.
-  // Balanced (the default): the size whose rounds of gate/up items over the workers end soonest,
-  // an item costing its blocks plus about one block for its restart. An expert's down items wait
-  // for all its gate/up items, so one round too many holds up the run: 6 one-token experts of
-  // Qwen3-30B-A3B (24 gate blocks) in 8-block items are 18 items for 15 workers, the last 3 run
-  // after the others and their experts' down items wait for them; in 5-block items 30 items are two
-  // full rounds. On the GPU host (session 9 call 3, moe_layer.py --top-k 6 --gap-us 100, 16
-  // threads, variants taking turns) one-token calls of 6 experts: int4 0.137 vs 0.149 ms, bf16 0.492
-  // vs 0.553; of 8 experts and at 4 tokens the same within noise. Otherwise about 4 items per thread
-  // over gate/up and down blocks. Sized per side with deferral: the deferred experts (often one or
-  // two) in items as small as their own count asks for, so that every worker reads their weights.
+  // Balanced (the default): the size with which the run should end soonest, in units of one gate/up
+  // block's time (a down block's is r = I / 2H of it, an item's restart ~0.2): the later of the
+  // critical path (the gate/up items' rounds over the workers, each round an item long, then the last
+  // expert's down items spread over the workers) and all the work spread over the workers. An
+  // expert's down items wait for all its gate/up items, so one round too many holds up the run: 6
+  // one-token experts of Qwen3-30B-A3B (24 gate blocks) in 8-block items are 18 items for 15
+  // workers, the last 3 run after the others and their experts' down items wait for them; in 6- or
+  // 7-block items the second round is full and short. On the GPU host (session 9 call 3,
+  // moe_layer.py --top-k 6 --gap-us 100, 16 threads, variants taking turns) a rule of rounds x
+  // (item + 1 block) alone took 5-block items there: one-token calls of 6 experts int4 0.137 vs
+  // 0.149 ms, bf16 0.492 vs 0.553; but 6-block items for 8 experts, where 8 are as fast or faster
+  // (bf16 0.684 vs 0.654, int4 0.199 vs 0.196): with the work term this rule keeps 8 there (not
+  // measured since). Otherwise about 4 items per thread over gate/up and down blocks. Sized per side
+  // with deferral: the deferred experts (often one or two) in items as small as their own count
+  // asks for, so that every worker reads their weights.
   auto step_for = [&](int experts) {
     if (item_blocks_ > 0) return item_blocks_;
     const int threads = pool_->threads();
@@ -728,11 +733,19 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       const int64_t blocks = int64_t(gate.blocks + down.blocks) * experts;
       return int(std::clamp<int64_t>(blocks / (4 * threads), 1, 8));
     }
+    constexpr double kRestart = 0.2;
+    const double r = double(down.K) / (2.0 * gate.K);  // a down block's bytes over a gate/up block's
+    const double work = experts * (gate.blocks + down.blocks * r);
     int best = 8;
-    int64_t best_cost = INT64_MAX;
+    double best_time = 1e300;
     for (int step = 8; step >= 1; --step) {  // ties: the larger items
-      const int64_t rounds = (int64_t(experts) * gate_up_items(step) + threads - 1) / threads;
-      if (rounds * (step + 1) < best_cost) best = step, best_cost = rounds * (step + 1);
+      int down_items = 0;
+      for (int s = 0; s < S; ++s) down_items += (down.slice_begin[s + 1] - down.slice_begin[s] + step - 1) / step;
+      const int64_t gate_up = int64_t(experts) * gate_up_items(step), items = gate_up + int64_t(experts) * down_items;
+      const int64_t rounds = (gate_up + threads - 1) / threads;
+      const double critical = rounds * (step + kRestart) + down.blocks * r / threads;
+      const double time = std::max(critical, (work + items * kRestart) / threads);
+      if (time < best_time - 1e-9) best = step, best_time = time;
     }
     return best;
   };
