@@ -19,7 +19,10 @@ per layer x layers and given at the preset's full depth.
 
 On CUDA (stream_mem_ops handoff) each row also says what the handoffs' polling thread saw per step: for
 the layers' own part and the deferred part apart, the CPU work per layer and the gap from one layer's
-done to the next layer's go.
+done to the next layer's go. With both parts in one call (HybridExperts.merged_deferral, the default) the
+own part's work runs from its go to its output's done, the deferred part's from there to the call's end,
+and the own gap from that done to the next go (the deferred part's work included: the polling thread
+sees the next go only once the call has ended); "late" then counts the deferred part too.
 """
 
 from __future__ import annotations
