@@ -254,11 +254,12 @@ class Handoff : public hmoe::FlagChannel {
       hmoe::store_flag(&flags_[go_word(layer)], 0);
       const int64_t seen = hmoe::trace_now_ns();
       const uint32_t T = go & ~kMergedGo;
-      const Link link = go & kMergedGo && layer < int(links_.size()) ? links_[layer] : Link{};
+      const bool merged = (go & kMergedGo) != 0;
+      const Link link = merged && layer < int(links_.size()) ? links_[layer] : Link{};
       int64_t ready = 0;  // merged: when the own output was complete (the engine sets done then)
       if (T == 0 || T > uint32_t(max_tokens_)) {
         record("layer " + std::to_string(layer) + ": the stream asked for " + std::to_string(T) + " tokens");
-      } else if (go & kMergedGo && !link.partner) {
+      } else if (merged && !link.partner) {
         record("layer " + std::to_string(layer) + ": a merged go, but no deferred part is linked (link_deferred)");
         Job* j = served_[size_t(layer) * max_tokens_ + T - 1];
         std::memset(j->call.out, 0, j->l->out_row_bytes * T);

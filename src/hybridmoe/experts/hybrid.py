@@ -182,12 +182,12 @@ class _Partial:
                     st.cpu.submit(hidden.to("cpu", native_dtype), *dense)
             self.cpu = st.cpu if dense is not None else None
         if st.gpu_weights is not None and not streamed:
-            mask = st.on_gpu[ids]
+            local, mask = st.local[ids], st.on_gpu[ids]
             if deferred:  # each side's GPU slots apart
                 own = torch.arange(ids.shape[1], device=ids.device) < ids.shape[1] - deferred
-                self.deferred_gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, mask & ~own, act)
+                self.deferred_gpu_out = gpu_share(hidden, *st.gpu_weights, local, weights, mask & ~own, act)
                 mask = mask & own
-            self.gpu_out = gpu_share(hidden, *st.gpu_weights, st.local[ids], weights, mask, act)
+            self.gpu_out = gpu_share(hidden, *st.gpu_weights, local, weights, mask, act)
 
     def _start_fixed(self, st: _Layer, hidden, ids, weights, act, handoff, width: int, split=None, part=None,
                      staged: tuple[bool, bool] = (False, False)) -> None:
