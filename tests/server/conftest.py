@@ -76,7 +76,7 @@ def _serve(model_dir, log_path, *args, api_key=None):
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridmoe.cli", "serve", "--model", str(model_dir), "--port", str(port),
-         "--dtype", "float32", "--served-model-name", "tiny", "--log-level", "warning", *args,
+         "--dtype", "float32", "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning", *args,
          *(["--api-key", api_key] if api_key else [])],
         stdout=log, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", proc, log_path, api_key)
