@@ -25,6 +25,4 @@ def prompt_logits(model, ids: list[int] = PROMPT) -> torch.Tensor:
 
 
 def load(path, **options):
-    """The model on the CPU unless options say otherwise: these tests hold it to CPU references (on a GPU host
-    "auto" would load it on the GPU)."""
-    return load_model(path, EngineConfig(**{"device": "cpu", **options}))
+    return load_model(path, EngineConfig(**options))

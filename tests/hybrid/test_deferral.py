@@ -129,7 +129,7 @@ def test_cached_decode_with_deferral_equals_recomputing_the_whole_sequence(tiny_
     from hybridmoe.sampling_params import SamplingParams
 
     path = tiny_checkpoints("deepseek_v3")
-    llm = LLM(path, device="cpu", expert_backend="torch", deferred_experts=2)
+    llm = LLM(path, expert_backend="torch", deferred_experts=2)
     tokens = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids
     model = load(path, expert_backend="torch", deferred_experts=2).model
     full = prompt_logits(model, PROMPT + tokens[:-1])
