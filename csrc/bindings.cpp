@@ -367,7 +367,7 @@ NB_MODULE(_native, m) {
                    "Whether the last down items of a call are cut into 1-block items.")
       .def_prop_rw("balanced_items", [](const Engine& e) { return e.layer().balanced_items(); },
                    [](Engine& e, bool on) { e.layer().set_balanced_items(on); },
-                   "Whether GEMM items are sized so that the gate/up items' rounds over the workers end soonest.")
+                   "Whether GEMM items are sized so that the run should end soonest (see moe_layer.cpp).")
       .def_prop_rw("combine_in_run", [](const Engine& e) { return e.layer().combine_in_run(); },
                    [](Engine& e, bool on) { e.layer().set_combine_in_run(on); },
                    "Whether calls of few tokens sum the experts' outputs inside the GEMM run.")

@@ -259,15 +259,13 @@ class Handoff : public hmoe::FlagChannel {
       int64_t ready = 0;  // merged: when the own output was complete (the engine sets done then)
       if (T == 0 || T > uint32_t(max_tokens_)) {
         record("layer " + std::to_string(layer) + ": the stream asked for " + std::to_string(T) + " tokens");
-      } else if (merged && !link.partner) {
+      } else if (Job* j = served_[size_t(layer) * max_tokens_ + T - 1]; merged && !link.partner) {
         record("layer " + std::to_string(layer) + ": a merged go, but no deferred part is linked (link_deferred)");
-        Job* j = served_[size_t(layer) * max_tokens_ + T - 1];
         std::memset(j->call.out, 0, j->l->out_row_bytes * T);
       } else if (link.partner) {
-        serve_linked(served_[size_t(layer) * max_tokens_ + T - 1],
-                     link.partner->served_[size_t(link.layer) * max_tokens_ + T - 1], ready);
+        serve_linked(j, link.partner->served_[size_t(link.layer) * max_tokens_ + T - 1], ready);
       } else {
-        serve(served_[size_t(layer) * max_tokens_ + T - 1]);
+        serve(j);
       }
       const int64_t done = hmoe::trace_now_ns();
       if (!ready) {

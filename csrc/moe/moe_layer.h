@@ -112,8 +112,8 @@ class MoeLayer {
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }
   bool tail_split() const { return tail_split_; }
-  // Whether GEMM items are sized so that the gate/up items' rounds over the workers end soonest
-  // (see forward), else about 4 items per thread over all blocks.
+  // Whether GEMM items are sized so that the run should end soonest, by the gate/up items' rounds
+  // and all the work over the workers (see forward), else about 4 items per thread over all blocks.
   void set_balanced_items(bool on) { balanced_items_ = on; }
   bool balanced_items() const { return balanced_items_; }
   // Whether calls of few tokens sum the experts' outputs inside the GEMM run (see forward).

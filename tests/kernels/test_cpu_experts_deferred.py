@@ -1,6 +1,7 @@
 """CpuExperts.forward_deferred: one pass whose two outputs sum each token's first K - d slots and its last d, as
 two forward() calls on those columns give them (on every kernel path here; one token per expert and several,
-the weighted sums in the run and after it), and the own output is complete before the deferred experts run.
+the weighted sums in the run and after it). When the own output is marked ready (mid-call) is the linked
+handoff's business, tested in tests/hybrid/test_handoff_linked_deferral.py by its done words.
 
 T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
 """

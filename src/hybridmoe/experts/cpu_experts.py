@@ -243,13 +243,8 @@ class CpuExperts:
         """submit() of forward_deferred(): wait() then returns its two outputs (a tuple)."""
         if self._pending is not None:
             raise HybridMoEError("submit_deferred() called while a submit() is pending; call wait() first")
-        out, out2 = torch.empty_like(x), torch.empty_like(x)
-        try:
-            x_, ids_, w_, out_ = _capsules(x, topk_ids, topk_weights, out)
-            ticket = self._engine.submit_deferred(x_, ids_, w_, int(deferred), out_, to_dlpack(out2))
-        except (ValueError, TypeError) as e:
-            raise HybridMoEError(str(e)) from None
-        self._pending = (ticket, (out, out2), x, topk_ids, topk_weights)
+        ticket, outs = self._deferred_call(self._engine.submit_deferred, x, topk_ids, topk_weights, deferred)
+        self._pending = (ticket, outs, x, topk_ids, topk_weights)
 
     def wait(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """submit()'s output [T, H] (submit_deferred's two)."""
@@ -290,13 +285,17 @@ class CpuExperts:
         handoff hands it to the GPU at that point)."""
         if self._pending is not None:
             raise HybridMoEError("forward_deferred() called between submit() and wait(); call wait() first")
+        return self._deferred_call(self._engine.run_deferred, x, topk_ids, topk_weights, deferred)[1]
+
+    @staticmethod
+    def _deferred_call(method, x, topk_ids, topk_weights, deferred: int):
+        """method (the engine's run_deferred / submit_deferred) on new outputs: (what it returns, (out, out2))."""
         out, out2 = torch.empty_like(x), torch.empty_like(x)
         try:
             x_, ids_, w_, out_ = _capsules(x, topk_ids, topk_weights, out)
-            self._engine.run_deferred(x_, ids_, w_, int(deferred), out_, to_dlpack(out2))
+            return method(x_, ids_, w_, int(deferred), out_, to_dlpack(out2)), (out, out2)
         except (ValueError, TypeError) as e:
             raise HybridMoEError(str(e)) from None
-        return out, out2
 
     def trace(self, calls: int) -> None:
         """Record the next `calls` forward()/submit() calls of this layer (off again after them).
@@ -339,7 +338,8 @@ class CpuExperts:
         their first items' weights (gate/up items wait for x's rows; default on); padded_counters:
         the counters workers count down (per active expert, per down block) each on a cache line
         of its own (default on; off: packed); balanced_items: automatic item sizes chosen so that the
-        gate/up items' rounds over the workers end soonest (default on; off: about 4 items per thread)."""
+        run should end soonest, by the gate/up items' rounds and all the work over the workers (default on;
+        off: about 4 items per thread)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("kernel_prefetch_l1", kernel_prefetch_l1),
