@@ -3,7 +3,7 @@ traced twice in one process, once as the running decode makes them, once replaye
 
     python benchmarks/decode_cpu_trace.py --synthetic qwen3-30b-a3b --layers 4 --format int4 \
         --gpu-memory-budget 16GiB [--device cuda|cpu] [--calls 24] [--threads N] [--gap-us 100]
-        [--torch-threads 0,1] [--json F]
+        [--torch-threads 0,1] [--deferred-experts K] [--json F]
 
 Builds a synthetic checkpoint in memory and loads it as benchmarks/e2e.py does (a cut model gets the GPU
 experts per layer of the full depth under the budget), decodes greedily with the default engine path
@@ -17,6 +17,10 @@ calls traced (moe_trace.h) and their inputs (x, ids, weights) captured:
              layer after layer, --gap-us of busy work between calls, as moe_trace.py's loop mode, traced.
 With --torch-threads A,B the traced decode and its replay run once per value on the same engine (0: torch's
 threads as loaded, as e2e.py runs; torch's own CPU threads may spin beside the expert pool's).
+With --deferred-experts K (merged deferral: a layer's own and deferred slots in one call) each cell also
+prints the deferred part: when the own output was ready (from the GEMM run's start), the call's time after
+it, the deferred items' work before and after it, the workers that ran deferred items after it and the
+deferred experts' bytes over that time.
 Per layer and overall (all layers' calls together) it prints moe_trace.py's cells (see its docstring for
 the columns; here `untraced` is the median wall of the same calls untraced, and a pipeline call's wall
 runs from the engine's call_ns to its end_ns, so py>eng and ret are 0; on the CPU device the pipeline
@@ -30,11 +34,13 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
 
 from e2e import _fmt, full_depth_gpu_experts
 from moe_layer import busy_wait
-from moe_trace import call_breakdown, cell_header, cell_medians, matrix_block_bytes, med, print_cell
+from moe_trace import (B0, B1, DEFERRED, DOWN, END, START, WAIT, WORKER, call_breakdown, cell_header, cell_medians,
+                       matrix_block_bytes, med, print_cell)
 from hybridmoe import CpuExperts
 from hybridmoe.bench import _measure
 from hybridmoe.bench_anatomy import step_anatomy
@@ -64,6 +70,7 @@ def parse_args(argv=None):
     ap.add_argument("--torch-threads", type=lambda t: [int(v) for v in t.split(",")], default=[0],
                     help="comma list: torch's CPU threads for each traced round on the same engine (0: as loaded, "
                          "as e2e.py runs; default 0)")
+    ap.add_argument("--deferred-experts", type=int, default=0, help="K lowest-scored experts deferred (default 0)")
     ap.add_argument("--gap-us", type=float, default=100.0, help="standalone: busy work between calls")
     ap.add_argument("--group-size", type=int, default=None, help="expert group size (default: the engine's)")
     ap.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
@@ -75,11 +82,14 @@ def parse_args(argv=None):
 class Side:
     """One CPU layer: the engine the decode runs (on CUDA the handoff's, for its layer; else `cpu`), traced
     as the decode runs it and again in the standalone replay; `captured` the (x, ids, weights) of each
-    traced pipeline call, `pipe_records` their trace records."""
+    traced pipeline call, `pipe_records` their trace records. `partner`: on CUDA with merged deferral, the
+    handoff whose staging holds the layer's deferred slots (its ids and weights captured beside)."""
 
-    def __init__(self, layer: int, cpu: CpuExperts, handoff):
-        self.layer, self.cpu, self.handoff = layer, cpu, handoff
+    def __init__(self, layer: int, cpu: CpuExperts, handoff, partner=None):
+        self.layer, self.cpu, self.handoff, self.partner = layer, cpu, handoff, partner
         self.captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # per captured call, its deferred slots: on CUDA (partner) their (ids, weights), else their count (0: none)
+        self.captured_deferred: list = []
         self.pipe_records: list[dict] = []
         if handoff is not None:
             self.index, self.threads = handoff._index[layer], handoff.threads[layer]
@@ -88,20 +98,32 @@ class Side:
 
     def install(self) -> None:
         """A fresh round; on the CPU device, the layer's submit records its inputs."""
-        self.captured, self.pipe_records = [], []
+        self.captured, self.captured_deferred, self.pipe_records = [], [], []
+        self.armed = False
         if self.handoff is None:
-            submit = self.cpu.submit
+            submit, submit_deferred = self.cpu.submit, self.cpu.submit_deferred
+
+            def keep(x, ids, weights, deferred):  # the traced call's inputs alone (not the prefill's, say)
+                if self.armed:
+                    self.armed = False
+                    self.captured.append((x.clone(), ids.clone(), weights.clone()))
+                    self.captured_deferred.append(deferred)
 
             def capture(x, ids, weights):
-                self.captured.append((x.clone(), ids.clone(), weights.clone()))
+                keep(x, ids, weights, 0)
                 return submit(x, ids, weights)
 
-            self.cpu.submit = capture
+            def capture_deferred(x, ids, weights, deferred):
+                keep(x, ids, weights, deferred)
+                return submit_deferred(x, ids, weights, deferred)
+
+            self.cpu.submit, self.cpu.submit_deferred = capture, capture_deferred
 
     def arm(self) -> None:
         if self.handoff is not None:
             self.handoff._native.trace(self.index, 1)
         else:
+            self.armed = True
             self.cpu.trace(1)
 
     def take(self) -> list[dict]:
@@ -109,18 +131,28 @@ class Side:
             return self.cpu.take_trace()
         return trace_records(self.handoff._native.take_trace(self.index))
 
-    def replay(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[int, int]:
-        """One captured call again, on this thread: on CUDA through the handoff's own engine on its staging
+    def replay(self, step: int) -> tuple[int, int]:
+        """Captured call `step` again, on this thread: on CUDA through the handoff's own engine on its staging
         rows (run_on_host, as the poller runs it: the fixed shapes' padding repeats a token's own expert,
-        which CpuExperts.forward refuses), else CpuExperts.forward. (start, end) in monotonic ns."""
+        which CpuExperts.forward refuses; a merged layer with its deferred slots), else CpuExperts.forward.
+        (start, end) in monotonic ns."""
+        x, ids, weights = self.captured[step]
         if self.handoff is None:
+            deferred = self.captured_deferred[step]
             py0 = time.monotonic_ns()
-            self.cpu.forward(x, ids, weights)
+            if deferred:
+                self.cpu.forward_deferred(x, ids, weights, deferred)
+            else:
+                self.cpu.forward(x, ids, weights)
             return py0, time.monotonic_ns()
         s, T = self.handoff._staging[self.layer], x.shape[0]
         s.x[:T].copy_(x)
         s.ids[:T].copy_(ids)
         s.weights[:T].copy_(weights)
+        if self.partner is not None:  # the merged call reads the deferred slots from the partner's staging
+            d, (d_ids, d_weights) = self.partner._staging[self.layer], self.captured_deferred[step]
+            d.ids[:T].copy_(d_ids)
+            d.weights[:T].copy_(d_weights)
         py0 = time.monotonic_ns()
         self.handoff.run_on_host([self.layer], T)
         return py0, time.monotonic_ns()
@@ -131,11 +163,15 @@ class Side:
             if self.handoff is not None:  # every slot of the staged rows, padding included
                 s, T = self.handoff._staging[self.layer], rec["T"]
                 self.captured.append((s.x[:T].clone(), s.ids[:T].clone(), s.weights[:T].clone()))
+                if self.partner is not None:
+                    d = self.partner._staging[self.layer]
+                    self.captured_deferred.append((d.ids[:T].clone(), d.weights[:T].clone()))
             self.pipe_records.append(rec)
 
     def release(self) -> None:
         if self.handoff is None:
             self.cpu.__dict__.pop("submit", None)
+            self.cpu.__dict__.pop("submit_deferred", None)
 
 
 def engines(model) -> list[Side]:
@@ -146,11 +182,13 @@ def engines(model) -> list[Side]:
     if engine_of is None:
         raise HybridMoEError(f"the model's expert backend ({type(backend).__name__}) has no CPU engines to trace")
     handoffs = getattr(backend, "_handoffs", {})
+    merged = getattr(backend, "_merged", set())
     sides = []
     for layer in backend.layers():
         cpu = engine_of(layer)
         if isinstance(cpu, CpuExperts):
-            sides.append(Side(layer, cpu, handoffs.get((False, layer), (None, 0))[0]))
+            partner = handoffs[(True, layer)][0] if layer in merged else None
+            sides.append(Side(layer, cpu, handoffs.get((False, layer), (None, 0))[0], partner))
     if not sides:
         raise HybridMoEError("no MoE layer has native CPU experts (all on the GPU, or the torch reference)")
     return sides
@@ -175,14 +213,34 @@ def standalone(sides: list[Side], gap_s: float, traced: bool) -> dict[int, list[
     n = min(len(s.captured) for s in sides)
     for step in [0] + list(range(n)):
         for s in sides:
-            x, ids, w = s.captured[step]
             busy_wait(gap_s)
             if traced:
                 s.arm()
-            py0, py1 = s.replay(x, ids, w)
+            py0, py1 = s.replay(step)
             rec = s.take()[0] if traced else None
             out[s.layer].append((py0, py1, rec))
     return {layer: calls[1:] for layer, calls in out.items()}  # the first: warm-up
+
+
+def deferral_breakdown(rec: dict, block_bytes: tuple[float, float]) -> dict | None:
+    """A merged deferral call's deferred part (us, GB/s), None for a call without one: `ready` the own output's
+    completion after the GEMM run's start, `after` the call's end after it; the deferred items' computing time
+    (all workers) before and after ready, the workers that computed deferred items after it, the waits of the
+    deferred down items, and the deferred items' bytes over `after`."""
+    if not rec["ready_ns"]:
+        return None
+    it = rec["items"].numpy()
+    d = it[it[:, DEFERRED] == 1]
+    ready = rec["ready_ns"]
+    comp_start = d[:, START] + d[:, WAIT]  # down items compute after their wait
+    before = (np.minimum(d[:, END], ready) - np.minimum(comp_start, ready)).sum()
+    after = (d[:, END] - np.maximum(comp_start, ready)).clip(min=0).sum()
+    nbytes = ((d[:, B1] - d[:, B0]) * np.where(d[:, DOWN] == 1, block_bytes[1], block_bytes[0])).sum()
+    after_ns = rec["end_ns"] - ready
+    return dict(ready=(ready - rec["items_ns"]) / 1e3, after=after_ns / 1e3, d_items=len(d),
+                d_before=before / 1e3, d_after=after / 1e3,
+                d_workers=len(set(d[d[:, END] > ready][:, WORKER].tolist())),
+                d_wait=d[d[:, DOWN] == 1][:, WAIT].sum() / 1e3, d_gbps=nbytes / max(after_ns, 1))
 
 
 def cell(side: Side, calls: list[tuple], inputs: list[tuple], bw_gbps: float) -> dict:
@@ -199,6 +257,9 @@ def cell(side: Side, calls: list[tuple], inputs: list[tuple], bw_gbps: float) ->
     s["rows_per_expert"] = s["T"] * s["K"] / s["A"]
     s["calls"] = len(stats)
     s["slept_by_worker"] = [sum(bool(rec["slept"][w]) for _, _, rec in calls) for w in range(side.threads)]
+    parts = [p for p in (deferral_breakdown(rec, block_bytes) for _, _, rec in calls) if p is not None]
+    s["deferral"] = {k: med([p[k] for p in parts]) for k in parts[0]} if parts else None
+    s["deferral_calls"] = len(parts)
     return s
 
 
@@ -209,6 +270,11 @@ def print_pair(key: str, side_cells: dict[str, dict], untraced: dict[str, float]
               f"padding), A {s['A']:g} distinct experts, {s['rows_per_expert']:.2f} rows/expert; "
               f"read {s['bytes'] / 1e6:.2f} MB, floor {s['floor']:.1f} us, wall/floor {s['wall'] / s['floor']:.2f}")
         print(f"{'':<40} calls each worker had slept before: " + " ".join(map(str, s["slept_by_worker"])))
+        if d := s["deferral"]:
+            print(f"{'':<40} deferred part ({s['deferral_calls']} calls): own output ready {d['ready']:.1f} us into "
+                  f"the run, call ends {d['after']:.1f} us after; {d['d_items']:g} deferred items computing "
+                  f"{d['d_before']:.1f} us before ready and {d['d_after']:.1f} after (all workers), {d['d_workers']:g} "
+                  f"workers after ready, down items waited {d['d_wait']:.1f} us; {d['d_gbps']:.1f} GB/s after ready")
     p, q = side_cells["pipeline"], side_cells["standalone"]
     print(f"{'':<40} pipeline / standalone: wall {p['wall'] / q['wall']:.2f}x, gemm {p['gemm'] / q['gemm']:.2f}x, "
           f"before {p['before'] - q['before']:+.1f} us, tail {p['tail'] - q['tail']:+.1f} us, late mean "
@@ -225,6 +291,7 @@ def main(argv=None) -> int:
     if args.calls < 1:
         raise HybridMoEError(f"--calls must be at least 1, got {args.calls}")
     kwargs = dict(device=args.device, expert_format=args.format, max_num_seqs=1, cache_dir="",
+                  deferred_experts=args.deferred_experts,
                   max_model_len=max(args.max_model_len, args.prompt_len + args.calls + 2))
     for key in ("gpu_memory_budget", "gpu_experts_per_layer", "group_size", "threads"):
         value = getattr(args, key)

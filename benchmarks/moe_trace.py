@@ -45,7 +45,7 @@ from hybridmoe import CpuExperts, _native
 from hybridmoe.experts.cpu_experts import default_threads
 from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, packed_copy, prefetching_read_gbps, routing
 
-WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT = range(10)  # take_trace()'s item columns
+WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT, DEFERRED = range(11)  # take_trace()'s item columns
 N_ROUTINGS = 16
 
 

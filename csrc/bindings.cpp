@@ -263,7 +263,7 @@ class Engine {
 }  // namespace
 
 // The traced calls (moe_trace.h) as dicts: phase times (ns, time.monotonic_ns's clock),
-// items int64 [n, 10] (worker, down, expert, slice, b0, b1, start, end, wait, convert),
+// items int64 [n, 11] (worker, down, expert, slice, b0, b1, start, end, wait, convert, deferred),
 // join_ns int64 [threads] and slept uint8 [threads]. Also CudaHandoff.take_trace's.
 nb::list trace_records(std::vector<hmoe::TraceCall> calls) {
   nb::list out;
@@ -279,11 +279,12 @@ nb::list trace_records(std::vector<hmoe::TraceCall> calls) {
     d["items_ns"] = t.items_ns;
     d["gemm_end_ns"] = t.gemm_end_ns;
     d["end_ns"] = t.end_ns;
+    d["ready_ns"] = t.ready_ns;
     auto* items = new std::vector<int64_t>();
     for (const hmoe::TraceItem& it : t.items)
       items->insert(items->end(), {it.worker, it.down, it.expert, it.slice, it.b0, it.b1, it.start_ns, it.end_ns,
-                                   it.wait_ns, it.convert_ns});
-    d["items"] = owned_array(items, {t.items.size(), 10});
+                                   it.wait_ns, it.convert_ns, it.deferred});
+    d["items"] = owned_array(items, {t.items.size(), 11});
     d["join_ns"] = owned_array(new std::vector<int64_t>(t.join_ns), {t.join_ns.size()});
     d["slept"] = owned_array(new std::vector<uint8_t>(t.slept), {t.slept.size()});
     out.append(d);

@@ -26,6 +26,7 @@ struct TraceItem {
   // After end_ns (which stamps the item's own GEMM): for the gate/up item that finished its
   // expert, h -> down activations; for a down item, summing the output columns it completed.
   int64_t convert_ns = 0;
+  int32_t deferred = 0;    // the item belongs to a deferred slot's expert (MoeCall::deferred)
 };
 
 struct TraceCall {
@@ -37,6 +38,7 @@ struct TraceCall {
   int64_t items_ns = 0;     // GEMM items built: the pool run starts
   int64_t gemm_end_ns = 0;  // the gate/up + down pool run returned
   int64_t end_ns = 0;       // combine done: forward() returns
+  int64_t ready_ns = 0;     // with deferral: out (the own slots) complete and marked ready; else 0
   std::vector<TraceItem> items;  // in item order (each written by the worker that ran it)
   std::vector<int64_t> join_ns;  // per pool worker: entered the GEMM run (0: it never did)
   std::vector<uint8_t> slept;    // per pool worker: it had gone to sleep (futex) before joining

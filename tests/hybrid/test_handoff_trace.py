@@ -26,7 +26,7 @@ def test_a_traced_layer_records_the_calls_the_poller_runs_and_no_others():
         assert (rec["T"], rec["K"], rec["A"]) == (T, K, len(experts))
         # the poller's run() stamps call_ns too: a call's times are in order, on time.monotonic_ns's clock
         assert 0 < rec["call_ns"] <= rec["entry_ns"] <= rec["items_ns"] <= rec["gemm_end_ns"] <= rec["end_ns"]
-        assert rec["items"].shape[1] == 10 and set(rec["items"][:, 2].tolist()) == experts
+        assert rec["items"].shape[1] == 11 and set(rec["items"][:, 2].tolist()) == experts
         assert rec["join_ns"].shape == rec["slept"].shape == (layers[1].experts.threads,)
     assert handoff.take_trace(1) == []  # taken, and the third call was not traced
 

@@ -14,7 +14,7 @@ from hybridmoe.errors import HybridMoEError
 E, H, I, K = 8, 160, 96, 3
 BLOCK = 32
 # items columns (CpuExperts.take_trace)
-WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT = range(10)
+WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT, DEFERRED = range(11)
 
 
 def slice_blocks(rows, slices):
@@ -82,6 +82,26 @@ def test_traced_calls_record_every_block_once_in_time_order(make_weights, make_r
     assert len(records) == 2
     for rec in records:
         check_call(rec, ids, threads=2, slices=numa_nodes)
+        assert rec["ready_ns"] == 0 and rec["items"][:, DEFERRED].eq(0).all()  # no deferral, no ready mark
+
+
+@pytest.mark.parametrize("numa_nodes", [1, 2])
+def test_a_traced_deferred_call_marks_its_deferred_items_and_when_out_was_ready(make_weights, numa_nodes):
+    """One token, its last slot deferred to an expert no own slot uses: that expert's items (and only its) are
+    marked deferred; out is ready after every own item's GEMM and before the call ends."""
+    experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2, numa_nodes=numa_nodes)
+    x = torch.randn(1, H)
+    ids = torch.tensor([[0, 3, 5]])
+    weights = torch.tensor([[0.5, 0.3, 0.2]])
+    experts.trace(1)
+    experts.forward_deferred(x, ids, weights, 1)
+    rec = experts.take_trace()[0]
+    check_call(rec, ids, threads=2, slices=numa_nodes)
+    items = rec["items"]
+    deferred = items[:, DEFERRED].bool()
+    assert torch.equal(deferred, items[:, EXPERT] == 5)
+    own = items[~deferred]
+    assert own[:, END].max() <= rec["ready_ns"] <= rec["end_ns"]
 
 
 def test_tracing_stops_after_its_calls_and_take_empties(make_weights, make_routing):

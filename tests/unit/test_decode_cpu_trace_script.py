@@ -52,3 +52,25 @@ def test_every_traced_decode_call_is_replayed_with_its_own_routing(run):
             assert side["gbps_by_worker"][0] > 0  # the calling thread always computes
             assert 0 < side["gemm"] <= side["wall"] and side["bytes"] > 0 and side["floor"] > 0
         assert pipe["bytes"] == solo["bytes"]  # the same calls read the same weights
+
+
+def test_with_deferral_each_call_shows_its_deferred_part_in_both_the_pipeline_and_the_replay(tmp_path):
+    """--deferred-experts 1: each layer's one call computes its own expert and its deferred one (top-2 of 4, one
+    token: distinct experts); the replay runs the same merged calls (forward_deferred), so both sides read the same
+    bytes and report the deferred part: out ready inside the run, the deferred expert's items after it."""
+    out = tmp_path / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--synthetic", "qwen3_moe:tiny", "--layers", "2", "--device", "cpu",
+         "--format", "int4", "--group-size", "32", "--calls", "2", "--threads", "2", "--prompt-len", "8",
+         "--bandwidth-bytes", str(16 << 20), "--max-model-len", "64", "--deferred-experts", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("deferred part (2 calls)") == 2 * 2  # 2 layers x (pipeline, standalone)
+    for row in json.loads(out.read_text())["rounds"][0]["layers"]:
+        pipe, solo = row["pipeline"], row["standalone"]
+        assert pipe["bytes"] == solo["bytes"] and pipe["A"] == solo["A"] == 2
+        for side in (pipe, solo):
+            d = side["deferral"]
+            assert side["deferral_calls"] == 2 and d["d_items"] > 0
+            assert 0 < d["ready"] <= side["gemm"] and d["after"] >= 0
+            assert d["d_before"] >= 0 and d["d_after"] >= 0 and d["d_workers"] <= 2
