@@ -3,7 +3,7 @@ traced twice in one process, once as the running decode makes them, once replaye
 
     python benchmarks/decode_cpu_trace.py --synthetic qwen3-30b-a3b --layers 4 --format int4 \
         --gpu-memory-budget 16GiB [--device cuda|cpu] [--calls 24] [--threads N] [--gap-us 100]
-        [--torch-threads 0,1] [--deferred-experts K] [--json F]
+        [--torch-threads 0,1] [--deferred-experts K] [--timeline N] [--json F]
 
 Builds a synthetic checkpoint in memory and loads it as benchmarks/e2e.py does (a cut model gets the GPU
 experts per layer of the full depth under the budget), decodes greedily with the default engine path
@@ -34,13 +34,12 @@ import argparse
 import json
 import time
 
-import numpy as np
 import torch
 
 from e2e import _fmt, full_depth_gpu_experts
 from moe_layer import busy_wait
-from moe_trace import (B0, B1, DEFERRED, DOWN, END, START, WAIT, WORKER, call_breakdown, cell_header, cell_medians,
-                       matrix_block_bytes, med, print_cell)
+from moe_trace import (call_breakdown, cell_header, cell_medians, deferral_medians, matrix_block_bytes, med,
+                       print_cell, print_deferral, print_timeline)
 from hybridmoe import CpuExperts
 from hybridmoe.bench import _measure
 from hybridmoe.bench_anatomy import step_anatomy
@@ -71,6 +70,7 @@ def parse_args(argv=None):
                     help="comma list: torch's CPU threads for each traced round on the same engine (0: as loaded, "
                          "as e2e.py runs; default 0)")
     ap.add_argument("--deferred-experts", type=int, default=0, help="K lowest-scored experts deferred (default 0)")
+    ap.add_argument("--timeline", type=int, default=0, help="print the item timeline of each layer's first N pipeline calls")
     ap.add_argument("--gap-us", type=float, default=100.0, help="standalone: busy work between calls")
     ap.add_argument("--group-size", type=int, default=None, help="expert group size (default: the engine's)")
     ap.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
@@ -222,27 +222,6 @@ def standalone(sides: list[Side], gap_s: float, traced: bool) -> dict[int, list[
     return {layer: calls[1:] for layer, calls in out.items()}  # the first: warm-up
 
 
-def deferral_breakdown(rec: dict, block_bytes: tuple[float, float]) -> dict | None:
-    """A merged deferral call's deferred part (us, GB/s), None for a call without one: `ready` the own output's
-    completion after the GEMM run's start, `after` the call's end after it; the deferred items' computing time
-    (all workers) before and after ready, the workers that computed deferred items after it, the waits of the
-    deferred down items, and the deferred items' bytes over `after`."""
-    if not rec["ready_ns"]:
-        return None
-    it = rec["items"].numpy()
-    d = it[it[:, DEFERRED] == 1]
-    ready = rec["ready_ns"]
-    comp_start = d[:, START] + d[:, WAIT]  # down items compute after their wait
-    before = (np.minimum(d[:, END], ready) - np.minimum(comp_start, ready)).sum()
-    after = (d[:, END] - np.maximum(comp_start, ready)).clip(min=0).sum()
-    nbytes = ((d[:, B1] - d[:, B0]) * np.where(d[:, DOWN] == 1, block_bytes[1], block_bytes[0])).sum()
-    after_ns = rec["end_ns"] - ready
-    return dict(ready=(ready - rec["items_ns"]) / 1e3, after=after_ns / 1e3, d_items=len(d),
-                d_before=before / 1e3, d_after=after / 1e3,
-                d_workers=len(set(d[d[:, END] > ready][:, WORKER].tolist())),
-                d_wait=d[d[:, DOWN] == 1][:, WAIT].sum() / 1e3, d_gbps=nbytes / max(after_ns, 1))
-
-
 def cell(side: Side, calls: list[tuple], inputs: list[tuple], bw_gbps: float) -> dict:
     """moe_trace.py's cell over calls [(py0, py1, record)], with the routing's shape from inputs."""
     per_expert = side.cpu.packed_bytes / side.cpu.num_experts
@@ -257,9 +236,7 @@ def cell(side: Side, calls: list[tuple], inputs: list[tuple], bw_gbps: float) ->
     s["rows_per_expert"] = s["T"] * s["K"] / s["A"]
     s["calls"] = len(stats)
     s["slept_by_worker"] = [sum(bool(rec["slept"][w]) for _, _, rec in calls) for w in range(side.threads)]
-    parts = [p for p in (deferral_breakdown(rec, block_bytes) for _, _, rec in calls) if p is not None]
-    s["deferral"] = {k: med([p[k] for p in parts]) for k in parts[0]} if parts else None
-    s["deferral_calls"] = len(parts)
+    s["deferral"], s["deferral_calls"] = deferral_medians([rec for _, _, rec in calls], block_bytes)
     return s
 
 
@@ -270,11 +247,8 @@ def print_pair(key: str, side_cells: dict[str, dict], untraced: dict[str, float]
               f"padding), A {s['A']:g} distinct experts, {s['rows_per_expert']:.2f} rows/expert; "
               f"read {s['bytes'] / 1e6:.2f} MB, floor {s['floor']:.1f} us, wall/floor {s['wall'] / s['floor']:.2f}")
         print(f"{'':<40} calls each worker had slept before: " + " ".join(map(str, s["slept_by_worker"])))
-        if d := s["deferral"]:
-            print(f"{'':<40} deferred part ({s['deferral_calls']} calls): own output ready {d['ready']:.1f} us into "
-                  f"the run, call ends {d['after']:.1f} us after; {d['d_items']:g} deferred items computing "
-                  f"{d['d_before']:.1f} us before ready and {d['d_after']:.1f} after (all workers), {d['d_workers']:g} "
-                  f"workers after ready, down items waited {d['d_wait']:.1f} us; {d['d_gbps']:.1f} GB/s after ready")
+        if s["deferral"]:
+            print_deferral(s["deferral"], s["deferral_calls"])
     p, q = side_cells["pipeline"], side_cells["standalone"]
     print(f"{'':<40} pipeline / standalone: wall {p['wall'] / q['wall']:.2f}x, gemm {p['gemm'] / q['gemm']:.2f}x, "
           f"before {p['before'] - q['before']:+.1f} us, tail {p['tail'] - q['tail']:+.1f} us, late mean "
@@ -384,6 +358,8 @@ def trace_round(args, engine, sides: list[Side], prompt: list[int], bw: float, t
         cells = {name: cell(s, c, s.captured[:n], bw) for name, c in calls.items()}
         print_pair(f"layer {s.layer}", cells, {"pipeline": cells["pipeline"]["wall"],
                                                "standalone": med(untraced[s.layer])})
+        for _, _, rec in calls["pipeline"][:args.timeline]:
+            print_timeline(rec)
         for name, c in calls.items():
             both[name][0].extend(c)
             both[name][1].extend(s.captured[:n])

@@ -2,7 +2,7 @@
 
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
-        [--tail-split 0,1] [--combine-in-run 0,1]
+        [--tail-split 0,1] [--gate-up-tail 0,1] [--combine-in-run 0,1] [--top-k K] [--deferred D] [--timeline N]
         [--kernel-prefetch-l1 0,2048,4096] [--kernel-prefetch-l2 0,8192] [--paired 0,1]
         [--variants 'new=;old=item_prefetch:0,tail_split:0,combine_in_run:0']
         [--json out.json]
@@ -13,6 +13,10 @@ Modes (each call gets a fresh routing, as in moe_layer.py):
   sleep  the same layers, --sleep-ms of sleep between calls: the workers have gone to sleep.
   flush  one layer, caches flushed (a 256 MiB write, as moe_layer.py's table mode) before each
          call: dirty caches and sleeping workers.
+
+--deferred D runs deferral calls (forward_deferred: each token's last D slots summed apart, the own output marked
+ready inside the call) and prints their deferred part (decode_cpu_trace.py's line); --timeline N prints the first N
+traced calls' items per worker.
 
 Per cell, the median over the traced calls of (all in us):
   wall      python time of the call (the same loop untraced beside it: `untraced`)
@@ -51,7 +55,7 @@ N_ROUTINGS = 16
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
 DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True,
-                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False)
+                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False, gate_up_tail=False)
 
 
 def schedule_variants(args):
@@ -65,7 +69,7 @@ def schedule_variants(args):
             out.append((f" {name}" if name else "", typed(kw)))
         return out
     short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir",
-             "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair"}
+             "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair", "gate_up_tail": "gut"}
     values = {k: [int(v) for v in getattr(args, k).split(",")] for k in DEFAULT_SCHEDULE}  # the knobs' --options
     out = []
     for combo in itertools.product(*values.values()):
@@ -124,8 +128,59 @@ def call_breakdown(rec, py0, py1, threads, block_bytes, call_bytes):
                         if (it[:, WORKER] == w).any() else float("nan") for w in range(threads)])
 
 
-def timed_calls(layers, calls, api, mode, reps, gap_s, sleep_s, flush, traced):
-    """(py0, py1, record or None) per call after one warm-up cycle."""
+def deferral_breakdown(rec, block_bytes):
+    """A deferral call's deferred part (us, GB/s), None for a call without one: `ready` the own output's
+    completion after the GEMM run's start, `after` the call's end after it; the deferred items' computing time
+    (all workers) before and after ready, the workers that computed deferred items after it, the waits of the
+    deferred down items, and the deferred items' bytes over `after`."""
+    if not rec["ready_ns"]:
+        return None
+    it = np.asarray(rec["items"])
+    d = it[it[:, DEFERRED] == 1]
+    ready = rec["ready_ns"]
+    comp_start = d[:, START] + d[:, WAIT]  # down items compute after their wait
+    before = (np.minimum(d[:, END], ready) - np.minimum(comp_start, ready)).sum()
+    after = (d[:, END] - np.maximum(comp_start, ready)).clip(min=0).sum()
+    nbytes = ((d[:, B1] - d[:, B0]) * np.where(d[:, DOWN] == 1, block_bytes[1], block_bytes[0])).sum()
+    after_ns = rec["end_ns"] - ready
+    return dict(ready=(ready - rec["items_ns"]) / 1e3, after=after_ns / 1e3, d_items=len(d),
+                d_before=before / 1e3, d_after=after / 1e3,
+                d_workers=len(set(d[d[:, END] > ready][:, WORKER].tolist())),
+                d_wait=d[d[:, DOWN] == 1][:, WAIT].sum() / 1e3, d_gbps=nbytes / max(after_ns, 1))
+
+
+def deferral_medians(records, block_bytes):
+    """deferral_breakdown's values, each the median over the calls that had a deferred part; (None, 0) if none."""
+    parts = [p for p in (deferral_breakdown(rec, block_bytes) for rec in records) if p is not None]
+    return ({k: med([p[k] for p in parts]) for k in parts[0]} if parts else None), len(parts)
+
+
+def print_deferral(d, calls, indent=40):
+    print(f"{'':<{indent}} deferred part ({calls} calls): own output ready {d['ready']:.1f} us into "
+          f"the run, call ends {d['after']:.1f} us after; {d['d_items']:g} deferred items computing "
+          f"{d['d_before']:.1f} us before ready and {d['d_after']:.1f} after (all workers), {d['d_workers']:g} "
+          f"workers after ready, down items waited {d['d_wait']:.1f} us; {d['d_gbps']:.1f} GB/s after ready")
+
+
+def print_timeline(rec, indent=40):
+    """One call's items per worker, in the order it ran them: g (gate/up) or d (down), D for a deferred slot's
+    expert, expert:blocks, then start-end in us from the GEMM run's start (and +wait for down items)."""
+    it = np.asarray(rec["items"])
+    t0 = rec["items_ns"]
+    ready = f", own output ready at {(rec['ready_ns'] - t0) / 1e3:.1f}" if rec["ready_ns"] else ""
+    print(f"{'':<{indent}} timeline (us from the run's start; run {(rec['gemm_end_ns'] - t0) / 1e3:.1f}{ready}):")
+    for w in sorted(set(it[:, WORKER].tolist())):
+        mine = it[it[:, WORKER] == w]
+        mine = mine[np.argsort(mine[:, START])]
+        cells = [f"{'d' if r[DOWN] else 'g'}{'D' if r[DEFERRED] else ''}{r[EXPERT]}:{r[B0]}-{r[B1]} "
+                 f"{(r[START] - t0) / 1e3:.0f}-{(r[END] - t0) / 1e3:.0f}" + (f"+w{r[WAIT] / 1e3:.0f}" if r[WAIT] > 500 else "")
+                 for r in mine]
+        print(f"{'':<{indent}}   w{w:<2} " + "  ".join(cells))
+
+
+def timed_calls(layers, calls, api, mode, reps, gap_s, sleep_s, flush, traced, deferred=0):
+    """(py0, py1, record or None) per call after one warm-up cycle; deferred > 0: each token's last `deferred`
+    slots as a deferral call's second part (forward_deferred / submit_deferred)."""
     out = []
     for rep in range(reps + 1):
         for li, layer in enumerate(layers):
@@ -140,9 +195,9 @@ def timed_calls(layers, calls, api, mode, reps, gap_s, sleep_s, flush, traced):
                 layer.trace(1)
             py0 = time.monotonic_ns()
             if api == "forward":
-                layer.forward(x, ids, w)
+                layer.forward_deferred(x, ids, w, deferred) if deferred else layer.forward(x, ids, w)
             else:
-                layer.submit(x, ids, w)
+                layer.submit_deferred(x, ids, w, deferred) if deferred else layer.submit(x, ids, w)
                 layer.wait()
             py1 = time.monotonic_ns()
             rec = layer.take_trace()[0] if traced else None
@@ -207,6 +262,12 @@ def main():
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L2 (0: none); key suffix k2_N")
     ap.add_argument("--paired", default="0",
                     help="comma list of 0/1: one-token experts read two weight blocks at once; key suffix pairN")
+    ap.add_argument("--gate-up-tail", default="0",
+                    help="comma list of 0/1: cut each side's last gate/up items into 1-block items; key suffix gutN")
+    ap.add_argument("--top-k", type=int, default=None, help="override K, the slots per token")
+    ap.add_argument("--deferred", type=int, default=0,
+                    help="each token's last D slots deferred (forward_deferred: one call, two outputs); default 0")
+    ap.add_argument("--timeline", type=int, default=0, help="print the item timeline of the first N traced calls per cell")
     ap.add_argument("--pages", default="huge",
                     help="comma list: the layers' packed weights in huge pages (as the engine packs them) and/or "
                          "small (4 KiB pages: copies in torch's allocator); key suffix the name, if several")
@@ -226,6 +287,10 @@ def main():
     shape = dict(SHAPES[args.shape])
     if args.experts:
         shape["E"] = args.experts
+    if args.top_k:
+        shape["K"] = args.top_k
+    if not 0 <= args.deferred < shape["K"]:
+        raise SystemExit(f"--deferred must be in [0, K), K = {shape['K']}")
     E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
     thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [default_threads()]
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -268,10 +333,11 @@ def main():
                         for layer in cell_layers:
                             layer.set_schedule(**{**DEFAULT_SCHEDULE, **schedule})
                         run = lambda traced: timed_calls(cell_layers, calls, api, mode, reps, args.gap_us * 1e-6,
-                                                         args.sleep_ms * 1e-3, flush, traced)
+                                                         args.sleep_ms * 1e-3, flush, traced, args.deferred)
                         untraced = med([(p1 - p0) / 1e3 for p0, p1, _ in run(False)])
                         stats = []
-                        for py0, py1, rec in run(True):
+                        traced_calls = run(True)
+                        for py0, py1, rec in traced_calls:
                             touched = len(set(rec["items"][:, EXPERT].tolist()))
                             stats.append(call_breakdown(rec, py0, py1, threads, block_bytes, touched * per_expert))
                         s = cell_medians(stats, threads)
@@ -279,11 +345,17 @@ def main():
                         floor_us = s["bytes"] / (bw[threads] * 1e3)
                         key = f"{fmt} {T} {threads} {mode} {api}{suffix}{page_key}"
                         print_cell(key, len(stats), untraced, floor_us, s, lateness, worker_gbps)
+                        deferral, deferral_calls = deferral_medians([rec for _, _, rec in traced_calls], block_bytes)
+                        if deferral:
+                            print_deferral(deferral, deferral_calls)
+                        for _, _, rec in traced_calls[:args.timeline]:
+                            print_timeline(rec)
                         rows.append(dict(shape=args.shape, format=fmt, tokens=T, threads=threads, mode=mode, api=api,
                                          schedule={**DEFAULT_SCHEDULE, **schedule}, pages=pages,
                                          calls=len(stats), untraced_us=untraced, floor_us=floor_us,
                                          host_read_gbps=bw[threads], late_by_worker_us=lateness,
-                                         gbps_by_worker=worker_gbps, **s))
+                                         gbps_by_worker=worker_gbps, deferred=args.deferred, deferral=deferral,
+                                         **s))
             del layers, copies
         del first, state
     if args.json:

@@ -366,6 +366,9 @@ NB_MODULE(_native, m) {
       .def_prop_rw("tail_split", [](const Engine& e) { return e.layer().tail_split(); },
                    [](Engine& e, bool on) { e.layer().set_tail_split(on); },
                    "Whether the last down items of a call are cut into 1-block items.")
+      .def_prop_rw("gate_up_tail", [](const Engine& e) { return e.layer().gate_up_tail(); },
+                   [](Engine& e, bool on) { e.layer().set_gate_up_tail(on); },
+                   "Whether each side's last gate/up items of a call are cut into 1-block items.")
       .def_prop_rw("balanced_items", [](const Engine& e) { return e.layer().balanced_items(); },
                    [](Engine& e, bool on) { e.layer().set_balanced_items(on); },
                    "Whether GEMM items are sized so that the run should end soonest (see moe_layer.cpp).")

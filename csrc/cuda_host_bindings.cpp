@@ -325,6 +325,11 @@ class Handoff : public hmoe::FlagChannel {
 
   // Read by the CPU work of every later call (set it between steps).
   bool trim_padding_ = false;
+  // Every layer's MoeLayer::gate_up_tail (set it between steps); false with no layer.
+  void set_gate_up_tail(bool on) {
+    for (auto& l : layers_) l->moe->set_gate_up_tail(on);
+  }
+  bool gate_up_tail() const { return !layers_.empty() && layers_[0]->moe->gate_up_tail(); }
 
   // The first failure a host function recorded since the last call (then cleared).
   std::optional<std::string> take_error() {
@@ -610,6 +615,8 @@ void register_cuda_host(nb::module_& m) {
       .def_prop_ro("mode", &Handoff::mode)
       .def_rw("trim_padding", &Handoff::trim_padding_,
               "One token: leave out its trailing slots of weight 0 (padding) instead of computing them.")
+      .def_prop_rw("gate_up_tail", &Handoff::gate_up_tail, &Handoff::set_gate_up_tail,
+                   "Every layer's CPU work cuts its last gate/up items into 1-block items (CpuExperts.set_schedule).")
       .def("take_stats", &Handoff::take_stats)
       .def("trace", &Handoff::trace, "layer"_a, "calls"_a)
       .def("take_trace", &Handoff::take_trace, "layer"_a)

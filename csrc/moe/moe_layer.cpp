@@ -245,11 +245,12 @@ struct Item { int down, j, s, b0, b1; };
 struct PlanKey {
   int A = 0, A_own = 0, A_tiles = 0, A_tiles_own = 0, S = 0, gate_blocks = 0, down_blocks = 0;
   int step_own = 0, step_deferred = 0, threads = 0;
-  bool tail_split = false;
+  bool tail_split = false, gate_up_tail = false;
   bool operator==(const PlanKey& o) const {
     return A == o.A && A_own == o.A_own && A_tiles == o.A_tiles && A_tiles_own == o.A_tiles_own && S == o.S &&
            gate_blocks == o.gate_blocks && down_blocks == o.down_blocks && step_own == o.step_own &&
-           step_deferred == o.step_deferred && threads == o.threads && tail_split == o.tail_split;
+           step_deferred == o.step_deferred && threads == o.threads && tail_split == o.tail_split &&
+           gate_up_tail == o.gate_up_tail;
   }
 };
 
@@ -272,7 +273,8 @@ struct Workspace {
   std::vector<uint8_t> own;       // per expert: in an own slot of some token (MoeCall::deferred)
   std::vector<uint8_t> slot_own;  // the same per active slot j
   std::vector<Item> gemm_items, tail_items;
-  PlanKey plan;  // what gemm_items and offsets were built for (see forward)
+  std::vector<int> gate_up_count;  // per active slot j: its gate/up items in gemm_items
+  PlanKey plan;  // what gemm_items, offsets and gate_up_count were built for (see forward)
   AtomicInts pending;   // per active expert
   AtomicInts col_left;  // per down block: experts whose y is still missing
   AtomicInts col_own;   // the same for the own experts alone (MoeCall::deferred)
@@ -750,16 +752,13 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     return best;
   };
   const int step_own = step_for(A_own), step_deferred = step_for(A - A_own);
-  const int own_items = gate_up_items(step_own), deferred_items = gate_up_items(step_deferred);
-  const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
-  const Counters pending{grow(ws.pending, size_t(A) * stride), stride};
-  for (int j = 0; j < A; ++j) pending[j].store(slot_own[j] ? own_items : deferred_items, std::memory_order_relaxed);
   // (with A_own and the AMX experts' counts, the own slots are known: own AMX experts, deferred ones, own others)
   const PlanKey plan{A, A_own, A_tiles, A_tiles_own, S, gate.blocks, down.blocks, step_own, step_deferred,
-                     pool_->threads(), tail_split_};
+                     pool_->threads(), tail_split_, gate_up_tail_};
   if (!(plan == ws.plan)) {
     gemm_items.clear();
     offsets.assign(1, 0);
+    ws.gate_up_count.assign(A, 0);
     for (int s = 0; s < S; ++s) {
       for (const auto& [side, step] : {std::pair{1, step_own}, std::pair{0, step_deferred}})
         for (int m = 0; m < 2; ++m) {
@@ -769,9 +768,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
           for (int j = 0; j < A; ++j)
             if (slot_own[j] == side)
               for (int b = 0; b < nb; b += step) gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
-          if (m && tail_split_) {
-            // The last down items, about two blocks per thread of the group, become 1-block items:
-            // workers run out of work (or reach the deferred experts) within a small item of each other.
+          if (m ? tail_split_ : gate_up_tail_) {
+            // The last items, about two blocks per thread of the group, become 1-block items: workers run
+            // out of work (or reach the deferred experts) within a small item of each other. For gate/up
+            // (gate_up_tail): the experts whose gate/up ends last hold up their down items, so every worker
+            // should finish its share of gate/up at about the same time.
             size_t first = gemm_items.size();
             for (int covered = 0; first > seg && covered < 2 * pool_->threads() / S;)
               --first, covered += gemm_items[first].b1 - gemm_items[first].b0;
@@ -780,11 +781,16 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
             for (const Item& it : ws.tail_items)
               for (int b = it.b0; b < it.b1; ++b) gemm_items.push_back({it.down, it.j, it.s, b, b + 1});
           }
+          if (!m)
+            for (size_t i = seg; i < gemm_items.size(); ++i) ws.gate_up_count[gemm_items[i].j] += 1;
         }
       offsets.push_back(int(gemm_items.size()));
     }
     ws.plan = plan;
   }
+  const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
+  const Counters pending{grow(ws.pending, size_t(A) * stride), stride};
+  for (int j = 0; j < A; ++j) pending[j].store(ws.gate_up_count[j], std::memory_order_relaxed);
   TraceItem* titems = nullptr;  // tracing: one record per GEMM item, written by its worker
   if (tr) {
     tr->T = T;

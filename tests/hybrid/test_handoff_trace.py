@@ -3,6 +3,10 @@
 a running decode's CPU layers through them."""
 
 import pytest
+import torch
+
+import hybridmoe._native as native
+from hybridmoe import CpuExperts
 
 from test_handoff_flags import K, Layer, polling_handoff, stream_round
 
@@ -39,3 +43,39 @@ def test_trace_refuses_a_layer_out_of_range_and_a_negative_count():
         handoff.trace(0, -1)
     with pytest.raises(ValueError, match="out of range"):
         handoff.take_trace(-1)
+
+
+def test_gate_up_tail_reaches_every_layer_of_the_handoff_and_leaves_the_output_alone():
+    """CudaHandoff.gate_up_tail (off by default) sets each layer's engine: its traced calls then end their gate/up
+    items in 1-block ones (experts of 256 intermediate rows: 8 blocks, in items of several), same output."""
+    E, H, I = 8, 64, 256
+    g = torch.Generator().manual_seed(0)
+    handoff = native.CudaHandoff(1, K)
+    staged = []
+    for _ in range(2):
+        cpu = CpuExperts(torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g),
+                         torch.randn(E, H, I, generator=g), format="bf16", threads=2)
+        st = cpu.packed_state()
+        bufs = (torch.randn(1, H, generator=g).bfloat16(), torch.tensor([[1, 6]]), torch.tensor([[0.7, 0.3]]),
+                torch.zeros(1, H, dtype=torch.bfloat16))
+        handoff.add_layer(E, H, I, st["format"], st["group_size"], st["zero_points"], 2, cpu.isa, st["numa_nodes"],
+                          st["buffers"], *bufs)
+        staged.append((cpu, bufs))
+    flags = torch.zeros(handoff.flag_words, dtype=torch.int32)
+    handoff.start_polling(flags, False)
+
+    def traced_round():
+        for i in (0, 1):
+            handoff.trace(i, 1)
+        stream_round(handoff, flags, [0, 1], 1)
+        return [handoff.take_trace(i)[0]["items"] for i in (0, 1)]
+
+    last_gate_up = lambda items: (lambda up: (up[-1, 5] - up[-1, 4]).item())(items[items[:, 1] == 0])  # b1 - b0
+    assert handoff.gate_up_tail is False
+    assert all(last_gate_up(items) > 1 for items in traced_round())
+    handoff.gate_up_tail = True
+    assert handoff.gate_up_tail is True
+    assert all(last_gate_up(items) == 1 for items in traced_round())
+    for cpu, (x, ids, w, out) in staged:
+        assert torch.equal(out, cpu.forward(x, ids, w))
+    assert handoff.take_error() is None

@@ -324,7 +324,8 @@ class CpuExperts:
                      tail_split: bool | None = None, combine_in_run: bool | None = None,
                      kernel_prefetch_l1: int | None = None, kernel_prefetch_l2: int | None = None,
                      paired: bool | None = None, early_start: bool | None = None,
-                     padded_counters: bool | None = None, balanced_items: bool | None = None) -> None:
+                     padded_counters: bool | None = None, balanced_items: bool | None = None,
+                     gate_up_tail: bool | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
         default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
@@ -339,13 +340,15 @@ class CpuExperts:
         the counters workers count down (per active expert, per down block) each on a cache line
         of its own (default on; off: packed); balanced_items: automatic item sizes chosen so that the
         run should end soonest, by the gate/up items' rounds and all the work over the workers (default on;
-        off: about 4 items per thread)."""
+        off: about 4 items per thread); gate_up_tail: cut the last gate/up items of each side (own, deferred;
+        about two blocks per thread) into 1-block items, so that no expert's gate/up ends a whole item after the
+        others' and holds up its down items (default off)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("kernel_prefetch_l1", kernel_prefetch_l1),
                             ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
                             ("early_start", early_start), ("padded_counters", padded_counters),
-                            ("balanced_items", balanced_items)):
+                            ("balanced_items", balanced_items), ("gate_up_tail", gate_up_tail)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 

@@ -278,6 +278,16 @@ class CudaHandoff:
     def trim_padding(self, on: bool) -> None:
         self._native.trim_padding = bool(on)
 
+    @property
+    def gate_up_tail(self) -> bool:
+        """Every layer's CPU work cuts each side's last gate/up items into 1-block items
+        (CpuExperts.set_schedule's gate_up_tail). Set between steps."""
+        return self._native.gate_up_tail
+
+    @gate_up_tail.setter
+    def gate_up_tail(self, on: bool) -> None:
+        self._native.gate_up_tail = bool(on)
+
     @staticmethod
     def _call(fn, *args):
         try:
