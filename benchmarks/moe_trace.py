@@ -55,7 +55,7 @@ N_ROUTINGS = 16
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
 DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True,
-                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False, gate_up_tail=False)
+                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False, gate_up_tail=True)
 
 
 def schedule_variants(args):
@@ -262,7 +262,7 @@ def main():
                     help="comma list: bytes ahead the AVX-512 kernels prefetch into L2 (0: none); key suffix k2_N")
     ap.add_argument("--paired", default="0",
                     help="comma list of 0/1: one-token experts read two weight blocks at once; key suffix pairN")
-    ap.add_argument("--gate-up-tail", default="0",
+    ap.add_argument("--gate-up-tail", default="1",
                     help="comma list of 0/1: cut each side's last gate/up items into 1-block items; key suffix gutN")
     ap.add_argument("--top-k", type=int, default=None, help="override K, the slots per token")
     ap.add_argument("--deferred", type=int, default=0,

@@ -46,8 +46,8 @@ def test_trace_refuses_a_layer_out_of_range_and_a_negative_count():
 
 
 def test_gate_up_tail_reaches_every_layer_of_the_handoff_and_leaves_the_output_alone():
-    """CudaHandoff.gate_up_tail (off by default) sets each layer's engine: its traced calls then end their gate/up
-    items in 1-block ones (experts of 256 intermediate rows: 8 blocks, in items of several), same output."""
+    """CudaHandoff.gate_up_tail (on by default) sets each layer's engine: off, its traced calls end their gate/up
+    items in items of several blocks (experts of 256 intermediate rows: 8 blocks), on in 1-block ones; same output."""
     E, H, I = 8, 64, 256
     g = torch.Generator().manual_seed(0)
     handoff = native.CudaHandoff(1, K)
@@ -71,10 +71,11 @@ def test_gate_up_tail_reaches_every_layer_of_the_handoff_and_leaves_the_output_a
         return [handoff.take_trace(i)[0]["items"] for i in (0, 1)]
 
     last_gate_up = lambda items: (lambda up: (up[-1, 5] - up[-1, 4]).item())(items[items[:, 1] == 0])  # b1 - b0
+    assert handoff.gate_up_tail is True
+    handoff.gate_up_tail = False
     assert handoff.gate_up_tail is False
     assert all(last_gate_up(items) > 1 for items in traced_round())
     handoff.gate_up_tail = True
-    assert handoff.gate_up_tail is True
     assert all(last_gate_up(items) == 1 for items in traced_round())
     for cpu, (x, ids, w, out) in staged:
         assert torch.equal(out, cpu.forward(x, ids, w))

@@ -157,29 +157,36 @@ def test_balanced_items_change_the_items_not_the_result(make_weights, make_routi
     assert sizes.ge(1).all() and sizes.le(8).all()
 
 
-@pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
+@pytest.mark.parametrize("inter, blocks, k, deferred, own_sizes, deferred_sizes", [
+    # 3-block experts in one item each; 2 threads: whole items from the end until they cover 4 blocks
+    (96, 3, 3, 0, [3] + [1] * 6, []),
+    (96, 3, 3, 1, [1] * 6, [1] * 3),
+    # 10-block experts in 5-block items: 2 experts are 4 items, two rounds of 2 threads: the second round's split
+    (320, 5, 2, 0, [5, 5] + [1] * 10, []),
+    # 3 experts are 6 items, more than two rounds: the last 4 blocks' items alone
+    (320, 5, 3, 0, [5] * 5 + [1] * 5, []),
+])
 def test_gate_up_tail_cuts_each_sides_last_gate_up_items_to_one_block_and_not_the_result(
-        make_weights, make_routing, deferred, fmt):
-    """gate_up_tail: per side (own, then deferred experts) its last gate/up items, about two blocks per thread, are
-    1-block items; the outputs are bit-identical (a gate/up item's rows do not depend on the item's extent)."""
-    experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2)
-    x, ids, weights = make_routing(1, H, K, range(E))
+        make_weights, fmt, inter, blocks, k, deferred, own_sizes, deferred_sizes):
+    """gate_up_tail: per side (own, then deferred experts) its last gate/up items, about two blocks per thread (with
+    two rounds of items or fewer, every item after the first round) are 1-block items; the outputs are
+    bit-identical (a gate/up item's rows do not depend on the item's extent)."""
+    experts = CpuExperts(*make_weights(E, H, inter), format=fmt, group_size=32, threads=2)
+    g = torch.Generator().manual_seed(1)
+    x, ids, weights = torch.randn(1, H, generator=g), torch.randperm(E, generator=g)[:k][None], torch.rand(1, k)
     run = (lambda: experts.forward_deferred(x, ids, weights, deferred)) if deferred else (
         lambda: (experts.forward(x, ids, weights),))
-    experts.set_schedule(item_blocks=3)  # gate/up: 3 blocks per expert, one item each
+    experts.set_schedule(item_blocks=blocks, gate_up_tail=False)
     expected = run()
     experts.set_schedule(gate_up_tail=True)
     experts.trace(1)
     assert all(torch.equal(a, b) for a, b in zip(run(), expected))
     rec = experts.take_trace()[0]
-    check_call(rec, ids, threads=2, slices=1)
     items = rec["items"]
-    for side, experts_of_side in ((0, K - deferred), (1, deferred)):
+    for side, sizes in ((0, own_sizes), (1, deferred_sizes)):
         up = items[(items[:, DOWN] == 0) & (items[:, DEFERRED] == side)]
-        # 2 threads: whole 3-block items from the end until they cover 4 blocks (two items, or the side's only one)
-        split = min(2, experts_of_side)
-        assert (up[:, B1] - up[:, B0]).tolist() == [3] * (experts_of_side - split) + [1] * (3 * split)
+        assert (up[:, B1] - up[:, B0]).tolist() == sizes
 
 
 @pytest.mark.parametrize("nbytes", [0, 64, 1 << 20])
