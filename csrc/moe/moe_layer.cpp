@@ -770,20 +770,14 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
               for (int b = 0; b < nb; b += step) gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
           if (m ? tail_split_ : gate_up_tail_) {
             // The last items, about two blocks per thread of the group, become 1-block items: workers run
-            // out of work (or reach the deferred experts) within a small item of each other.
-            // For gate/up (gate_up_tail): the experts whose gate/up ends last hold up their down items, so
-            // every worker should finish its share of gate/up at about the same time. With at most two rounds
-            // of items (decode) every item after the first round becomes 1-block: in the GPU host's traces
-            // (session 10 call 2, 7 one-token experts, 15 workers, 8-block items) the second round's two
-            // 8-block items ended ~45 us after the 1-block ones, and their expert's down items waited for
-            // them; a 1-block item cost ~8 us there against 7.5 us per block inside an 8-block item.
-            const int group_threads = std::max(1, pool_->threads() / S);
-            const size_t n = gemm_items.size() - seg;
+            // out of work (or reach the deferred experts) within a small item of each other. For gate/up
+            // (gate_up_tail): the experts whose gate/up ends last hold up their down items, so every worker
+            // should finish its share of gate/up at about the same time. (Every gate/up item after the first
+            // round in 1-block items, tried in session 10, was 1-8% slower than none in one-token calls
+            // taking turns call by call on the GPU host.)
             size_t first = gemm_items.size();
-            for (int covered = 0; first > seg && covered < 2 * group_threads;)
+            for (int covered = 0; first > seg && covered < 2 * pool_->threads() / S;)
               --first, covered += gemm_items[first].b1 - gemm_items[first].b0;
-            if (!m && n > size_t(group_threads) && n <= size_t(2 * group_threads))
-              first = std::min(first, seg + group_threads);
             ws.tail_items.assign(gemm_items.begin() + first, gemm_items.end());
             gemm_items.resize(first);
             for (const Item& it : ws.tail_items)

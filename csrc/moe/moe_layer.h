@@ -112,9 +112,8 @@ class MoeLayer {
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }
   bool tail_split() const { return tail_split_; }
-  // Whether each side's last gate/up items (about two blocks per thread; with at most two rounds of
-  // items, all after the first round) are cut into 1-block items, so that its experts' gate/up ends on
-  // every worker within a block of each other (see forward).
+  // Whether each side's last gate/up items (about two blocks per thread) are cut into 1-block items,
+  // so that its experts' gate/up ends on every worker within a block of each other (see forward).
   void set_gate_up_tail(bool on) { gate_up_tail_ = on; }
   bool gate_up_tail() const { return gate_up_tail_; }
   // Whether GEMM items are sized so that the run should end soonest, by the gate/up items' rounds

@@ -162,16 +162,14 @@ def test_balanced_items_change_the_items_not_the_result(make_weights, make_routi
     # 3-block experts in one item each; 2 threads: whole items from the end until they cover 4 blocks
     (96, 3, 3, 0, [3] + [1] * 6, []),
     (96, 3, 3, 1, [1] * 6, [1] * 3),
-    # 10-block experts in 5-block items: 2 experts are 4 items, two rounds of 2 threads: the second round's split
-    (320, 5, 2, 0, [5, 5] + [1] * 10, []),
-    # 3 experts are 6 items, more than two rounds: the last 4 blocks' items alone
+    # 10-block experts in 5-block items: the last item alone covers 4 blocks
+    (320, 5, 2, 0, [5] * 3 + [1] * 5, []),
     (320, 5, 3, 0, [5] * 5 + [1] * 5, []),
 ])
 def test_gate_up_tail_cuts_each_sides_last_gate_up_items_to_one_block_and_not_the_result(
         make_weights, fmt, inter, blocks, k, deferred, own_sizes, deferred_sizes):
-    """gate_up_tail: per side (own, then deferred experts) its last gate/up items, about two blocks per thread (with
-    two rounds of items or fewer, every item after the first round) are 1-block items; the outputs are
-    bit-identical (a gate/up item's rows do not depend on the item's extent)."""
+    """gate_up_tail: per side (own, then deferred experts) its last gate/up items, about two blocks per thread, are
+    1-block items; the outputs are bit-identical (a gate/up item's rows do not depend on the item's extent)."""
     experts = CpuExperts(*make_weights(E, H, inter), format=fmt, group_size=32, threads=2)
     g = torch.Generator().manual_seed(1)
     x, ids, weights = torch.randn(1, H, generator=g), torch.randperm(E, generator=g)[:k][None], torch.rand(1, k)

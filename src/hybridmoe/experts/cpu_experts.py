@@ -341,9 +341,8 @@ class CpuExperts:
         of its own (default on; off: packed); balanced_items: automatic item sizes chosen so that the
         run should end soonest, by the gate/up items' rounds and all the work over the workers (default on;
         off: about 4 items per thread); gate_up_tail: cut the last gate/up items of each side (own, deferred;
-        about two blocks per thread, and with at most two rounds of items every item after the first round) into
-        1-block items, so that no expert's gate/up ends a whole item after the others' and holds up its down items
-        (default on)."""
+        about two blocks per thread) into 1-block items, so that no expert's gate/up ends a whole item after the
+        others' and holds up its down items (default on)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("kernel_prefetch_l1", kernel_prefetch_l1),
