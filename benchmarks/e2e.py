@@ -52,8 +52,11 @@ outlasts that gap, and the next layer's own experts wait behind it). Before the 
 the suites run) it gains less: session 9's call 5 (`--suite qwen3 --layers 12,24 --formats int4 --ablation
 deferral --deferral-rows 1,2 --repeats 2`) measured 443.5 and 452.1 tok/s with K=1 and 2 against 442.4 at
 12 layers (216.2 and 212.3 against 185.7, whose two samples were 165 and 212, at 24): the deferred part,
-after the own part's done, outlasts the GPU's 38 µs between layers (the CPU then reads the deferred experts
-as fast as the own ones, and the next layer's own part waits for it).
+after the own part's done, outlasted the GPU's 38 µs between layers. Session 10's call 4 (the same command,
+each side's last gate/up items in 1-block items since) measured 233.3 and 241.8 against 221.1 at 24 layers
+(its 12-layer samples were disturbed: 207-406 tok/s); the deferred part of one expert then ends 25-28 µs
+after the own part's done (benchmarks/decode_cpu_trace.py --deferred-experts 1), inside the gap, but the own
+part shrinks by less than the expert it gave away (deferral_decode.py: 137-141 against 143-146 us per layer).
 
 --repeats N measures the rows of each engine load N times, interleaved (all on, no CUDA graph, deferral,
 trim..., all on, no CUDA graph, ...): on the GPU host two identical rows differed by up to 20%, so a row
