@@ -57,15 +57,20 @@ def test_every_traced_decode_call_is_replayed_with_its_own_routing(run):
 def test_with_deferral_each_call_shows_its_deferred_part_in_both_the_pipeline_and_the_replay(tmp_path):
     """--deferred-experts 1: each layer's one call computes its own expert and its deferred one (top-2 of 4, one
     token: distinct experts); the replay runs the same merged calls (forward_deferred), so both sides read the same
-    bytes and report the deferred part: out ready inside the run, the deferred expert's items after it."""
+    bytes and report the deferred part: out ready inside the run, the deferred expert's items after it. --timeline
+    prints the first pipeline call's items per worker."""
     out = tmp_path / "trace.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--synthetic", "qwen3_moe:tiny", "--layers", "2", "--device", "cpu",
          "--format", "int4", "--group-size", "32", "--calls", "2", "--threads", "2", "--prompt-len", "8",
-         "--bandwidth-bytes", str(16 << 20), "--max-model-len", "64", "--deferred-experts", "1", "--json", str(out)],
+         "--bandwidth-bytes", str(16 << 20), "--max-model-len", "64", "--deferred-experts", "1", "--timeline", "1",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("deferred part (2 calls)") == 2 * 2  # 2 layers x (pipeline, standalone)
+    # --timeline 1: each layer's first pipeline call, its workers' items (D: a deferred slot's expert)
+    assert proc.stdout.count("timeline (us from the run's start") == 2 and "own output ready at" in proc.stdout
+    assert " gD" in proc.stdout and " dD" in proc.stdout
     for row in json.loads(out.read_text())["rounds"][0]["layers"]:
         pipe, solo = row["pipeline"], row["standalone"]
         assert pipe["bytes"] == solo["bytes"] and pipe["A"] == solo["A"] == 2
