@@ -325,11 +325,43 @@ class Handoff : public hmoe::FlagChannel {
 
   // Read by the CPU work of every later call (set it between steps).
   bool trim_padding_ = false;
-  // Every layer's MoeLayer::gate_up_tail (set it between steps); false with no layer.
-  void set_gate_up_tail(bool on) {
-    for (auto& l : layers_) l->moe->set_gate_up_tail(on);
+  // A knob of every layer's MoeLayer schedule (CpuExperts.set_schedule's names; set it between steps), so that
+  // benchmarks can compare schedules in the running pipeline; schedule() reads the first layer's.
+  static constexpr const char* kKnobs[] = {"item_blocks", "item_prefetch", "tail_split", "gate_up_tail",
+                                           "balanced_items", "combine_in_run", "early_start", "paired",
+                                           "padded_counters"};
+  void set_schedule(const std::string& name, int value) {
+    if (std::find(std::begin(kKnobs), std::end(kKnobs), name) == std::end(kKnobs))
+      fail("unknown schedule knob '" + name + "'");
+    if (value < 0) fail(name + " must be >= 0, got " + std::to_string(value));
+    for (auto& l : layers_) {
+      hmoe::MoeLayer& m = *l->moe;
+      if (name == "item_blocks") m.set_item_blocks(value);
+      else if (name == "item_prefetch") m.set_item_prefetch(value);
+      else if (name == "tail_split") m.set_tail_split(value);
+      else if (name == "gate_up_tail") m.set_gate_up_tail(value);
+      else if (name == "balanced_items") m.set_balanced_items(value);
+      else if (name == "combine_in_run") m.set_combine_in_run(value);
+      else if (name == "early_start") m.set_early_start(value);
+      else if (name == "paired") m.set_paired(value);
+      else m.set_padded_counters(value);
+    }
   }
-  bool gate_up_tail() const { return !layers_.empty() && layers_[0]->moe->gate_up_tail(); }
+  nb::dict schedule() const {
+    if (layers_.empty()) fail("the handoff has no layer yet");
+    const hmoe::MoeLayer& m = *layers_[0]->moe;
+    nb::dict d;
+    d["item_blocks"] = m.item_blocks();
+    d["item_prefetch"] = m.item_prefetch();
+    d["tail_split"] = m.tail_split();
+    d["gate_up_tail"] = m.gate_up_tail();
+    d["balanced_items"] = m.balanced_items();
+    d["combine_in_run"] = m.combine_in_run();
+    d["early_start"] = m.early_start();
+    d["paired"] = m.paired();
+    d["padded_counters"] = m.padded_counters();
+    return d;
+  }
 
   // The first failure a host function recorded since the last call (then cleared).
   std::optional<std::string> take_error() {
@@ -615,8 +647,9 @@ void register_cuda_host(nb::module_& m) {
       .def_prop_ro("mode", &Handoff::mode)
       .def_rw("trim_padding", &Handoff::trim_padding_,
               "One token: leave out its trailing slots of weight 0 (padding) instead of computing them.")
-      .def_prop_rw("gate_up_tail", &Handoff::gate_up_tail, &Handoff::set_gate_up_tail,
-                   "Every layer's CPU work cuts its last gate/up items into 1-block items (CpuExperts.set_schedule).")
+      .def("set_schedule", &Handoff::set_schedule, "name"_a, "value"_a,
+           "One schedule knob (CpuExperts.set_schedule's names) of every layer.")
+      .def("schedule", &Handoff::schedule, "The first layer's schedule knobs.")
       .def("take_stats", &Handoff::take_stats)
       .def("trace", &Handoff::trace, "layer"_a, "calls"_a)
       .def("take_trace", &Handoff::take_trace, "layer"_a)

@@ -45,9 +45,10 @@ def test_trace_refuses_a_layer_out_of_range_and_a_negative_count():
         handoff.take_trace(-1)
 
 
-def test_gate_up_tail_reaches_every_layer_of_the_handoff_and_leaves_the_output_alone():
-    """CudaHandoff.gate_up_tail (on by default) sets each layer's engine: off, its traced calls end their gate/up
-    items in items of several blocks (experts of 256 intermediate rows: 8 blocks), on in 1-block ones; same output."""
+def test_set_schedule_reaches_every_layer_of_the_handoff_and_leaves_the_output_alone():
+    """CudaHandoff.set_schedule sets each layer's engine: with gate_up_tail off (on by default) its traced calls end
+    their gate/up items in items of several blocks (experts of 256 intermediate rows: 8 blocks), on in 1-block ones;
+    item_blocks 1 cuts every item to one block; the output stays the same."""
     E, H, I = 8, 64, 256
     g = torch.Generator().manual_seed(0)
     handoff = native.CudaHandoff(1, K)
@@ -71,12 +72,23 @@ def test_gate_up_tail_reaches_every_layer_of_the_handoff_and_leaves_the_output_a
         return [handoff.take_trace(i)[0]["items"] for i in (0, 1)]
 
     last_gate_up = lambda items: (lambda up: (up[-1, 5] - up[-1, 4]).item())(items[items[:, 1] == 0])  # b1 - b0
-    assert handoff.gate_up_tail is True
-    handoff.gate_up_tail = False
-    assert handoff.gate_up_tail is False
+    assert handoff.schedule()["gate_up_tail"] is True and handoff.schedule()["item_blocks"] == 0
+    handoff.set_schedule("gate_up_tail", 0)
+    assert handoff.schedule()["gate_up_tail"] is False
     assert all(last_gate_up(items) > 1 for items in traced_round())
-    handoff.gate_up_tail = True
+    handoff.set_schedule("gate_up_tail", 1)
     assert all(last_gate_up(items) == 1 for items in traced_round())
+    handoff.set_schedule("gate_up_tail", 0)
+    handoff.set_schedule("item_blocks", 1)
+    assert all(((items[:, 5] - items[:, 4]) == 1).all() for items in traced_round())
     for cpu, (x, ids, w, out) in staged:
         assert torch.equal(out, cpu.forward(x, ids, w))
     assert handoff.take_error() is None
+
+
+def test_set_schedule_refuses_an_unknown_knob_and_a_negative_value():
+    handoff, _ = polling_handoff([Layer(0)])
+    with pytest.raises(ValueError, match="unknown schedule knob 'item_size'"):
+        handoff.set_schedule("item_size", 2)
+    with pytest.raises(ValueError, match="item_blocks must be >= 0"):
+        handoff.set_schedule("item_blocks", -1)

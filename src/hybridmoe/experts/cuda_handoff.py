@@ -278,15 +278,17 @@ class CudaHandoff:
     def trim_padding(self, on: bool) -> None:
         self._native.trim_padding = bool(on)
 
-    @property
-    def gate_up_tail(self) -> bool:
-        """Every layer's CPU work cuts each side's last gate/up items into 1-block items
-        (CpuExperts.set_schedule's gate_up_tail). Set between steps."""
-        return self._native.gate_up_tail
+    def set_schedule(self, **knobs: int | bool | None) -> None:
+        """CpuExperts.set_schedule's knobs (item_blocks, item_prefetch, tail_split, gate_up_tail,
+        balanced_items, combine_in_run, early_start, paired, padded_counters; None: leave as is) for every
+        layer's CPU work, so that benchmarks compare schedules in the running pipeline. Set between steps."""
+        for name, value in knobs.items():
+            if value is not None:
+                self._call(self._native.set_schedule, name, int(value))
 
-    @gate_up_tail.setter
-    def gate_up_tail(self, on: bool) -> None:
-        self._native.gate_up_tail = bool(on)
+    def schedule(self) -> dict[str, int | bool]:
+        """The layers' schedule knobs (set_schedule sets them alike)."""
+        return self._call(self._native.schedule)
 
     @staticmethod
     def _call(fn, *args):
