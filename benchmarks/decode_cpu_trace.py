@@ -70,7 +70,8 @@ def parse_args(argv=None):
                     help="comma list: torch's CPU threads for each traced round on the same engine (0: as loaded, "
                          "as e2e.py runs; default 0)")
     ap.add_argument("--deferred-experts", type=int, default=0, help="K lowest-scored experts deferred (default 0)")
-    ap.add_argument("--timeline", type=int, default=0, help="print the item timeline of each layer's first N pipeline calls")
+    ap.add_argument("--timeline", type=int, default=0,
+                    help="print the item timeline of each layer's first N pipeline calls (default 0)")
     ap.add_argument("--gap-us", type=float, default=100.0, help="standalone: busy work between calls")
     ap.add_argument("--group-size", type=int, default=None, help="expert group size (default: the engine's)")
     ap.add_argument("--bandwidth-bytes", type=int, default=1 << 30)
@@ -91,13 +92,15 @@ class Side:
         # per captured call, its deferred slots: on CUDA (partner) their (ids, weights), else their count (0: none)
         self.captured_deferred: list = []
         self.pipe_records: list[dict] = []
+        self.armed = False  # CPU device: the next submit is the traced one
         if handoff is not None:
             self.index, self.threads = handoff._index[layer], handoff.threads[layer]
         else:
             self.threads = cpu.threads
 
     def install(self) -> None:
-        """A fresh round; on the CPU device, the layer's submit records its inputs."""
+        """A fresh round; on the CPU device, the layer's submit (or submit_deferred) records the inputs of each
+        traced call."""
         self.captured, self.captured_deferred, self.pipe_records = [], [], []
         self.armed = False
         if self.handoff is None:

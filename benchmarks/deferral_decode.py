@@ -64,15 +64,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy; "
                         "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:ibN] (zc/nozc: "
+                        "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:ibN] "
+                        "(zc/nozc: "
                         "zero-copy on/off, else the engine's; nopin: the decode steps' thread left unpinned, "
                         "HybridExperts.pin_decode_thread; "
                         "kf/nokf: the router's kernel stages the CPU's rows and kernels play the handoff's flags, "
                         "HybridExperts.kernel_flags; res/nores: the MoE blocks hand the residual add to the "
                         "backend, SparseMoeBlock.adds_residual; pf/nopf: the next layer's attention weights prefetched "
                         "into L2 during the CPU's part, HybridExperts.prefetch_next; mg/nomg: a layer's own and "
-                        "deferred CPU parts in one call, HybridExperts.merged_deferral; gut/nogut: every handoff's CPU work cuts "
-                        "its last gate/up items into 1-block items; ibN: GEMM items of N blocks (0: automatic); both through "
+                        "deferred CPU parts in one call, HybridExperts.merged_deferral; gut/nogut: every handoff's CPU "
+                        "work cuts its last gate/up items into 1-block items; ibN: GEMM items of N blocks (0: "
+                        "automatic); both through "
                         "CudaHandoff.set_schedule; else the engine's), "
                         "e.g. 0,1,2,0:nozc,0:nopin,0:kf")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")

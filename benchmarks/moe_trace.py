@@ -172,9 +172,9 @@ def print_timeline(rec, indent=40):
     for w in sorted(set(it[:, WORKER].tolist())):
         mine = it[it[:, WORKER] == w]
         mine = mine[np.argsort(mine[:, START])]
+        waited = lambda r: f"+w{r[WAIT] / 1e3:.0f}" if r[WAIT] > 500 else ""  # waits of half a us or more
         cells = [f"{'d' if r[DOWN] else 'g'}{'D' if r[DEFERRED] else ''}{r[EXPERT]}:{r[B0]}-{r[B1]} "
-                 f"{(r[START] - t0) / 1e3:.0f}-{(r[END] - t0) / 1e3:.0f}" + (f"+w{r[WAIT] / 1e3:.0f}" if r[WAIT] > 500 else "")
-                 for r in mine]
+                 f"{(r[START] - t0) / 1e3:.0f}-{(r[END] - t0) / 1e3:.0f}{waited(r)}" for r in mine]
         print(f"{'':<{indent}}   w{w:<2} " + "  ".join(cells))
 
 
@@ -267,7 +267,8 @@ def main():
     ap.add_argument("--top-k", type=int, default=None, help="override K, the slots per token")
     ap.add_argument("--deferred", type=int, default=0,
                     help="each token's last D slots deferred (forward_deferred: one call, two outputs); default 0")
-    ap.add_argument("--timeline", type=int, default=0, help="print the item timeline of the first N traced calls per cell")
+    ap.add_argument("--timeline", type=int, default=0,
+                    help="print the item timeline of the first N traced calls per cell (default 0)")
     ap.add_argument("--pages", default="huge",
                     help="comma list: the layers' packed weights in huge pages (as the engine packs them) and/or "
                          "small (4 KiB pages: copies in torch's allocator); key suffix the name, if several")

@@ -818,8 +818,11 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   auto combine = [&](int t, int c0, int c1) { combine_slots(t, 0, K_own, c.out, c0, c1); };
   auto combine_deferred = [&](int t, int c0, int c1) { combine_slots(t, K_own, K, c.out2, c0, c1); };
   auto out_ready = [&] {
-    if (c.out_ready_ns) *c.out_ready_ns = trace_now_ns();
-    if (tr && c.deferred > 0) tr->ready_ns = trace_now_ns();
+    if (c.out_ready_ns || (tr && c.deferred > 0)) {
+      const int64_t now = trace_now_ns();
+      if (c.out_ready_ns) *c.out_ready_ns = now;
+      if (tr && c.deferred > 0) tr->ready_ns = now;
+    }
     if (c.out_ready) __atomic_store_n(c.out_ready, 1u, __ATOMIC_RELEASE);
   };
   const bool combine_in_run = combine_in_run_ && T <= kCombineInRunTokens;
@@ -888,7 +891,8 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       }
       // The last one of this expert (acq_rel: it sees every other item's h) converts h.
       // Traced: the item's end is stamped before it lets its expert's down items go.
-      if (titems) titems[i] = {worker, 0, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
+      if (titems)
+        titems[i] = {worker, 0, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
       if (pending[it.j].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         down_acts(it.j);
         pending[it.j].store(-1, std::memory_order_release);
@@ -904,7 +908,8 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     const int col0 = (down.slice_begin[it.s] + it.b0) * kBlockRows;
     gemm_of(kn, true, fmt)(view(down, order[it.j], it.s), it.b0, it.b1, a, y + size_t(row_begin[it.j]) * ldy + col0,
                            int(ldy));
-    if (titems) titems[i] = {worker, 1, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
+    if (titems)
+      titems[i] = {worker, 1, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
     if (!combine_in_run) return;
     // The last expert to finish a block of output columns (acq_rel: it sees every other
     // expert's y there) sums them; traced as this item's convert time. With deferral: the last own
