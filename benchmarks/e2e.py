@@ -42,7 +42,9 @@ stream_mem_ops handoff only, and (without --repeats)
 followed by "all on" again on the same engine; deferral: deferral toggled (a row for each K of
 --deferral-rows K1,K2,... when "all on" has 0, default 1; else one row with 0; switched on the same engine
 when it is the hybrid split, as with a GPU budget);
-gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own). Deferral is not in "all on"
+gpu-experts: no GPU experts (--gpu-experts-per-layer 0, a load of its own); packed (int4 / int8): the GPU's experts
+in the model's dtype instead of packed as the CPU's (--no-gpu-experts-packed, a load of its own: the
+budget then holds a quarter / half as many). Deferral is not in "all on"
 by default: it changes the model's output (0 is exact; benchmarks/deferral_quality.py gives the cost). On
 the GPU host (device round r2 of session 5, benchmarks/deferral_decode.py, Qwen3-30B-A3B 4 layers, decode
 thread pinned, zero-copy) 1 deferred expert made int4 decode 1.27x faster (1.06 vs 1.35 ms/token: its CPU
@@ -104,7 +106,7 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
            "vs_llama_prefill": 1.5}
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 0, exact (see above for what 1 gains)."""
-ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "ahead", "deferral", "gpu-experts")
+ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "ahead", "deferral", "gpu-experts", "packed")
 HANDOFF_ROWS = {"zero-copy": ("zero-copy", {"zero_copy": True}),
                 "trim": ("trim padding", {"trim_padding": True}), "pin": ("unpinned", {"pin_decode_thread": False}),
                 "ahead": ("step ahead", {"sample_on_device": True, "lookahead": True})}
@@ -114,7 +116,7 @@ with its own options, which shows how much the same engine drifts between its fi
 
 SUITES = {
     "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4,12", formats="int4,bf16", prompt_lens="512,2048,8192",
-                  gen_len=64, ablation="graph,trim,pin,ahead,deferral,gpu-experts", repeats=3,
+                  gen_len=64, ablation="graph,trim,pin,ahead,deferral,gpu-experts,packed", repeats=3,
                   deferral_rows="1,2", engine=dict(gpu_memory_budget="16GiB")),
     "dsv2lite": dict(synthetic="deepseek-v2-lite", layers="8", formats="int4", prompt_lens="512,2048,8192",
                      gen_len=32, ablation=None, engine=dict(gpu_memory_budget="16GiB")),
@@ -268,6 +270,9 @@ def configurations(kwargs: dict, formats: list[str | None], ablation: list[str],
                          deferral_variants=deferral))
         if first and "gpu-experts" in ablation:
             variants.append(Load(f"{name} no GPU experts", dict(base, gpu_experts_per_layer=0), every_length=False))
+        if first and "packed" in ablation and base.get("expert_format") in ("int4", "int8"):
+            variants.append(Load(f"{name} GPU experts unpacked", dict(base, gpu_experts_packed=False),
+                                 every_length=False))
     return runs + variants
 
 

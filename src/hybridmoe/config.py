@@ -95,6 +95,11 @@ class EngineConfig:
     gpu_experts_per_layer: int | None = None
     """Routed experts per MoE layer kept on the GPU, instead of what the policy derives from the budget."""
 
+    gpu_experts_packed: bool = True
+    """With int4 / int8 CPU experts on CUDA: keep the GPU's routed experts packed in that format too (the same
+    codes as on the CPU, 1/4 or 1/2 of bf16's memory, so the budget holds 4 or 2 times as many); False: in the
+    model's dtype."""
+
     deferred_experts: int = 0
     """Expert deferral: each token's K lowest-weighted routed experts run on the CPU while the next layer's
     attention runs, and their output joins the residual one layer later. 0 is exact."""

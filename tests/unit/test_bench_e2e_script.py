@@ -53,6 +53,14 @@ def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report
     assert "assumption: top-k routing" in text
 
 
+def test_the_packed_row_unpacks_the_gpu_experts_of_int4_and_int8_only():
+    loads = E2E["configurations"]({"gpu_memory_budget": 1 << 30}, ["int4", "bf16"], ["packed"])
+    unpacked = [load for load in loads if load.label.endswith("GPU experts unpacked")]
+    assert [load.label for load in unpacked] == ["int4 GPU experts unpacked"]
+    assert unpacked[0].kwargs["gpu_experts_packed"] is False and unpacked[0].kwargs["expert_format"] == "int4"
+    assert not any("unpacked" in load.label for load in E2E["configurations"]({}, ["bf16"], ["packed"]))
+
+
 def test_bad_prompt_lengths_are_a_one_line_error(capsys):
     assert E2E["main"](["--synthetic", "qwen3_moe:tiny", "--prompt-lens", "16,x"]) == 2
     err = capsys.readouterr().err
@@ -62,7 +70,7 @@ def test_bad_prompt_lengths_are_a_one_line_error(capsys):
 def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     args = E2E["parse_args"](["--suite", "qwen3", "--gpu-memory-budget", "8GiB"])
     assert (args.synthetic, args.layers, args.formats, args.repeats) == ("qwen3-30b-a3b", "4,12", "int4,bf16", 3)
-    assert args.ablation == "graph,trim,pin,ahead,deferral,gpu-experts"
+    assert args.ablation == "graph,trim,pin,ahead,deferral,gpu-experts,packed"
     assert args.deferral_rows == "1,2" and E2E["parse_args"](["--synthetic", "x"]).deferral_rows == "1"
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
@@ -133,7 +141,7 @@ def test_with_repeats_the_handoff_rows_have_no_all_on_again_row():
 def test_ablation_rows_can_be_chosen():
     runs = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("graph"))
     assert [(r.label, r.eager_label, r.handoff_variants) for r in runs] == [("int4 all on", "int4 no CUDA graph", ())]
-    every = "graph,zero-copy,trim,pin,ahead,deferral,gpu-experts"
+    every = "graph,zero-copy,trim,pin,ahead,deferral,gpu-experts,packed"
     assert E2E["parse_args"](["--synthetic", "x", "--ablation"]).ablation == every
     with pytest.raises(HybridMoEError, match=f"--ablation takes rows among {every}, got graphs"):
         E2E["ablation_rows"]("graphs,trim")

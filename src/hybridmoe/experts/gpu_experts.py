@@ -1,7 +1,8 @@
 """The GPU share of a MoE layer: the routed experts cached on the GPU, applied to their slots.
 
 weighted_experts is the reference (any device, any T; it groups slots by expert with one host
-sync). fixed_shape_experts computes the same sum in shapes fixed by T, K and E with no host sync,
+sync). The experts are dense tensors or, kept packed on the GPU, PackedMatrix (experts/packed_gpu.py).
+fixed_shape_experts computes the same sum in shapes fixed by T, K and E with no host sync,
 so a CUDA graph can capture it: on CUDA with triton and SiLU experts, two grouped Triton kernels
 that read only the routed experts' weights (gpu_experts_triton.py: expert-major for decode, over
 the slot blocks made here for longer steps); elsewhere (the CPU in CI, no triton, another activation) its torch version.
@@ -24,6 +25,13 @@ def triton_usable(device: torch.device, act) -> bool:
     return HAVE_TRITON and device.type == "cuda" and act is F.silu
 
 
+def dense_weights(gate, up, down) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The experts as dense [E, N, K] tensors: a PackedMatrix (GPU experts kept packed,
+    experts/packed_gpu.py) dequantized as its kernels see it, a tensor as it is. Only the torch
+    paths need it (the Triton kernels read packed weights as they are)."""
+    return tuple(w if isinstance(w, torch.Tensor) else w.dense() for w in (gate, up, down))
+
+
 def weighted_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                      ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None, act) -> torch.Tensor:
     """sum over slots with mask of weights * expert_ids(x), as TorchExperts computes it; float32 [T, H].
@@ -32,6 +40,7 @@ def weighted_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down
     mask [T, K] bool (None: every slot). Slots are grouped by expert with one host sync (the
     counts), so on a GPU a long prefill does not wait on the host once per expert.
     """
+    gate, up, down = dense_weights(gate, up, down)
     K, E = ids.shape[1], gate.shape[0]
     xw = x.to(gate.dtype)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -84,6 +93,7 @@ def torch_fixed_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     once, and a dense [T, E] weight matrix picks the sum; gathering each slot's expert moves about
     three times T * K experts (read, copy, read the copy), so it is used only when that is less.
     """
+    gate, up, down = dense_weights(gate, up, down)
     T, K = ids.shape
     E = gate.shape[0]
     xw = x.to(gate.dtype)

@@ -1,7 +1,7 @@
 """The hybrid backend: each MoE layer's routed experts split between the GPU and the CPU engine.
 
 Per layer, the experts the PlacementPlan puts on the GPU are stacked there (torch, the model's
-dtype); the others go to the CPU engine (native CpuExperts, or the torch reference on the CPU),
+dtype; with int4 / int8 CPU experts on CUDA, packed as the CPU engine packs them: gpu_format); the others go to the CPU engine (native CpuExperts, or the torch reference on the CPU),
 which holds only those, renumbered 0..E_cpu-1. Each token's top-k is split by where its experts
 live; the two partial outputs are summed in float32. submit() starts the CPU part (native submit
 returns at once, the workers run without the GIL) and then the GPU part; wait() joins them.
@@ -134,7 +134,7 @@ class _Layer:
         self.on_gpu = on_gpu.to(device)
         self.local_cpu = local  # [E] global id -> index among its side's experts
         self.local = local.to(device)
-        self.gpu_weights = gpu_weights  # (gate, up, down) on the device, or None
+        self.gpu_weights = gpu_weights  # (gate, up, down) on the device (tensors, or PackedMatrix), or None
         self.cpu = cpu  # TorchCpuLayer / CpuExperts, or None
         self.streamer = None  # PrefillStreamer (experts/streamed_prefill.py): long steps' CPU share on the device
 
@@ -283,9 +283,12 @@ class HybridExperts(ExpertBackend):
     """
 
     def __init__(self, plan: PlacementPlan, device: str | torch.device, cpu_layer: Callable, act=F.silu,
-                 deferred_experts: int = 0, num_layers: int = 0):
+                 deferred_experts: int = 0, num_layers: int = 0, gpu_format: str | None = None):
         self.plan, self.device, self.act = plan, torch.device(device), act
         self._cpu_layer = cpu_layer
+        self.gpu_format = gpu_format
+        """None: GPU experts stacked in the model's dtype; "int4" / "int8": packed by cpu_layer (the native engine,
+        in that format) and kept packed on the device (experts/packed_gpu.py; packed_gpu_format decides)."""
         self.deferred_experts = deferred_experts
         self._layers: dict[int, _Layer] = {}
         self._inflight: dict[int, tuple[_Partial, torch.Tensor, tuple | None]] = {}
@@ -345,8 +348,8 @@ class HybridExperts(ExpertBackend):
         # index_select copies: the GPU side gets only its experts, the CPU engine only the others
         gpu = None
         if len(gpu_ids):
-            gpu = tuple(w.index_select(0, gpu_ids.to(w.device)).to(self.device)
-                        for w in (gate_proj, up_proj, down_proj))
+            gpu = self._on_device(tuple(w.index_select(0, gpu_ids.to(w.device)).to(self._gpu_staging)
+                                        for w in (gate_proj, up_proj, down_proj)))
         cpu = None
         if len(cpu_ids):
             cpu = self._cpu_layer(*(w.index_select(0, cpu_ids.to(w.device)).cpu()
@@ -365,7 +368,7 @@ class HybridExperts(ExpertBackend):
         def cpu_experts():
             for e, weights in enumerate(experts):
                 if e in gpu_slot:
-                    _put(gpu, len(gpu_ids), gpu_slot[e], weights, self.device)
+                    _put(gpu, len(gpu_ids), gpu_slot[e], weights, self._gpu_staging)
                 else:
                     yield weights
 
@@ -377,7 +380,21 @@ class HybridExperts(ExpertBackend):
             for i, weights in enumerate(cpu_experts()):
                 _put(stacked, len(cpu_ids), i, weights, torch.device("cpu"))
             cpu = self._cpu_layer(*stacked) if stacked else None
-        self._layers[layer] = _Layer(on_gpu, local, tuple(gpu) or None, cpu, self.device)
+        self._layers[layer] = _Layer(on_gpu, local, self._on_device(tuple(gpu)) if gpu else None, cpu, self.device)
+
+    @property
+    def _gpu_staging(self) -> torch.device:
+        """Where a layer's GPU experts are stacked as they come: on the device, or on the CPU to be packed."""
+        return torch.device("cpu") if self.gpu_format else self.device
+
+    def _on_device(self, stacked: tuple[torch.Tensor, ...]) -> tuple:
+        """A layer's GPU experts (gate, up, down), stacked in _gpu_staging, as the GPU share reads them."""
+        if not self.gpu_format:
+            return stacked
+        from hybridmoe.experts.packed_gpu import pack_gpu_experts
+
+        # the native packer makes the codes and scales the CPU engine would; its CPU copy goes once copied
+        return pack_gpu_experts(self._cpu_layer(*stacked), self.device, stacked[0].dtype)
 
     def layers(self):
         return sorted(self._layers)

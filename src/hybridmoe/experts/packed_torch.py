@@ -91,9 +91,10 @@ class PackedLayout:
 
         buffers: name -> the flat packed buffer as uint8 bytes, on the device that does the work.
         """
-        return tuple(self._matrix(mat, buffers, experts, dtype) for mat in self.matrices)
+        return tuple(self.matrix(mat, buffers, experts, dtype) for mat in self.matrices)
 
-    def _matrix(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor, dtype) -> torch.Tensor:
+    def matrix(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor, dtype) -> torch.Tensor:
+        """One of self.matrices for experts `experts`, [n, N, K] in dtype (dequantize's parts)."""
         if fused_dequant(experts.device):
             return self._matrix_triton(mat, buffers, experts, dtype)
         rows = [self._slice(mat, sl, buffers, experts, dtype) for sl in mat.slices]  # each [n, nb * 32, K]

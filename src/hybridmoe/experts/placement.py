@@ -61,6 +61,14 @@ def cpu_expert_bytes(fmt: str, inter: int, hidden: int, group_size: int) -> int:
     raise HybridMoEError(f"unknown expert format {fmt!r}")
 
 
+def gpu_expert_format(engine_config: EngineConfig, dtype: torch.dtype) -> str | None:
+    """The packed format the GPU's routed experts are kept in (experts/packed_gpu.py), or None: the model's dtype."""
+    from hybridmoe.experts.packed_gpu import packed_gpu_format
+
+    return packed_gpu_format(engine_config.expert_backend, engine_config.expert_format, engine_config.device, dtype,
+                             engine_config.gpu_experts_packed)
+
+
 @dataclass
 class Footprint:
     """A model's GPU memory, from its tensor sizes (nothing allocated)."""
@@ -71,12 +79,14 @@ class Footprint:
     """KV cache of max_num_seqs sequences x max_model_len tokens."""
     workspace_bytes: int
     expert_bytes: int
-    """One routed expert (gate + up + down) on the GPU, in the compute dtype."""
+    """One routed expert (gate + up + down) on the GPU: in the compute dtype, or packed (gpu_expert_format)."""
     moe_layers: list[int]
     num_experts: int
     top_k: int
     hidden_size: int
     moe_intermediate_size: int
+    gpu_format: str | None = None
+    """The packed format of the GPU's routed experts (gpu_expert_format), None: the compute dtype."""
 
     @property
     def fixed_bytes(self) -> int:
@@ -87,6 +97,7 @@ def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: Engine
     """Build the model on the meta device (no memory) and add up what it would hold."""
     from hybridmoe.engine.llm_engine import max_model_len
     from hybridmoe.experts.streamed_prefill import reserved_bytes as prefill_streaming_bytes
+    from hybridmoe.experts.packed_gpu import packed_expert_bytes
     from hybridmoe.experts.torch_ref import TorchExperts
 
     with torch.device("meta"):
@@ -106,9 +117,14 @@ def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: Engine
     workspace = (WORKSPACE_FIXED_BYTES + engine_config.max_num_batched_tokens * WORKSPACE_ROW_FLOATS * widest * 4
                  + 2 * engine_config.max_num_seqs * config.vocab_size * 4
                  + prefill_streaming_bytes(engine_config, E, H, inter, config.num_experts_per_tok))
+    packed = gpu_expert_format(engine_config, dtype)
+    expert_bytes = (packed_expert_bytes(packed, H, inter, engine_config.expert_group_size_or_default,
+                                        bool(engine_config.expert_zero_points)) if packed
+                    else 3 * inter * H * torch.finfo(dtype).bits // 8)
     return Footprint(non_expert_bytes=non_expert, kv_cache_bytes=kv, workspace_bytes=workspace,
-                     expert_bytes=3 * inter * H * torch.finfo(dtype).bits // 8, moe_layers=model.moe_layers,
-                     num_experts=E, top_k=config.num_experts_per_tok, hidden_size=H, moe_intermediate_size=inter)
+                     expert_bytes=expert_bytes, moe_layers=model.moe_layers,
+                     num_experts=E, top_k=config.num_experts_per_tok, hidden_size=H, moe_intermediate_size=inter,
+                     gpu_format=packed)
 
 
 @dataclass
@@ -187,7 +203,8 @@ class PlacementPlan:
         counts = (f"{per_layer[0]}" if len(per_layer) == 1 else f"{per_layer[0]}..{per_layer[-1]}")
         budget = format_bytes(self.budget) if self.budget is not None else "none"
         return (f"{self.policy}: {self.num_gpu_experts} of {fp.num_experts * len(fp.moe_layers)} routed "
-                f"experts on the GPU ({counts} per MoE layer, {format_bytes(fp.expert_bytes)} each); GPU "
+                f"experts on the GPU ({counts} per MoE layer, {format_bytes(fp.expert_bytes)} each"
+                f"{', packed ' + fp.gpu_format if fp.gpu_format else ''}); GPU "
                 f"{format_bytes(self.gpu_bytes)} of budget {budget} = non-expert weights "
                 f"{format_bytes(fp.non_expert_bytes)} + KV cache {format_bytes(fp.kv_cache_bytes)} + workspace "
                 f"{format_bytes(fp.workspace_bytes)} + experts "

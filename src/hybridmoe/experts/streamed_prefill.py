@@ -503,7 +503,7 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
                    resident_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The masked routed experts of one layer computed from its packed buffers on x's device; float32 [T, H].
     resident: (gate, up, down) of G
-    experts already on the device, for the slots of resident_mask [T, K] (ids local to them there).
+    experts already on the device (dense tensors, or PackedMatrix: experts/packed_gpu.py), for the slots of resident_mask [T, K] (ids local to them there).
 
     The layer's experts are dequantized a chunk of consecutive ids at a time into x's dtype (bf16/fp16;
     float32 stays float32). On CUDA with triton (and SiLU) the slots are sorted into blocks of one expert
@@ -538,7 +538,7 @@ def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     the kernels skip), its experts renumbered from 0. Every slot is in one block of one chunk, so the
     chunks share the h [S, I] and y [S, H] rows.
     """
-    from hybridmoe.experts.gpu_experts_triton import _down_kernel, _gate_up_kernel
+    from hybridmoe.experts.gpu_experts_triton import down_launch, gate_up_launch
 
     T, K = ids.shape
     E, H, I, S = layout.E, layout.H, layout.I, ids.numel()
@@ -560,12 +560,8 @@ def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     for c, (c0, c1) in enumerate(chunks):
         gate, up, down = resident if c0 == E else layout.dequantize(buffers, experts[c0:c1], x.dtype)
         be, bs = chunk_expert[c], chunk_slots[c]
-        _gate_up_kernel[(NB, -(-I // 16))](
-            x, gate, up, be, bs, h, S, H, I, K, x.stride(0), gate.stride(0), gate.stride(1), h.stride(0),
-            BLOCK_S=block, BLOCK_I=16, BLOCK_H=128, PRECISION=precision, EXPERT_MAJOR=False)
-        _down_kernel[(NB, -(-H // 32))](
-            h, down, be, bs, w, y, S, H, I, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-            BLOCK_S=block, BLOCK_H=32, BLOCK_I=64, PRECISION=precision, EXPERT_MAJOR=False)
+        gate_up_launch(x, gate, up, be, bs, h, K, NB, block, precision, False)
+        down_launch(h, down, be, bs, w, y, NB, block, precision, False, x.dtype)
     return y.view(T, K, H).sum(dim=1)
 
 

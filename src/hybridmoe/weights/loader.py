@@ -102,7 +102,7 @@ def _cpu_experts_class():
 
 def _hybrid_backend(engine_config: EngineConfig, config: ModelConfig, model_cls, dtype, act) -> ExpertBackend:
     from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
-    from hybridmoe.experts.placement import placement_for
+    from hybridmoe.experts.placement import gpu_expert_format, placement_for
 
     top_k = config.num_experts_per_tok
     if engine_config.deferred_experts >= top_k:
@@ -114,7 +114,7 @@ def _hybrid_backend(engine_config: EngineConfig, config: ModelConfig, model_cls,
     else:
         cpu_layer = lambda g, u, d: TorchCpuLayer(g, u, d, act)  # noqa: E731
     return HybridExperts(plan, engine_config.device, cpu_layer, act, engine_config.deferred_experts,
-                         config.num_hidden_layers)
+                         config.num_hidden_layers, gpu_format=gpu_expert_format(engine_config, dtype))
 
 
 class _NativeLayer:

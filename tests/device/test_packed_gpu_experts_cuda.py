@@ -1,0 +1,120 @@
+"""GPU experts kept packed (int4 / int8, experts/packed_gpu.py) in the Triton GPU share: equal to weighted_experts
+on the same dequantized weights for T = 1 and 8 (decode: expert-major), 9 and 300 (sorted blocks), eagerly
+and as a CUDA graph replay; the streamed prefill's resident experts; and a hybrid model on CUDA with int4
+experts, whose GPU experts are packed, takes a quarter of bf16's expert memory and gives the tokens of
+the same engine with every expert on the CPU.
+Runs on the GPU host through scripts/device_check.sh.
+
+T tokens, K slots per token, E experts on the GPU, H hidden, I intermediate (H, I not multiples of the
+kernels' blocks; I not a multiple of the packed layout's 32-row blocks for int8).
+"""
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridmoe import LLM, SamplingParams
+from hybridmoe.checkpoint.make import make_checkpoint
+from hybridmoe.experts.cpu_experts import CpuExperts
+from hybridmoe.experts.gpu_experts import fixed_shape_experts, gpu_share, weighted_experts
+from hybridmoe.experts.packed_gpu import PackedMatrix, pack_gpu_experts
+
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+E, K = 10, 8
+CASES = [("int4", 32, False, 224, 96), ("int4", 64, True, 192, 128), ("int4", 128, False, 256, 128),
+         ("int8", 128, False, 200, 72)]
+MAX_ERROR = 2e-2
+"""bf16 / fp16: the largest difference over the largest output (both sides round h, each its own way)."""
+
+
+def packed(fmt, group, zero_points, H, I, dtype):
+    g = torch.Generator().manual_seed(H + I)
+    weights = (torch.randn(E, I, H, generator=g) / 8, torch.randn(E, I, H, generator=g) / 8,
+               torch.randn(E, H, I, generator=g) / 6)
+    cpu = CpuExperts(*weights, format=fmt, group_size=group, zero_points=zero_points)
+    return pack_gpu_experts(cpu, torch.device("cuda"), dtype)
+
+
+def routing(T: int, H: int, dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(T + seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.randint(0, E, (T, K), generator=g)
+    ids[:, 1] = ids[:, 0]  # repeats within a token
+    weights, mask = torch.rand(T, K, generator=g), torch.rand(T, K, generator=g) < 0.6
+    mask[:, 0] = True
+    return [t.cuda() for t in (x, ids, weights, mask)]
+
+
+def assert_near(got, want):
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max().item() <= MAX_ERROR * want.abs().max().item()
+
+
+@pytest.mark.parametrize("fmt,group,zero_points,H,I", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [1, 8, 9, 300])
+def test_packed_experts_equal_weighted_experts_on_their_dequantized_weights(fmt, group, zero_points, H, I, dtype, T):
+    experts = packed(fmt, group, zero_points, H, I, dtype)
+    x, ids, weights, mask = routing(T, H, dtype)
+    dense = tuple(m.dense() for m in experts)
+    assert_near(gpu_share(x, *experts, ids, weights, mask, F.silu), weighted_experts(x, *dense, ids, weights, mask,
+                                                                                      F.silu))
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_packed_experts_replayed_in_a_cuda_graph(T):
+    experts = packed("int4", 32, False, 224, 96, torch.bfloat16)
+    x, ids, weights, mask = routing(T, 224, torch.bfloat16)
+    eager = fixed_shape_experts(x, *experts, ids, weights, mask, F.silu)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fixed_shape_experts(x, *experts, ids, weights, mask, F.silu)
+    for buf, new in zip((x, ids, weights, mask), routing(T, 224, torch.bfloat16, seed=100)):
+        buf.copy_(new)
+    graph.replay()
+    assert_near(replayed, weighted_experts(x, *(m.dense() for m in experts), ids, weights, mask, F.silu))
+    assert not torch.equal(replayed, eager)
+
+
+def test_streamed_prefill_runs_packed_resident_experts():
+    from hybridmoe.experts.packed_torch import PackedLayout
+    from hybridmoe.experts.streamed_prefill import routed_experts
+
+    H, I, T = 224, 96, 300
+    streamed = CpuExperts(*(torch.randn(E, *s) / 8 for s in ((I, H), (I, H), (H, I))), format="int4", group_size=32)
+    state = streamed.packed_state()
+    layout = PackedLayout(state)
+    buffers = {n: torch.as_tensor(b).view(torch.uint8).reshape(-1).cuda() for n, b in state["buffers"].items()}
+    resident = packed("int4", 32, False, H, I, torch.bfloat16)
+    x, ids, weights, mask = routing(T, H, torch.bfloat16)
+    on_gpu = mask & (torch.rand(T, K, device="cuda") < 0.5)
+    got = routed_experts(layout, buffers, x, ids, weights, mask & ~on_gpu, F.silu, resident, on_gpu)
+    deq = layout.dequantize(buffers, torch.arange(E, device="cuda"), torch.bfloat16)
+    want = (weighted_experts(x, *deq, ids, weights, mask & ~on_gpu, F.silu)
+            + weighted_experts(x, *(m.dense() for m in resident), ids, weights, on_gpu, F.silu))
+    assert_near(got, want)
+
+
+def test_a_hybrid_int4_model_keeps_its_gpu_experts_packed_and_gives_the_all_cpu_tokens(tmp_path):
+    make_checkpoint("qwen3_moe", "tiny", tmp_path, dtype="bf16", seed=1, progress=False)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 3, 60, 22, 9, 41], [7, 13]]
+    options = dict(expert_backend="native", expert_format="int4", expert_group_size=32)
+    every_on_cpu = LLM(tmp_path, device="cuda", gpu_experts_per_layer=0, **options)
+    want = [o.token_ids for o in every_on_cpu.generate(prompts, greedy)]
+    del every_on_cpu
+    gc.collect()
+    llm = LLM(tmp_path, device="cuda", gpu_experts_per_layer=5, gpu_memory_budget=1 << 30, **options)
+    experts = llm.engine.runner.model.experts
+    layer = experts.layers()[0]
+    gpu = experts._layers[layer].gpu_weights
+    assert all(isinstance(m, PackedMatrix) and m.format == "int4" and m.shape[0] == 5 for m in gpu)
+    assert experts.plan.footprint.gpu_format == "int4"
+    got = [o.token_ids for o in llm.generate(prompts, greedy)]
+    # the same int4 codes wherever an expert is placed: only the sums' rounding differs (tiny random models
+    # have near-ties, so the first tokens)
+    assert [t[:4] for t in got] == [t[:4] for t in want]
