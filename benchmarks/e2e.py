@@ -190,17 +190,24 @@ def layer_counts(raw: dict) -> DepthInfo:
     return DepthInfo(config.num_hidden_layers, config.num_hidden_layers - moe, moe)
 
 
-def full_depth_gpu_experts(raw_full: dict, kwargs: dict) -> tuple[int, str]:
-    """GPU experts per MoE layer the full-depth model gets under kwargs' budget, and a line saying so."""
+def full_depth_gpu_experts(raw_full: dict, kwargs: dict, model_dir: str | None = None) -> tuple[int, str]:
+    """GPU experts per MoE layer the full-depth model gets under kwargs' budget, and a line saying so.
+
+    model_dir: the cut model, to resolve kwargs' automatic choices as its load will (the expert backend and
+    format decide whether the GPU's experts are packed, and so how many fit); None: kwargs as they are."""
     from hybridmoe.experts.placement import placement_for
     from hybridmoe.models.registry import architecture_of, get_model_class
+    from hybridmoe.system.auto import resolve_engine_config
     from hybridmoe.weights.loader import resolve_dtype
 
     cls = get_model_class(architecture_of(raw_full))
     config = cls.make_config(raw_full)
-    ec = EngineConfig.from_kwargs(**kwargs)
+    ec = EngineConfig.from_kwargs(**{k: v for k, v in kwargs.items() if k != "cache_dir"})
+    dtype = resolve_dtype(ec.dtype, config)
     try:
-        plan, _ = placement_for(cls, config, resolve_dtype(ec.dtype, config), ec)
+        if model_dir is not None:
+            ec = resolve_engine_config(ec, config, dtype, model_dir)
+        plan, _ = placement_for(cls, config, dtype, ec)
     except HybridMoEError as e:
         return 0, f"full depth does not fit the budget ({e}); the cut model keeps every routed expert on the CPU"
     per_layer = min((len(plan.on_gpu(layer)) for layer in plan.footprint.moe_layers), default=0)
@@ -513,11 +520,9 @@ def _main(args) -> int:
     if args.synthetic:
         kwargs.setdefault("cache_dir", "")  # a throwaway model: nothing to keep packed on disk
         raw_full = full_config(args.synthetic)
-        if any(d is not None and d < raw_full["num_hidden_layers"] for d in depths) \
-                and kwargs.get("gpu_memory_budget") is not None and "gpu_experts_per_layer" not in kwargs:
-            per_layer, note = full_depth_gpu_experts(raw_full, {k: v for k, v in kwargs.items() if k != "cache_dir"})
-            kwargs["gpu_experts_per_layer"] = per_layer
-            notes.append(note)
+    # a cut model gets the GPU experts per layer of the full-depth plan, load by load (its format decides)
+    fit_depth = (raw_full is not None and any(d is not None and d < raw_full["num_hidden_layers"] for d in depths)
+                 and kwargs.get("gpu_memory_budget") is not None and "gpu_experts_per_layer" not in kwargs)
     threads = kwargs.get("cpu_threads")
     method = floor_bandwidth_method()
     probes = [floor_bandwidth(args.bandwidth_bytes, threads)]
@@ -542,6 +547,10 @@ def _main(args) -> int:
                       f"{synthetic.total_bytes / 1e9:.1f} GB written to {synthetic.out_dir} in "
                       f"{time.perf_counter() - written:.1f} s (+{time.perf_counter() - start:.0f} s)", flush=True)
             for load in configurations(kwargs, formats, ablation, args.repeats, deferral_ks):
+                if fit_depth and "gpu_experts_per_layer" not in load.kwargs:
+                    per_layer, note = full_depth_gpu_experts(raw_full, load.kwargs, model_dir)
+                    load = dataclasses.replace(load, kwargs=dict(load.kwargs, gpu_experts_per_layer=per_layer))
+                    notes += [] if note in notes else [note]
                 try:
                     rows = run_configuration(model_dir, load, prompt_lens, gen_len=args.gen_len,
                                              bandwidth=probes[-1], bandwidth_method=method,

@@ -166,6 +166,27 @@ def test_a_cut_model_gets_the_gpu_experts_per_layer_of_the_full_depth_plan():
     assert per_layer == 0 and "does not fit the budget" in note
 
 
+def test_the_full_depth_plan_counts_gpu_experts_packed_where_the_load_packs_them(monkeypatch):
+    import torch
+
+    from hybridmoe.checkpoint.synthetic import full_config
+    from hybridmoe.config import EngineConfig
+    from hybridmoe.experts import packed_gpu
+    from hybridmoe.experts.placement import model_footprint
+    from hybridmoe.models.registry import architecture_of, get_model_class
+
+    monkeypatch.setattr(packed_gpu, "HAVE_TRITON", True)
+    raw = full_config("qwen3_moe:tiny")  # 2 MoE layers of 8 experts, 3 x 32 x 64 weights each
+    kwargs = {"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 1, "max_model_len": 64, "expert_backend": "native",
+              "expert_format": "int4", "expert_group_size": 32}
+    cls = get_model_class(architecture_of(raw))
+    fp = model_footprint(cls, cls.make_config(raw), torch.bfloat16, EngineConfig(**kwargs))
+    budget = fp.fixed_bytes + 2 * 2 * 3 * 32 * 64 * 2  # two bf16 experts a layer
+    unpacked, _ = E2E["full_depth_gpu_experts"](raw, dict(kwargs, gpu_memory_budget=budget, gpu_experts_packed=False))
+    per_layer, note = E2E["full_depth_gpu_experts"](raw, dict(kwargs, gpu_memory_budget=budget))
+    assert unpacked == 2 and per_layer == 6 and "packed int4" in note  # int4 g32: 3.2x as many per byte
+
+
 def test_two_depths_are_measured_in_turn_and_fitted(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     argv = ["--synthetic", "qwen3_moe:tiny", "--layers", "1,2", "--prompt-lens", "16", "--gen-len", "4",

@@ -58,22 +58,27 @@ def _weight_tile(w_ptr, scale_ptr, zero_ptr, e, rows, cols, N, K, stride_we, str
     kk = cols[:, None]  # [BK, 1]
     nn = rows[None, :]  # [1, BN]
     mask = (kk < K) & (nn < N)
+    # one return, after constexpr branches only (triton compiles just the branch taken)
     if FORMAT == 0:
-        return tl.load(w_ptr + e * stride_we + nn * stride_wn + kk, mask=mask, other=0.0)
-    blk = e * ((N + 31) // 32) + nn // 32  # the block among all experts' blocks
-    r = nn % 32
-    if FORMAT == 4:
-        k8 = kk % 8
-        byte = ((((kk // 8) * 2 + r // 16) * 2 + (k8 % 4) // 2) * 16 + r % 16) * 2 + k8 % 2
-        raw = tl.load(w_ptr + blk * (16 * Kp) + byte, mask=mask, other=0).to(tl.int32)
-        code = (raw >> ((k8 // 4) * 4)) & 0xF
-        s_off = (blk * (Kp // group) + kk // group) * 32 + r  # scales [block][group][32]
-        scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
-        if ZERO:
-            return (code.to(tl.float32) - tl.load(zero_ptr + s_off, mask=mask, other=0.0)) * scale
-        return (code - 8).to(tl.float32) * scale
-    raw = tl.load(w_ptr + blk * (32 * Kp) + ((kk // 2) * 32 + r) * 2 + kk % 2, mask=mask, other=0)
-    return raw.to(tl.float32) * tl.load(scale_ptr + blk * 32 + r, mask=nn < N, other=0.0)  # scales [block][32]
+        tile = tl.load(w_ptr + e * stride_we + nn * stride_wn + kk, mask=mask, other=0.0)
+    else:
+        blk = e * ((N + 31) // 32) + nn // 32  # the block among all experts' blocks
+        r = nn % 32
+        if FORMAT == 4:
+            k8 = kk % 8
+            byte = ((((kk // 8) * 2 + r // 16) * 2 + (k8 % 4) // 2) * 16 + r % 16) * 2 + k8 % 2
+            raw = tl.load(w_ptr + blk * (16 * Kp) + byte, mask=mask, other=0).to(tl.int32)
+            code = (raw >> ((k8 // 4) * 4)) & 0xF
+            s_off = (blk * (Kp // group) + kk // group) * 32 + r  # scales [block][group][32]
+            scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
+            if ZERO:
+                tile = (code.to(tl.float32) - tl.load(zero_ptr + s_off, mask=mask, other=0.0)) * scale
+            else:
+                tile = (code - 8).to(tl.float32) * scale
+        else:
+            raw = tl.load(w_ptr + blk * (32 * Kp) + ((kk // 2) * 32 + r) * 2 + kk % 2, mask=mask, other=0)
+            tile = raw.to(tl.float32) * tl.load(scale_ptr + blk * 32 + r, mask=nn < N, other=0.0)  # [block][32]
+    return tile
 
 
 @triton.jit
@@ -88,14 +93,14 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_e
         tok = slots // K
         acc_g = tl.zeros((BLOCK_S, BLOCK_I), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_S, BLOCK_I), dtype=tl.float32)
-        e = e.to(tl.int64)
+        e64 = e.to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             xs = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :],
                          mask=sel[:, None] & (cols[None, :] < H), other=0.0)  # [BLOCK_S, BLOCK_H]
-            wg = _weight_tile(gate_ptr, gate_s, gate_z, e, rows, cols, I, H, stride_we, stride_wi, Kp, group,
+            wg = _weight_tile(gate_ptr, gate_s, gate_z, e64, rows, cols, I, H, stride_we, stride_wi, Kp, group,
                               FORMAT, ZERO).to(xs.dtype)  # [BLOCK_H, BLOCK_I]
-            wu = _weight_tile(up_ptr, up_s, up_z, e, rows, cols, I, H, stride_we, stride_wi, Kp, group,
+            wu = _weight_tile(up_ptr, up_s, up_z, e64, rows, cols, I, H, stride_we, stride_wi, Kp, group,
                               FORMAT, ZERO).to(xs.dtype)
             acc_g = tl.dot(xs, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(xs, wu, acc_u, input_precision=PRECISION)
@@ -115,12 +120,12 @@ def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] hidden rows of down
         acc = tl.zeros((BLOCK_S, BLOCK_H), dtype=tl.float32)
-        e = e.to(tl.int64)
+        e64 = e.to(tl.int64)
         for i0 in range(0, I, BLOCK_I):
             inner = i0 + tl.arange(0, BLOCK_I)
             hs = tl.load(h_ptr + row[:, None] * stride_h + inner[None, :],
                          mask=sel[:, None] & (inner[None, :] < I), other=0.0)  # [BLOCK_S, BLOCK_I]
-            wd = _weight_tile(down_ptr, down_s, down_z, e, cols, inner, H, I, stride_de, stride_dh, Kp, group,
+            wd = _weight_tile(down_ptr, down_s, down_z, e64, cols, inner, H, I, stride_de, stride_dh, Kp, group,
                               FORMAT, ZERO).to(CDTYPE)  # [BLOCK_I, BLOCK_H]
             acc = tl.dot(hs.to(CDTYPE), wd, acc, input_precision=PRECISION)
         scale = tl.load(w_ptr + row, mask=sel, other=0.0)  # [BLOCK_S]
