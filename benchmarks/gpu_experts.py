@@ -5,9 +5,11 @@ Each variant runs a decode step's GPU share (T tokens, K slots, E experts cached
 fraction --on-gpu of the slots routed to them, the rest masked as CPU slots). Fixed-shape
 variants are timed as CUDA-graph replays (as decode runs them); weighted_experts eagerly (it
 syncs). Bandwidth = bytes of the distinct routed experts' weights / time: what a kernel that
-reads only the routed experts must move (H200: ~4.8 TB/s peak).
+reads only the routed experts must move (H200: ~4.8 TB/s peak). --format int4 / int8 keeps the
+experts packed as the hybrid engine does with int4 / int8 CPU experts (experts/packed_gpu.py, packed by
+the native engine) and also times the bf16 kernel on the same weights dequantized ("bf16 us").
 
-    python benchmarks/gpu_experts.py --shape qwen3-30b-a3b --tokens 1,4,8 --json out/gpu_experts.json
+    python benchmarks/gpu_experts.py --shape qwen3-30b-a3b --tokens 1,4,8 --format int4 --json out/gpu_experts.json
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.experts.gpu_experts import fixed_shape_experts, torch_fixed_experts, weighted_experts
+from hybridmoe.experts.packed_gpu import pack_gpu_experts, packed_expert_bytes
 
 SHAPES = {  # H hidden, I expert intermediate, K experts per token
     "qwen3-30b-a3b": (2048, 768, 8),
@@ -34,6 +37,8 @@ def parse_args():
     p.add_argument("--tokens", default="1,4,8", help="comma-separated T values")
     p.add_argument("--experts", type=int, default=64, help="E: experts cached on the GPU in the layer")
     p.add_argument("--total-experts", type=int, default=128, help="experts in the layer (ids drawn from these)")
+    p.add_argument("--format", default="bf16", choices=["bf16", "int4", "int8"], help="how the experts are kept")
+    p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128], help="int4 group size")
     p.add_argument("--reps", type=int, default=50, help="calls per timed trial")
     p.add_argument("--trials", type=int, default=5, help="timed trials (the median is reported)")
     p.add_argument("--json", help="write the results here")
@@ -80,29 +85,41 @@ def main():
     g = torch.Generator(device=dev).manual_seed(0)
     gate, up = (torch.randn(E, I, H, device=dev, generator=g, dtype=torch.bfloat16) / 32 for _ in range(2))
     down = torch.randn(E, H, I, device=dev, generator=g, dtype=torch.bfloat16) / 32
+    experts = dense = (gate, up, down)
     expert_bytes = 3 * I * H * 2
+    if args.format != "bf16":
+        from hybridmoe.experts.cpu_experts import CpuExperts
+
+        cpu = CpuExperts(*(w.cpu() for w in dense), format=args.format, group_size=args.group_size)
+        experts = pack_gpu_experts(cpu, dev, torch.bfloat16)
+        dense = tuple(m.dense() for m in experts)  # the same weights, for the bf16 kernel and the references
+        expert_bytes = packed_expert_bytes(args.format, H, I, args.group_size, False)
+        del cpu
     rows = []
-    print(f"{args.shape}: H={H} I={I} K={K}, {E} of {args.total_experts} experts on the GPU (bf16, "
+    print(f"{args.shape}: H={H} I={I} K={K}, {E} of {args.total_experts} experts on the GPU ({args.format}, "
           f"{expert_bytes / 1e6:.1f} MB each); routing uniform, so ~{E / args.total_experts:.0%} of slots are GPU slots")
-    print(f"{'T':>3} {'routed':>6} {'triton us':>10} {'GB/s':>7} {'torch fixed us':>15} {'weighted us':>12} "
-          f"{'torch/triton':>13} {'max |diff|':>11}")
+    print(f"{'T':>3} {'routed':>6} {'triton us':>10} {'GB/s':>7} {'bf16 us':>8} {'torch fixed us':>15} "
+          f"{'weighted us':>12} {'torch/triton':>13} {'max |diff|':>11}")
     for T in [int(t) for t in args.tokens.split(",")]:
         ids, weights, mask = routing(T, K, args.total_experts, E, seed=T)
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, torch.bfloat16)
         ids, weights, mask = ids.to(dev), weights.to(dev), mask.to(dev)
-        args_of_step = (x, gate, up, down, ids, weights, mask, F.silu)
+        step = (ids, weights, mask, F.silu)
         routed = int(torch.unique(ids[mask]).numel())
-        triton_fn, torch_fn, weighted_fn = (partial(f, *args_of_step) for f in
-                                            (fixed_shape_experts, torch_fixed_experts, weighted_experts))
+        triton_fn = partial(fixed_shape_experts, x, *experts, *step)
+        bf16_fn, torch_fn, weighted_fn = (partial(f, x, *dense, *step) for f in
+                                          (fixed_shape_experts, torch_fixed_experts, weighted_experts))
         t_triton = graph_seconds(triton_fn, args.reps, args.trials)
+        t_bf16 = graph_seconds(bf16_fn, args.reps, args.trials) if args.format != "bf16" else t_triton
         t_torch = graph_seconds(torch_fn, args.reps, args.trials)
         t_weighted = eager_seconds(weighted_fn, args.reps, args.trials)
         diff = (triton_fn() - weighted_fn()).abs().max().item()
         gbs = routed * expert_bytes / t_triton / 1e9
-        rows.append(dict(shape=args.shape, T=T, K=K, gpu_experts=E, routed_experts=routed, triton_us=t_triton * 1e6,
-                         torch_fixed_us=t_torch * 1e6, weighted_us=t_weighted * 1e6, triton_gbs=gbs, max_diff=diff))
-        print(f"{T:>3} {routed:>6} {t_triton * 1e6:>10.1f} {gbs:>7.0f} {t_torch * 1e6:>15.1f} {t_weighted * 1e6:>12.1f} "
-              f"{t_torch / t_triton:>12.1f}x {diff:>11.2e}")
+        rows.append(dict(shape=args.shape, format=args.format, T=T, K=K, gpu_experts=E, routed_experts=routed,
+                         triton_us=t_triton * 1e6, bf16_us=t_bf16 * 1e6, torch_fixed_us=t_torch * 1e6,
+                         weighted_us=t_weighted * 1e6, triton_gbs=gbs, max_diff=diff))
+        print(f"{T:>3} {routed:>6} {t_triton * 1e6:>10.1f} {gbs:>7.0f} {t_bf16 * 1e6:>8.1f} {t_torch * 1e6:>15.1f} "
+              f"{t_weighted * 1e6:>12.1f} {t_torch / t_triton:>12.1f}x {diff:>11.2e}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -43,7 +43,7 @@ def test_packed_matrices_hold_the_cpu_engines_codes(fmt, group, zero_points, dty
         assert mat.shape == tuple(weights[m].shape) and mat.format == fmt
         want = torch.stack([cpu.dequantized(e)[m] for e in range(E)]).to(dtype)
         assert torch.equal(mat.dense(), want)
-    held = sum(t.numel() * t.element_size() for mat in packed for t in (mat.w, mat.scale, mat.zero) if t is not None)
+    held = sum(t.numel() * t.element_size() for mat in packed for t in (mat.codes, mat.scale, mat.zero) if t is not None)
     assert held == E * packed_expert_bytes(fmt, H, I, group, zero_points) == cpu.packed_bytes
 
 
@@ -91,7 +91,7 @@ def test_set_layer_experts_packs_the_gpu_experts_as_set_layer_does():
     one_by_one = HybridExperts(plan, "cpu", packer("int4", 32, False), gpu_format="int4")
     one_by_one.set_layer_experts(0, ((weights[0][e], weights[1][e], weights[2][e]) for e in range(E)), E)
     for a, b in zip(stacked._layers[0].gpu_weights, one_by_one._layers[0].gpu_weights):
-        assert torch.equal(a.w, b.w) and torch.equal(a.scale, b.scale) and a.shape == b.shape == (3, *a.shape[1:])
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and a.shape == b.shape == (3, *a.shape[1:])
 
 
 def test_experts_are_packed_on_the_gpu_only_where_its_kernels_read_them(monkeypatch):

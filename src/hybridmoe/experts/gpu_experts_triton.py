@@ -47,46 +47,60 @@ def _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S: tl.constexpr, 
 
 
 @triton.jit
-def _weight_tile(w_ptr, scale_ptr, zero_ptr, e, rows, cols, N, K, stride_we, stride_wn, Kp, group,
-                 FORMAT: tl.constexpr, ZERO: tl.constexpr):
-    """Weights (row n, column k) of expert e for n in rows, k in cols, as a [len(cols), len(rows)] tile.
-
-    FORMAT 0: a dense [E, N, K] tensor (strides stride_we, stride_wn), as it is. 4 / 8: the packed int4 /
-    int8 layout of experts/packed_gpu.py (32-row blocks; packed_triton.py's byte formulas), dequantized
-    to float32 as the CPU engine does: (code - zero) * scale, zero 8 when symmetric; int8 code * scale.
-    """
+def _weight_tile(w_ptr, scale_ptr, e, rows, cols, N, K, stride_we, stride_wn, INT8: tl.constexpr):
+    """Weights (row n, column k) of expert e for n in rows, k in cols, as a [len(cols), len(rows)] tile: of a
+    dense [E, N, K] tensor as they are, or int8 codes (PackedMatrix) times their rows' scales in float32."""
     kk = cols[:, None]  # [BK, 1]
     nn = rows[None, :]  # [1, BN]
-    mask = (kk < K) & (nn < N)
-    # one return, after constexpr branches only (triton compiles just the branch taken)
-    if FORMAT == 0:
-        tile = tl.load(w_ptr + e * stride_we + nn * stride_wn + kk, mask=mask, other=0.0)
+    raw = tl.load(w_ptr + e * stride_we + nn * stride_wn + kk, mask=(kk < K) & (nn < N), other=0)
+    if INT8:  # (constexpr branches: triton compiles only the one taken)
+        tile = raw.to(tl.float32) * tl.load(scale_ptr + e * N + nn, mask=nn < N, other=0.0)
     else:
-        blk = e * ((N + 31) // 32) + nn // 32  # the block among all experts' blocks
-        r = nn % 32
-        if FORMAT == 4:
-            k8 = kk % 8
-            byte = ((((kk // 8) * 2 + r // 16) * 2 + (k8 % 4) // 2) * 16 + r % 16) * 2 + k8 % 2
-            raw = tl.load(w_ptr + blk * (16 * Kp) + byte, mask=mask, other=0).to(tl.int32)
-            code = (raw >> ((k8 // 4) * 4)) & 0xF
-            s_off = (blk * (Kp // group) + kk // group) * 32 + r  # scales [block][group][32]
-            scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
-            if ZERO:
-                tile = (code.to(tl.float32) - tl.load(zero_ptr + s_off, mask=mask, other=0.0)) * scale
-            else:
-                tile = (code - 8).to(tl.float32) * scale
-        else:
-            raw = tl.load(w_ptr + blk * (32 * Kp) + ((kk // 2) * 32 + r) * 2 + kk % 2, mask=mask, other=0)
-            tile = raw.to(tl.float32) * tl.load(scale_ptr + blk * 32 + r, mask=nn < N, other=0.0)  # [block][32]
+        tile = raw
     return tile
 
 
 @triton.jit
+def _int4_columns(k0, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """Columns of the low and high nibbles of a PackedMatrix row's bytes k0 / 2 .. (k0 + BLOCK_K) / 2 (k0 and
+    BLOCK_K whole groups): byte p of a group holds its columns p and GROUP / 2 + p. [BLOCK_K / 2] each."""
+    b = tl.arange(0, BLOCK_K // 2)
+    lo = k0 + (b // (GROUP // 2)) * GROUP + b % (GROUP // 2)
+    return lo, lo + GROUP // 2
+
+
+@triton.jit
+def _int4_tiles(codes_ptr, scale_ptr, zero_ptr, e, rows, k0, N, K, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                ZERO: tl.constexpr):
+    """The float32 weights of _int4_columns(k0) (low, high), [BLOCK_K / 2, len(rows)] each, for rows of expert e
+    of an int4 PackedMatrix: (code - zero) * scale, zero 8 without zero points, as the CPU engine."""
+    b = tl.arange(0, BLOCK_K // 2)[:, None]  # [BK / 2, 1] bytes
+    nn = rows[None, :]  # [1, BN]
+    row = e * N + nn
+    mask = (k0 + 2 * b < K) & (nn < N)  # whole groups past K are masked (K is a multiple of GROUP)
+    raw = tl.load(codes_ptr + row * (K // 2) + k0 // 2 + b, mask=mask, other=0).to(tl.int32)
+    s_off = row * (K // GROUP) + k0 // GROUP + b // (GROUP // 2)
+    scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
+    if ZERO:
+        zero = tl.load(zero_ptr + s_off, mask=mask, other=0.0)
+        lo = ((raw & 0xF).to(tl.float32) - zero) * scale
+        hi = ((raw >> 4).to(tl.float32) - zero) * scale
+    else:
+        lo = ((raw & 0xF) - 8).to(tl.float32) * scale
+        hi = ((raw >> 4) - 8).to(tl.float32) * scale
+    return lo, hi
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_expert_ptr, block_slots_ptr, h_ptr,
-                    S, H, I, K, stride_x, stride_we, stride_wi, stride_h, Kp, group,
+                    S, H, I, K, stride_x, stride_we, stride_wi, stride_h,
                     BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                    PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr):
-    """h[s, i-block] = silu(x[s // K] . gate[e, i]) * (x[s // K] . up[e, i]) for the program's slots s."""
+                    PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
+                    GROUP: tl.constexpr):
+    """h[s, i-block] = silu(x[s // K] . gate[e, i]) * (x[s // K] . up[e, i]) for the program's slots s.
+
+    FORMAT 0: gate, up dense [E, I, H]; 8 / 4: int8 / int4 PackedMatrix codes (scales gate_s, up_s; zero
+    points gate_z, up_z with ZERO), GROUP int4's group size (BLOCK_H a multiple of it)."""
     e, slots, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] intermediate rows
@@ -94,16 +108,26 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_e
         acc_g = tl.zeros((BLOCK_S, BLOCK_I), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_S, BLOCK_I), dtype=tl.float32)
         e64 = e.to(tl.int64)
+        x_row = x_ptr + tok[:, None] * stride_x
         for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            xs = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :],
-                         mask=sel[:, None] & (cols[None, :] < H), other=0.0)  # [BLOCK_S, BLOCK_H]
-            wg = _weight_tile(gate_ptr, gate_s, gate_z, e64, rows, cols, I, H, stride_we, stride_wi, Kp, group,
-                              FORMAT, ZERO).to(xs.dtype)  # [BLOCK_H, BLOCK_I]
-            wu = _weight_tile(up_ptr, up_s, up_z, e64, rows, cols, I, H, stride_we, stride_wi, Kp, group,
-                              FORMAT, ZERO).to(xs.dtype)
-            acc_g = tl.dot(xs, wg, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(xs, wu, acc_u, input_precision=PRECISION)
+            if FORMAT == 4:  # two half-tiles: the low nibbles' columns and the high nibbles'
+                c_lo, c_hi = _int4_columns(h0, BLOCK_H, GROUP)
+                x_lo = tl.load(x_row + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < H), other=0.0)
+                x_hi = tl.load(x_row + c_hi[None, :], mask=sel[:, None] & (c_hi[None, :] < H), other=0.0)
+                g_lo, g_hi = _int4_tiles(gate_ptr, gate_s, gate_z, e64, rows, h0, I, H, BLOCK_H, GROUP, ZERO)
+                u_lo, u_hi = _int4_tiles(up_ptr, up_s, up_z, e64, rows, h0, I, H, BLOCK_H, GROUP, ZERO)
+                acc_g = tl.dot(x_lo, g_lo.to(x_lo.dtype), acc_g, input_precision=PRECISION)
+                acc_g = tl.dot(x_hi, g_hi.to(x_hi.dtype), acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(x_lo, u_lo.to(x_lo.dtype), acc_u, input_precision=PRECISION)
+                acc_u = tl.dot(x_hi, u_hi.to(x_hi.dtype), acc_u, input_precision=PRECISION)
+            else:
+                cols = h0 + tl.arange(0, BLOCK_H)
+                xs = tl.load(x_row + cols[None, :], mask=sel[:, None] & (cols[None, :] < H), other=0.0)
+                wg = _weight_tile(gate_ptr, gate_s, e64, rows, cols, I, H, stride_we, stride_wi,
+                                  FORMAT == 8).to(xs.dtype)  # [BLOCK_H, BLOCK_I]
+                wu = _weight_tile(up_ptr, up_s, e64, rows, cols, I, H, stride_we, stride_wi, FORMAT == 8).to(xs.dtype)
+                acc_g = tl.dot(xs, wg, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(xs, wu, acc_u, input_precision=PRECISION)
         act = acc_g * tl.sigmoid(acc_g) * acc_u
         tl.store(h_ptr + slots[:, None] * stride_h + rows[None, :], act,
                  mask=sel[:, None] & (rows[None, :] < I))
@@ -111,39 +135,52 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_e
 
 @triton.jit
 def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_ptr, w_ptr, y_ptr, S, H, I,
-                 stride_h, stride_de, stride_dh, stride_y, Kp, group,
+                 stride_h, stride_de, stride_dh, stride_y,
                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
                  PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
-                 CDTYPE: tl.constexpr):
-    """y[s, h-block] = w[s] * (down[e, h-block] . h[s]) for the program's slots s; h rounded to CDTYPE."""
+                 GROUP: tl.constexpr, CDTYPE: tl.constexpr):
+    """y[s, h-block] = w[s] * (down[e, h-block] . h[s]) for the program's slots s; h rounded to CDTYPE.
+    FORMAT, ZERO, GROUP as _gate_up_kernel's (BLOCK_I a multiple of GROUP for int4)."""
     e, row, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] hidden rows of down
         acc = tl.zeros((BLOCK_S, BLOCK_H), dtype=tl.float32)
         e64 = e.to(tl.int64)
+        h_row = h_ptr + row[:, None] * stride_h
         for i0 in range(0, I, BLOCK_I):
-            inner = i0 + tl.arange(0, BLOCK_I)
-            hs = tl.load(h_ptr + row[:, None] * stride_h + inner[None, :],
-                         mask=sel[:, None] & (inner[None, :] < I), other=0.0)  # [BLOCK_S, BLOCK_I]
-            wd = _weight_tile(down_ptr, down_s, down_z, e64, cols, inner, H, I, stride_de, stride_dh, Kp, group,
-                              FORMAT, ZERO).to(CDTYPE)  # [BLOCK_I, BLOCK_H]
-            acc = tl.dot(hs.to(CDTYPE), wd, acc, input_precision=PRECISION)
+            if FORMAT == 4:
+                c_lo, c_hi = _int4_columns(i0, BLOCK_I, GROUP)
+                h_lo = tl.load(h_row + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < I), other=0.0)
+                h_hi = tl.load(h_row + c_hi[None, :], mask=sel[:, None] & (c_hi[None, :] < I), other=0.0)
+                d_lo, d_hi = _int4_tiles(down_ptr, down_s, down_z, e64, cols, i0, H, I, BLOCK_I, GROUP, ZERO)
+                acc = tl.dot(h_lo.to(CDTYPE), d_lo.to(CDTYPE), acc, input_precision=PRECISION)
+                acc = tl.dot(h_hi.to(CDTYPE), d_hi.to(CDTYPE), acc, input_precision=PRECISION)
+            else:
+                inner = i0 + tl.arange(0, BLOCK_I)
+                hs = tl.load(h_row + inner[None, :], mask=sel[:, None] & (inner[None, :] < I), other=0.0)
+                wd = _weight_tile(down_ptr, down_s, e64, cols, inner, H, I, stride_de, stride_dh,
+                                  FORMAT == 8).to(CDTYPE)  # [BLOCK_I, BLOCK_H]
+                acc = tl.dot(hs.to(CDTYPE), wd, acc, input_precision=PRECISION)
         scale = tl.load(w_ptr + row, mask=sel, other=0.0)  # [BLOCK_S]
         tl.store(y_ptr + row[:, None] * stride_y + cols[None, :], acc * scale[:, None],
                  mask=sel[:, None] & (cols[None, :] < H))
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+INT4_BLOCK_K = 128
+"""Columns a down program's step covers in int4 (gate/up's steps are 128 columns in every format): a multiple
+of every int4 group size (32, 64, 128)."""
 
 
 def _weight_args(w) -> tuple:
-    """(weights, scale, zero, stride over experts, stride over rows, Kp, group, FORMAT, ZERO) of a dense
-    [E, N, K] tensor or a PackedMatrix (experts/packed_gpu.py), for _weight_tile."""
+    """(weights, scale, zero, stride over experts, stride over rows, FORMAT, ZERO, GROUP) of a dense [E, N, K]
+    tensor or a PackedMatrix (experts/packed_gpu.py), for the kernels."""
     if isinstance(w, torch.Tensor):
-        return w, w, w, w.stride(0), w.stride(1), 0, 1, 0, False
+        return w, w, w, w.stride(0), w.stride(1), 0, False, 32
+    E, N, K = w.shape
     zero = w.zero if w.zero is not None else w.scale  # (unread without zero points)
-    codes = w.w.view(torch.int8) if w.format == "int8" else w.w  # int8 codes are signed
-    return codes, w.scale, zero, 0, 0, w.Kp, w.group, {"int4": 4, "int8": 8}[w.format], w.zero is not None
+    fmt = {"int4": 4, "int8": 8}[w.format]
+    return w.codes, w.scale, zero, N * K, K, fmt, w.zero is not None, w.group if fmt == 4 else 32
 
 
 def gate_up_launch(x, gate, up, block_expert, block_slots, h, K: int, NB: int, block: int, precision: str,
@@ -151,12 +188,12 @@ def gate_up_launch(x, gate, up, block_expert, block_slots, h, K: int, NB: int, b
     """_gate_up_kernel over NB blocks of slots: gate, up dense [E, I, H] or PackedMatrix; x [T, H] in the
     compute dtype; h [S, I] float32."""
     I, H = gate.shape[1], gate.shape[2]
-    g, gs, gz, se, sn, Kp, group, fmt, zero = _weight_args(gate)
+    g, gs, gz, se, sn, fmt, zero, group = _weight_args(gate)
     u, us, uz = _weight_args(up)[:3]
     _gate_up_kernel[(NB, triton.cdiv(I, 16))](
         x, g, u, gs, us, gz, uz, block_expert, block_slots, h, h.shape[0], H, I, K, x.stride(0), se, sn,
-        h.stride(0), Kp, group, BLOCK_S=block, BLOCK_I=16, BLOCK_H=128, PRECISION=precision,
-        EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero)
+        h.stride(0), BLOCK_S=block, BLOCK_I=16, BLOCK_H=128, PRECISION=precision, EXPERT_MAJOR=expert_major,
+        FORMAT=fmt, ZERO=zero, GROUP=group)
 
 
 def down_launch(h, down, block_expert, block_slots, w, y, NB: int, block: int, precision: str, expert_major: bool,
@@ -164,11 +201,11 @@ def down_launch(h, down, block_expert, block_slots, w, y, NB: int, block: int, p
     """_down_kernel over NB blocks of slots: down dense [E, H, I] or PackedMatrix; h [S, I] float32 rounded
     to dtype (the compute dtype) for the products; w [S] slot weights; y [S, H] float32."""
     H, I = down.shape[1], down.shape[2]
-    d, ds, dz, se, sn, Kp, group, fmt, zero = _weight_args(down)
+    d, ds, dz, se, sn, fmt, zero, group = _weight_args(down)
     _down_kernel[(NB, triton.cdiv(H, 32))](
-        h, d, ds, dz, block_expert, block_slots, w, y, h.shape[0], H, I, h.stride(0), se, sn, y.stride(0), Kp, group,
-        BLOCK_S=block, BLOCK_H=32, BLOCK_I=64, PRECISION=precision, EXPERT_MAJOR=expert_major, FORMAT=fmt,
-        ZERO=zero, CDTYPE=_TL_DTYPES[dtype])
+        h, d, ds, dz, block_expert, block_slots, w, y, h.shape[0], H, I, h.stride(0), se, sn, y.stride(0),
+        BLOCK_S=block, BLOCK_H=32, BLOCK_I=INT4_BLOCK_K if fmt == 4 else 64, PRECISION=precision,
+        EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group, CDTYPE=_TL_DTYPES[dtype])
 
 
 def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,

@@ -1,14 +1,12 @@
-"""GPU-resident routed experts kept in the native engine's packed int4 / int8 layout.
+"""GPU-resident routed experts kept as int4 / int8 codes and scales.
 
 With int4 or int8 CPU experts, the experts the placement puts on the GPU are packed by the same
 native packer (the same codes and scales as if they lived on the CPU, so an expert computes the
-same wherever it is placed) and their bytes copied to the GPU as they are: a quarter (int4) or
-half (int8) of bf16's memory, so the budget holds four or two times as many experts. The GPU
-share's Triton kernels (gpu_experts_triton.py) read the packed bytes and dequantize each tile in
-registers; nothing on the GPU holds a dequantized copy.
-
-Layout (experts/packed_torch.py's docstring): one buffer per projection, E experts one after
-the other, each a run of 32-row blocks; numa_nodes 1.
+same wherever it is placed), copied to the GPU and regrouped there into a layout whose rows are
+contiguous runs of bytes (PackedMatrix; the CPU's 32-row blocks would make a GPU kernel gather
+every byte): a quarter (int4) or half (int8) of bf16's memory, so the budget holds four or two
+times as many experts. The GPU share's Triton kernels (gpu_experts_triton.py) read the codes and
+dequantize each tile in registers; nothing on the GPU holds a dequantized copy.
 """
 
 from __future__ import annotations
@@ -25,36 +23,45 @@ PACKED_FORMATS = ("int4", "int8")
 
 @dataclass(frozen=True)
 class PackedMatrix:
-    """One projection (gate, up or down) of a layer's GPU experts in the packed layout, on the GPU.
+    """One projection (gate, up or down) of a layer's GPU experts, its integer codes and scales on the GPU.
 
-    w: the packed bytes (uint8, flat); scale (and zero, int4 with zero points): float32, flat.
-    shape (E, N, K) as the dense [E, N, K] weight it stands for; dtype: what the kernels round each
-    dequantized weight to (the model's compute dtype).
+    int4: codes uint8 [E, N, K / 2]; in each group of `group` columns, byte p (p < group / 2) holds column
+    p in its low nibble and column group / 2 + p in its high one (so a kernel's tile of bytes is two
+    tiles of columns, each a run of half-groups); scale (and zero, with zero points) float32 [E, N, K / group].
+    int8: codes int8 [E, N, K], scale float32 [E, N, 1], group K.
+    W = (code - zero) * scale, zero 8 for symmetric int4 and 0 for int8: the CPU engine's values. dtype: what
+    the kernels round each weight to (the model's compute dtype).
     """
 
     format: str
-    w: torch.Tensor
+    codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
-    shape: tuple[int, int, int]
-    Kp: int
     group: int
     dtype: torch.dtype
-    layout: PackedLayout
-    index: int  # 0 gate, 1 up, 2 down: this matrix among layout.matrices
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        E, N, width = self.codes.shape
+        return E, N, width * 2 if self.format == "int4" else width
 
     @property
     def device(self) -> torch.device:
-        return self.w.device
+        return self.codes.device
 
     def dense(self) -> torch.Tensor:
         """[E, N, K] in dtype: the weights the kernels compute with (the torch fallback's input)."""
-        sl = self.layout.matrices[self.index].slices[0]
-        buffers = {sl.w: self.w, sl.scale: self.scale.view(torch.uint8)}
-        if sl.zero is not None:
-            buffers[sl.zero] = self.zero.view(torch.uint8)
-        experts = torch.arange(self.shape[0], device=self.device)
-        return self.layout.matrix(self.layout.matrices[self.index], buffers, experts, self.dtype)
+        E, N, K = self.shape
+        W = torch.empty(E, N, K, dtype=self.dtype, device=self.device)
+        if self.format == "int8":
+            torch.mul(self.codes, self.scale, out=W)  # float32 code * scale, rounded once
+            return W
+        G = K // self.group
+        b = self.codes.view(E, N, G, self.group // 2)
+        q = torch.cat((b & 0xF, b >> 4), dim=-1)  # [E, N, G, group] codes in column order
+        q = q - self.zero.unsqueeze(-1) if self.zero is not None else q.view(torch.int8) - 8
+        torch.mul(q, self.scale.unsqueeze(-1), out=W.view(E, N, G, self.group))
+        return W
 
 
 def packed_gpu_format(expert_backend: str, expert_format: str, device: str | torch.device, dtype: torch.dtype,
@@ -72,30 +79,28 @@ def packed_gpu_format(expert_backend: str, expert_format: str, device: str | tor
 
 
 def packed_expert_bytes(fmt: str, hidden: int, inter: int, group_size: int, zero_points: bool) -> int:
-    """GPU bytes of one expert packed in fmt, padding included (what pack_gpu_experts copies per expert)."""
-    layout = PackedLayout({"shape": [1, hidden, inter], "format": fmt, "group_size": group_size,
-                           "zero_points": zero_points and fmt == "int4", "numa_nodes": 1})
-    return sum(layout.buffer_bytes().values())
+    """GPU bytes of one expert kept packed in fmt (gate, up [I, H], down [H, I]: PackedMatrix's tensors)."""
+    weights = 3 * hidden * inter
+    if fmt == "int8":
+        return weights + 4 * (2 * inter + hidden)
+    return weights // 2 + 4 * (weights // group_size) * (2 if zero_points and fmt == "int4" else 1)
 
 
 def pack_gpu_experts(packed_layer, device: torch.device, dtype: torch.dtype) -> tuple[PackedMatrix, ...]:
     """(gate, up, down) PackedMatrix on device from a CpuExperts over the GPU experts (packed on the CPU,
-    then dropped by the caller): each buffer is copied once."""
+    then dropped by the caller): its bytes are copied once and regrouped on the device."""
     state = packed_layer.packed_state()
-    if int(state["numa_nodes"]) != 1:
-        raise ValueError("GPU experts are packed with numa_nodes=1")
     layout = PackedLayout(state)
-    buffers = state["buffers"]
-
-    def on_device(name: str | None) -> torch.Tensor | None:
-        if name is None:
-            return None
-        return torch.as_tensor(buffers[name]).view(torch.uint8).reshape(-1).to(device)
-
+    buffers = {name: torch.as_tensor(b).view(torch.uint8).reshape(-1).to(device) for name, b in state["buffers"].items()}
+    experts = torch.arange(layout.E, device=device)
     out = []
-    for m, mat in enumerate(layout.matrices):
-        sl = mat.slices[0]
-        out.append(PackedMatrix(layout.format, on_device(sl.w), on_device(sl.scale).view(torch.float32),
-                                None if sl.zero is None else on_device(sl.zero).view(torch.float32),
-                                (layout.E, mat.N, mat.K), mat.Kp, layout.group, dtype, layout, m))
+    for mat in layout.matrices:
+        codes, scale, zero = layout.codes(mat, buffers, experts)
+        group = layout.group if layout.format == "int4" else mat.K
+        if layout.format == "int4":  # columns p and group / 2 + p of each group into one byte
+            E, N, K = codes.shape
+            halves = codes.reshape(E, N, K // group, 2, group // 2)
+            codes = (halves[..., 0, :] | (halves[..., 1, :] << 4)).reshape(E, N, K // 2)
+        out.append(PackedMatrix(layout.format, codes.contiguous(), scale.contiguous(),
+                                None if zero is None else zero.contiguous(), group, dtype))
     return tuple(out)

@@ -113,32 +113,59 @@ class PackedLayout:
             row0 += sl.blocks * BLOCK_ROWS
         return out[:, :mat.N, :mat.K]  # [n, N, K], rows padded to blocks and columns to Kp left out
 
-    def _slice(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor, dtype) -> torch.Tensor:
-        # The products are float32, as the engine's, and rounded to dtype by the multiplication that
-        # makes them (one pass; what .to(dtype) of the float32 result gives).
+    def codes(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """An int4 / int8 matrix of experts `experts` [n] as integer codes [n, N, K] (int4: uint8 0..15, int8:
+        int8), float32 scales [n, N, G] (int8: G = 1) and zero points like the scales (int4 with zero points,
+        else None): W = (codes - zero) * scale per group, zero 8 for symmetric int4 and 0 for int8."""
+        parts = [self._slice_codes(mat, sl, buffers, experts) for sl in mat.slices]  # each (codes, scale, zero)
+
+        def rows(i: int) -> torch.Tensor | None:  # part i of every slice, their rows joined
+            ts = [p[i] for p in parts]
+            return None if ts[0] is None else ts[0] if len(ts) == 1 else torch.cat(ts, dim=1)
+
+        codes, scale, zero = rows(0), rows(1), rows(2)
+        return codes[:, :mat.N, :mat.K], scale[:, :mat.N], None if zero is None else zero[:, :mat.N]
+
+    def _slice_codes(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor):
+        """codes [n, nb * 32, Kp], scale [n, nb * 32, G] and zero (or None) of one slice (see codes)."""
         n, nb, Kp = experts.numel(), sl.blocks, mat.Kp
-        # Each block's rows and K pairs are transposed as whole pairs (int32 bf16 pairs, int16 int8 or
-        # int4 byte pairs): a 4-d copy of few wide elements, where one over every weight was slow on GPUs.
+        # Each block's rows and K pairs are transposed as whole pairs (int16 int8 or int4 byte pairs): a 4-d
+        # copy of few wide elements, where one over every weight was slow on GPUs.
         w = buffers[sl.w].view(self.E, -1)[experts]  # [n, nb * block bytes]
-        if self.format == "bf16":
-            q = w.view(torch.int32).view(n, nb, Kp // 2, BLOCK_ROWS).transpose(2, 3).contiguous()
-            return q.view(torch.bfloat16).view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K].to(dtype)
         scale = buffers[sl.scale].view(torch.float32).view(self.E, nb, -1)[experts]  # [n, nb, 32 or G * 32]
         if self.format == "int8":
             q = w.view(torch.int16).view(n, nb, Kp // 2, BLOCK_ROWS).transpose(2, 3).contiguous()
-            W = torch.empty(n, nb, BLOCK_ROWS, Kp, dtype=dtype, device=w.device)
-            torch.mul(q.view(torch.int8), scale.unsqueeze(-1), out=W)  # float(code) * scale
-            return W.view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K]
+            return q.view(torch.int8).view(n, nb * BLOCK_ROWS, Kp), scale.reshape(n, nb * BLOCK_ROWS, 1), None
         pairs = w.view(torch.int16).view(n, nb, Kp // 8, 2, 2, 16)  # [n, nb, step, half, quad, r] of (j) pairs
         b = pairs.permute(0, 1, 3, 5, 2, 4).contiguous().view(torch.uint8)  # [n, nb, half, r, step, 2 quad x 2 j]
         q = torch.stack((b & 0xF, b >> 4), dim=-2)  # [n, nb, half, r, step, hi, 4]: k8 = 4 * hi + 2 * quad + j
         G = Kp // self.group
-        q = q.view(n, nb, BLOCK_ROWS, G, self.group)
-        scale = scale.view(n, nb, G, BLOCK_ROWS).transpose(2, 3).unsqueeze(-1)  # [n, nb, 32, G, 1]
+        scale = scale.view(n, nb, G, BLOCK_ROWS).transpose(2, 3).reshape(n, nb * BLOCK_ROWS, G)
+        zero = None
         if sl.zero is not None:
             zero = buffers[sl.zero].view(torch.float32).view(self.E, nb, G, BLOCK_ROWS)[experts]
-            q = q - zero.transpose(2, 3).unsqueeze(-1)  # float32 code - zero point
+            zero = zero.transpose(2, 3).reshape(n, nb * BLOCK_ROWS, G)
+        return q.view(n, nb * BLOCK_ROWS, Kp), scale, zero
+
+    def _slice(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor, dtype) -> torch.Tensor:
+        # The products are float32, as the engine's, and rounded to dtype by the multiplication that
+        # makes them (one pass; what .to(dtype) of the float32 result gives).
+        n, nb, Kp = experts.numel(), sl.blocks, mat.Kp
+        if self.format == "bf16":
+            w = buffers[sl.w].view(self.E, -1)[experts]  # [n, nb * block bytes]
+            q = w.view(torch.int32).view(n, nb, Kp // 2, BLOCK_ROWS).transpose(2, 3).contiguous()
+            return q.view(torch.bfloat16).view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K].to(dtype)
+        q, scale, zero = self._slice_codes(mat, sl, buffers, experts)
+        W = torch.empty(q.shape, dtype=dtype, device=q.device)
+        if self.format == "int8":
+            torch.mul(q, scale, out=W)  # float(code) * scale
+            return W[..., :mat.K]
+        G = Kp // self.group
+        q = q.view(n, nb * BLOCK_ROWS, G, self.group)
+        if zero is not None:
+            q = q - zero.unsqueeze(-1)  # float32 code - zero point
         else:
             q = q.view(torch.int8) - 8  # code - 8, exact in int8 (and so in float32)
-        W = torch.empty(q.shape, dtype=dtype, device=w.device)
-        return torch.mul(q, scale, out=W).view(n, nb * BLOCK_ROWS, Kp)
+        torch.mul(q, scale.unsqueeze(-1), out=W.view(q.shape))
+        return W
