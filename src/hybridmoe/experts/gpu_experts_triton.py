@@ -61,34 +61,33 @@ def _weight_tile(w_ptr, scale_ptr, e, rows, cols, N, K, stride_we, stride_wn, IN
 
 
 @triton.jit
-def _int4_columns(k0, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """Columns of the low and high nibbles of a PackedMatrix row's bytes k0 / 2 .. (k0 + BLOCK_K) / 2 (k0 and
-    BLOCK_K whole groups): byte p of a group holds its columns p and GROUP / 2 + p. [BLOCK_K / 2] each."""
-    b = tl.arange(0, BLOCK_K // 2)
-    lo = k0 + (b // (GROUP // 2)) * GROUP + b % (GROUP // 2)
-    return lo, lo + GROUP // 2
+def _int4_group(acc, x_lo, x_hi, codes_ptr, scale_ptr, zero_ptr, e, rows, g0, N, K, GROUP: tl.constexpr,
+                ZERO: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [BS, BN] + the products of one int4 group of columns (g0 .. g0 + GROUP) with `rows` of expert e of an
+    int4 PackedMatrix. x_lo, x_hi [BS, GROUP / 2]: the group's first and second half of columns, in the compute
+    dtype (byte p of a group holds its columns p and GROUP / 2 + p).
 
-
-@triton.jit
-def _int4_tiles(codes_ptr, scale_ptr, zero_ptr, e, rows, k0, N, K, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                ZERO: tl.constexpr):
-    """The float32 weights of _int4_columns(k0) (low, high), [BLOCK_K / 2, len(rows)] each, for rows of expert e
-    of an int4 PackedMatrix: (code - zero) * scale, zero 8 without zero points, as the CPU engine."""
-    b = tl.arange(0, BLOCK_K // 2)[:, None]  # [BK / 2, 1] bytes
+    The codes go into the products as they are (small integers, exact in bf16 / fp16) and each row's sum is
+    scaled once per group: scale x (codes . x - zero x sum(x)), zero 8 without zero points: the CPU engine's
+    (code - zero) x scale, without rounding each weight to the compute dtype first. A group past K adds 0."""
+    b = tl.arange(0, GROUP // 2)[:, None]  # [GROUP / 2, 1] bytes
     nn = rows[None, :]  # [1, BN]
     row = e * N + nn
-    mask = (k0 + 2 * b < K) & (nn < N)  # whole groups past K are masked (K is a multiple of GROUP)
-    raw = tl.load(codes_ptr + row * (K // 2) + k0 // 2 + b, mask=mask, other=0).to(tl.int32)
-    s_off = row * (K // GROUP) + k0 // GROUP + b // (GROUP // 2)
-    scale = tl.load(scale_ptr + s_off, mask=mask, other=0.0)
-    if ZERO:
-        zero = tl.load(zero_ptr + s_off, mask=mask, other=0.0)
-        lo = ((raw & 0xF).to(tl.float32) - zero) * scale
-        hi = ((raw >> 4).to(tl.float32) - zero) * scale
+    inside = (nn < N) & (nn * 0 + g0 < K)  # [1, BN] (a tensor, as the interpreter needs)
+    raw = tl.load(codes_ptr + row * (K // 2) + g0 // 2 + b, mask=inside & (b >= 0), other=0).to(tl.int32)
+    if ZERO:  # (constexpr branches: triton compiles only the one taken)
+        lo = (raw & 0xF).to(x_lo.dtype)
+        hi = (raw >> 4).to(x_lo.dtype)
     else:
-        lo = ((raw & 0xF) - 8).to(tl.float32) * scale
-        hi = ((raw >> 4) - 8).to(tl.float32) * scale
-    return lo, hi
+        lo = ((raw & 0xF) - 8).to(x_lo.dtype)
+        hi = ((raw >> 4) - 8).to(x_lo.dtype)
+    part = tl.dot(x_lo, lo, input_precision=PRECISION)
+    part = tl.dot(x_hi, hi, part, input_precision=PRECISION)  # [BS, BN] float32
+    s_off = row * (K // GROUP) + g0 // GROUP  # [1, BN] scales [E, N, K / GROUP]
+    if ZERO:
+        xsum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)  # [BS]
+        part = part - tl.load(zero_ptr + s_off, mask=inside, other=0.0) * xsum[:, None]
+    return acc + part * tl.load(scale_ptr + s_off, mask=inside, other=0.0)
 
 
 @triton.jit
@@ -110,16 +109,16 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_e
         e64 = e.to(tl.int64)
         x_row = x_ptr + tok[:, None] * stride_x
         for h0 in range(0, H, BLOCK_H):
-            if FORMAT == 4:  # two half-tiles: the low nibbles' columns and the high nibbles'
-                c_lo, c_hi = _int4_columns(h0, BLOCK_H, GROUP)
-                x_lo = tl.load(x_row + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < H), other=0.0)
-                x_hi = tl.load(x_row + c_hi[None, :], mask=sel[:, None] & (c_hi[None, :] < H), other=0.0)
-                g_lo, g_hi = _int4_tiles(gate_ptr, gate_s, gate_z, e64, rows, h0, I, H, BLOCK_H, GROUP, ZERO)
-                u_lo, u_hi = _int4_tiles(up_ptr, up_s, up_z, e64, rows, h0, I, H, BLOCK_H, GROUP, ZERO)
-                acc_g = tl.dot(x_lo, g_lo.to(x_lo.dtype), acc_g, input_precision=PRECISION)
-                acc_g = tl.dot(x_hi, g_hi.to(x_hi.dtype), acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(x_lo, u_lo.to(x_lo.dtype), acc_u, input_precision=PRECISION)
-                acc_u = tl.dot(x_hi, u_hi.to(x_hi.dtype), acc_u, input_precision=PRECISION)
+            if FORMAT == 4:  # group by group: each group's half-columns, then its scales
+                for gi in tl.static_range(BLOCK_H // GROUP):
+                    c_lo = h0 + gi * GROUP + tl.arange(0, GROUP // 2)
+                    x_lo = tl.load(x_row + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < H), other=0.0)
+                    x_hi = tl.load(x_row + GROUP // 2 + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < H),
+                                   other=0.0)
+                    acc_g = _int4_group(acc_g, x_lo, x_hi, gate_ptr, gate_s, gate_z, e64, rows, h0 + gi * GROUP, I, H,
+                                        GROUP, ZERO, PRECISION)
+                    acc_u = _int4_group(acc_u, x_lo, x_hi, up_ptr, up_s, up_z, e64, rows, h0 + gi * GROUP, I, H,
+                                        GROUP, ZERO, PRECISION)
             else:
                 cols = h0 + tl.arange(0, BLOCK_H)
                 xs = tl.load(x_row + cols[None, :], mask=sel[:, None] & (cols[None, :] < H), other=0.0)
@@ -149,12 +148,13 @@ def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_
         h_row = h_ptr + row[:, None] * stride_h
         for i0 in range(0, I, BLOCK_I):
             if FORMAT == 4:
-                c_lo, c_hi = _int4_columns(i0, BLOCK_I, GROUP)
-                h_lo = tl.load(h_row + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < I), other=0.0)
-                h_hi = tl.load(h_row + c_hi[None, :], mask=sel[:, None] & (c_hi[None, :] < I), other=0.0)
-                d_lo, d_hi = _int4_tiles(down_ptr, down_s, down_z, e64, cols, i0, H, I, BLOCK_I, GROUP, ZERO)
-                acc = tl.dot(h_lo.to(CDTYPE), d_lo.to(CDTYPE), acc, input_precision=PRECISION)
-                acc = tl.dot(h_hi.to(CDTYPE), d_hi.to(CDTYPE), acc, input_precision=PRECISION)
+                for gi in tl.static_range(BLOCK_I // GROUP):
+                    c_lo = i0 + gi * GROUP + tl.arange(0, GROUP // 2)
+                    h_lo = tl.load(h_row + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < I), other=0.0)
+                    h_hi = tl.load(h_row + GROUP // 2 + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < I),
+                                   other=0.0)
+                    acc = _int4_group(acc, h_lo.to(CDTYPE), h_hi.to(CDTYPE), down_ptr, down_s, down_z, e64, cols,
+                                      i0 + gi * GROUP, H, I, GROUP, ZERO, PRECISION)
             else:
                 inner = i0 + tl.arange(0, BLOCK_I)
                 hs = tl.load(h_row + inner[None, :], mask=sel[:, None] & (inner[None, :] < I), other=0.0)
@@ -167,9 +167,8 @@ def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-INT4_BLOCK_K = 128
-"""Columns a down program's step covers in int4 (gate/up's steps are 128 columns in every format): a multiple
-of every int4 group size (32, 64, 128)."""
+INT4_GATE_UP_BLOCK_K, INT4_DOWN_BLOCK_K = 128, 128
+"""Columns a program's step covers in int4 (multiples of every group size, 32 / 64 / 128)."""
 
 
 def _weight_args(w) -> tuple:
@@ -192,7 +191,8 @@ def gate_up_launch(x, gate, up, block_expert, block_slots, h, K: int, NB: int, b
     u, us, uz = _weight_args(up)[:3]
     _gate_up_kernel[(NB, triton.cdiv(I, 16))](
         x, g, u, gs, us, gz, uz, block_expert, block_slots, h, h.shape[0], H, I, K, x.stride(0), se, sn,
-        h.stride(0), BLOCK_S=block, BLOCK_I=16, BLOCK_H=128, PRECISION=precision, EXPERT_MAJOR=expert_major,
+        h.stride(0), BLOCK_S=block, BLOCK_I=16, BLOCK_H=INT4_GATE_UP_BLOCK_K if fmt == 4 else 128,
+        PRECISION=precision, EXPERT_MAJOR=expert_major,
         FORMAT=fmt, ZERO=zero, GROUP=group)
 
 
@@ -204,7 +204,7 @@ def down_launch(h, down, block_expert, block_slots, w, y, NB: int, block: int, p
     d, ds, dz, se, sn, fmt, zero, group = _weight_args(down)
     _down_kernel[(NB, triton.cdiv(H, 32))](
         h, d, ds, dz, block_expert, block_slots, w, y, h.shape[0], H, I, h.stride(0), se, sn, y.stride(0),
-        BLOCK_S=block, BLOCK_H=32, BLOCK_I=INT4_BLOCK_K if fmt == 4 else 64, PRECISION=precision,
+        BLOCK_S=block, BLOCK_H=32, BLOCK_I=INT4_DOWN_BLOCK_K if fmt == 4 else 64, PRECISION=precision,
         EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group, CDTYPE=_TL_DTYPES[dtype])
 
 
