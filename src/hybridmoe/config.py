@@ -97,8 +97,8 @@ class EngineConfig:
 
     gpu_experts_packed: bool = True
     """With int4 / int8 CPU experts on CUDA: keep the GPU's routed experts packed in that format too (the same
-    codes as on the CPU, 1/4 or 1/2 of bf16's memory, so the budget holds 4 or 2 times as many); False: in the
-    model's dtype."""
+    codes as on the CPU, 1/4 or 1/2 of bf16's memory, so the budget holds 4 or 2 times as many: Qwen3-30B-A3B
+    int4 under 16 GiB decodes ~1.3x faster); False: in the model's dtype."""
 
     deferred_experts: int = 0
     """Expert deferral: each token's K lowest-weighted routed experts run on the CPU while the next layer's

@@ -48,6 +48,24 @@ def test_packed_matrices_hold_the_cpu_engines_codes(fmt, group, zero_points, dty
 
 
 @pytest.mark.parametrize("fmt,group,zero_points", FORMATS)
+def test_the_codes_of_a_layer_split_over_numa_nodes_are_those_of_one_node(fmt, group, zero_points):
+    from hybridmoe.experts.packed_torch import PackedLayout
+
+    weights = experts(5)
+    layouts = []
+    for numa in (1, 2):
+        state = CpuExperts(*weights, format=fmt, group_size=group, zero_points=zero_points, threads=2,
+                           numa_nodes=numa).packed_state()
+        buffers = {n: torch.as_tensor(b).view(torch.uint8).reshape(-1) for n, b in state["buffers"].items()}
+        layout = PackedLayout(state)
+        layouts.append([layout.codes(mat, buffers, torch.tensor([4, 0, 2])) for mat in layout.matrices])
+    for one, two in zip(*layouts):
+        assert one[0].shape == two[0].shape and one[0].shape[1:] in ((I, H), (H, I))
+        for a, b in zip(one, two):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+@pytest.mark.parametrize("fmt,group,zero_points", FORMATS)
 @pytest.mark.parametrize("T", [1, 5])
 def test_the_gpu_share_of_packed_experts_is_that_of_their_dequantized_weights(fmt, group, zero_points, T):
     packed = pack_gpu_experts(packer(fmt, group, zero_points)(*experts()), torch.device("cpu"), torch.bfloat16)

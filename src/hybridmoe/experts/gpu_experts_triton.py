@@ -10,6 +10,14 @@ the host (a CUDA graph captures either):
   once per BLOCK_S of its slots; building the blocks takes a few dozen tiny torch ops, which a
   long step does not notice.
 
+The weights are dense [E, N, K] tensors in the model's dtype, or PackedMatrix (experts/packed_gpu.py:
+int4 / int8 codes and scales, as the CPU engine packs them), dequantized in registers: int8 tile by tile,
+int4 group by group, each group's products on its integer codes scaled once per row afterwards. On the
+H200 (session 11, benchmarks/gpu_experts.py, Qwen3-30B-A3B shape, 97 int4 experts) one token's 5 routed
+int4 experts take 92.7 us against 45.9 for the bf16 kernel on the same 5 experts dequantized (a quarter
+of the bytes at half the speed: the int4 kernel is far from the memory's rate, why is not measured); the first
+int4 kernel, which gathered a scale for every weight out of the CPU's 32-row blocks, took 147.5.
+
 T tokens, K slots per token, S = T * K slots (slot s is token s // K), E experts here,
 H hidden, I expert intermediate size, NB blocks.
 """
@@ -168,7 +176,10 @@ def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 INT4_GATE_UP_BLOCK_K, INT4_DOWN_BLOCK_K = 128, 128
-"""Columns a program's step covers in int4 (multiples of every group size, 32 / 64 / 128)."""
+"""Columns a program's step covers in int4 (multiples of every group size, 32 / 64 / 128). 512 / 256 (as many
+bytes a step as bf16's 128 columns) measured no faster at one token and slower at more on the H200 (session 11,
+benchmarks/gpu_experts.py --format int4 --experts 97, 5 / 19 / 62 routed experts: 93.4 / 279.8 / 652.9 us
+against 92.7 / 212.0 / 532.6)."""
 
 
 def _weight_args(w) -> tuple:
