@@ -1,8 +1,8 @@
 """The hybrid backend: each MoE layer's routed experts split between the GPU and the CPU engine.
 
 Per layer, the experts the PlacementPlan puts on the GPU are stacked there (torch, the model's
-dtype; with int4 / int8 CPU experts on CUDA, packed as the CPU engine packs them: gpu_format); the others go to the CPU engine (native CpuExperts, or the torch reference on the CPU),
-which holds only those, renumbered 0..E_cpu-1. Each token's top-k is split by where its experts
+dtype; with int4 / int8 CPU experts on CUDA, packed as the CPU engine packs them: gpu_format); the
+others go to the CPU engine (native CpuExperts, or the torch reference on the CPU), which holds only those, renumbered 0..E_cpu-1. Each token's top-k is split by where its experts
 live; the two partial outputs are summed in float32. submit() starts the CPU part (native submit
 returns at once, the workers run without the GIL) and then the GPU part; wait() joins them.
 With deferred_experts K, each token's K lowest-weighted experts run after the layer's own, and

@@ -97,11 +97,13 @@ def pack_gpu_experts(packed_layer, device: torch.device, dtype: torch.dtype) -> 
     then dropped by the caller): its bytes are copied once and regrouped on the device."""
     state = packed_layer.packed_state()
     layout = PackedLayout(state)
-    buffers = {name: torch.as_tensor(b).view(torch.uint8).reshape(-1).to(device) for name, b in state["buffers"].items()}
     experts = torch.arange(layout.E, device=device)
     out = []
-    for mat in layout.matrices:
+    for mat in layout.matrices:  # one matrix's bytes on the device at a time: less to hold while loading
+        names = [n for sl in mat.slices for n in (sl.w, sl.scale, sl.zero) if n is not None]
+        buffers = {n: torch.as_tensor(state["buffers"][n]).view(torch.uint8).reshape(-1).to(device) for n in names}
         codes, scale, zero = layout.codes(mat, buffers, experts)
+        del buffers
         group = layout.group if layout.format == "int4" else mat.K
         if layout.format == "int4":  # columns p and group / 2 + p of each group into one byte
             E, N, K = codes.shape

@@ -96,8 +96,8 @@ class Footprint:
 def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: EngineConfig) -> Footprint:
     """Build the model on the meta device (no memory) and add up what it would hold."""
     from hybridmoe.engine.llm_engine import max_model_len
-    from hybridmoe.experts.streamed_prefill import reserved_bytes as prefill_streaming_bytes
     from hybridmoe.experts.packed_gpu import packed_expert_bytes
+    from hybridmoe.experts.streamed_prefill import reserved_bytes as prefill_streaming_bytes
     from hybridmoe.experts.torch_ref import TorchExperts
 
     with torch.device("meta"):
