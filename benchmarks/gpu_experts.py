@@ -8,6 +8,8 @@ syncs). Bandwidth = bytes of the distinct routed experts' weights / time: what a
 reads only the routed experts must move (H200: ~4.8 TB/s peak). --format int4 / int8 keeps the
 experts packed as the hybrid engine does with int4 / int8 CPU experts (experts/packed_gpu.py, packed by
 the native engine) and also times the bf16 kernel on the same weights dequantized ("bf16 us").
+--split-k GUxDN,... also times the Triton kernels with K split GU ways in gate/up and DN ways in down (one
+"split GUxDN us" column each; the default, gpu_experts_triton.DECODE_SPLIT_K, is the "triton us" column).
 
     python benchmarks/gpu_experts.py --shape qwen3-30b-a3b --tokens 1,4,8 --format int4 --json out/gpu_experts.json
 """
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.experts.gpu_experts import fixed_shape_experts, torch_fixed_experts, weighted_experts
+from hybridmoe.experts.gpu_experts_triton import triton_silu_experts
 from hybridmoe.experts.packed_gpu import pack_gpu_experts, packed_expert_bytes
 
 SHAPES = {  # H hidden, I expert intermediate, K experts per token
@@ -39,6 +42,8 @@ def parse_args():
     p.add_argument("--total-experts", type=int, default=128, help="experts in the layer (ids drawn from these)")
     p.add_argument("--format", default="bf16", choices=["bf16", "int4", "int8"], help="how the experts are kept")
     p.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128], help="int4 group size")
+    p.add_argument("--split-k", default="", metavar="GUxDN,...",
+                   help="also these splits of K (gate/up x down) in the Triton kernels, e.g. 2x1,4x2")
     p.add_argument("--reps", type=int, default=50, help="calls per timed trial")
     p.add_argument("--trials", type=int, default=5, help="timed trials (the median is reported)")
     p.add_argument("--json", help="write the results here")
@@ -95,11 +100,13 @@ def main():
         dense = tuple(m.dense() for m in experts)  # the same weights, for the bf16 kernel and the references
         expert_bytes = packed_expert_bytes(args.format, H, I, args.group_size, False)
         del cpu
+    splits = [tuple(int(n) for n in v.split("x")) for v in args.split_k.split(",") if v]
     rows = []
     print(f"{args.shape}: H={H} I={I} K={K}, {E} of {args.total_experts} experts on the GPU ({args.format}, "
           f"{expert_bytes / 1e6:.1f} MB each); routing uniform, so ~{E / args.total_experts:.0%} of slots are GPU slots")
     print(f"{'T':>3} {'routed':>6} {'triton us':>10} {'GB/s':>7} {'bf16 us':>8} {'torch fixed us':>15} "
-          f"{'weighted us':>12} {'torch/triton':>13} {'max |diff|':>11}")
+          f"{'weighted us':>12} {'torch/triton':>13} {'max |diff|':>11}"
+          + "".join(f" {'split %dx%d us' % sk:>14}" for sk in splits))
     for T in [int(t) for t in args.tokens.split(",")]:
         ids, weights, mask = routing(T, K, args.total_experts, E, seed=T)
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, torch.bfloat16)
@@ -115,11 +122,15 @@ def main():
         t_weighted = eager_seconds(weighted_fn, args.reps, args.trials)
         diff = (triton_fn() - weighted_fn()).abs().max().item()
         gbs = routed * expert_bytes / t_triton / 1e9
+        t_split = {f"{gu}x{dn}": graph_seconds(partial(triton_silu_experts, x, *experts, *step[:3], split_k=(gu, dn)),
+                                               args.reps, args.trials) for gu, dn in splits}
         rows.append(dict(shape=args.shape, format=args.format, T=T, K=K, gpu_experts=E, routed_experts=routed,
                          triton_us=t_triton * 1e6, bf16_us=t_bf16 * 1e6, torch_fixed_us=t_torch * 1e6,
-                         weighted_us=t_weighted * 1e6, triton_gbs=gbs, max_diff=diff))
+                         weighted_us=t_weighted * 1e6, triton_gbs=gbs, max_diff=diff,
+                         split_us={k: v * 1e6 for k, v in t_split.items()}))
         print(f"{T:>3} {routed:>6} {t_triton * 1e6:>10.1f} {gbs:>7.0f} {t_bf16 * 1e6:>8.1f} {t_torch * 1e6:>15.1f} "
-              f"{t_weighted * 1e6:>12.1f} {t_torch / t_triton:>12.1f}x {diff:>11.2e}")
+              f"{t_weighted * 1e6:>12.1f} {t_torch / t_triton:>12.1f}x {diff:>11.2e}"
+              + "".join(f" {v * 1e6:>14.1f}" for v in t_split.values()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

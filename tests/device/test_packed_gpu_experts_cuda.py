@@ -1,6 +1,6 @@
 """GPU experts kept packed (int4 / int8, experts/packed_gpu.py) in the Triton GPU share: equal to weighted_experts
 on the same dequantized weights for T = 1 and 8 (decode: expert-major), 9 and 300 (sorted blocks), eagerly
-and as a CUDA graph replay; the streamed prefill's resident experts; and a hybrid model on CUDA with int4
+and as a CUDA graph replay; decode steps with K split equal the whole sums; the streamed prefill's resident experts; and a hybrid model on CUDA with int4
 experts, whose GPU experts are packed, takes a quarter of bf16's expert memory and gives the tokens of
 the same engine with every expert on the CPU.
 Runs on the GPU host through scripts/device_check.sh.
@@ -63,6 +63,25 @@ def test_packed_experts_equal_weighted_experts_on_their_dequantized_weights(fmt,
     dense = tuple(m.dense() for m in experts)
     assert_near(gpu_share(x, *experts, ids, weights, mask, F.silu), weighted_experts(x, *dense, ids, weights, mask,
                                                                                       F.silu))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "int8"])
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("split_k", [(2, 1), (3, 2), (8, 4)])
+def test_decode_steps_with_k_split_equal_the_whole_sums(fmt, T, split_k):
+    """gpu_experts_triton's split K (more programs for few tokens): the splits' sums added in a fixed order
+    give the unsplit result up to float32 rounding, and the same result every run."""
+    from hybridmoe.experts.gpu_experts_triton import triton_silu_experts
+
+    H, I = 224, 96
+    experts = packed("int4" if fmt == "bf16" else fmt, 32 if fmt != "int8" else 128, False, H, I, torch.bfloat16)
+    if fmt == "bf16":
+        experts = tuple(m.dense() for m in experts)
+    x, ids, weights, mask = routing(T, H, torch.bfloat16)
+    whole = triton_silu_experts(x, *experts, ids, weights, mask, split_k=(1, 1))
+    split = triton_silu_experts(x, *experts, ids, weights, mask, split_k=split_k)
+    torch.testing.assert_close(split, whole, atol=1e-4 * whole.abs().max().item(), rtol=0)
+    assert torch.equal(split, triton_silu_experts(x, *experts, ids, weights, mask, split_k=split_k))
 
 
 @pytest.mark.parametrize("T", [1, 8])

@@ -99,15 +99,30 @@ def _int4_group(acc, x_lo, x_hi, codes_ptr, scale_ptr, zero_ptr, e, rows, g0, N,
 
 
 @triton.jit
+def _split_range(K, chunk, SPLIT: tl.constexpr):
+    """This program's columns k_start .. k_end of K: all of them, or with SPLIT > 1 its split's chunk (split k =
+    program_id 2)."""
+    if SPLIT == 1:
+        k_start, k_end = 0, K
+    else:
+        k_start = tl.program_id(2) * chunk
+        k_end = tl.minimum(K, k_start + chunk)
+    return k_start, k_end
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_expert_ptr, block_slots_ptr, h_ptr,
-                    S, H, I, K, stride_x, stride_we, stride_wi, stride_h,
+                    S, H, I, K, stride_x, stride_we, stride_wi, stride_h, chunk, stride_split,
                     BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
                     PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
-                    GROUP: tl.constexpr):
+                    GROUP: tl.constexpr, SPLIT: tl.constexpr):
     """h[s, i-block] = silu(x[s // K] . gate[e, i]) * (x[s // K] . up[e, i]) for the program's slots s.
 
     FORMAT 0: gate, up dense [E, I, H]; 8 / 4: int8 / int4 PackedMatrix codes (scales gate_s, up_s; zero
-    points gate_z, up_z with ZERO), GROUP int4's group size (BLOCK_H a multiple of it)."""
+    points gate_z, up_z with ZERO), GROUP int4's group size (BLOCK_H a multiple of it).
+    SPLIT > 1: program (., ., k) sums columns k * chunk .. (k + 1) * chunk only and stores its two sums,
+    gate's and up's, as h[k, s, :I] and h[k, s, I:] (stride_split apart); _down_kernel adds them up in a
+    fixed order and applies the SiLU (more programs for few tokens, the same result every run)."""
     e, slots, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] intermediate rows
@@ -116,7 +131,8 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_e
         acc_u = tl.zeros((BLOCK_S, BLOCK_I), dtype=tl.float32)
         e64 = e.to(tl.int64)
         x_row = x_ptr + tok[:, None] * stride_x
-        for h0 in range(0, H, BLOCK_H):
+        k_start, k_end = _split_range(H, chunk, SPLIT)
+        for h0 in range(k_start, k_end, BLOCK_H):
             if FORMAT == 4:  # group by group: each group's half-columns, then its scales
                 for gi in tl.static_range(BLOCK_H // GROUP):
                     c_lo = h0 + gi * GROUP + tl.arange(0, GROUP // 2)
@@ -135,43 +151,68 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_e
                 wu = _weight_tile(up_ptr, up_s, e64, rows, cols, I, H, stride_we, stride_wi, FORMAT == 8).to(xs.dtype)
                 acc_g = tl.dot(xs, wg, acc_g, input_precision=PRECISION)
                 acc_u = tl.dot(xs, wu, acc_u, input_precision=PRECISION)
-        act = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h_ptr + slots[:, None] * stride_h + rows[None, :], act,
-                 mask=sel[:, None] & (rows[None, :] < I))
+        out = h_ptr + slots[:, None] * stride_h + rows[None, :]
+        if SPLIT == 1:
+            tl.store(out, acc_g * tl.sigmoid(acc_g) * acc_u, mask=sel[:, None] & (rows[None, :] < I))
+        else:
+            out += tl.program_id(2) * stride_split
+            tl.store(out, acc_g, mask=sel[:, None] & (rows[None, :] < I))
+            tl.store(out + I, acc_u, mask=sel[:, None] & (rows[None, :] < I))
+
+
+@triton.jit
+def _load_h(h_row, cols, mask, I, stride_split, SPLIT: tl.constexpr):
+    """h[s, cols] for the rows h_row of h (float32): as stored, or with SPLIT > 1 silu(sum of the splits' gate
+    sums) x (sum of their up sums), added in split order (see _gate_up_kernel)."""
+    if SPLIT == 1:
+        h = tl.load(h_row + cols[None, :], mask=mask, other=0.0)
+    else:
+        g = tl.zeros(mask.shape, dtype=tl.float32)
+        u = tl.zeros(mask.shape, dtype=tl.float32)
+        for k in tl.static_range(SPLIT):
+            g += tl.load(h_row + k * stride_split + cols[None, :], mask=mask, other=0.0)
+            u += tl.load(h_row + k * stride_split + I + cols[None, :], mask=mask, other=0.0)
+        h = g * tl.sigmoid(g) * u
+    return h
 
 
 @triton.jit
 def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_ptr, w_ptr, y_ptr, S, H, I,
-                 stride_h, stride_de, stride_dh, stride_y,
+                 stride_h, stride_de, stride_dh, stride_y, h_split, chunk, y_split,
                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
                  PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
-                 GROUP: tl.constexpr, CDTYPE: tl.constexpr):
+                 GROUP: tl.constexpr, CDTYPE: tl.constexpr, H_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
     """y[s, h-block] = w[s] * (down[e, h-block] . h[s]) for the program's slots s; h rounded to CDTYPE.
-    FORMAT, ZERO, GROUP as _gate_up_kernel's (BLOCK_I a multiple of GROUP for int4)."""
+    FORMAT, ZERO, GROUP as _gate_up_kernel's (BLOCK_I a multiple of GROUP for int4); h as _gate_up_kernel
+    stored it with H_SPLIT splits (h_split apart). SPLIT > 1: program (., ., k) sums columns k * chunk ..
+    (k + 1) * chunk of I only, into y + k * y_split. (SPLIT and H_SPLIT 1: the kernel as before splits.)"""
     e, row, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] hidden rows of down
         acc = tl.zeros((BLOCK_S, BLOCK_H), dtype=tl.float32)
         e64 = e.to(tl.int64)
         h_row = h_ptr + row[:, None] * stride_h
-        for i0 in range(0, I, BLOCK_I):
+        k_start, k_end = _split_range(I, chunk, SPLIT)
+        for i0 in range(k_start, k_end, BLOCK_I):
             if FORMAT == 4:
                 for gi in tl.static_range(BLOCK_I // GROUP):
                     c_lo = i0 + gi * GROUP + tl.arange(0, GROUP // 2)
-                    h_lo = tl.load(h_row + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < I), other=0.0)
-                    h_hi = tl.load(h_row + GROUP // 2 + c_lo[None, :], mask=sel[:, None] & (c_lo[None, :] < I),
-                                   other=0.0)
+                    inside = sel[:, None] & (c_lo[None, :] < I)
+                    h_lo = _load_h(h_row, c_lo, inside, I, h_split, H_SPLIT)
+                    h_hi = _load_h(h_row, GROUP // 2 + c_lo, inside, I, h_split, H_SPLIT)
                     acc = _int4_group(acc, h_lo.to(CDTYPE), h_hi.to(CDTYPE), down_ptr, down_s, down_z, e64, cols,
                                       i0 + gi * GROUP, H, I, GROUP, ZERO, PRECISION)
             else:
                 inner = i0 + tl.arange(0, BLOCK_I)
-                hs = tl.load(h_row + inner[None, :], mask=sel[:, None] & (inner[None, :] < I), other=0.0)
+                hs = _load_h(h_row, inner, sel[:, None] & (inner[None, :] < I), I, h_split, H_SPLIT)
                 wd = _weight_tile(down_ptr, down_s, e64, cols, inner, H, I, stride_de, stride_dh,
                                   FORMAT == 8).to(CDTYPE)  # [BLOCK_I, BLOCK_H]
                 acc = tl.dot(hs.to(CDTYPE), wd, acc, input_precision=PRECISION)
         scale = tl.load(w_ptr + row, mask=sel, other=0.0)  # [BLOCK_S]
-        tl.store(y_ptr + row[:, None] * stride_y + cols[None, :], acc * scale[:, None],
-                 mask=sel[:, None] & (cols[None, :] < H))
+        out = y_ptr + row[:, None] * stride_y + cols[None, :]
+        if SPLIT > 1:
+            out += tl.program_id(2) * y_split
+        tl.store(out, acc * scale[:, None], mask=sel[:, None] & (cols[None, :] < H))
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -194,34 +235,49 @@ def _weight_args(w) -> tuple:
 
 
 def gate_up_launch(x, gate, up, block_expert, block_slots, h, K: int, NB: int, block: int, precision: str,
-                   expert_major: bool) -> None:
+                   expert_major: bool, split: int = 1) -> None:
     """_gate_up_kernel over NB blocks of slots: gate, up dense [E, I, H] or PackedMatrix; x [T, H] in the
-    compute dtype; h [S, I] float32."""
+    compute dtype; h [S, I] float32, or with split > 1 [split, S, 2 I] (each split's gate and up sums)."""
     I, H = gate.shape[1], gate.shape[2]
     g, gs, gz, se, sn, fmt, zero, group = _weight_args(gate)
     u, us, uz = _weight_args(up)[:3]
-    _gate_up_kernel[(NB, triton.cdiv(I, 16))](
-        x, g, u, gs, us, gz, uz, block_expert, block_slots, h, h.shape[0], H, I, K, x.stride(0), se, sn,
-        h.stride(0), BLOCK_S=block, BLOCK_I=16, BLOCK_H=INT4_GATE_UP_BLOCK_K if fmt == 4 else 128,
-        PRECISION=precision, EXPERT_MAJOR=expert_major,
-        FORMAT=fmt, ZERO=zero, GROUP=group)
+    step = INT4_GATE_UP_BLOCK_K if fmt == 4 else 128
+    chunk = triton.cdiv(triton.cdiv(H, split), step) * step  # whole steps (and int4 groups) per split
+    _gate_up_kernel[(NB, triton.cdiv(I, 16), split)](
+        x, g, u, gs, us, gz, uz, block_expert, block_slots, h, h.shape[-2], H, I, K, x.stride(0), se, sn,
+        h.stride(-2), chunk, h.stride(0) if split > 1 else 0, BLOCK_S=block, BLOCK_I=16, BLOCK_H=step,
+        PRECISION=precision, EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group, SPLIT=split)
 
 
 def down_launch(h, down, block_expert, block_slots, w, y, NB: int, block: int, precision: str, expert_major: bool,
-                dtype: torch.dtype) -> None:
-    """_down_kernel over NB blocks of slots: down dense [E, H, I] or PackedMatrix; h [S, I] float32 rounded
-    to dtype (the compute dtype) for the products; w [S] slot weights; y [S, H] float32."""
+                dtype: torch.dtype, h_split: int = 1, split: int = 1) -> None:
+    """_down_kernel over NB blocks of slots: down dense [E, H, I] or PackedMatrix; h as gate_up_launch wrote it
+    with h_split splits, rounded to dtype (the compute dtype) for the products; w [S] slot weights; y [S, H]
+    float32, or with split > 1 [split, S, H] (each split's part of the sums, over its share of I)."""
     H, I = down.shape[1], down.shape[2]
     d, ds, dz, se, sn, fmt, zero, group = _weight_args(down)
-    _down_kernel[(NB, triton.cdiv(H, 32))](
-        h, d, ds, dz, block_expert, block_slots, w, y, h.shape[0], H, I, h.stride(0), se, sn, y.stride(0),
-        BLOCK_S=block, BLOCK_H=32, BLOCK_I=INT4_DOWN_BLOCK_K if fmt == 4 else 64, PRECISION=precision,
-        EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group, CDTYPE=_TL_DTYPES[dtype])
+    step = INT4_DOWN_BLOCK_K if fmt == 4 else 64
+    chunk = triton.cdiv(triton.cdiv(I, split), step) * step
+    _down_kernel[(NB, triton.cdiv(H, 32), split)](
+        h, d, ds, dz, block_expert, block_slots, w, y, h.shape[-2], H, I, h.stride(-2), se, sn, y.stride(-2),
+        h.stride(0) if h_split > 1 else 0, chunk, y.stride(0) if split > 1 else 0, BLOCK_S=block, BLOCK_H=32,
+        BLOCK_I=step, PRECISION=precision, EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group,
+        CDTYPE=_TL_DTYPES[dtype], H_SPLIT=h_split, SPLIT=split)
+
+
+DECODE_SPLIT_K = (1, 1)
+"""Splits of K in decode (expert-major) steps, (gate/up, down): programs per routed expert x split. Few tokens
+route to few experts, so few programs run (Qwen3-30B-A3B, 5 experts: 240 gate/up programs on the H200's 132
+SMs). 1: each program sums all of K, as measured in session 11; larger splits are there to be measured
+(benchmarks/gpu_experts.py --split-k), not measured yet."""
 
 
 def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                        ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                        ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
+                        split_k: tuple[int, int] | None = None) -> torch.Tensor:
     """sum over slots with mask of weights * silu-gated expert_ids(x); float32 [T, H].
+
+    split_k: (gate/up, down) splits of K in expert-major steps (None: DECODE_SPLIT_K); longer steps run whole.
 
     x [T, H]; gate, up [E, I, H]; down [E, H, I] (contiguous, the model's dtype; or each a PackedMatrix of
     experts/packed_gpu.py, whose dtype is the compute dtype); ids [T, K] local
@@ -241,10 +297,14 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
         NB = block_expert.numel()
     w = weights.float().contiguous().reshape(S)  # the kernel reads w[s] at s: a strided view would be misread
     xw = x.to(gate.dtype).contiguous()
-    h = torch.empty(S, I, dtype=torch.float32, device=x.device)  # rows of slots not here stay unread
-    y = torch.zeros(S, H, dtype=torch.float32, device=x.device)  # slots not here add 0
+    gu, dn = (split_k or DECODE_SPLIT_K) if expert_major else (1, 1)
+    # rows of slots not here stay unread in h, and add 0 in y
+    h = torch.empty((S, I) if gu == 1 else (gu, S, 2 * I), dtype=torch.float32, device=x.device)
+    y = torch.zeros((S, H) if dn == 1 else (dn, S, H), dtype=torch.float32, device=x.device)
     # fp32 models keep fp32 products (tf32 would miss the reference by ~1e-3)
     precision = "ieee" if gate.dtype == torch.float32 else "tf32"
-    gate_up_launch(xw, gate, up, block_expert, block_slots, h, K, NB, block, precision, expert_major)
-    down_launch(h, down, block_expert, block_slots, w, y, NB, block, precision, expert_major, gate.dtype)
+    gate_up_launch(xw, gate, up, block_expert, block_slots, h, K, NB, block, precision, expert_major, gu)
+    down_launch(h, down, block_expert, block_slots, w, y, NB, block, precision, expert_major, gate.dtype, gu, dn)
+    if dn > 1:
+        y = y.sum(dim=0)  # the splits' parts, in a fixed order
     return y.view(T, K, H).sum(dim=1)
