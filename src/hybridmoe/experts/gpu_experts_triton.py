@@ -185,7 +185,7 @@ def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_
     """y[s, h-block] = w[s] * (down[e, h-block] . h[s]) for the program's slots s; h rounded to CDTYPE.
     FORMAT, ZERO, GROUP as _gate_up_kernel's (BLOCK_I a multiple of GROUP for int4); h as _gate_up_kernel
     stored it with H_SPLIT splits (h_split apart). SPLIT > 1: program (., ., k) sums columns k * chunk ..
-    (k + 1) * chunk of I only, into y + k * y_split. (SPLIT and H_SPLIT 1: the kernel as before splits.)"""
+    (k + 1) * chunk of I only, into y + k * y_split; SPLIT 1: each program sums all of I into y."""
     e, row, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] hidden rows of down

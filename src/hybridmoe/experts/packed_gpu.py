@@ -23,6 +23,7 @@ import torch
 
 from hybridmoe.experts.gpu_experts import HAVE_TRITON
 from hybridmoe.experts.packed_torch import PackedLayout
+from hybridmoe.experts.placement import cpu_expert_bytes
 
 PACKED_FORMATS = ("int4", "int8")
 
@@ -85,11 +86,10 @@ def packed_gpu_format(expert_backend: str, expert_format: str, device: str | tor
 
 
 def packed_expert_bytes(fmt: str, hidden: int, inter: int, group_size: int, zero_points: bool) -> int:
-    """GPU bytes of one expert kept packed in fmt (gate, up [I, H], down [H, I]: PackedMatrix's tensors)."""
-    weights = 3 * hidden * inter
-    if fmt == "int8":
-        return weights + 4 * (2 * inter + hidden)
-    return weights // 2 + 4 * (weights // group_size) * (2 if zero_points and fmt == "int4" else 1)
+    """GPU bytes of one expert kept packed in fmt (gate, up [I, H], down [H, I]: PackedMatrix's tensors): the
+    CPU engine's codes and scales, without its blocks' padding, plus int4's zero points (a float32 per group)."""
+    zeros = 4 * (3 * hidden * inter // group_size) if zero_points and fmt == "int4" else 0
+    return cpu_expert_bytes(fmt, inter, hidden, group_size) + zeros
 
 
 def pack_gpu_experts(packed_layer, device: torch.device, dtype: torch.dtype) -> tuple[PackedMatrix, ...]:

@@ -502,8 +502,8 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
                    weights: torch.Tensor, mask: torch.Tensor, act, resident: tuple | None = None,
                    resident_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The masked routed experts of one layer computed from its packed buffers on x's device; float32 [T, H].
-    resident: (gate, up, down) of G
-    experts already on the device (dense tensors, or PackedMatrix: experts/packed_gpu.py), for the slots of resident_mask [T, K] (ids local to them there).
+    resident: (gate, up, down) of G experts already on the device (dense tensors, or PackedMatrix:
+    experts/packed_gpu.py), for the slots of resident_mask [T, K] (ids local to them there).
 
     The layer's experts are dequantized a chunk of consecutive ids at a time into x's dtype (bf16/fp16;
     float32 stays float32). On CUDA with triton (and SiLU) the slots are sorted into blocks of one expert
