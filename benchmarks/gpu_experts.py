@@ -8,8 +8,10 @@ syncs). Bandwidth = bytes of the distinct routed experts' weights / time: what a
 reads only the routed experts must move (H200: ~4.8 TB/s peak). --format int4 / int8 keeps the
 experts packed as the hybrid engine does with int4 / int8 CPU experts (experts/packed_gpu.py, packed by
 the native engine) and also times the bf16 kernel on the same weights dequantized ("bf16 us").
---split-k GUxDN,... also times the Triton kernels with K split GU ways in gate/up and DN ways in down (one
-"split GUxDN us" column each; the default, gpu_experts_triton.DECODE_SPLIT_K, is the "triton us" column).
+"triton us" is the kernels the step takes by default; "gemv us" and "dot us" force the slot-major GEMV kernels
+(gpu_experts_gemv_triton.py) or the tl.dot ones (expert-major up to 64 slots), to compare the two.
+--split-k GUxDN,... also times the GEMV kernels with K split GU ways in gate/up and DN ways in down (one
+"split GUxDN us" column each; the default, gpu_experts_triton.GEMV_SPLIT_K, is "gemv us").
 
     python benchmarks/gpu_experts.py --shape qwen3-30b-a3b --tokens 1,4,8 --format int4 --json out/gpu_experts.json
 """
@@ -104,7 +106,8 @@ def main():
     rows = []
     print(f"{args.shape}: H={H} I={I} K={K}, {E} of {args.total_experts} experts on the GPU ({args.format}, "
           f"{expert_bytes / 1e6:.1f} MB each); routing uniform, so ~{E / args.total_experts:.0%} of slots are GPU slots")
-    print(f"{'T':>3} {'routed':>6} {'triton us':>10} {'GB/s':>7} {'bf16 us':>8} {'torch fixed us':>15} "
+    print(f"{'T':>3} {'routed':>6} {'triton us':>10} {'GB/s':>7} {'gemv us':>8} {'dot us':>8} {'bf16 us':>8} "
+          f"{'torch fixed us':>15} "
           f"{'weighted us':>12} {'torch/triton':>13} {'max |diff|':>11}"
           + "".join(f" {'split %dx%d us' % sk:>14}" for sk in splits))
     for T in [int(t) for t in args.tokens.split(",")]:
@@ -122,13 +125,17 @@ def main():
         t_weighted = eager_seconds(weighted_fn, args.reps, args.trials)
         diff = (triton_fn() - weighted_fn()).abs().max().item()
         gbs = routed * expert_bytes / t_triton / 1e9
-        t_split = {f"{gu}x{dn}": graph_seconds(partial(triton_silu_experts, x, *experts, *step[:3], split_k=(gu, dn)),
-                                               args.reps, args.trials) for gu, dn in splits}
+        t_gemv, t_dot = (graph_seconds(partial(triton_silu_experts, x, *experts, *step[:3], gemv=g), args.reps,
+                                       args.trials) for g in (True, False))
+        t_split = {f"{gu}x{dn}": graph_seconds(partial(triton_silu_experts, x, *experts, *step[:3], gemv=True,
+                                                       split_k=(gu, dn)), args.reps, args.trials) for gu, dn in splits}
         rows.append(dict(shape=args.shape, format=args.format, T=T, K=K, gpu_experts=E, routed_experts=routed,
-                         triton_us=t_triton * 1e6, bf16_us=t_bf16 * 1e6, torch_fixed_us=t_torch * 1e6,
+                         triton_us=t_triton * 1e6, gemv_us=t_gemv * 1e6, dot_us=t_dot * 1e6, bf16_us=t_bf16 * 1e6,
+                         torch_fixed_us=t_torch * 1e6,
                          weighted_us=t_weighted * 1e6, triton_gbs=gbs, max_diff=diff,
                          split_us={k: v * 1e6 for k, v in t_split.items()}))
-        print(f"{T:>3} {routed:>6} {t_triton * 1e6:>10.1f} {gbs:>7.0f} {t_bf16 * 1e6:>8.1f} {t_torch * 1e6:>15.1f} "
+        print(f"{T:>3} {routed:>6} {t_triton * 1e6:>10.1f} {gbs:>7.0f} {t_gemv * 1e6:>8.1f} {t_dot * 1e6:>8.1f} "
+              f"{t_bf16 * 1e6:>8.1f} {t_torch * 1e6:>15.1f} "
               f"{t_weighted * 1e6:>12.1f} {t_torch / t_triton:>12.1f}x {diff:>11.2e}"
               + "".join(f" {v * 1e6:>14.1f}" for v in t_split.values()))
     if args.json:

@@ -1,6 +1,6 @@
 """GPU experts kept packed (int4 / int8, experts/packed_gpu.py) in the Triton GPU share: equal to weighted_experts
-on the same dequantized weights for T = 1 and 8 (decode: expert-major), 9 and 300 (sorted blocks), eagerly
-and as a CUDA graph replay; decode steps with K split equal the whole sums; the streamed prefill's resident experts; and a hybrid model on CUDA with int4
+on the same dequantized weights for T = 1 (decode: GEMV), 8 (expert-major), 9 and 300 (sorted blocks), eagerly
+and as a CUDA graph replay; decode steps with K split equal the whole sums; the GEMV kernels equal the dot ones; the streamed prefill's resident experts; and a hybrid model on CUDA with int4
 experts, whose GPU experts are packed, takes a quarter of bf16's expert memory and gives the tokens of
 the same engine with every expert on the CPU.
 Runs on the GPU host through scripts/device_check.sh.
@@ -82,6 +82,27 @@ def test_decode_steps_with_k_split_equal_the_whole_sums(fmt, T, split_k):
     split = triton_silu_experts(x, *experts, ids, weights, mask, split_k=split_k)
     torch.testing.assert_close(split, whole, atol=1e-4 * whole.abs().max().item(), rtol=0)
     assert torch.equal(split, triton_silu_experts(x, *experts, ids, weights, mask, split_k=split_k))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "int8"])
+@pytest.mark.parametrize("T", [1, 4, 9])
+@pytest.mark.parametrize("split_k", [(1, 1), (2, 3)])
+def test_gemv_kernels_equal_the_dot_kernels(fmt, T, split_k):
+    """The slot-major GEMV kernels (gpu_experts_gemv_triton.py), whichever step they are given (repeated experts
+    within a token and across tokens, masked slots), sum the products the tl.dot kernels sum, in another order."""
+    from hybridmoe.experts.gpu_experts_triton import triton_silu_experts
+
+    H, I = 640, 576  # past the GEMV's 512-column int4 steps: a split's step ends past the last group
+    experts = packed("int4" if fmt == "bf16" else fmt, 64, fmt == "int4", H, I, torch.bfloat16)
+    if fmt == "bf16":
+        experts = tuple(m.dense() for m in experts)
+    x, ids, weights, mask = routing(T, H, torch.bfloat16)
+    gemv = triton_silu_experts(x, *experts, ids, weights, mask, split_k=split_k, gemv=True)
+    dot = triton_silu_experts(x, *experts, ids, weights, mask, gemv=False)
+    assert_near(gemv, dot)
+    assert_near(gemv, weighted_experts(x, *(m.dense() if fmt != "bf16" else m for m in experts), ids, weights, mask,
+                                       F.silu))
+    assert torch.equal(gemv, triton_silu_experts(x, *experts, ids, weights, mask, split_k=split_k, gemv=True))
 
 
 @pytest.mark.parametrize("T", [1, 8])

@@ -1,7 +1,9 @@
 """The GPU share of a MoE layer as two Triton kernels that read only the routed experts' weights.
 
-Two ways to hand programs their slots, both in shapes fixed by T, K and E with nothing waiting on
-the host (a CUDA graph captures either):
+Three ways to hand programs their slots, all in shapes fixed by T, K and E with nothing waiting on
+the host (a CUDA graph captures each):
+- slot-major GEMV (S <= MAX_GEMV_SLOTS with packed weights, decode): gpu_experts_gemv_triton.py, a
+  program per slot and block of rows, elementwise products without tl.dot.
 - expert-major (S <= MAX_EXPERT_MAJOR_SLOTS, decode): program e reads the S slots' expert ids and
   works on those that are e; an expert no slot routes to returns after reading S ids. Each routed
   expert's weights are read exactly once, and the only other work is a few tiny torch ops.
@@ -14,9 +16,9 @@ The weights are dense [E, N, K] tensors in the model's dtype, or PackedMatrix (e
 int4 / int8 codes and scales, as the CPU engine packs them), dequantized in registers: int8 tile by tile,
 int4 group by group, each group's products on its integer codes scaled once per row afterwards. On the
 H200 (session 11, benchmarks/gpu_experts.py, Qwen3-30B-A3B shape, 97 int4 experts) one token's 5 routed
-int4 experts take 92.7 us against 45.9 for the bf16 kernel on the same 5 experts dequantized (a quarter
-of the bytes at half the speed: the int4 kernel is far from the memory's rate, why is not measured); the first
-int4 kernel, which gathered a scale for every weight out of the CPU's 32-row blocks, took 147.5.
+int4 experts took 92.7 us in the expert-major kernels against 45.9 for the bf16 kernel on the same 5
+experts dequantized: tl.dot pads one token's slot to 16 rows and int4 runs four small dots per group. The
+GEMV kernels take 26.8 us (session 12; gpu_experts_gemv_triton.GEMV_BLOCK_K).
 
 T tokens, K slots per token, S = T * K slots (slot s is token s // K), E experts here,
 H hidden, I expert intermediate size, NB blocks.
@@ -29,10 +31,20 @@ import triton
 import triton.language as tl
 
 from hybridmoe.experts.gpu_experts import block_size, slot_blocks
+from hybridmoe.experts.gpu_experts_gemv_triton import gemv_launch
 
 MAX_EXPERT_MAJOR_SLOTS = 64
 """Steps of at most this many slots (a batch of 8 with 8 experts per token) run expert-major: one
 block of slots that every expert's programs scan."""
+MAX_GEMV_SLOTS = 32
+"""Steps of at most this many slots (4 tokens of 8 experts) with packed weights run the slot-major GEMV
+kernels of gpu_experts_gemv_triton.py: on the H200 (session 12, call 1, benchmarks/gpu_experts.py --format
+int4 --experts 97, GEMV 16 x 256 x 4 then) they took 42.0 / 84.8 / 129.2 us at T = 1 / 2 / 4 against the
+expert-major kernels' 95.4 / 121.7 / 212.5 (int8, 50 experts: 37.6 / 61.8 against 70.1 / 89.7 at T = 1 / 4)."""
+GEMV_SPLIT_K = (1, 1)
+"""Splits of K (gate/up, down) in the GEMV kernels. Measured (session 12, call 2, 8 x 512 x 4): 2 x 1 took
+42.4 us against 58.1 for DeepSeek-V3's one int4 expert at T = 1 (fewer rows than programs the GPU can run),
+and 26.0 / 81.6 against 26.8 / 74.0 for Qwen3-30B-A3B's at T = 1 / 4; more splits took longer everywhere."""
 
 
 @triton.jit
@@ -99,30 +111,15 @@ def _int4_group(acc, x_lo, x_hi, codes_ptr, scale_ptr, zero_ptr, e, rows, g0, N,
 
 
 @triton.jit
-def _split_range(K, chunk, SPLIT: tl.constexpr):
-    """This program's columns k_start .. k_end of K: all of them, or with SPLIT > 1 its split's chunk (split k =
-    program_id 2)."""
-    if SPLIT == 1:
-        k_start, k_end = 0, K
-    else:
-        k_start = tl.program_id(2) * chunk
-        k_end = tl.minimum(K, k_start + chunk)
-    return k_start, k_end
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_expert_ptr, block_slots_ptr, h_ptr,
-                    S, H, I, K, stride_x, stride_we, stride_wi, stride_h, chunk, stride_split,
+                    S, H, I, K, stride_x, stride_we, stride_wi, stride_h,
                     BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
                     PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
-                    GROUP: tl.constexpr, SPLIT: tl.constexpr):
+                    GROUP: tl.constexpr):
     """h[s, i-block] = silu(x[s // K] . gate[e, i]) * (x[s // K] . up[e, i]) for the program's slots s.
 
     FORMAT 0: gate, up dense [E, I, H]; 8 / 4: int8 / int4 PackedMatrix codes (scales gate_s, up_s; zero
-    points gate_z, up_z with ZERO), GROUP int4's group size (BLOCK_H a multiple of it).
-    SPLIT > 1: program (., ., k) sums columns k * chunk .. (k + 1) * chunk only and stores its two sums,
-    gate's and up's, as h[k, s, :I] and h[k, s, I:] (stride_split apart); _down_kernel adds them up in a
-    fixed order and applies the SiLU (more programs for few tokens, the same result every run)."""
+    points gate_z, up_z with ZERO), GROUP int4's group size (BLOCK_H a multiple of it)."""
     e, slots, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] intermediate rows
@@ -131,8 +128,7 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_e
         acc_u = tl.zeros((BLOCK_S, BLOCK_I), dtype=tl.float32)
         e64 = e.to(tl.int64)
         x_row = x_ptr + tok[:, None] * stride_x
-        k_start, k_end = _split_range(H, chunk, SPLIT)
-        for h0 in range(k_start, k_end, BLOCK_H):
+        for h0 in range(0, H, BLOCK_H):
             if FORMAT == 4:  # group by group: each group's half-columns, then its scales
                 for gi in tl.static_range(BLOCK_H // GROUP):
                     c_lo = h0 + gi * GROUP + tl.arange(0, GROUP // 2)
@@ -152,66 +148,40 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_e
                 acc_g = tl.dot(xs, wg, acc_g, input_precision=PRECISION)
                 acc_u = tl.dot(xs, wu, acc_u, input_precision=PRECISION)
         out = h_ptr + slots[:, None] * stride_h + rows[None, :]
-        if SPLIT == 1:
-            tl.store(out, acc_g * tl.sigmoid(acc_g) * acc_u, mask=sel[:, None] & (rows[None, :] < I))
-        else:
-            out += tl.program_id(2) * stride_split
-            tl.store(out, acc_g, mask=sel[:, None] & (rows[None, :] < I))
-            tl.store(out + I, acc_u, mask=sel[:, None] & (rows[None, :] < I))
-
-
-@triton.jit
-def _load_h(h_row, cols, mask, I, stride_split, SPLIT: tl.constexpr):
-    """h[s, cols] for the rows h_row of h (float32): as stored, or with SPLIT > 1 silu(sum of the splits' gate
-    sums) x (sum of their up sums), added in split order (see _gate_up_kernel)."""
-    if SPLIT == 1:
-        h = tl.load(h_row + cols[None, :], mask=mask, other=0.0)
-    else:
-        g = tl.zeros(mask.shape, dtype=tl.float32)
-        u = tl.zeros(mask.shape, dtype=tl.float32)
-        for k in tl.static_range(SPLIT):
-            g += tl.load(h_row + k * stride_split + cols[None, :], mask=mask, other=0.0)
-            u += tl.load(h_row + k * stride_split + I + cols[None, :], mask=mask, other=0.0)
-        h = g * tl.sigmoid(g) * u
-    return h
+        tl.store(out, acc_g * tl.sigmoid(acc_g) * acc_u, mask=sel[:, None] & (rows[None, :] < I))
 
 
 @triton.jit
 def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_ptr, w_ptr, y_ptr, S, H, I,
-                 stride_h, stride_de, stride_dh, stride_y, h_split, chunk, y_split,
+                 stride_h, stride_de, stride_dh, stride_y,
                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
                  PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
-                 GROUP: tl.constexpr, CDTYPE: tl.constexpr, H_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
+                 GROUP: tl.constexpr, CDTYPE: tl.constexpr):
     """y[s, h-block] = w[s] * (down[e, h-block] . h[s]) for the program's slots s; h rounded to CDTYPE.
-    FORMAT, ZERO, GROUP as _gate_up_kernel's (BLOCK_I a multiple of GROUP for int4); h as _gate_up_kernel
-    stored it with H_SPLIT splits (h_split apart). SPLIT > 1: program (., ., k) sums columns k * chunk ..
-    (k + 1) * chunk of I only, into y + k * y_split; SPLIT 1: each program sums all of I into y."""
+    FORMAT, ZERO, GROUP as _gate_up_kernel's (BLOCK_I a multiple of GROUP for int4)."""
     e, row, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] hidden rows of down
         acc = tl.zeros((BLOCK_S, BLOCK_H), dtype=tl.float32)
         e64 = e.to(tl.int64)
         h_row = h_ptr + row[:, None] * stride_h
-        k_start, k_end = _split_range(I, chunk, SPLIT)
-        for i0 in range(k_start, k_end, BLOCK_I):
+        for i0 in range(0, I, BLOCK_I):
             if FORMAT == 4:
                 for gi in tl.static_range(BLOCK_I // GROUP):
                     c_lo = i0 + gi * GROUP + tl.arange(0, GROUP // 2)
                     inside = sel[:, None] & (c_lo[None, :] < I)
-                    h_lo = _load_h(h_row, c_lo, inside, I, h_split, H_SPLIT)
-                    h_hi = _load_h(h_row, GROUP // 2 + c_lo, inside, I, h_split, H_SPLIT)
+                    h_lo = tl.load(h_row + c_lo[None, :], mask=inside, other=0.0)
+                    h_hi = tl.load(h_row + GROUP // 2 + c_lo[None, :], mask=inside, other=0.0)
                     acc = _int4_group(acc, h_lo.to(CDTYPE), h_hi.to(CDTYPE), down_ptr, down_s, down_z, e64, cols,
                                       i0 + gi * GROUP, H, I, GROUP, ZERO, PRECISION)
             else:
                 inner = i0 + tl.arange(0, BLOCK_I)
-                hs = _load_h(h_row, inner, sel[:, None] & (inner[None, :] < I), I, h_split, H_SPLIT)
+                hs = tl.load(h_row + inner[None, :], mask=sel[:, None] & (inner[None, :] < I), other=0.0)
                 wd = _weight_tile(down_ptr, down_s, e64, cols, inner, H, I, stride_de, stride_dh,
                                   FORMAT == 8).to(CDTYPE)  # [BLOCK_I, BLOCK_H]
                 acc = tl.dot(hs.to(CDTYPE), wd, acc, input_precision=PRECISION)
         scale = tl.load(w_ptr + row, mask=sel, other=0.0)  # [BLOCK_S]
         out = y_ptr + row[:, None] * stride_y + cols[None, :]
-        if SPLIT > 1:
-            out += tl.program_id(2) * y_split
         tl.store(out, acc * scale[:, None], mask=sel[:, None] & (cols[None, :] < H))
 
 
@@ -235,49 +205,38 @@ def _weight_args(w) -> tuple:
 
 
 def gate_up_launch(x, gate, up, block_expert, block_slots, h, K: int, NB: int, block: int, precision: str,
-                   expert_major: bool, split: int = 1) -> None:
+                   expert_major: bool) -> None:
     """_gate_up_kernel over NB blocks of slots: gate, up dense [E, I, H] or PackedMatrix; x [T, H] in the
-    compute dtype; h [S, I] float32, or with split > 1 [split, S, 2 I] (each split's gate and up sums)."""
+    compute dtype; h [S, I] float32."""
     I, H = gate.shape[1], gate.shape[2]
     g, gs, gz, se, sn, fmt, zero, group = _weight_args(gate)
     u, us, uz = _weight_args(up)[:3]
-    step = INT4_GATE_UP_BLOCK_K if fmt == 4 else 128
-    chunk = triton.cdiv(triton.cdiv(H, split), step) * step  # whole steps (and int4 groups) per split
-    _gate_up_kernel[(NB, triton.cdiv(I, 16), split)](
-        x, g, u, gs, us, gz, uz, block_expert, block_slots, h, h.shape[-2], H, I, K, x.stride(0), se, sn,
-        h.stride(-2), chunk, h.stride(0) if split > 1 else 0, BLOCK_S=block, BLOCK_I=16, BLOCK_H=step,
-        PRECISION=precision, EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group, SPLIT=split)
+    _gate_up_kernel[(NB, triton.cdiv(I, 16))](
+        x, g, u, gs, us, gz, uz, block_expert, block_slots, h, h.shape[0], H, I, K, x.stride(0), se, sn,
+        h.stride(0), BLOCK_S=block, BLOCK_I=16, BLOCK_H=INT4_GATE_UP_BLOCK_K if fmt == 4 else 128,
+        PRECISION=precision, EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group)
 
 
 def down_launch(h, down, block_expert, block_slots, w, y, NB: int, block: int, precision: str, expert_major: bool,
-                dtype: torch.dtype, h_split: int = 1, split: int = 1) -> None:
-    """_down_kernel over NB blocks of slots: down dense [E, H, I] or PackedMatrix; h as gate_up_launch wrote it
-    with h_split splits, rounded to dtype (the compute dtype) for the products; w [S] slot weights; y [S, H]
-    float32, or with split > 1 [split, S, H] (each split's part of the sums, over its share of I)."""
+                dtype: torch.dtype) -> None:
+    """_down_kernel over NB blocks of slots: down dense [E, H, I] or PackedMatrix; h [S, I] as gate_up_launch
+    wrote it, rounded to dtype (the compute dtype) for the products; w [S] slot weights; y [S, H] float32."""
     H, I = down.shape[1], down.shape[2]
     d, ds, dz, se, sn, fmt, zero, group = _weight_args(down)
-    step = INT4_DOWN_BLOCK_K if fmt == 4 else 64
-    chunk = triton.cdiv(triton.cdiv(I, split), step) * step
-    _down_kernel[(NB, triton.cdiv(H, 32), split)](
-        h, d, ds, dz, block_expert, block_slots, w, y, h.shape[-2], H, I, h.stride(-2), se, sn, y.stride(-2),
-        h.stride(0) if h_split > 1 else 0, chunk, y.stride(0) if split > 1 else 0, BLOCK_S=block, BLOCK_H=32,
-        BLOCK_I=step, PRECISION=precision, EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group,
-        CDTYPE=_TL_DTYPES[dtype], H_SPLIT=h_split, SPLIT=split)
-
-
-DECODE_SPLIT_K = (1, 1)
-"""Splits of K in decode (expert-major) steps, (gate/up, down): programs per routed expert x split. Few tokens
-route to few experts, so few programs run (Qwen3-30B-A3B, 5 experts: 240 gate/up programs on the H200's 132
-SMs). 1: each program sums all of K, as measured in session 11; larger splits are there to be measured
-(benchmarks/gpu_experts.py --split-k), not measured yet."""
+    _down_kernel[(NB, triton.cdiv(H, 32))](
+        h, d, ds, dz, block_expert, block_slots, w, y, h.shape[0], H, I, h.stride(0), se, sn, y.stride(0),
+        BLOCK_S=block, BLOCK_H=32, BLOCK_I=INT4_DOWN_BLOCK_K if fmt == 4 else 64, PRECISION=precision,
+        EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group, CDTYPE=_TL_DTYPES[dtype])
 
 
 def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                        ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
+                        ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, gemv: bool | None = None,
                         split_k: tuple[int, int] | None = None) -> torch.Tensor:
     """sum over slots with mask of weights * silu-gated expert_ids(x); float32 [T, H].
 
-    split_k: (gate/up, down) splits of K in expert-major steps (None: DECODE_SPLIT_K); longer steps run whole.
+    gemv: run the slot-major GEMV kernels of gpu_experts_gemv_triton.py, with K split split_k ways (None:
+    GEMV_SPLIT_K); None: when S <= MAX_GEMV_SLOTS and the weights are packed. Otherwise the tl.dot kernels:
+    expert-major up to MAX_EXPERT_MAJOR_SLOTS slots, sorted blocks past that.
 
     x [T, H]; gate, up [E, I, H]; down [E, H, I] (contiguous, the model's dtype; or each a PackedMatrix of
     experts/packed_gpu.py, whose dtype is the compute dtype); ids [T, K] local
@@ -286,8 +245,18 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     T, K = ids.shape
     E, I, H = gate.shape
     S = T * K
-    expert_major = S <= MAX_EXPERT_MAJOR_SLOTS
-    if expert_major:
+    if gemv is None:
+        gemv = S <= MAX_GEMV_SLOTS and not isinstance(gate, torch.Tensor)
+    xw = x.to(gate.dtype).contiguous()
+    if gemv:
+        gu, dn = split_k or GEMV_SPLIT_K
+        h = torch.empty((S, I) if gu == 1 else (gu, S, 2 * I), dtype=torch.float32, device=x.device)
+        y = torch.empty((S, H) if dn == 1 else (dn, S, H), dtype=torch.float32, device=x.device)
+        gemv_launch(xw, gate, up, down, ids, mask, weights, h, y, K, _weight_args, _TL_DTYPES[gate.dtype], (gu, dn))
+        if dn > 1:
+            y = y.sum(dim=0)  # the splits' parts, in a fixed order
+        return y.view(T, K, H).sum(dim=1)
+    if S <= MAX_EXPERT_MAJOR_SLOTS:
         block = max(16, triton.next_power_of_2(S))  # tl.dot needs 16 rows
         block_slots = torch.where(mask, ids, -1).to(torch.int32).reshape(S)  # [S] each slot's expert
         block_expert, NB = block_slots, E  # (unread)
@@ -296,15 +265,11 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
         block_expert, block_slots = slot_blocks(torch.where(mask, ids.long(), E).reshape(S), E, block)
         NB = block_expert.numel()
     w = weights.float().contiguous().reshape(S)  # the kernel reads w[s] at s: a strided view would be misread
-    xw = x.to(gate.dtype).contiguous()
-    gu, dn = (split_k or DECODE_SPLIT_K) if expert_major else (1, 1)
-    # rows of slots not here stay unread in h, and add 0 in y
-    h = torch.empty((S, I) if gu == 1 else (gu, S, 2 * I), dtype=torch.float32, device=x.device)
-    y = torch.zeros((S, H) if dn == 1 else (dn, S, H), dtype=torch.float32, device=x.device)
+    h = torch.empty((S, I), dtype=torch.float32, device=x.device)  # rows of slots not here stay unread
+    y = torch.zeros((S, H), dtype=torch.float32, device=x.device)  # and add 0
     # fp32 models keep fp32 products (tf32 would miss the reference by ~1e-3)
     precision = "ieee" if gate.dtype == torch.float32 else "tf32"
-    gate_up_launch(xw, gate, up, block_expert, block_slots, h, K, NB, block, precision, expert_major, gu)
-    down_launch(h, down, block_expert, block_slots, w, y, NB, block, precision, expert_major, gate.dtype, gu, dn)
-    if dn > 1:
-        y = y.sum(dim=0)  # the splits' parts, in a fixed order
+    expert_major = S <= MAX_EXPERT_MAJOR_SLOTS
+    gate_up_launch(xw, gate, up, block_expert, block_slots, h, K, NB, block, precision, expert_major)
+    down_launch(h, down, block_expert, block_slots, w, y, NB, block, precision, expert_major, gate.dtype)
     return y.view(T, K, H).sum(dim=1)

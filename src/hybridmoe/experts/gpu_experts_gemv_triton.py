@@ -1,0 +1,191 @@
+"""The GPU share of a decode step of few tokens as two slot-major Triton GEMV kernels.
+
+Program (s, n-block, split) works on slot s alone: it reads the BLOCK_N rows of slot s's expert (its
+split's share of the columns) and multiplies them with that one token's vector, as elementwise
+products summed along the columns, without tl.dot. tl.dot needs 16 rows of slots, so the
+expert-major kernels of gpu_experts_triton.py pad one token's slot to 16 and, for int4, run four
+small dots per group; at one token a matrix-vector product is all there is to do. A slot not on the
+GPU returns at once (the down kernel stores its zeros). Two slots of one expert read its rows twice, the
+second time mostly from L2, so this form is for steps of few slots (gpu_experts_triton.MAX_GEMV_SLOTS).
+The kernels read ids, mask and weights as the router left them: no torch op runs before them.
+
+Products are exact in float32 (codes, and x or h rounded to the compute dtype, as the expert-major
+kernels round them) and summed in float32: the same numbers those kernels' dots multiply, summed in
+another order.
+
+S slots (slot s is token s // K), E experts here, H hidden, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_BLOCK_N, GEMV_WARPS = 8, 4
+"""Rows and warps of a program."""
+GEMV_BLOCK_K = {0: 128, 8: 512, 4: 512}
+"""Columns per step by FORMAT (dense, int8, int4); int4's are a multiple of every group size (32 / 64 / 128).
+
+Measured on the H200 (session 12, rows 8 / 16 / 32 x int8 and int4 columns 256 / 512 x warps 2 / 4 / 8, each
+as CUDA-graph replays of triton_silu_experts at T = 1 and 4: Qwen3-30B-A3B shape with 97 int4 / 50 int8
+experts, DeepSeek-V3 with 40 int4): 8 x 512 x 4 took the least in all: 26.8 / 74.0 us (int4, T = 1 / 4),
+27.9 / 51.9 (int8), 58.1 / 82.7 (DeepSeek-V3 int4), against 40.4 / 111.2, 33.6 / 61.3 and 98.4 / 138.9 at
+16 x 256 x 4; a call with every slot on the CPU takes 6.5 - 18 us. The dense path (gemv=True on bf16 weights)
+is not the default: at 16 x 128 x 4 it took 46.3 us against the dot kernels' 39.6 (3 bf16 experts, T = 1)."""
+
+
+@triton.jit
+def _vector(v_ptr, cols, mask, half, stride_split, V_SPLIT: tl.constexpr, CDTYPE: tl.constexpr):
+    """The vector at cols (any shape) in float32: V_SPLIT 0, x as stored (the compute dtype); 1, h as
+    _gemv_gate_up_kernel stored it (float32), rounded to CDTYPE; > 1, silu(sum of the splits' gate sums) x
+    (sum of their up sums, half further), added in split order, rounded to CDTYPE."""
+    if V_SPLIT == 0:  # (constexpr branches: triton compiles only the one taken)
+        v = tl.load(v_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    elif V_SPLIT == 1:
+        v = tl.load(v_ptr + cols, mask=mask, other=0.0).to(CDTYPE).to(tl.float32)
+    else:
+        g = tl.zeros(cols.shape, dtype=tl.float32)
+        u = tl.zeros(cols.shape, dtype=tl.float32)
+        for k in tl.static_range(V_SPLIT):
+            g += tl.load(v_ptr + k * stride_split + cols, mask=mask, other=0.0)
+            u += tl.load(v_ptr + k * stride_split + half + cols, mask=mask, other=0.0)
+        v = (g * tl.sigmoid(g) * u).to(CDTYPE).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _row_products(v_ptr, w_ptr, scale_ptr, zero_ptr, e, rows, k0, N, K, stride_we, stride_wn, half, stride_split,
+                  BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr,
+                  V_SPLIT: tl.constexpr, CDTYPE: tl.constexpr):
+    """[BLOCK_N] float32: for each n in rows, the sum over columns k0 .. k0 + BLOCK_K of expert e's weight
+    (n, k) times the vector's k (_vector with V_SPLIT). FORMAT 0 dense [E, N, K]; 8 int8 codes x their rows'
+    scales; 4 int4 codes group by group (byte p of a group holds its columns p and GROUP / 2 + p), each
+    group's sum scaled once: scale x (codes . v - zero x sum(v)), zero 8 without zero points."""
+    if FORMAT == 4:
+        HALF: tl.constexpr = GROUP // 2
+        r = rows[:, None, None]  # [BN, 1, 1]
+        g = tl.arange(0, BLOCK_K // GROUP)[None, :, None]  # [1, NG, 1] groups of the step
+        p = tl.arange(0, HALF)[None, None, :]  # [1, 1, HALF] bytes of a group
+        col = k0 + g * GROUP + p  # [1, NG, HALF] the low nibbles' columns
+        inside = col < K
+        raw = tl.load(w_ptr + (e * N + r) * (K // 2) + k0 // 2 + g * HALF + p, mask=(r < N) & inside,
+                      other=0).to(tl.int32)
+        lo = (raw & 0xF).to(tl.float32)
+        hi = (raw >> 4).to(tl.float32)
+        v_lo = _vector(v_ptr, col, inside, half, stride_split, V_SPLIT, CDTYPE)
+        v_hi = _vector(v_ptr, col + HALF, inside, half, stride_split, V_SPLIT, CDTYPE)
+        part = tl.sum(lo * v_lo + hi * v_hi, axis=2)  # [BN, NG]
+        gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]  # [1, NG]
+        s_off = (e * N + rows[:, None]) * (K // GROUP) + gs
+        s_mask = (rows[:, None] < N) & (gs * GROUP < K)
+        vsum = tl.sum(v_lo + v_hi, axis=2)  # [1, NG]
+        if ZERO:
+            part = part - tl.load(zero_ptr + s_off, mask=s_mask, other=0.0) * vsum
+        else:
+            part = part - 8.0 * vsum
+        out = tl.sum(part * tl.load(scale_ptr + s_off, mask=s_mask, other=0.0), axis=1)
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
+        nn = rows[:, None]  # [BN, 1]
+        w = tl.load(w_ptr + e * stride_we + nn * stride_wn + cols, mask=(nn < N) & (cols < K), other=0)
+        out = tl.sum(w.to(tl.float32) * _vector(v_ptr, cols, cols < K, half, stride_split, V_SPLIT, CDTYPE), axis=1)
+        if FORMAT == 8:
+            out = out * tl.load(scale_ptr + e * N + rows, mask=rows < N, other=0.0)
+    return out
+
+
+@triton.jit
+def _slot_expert(ids_ptr, mask_ptr):
+    """Program 0's slot's expert (int64), -1 where the mask says the slot is not here."""
+    s = tl.program_id(0)
+    return tl.where(tl.load(mask_ptr + s) != 0, tl.load(ids_ptr + s).to(tl.int64), -1)
+
+
+@triton.jit
+def _gemv_gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, ids_ptr, mask_ptr, h_ptr, H, I, K,
+                         stride_x, stride_we, stride_wi, stride_h, chunk, stride_split,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
+                         GROUP: tl.constexpr, SPLIT: tl.constexpr, CDTYPE: tl.constexpr):
+    """h[s, n-block] = silu(x[s // K] . gate[e, n]) * (x[s // K] . up[e, n]), e slot s's expert; with SPLIT > 1
+    program (., ., k) sums columns k * chunk .. (k + 1) * chunk only and stores gate's and up's sums as h[k, s, :I]
+    and h[k, s, I:] (stride_split apart), as gpu_experts_triton._gate_up_kernel does."""
+    s = tl.program_id(0)
+    e = _slot_expert(ids_ptr, mask_ptr)
+    if e >= 0:  # (h's rows of other slots stay unread)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        x_row = x_ptr + (s // K) * stride_x
+        if SPLIT == 1:
+            k_start, k_end = 0, H
+        else:
+            k_start = tl.program_id(2) * chunk
+            k_end = tl.minimum(H, k_start + chunk)
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            acc_g += _row_products(x_row, gate_ptr, gate_s, gate_z, e, rows, k0, I, H, stride_we, stride_wi, 0, 0,
+                                   BLOCK_K, FORMAT, ZERO, GROUP, 0, CDTYPE)
+            acc_u += _row_products(x_row, up_ptr, up_s, up_z, e, rows, k0, I, H, stride_we, stride_wi, 0, 0,
+                                   BLOCK_K, FORMAT, ZERO, GROUP, 0, CDTYPE)
+        out = h_ptr + s * stride_h + rows
+        if SPLIT == 1:
+            tl.store(out, acc_g * tl.sigmoid(acc_g) * acc_u, mask=rows < I)
+        else:
+            out += tl.program_id(2) * stride_split
+            tl.store(out, acc_g, mask=rows < I)
+            tl.store(out + I, acc_u, mask=rows < I)
+
+
+@triton.jit
+def _gemv_down_kernel(h_ptr, down_ptr, down_s, down_z, ids_ptr, mask_ptr, w_ptr, y_ptr, H, I,
+                      stride_h, stride_de, stride_dh, stride_y, h_split, chunk, y_split,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
+                      GROUP: tl.constexpr, CDTYPE: tl.constexpr, H_SPLIT: tl.constexpr, SPLIT: tl.constexpr):
+    """y[s, n-block] = w[s] * (down[e, n] . h[s]), h as _gemv_gate_up_kernel stored it with H_SPLIT splits
+    (h_split apart) rounded to CDTYPE; SPLIT > 1: program (., ., k) sums columns k * chunk .. (k + 1) * chunk of
+    I only, into y + k * y_split. A slot not here stores zeros (y needs no clearing first)."""
+    s = tl.program_id(0)
+    e = _slot_expert(ids_ptr, mask_ptr)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = y_ptr + s * stride_y + rows
+    if SPLIT > 1:
+        out += tl.program_id(2) * y_split
+    if e < 0:
+        tl.store(out, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=rows < H)
+    else:
+        if SPLIT == 1:
+            k_start, k_end = 0, I
+        else:
+            k_start = tl.program_id(2) * chunk
+            k_end = tl.minimum(I, k_start + chunk)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            acc += _row_products(h_ptr + s * stride_h, down_ptr, down_s, down_z, e, rows, k0, H, I, stride_de,
+                                 stride_dh, I, h_split, BLOCK_K, FORMAT, ZERO, GROUP, H_SPLIT, CDTYPE)
+        tl.store(out, acc * tl.load(w_ptr + s).to(tl.float32), mask=rows < H)
+
+
+def gemv_launch(x, gate, up, down, ids, mask, weights, h, y, K: int, weight_args, cdtype,
+                split: tuple[int, int]) -> None:
+    """Both kernels over the S = T * K slots of ids [T, K] (any integer dtype), mask [T, K] bool, weights [T, K]
+    (any float dtype), read as they are; h, y float32 laid out as gpu_experts_triton.triton_silu_experts
+    allocates them for `split` (gate/up, down), y not cleared; weight_args: gpu_experts_triton._weight_args;
+    cdtype the compute dtype (triton's)."""
+    ids, mask, weights = ids.contiguous(), mask.contiguous().view(torch.uint8), weights.contiguous()
+    S = ids.numel()
+    I, H = gate.shape[1], gate.shape[2]
+    gu, dn = split
+    g, gs, gz, se, sn, fmt, zero, group = weight_args(gate)
+    u, us, uz = weight_args(up)[:3]
+    step, rows, warps = GEMV_BLOCK_K[fmt], GEMV_BLOCK_N, GEMV_WARPS
+    chunk = triton.cdiv(triton.cdiv(H, gu), step) * step  # whole steps (and int4 groups) per split
+    _gemv_gate_up_kernel[(S, triton.cdiv(I, rows), gu)](
+        x, g, u, gs, us, gz, uz, ids, mask, h, H, I, K, x.stride(0), se, sn, h.stride(-2), chunk,
+        h.stride(0) if gu > 1 else 0, BLOCK_N=rows, BLOCK_K=step, FORMAT=fmt, ZERO=zero, GROUP=group,
+        SPLIT=gu, CDTYPE=cdtype, num_warps=warps)
+    d, ds, dz, se, sn = weight_args(down)[:5]
+    chunk = triton.cdiv(triton.cdiv(I, dn), step) * step
+    _gemv_down_kernel[(S, triton.cdiv(H, rows), dn)](
+        h, d, ds, dz, ids, mask, weights, y, H, I, h.stride(-2), se, sn, y.stride(-2), h.stride(0) if gu > 1 else 0,
+        chunk, y.stride(0) if dn > 1 else 0, BLOCK_N=rows, BLOCK_K=step, FORMAT=fmt, ZERO=zero,
+        GROUP=group, CDTYPE=cdtype, H_SPLIT=gu, SPLIT=dn, num_warps=warps)
