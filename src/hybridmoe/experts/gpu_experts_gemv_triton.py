@@ -103,6 +103,18 @@ def _slot_expert(ids_ptr, mask_ptr):
 
 
 @triton.jit
+def _split_columns(K, chunk, SPLIT: tl.constexpr):
+    """This program's columns k_start .. k_end of K: all of them, or with SPLIT > 1 its split's chunk (split k =
+    program_id 2)."""
+    if SPLIT == 1:
+        k_start, k_end = 0, K
+    else:
+        k_start = tl.program_id(2) * chunk
+        k_end = tl.minimum(K, k_start + chunk)
+    return k_start, k_end
+
+
+@triton.jit
 def _gemv_gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, ids_ptr, mask_ptr, h_ptr, H, I, K,
                          stride_x, stride_we, stride_wi, stride_h, chunk, stride_split,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
@@ -115,11 +127,7 @@ def _gemv_gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, id
     if e >= 0:  # (h's rows of other slots stay unread)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         x_row = x_ptr + (s // K) * stride_x
-        if SPLIT == 1:
-            k_start, k_end = 0, H
-        else:
-            k_start = tl.program_id(2) * chunk
-            k_end = tl.minimum(H, k_start + chunk)
+        k_start, k_end = _split_columns(H, chunk, SPLIT)
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -153,11 +161,7 @@ def _gemv_down_kernel(h_ptr, down_ptr, down_s, down_z, ids_ptr, mask_ptr, w_ptr,
     if e < 0:
         tl.store(out, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=rows < H)
     else:
-        if SPLIT == 1:
-            k_start, k_end = 0, I
-        else:
-            k_start = tl.program_id(2) * chunk
-            k_end = tl.minimum(I, k_start + chunk)
+        k_start, k_end = _split_columns(I, chunk, SPLIT)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             acc += _row_products(h_ptr + s * stride_h, down_ptr, down_s, down_z, e, rows, k0, H, I, stride_de,

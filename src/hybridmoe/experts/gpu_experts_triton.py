@@ -41,10 +41,13 @@ MAX_GEMV_SLOTS = 32
 kernels of gpu_experts_gemv_triton.py: on the H200 (session 12, call 1, benchmarks/gpu_experts.py --format
 int4 --experts 97, GEMV 16 x 256 x 4 then) they took 42.0 / 84.8 / 129.2 us at T = 1 / 2 / 4 against the
 expert-major kernels' 95.4 / 121.7 / 212.5 (int8, 50 experts: 37.6 / 61.8 against 70.1 / 89.7 at T = 1 / 4)."""
-GEMV_SPLIT_K = (1, 1)
-"""Splits of K (gate/up, down) in the GEMV kernels. Measured (session 12, call 2, 8 x 512 x 4): 2 x 1 took
-42.4 us against 58.1 for DeepSeek-V3's one int4 expert at T = 1 (fewer rows than programs the GPU can run),
-and 26.0 / 81.6 against 26.8 / 74.0 for Qwen3-30B-A3B's at T = 1 / 4; more splits took longer everywhere."""
+GEMV_SPLIT_K = {1: (2, 1)}
+"""Splits of K (gate/up, down) in the GEMV kernels by T (others: (1, 1)). Measured on the H200 (session 12,
+calls 2 and 4, rows 8 x columns 512 x 4 warps): at T = 1 splitting gate/up in 2 took 41.6 / 42.4 us against
+56.8 / 58.1 for DeepSeek-V3's one int4 expert (fewer rows than programs the GPU can run), 26.0 against 26.8
+for Qwen3-30B-A3B's 5 int4 experts and 27.2 / 26.8 against 28.1 / 27.9 for its 5 int8 ones; at T = 4 it took
+longer in all three (86.3 / 88.3 against 82.7 / 83.5 DeepSeek-V3, 81.6 against 74.0 Qwen3 int4); splits of 4
+and 8 and of down took longer everywhere."""
 
 
 @triton.jit
@@ -235,8 +238,8 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     """sum over slots with mask of weights * silu-gated expert_ids(x); float32 [T, H].
 
     gemv: run the slot-major GEMV kernels of gpu_experts_gemv_triton.py, with K split split_k ways (None:
-    GEMV_SPLIT_K); None: when S <= MAX_GEMV_SLOTS and the weights are packed. Otherwise the tl.dot kernels:
-    expert-major up to MAX_EXPERT_MAJOR_SLOTS slots, sorted blocks past that.
+    GEMV_SPLIT_K's for T); None: when S <= MAX_GEMV_SLOTS and the weights are packed. Otherwise the tl.dot
+    kernels: expert-major up to MAX_EXPERT_MAJOR_SLOTS slots, sorted blocks past that.
 
     x [T, H]; gate, up [E, I, H]; down [E, H, I] (contiguous, the model's dtype; or each a PackedMatrix of
     experts/packed_gpu.py, whose dtype is the compute dtype); ids [T, K] local
@@ -249,7 +252,7 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
         gemv = S <= MAX_GEMV_SLOTS and not isinstance(gate, torch.Tensor)
     xw = x.to(gate.dtype).contiguous()
     if gemv:
-        gu, dn = split_k or GEMV_SPLIT_K
+        gu, dn = split_k or GEMV_SPLIT_K.get(T, (1, 1))
         h = torch.empty((S, I) if gu == 1 else (gu, S, 2 * I), dtype=torch.float32, device=x.device)
         y = torch.empty((S, H) if dn == 1 else (dn, S, H), dtype=torch.float32, device=x.device)
         gemv_launch(xw, gate, up, down, ids, mask, weights, h, y, K, _weight_args, _TL_DTYPES[gate.dtype], (gu, dn))
