@@ -69,19 +69,19 @@ def test_packed_experts_equal_weighted_experts_on_their_dequantized_weights(fmt,
 @pytest.mark.parametrize("T", [1, 8])
 @pytest.mark.parametrize("split_k", [(2, 1), (3, 2), (8, 4)])
 def test_decode_steps_with_k_split_equal_the_whole_sums(fmt, T, split_k):
-    """gpu_experts_triton's split K (more programs for few tokens): the splits' sums added in a fixed order
+    """The GEMV kernels' split K (more programs for few tokens): the splits' sums added in a fixed order
     give the unsplit result up to float32 rounding, and the same result every run."""
     from hybridmoe.experts.gpu_experts_triton import triton_silu_experts
 
-    H, I = 224, 96
+    H, I = 1600, 1088  # more than one split's worth of 512-column steps in gate/up and in down
     experts = packed("int4" if fmt == "bf16" else fmt, 32 if fmt != "int8" else 128, False, H, I, torch.bfloat16)
     if fmt == "bf16":
         experts = tuple(m.dense() for m in experts)
     x, ids, weights, mask = routing(T, H, torch.bfloat16)
-    whole = triton_silu_experts(x, *experts, ids, weights, mask, split_k=(1, 1))
-    split = triton_silu_experts(x, *experts, ids, weights, mask, split_k=split_k)
+    whole = triton_silu_experts(x, *experts, ids, weights, mask, gemv=True, split_k=(1, 1))
+    split = triton_silu_experts(x, *experts, ids, weights, mask, gemv=True, split_k=split_k)
     torch.testing.assert_close(split, whole, atol=1e-4 * whole.abs().max().item(), rtol=0)
-    assert torch.equal(split, triton_silu_experts(x, *experts, ids, weights, mask, split_k=split_k))
+    assert torch.equal(split, triton_silu_experts(x, *experts, ids, weights, mask, gemv=True, split_k=split_k))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int4", "int8"])

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridmoe.experts.packed_gpu import kernel_weight_args
+
 GEMV_BLOCK_N, GEMV_WARPS = 8, 4
 """Rows and warps of a program."""
 GEMV_BLOCK_K = {0: 128, 8: 512, 4: 512}
@@ -97,7 +99,7 @@ def _row_products(v_ptr, w_ptr, scale_ptr, zero_ptr, e, rows, k0, N, K, stride_w
 
 @triton.jit
 def _slot_expert(ids_ptr, mask_ptr):
-    """Program 0's slot's expert (int64), -1 where the mask says the slot is not here."""
+    """The expert of this program's slot (program_id 0) as int64; -1 where the mask says the slot is not here."""
     s = tl.program_id(0)
     return tl.where(tl.load(mask_ptr + s) != 0, tl.load(ids_ptr + s).to(tl.int64), -1)
 
@@ -169,25 +171,23 @@ def _gemv_down_kernel(h_ptr, down_ptr, down_s, down_z, ids_ptr, mask_ptr, w_ptr,
         tl.store(out, acc * tl.load(w_ptr + s).to(tl.float32), mask=rows < H)
 
 
-def gemv_launch(x, gate, up, down, ids, mask, weights, h, y, K: int, weight_args, cdtype,
-                split: tuple[int, int]) -> None:
+def gemv_launch(x, gate, up, down, ids, mask, weights, h, y, K: int, cdtype, split: tuple[int, int]) -> None:
     """Both kernels over the S = T * K slots of ids [T, K] (any integer dtype), mask [T, K] bool, weights [T, K]
     (any float dtype), read as they are; h, y float32 laid out as gpu_experts_triton.triton_silu_experts
-    allocates them for `split` (gate/up, down), y not cleared; weight_args: gpu_experts_triton._weight_args;
-    cdtype the compute dtype (triton's)."""
+    allocates them for `split` (gate/up, down), y not cleared; cdtype the compute dtype (triton's)."""
     ids, mask, weights = ids.contiguous(), mask.contiguous().view(torch.uint8), weights.contiguous()
     S = ids.numel()
     I, H = gate.shape[1], gate.shape[2]
     gu, dn = split
-    g, gs, gz, se, sn, fmt, zero, group = weight_args(gate)
-    u, us, uz = weight_args(up)[:3]
+    g, gs, gz, se, sn, fmt, zero, group = kernel_weight_args(gate)
+    u, us, uz = kernel_weight_args(up)[:3]
     step, rows, warps = GEMV_BLOCK_K[fmt], GEMV_BLOCK_N, GEMV_WARPS
     chunk = triton.cdiv(triton.cdiv(H, gu), step) * step  # whole steps (and int4 groups) per split
     _gemv_gate_up_kernel[(S, triton.cdiv(I, rows), gu)](
         x, g, u, gs, us, gz, uz, ids, mask, h, H, I, K, x.stride(0), se, sn, h.stride(-2), chunk,
         h.stride(0) if gu > 1 else 0, BLOCK_N=rows, BLOCK_K=step, FORMAT=fmt, ZERO=zero, GROUP=group,
         SPLIT=gu, CDTYPE=cdtype, num_warps=warps)
-    d, ds, dz, se, sn = weight_args(down)[:5]
+    d, ds, dz, se, sn = kernel_weight_args(down)[:5]
     chunk = triton.cdiv(triton.cdiv(I, dn), step) * step
     _gemv_down_kernel[(S, triton.cdiv(H, rows), dn)](
         h, d, ds, dz, ids, mask, weights, y, H, I, h.stride(-2), se, sn, y.stride(-2), h.stride(0) if gu > 1 else 0,

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from hybridmoe.experts.gpu_experts import block_size, slot_blocks
 from hybridmoe.experts.gpu_experts_gemv_triton import gemv_launch
+from hybridmoe.experts.packed_gpu import kernel_weight_args
 
 MAX_EXPERT_MAJOR_SLOTS = 64
 """Steps of at most this many slots (a batch of 8 with 8 experts per token) run expert-major: one
@@ -196,24 +197,13 @@ benchmarks/gpu_experts.py --format int4 --experts 97, 5 / 19 / 62 routed experts
 against 92.7 / 212.0 / 532.6)."""
 
 
-def _weight_args(w) -> tuple:
-    """(weights, scale, zero, stride over experts, stride over rows, FORMAT, ZERO, GROUP) of a dense [E, N, K]
-    tensor or a PackedMatrix (experts/packed_gpu.py), for the kernels."""
-    if isinstance(w, torch.Tensor):
-        return w, w, w, w.stride(0), w.stride(1), 0, False, 32
-    E, N, K = w.shape
-    zero = w.zero if w.zero is not None else w.scale  # (unread without zero points)
-    fmt = {"int4": 4, "int8": 8}[w.format]
-    return w.codes, w.scale, zero, N * K, K, fmt, w.zero is not None, w.group if fmt == 4 else 32
-
-
 def gate_up_launch(x, gate, up, block_expert, block_slots, h, K: int, NB: int, block: int, precision: str,
                    expert_major: bool) -> None:
     """_gate_up_kernel over NB blocks of slots: gate, up dense [E, I, H] or PackedMatrix; x [T, H] in the
     compute dtype; h [S, I] float32."""
     I, H = gate.shape[1], gate.shape[2]
-    g, gs, gz, se, sn, fmt, zero, group = _weight_args(gate)
-    u, us, uz = _weight_args(up)[:3]
+    g, gs, gz, se, sn, fmt, zero, group = kernel_weight_args(gate)
+    u, us, uz = kernel_weight_args(up)[:3]
     _gate_up_kernel[(NB, triton.cdiv(I, 16))](
         x, g, u, gs, us, gz, uz, block_expert, block_slots, h, h.shape[0], H, I, K, x.stride(0), se, sn,
         h.stride(0), BLOCK_S=block, BLOCK_I=16, BLOCK_H=INT4_GATE_UP_BLOCK_K if fmt == 4 else 128,
@@ -225,7 +215,7 @@ def down_launch(h, down, block_expert, block_slots, w, y, NB: int, block: int, p
     """_down_kernel over NB blocks of slots: down dense [E, H, I] or PackedMatrix; h [S, I] as gate_up_launch
     wrote it, rounded to dtype (the compute dtype) for the products; w [S] slot weights; y [S, H] float32."""
     H, I = down.shape[1], down.shape[2]
-    d, ds, dz, se, sn, fmt, zero, group = _weight_args(down)
+    d, ds, dz, se, sn, fmt, zero, group = kernel_weight_args(down)
     _down_kernel[(NB, triton.cdiv(H, 32))](
         h, d, ds, dz, block_expert, block_slots, w, y, h.shape[0], H, I, h.stride(0), se, sn, y.stride(0),
         BLOCK_S=block, BLOCK_H=32, BLOCK_I=INT4_DOWN_BLOCK_K if fmt == 4 else 64, PRECISION=precision,
@@ -255,7 +245,7 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
         gu, dn = split_k or GEMV_SPLIT_K.get(T, (1, 1))
         h = torch.empty((S, I) if gu == 1 else (gu, S, 2 * I), dtype=torch.float32, device=x.device)
         y = torch.empty((S, H) if dn == 1 else (dn, S, H), dtype=torch.float32, device=x.device)
-        gemv_launch(xw, gate, up, down, ids, mask, weights, h, y, K, _weight_args, _TL_DTYPES[gate.dtype], (gu, dn))
+        gemv_launch(xw, gate, up, down, ids, mask, weights, h, y, K, _TL_DTYPES[gate.dtype], (gu, dn))
         if dn > 1:
             y = y.sum(dim=0)  # the splits' parts, in a fixed order
         return y.view(T, K, H).sum(dim=1)
