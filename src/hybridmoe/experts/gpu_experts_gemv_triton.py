@@ -123,7 +123,7 @@ def _gemv_gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, id
                          GROUP: tl.constexpr, SPLIT: tl.constexpr, CDTYPE: tl.constexpr):
     """h[s, n-block] = silu(x[s // K] . gate[e, n]) * (x[s // K] . up[e, n]), e slot s's expert; with SPLIT > 1
     program (., ., k) sums columns k * chunk .. (k + 1) * chunk only and stores gate's and up's sums as h[k, s, :I]
-    and h[k, s, I:] (stride_split apart), as gpu_experts_triton._gate_up_kernel does."""
+    and h[k, s, I:] (stride_split apart); _gemv_down_kernel adds them in split order and applies the SiLU."""
     s = tl.program_id(0)
     e = _slot_expert(ids_ptr, mask_ptr)
     if e >= 0:  # (h's rows of other slots stay unread)
