@@ -242,6 +242,21 @@ class Engine {
   }
 
   void prewake() { layer_->prewake(); }
+
+  // MoeLayer::prefetch of the experts listed in `experts` (int32 [n]); returns the bytes fetched.
+  size_t prefetch(Array experts) {
+    check_array(experts, "experts", {-1});
+    check_dtype(experts.dtype(), nb::dtype<int32_t>(), "experts");
+    const int n = int(experts.shape(0));
+    const int* ids = static_cast<const int*>(experts.data());
+    for (int i = 0; i < n; ++i)
+      if (ids[i] < 0 || ids[i] >= cfg().E)
+        fail("experts[" + std::to_string(i) + "] = " + std::to_string(ids[i]) + " is out of range for " +
+             std::to_string(cfg().E) + " experts");
+    nb::gil_scoped_release nogil;
+    return layer_->prefetch(ids, n);
+  }
+
   hmoe::MoeLayer& layer() { return *layer_; }
   const hmoe::MoeLayer& layer() const { return *layer_; }
 
@@ -333,6 +348,15 @@ NB_MODULE(_native, m) {
       .def("submit", &Engine::submit, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a)
       .def("wait", &Engine::wait, "ticket"_a)
       .def("prewake", &Engine::prewake, "Wake sleeping workers ahead of a call (no-op while they spin).")
+      .def("prefetch", &Engine::prefetch, "experts"_a, "Read these experts' packed weights into the caches.")
+      .def_prop_rw("prefetch_touch", [](const Engine& e) { return e.layer().prefetch_touch(); },
+                   [](Engine& e, int mode) {
+                     if (mode < 0 || mode > 3)
+                       fail("prefetch_touch must be 0 (prefetcht1), 1 (prefetcht0), 2 (loads) or 3 (loads + "
+                            "cldemote), got " +
+                            std::to_string(mode));
+                     e.layer().set_prefetch_touch(mode);
+                   }, "How prefetch touches each line: 0 prefetcht1, 1 prefetcht0, 2 a load, 3 a load + cldemote.")
       .def("trace", &Engine::trace, "calls"_a, "Record the next `calls` forwards (see take_trace).")
       .def_prop_rw("item_blocks", [](const Engine& e) { return e.layer().item_blocks(); },
                    [](Engine& e, int n) {

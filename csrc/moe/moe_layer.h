@@ -74,6 +74,19 @@ class MoeLayer {
   void prewake();
   // forward on the calling thread (it works as one of the pool's threads); blocks until done.
   void run(const MoeCall& call);
+  // Reads the packed weights of the given experts (each in [0, E), repeats allowed) into the
+  // caches, on the calling thread with the pool (as run()), so that a call that follows soon finds
+  // them there: the hybrid decode step names a layer's likely CPU experts before its attention
+  // runs and the CPU, idle until the routed call, fetches them meanwhile (moe_prefetch.cpp).
+  // Work items of kPrefetchChunk bytes; once *stop (if given) is nonzero the rest are skipped.
+  // Returns the bytes fetched. Results of later calls do not depend on it.
+  size_t prefetch(const int* experts, int n, const uint32_t* stop = nullptr);
+  static constexpr size_t kPrefetchChunk = 16384;
+  // How prefetch() touches each 64-byte line: 0 prefetcht1 (into L2), 1 prefetcht0 (into L1),
+  // 2 a load (the line is in L1 when the item ends), 3 a load then cldemote (moved on to the L3,
+  // which every core reads: the GPU host's L3 does not keep what the L2s hold).
+  void set_prefetch_touch(int mode) { prefetch_touch_ = mode; }
+  int prefetch_touch() const { return prefetch_touch_; }
   // Tracing (moe_trace.h): record the next `calls` forwards; take_trace() hands the records over.
   void trace(int calls) { tracer_.arm(calls); }
   std::vector<TraceCall> take_trace() { return tracer_.take(); }
@@ -157,6 +170,7 @@ class MoeLayer {
   bool gate_up_tail_ = true;
   bool combine_in_run_ = true;
   bool balanced_items_ = true;
+  int prefetch_touch_ = 0;
 };
 
 }  // namespace hmoe

@@ -224,6 +224,13 @@ class CpuExperts:
         layer's routing starts), so their wake-up overlaps it; a cheap no-op while they spin."""
         self._engine.prewake()
 
+    def prefetch(self, experts: torch.Tensor | list[int]) -> int:
+        """Read these experts' packed weights into the CPU's caches now (the pool's workers, GIL
+        released; returns the bytes read), so that a call soon after finds them there instead of in
+        DRAM. Results never depend on it; set_schedule's prefetch_touch says how each line is read."""
+        ids = torch.as_tensor(experts, dtype=torch.int32).reshape(-1).contiguous()
+        return self._call(self._engine.prefetch, ids)
+
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                out: torch.Tensor | None = None) -> None:
         """Start the layer on the CPU workers; wait() returns [T, H] in x's dtype (`out` if given)."""
@@ -325,7 +332,7 @@ class CpuExperts:
                      kernel_prefetch_l1: int | None = None, kernel_prefetch_l2: int | None = None,
                      paired: bool | None = None, early_start: bool | None = None,
                      padded_counters: bool | None = None, balanced_items: bool | None = None,
-                     gate_up_tail: bool | None = None) -> None:
+                     gate_up_tail: bool | None = None, prefetch_touch: int | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
         default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
@@ -342,13 +349,15 @@ class CpuExperts:
         run should end soonest, by the gate/up items' rounds and all the work over the workers (default on;
         off: about 4 items per thread); gate_up_tail: cut the last gate/up items of each side (own, deferred;
         about two blocks per thread) into 1-block items, so that no expert's gate/up ends a whole item after the
-        others' and holds up its down items (default on)."""
+        others' and holds up its down items (default on); prefetch_touch: how prefetch() reads each line,
+        0 prefetcht1 (into L2, the default), 1 prefetcht0, 2 a load, 3 a load then cldemote (on to the L3)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("kernel_prefetch_l1", kernel_prefetch_l1),
                             ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
                             ("early_start", early_start), ("padded_counters", padded_counters),
-                            ("balanced_items", balanced_items), ("gate_up_tail", gate_up_tail)):
+                            ("balanced_items", balanced_items), ("gate_up_tail", gate_up_tail),
+                            ("prefetch_touch", prefetch_touch)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
