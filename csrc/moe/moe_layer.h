@@ -78,9 +78,9 @@ class MoeLayer {
   // caches, on the calling thread with the pool (as run()), so that a call that follows soon finds
   // them there: the hybrid decode step names a layer's likely CPU experts before its attention
   // runs and the CPU, idle until the routed call, fetches them meanwhile (moe_prefetch.cpp).
-  // Work items of kPrefetchChunk bytes; once *stop (if given) is nonzero the rest are skipped.
-  // Returns the bytes fetched. Results of later calls do not depend on it.
-  size_t prefetch(const int* experts, int n, const uint32_t* stop = nullptr);
+  // Work items of kPrefetchChunk bytes. Returns the bytes fetched. Results of later calls do not
+  // depend on it. Measured on the GPU host (benchmarks/prefetch_gain.py), not yet used by the engine.
+  size_t prefetch(const int* experts, int n);
   static constexpr size_t kPrefetchChunk = 16384;
   // How prefetch() touches each 64-byte line: 0 prefetcht1 (into L2), 1 prefetcht0 (into L1),
   // 2 a load (the line is in L1 when the item ends), 3 a load then cldemote (moved on to the L3,
