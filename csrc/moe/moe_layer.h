@@ -75,9 +75,9 @@ class MoeLayer {
   // forward on the calling thread (it works as one of the pool's threads); blocks until done.
   void run(const MoeCall& call);
   // Reads the packed weights of the given experts (each in [0, E), repeats allowed) into the
-  // caches, on the calling thread with the pool (as run()), so that a call that follows soon finds
-  // them there: the hybrid decode step names a layer's likely CPU experts before its attention
-  // runs and the CPU, idle until the routed call, fetches them meanwhile (moe_prefetch.cpp).
+  // caches, on the calling thread with the pool (as run()), so that a call that follows soon may
+  // find them there (the idea: the CPU, idle while the GPU runs a layer's attention, fetches the
+  // experts its router is likely to name; moe_prefetch.cpp says what it measured).
   // Work items of kPrefetchChunk bytes. Returns the bytes fetched. Results of later calls do not
   // depend on it. Measured on the GPU host (benchmarks/prefetch_gain.py), not yet used by the engine.
   size_t prefetch(const int* experts, int n);

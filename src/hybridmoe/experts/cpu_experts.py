@@ -226,8 +226,10 @@ class CpuExperts:
 
     def prefetch(self, experts: torch.Tensor | list[int]) -> int:
         """Read these experts' packed weights into the CPU's caches now (the pool's workers, GIL
-        released; returns the bytes read), so that a call soon after finds them there instead of in
-        DRAM. Results never depend on it; set_schedule's prefetch_touch says how each line is read."""
+        released; returns the bytes read), so that a call soon after may find them there instead of in
+        DRAM. Results never depend on it; set_schedule's prefetch_touch says how each line is read. On the
+        GPU host only touch 3 (load + cldemote) made the next call faster (0.81-0.85x); the default
+        prefetcht1 and plain loads left it as slow or slower (benchmarks/prefetch_gain.py, session 13)."""
         ids = torch.as_tensor(experts, dtype=torch.int32).reshape(-1).contiguous()
         return self._call(self._engine.prefetch, ids)
 
