@@ -55,9 +55,6 @@ from hybridmoe.experts.placement import PlacementPlan
 
 log = logging.getLogger("hybridmoe.experts")
 
-DECODE_WAITS = ("spin", "nap", "block")
-"""How a fixed-shape decode step's thread may wait for the step (HybridExperts.decode_wait)."""
-
 
 class TorchCpuLayer:
     """The torch reference in the CPU engine's place: submit computes at once, wait returns float32 [T, H]."""
@@ -302,13 +299,6 @@ class HybridExperts(ExpertBackend):
         self._folded: dict[int, _Partial] = {}  # fixed shapes: layer -> the deferred part joining its output
         self.fused = True  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
         self.pin_decode_thread = True  # decode_thread() pins the step's thread off the handoff pools' CPUs
-        self.decode_wait = "spin"
-        """How the thread that drives a fixed-shape decode step waits for its result (DECODE_WAITS; read by
-        use_fixed_shapes, which sizes the handoffs' pools by it, and by the model runner at each step's launch):
-        "spin", in CUDA's own wait on a CPU the pools leave free (pinned there, decode_thread); "nap", polling
-        the step's event with sleeps between looks, and "block", asleep in CUDA's blocking wait: both with the
-        pools on every CPU (the sleeping thread takes a CPU from a worker only for its looks and its host work
-        between steps). Only CUDA-graph steps nap or block: an eager step's thread launches kernels all along."""
         # the handoffs stage rows and hand outputs back through the device's mapping of their pinned buffers
         # (CudaHandoff.zero_copy; needs triton): on the GPU host the gap between layers 54 vs 69 µs, Qwen3-30B-A3B
         # 4 layers, int4 and bf16, every sample (device round r1 of session 5). Read by use_fixed_shapes.
@@ -435,8 +425,6 @@ class HybridExperts(ExpertBackend):
         cpu = {layer: st.cpu for layer, st in self._layers.items() if st.cpu is not None}
         if not all(isinstance(c, CpuExperts) for c in cpu.values()):
             return False
-        if self.decode_wait not in DECODE_WAITS:
-            raise HybridMoEError(f"decode_wait must be one of {', '.join(DECODE_WAITS)}, got {self.decode_wait!r}")
         if cpu:
             from hybridmoe.experts.cuda_handoff import CudaHandoff
 
@@ -451,8 +439,7 @@ class HybridExperts(ExpertBackend):
             handoffs = {}
             try:
                 for (deferred, width), layers in groups.items():
-                    handoff = CudaHandoff(layers, max_tokens, width, staged, device=self.device,
-                                          spare_cpu=self.decode_wait == "spin")
+                    handoff = CudaHandoff(layers, max_tokens, width, staged, device=self.device)
                     # one token's padding slots (weight 0: its experts on the GPU) are left out of its CPU
                     # work, not computed and added as 0 (the same sum; a deferred slot on the GPU leaves
                     # no CPU work at all). Measured on the GPU host, DeepSeek-V2-Lite int4 8 layers, same
