@@ -728,31 +728,19 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // measured since). Otherwise about 4 items per thread over gate/up and down blocks. Sized per side
   // with deferral: the deferred experts (often one or two) in items as small as their own count
   // asks for, so that every worker reads their weights.
-  // In calls with no AMX expert (the memory-bound path: decode), whatever the rule, a gate/up item
-  // reads at most kMaxItemBytes of each matrix (AMX experts keep 8: each item reloads its token panel's
-  // activation tiles, and prefill was not measured with smaller items). The workers' read
-  // rates differ (on the GPU host 6 of 16 read bf16 at ~6 GB/s, the others at ~10.5, moe_trace.py,
-  // session 14), and an item on a slow worker that holds up its expert's down items costs in
-  // proportion to its bytes. 8 int4/int8 blocks of Qwen3-30B-A3B's gate are 256/512 KiB; its bf16
-  // blocks went from 8 (1 MiB) to 4 per item, which in the pipeline (deferral_decode.py, 12 layers,
-  // 5 interleaved rounds) took the CPU's part of a layer from 469 to 433 us (decode 1.073x); one-token
-  // calls alone ran the same (0.450 vs 0.456 ms engine time).
-  constexpr size_t kMaxItemBytes = size_t(512) << 10;
-  const int max_step =
-      A_tiles ? 8 : int(std::clamp<size_t>(kMaxItemBytes / block_bytes(cfg_.format, gate.Kp), 1, 8));
   auto step_for = [&](int experts) {
     if (item_blocks_ > 0) return item_blocks_;
     const int threads = pool_->threads();
     if (!balanced_items_) {
       const int64_t blocks = int64_t(gate.blocks + down.blocks) * experts;
-      return int(std::clamp<int64_t>(blocks / (4 * threads), 1, max_step));
+      return int(std::clamp<int64_t>(blocks / (4 * threads), 1, 8));
     }
     constexpr double kRestart = 0.2;
     const double r = double(down.K) / (2.0 * gate.K);  // a down block's bytes over a gate/up block's
     const double work = experts * (gate.blocks + down.blocks * r);
-    int best = max_step;
+    int best = 8;
     double best_time = 1e300;
-    for (int step = max_step; step >= 1; --step) {  // ties: the larger items
+    for (int step = 8; step >= 1; --step) {  // ties: the larger items
       int down_items = 0;
       for (int s = 0; s < S; ++s) down_items += (down.slice_begin[s + 1] - down.slice_begin[s] + step - 1) / step;
       const int64_t gate_up = int64_t(experts) * gate_up_items(step), items = gate_up + int64_t(experts) * down_items;

@@ -157,23 +157,6 @@ def test_balanced_items_change_the_items_not_the_result(make_weights, make_routi
     assert sizes.ge(1).all() and sizes.le(8).all()
 
 
-@pytest.mark.parametrize("fmt, widest", [("bf16", 4), ("int8", 8), ("int4", 8)])
-def test_decode_items_read_at_most_512_kib_of_a_matrix(make_weights, make_routing, fmt, widest):
-    """One-token calls at H 2048 (a bf16 block of 32 rows is 128 KiB, int8 64, int4 32): gate/up and down
-    items of at most 512 KiB of gate's blocks (bf16 4 blocks, the others the usual 8); the same output as
-    8-block items."""
-    big_h, inter = 2048, 256
-    experts = CpuExperts(*make_weights(2, big_h, inter), format=fmt, group_size=128, threads=1)
-    x, ids, weights = make_routing(1, big_h, 2, range(2))
-    experts.set_schedule(item_blocks=8)
-    expected = experts.forward(x, ids, weights)
-    experts.set_schedule(item_blocks=0)
-    experts.trace(1)
-    assert torch.equal(experts.forward(x, ids, weights), expected)
-    items = experts.take_trace()[0]["items"]
-    assert (items[:, B1] - items[:, B0]).max() == widest
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 @pytest.mark.parametrize("inter, blocks, k, deferred, own_sizes, deferred_sizes", [
     # 3-block experts in one item each; 2 threads: whole items from the end until they cover 4 blocks
