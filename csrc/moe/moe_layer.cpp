@@ -727,7 +727,10 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // (bf16 0.684 vs 0.654, int4 0.199 vs 0.196): with the work term this rule keeps 8 there (not
   // measured since). Otherwise about 4 items per thread over gate/up and down blocks. Sized per side
   // with deferral: the deferred experts (often one or two) in items as small as their own count
-  // asks for, so that every worker reads their weights.
+  // asks for, so that every worker reads their weights. Tried in session 14 and not kept: decode
+  // items capped at 512 KiB of gate's blocks (Qwen3-30B-A3B bf16 4 blocks, DeepSeek-V3 bf16 1):
+  // Qwen3 bf16 in the pipeline 1.07x in one run (deferral_decode.py, 12 layers), alone the same,
+  // e2e.py on another host no faster; DeepSeek-V3 alone (64 experts) bf16 / int8 2-6% slower.
   auto step_for = [&](int experts) {
     if (item_blocks_ > 0) return item_blocks_;
     const int threads = pool_->threads();

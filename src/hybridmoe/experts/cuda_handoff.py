@@ -98,7 +98,10 @@ def handoff_threads(threads: int, cpus: int) -> int:
     one fewer than the CPUs, so that the thread driving the GPU (which spins in CUDA's waits) has
     a CPU of its own. With every CPU taken by a pinned worker, that thread preempts one of them
     for a time slice and the whole layer waits (measured on the GPU host, 16 CPUs, toy layer:
-    the CPU step 50.7 µs per layer with 16 workers, 31.0 µs with 15)."""
+    the CPU step 50.7 µs per layer with 16 workers, 31.0 µs with 15). A 16th worker with that thread
+    asleep instead (polling its step's event between naps, or in CUDA's blocking wait) was tried in
+    session 14 (deferral_decode.py, Qwen3-30B-A3B 12 layers, 5 interleaved rounds): bf16 1.06x, int4
+    0.95x (the thread's host work between steps then holds up a worker's item); not kept."""
     return max(1, min(threads, cpus - 1))
 
 
