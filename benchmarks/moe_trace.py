@@ -2,7 +2,7 @@
 
     python3 benchmarks/moe_trace.py --shape qwen3-30b-a3b --format int4,int8,bf16 --tokens 1,4 \
         --threads 15,16 [--modes loop,sleep,flush] [--api forward,submit] [--item-blocks 0,1,2] [--item-prefetch 0,4096]
-        [--tail-split 0,1] [--gate-up-tail 0,1] [--block-steal 0,1] [--combine-in-run 0,1] [--top-k K] [--deferred D] [--timeline N]
+        [--tail-split 0,1] [--gate-up-tail 0,1] [--combine-in-run 0,1] [--top-k K] [--deferred D] [--timeline N]
         [--kernel-prefetch-l1 0,2048,4096] [--kernel-prefetch-l2 0,8192] [--paired 0,1]
         [--variants 'new=;old=item_prefetch:0,tail_split:0,combine_in_run:0']
         [--json out.json]
@@ -31,7 +31,6 @@ Per cell, the median over the traced calls of (all in us):
 Per worker over the GEMM run (median call; means over workers, and the worst worker):
   late      join - run start (worker 0 is the thread calling run);  slept: workers that had slept
   busy / wait / idle: % of the run spent computing items, waiting for an expert's h, outside items
-  blocks stolen: gate/up blocks computed by a worker waiting for their expert's h (block_steal)
   gu, dn    GB/s per core while computing gate/up resp. down items;  run  GB/s over the GEMM run
   GB/s by worker: each worker's bytes over its computing time, beside the probe's per-worker
             rates (all threads reading at once, same pool) printed at the top
@@ -50,14 +49,13 @@ from hybridmoe import CpuExperts, _native
 from hybridmoe.experts.cpu_experts import default_threads
 from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, packed_copy, prefetching_read_gbps, routing
 
-WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT, DEFERRED, STOLEN = range(12)  # take_trace()'s item columns
+WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT, DEFERRED = range(11)  # take_trace()'s item columns
 N_ROUTINGS = 16
 
 
 # CpuExperts.set_schedule's defaults; a variant changes some of them.
 DEFAULT_SCHEDULE = dict(item_blocks=0, item_prefetch=4096, tail_split=True, combine_in_run=True,
-                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False, gate_up_tail=True,
-                        block_steal=False)
+                        kernel_prefetch_l1=4096, kernel_prefetch_l2=16384, paired=False, gate_up_tail=True)
 
 
 def schedule_variants(args):
@@ -71,8 +69,7 @@ def schedule_variants(args):
             out.append((f" {name}" if name else "", typed(kw)))
         return out
     short = {"item_blocks": "ib", "item_prefetch": "pf", "tail_split": "tail", "combine_in_run": "cir",
-             "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair", "gate_up_tail": "gut",
-             "block_steal": "bs"}
+             "kernel_prefetch_l1": "k1_", "kernel_prefetch_l2": "k2_", "paired": "pair", "gate_up_tail": "gut"}
     values = {k: [int(v) for v in getattr(args, k).split(",")] for k in DEFAULT_SCHEDULE}  # the knobs' --options
     out = []
     for combo in itertools.product(*values.values()):
@@ -103,10 +100,7 @@ def call_breakdown(rec, py0, py1, threads, block_bytes, call_bytes):
     out_ns = [int((it[it[:, WORKER] == w][:, END] + it[it[:, WORKER] == w][:, CONVERT]).max())
               for w in range(threads) if (it[:, WORKER] == w).any()]
     busy = np.array([(comp + it[:, CONVERT])[it[:, WORKER] == w].sum() for w in range(threads)])
-    # a down item's wait spans the gate/up blocks its worker took meanwhile (block_steal): those count as busy
-    stolen = it[:, STOLEN] == 1
-    wait = np.array([it[it[:, WORKER] == w][:, WAIT].sum() - comp[stolen & (it[:, WORKER] == w)].sum()
-                     for w in range(threads)])
+    wait = np.array([it[it[:, WORKER] == w][:, WAIT].sum() for w in range(threads)])
     joins = rec["join_ns"].numpy()
     late = [us(j - rec["items_ns"]) for j in joins if j]
     gu, dn = it[:, DOWN] == 0, it[:, DOWN] == 1
@@ -129,7 +123,6 @@ def call_breakdown(rec, py0, py1, threads, block_bytes, call_bytes):
         gu_gbps=gbps(gu, block_bytes[0]), dn_gbps=gbps(dn, block_bytes[1]),
         run_gbps=call_bytes / run_ns, items=len(it), bytes=call_bytes,
         comb_in_run=us(it[dn][:, CONVERT].sum()), convert=us(it[gu][:, CONVERT].sum()),
-        stolen_blocks=int(nblk[stolen].sum()),
         late_by_worker=[us(j - rec["items_ns"]) if j else float("nan") for j in joins],
         gbps_by_worker=[float(item_bytes[it[:, WORKER] == w].sum() / max(comp[it[:, WORKER] == w].sum(), 1))
                         if (it[:, WORKER] == w).any() else float("nan") for w in range(threads)])
@@ -170,8 +163,7 @@ def print_deferral(d, calls, indent=40):
 
 
 def print_timeline(rec, indent=40):
-    """One call's items per worker, in the order it ran them: g (gate/up), s (gate/up blocks taken while waiting,
-    block_steal) or d (down), D for a deferred slot's
+    """One call's items per worker, in the order it ran them: g (gate/up) or d (down), D for a deferred slot's
     expert, expert:blocks, then start-end in us from the GEMM run's start (and +wait for down items)."""
     it = np.asarray(rec["items"])
     t0 = rec["items_ns"]
@@ -181,7 +173,7 @@ def print_timeline(rec, indent=40):
         mine = it[it[:, WORKER] == w]
         mine = mine[np.argsort(mine[:, START])]
         waited = lambda r: f"+w{r[WAIT] / 1e3:.0f}" if r[WAIT] > 500 else ""  # waits of half a us or more
-        cells = [f"{'d' if r[DOWN] else 's' if r[STOLEN] else 'g'}{'D' if r[DEFERRED] else ''}{r[EXPERT]}:{r[B0]}-{r[B1]} "
+        cells = [f"{'d' if r[DOWN] else 'g'}{'D' if r[DEFERRED] else ''}{r[EXPERT]}:{r[B0]}-{r[B1]} "
                  f"{(r[START] - t0) / 1e3:.0f}-{(r[END] - t0) / 1e3:.0f}{waited(r)}" for r in mine]
         print(f"{'':<{indent}}   w{w:<2} " + "  ".join(cells))
 
@@ -241,8 +233,7 @@ def print_cell(key, n, untraced, floor_us, s, lateness, worker_gbps):
           f" slept {s['slept']:.0f}; busy {pct(s['busy'])}% (least busy {pct(s['busy_min'])}%) wait"
           f" {pct(s['wait'])}% (most {pct(s['wait_max'])}%) idle {pct(s['idle'])}%; GB/s per core gu"
           f" {s['gu_gbps']:.1f} dn {s['dn_gbps']:.1f}; run {s['run_gbps']:.1f} GB/s; {s['items']:.0f} items;"
-          f" in items (us, all workers): h->rows {s['convert']:.1f}, combine {s['comb_in_run']:.1f};"
-          f" blocks stolen {s['stolen_blocks']:.0f}")
+          f" in items (us, all workers): h->rows {s['convert']:.1f}, combine {s['comb_in_run']:.1f}")
     print(f"{'':<40} late by worker (us, median of the calls it joined; -: none): " +
           " ".join("-" if v != v else f"{v:.0f}" for v in lateness))
     print(f"{'':<40} GB/s by worker while computing (median of the calls it worked in): " +
@@ -273,9 +264,6 @@ def main():
                     help="comma list of 0/1: one-token experts read two weight blocks at once; key suffix pairN")
     ap.add_argument("--gate-up-tail", default="1",
                     help="comma list of 0/1: cut each side's last gate/up items into 1-block items; key suffix gutN")
-    ap.add_argument("--block-steal", default="0",
-                    help="comma list of 0/1: a worker waiting for an expert's h computes its unclaimed gate/up "
-                         "blocks; key suffix bsN")
     ap.add_argument("--top-k", type=int, default=None, help="override K, the slots per token")
     ap.add_argument("--deferred", type=int, default=0,
                     help="each token's last D slots deferred (forward_deferred: one call, two outputs); default 0")

@@ -278,7 +278,7 @@ class Engine {
 }  // namespace
 
 // The traced calls (moe_trace.h) as dicts: phase times (ns, time.monotonic_ns's clock),
-// items int64 [n, 12] (worker, down, expert, slice, b0, b1, start, end, wait, convert, deferred, stolen),
+// items int64 [n, 11] (worker, down, expert, slice, b0, b1, start, end, wait, convert, deferred),
 // join_ns int64 [threads] and slept uint8 [threads]. Also CudaHandoff.take_trace's.
 nb::list trace_records(std::vector<hmoe::TraceCall> calls) {
   nb::list out;
@@ -298,8 +298,8 @@ nb::list trace_records(std::vector<hmoe::TraceCall> calls) {
     auto* items = new std::vector<int64_t>();
     for (const hmoe::TraceItem& it : t.items)
       items->insert(items->end(), {it.worker, it.down, it.expert, it.slice, it.b0, it.b1, it.start_ns, it.end_ns,
-                                   it.wait_ns, it.convert_ns, it.deferred, it.stolen});
-    d["items"] = owned_array(items, {t.items.size(), 12});
+                                   it.wait_ns, it.convert_ns, it.deferred});
+    d["items"] = owned_array(items, {t.items.size(), 11});
     d["join_ns"] = owned_array(new std::vector<int64_t>(t.join_ns), {t.join_ns.size()});
     d["slept"] = owned_array(new std::vector<uint8_t>(t.slept), {t.slept.size()});
     out.append(d);
@@ -393,9 +393,6 @@ NB_MODULE(_native, m) {
       .def_prop_rw("gate_up_tail", [](const Engine& e) { return e.layer().gate_up_tail(); },
                    [](Engine& e, bool on) { e.layer().set_gate_up_tail(on); },
                    "Whether each side's last gate/up items of a call are cut into 1-block items.")
-      .def_prop_rw("block_steal", [](const Engine& e) { return e.layer().block_steal(); },
-                   [](Engine& e, bool on) { e.layer().set_block_steal(on); },
-                   "Whether a worker waiting for an expert's h computes its unclaimed gate/up blocks.")
       .def_prop_rw("balanced_items", [](const Engine& e) { return e.layer().balanced_items(); },
                    [](Engine& e, bool on) { e.layer().set_balanced_items(on); },
                    "Whether GEMM items are sized so that the run should end soonest (see moe_layer.cpp).")

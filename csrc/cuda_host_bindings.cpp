@@ -329,7 +329,7 @@ class Handoff : public hmoe::FlagChannel {
   // benchmarks can compare schedules in the running pipeline; schedule() reads the first layer's.
   static constexpr const char* kKnobs[] = {"item_blocks", "item_prefetch", "tail_split", "gate_up_tail",
                                            "balanced_items", "combine_in_run", "early_start", "paired",
-                                           "padded_counters", "block_steal"};
+                                           "padded_counters"};
   void set_schedule(const std::string& name, int value) {
     if (std::find(std::begin(kKnobs), std::end(kKnobs), name) == std::end(kKnobs))
       fail("unknown schedule knob '" + name + "'");
@@ -344,7 +344,6 @@ class Handoff : public hmoe::FlagChannel {
       else if (name == "combine_in_run") m.set_combine_in_run(value);
       else if (name == "early_start") m.set_early_start(value);
       else if (name == "paired") m.set_paired(value);
-      else if (name == "block_steal") m.set_block_steal(value);
       else m.set_padded_counters(value);
     }
   }
@@ -361,7 +360,6 @@ class Handoff : public hmoe::FlagChannel {
     d["early_start"] = m.early_start();
     d["paired"] = m.paired();
     d["padded_counters"] = m.padded_counters();
-    d["block_steal"] = m.block_steal();
     return d;
   }
 

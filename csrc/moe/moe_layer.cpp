@@ -12,7 +12,6 @@
 #include <stdexcept>
 #include <thread>
 #include <tuple>
-#include <utility>
 
 #include "moe/pack.h"
 
@@ -274,12 +273,9 @@ struct Workspace {
   std::vector<uint8_t> own;       // per expert: in an own slot of some token (MoeCall::deferred)
   std::vector<uint8_t> slot_own;  // the same per active slot j
   std::vector<Item> gemm_items, tail_items;
-  // Per active slot j: its gate/up items' indices in gemm_items, up_items[up_first[j] ..
-  // up_first[j + 1]) (where a worker waiting for j's h finds blocks to compute, block_steal).
-  std::vector<int> up_first, up_items;
-  PlanKey plan;  // what gemm_items, offsets, up_first and up_items were built for (see forward)
-  AtomicInts pending;   // per active expert: its gate/up blocks not computed yet; -1: h ready
-  AtomicInts claims;    // per gate/up item (block_steal): next block from the front << 16 | end from the back
+  std::vector<int> gate_up_count;  // per active slot j: its gate/up items in gemm_items
+  PlanKey plan;  // what gemm_items, offsets and gate_up_count were built for (see forward)
+  AtomicInts pending;   // per active expert
   AtomicInts col_left;  // per down block: experts whose y is still missing
   AtomicInts col_own;   // the same for the own experts alone (MoeCall::deferred)
   ActRows act, act2;  // activations of gate/up (x) and of down (h)
@@ -765,6 +761,7 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   if (!(plan == ws.plan)) {
     gemm_items.clear();
     offsets.assign(1, 0);
+    ws.gate_up_count.assign(A, 0);
     for (int s = 0; s < S; ++s) {
       for (const auto& [side, step] : {std::pair{1, step_own}, std::pair{0, step_deferred}})
         for (int m = 0; m < 2; ++m) {
@@ -790,35 +787,22 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
             for (const Item& it : ws.tail_items)
               for (int b = it.b0; b < it.b1; ++b) gemm_items.push_back({it.down, it.j, it.s, b, b + 1});
           }
+          if (!m)
+            for (size_t i = seg; i < gemm_items.size(); ++i) ws.gate_up_count[gemm_items[i].j] += 1;
         }
       offsets.push_back(int(gemm_items.size()));
     }
-    ws.up_first.assign(A + 1, 0);
-    for (const Item& it : gemm_items)
-      if (!it.down) ++ws.up_first[it.j + 1];
-    for (int j = 0; j < A; ++j) ws.up_first[j + 1] += ws.up_first[j];
-    ws.up_items.resize(ws.up_first[A]);
-    std::vector<int> next(ws.up_first.begin(), ws.up_first.end() - 1);
-    for (int i = 0; i < int(gemm_items.size()); ++i)
-      if (!gemm_items[i].down) ws.up_items[next[gemm_items[i].j]++] = i;
     ws.plan = plan;
   }
   const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
   const Counters pending{grow(ws.pending, size_t(A) * stride), stride};
-  for (int j = 0; j < A; ++j) pending[j].store(gate.blocks, std::memory_order_relaxed);
-  // block_steal: a gate/up item of an expert on base_'s kernels is computed a block at a time, its
-  // owner claiming from the front and any worker that waits for that expert's h from the back.
-  auto stealable = [&](int j) { return block_steal_ && &kernels_of(j) == base_; };
-  const Counters claims{block_steal_ ? grow(ws.claims, gemm_items.size() * stride) : nullptr, stride};
-  if (block_steal_)
-    for (int i : ws.up_items) claims[i].store(gemm_items[i].b0 << 16 | gemm_items[i].b1, std::memory_order_relaxed);
+  for (int j = 0; j < A; ++j) pending[j].store(ws.gate_up_count[j], std::memory_order_relaxed);
   TraceItem* titems = nullptr;  // tracing: one record per GEMM item, written by its worker
   if (tr) {
     tr->T = T;
     tr->K = K;
     tr->A = A;
-    // past the items, one record per span of blocks computed by a worker waiting for their expert
-    tr->items.resize(gemm_items.size() + (block_steal_ ? size_t(A) * gate.blocks : 0));
+    tr->items.resize(gemm_items.size());
     titems = tr->items.data();
     tr->join_ns.assign(pool_->threads(), 0);
     tr->slept.assign(pool_->threads(), 0);
@@ -880,83 +864,6 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
     if (v.scale) prefetch_l2(v.scale + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
     if (v.zero) prefetch_l2(v.zero + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
   };
-  // h = silu(x Wg^T) * (x Wu^T) for rows [b0, b1) of gate/up item it's slice.
-  auto gate_up_blocks = [&](const Item& it, int b0, int b1) {
-    const Kernels& kn = kernels_of(it.j);
-    const ActView a = n_of(it.j) == 1 ? tok1.view(tok_kind, tok[row_begin[it.j]], 1)
-                                      : act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
-    const int col0 = (gate.slice_begin[it.s] + b0) * kBlockRows;
-    float* hrow = h + size_t(row_begin[it.j]) * ldh + col0;
-    if (kn.gate_up[int(fmt)]) {
-      kn.gate_up[int(fmt)](view(gate, order[it.j], it.s), view(up, order[it.j], it.s), b0, b1, a, hrow, int(ldh));
-    } else {
-      gate_up_two_gemms(gemm_of(kn, false, fmt), ops.silu_mul, view(gate, order[it.j], it.s),
-                        view(up, order[it.j], it.s), b0, b1, a, hrow, int(ldh));
-    }
-  };
-  auto prefetch_up_heads = [&](const Item& it, int b) {  // gate's and up's block b
-    const Item one{0, it.j, it.s, b, b + 1};
-    prefetch_heads(gate, one);
-    prefetch_heads(up, one);
-  };
-  // Claims up to n of gate/up item i's blocks, from the front (its own worker) or the back (a waiting
-  // worker): {first, count}, count 0 when none are left.
-  auto claim = [&](int i, bool front, int n) {
-    std::atomic<int>& word = claims[i];
-    for (int v = word.load(std::memory_order_relaxed);;) {
-      const int next = v >> 16, end = v & 0xFFFF, take = std::min(n, end - next);
-      if (take <= 0) return std::pair{0, 0};
-      const int to = front ? (next + take) << 16 | end : next << 16 | (end - take);
-      if (word.compare_exchange_weak(v, to, std::memory_order_relaxed))
-        return std::pair{front ? next : end - take, take};
-    }
-  };
-  // After `blocks` gate/up blocks of expert j: the last one of the expert (acq_rel: it sees every
-  // other block's h) turns h into down activations; traced as record r's convert time.
-  auto count_down = [&](int j, int blocks, TraceItem* r) {
-    if (blocks == 0 || pending[j].fetch_sub(blocks, std::memory_order_acq_rel) != blocks) return;
-    down_acts(j);
-    pending[j].store(-1, std::memory_order_release);
-    if (r) r->convert_ns = trace_now_ns() - r->end_ns;
-  };
-  std::atomic<int> stolen_records{0};
-  auto wait_acts = [&] {  // early_start: x's rows take the calling thread a few microseconds: pause
-    // that long (~1000 pauses), then yield, in case it waits for this core (more threads than cores).
-    for (int spin = 0; !acts_ready.load(std::memory_order_acquire); ++spin)
-      if (spin > 1024) std::this_thread::yield(); else cpu_relax();
-  };
-  // A worker at a down item of expert j whose h is not ready computes j's unclaimed gate/up blocks,
-  // from the back of each item, instead of waiting for the workers that hold them (on the GPU host
-  // a few workers read at ~6 GB/s against ~10, and an 8-block item there holds up its expert's down
-  // items by ~40 us, session 10 r11).
-  // (ws is this thread's: the workers reach the driver's lists through these references)
-  const std::vector<int>&up_first = ws.up_first, &up_items = ws.up_items;
-  auto help = [&](int j, int worker) {
-    wait_acts();
-    for (int u = up_first[j]; u < up_first[j + 1]; ++u) {
-      const int i = up_items[u];
-      const Item& it = gemm_items[i];
-      int done = 0, lo = 0, hi = 0;  // traced: one record per run [lo, hi) of consecutive blocks
-      int64_t t0 = titems ? trace_now_ns() : 0;
-      TraceItem* r = nullptr;
-      auto record = [&] {
-        if (!titems || lo == hi) return;
-        r = &titems[gemm_items.size() + stolen_records.fetch_add(1, std::memory_order_relaxed)];
-        const int64_t now = trace_now_ns();
-        *r = {worker, 0, order[it.j], it.s, lo, hi, t0, now, 0, 0, !slot_own[it.j], 1};
-        t0 = now;
-      };
-      for (auto [b, n] = claim(i, false, 1); n; std::tie(b, n) = claim(i, false, 1), ++done) {
-        if (b != lo - 1) record(), hi = b + 1;  // another worker took the block above
-        lo = b;
-        if (head) prefetch_up_heads(it, b);
-        if (head && b > it.b0) prefetch_up_heads(it, b - 1);
-        gate_up_blocks(it, b, b + 1);
-      }
-      record();
-      count_down(j, done, r);
-    }
-  };
   pool_->run(offsets, [&](int i, int worker) {
     const Item it = gemm_items[i];
     const int64_t t0 = titems ? trace_now_ns() : 0;
@@ -965,35 +872,38 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
       prefetch_heads(it.down ? down : gate, it);
       if (!it.down) prefetch_heads(up, it);
     }
-    if (!it.down) {
+    if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
       int64_t waited_ns = 0;  // early_start: for x's activation rows (its weights' heads on their way)
       if (!acts_ready.load(std::memory_order_acquire)) {
-        wait_acts();
+        // x's rows take the calling thread a few microseconds: pause that long (~1000 pauses), then
+        // yield, in case it waits for this core (more threads than cores).
+        for (int spin = 0; !acts_ready.load(std::memory_order_acquire); ++spin)
+          if (spin > 1024) std::this_thread::yield(); else cpu_relax();
         if (titems) waited_ns = trace_now_ns() - t0;
       }
-      int done = it.b1 - it.b0;
-      if (stealable(it.j)) {
-        done = 0;
-        // Two blocks at a time: gate's then up's in one stream each (one block at a time, alone on
-        // a dev box, took 3-4% longer than whole items).
-        for (auto [b, n] = claim(i, true, 2); n; std::tie(b, n) = claim(i, true, 2)) {
-          if (head && b + n < it.b1) prefetch_up_heads(it, b + n);
-          gate_up_blocks(it, b, b + n);
-          done += n;
-        }
+      const ActView a = n_of(it.j) == 1 ? tok1.view(tok_kind, tok[row_begin[it.j]], 1)
+                                        : act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
+      const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows;
+      float* hrow = h + size_t(row_begin[it.j]) * ldh + col0;
+      if (kn.gate_up[int(fmt)]) {
+        kn.gate_up[int(fmt)](view(gate, order[it.j], it.s), view(up, order[it.j], it.s), it.b0, it.b1, a, hrow,
+                             int(ldh));
       } else {
-        gate_up_blocks(it, it.b0, it.b1);
+        gate_up_two_gemms(gemm_of(kn, false, fmt), ops.silu_mul, view(gate, order[it.j], it.s),
+                          view(up, order[it.j], it.s), it.b0, it.b1, a, hrow, int(ldh));
       }
-      // Traced: the blocks this item's own worker computed; its end is stamped before it lets its
-      // expert's down items go.
+      // The last one of this expert (acq_rel: it sees every other item's h) converts h.
+      // Traced: the item's end is stamped before it lets its expert's down items go.
       if (titems)
-        titems[i] = {worker, 0, order[it.j], it.s, it.b0, it.b0 + done, t0, trace_now_ns(), waited_ns, 0,
-                     !slot_own[it.j]};
-      count_down(it.j, done, titems ? &titems[i] : nullptr);
+        titems[i] = {worker, 0, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
+      if (pending[it.j].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        down_acts(it.j);
+        pending[it.j].store(-1, std::memory_order_release);
+        if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
+      }
       return;
     }
     // y = h Wd^T for this item's rows of H, once expert j's down activations exist.
-    if (stealable(it.j) && pending[it.j].load(std::memory_order_acquire) != -1) help(it.j, worker);
     for (int spin = 0; pending[it.j].load(std::memory_order_acquire) != -1; ++spin)
       if (spin > 64) std::this_thread::yield(); else cpu_relax();
     const int64_t waited_ns = titems ? trace_now_ns() - t0 : 0;
@@ -1026,7 +936,6 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   if (tr) {
     tr->gemm_end_ns = trace_now_ns();
     pool_->set_join_log(nullptr, nullptr);
-    tr->items.resize(gemm_items.size() + stolen_records.load(std::memory_order_relaxed));
   }
 
   // Phase C (more tokens): the weighted sum in chunks of (token, 512 columns).

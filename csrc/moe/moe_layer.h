@@ -129,11 +129,6 @@ class MoeLayer {
   // so that its experts' gate/up ends on every worker within a block of each other (see forward).
   void set_gate_up_tail(bool on) { gate_up_tail_ = on; }
   bool gate_up_tail() const { return gate_up_tail_; }
-  // Whether a worker that reaches a down item of an expert whose h is not ready computes that
-  // expert's unclaimed gate/up blocks (from the back of its items, whose owners compute them a
-  // block at a time from the front) instead of waiting; experts on base_'s kernels only (see forward).
-  void set_block_steal(bool on) { block_steal_ = on; }
-  bool block_steal() const { return block_steal_; }
   // Whether GEMM items are sized so that the run should end soonest, by the gate/up items' rounds
   // and all the work over the workers (see forward), else about 4 items per thread over all blocks.
   void set_balanced_items(bool on) { balanced_items_ = on; }
@@ -173,7 +168,6 @@ class MoeLayer {
   bool padded_counters_ = true;
   bool tail_split_ = true;
   bool gate_up_tail_ = true;
-  bool block_steal_ = false;
   bool combine_in_run_ = true;
   bool balanced_items_ = true;
   int prefetch_touch_ = 0;

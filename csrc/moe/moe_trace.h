@@ -27,7 +27,6 @@ struct TraceItem {
   // expert, h -> down activations; for a down item, summing the output columns it completed.
   int64_t convert_ns = 0;
   int32_t deferred = 0;    // the item belongs to a deferred slot's expert (MoeCall::deferred)
-  int32_t stolen = 0;      // a run of gate/up blocks a worker waiting for their expert's h took (block_steal)
 };
 
 struct TraceCall {

@@ -319,14 +319,12 @@ class CpuExperts:
         Each: T, K, A (distinct experts); times in ns on time.monotonic_ns()'s clock: call_ns
         (submit/forward entered the engine), entry_ns (the layer started on its thread),
         grouped_ns, acts_ns (x rows quantized; with early_start, handed to the GEMM run), items_ns
-        (GEMM run starts), gemm_end_ns, end_ns (combine done); items int64 [n, 12] per GEMM item:
+        (GEMM run starts), gemm_end_ns, end_ns (combine done); items int64 [n, 10] per GEMM item:
         worker, down (0 gate/up, 1 down), expert, slice, b0, b1 (32-row blocks of the slice),
         start, end, wait (a down item waiting for its expert's h; with early_start, a gate/up item
         waiting for x's rows), convert (after end: the gate/up item that turned its expert's h into
-        down activations; a down item summing the output columns it completed, up to 16 tokens),
-        deferred (a deferred slot's expert), stolen (block_steal: a run of gate/up blocks that a worker
-        waiting for their expert's h computed, a record of its own after the items; the item it came
-        from then records only the blocks its own worker computed); join_ns int64 [threads] (when each pool worker joined the GEMM run, 0: never) and slept
+        down activations; a down item summing the output columns it completed, up to 16 tokens);
+        join_ns int64 [threads] (when each pool worker joined the GEMM run, 0: never) and slept
         bool [threads] (it had gone to sleep before).
         """
         return trace_records(self._engine.take_trace())
@@ -336,8 +334,7 @@ class CpuExperts:
                      kernel_prefetch_l1: int | None = None, kernel_prefetch_l2: int | None = None,
                      paired: bool | None = None, early_start: bool | None = None,
                      padded_counters: bool | None = None, balanced_items: bool | None = None,
-                     gate_up_tail: bool | None = None, prefetch_touch: int | None = None,
-                     block_steal: bool | None = None) -> None:
+                     gate_up_tail: bool | None = None, prefetch_touch: int | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
         default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
@@ -355,18 +352,14 @@ class CpuExperts:
         off: about 4 items per thread); gate_up_tail: cut the last gate/up items of each side (own, deferred;
         about two blocks per thread) into 1-block items, so that no expert's gate/up ends a whole item after the
         others' and holds up its down items (default on); prefetch_touch: how prefetch() reads each line,
-        0 prefetcht1 (into L2, the default), 1 prefetcht0, 2 a load, 3 a load then cldemote (on to the L3);
-        block_steal: a worker that reaches a down item of an expert whose gate/up is not done computes that
-        expert's unclaimed gate/up blocks (from the back of its items, whose own workers go a block at a time
-        from the front) instead of waiting for them (experts on the AVX-512 / AVX2 / generic kernels; default
-        off); traced, each run of such blocks is a gate/up record of its own after the items."""
+        0 prefetcht1 (into L2, the default), 1 prefetcht0, 2 a load, 3 a load then cldemote (on to the L3)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("kernel_prefetch_l1", kernel_prefetch_l1),
                             ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
                             ("early_start", early_start), ("padded_counters", padded_counters),
                             ("balanced_items", balanced_items), ("gate_up_tail", gate_up_tail),
-                            ("prefetch_touch", prefetch_touch), ("block_steal", block_steal)):
+                            ("prefetch_touch", prefetch_touch)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 

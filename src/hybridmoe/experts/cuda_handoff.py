@@ -283,7 +283,7 @@ class CudaHandoff:
 
     def set_schedule(self, **knobs: int | bool | None) -> None:
         """CpuExperts.set_schedule's knobs (item_blocks, item_prefetch, tail_split, gate_up_tail,
-        balanced_items, combine_in_run, early_start, paired, padded_counters, block_steal; None: leave as is) for every
+        balanced_items, combine_in_run, early_start, paired, padded_counters; None: leave as is) for every
         layer's CPU work, so that benchmarks compare schedules in the running pipeline. Set between steps."""
         for name, value in knobs.items():
             if value is not None:
