@@ -702,7 +702,12 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // of an expert not ready yet waits for it. That never deadlocks: a worker reaches an expert's down
   // items only after every gate/up item of that expert in its own group is claimed (and steals only
   // from exhausted groups), and claimed gate/up items never wait (with early_start, only for x's
-  // rows, which the calling thread makes before it takes items or waits).
+  // rows, which the calling thread makes before it takes items or waits). Tried in session 15 and
+  // not kept (03721eb, reverted): a worker at a down item of an expert not ready computing that
+  // expert's unclaimed gate/up blocks from the back of its items (their own workers went two blocks
+  // at a time from the front). On the GPU host it stole 1 block in 48 one-token bf16 calls (top-7,
+  // waits 4.4% of the run), and decode ran no faster (Qwen3 12 layers, 5 rounds: bf16 0.98x, int4
+  // 0.97x): the workers are busy 92-95% of the run; slow workers are slow while they compute.
   std::vector<Item>& gemm_items = ws.gemm_items;
   std::vector<int>& offsets = ws.offsets;
   // Gate/up items per expert (the same for all of one side): each one counts down its expert's pending.
