@@ -47,7 +47,6 @@ from hybridmoe.checkpoint.synthetic import full_config, synthetic_checkpoint
 from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.experts.hybrid import DECODE_WAITS
 from hybridmoe.sampling_params import SamplingParams
 from hybridmoe.system.bandwidth import floor_bandwidth, floor_bandwidth_method
 
@@ -65,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy; "
                         "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:ibN]"
-                        "[:auto|:spin|:nap|:block] (zc/nozc: "
+                        "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:ibN] "
+                        "(zc/nozc: "
                         "zero-copy on/off, else the engine's; nopin: the decode steps' thread left unpinned, "
                         "HybridExperts.pin_decode_thread; "
                         "kf/nokf: the router's kernel stages the CPU's rows and kernels play the handoff's flags, "
@@ -76,9 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "deferred CPU parts in one call, HybridExperts.merged_deferral; gut/nogut: every handoff's CPU "
                         "work cuts its last gate/up items into 1-block items; ibN: GEMM items of N blocks (0: "
                         "automatic); both through "
-                        "CudaHandoff.set_schedule; auto/spin/nap/block: how the decode thread waits for a graph step, "
-                        "HybridExperts.decode_wait (auto: nap or spin by the CPU bytes per layer), the handoffs' pools on "
-                        "every CPU unless spin; else the engine's), "
+                        "CudaHandoff.set_schedule; else the engine's), "
                         "e.g. 0,1,2,0:nozc,0:nopin,0:kf")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
@@ -122,9 +119,6 @@ class Variant:
     """Every handoff's gate_up_tail (CudaHandoff.set_schedule); None: the engine's."""
     item_blocks: int | None = None
     """Every handoff's item_blocks (CudaHandoff.set_schedule; 0: automatic); None: the engine's."""
-    decode_wait: str | None = None
-    """HybridExperts.decode_wait (auto, spin, nap, block: the handoffs' pools on every CPU unless it comes to spin);
-    None: the engine's."""
 
     def label(self) -> str:
         copies = {None: "", True: " zero-copy", False: " copies"}[self.zero_copy]
@@ -135,8 +129,7 @@ class Variant:
                 + {None: "", True: " prefetch", False: " no prefetch"}[self.prefetch]
                 + {None: "", True: " one call", False: " two calls"}[self.merged]
                 + {None: "", True: " gate/up tail", False: " no gate/up tail"}[self.gate_up_tail]
-                + ("" if self.item_blocks is None else f" {self.item_blocks}-block items")
-                + ("" if self.decode_wait is None else f" {self.decode_wait}"))
+                + ("" if self.item_blocks is None else f" {self.item_blocks}-block items"))
 
 
 def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
@@ -179,24 +172,20 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:ibN]
-    [:auto|:spin|:nap|:block]" -> Variant."""
+    """"K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:ibN]" -> Variant."""
     k, *opts = spec.strip().split(":")
     switches = ("zc", "kf", "res", "pf", "mg", "gut")
     blocks = [o for o in opts if re.fullmatch(r"ib\d+", o)]
-    waits = [o for o in opts if o in DECODE_WAITS]
-    unknown = (set(opts) - set(blocks) - set(waits) - {"notrim", "nopin"}
-               - {s for on in switches for s in (on, "no" + on)})
-    if unknown or len(blocks) > 1 or len(waits) > 1 or any({on, "no" + on} <= set(opts) for on in switches):
+    unknown = set(opts) - set(blocks) - {"notrim", "nopin"} - {s for on in switches for s in (on, "no" + on)}
+    if unknown or len(blocks) > 1 or any({on, "no" + on} <= set(opts) for on in switches):
         raise HybridMoEError(f"--variants: unknown or contradicting option(s) in {spec!r} "
-                             "(notrim, nopin, one ibN, one of auto/spin/nap/block, and one of zc/nozc, kf/nokf, "
-                             "res/nores, pf/nopf, mg/nomg, gut/nogut each)")
+                             "(notrim, nopin, one ibN, and one of zc/nozc, kf/nokf, res/nores, pf/nopf, mg/nomg, "
+                             "gut/nogut each)")
 
     def switch(on: str) -> bool | None:
         return True if on in opts else False if "no" + on in opts else None
     return Variant(int(k), "notrim" not in opts, switch("zc"), "nopin" not in opts, switch("kf"), switch("res"),
-                   switch("pf"), switch("mg"), switch("gut"), int(blocks[0][2:]) if blocks else None,
-                   waits[0] if waits else None)
+                   switch("pf"), switch("mg"), switch("gut"), int(blocks[0][2:]) if blocks else None)
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -236,14 +225,13 @@ def rounds(engine, variants: list[Variant], args, prompt: list[int], samples: di
     model = engine.runner.model
     experts = model.experts
     failed: set[Variant] = set()
-    engine_wait = experts.decode_wait
     for round_ in range(args.repeats):
         # each round starts one row later (A B C, B C A, ...): a fixed order cannot tell a first-row bias apart
         for v in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
             if v in failed:
                 continue
             try:
-                seconds, toks, seen = sample(engine, experts, v, prompt, args.gen_len, engine_wait)
+                seconds, toks, seen = sample(engine, experts, v, prompt, args.gen_len)
             except Exception as e:  # noqa: BLE001 (one variant's failure must not lose the others' rows)
                 traceback.print_exc()
                 print(f"    {v.label()}: FAILED ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})", flush=True)
@@ -253,8 +241,7 @@ def rounds(engine, variants: list[Variant], args, prompt: list[int], samples: di
             parts_seen[v].append(seen)
             tokens.setdefault(v, toks)
             print(f"    round {round_ + 1} {v.label()}: {1 / seconds:.1f} tok/s ({seconds * 1e3:.3f} ms/token) "
-                  f"{_anatomy_line(seen)} [waits: {experts.step_wait}] (+{time.perf_counter() - START:.0f} s)",
-                  flush=True)
+                  f"{_anatomy_line(seen)} (+{time.perf_counter() - START:.0f} s)", flush=True)
 
 
 RETIRED: list = []
@@ -263,17 +250,13 @@ into one memory pool, and capturing into a pool whose graphs were all freed fail
 (use_count > 0, seen on the GPU host); bench_suite keeps its own retired graphs for the same reason."""
 
 
-def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int,
-           engine_wait: str) -> tuple[float, list[int], dict]:
-    """One timed decode with variant v (engine_wait: the engine's own decode_wait): seconds per token, the
-    tokens, the handoffs' anatomy."""
+def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tuple[float, list[int], dict]:
+    """One timed decode with variant v: seconds per token, the tokens, the handoffs' anatomy."""
     if engine.runner.fixed:  # the graphs captured for the previous K are not replayed again (new handoffs)
         torch.cuda.synchronize()
         RETIRED.extend(engine.runner._graphs.values())
         engine.runner._graphs.clear()
-    # before the handoffs are made again: use_fixed_shapes links them by merged_deferral and kernel_flags, and
-    # sizes their pools by decode_wait
-    experts.decode_wait = v.decode_wait or engine_wait
+    # before the handoffs are made again: use_fixed_shapes links them by merged_deferral and kernel_flags
     for name, on in (("kernel_flags", v.kernel_flags), ("prefetch_next", v.prefetch),
                      ("merged_deferral", v.merged)):
         if on is not None:

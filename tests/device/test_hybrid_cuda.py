@@ -76,27 +76,3 @@ def test_decode_steps_run_off_the_cpus_of_the_handoff_pool(checkpoint):
     assert len(seen) == GREEDY.max_tokens - 1  # every step but the prompt's
     assert all(s == (experts._driver_cpus or before) for s in seen)
     assert os.sched_getaffinity(0) == before
-
-
-@pytest.mark.parametrize("wait", ["nap", "block"])
-def test_a_decode_thread_that_sleeps_gives_the_spinning_tokens_with_pools_on_every_cpu(checkpoint, wait):
-    """decode_wait nap / block: the handoffs' pools take every CPU (none is left to the step's thread, which
-    is then not pinned), graph steps wait asleep, and the tokens are the spinning thread's."""
-    llm = LLM(checkpoint, device="cuda", expert_backend="native", expert_format="bf16", gpu_experts_per_layer=3,
-              gpu_memory_budget=BUDGET)
-    spun = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    runner = llm.engine.runner
-    experts = runner.model.experts
-    assert runner.cuda_graph
-    assert (experts.decode_wait, experts.step_wait) == ("auto", "spin")  # a toy layer reads far below NAP_BYTES
-    experts.decode_wait = wait
-    torch.cuda.synchronize()
-    runner._graphs.clear()  # captured with the old handoffs
-    experts.set_deferred_experts(0)  # makes the handoffs again, sized by decode_wait
-    handoffs = {id(h): h for h, _ in experts._handoffs.values()}.values()
-    cpus = len(os.sched_getaffinity(0))
-    assert all(n == min(cpus, experts.cpu_engine(layer).threads) for h in handoffs for layer, n in h.threads.items())
-    assert experts._driver_cpus == set() and experts.step_wait == wait
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == spun
-    if wait == "nap":
-        assert runner._last_wait_s > 0  # the steps were waited for by napping

@@ -21,11 +21,6 @@ def test_handoff_leaves_one_cpu_free(threads, cpus, expected):
     assert handoff_threads(threads, cpus) == expected
 
 
-@pytest.mark.parametrize("threads, cpus, expected", [(16, 16, 16), (32, 16, 16), (4, 16, 4), (1, 1, 1)])
-def test_a_handoff_for_a_sleeping_driver_takes_every_cpu(threads, cpus, expected):
-    assert handoff_threads(threads, cpus, spare_cpu=False) == expected
-
-
 def test_a_layer_with_fewer_workers_computes_what_its_cpu_experts_do():
     """The handoff's pool may be smaller than the CpuExperts' own: same packed weights, same
     result, bit for bit (the work items do not depend on the number of workers)."""

@@ -19,13 +19,11 @@ lookahead) the next step is launched before this step's tokens are read, so the 
 step (the read back, the engine's Python, the launch) runs while the device computes the next one.
 A step launched ahead whose batch does not come (a sequence stopped at EOS, a request arrived) is
 dropped: it ran on its own KV-cache positions only, which the next writes there replace. The
-decode thread stays pinned (HybridExperts.decode_thread) while steps are in flight, and waits for a
-graph step as HybridExperts.step_wait says (spinning, napping or blocked).
+decode thread stays pinned (HybridExperts.decode_thread) while steps are in flight.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -42,11 +40,6 @@ larger ones are padded to a multiple of it."""
 
 MIN_PAD_LEN = 64
 """Shortest padded attention length; above it, the next power of two."""
-NAP_S = 50e-6
-"""A napping decode thread's sleep between two looks at its step's event (HybridExperts.decode_wait)."""
-FIRST_NAP = 0.75
-"""Its first sleep, as a fraction of its last wait: steps in a row take about as long, so one sleep
-covers most of the wait and the looks come near its end."""
 
 
 class ModelRunner:
@@ -78,7 +71,6 @@ class ModelRunner:
         self._holds: list[list[int]] | None = None  # what _inputs hold once the steps enqueued ran, if known
         self._ahead: _Launched | None = None  # the next decode step, launched before this one's tokens were read
         self._pinned: ExitStack | None = None  # the decode thread's pinning, held while steps are in flight
-        self._last_wait_s = 0.0  # how long the decode thread last napped for a step's result
         if self.fixed:
             cuda = self.device.type == "cuda"
             # [4, S] long, rows: token ids, positions, KV-cache slots, cached lengths after the step
@@ -187,15 +179,13 @@ class ModelRunner:
             step = self._launch(inputs, Bp, read=on_device)
         if not on_device:
             self._holds = None  # the step's own argmax (its next ids) may not be the sampler's tokens
-            self._wait(step)
             tokens, logprobs = self._sample(batch, step.logits[:B].clone(), list(range(B)))
         else:
             ahead = None
             if (self.lookahead and lookahead and pad == 0
                     and all(len(s.seq.output_ids) + 1 < s.seq.params.max_tokens for s in batch)):
                 ahead = self._launch(None, Bp, read=True, lens=[n + 1 for n in lens])
-            self._wait(step)
-            tokens = step.read.tolist()
+            tokens = step.tokens()
             # after the step the device holds its tokens and the next positions (after the ahead, the ones after)
             self._holds = [tokens, [p + 1 for p in inputs[1]], inputs[2], [n + 1 for n in inputs[3]]]
             if ahead is not None:
@@ -233,28 +223,10 @@ class ModelRunner:
             step.read = self._read[self._flip][:Bp]
             self._flip ^= 1
             step.read.copy_(self._ids[:Bp], non_blocking=True)  # the step wrote its tokens there
-        wait = getattr(self.model.experts, "step_wait", "spin") if self.cuda_graph else "spin"
-        if self.device.type == "cuda" and (read or wait != "spin"):
-            # spun on by default (the 15-worker pools of r2 measured waiting blocked 1.04x slower)
-            step.done = torch.cuda.Event(blocking=wait == "block")
-            step.done.record()
-            step.nap = wait == "nap"
+            if self.device.type == "cuda":
+                step.done = torch.cuda.Event()  # spun on: waiting asleep (blocking) was 1.04x slower in r2
+                step.done.record()
         return step
-
-    def _wait(self, step: _Launched) -> None:
-        """Until step's results are on the host (if it recorded an event): napping (the first sleep most of
-        the last wait, then a look every NAP_S), or in CUDA's wait on the event."""
-        if step.done is None:
-            return
-        if not step.nap:
-            step.done.synchronize()
-            return
-        start = time.perf_counter()
-        if not step.done.query():
-            time.sleep(FIRST_NAP * self._last_wait_s)
-            while not step.done.query():
-                time.sleep(NAP_S)
-        self._last_wait_s = time.perf_counter() - start
 
     def _graph(self, key: tuple[int, int], capture: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, bool] | None:
         """(graph, its logits, whether it samples on the device) of the decode step of key (rows, padded
@@ -312,9 +284,12 @@ class _Launched:
     read: torch.Tensor | None = None
     """[Bp] long: its greedy tokens, copied back (pinned on CUDA)."""
     done: torch.cuda.Event | None = None
-    """Recorded after the step (and that copy) on CUDA, when the tokens are read or the thread naps or blocks."""
-    nap: bool = False
-    """The decode thread naps on done (ModelRunner._wait)."""
+    """Recorded after that copy (CUDA)."""
+
+    def tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.read.tolist()
 
 
 def _plain_greedy(p: SamplingParams) -> bool:

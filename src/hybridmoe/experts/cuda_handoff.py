@@ -93,14 +93,16 @@ def cudart_candidates() -> list[str]:
     return found
 
 
-def handoff_threads(threads: int, cpus: int, spare_cpu: bool = True) -> int:
-    """Workers for the layers run through the handoff: the CPU experts' own count, but (spare_cpu)
-    at most one fewer than the CPUs, so that the thread driving the GPU, when it spins in CUDA's
-    waits, has a CPU of its own. With every CPU taken by a pinned worker, a spinning driver
-    preempts one of them for a time slice and the whole layer waits (measured on the GPU host,
-    16 CPUs, toy layer: the CPU step 50.7 µs per layer with 16 workers, 31.0 µs with 15). A driver
-    that sleeps while a step runs (HybridExperts.decode_wait) needs no CPU of its own."""
-    return max(1, min(threads, cpus - 1 if spare_cpu else cpus))
+def handoff_threads(threads: int, cpus: int) -> int:
+    """Workers for the layers run through the handoff: the CPU experts' own count, but at most
+    one fewer than the CPUs, so that the thread driving the GPU (which spins in CUDA's waits) has
+    a CPU of its own. With every CPU taken by a pinned worker, that thread preempts one of them
+    for a time slice and the whole layer waits (measured on the GPU host, 16 CPUs, toy layer:
+    the CPU step 50.7 µs per layer with 16 workers, 31.0 µs with 15). A 16th worker with that thread
+    asleep instead (polling its step's event between naps, or in CUDA's blocking wait) was tried in
+    session 14 (deferral_decode.py, Qwen3-30B-A3B 12 layers, 5 interleaved rounds): bf16 1.06x, int4
+    0.95x (the thread's host work between steps then holds up a worker's item); not kept."""
+    return max(1, min(threads, cpus - 1))
 
 
 def driver_cpus(threads: int, numa_nodes: int, allowed: Sequence[int]) -> set[int]:
@@ -168,13 +170,11 @@ class CudaHandoff:
     call carries (the largest batch a graph is captured for). top_k: K, columns of topk_ids.
     dtype: the hidden states' dtype (bfloat16 or float32). device: the CUDA device (default:
     the current one). path: "auto", "stream_mem_ops" or "host_function" (see the module's doc).
-    spare_cpu: leave one CPU to the thread driving the GPU (handoff_threads); False when that
-    thread sleeps while the layers run.
     """
 
     def __init__(self, experts: Mapping[int, CpuExperts] | Sequence[CpuExperts], max_tokens: int, top_k: int,
                  dtype: torch.dtype = torch.bfloat16, ids_dtype: torch.dtype = torch.int64,
-                 device: torch.device | str | None = None, path: str = "auto", spare_cpu: bool = True):
+                 device: torch.device | str | None = None, path: str = "auto"):
         if not torch.cuda.is_available():
             raise HybridMoEError("the CUDA handoff needs a CUDA GPU, and torch sees none "
                                  "(torch.cuda.is_available() is False); run the experts without it")
@@ -211,7 +211,7 @@ class CudaHandoff:
         allowed = os.sched_getaffinity(0)
         # layer -> workers of its pool here (the same packed weights as its CpuExperts; another pool
         # only when that one would leave no CPU free)
-        self.threads = {layer: handoff_threads(ex.threads, len(allowed), spare_cpu) for layer, ex in experts.items()}
+        self.threads = {layer: handoff_threads(ex.threads, len(allowed)) for layer, ex in experts.items()}
         self.driver_cpus: set[int] = set(allowed)
         """The CPUs every layer's pool leaves free: where the thread that drives the GPU belongs (pinned)."""
         for layer, ex in experts.items():

@@ -55,34 +55,6 @@ from hybridmoe.experts.placement import PlacementPlan
 
 log = logging.getLogger("hybridmoe.experts")
 
-DECODE_WAITS = ("auto", "spin", "nap", "block")
-"""How a fixed-shape decode step's thread may wait for the step (HybridExperts.decode_wait)."""
-NAP_BYTES = 32 << 20
-"""decode_wait "auto" naps when a token's CPU experts read at least this much per MoE layer, else spins.
-On the GPU host (session 14, deferral_decode.py, Qwen3-30B-A3B 12 layers, 28 GPU experts per layer, 5
-interleaved rounds) napping with a 16th worker against spinning with 15: bf16 (~59 MB per layer, ~470 µs
-of CPU work) 1.06x, int4 (~15 MB, ~130 µs) 0.95x: the thread's looks and host work between steps land on a
-worker's CPU and hold up its item, which costs a short layer more than the 16th worker gains it."""
-
-
-def cpu_bytes_per_token(layers) -> float:
-    """Mean over MoE layers of the packed bytes a token's CPU experts read per layer, for routing spread
-    evenly over the experts: top_k x (CPU experts / experts) x bytes per CPU expert. layers: (experts,
-    top_k, CpuExperts or None) per MoE layer."""
-    per_layer = [top_k * cpu.num_experts / experts * cpu.packed_bytes / cpu.num_experts
-                 for experts, top_k, cpu in layers if cpu is not None and cpu.num_experts]
-    return sum(per_layer) / len(per_layer) if per_layer else 0.0
-
-
-def resolve_decode_wait(mode: str, layers) -> str:
-    """decode_wait `mode` as a step does it: "auto" -> "nap" when cpu_bytes_per_token(layers) reaches
-    NAP_BYTES, else "spin"; any other mode as is."""
-    if mode not in DECODE_WAITS:
-        raise HybridMoEError(f"decode_wait must be one of {', '.join(DECODE_WAITS)}, got {mode!r}")
-    if mode != "auto":
-        return mode
-    return "nap" if cpu_bytes_per_token(layers) >= NAP_BYTES else "spin"
-
 
 class TorchCpuLayer:
     """The torch reference in the CPU engine's place: submit computes at once, wait returns float32 [T, H]."""
@@ -327,16 +299,6 @@ class HybridExperts(ExpertBackend):
         self._folded: dict[int, _Partial] = {}  # fixed shapes: layer -> the deferred part joining its output
         self.fused = True  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
         self.pin_decode_thread = True  # decode_thread() pins the step's thread off the handoff pools' CPUs
-        self.decode_wait = "auto"
-        """How the thread that drives a fixed-shape decode step waits for its result (DECODE_WAITS; read by
-        use_fixed_shapes, which resolves "auto" into step_wait and sizes the handoffs' pools by it):
-        "spin", in CUDA's own wait on a CPU the pools leave free (pinned there, decode_thread); "nap", polling
-        the step's event with sleeps between looks, and "block", asleep in CUDA's blocking wait: both with the
-        pools on every CPU (the sleeping thread takes a CPU from a worker only for its looks and its host work
-        between steps); "auto": nap when a token's CPU experts read at least NAP_BYTES per layer, else spin.
-        Only CUDA-graph steps nap or block: an eager step's thread launches kernels all along."""
-        self.step_wait = "spin"
-        """decode_wait as use_fixed_shapes resolved it (never "auto"): what the model runner does per step."""
         # the handoffs stage rows and hand outputs back through the device's mapping of their pinned buffers
         # (CudaHandoff.zero_copy; needs triton): on the GPU host the gap between layers 54 vs 69 µs, Qwen3-30B-A3B
         # 4 layers, int4 and bf16, every sample (device round r1 of session 5). Read by use_fixed_shapes.
@@ -463,9 +425,6 @@ class HybridExperts(ExpertBackend):
         cpu = {layer: st.cpu for layer, st in self._layers.items() if st.cpu is not None}
         if not all(isinstance(c, CpuExperts) for c in cpu.values()):
             return False
-        top_k = self.plan.footprint.top_k
-        self.step_wait = resolve_decode_wait(self.decode_wait,
-                                             [(len(st.on_gpu_cpu), top_k, st.cpu) for st in self._layers.values()])
         if cpu:
             from hybridmoe.experts.cuda_handoff import CudaHandoff
 
@@ -480,8 +439,7 @@ class HybridExperts(ExpertBackend):
             handoffs = {}
             try:
                 for (deferred, width), layers in groups.items():
-                    handoff = CudaHandoff(layers, max_tokens, width, staged, device=self.device,
-                                          spare_cpu=self.step_wait == "spin")
+                    handoff = CudaHandoff(layers, max_tokens, width, staged, device=self.device)
                     # one token's padding slots (weight 0: its experts on the GPU) are left out of its CPU
                     # work, not computed and added as 0 (the same sum; a deferred slot on the GPU leaves
                     # no CPU work at all). Measured on the GPU host, DeepSeek-V2-Lite int4 8 layers, same
