@@ -707,7 +707,8 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // expert's unclaimed gate/up blocks from the back of its items (their own workers went two blocks
   // at a time from the front). On the GPU host it stole 1 block in 48 one-token bf16 calls (top-7,
   // waits 4.4% of the run), and decode ran no faster (Qwen3 12 layers, 5 rounds: bf16 0.98x, int4
-  // 0.97x): the workers are busy 92-95% of the run; slow workers are slow while they compute.
+  // 0.97x): the workers are busy 92-95% of the run; slow workers are slow while they compute. With
+  // a 16th worker and the decode thread napping (handoff_threads) bf16 1.01x, spinning 0.96x.
   std::vector<Item>& gemm_items = ws.gemm_items;
   std::vector<int>& offsets = ws.offsets;
   // Gate/up items per expert (the same for all of one side): each one counts down its expert's pending.

@@ -101,7 +101,10 @@ def handoff_threads(threads: int, cpus: int) -> int:
     the CPU step 50.7 µs per layer with 16 workers, 31.0 µs with 15). A 16th worker with that thread
     asleep instead (polling its step's event between naps, or in CUDA's blocking wait) was tried in
     session 14 (deferral_decode.py, Qwen3-30B-A3B 12 layers, 5 interleaved rounds): bf16 1.06x, int4
-    0.95x (the thread's host work between steps then holds up a worker's item); not kept."""
+    0.95x (the thread's host work between steps then holds up a worker's item); not kept. Session 15
+    tried it again as a rule (nap when a token's CPU experts read >= 32 MiB per layer, 02db41d, reverted):
+    bf16 napping against spinning 1.02x in one run and 0.95x in the next (5 rounds each, the first
+    layer of a napping step ~90 µs slower), int8 0.96-0.98x; not kept."""
     return max(1, min(threads, cpus - 1))
 
 
