@@ -381,12 +381,6 @@ NB_MODULE(_native, m) {
       .def_prop_rw("paired", [](const Engine& e) { return e.layer().paired(); },
                    [](Engine& e, bool on) { e.layer().set_paired(on); },
                    "Whether one-token experts read two weight blocks at once (two streams per core).")
-      .def_prop_rw("amx_interleave", [](const Engine& e) { return e.layer().amx_interleave(); },
-                   [](Engine& e, bool on) { e.layer().set_amx_interleave(on); },
-                   "Whether the AMX BF16-tile kernels load each step's tiles between the products that free them.")
-      .def_prop_rw("amx_stream", [](const Engine& e) { return e.layer().amx_stream(); },
-                   [](Engine& e, bool on) { e.layer().set_amx_stream(on); },
-                   "Whether the AMX kernels write their outputs in streaming stores.")
       .def_prop_rw("early_start", [](const Engine& e) { return e.layer().early_start(); },
                    [](Engine& e, bool on) { e.layer().set_early_start(on); },
                    "Whether a decode call starts the GEMM run before converting x (workers prefetch meanwhile).")

@@ -379,8 +379,6 @@ PackedView MoeLayer::view(const Matrix& m, int e, int s) const {
   v.prefetch_l1 = kernel_prefetch_l1_;
   v.prefetch_l2 = kernel_prefetch_l2_;
   v.paired = paired_;
-  v.amx_interleave = amx_interleave_;
-  v.amx_stream = amx_stream_;
   return v;
 }
 

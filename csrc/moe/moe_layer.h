@@ -122,12 +122,6 @@ class MoeLayer {
   // clear win on the GPU host (mini round: within the noise, int8 T=1 slower).
   void set_paired(bool on) { paired_ = on; }
   bool paired() const { return paired_; }
-  // Whether the AMX BF16-tile kernels interleave each step's loads with its products (PackedView::amx_interleave).
-  void set_amx_interleave(bool on) { amx_interleave_ = on; }
-  bool amx_interleave() const { return amx_interleave_; }
-  // Whether the AMX kernels write their outputs in streaming stores (PackedView::amx_stream).
-  void set_amx_stream(bool on) { amx_stream_ = on; }
-  bool amx_stream() const { return amx_stream_; }
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }
   bool tail_split() const { return tail_split_; }
@@ -170,8 +164,6 @@ class MoeLayer {
   // 1963 vs 2451, int4 T=4 651 vs 680 (T=1 189 vs 197); per core 9-12 GB/s instead of 8-9.
   int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 16384;
   bool paired_ = false;
-  bool amx_interleave_ = false;
-  bool amx_stream_ = true;
   bool early_start_ = true;
   bool padded_counters_ = true;
   bool tail_split_ = true;

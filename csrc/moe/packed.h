@@ -55,11 +55,6 @@ struct PackedView {
   // One token (AVX-512): read two blocks at once (gate's and up's, or two halves of a range),
   // two weight streams per core instead of one. Timing only, never results.
   bool paired = false;
-  // AMX kernels, BF16 tiles (bf16, int4): each step's tile loads between the products that free
-  // them, as INT8 does (trial knob). Timing only, never results.
-  bool amx_interleave = false;
-  // AMX kernels: outputs (h, y rows) in streaming stores where aligned (trial knob). Timing only.
-  bool amx_stream = true;
 };
 
 // Activations of n tokens (one expert), n rounded up to 16 rows of zeros. Row-major kinds at

@@ -99,23 +99,6 @@ def test_emulated_amx_many_chunks_and_panels(make_weights, kernel_bound, rel_err
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_emulated_amx_trial_knobs_give_the_same_bits(make_weights, fmt):
-    # amx_interleave moves each step's tile loads between its products (every C tile still sums
-    # the same products in the same order); amx_stream only changes how the outputs are stored. Several chunks, 270 + 30 tokens (a 16-token last row).
-    E, H, T = 2, 2112, 300
-    experts = CpuExperts(*make_weights(E, H, 96), format=fmt, group_size=32, threads=2, isa="amx_emulated")
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(T, H, generator=g)
-    ids = (torch.arange(T) >= 270).long().reshape(T, 1)
-    weights = torch.rand(T, 1, generator=g)
-    experts.set_schedule(amx_interleave=False)
-    expected = experts.forward(x, ids, weights)
-    for knobs in ({"amx_interleave": True}, {"amx_stream": False}):
-        experts.set_schedule(**{"amx_interleave": False, "amx_stream": True, **knobs})
-        assert torch.equal(experts.forward(x, ids, weights), expected)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_emulated_amx_error_at_qwen3_shape(make_weights, tolerance, kernel_bound, rel_err, dequantized_layer, fmt):
     # The table's bounds at a real width (H 2048, I 768), where int8 activations lose the most.
     E, H, I, T = 2, 2048, 768, 64

@@ -334,8 +334,7 @@ class CpuExperts:
                      kernel_prefetch_l1: int | None = None, kernel_prefetch_l2: int | None = None,
                      paired: bool | None = None, early_start: bool | None = None,
                      padded_counters: bool | None = None, balanced_items: bool | None = None,
-                     gate_up_tail: bool | None = None, prefetch_touch: int | None = None,
-                     amx_interleave: bool | None = None, amx_stream: bool | None = None) -> None:
+                     gate_up_tail: bool | None = None, prefetch_touch: int | None = None) -> None:
         """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
         do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
         default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
@@ -353,18 +352,14 @@ class CpuExperts:
         off: about 4 items per thread); gate_up_tail: cut the last gate/up items of each side (own, deferred;
         about two blocks per thread) into 1-block items, so that no expert's gate/up ends a whole item after the
         others' and holds up its down items (default on); prefetch_touch: how prefetch() reads each line,
-        0 prefetcht1 (into L2, the default), 1 prefetcht0, 2 a load, 3 a load then cldemote (on to the L3);
-        amx_interleave: the AMX kernels on BF16 tiles (bf16, int4) load each step's tiles between the
-        products that free them, as the INT8 ones do (default off); amx_stream: the AMX kernels write
-        their outputs (h, y rows) in streaming stores (default on)."""
+        0 prefetcht1 (into L2, the default), 1 prefetcht0, 2 a load, 3 a load then cldemote (on to the L3)."""
         for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
                             ("tail_split", tail_split), ("combine_in_run", combine_in_run),
                             ("kernel_prefetch_l1", kernel_prefetch_l1),
                             ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
                             ("early_start", early_start), ("padded_counters", padded_counters),
                             ("balanced_items", balanced_items), ("gate_up_tail", gate_up_tail),
-                            ("prefetch_touch", prefetch_touch), ("amx_interleave", amx_interleave),
-                            ("amx_stream", amx_stream)):
+                            ("prefetch_touch", prefetch_touch)):
             if value is not None:
                 self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
 
