@@ -82,8 +82,8 @@ def test_emulated_amx_is_never_picked_or_listed():
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
 def test_emulated_amx_many_chunks_and_panels(make_weights, kernel_bound, rel_err, dequantized_layer, fmt):
-    # H = 2112: several K chunks with a partial last one in every source (bf16 in place and int4
-    # dequantized: 1024 values; int8 quads: 512; int8 down, I = 320: 512 with groups of 128), and
+    # H = 2112: several K chunks with a partial last one in every source (bf16 in place: 256 values;
+    # int4 dequantized: 1024; int8 quads: 512; int8 down, I = 320: 512 with groups of 128), and
     # 270 tokens on expert 0: token panels of 256 + 14 (int4: the next chunk's A tiles prefetched
     # across the panels' boundary).
     E, H, T = 2, 2112, 300
