@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "hands its output back through the device's mapping of its pinned buffers (CudaHandoff.zero_copy; "
                         "default: the engine's, HybridExperts.zero_copy)")
     parser.add_argument("--variants", help="instead of --ks x --own-trim x --zero-copy, these rows: comma-separated "
-                        "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:ibN] "
+                        "K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:hw|:nohw][:ibN] "
                         "(zc/nozc: "
                         "zero-copy on/off, else the engine's; nopin: the decode steps' thread left unpinned, "
                         "HybridExperts.pin_decode_thread; "
@@ -75,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "deferred CPU parts in one call, HybridExperts.merged_deferral; gut/nogut: every handoff's CPU "
                         "work cuts its last gate/up items into 1-block items; ibN: GEMM items of N blocks (0: "
                         "automatic); both through "
-                        "CudaHandoff.set_schedule; else the engine's), "
+                        "CudaHandoff.set_schedule; hw/nohw: the decode thread works in the layers' pool while it waits "
+                        "for its step, HybridExperts.help_decode_wait; else the engine's), "
                         "e.g. 0,1,2,0:nozc,0:nopin,0:kf")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the rows (default 3)")
     parser.add_argument("--gen-len", type=int, default=32, help="tokens decoded per sample (default 32)")
@@ -119,6 +120,8 @@ class Variant:
     """Every handoff's gate_up_tail (CudaHandoff.set_schedule); None: the engine's."""
     item_blocks: int | None = None
     """Every handoff's item_blocks (CudaHandoff.set_schedule; 0: automatic); None: the engine's."""
+    help_wait: bool | None = None
+    """HybridExperts.help_decode_wait; None: the engine's."""
 
     def label(self) -> str:
         copies = {None: "", True: " zero-copy", False: " copies"}[self.zero_copy]
@@ -129,7 +132,8 @@ class Variant:
                 + {None: "", True: " prefetch", False: " no prefetch"}[self.prefetch]
                 + {None: "", True: " one call", False: " two calls"}[self.merged]
                 + {None: "", True: " gate/up tail", False: " no gate/up tail"}[self.gate_up_tail]
-                + ("" if self.item_blocks is None else f" {self.item_blocks}-block items"))
+                + ("" if self.item_blocks is None else f" {self.item_blocks}-block items")
+                + {None: "", True: " helping wait", False: " spinning wait"}[self.help_wait])
 
 
 def decode_once(engine, prompt: list[int], gen_len: int) -> tuple[float, list[int]]:
@@ -172,20 +176,21 @@ def anatomy(parts: dict[str, list]) -> dict[str, dict]:
 
 
 def _variant(spec: str) -> Variant:
-    """"K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:ibN]" -> Variant."""
+    """"K[:notrim][:zc|:nozc][:nopin][:kf|:nokf][:res|:nores][:pf|:nopf][:mg|:nomg][:gut|:nogut][:hw|:nohw][:ibN]"
+    -> Variant."""
     k, *opts = spec.strip().split(":")
-    switches = ("zc", "kf", "res", "pf", "mg", "gut")
+    switches = ("zc", "kf", "res", "pf", "mg", "gut", "hw")
     blocks = [o for o in opts if re.fullmatch(r"ib\d+", o)]
     unknown = set(opts) - set(blocks) - {"notrim", "nopin"} - {s for on in switches for s in (on, "no" + on)}
     if unknown or len(blocks) > 1 or any({on, "no" + on} <= set(opts) for on in switches):
         raise HybridMoEError(f"--variants: unknown or contradicting option(s) in {spec!r} "
                              "(notrim, nopin, one ibN, and one of zc/nozc, kf/nokf, res/nores, pf/nopf, mg/nomg, "
-                             "gut/nogut each)")
+                             "gut/nogut, hw/nohw each)")
 
     def switch(on: str) -> bool | None:
         return True if on in opts else False if "no" + on in opts else None
     return Variant(int(k), "notrim" not in opts, switch("zc"), "nopin" not in opts, switch("kf"), switch("res"),
-                   switch("pf"), switch("mg"), switch("gut"), int(blocks[0][2:]) if blocks else None)
+                   switch("pf"), switch("mg"), switch("gut"), int(blocks[0][2:]) if blocks else None, switch("hw"))
 
 
 def measure_engine(engine, variants: list[Variant], args, bandwidth: float, method: str) -> list[dict]:
@@ -270,6 +275,8 @@ def sample(engine, experts, v: Variant, prompt: list[int], gen_len: int) -> tupl
             h.zero_copy = v.zero_copy
         h.set_schedule(gate_up_tail=v.gate_up_tail, item_blocks=v.item_blocks)
     experts.pin_decode_thread = v.pin
+    if v.help_wait is not None:
+        experts.help_decode_wait = v.help_wait
     for layer in engine.runner.model.model.layers:
         mlp = getattr(layer, layer.mlp_name)
         if v.residual is not None and hasattr(mlp, "adds_residual"):

@@ -185,6 +185,16 @@ class Handoff : public hmoe::FlagChannel {
     }
   }
 
+  // Until the CUDA event `event` (a cudaEvent_t) completes, the calling thread works in the layers'
+  // pool as one more worker (ThreadPool::help): the thread that drives a decode step, on a CPU of
+  // its own, then computes in the layers the poller runs instead of spinning in CUDA's wait.
+  void help_until(uintptr_t event) {
+    if (layers_.empty()) fail("help_until needs a layer");
+    hmoe::ThreadPool& pool = layers_[0]->moe->pool();
+    nb::gil_scoped_release nogil;
+    pool.help([event] { return hmoe::event_done(event); });
+  }
+
   // A go word's flag for a merged call of a linked layer (link_deferred); the low bits are T.
   static constexpr uint32_t kMergedGo = 1u << 30;
   // Flag words: [go 0 | done 0 | go 1 | done 1 | ...], each word alone on a 64-byte line.
@@ -639,6 +649,8 @@ void register_cuda_host(nb::module_& m) {
       .def("link_deferred", &Handoff::link_deferred, "layer"_a, "partner"_a, "partner_layer"_a,
            nb::keep_alive<1, 3>())
       .def("probe_stream_mem_ops", &Handoff::probe_stream_mem_ops, "flags"_a)
+      .def("help_until", &Handoff::help_until, "event"_a,
+           "Work in the layers' pool as one more worker until the CUDA event (cudaEvent_t) completes.")
       .def("start_polling", &Handoff::start_polling, "flags"_a, "device_mapped"_a, nb::keep_alive<1, 2>())
       .def("go_word", [](const Handoff& h, int layer) { return h.go_word(h.checked(layer)); }, "layer"_a)
       .def("done_word", [](const Handoff& h, int layer) { return h.done_word(h.checked(layer)); }, "layer"_a)

@@ -121,6 +121,7 @@ class MoeLayer {
   // Whether one-token experts read two weight blocks at once (PackedView::paired). Off: no
   // clear win on the GPU host (mini round: within the noise, int8 T=1 slower).
   void set_paired(bool on) { paired_ = on; }
+  ThreadPool& pool() const { return *pool_; }
   bool paired() const { return paired_; }
   // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
   void set_tail_split(bool on) { tail_split_ = on; }

@@ -159,6 +159,7 @@ const CudaDriver& load_cuda_driver() {
   sym(lib, lookup, "cuStreamCreate", d->stream_create, missing);
   sym(lib, lookup, "cuStreamDestroy_v2", d->stream_destroy, missing);
   sym(lib, lookup, "cuStreamQuery", d->stream_query, missing);
+  sym(lib, lookup, "cuEventQuery", d->event_query, missing);
   sym(lib, lookup, "cuStreamBeginCapture_v2", d->stream_begin_capture, missing);
   sym(lib, lookup, "cuStreamEndCapture", d->stream_end_capture, missing);
   sym(lib, lookup, "cuGraphInstantiateWithFlags", d->graph_instantiate, missing);
@@ -190,6 +191,11 @@ void stream_write_value32(uintptr_t stream, uint64_t addr, uint32_t value) {
 void stream_wait_value32(uintptr_t stream, uint64_t addr, uint32_t value) {
   const CudaDriver& d = load_cuda_driver();
   check_driver(d, d.stream_wait_value32(reinterpret_cast<void*>(stream), addr, value, kWaitEq), "cuStreamWaitValue32");
+}
+
+bool event_done(uintptr_t event) {
+  const CudaDriver& d = load_cuda_driver();
+  return d.event_query(reinterpret_cast<void*>(event)) != kNotReady;
 }
 
 std::string probe_stream_mem_ops(uint32_t* word) {

@@ -53,6 +53,7 @@ struct CudaDriver {
   int (*stream_create)(void**, unsigned) = nullptr;
   int (*stream_destroy)(void*) = nullptr;
   int (*stream_query)(void*) = nullptr;
+  int (*event_query)(void*) = nullptr;
   int (*stream_begin_capture)(void*, int) = nullptr;
   int (*stream_end_capture)(void*, void**) = nullptr;
   int (*graph_instantiate)(void**, void*, unsigned long long) = nullptr;
@@ -74,6 +75,10 @@ uint64_t host_device_pointer(void* host);
 // `value`. Throw std::runtime_error with the driver's message.
 void stream_write_value32(uintptr_t stream, uint64_t addr, uint32_t value);
 void stream_wait_value32(uintptr_t stream, uint64_t addr, uint32_t value);
+
+// Whether the work before the CUDA event `event` (a cudaEvent_t / CUevent) is done: true also when
+// the query fails (the caller's own wait on the event then reports the error).
+bool event_done(uintptr_t event);
 
 // Whether the current device can run the stream-memory-op handoff on the pinned word `word`: it
 // maps host memory, a stream waits for a value our thread writes there (eagerly), and a

@@ -132,7 +132,7 @@ int numa_node_count() {
 
 ThreadPool::ThreadPool(int threads, int groups, std::vector<std::vector<int>> cpus)
     : groups_(groups), counters_(new Counter[groups]) {
-  group_of_.resize(threads);
+  group_of_.resize(threads + 1);  // the last: help()'s guest, in group 0
   std::vector<int> cpu_of(threads, -1);
   std::vector<int> used(groups, 0);
   for (int w = 0; w < threads; ++w) {
@@ -172,6 +172,30 @@ void ThreadPool::work(int worker) {
          i = c.next.fetch_add(1, std::memory_order_relaxed))
       (*fn_)(i, worker);
   }
+}
+
+void ThreadPool::help(FnRef<bool()> done) {
+  if (workers_.empty() || guest_.exchange(true)) {
+    while (!done()) HMOE_PAUSE();
+    return;
+  }
+  const int me = threads();
+  uint32_t joined = generation_.load() - 1;  // so that a run already open is joined too
+  for (int i = 0;; ++i) {
+    const uint32_t gen = generation_.load();
+    if (gen != joined && !stop_) {
+      joined = gen;
+      // Joined as worker_main joins (Dekker with run() over closed_ and active_).
+      active_.fetch_add(1);
+      if (generation_.load() == gen && closed_.load() != gen) work(me);
+      if (active_.fetch_sub(1) == 1 && driver_sleeps_.load()) futex_wake_all(active_);
+      if (done()) break;
+      continue;
+    }
+    if ((i & 15) == 15 && done()) break;
+    HMOE_PAUSE();
+  }
+  guest_.store(false);
 }
 
 void ThreadPool::worker_main(int worker) {

@@ -72,6 +72,12 @@ class ThreadPool {
   void run(const std::vector<int>& offsets, ItemFn fn, FnRef<void()> first = {});
   // Same with every item in group 0's range (any worker may take them).
   void run(int items, ItemFn fn);
+  // The calling thread (not one of the pool's) works as one more worker, index threads() in
+  // group 0, in every run from now until done() returns true (asked between runs and items):
+  // a thread that would otherwise spin in a wait on a CPU of its own (the decode step's, in
+  // CUDA's wait for the step's end) adds its CPU to the layers run meanwhile. One guest at a
+  // time; a second caller only waits for its done().
+  void help(FnRef<bool()> done);
   // Wakes sleeping workers so that they spin (a run() is coming): their wake-up latency then
   // overlaps the caller's own preparation. Any thread may call it.
   void prewake();
@@ -135,6 +141,7 @@ class ThreadPool {
   alignas(64) std::atomic<int64_t> last_end_ns_{0};
   int64_t gap_ns_ = 0;
 
+  std::atomic<bool> guest_{false};  // a thread is inside help()
   std::mutex exec_mu_;  // held while a job runs (driver or run_here)
   std::mutex jobs_mu_;
   std::condition_variable jobs_cv_, jobs_done_cv_;

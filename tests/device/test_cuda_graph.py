@@ -103,3 +103,14 @@ def test_graph_replay_equals_eager_with_deferred_experts(checkpoint, deferred):
     # the deferral of the CPU reference (the synchronous path: one layer's CPU calls after another's)
     reference_llm = LLM(checkpoint, device="cpu", deferred_experts=deferred, **HYBRID)
     assert_close_to(graphs, reference_llm, runs(reference_llm))
+
+
+def test_decode_thread_helping_its_pool_gives_the_same_tokens(checkpoint):
+    # HybridExperts.wait_step: the decode thread works in the handoffs' pool while it waits for its step
+    # (the default) or spins in CUDA's wait; the layers' items then run on one more thread or not.
+    llm = LLM(checkpoint, device="cuda", gpu_memory_budget=BUDGET, **HYBRID)
+    experts = llm.engine.runner.model.experts
+    assert experts.help_decode_wait
+    helped = runs(llm)
+    experts.help_decode_wait = False
+    assert tokens_of(runs(llm)) == tokens_of(helped)

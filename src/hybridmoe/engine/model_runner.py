@@ -24,6 +24,7 @@ decode thread stays pinned (HybridExperts.decode_thread) while steps are in flig
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -226,6 +227,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 step.done = torch.cuda.Event()  # spun on: waiting asleep (blocking) was 1.04x slower in r2
                 step.done.record()
+                step.wait = getattr(self.model.experts, "wait_step", None)
         return step
 
     def _graph(self, key: tuple[int, int], capture: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, bool] | None:
@@ -285,10 +287,12 @@ class _Launched:
     """[Bp] long: its greedy tokens, copied back (pinned on CUDA)."""
     done: torch.cuda.Event | None = None
     """Recorded after that copy (CUDA)."""
+    wait: Callable[[torch.cuda.Event], None] | None = None
+    """How to wait for done (the experts backend's wait_step, if it has one), else done.synchronize()."""
 
     def tokens(self) -> list[int]:
         if self.done is not None:
-            self.done.synchronize()
+            (self.wait or torch.cuda.Event.synchronize)(self.done)
         return self.read.tolist()
 
 

@@ -284,6 +284,11 @@ class CudaHandoff:
     def trim_padding(self, on: bool) -> None:
         self._native.trim_padding = bool(on)
 
+    def help_until(self, event: torch.cuda.Event) -> None:
+        """Work in the layers' pool as one more worker (the calling thread, GIL released) until `event`
+        (recorded) completes; the caller then synchronizes on it as usual (an error shows there)."""
+        self._call(self._native.help_until, event.cuda_event)
+
     def set_schedule(self, **knobs: int | bool | None) -> None:
         """CpuExperts.set_schedule's knobs (item_blocks, item_prefetch, tail_split, gate_up_tail,
         balanced_items, combine_in_run, early_start, paired, padded_counters; None: leave as is) for every

@@ -299,6 +299,8 @@ class HybridExperts(ExpertBackend):
         self._folded: dict[int, _Partial] = {}  # fixed shapes: layer -> the deferred part joining its output
         self.fused = True  # fixed-shape steps' glue in one kernel each on CUDA (decode_fused.py)
         self.pin_decode_thread = True  # decode_thread() pins the step's thread off the handoff pools' CPUs
+        # wait_step: the step's thread, pinned on a CPU of its own, works in the handoffs' pool while it waits
+        self.help_decode_wait = True
         # the handoffs stage rows and hand outputs back through the device's mapping of their pinned buffers
         # (CudaHandoff.zero_copy; needs triton): on the GPU host the gap between layers 54 vs 69 µs, Qwen3-30B-A3B
         # 4 layers, int4 and bf16, every sample (device round r1 of session 5). Read by use_fixed_shapes.
@@ -476,6 +478,17 @@ class HybridExperts(ExpertBackend):
         from hybridmoe.experts.cuda_handoff import pinned
 
         return pinned(self._driver_cpus if self.pin_decode_thread else set())
+
+    def wait_step(self, done: torch.cuda.Event) -> None:
+        """Wait for a fixed-shape step's event `done` (recorded after its tokens' copy). With help_decode_wait,
+        a pinned decode thread (decode_thread) and a polling handoff, the thread first works in the handoffs'
+        pool as one more worker until the event completes (CudaHandoff.help_until): the handoff pools leave its
+        CPU free for it, and spinning in CUDA's wait would leave that CPU out of the layers."""
+        if self.help_decode_wait and self.pin_decode_thread and self._driver_cpus:
+            polling = next((h for h, _ in self._handoffs.values() if h.path == "stream_mem_ops"), None)
+            if polling is not None:
+                polling.help_until(done)
+        done.synchronize()
 
     def set_deferred_experts(self, k: int) -> None:
         """Defer k experts per token from the next forward on (0: exact). In fixed shapes the CUDA handoffs
