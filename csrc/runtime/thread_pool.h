@@ -59,6 +59,8 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int threads() const { return int(workers_.size()) + 1; }
+  // The worker indexes fn(item, worker) may see: the pool's threads and help()'s guest (the last).
+  int slots() const { return threads() + 1; }
   int groups() const { return groups_; }
   int group_of(int worker) const { return group_of_[worker]; }
   // The CPU worker 0 (the driver) is pinned to, or -1: where a thread that runs jobs with

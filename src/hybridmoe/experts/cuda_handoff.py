@@ -104,7 +104,9 @@ def handoff_threads(threads: int, cpus: int) -> int:
     0.95x (the thread's host work between steps then holds up a worker's item); not kept. Session 15
     tried it again as a rule (nap when a token's CPU experts read >= 32 MiB per layer, 02db41d, reverted):
     bf16 napping against spinning 1.02x in one run and 0.95x in the next (5 rounds each, the first
-    layer of a napping step ~90 µs slower), int8 0.96-0.98x; not kept."""
+    layer of a napping step ~90 µs slower), int8 0.96-0.98x; not kept. What adds that CPU instead
+    (session 16): the thread works in the pool while it waits for its step, on its own CPU
+    (HybridExperts.wait_step, CudaHandoff.help_until), so nothing is preempted."""
     return max(1, min(threads, cpus - 1))
 
 
