@@ -34,7 +34,9 @@ same engine with the handoff's rows and output through the device's mapping of t
 instead of copies; trim: the same engine with one token's padding slots (weight 0) left out of its CPU
 work ("trim padding off", kept in, where the engine already trims: the default since session 4); pin: the
 same engine with the decode steps' thread left where the scheduler puts it ("unpinned"; by default it runs
-off the handoff pool's CPUs, HybridExperts.pin_decode_thread); ahead: the same engine with greedy tokens
+off the handoff pool's CPUs, HybridExperts.pin_decode_thread); help: the same engine with the decode steps'
+thread spinning in CUDA's wait ("helping wait off"; by default it works in the handoff pool while it waits,
+HybridExperts.help_decode_wait); ahead: the same engine with greedy tokens
 taken on the GPU and each decode step launched before the previous token is read ("step ahead", or "step
 ahead off" where the engine already does: ModelRunner.sample_on_device and lookahead); these with graphs
 captured again, on the
@@ -106,9 +108,10 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
            "vs_llama_prefill": 1.5}
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 0, exact (see above for what 1 gains)."""
-ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "ahead", "deferral", "gpu-experts", "packed")
+ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "help", "ahead", "deferral", "gpu-experts", "packed")
 HANDOFF_ROWS = {"zero-copy": ("zero-copy", {"zero_copy": True}),
                 "trim": ("trim padding", {"trim_padding": True}), "pin": ("unpinned", {"pin_decode_thread": False}),
+                "help": ("helping wait", {"help_decode_wait": True}),
                 "ahead": ("step ahead", {"sample_on_device": True, "lookahead": True})}
 """Ablation rows measured on the "all on" engine: label suffix and the CudaHandoff options changed
 (bench_suite.HANDOFF_OPTIONS, EXPERT_OPTIONS and RUNNER_OPTIONS). After them, "all on" again
@@ -116,7 +119,7 @@ with its own options, which shows how much the same engine drifts between its fi
 
 SUITES = {
     "qwen3": dict(synthetic="qwen3-30b-a3b", layers="4,12", formats="int4,bf16", prompt_lens="512,2048,8192",
-                  gen_len=64, ablation="graph,trim,pin,ahead,deferral,gpu-experts,packed", repeats=3,
+                  gen_len=64, ablation="graph,trim,pin,help,ahead,deferral,gpu-experts,packed", repeats=3,
                   deferral_rows="1,2", engine=dict(gpu_memory_budget="16GiB")),
     "dsv2lite": dict(synthetic="deepseek-v2-lite", layers="8", formats="int4", prompt_lens="512,2048,8192",
                      gen_len=32, ablation=None, engine=dict(gpu_memory_budget="16GiB")),

@@ -70,7 +70,7 @@ def test_bad_prompt_lengths_are_a_one_line_error(capsys):
 def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
     args = E2E["parse_args"](["--suite", "qwen3", "--gpu-memory-budget", "8GiB"])
     assert (args.synthetic, args.layers, args.formats, args.repeats) == ("qwen3-30b-a3b", "4,12", "int4,bf16", 3)
-    assert args.ablation == "graph,trim,pin,ahead,deferral,gpu-experts,packed"
+    assert args.ablation == "graph,trim,pin,help,ahead,deferral,gpu-experts,packed"
     assert args.deferral_rows == "1,2" and E2E["parse_args"](["--synthetic", "x"]).deferral_rows == "1"
     assert args.gpu_memory_budget == "8GiB"
     assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
@@ -103,12 +103,13 @@ def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monk
 
 
 def test_ablation_variants_come_after_every_format():
-    every = E2E["ablation_rows"]("graph,zero-copy,trim,pin,ahead,deferral,gpu-experts")
+    every = E2E["ablation_rows"]("graph,zero-copy,trim,pin,help,ahead,deferral,gpu-experts")
     runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
     assert [(r.label, r.eager_label, r.handoff_variants, r.every_length) for r in runs] == [
         ("int4 all on", "int4 no CUDA graph", (("int4 zero-copy", {"zero_copy": True}),
                                                ("int4 trim padding", {"trim_padding": True}),
                                                ("int4 unpinned", {"pin_decode_thread": False}),
+                                               ("int4 helping wait", {"help_decode_wait": True}),
                                                ("int4 step ahead", {"sample_on_device": True, "lookahead": True}),
                                                ("int4 all on, again", {})), True),
         ("bf16 all on", None, (), True), ("int4 no GPU experts", None, (), False)]
@@ -141,7 +142,7 @@ def test_with_repeats_the_handoff_rows_have_no_all_on_again_row():
 def test_ablation_rows_can_be_chosen():
     runs = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("graph"))
     assert [(r.label, r.eager_label, r.handoff_variants) for r in runs] == [("int4 all on", "int4 no CUDA graph", ())]
-    every = "graph,zero-copy,trim,pin,ahead,deferral,gpu-experts,packed"
+    every = "graph,zero-copy,trim,pin,help,ahead,deferral,gpu-experts,packed"
     assert E2E["parse_args"](["--synthetic", "x", "--ablation"]).ablation == every
     with pytest.raises(HybridMoEError, match=f"--ablation takes rows among {every}, got graphs"):
         E2E["ablation_rows"]("graphs,trim")
