@@ -7,11 +7,14 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
 #include <initializer_list>
 #include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "binding_args.h"
@@ -334,6 +337,35 @@ NB_MODULE(_native, m) {
   }, "nbytes"_a, "threads"_a, "passes"_a = 3,
         "Bytes/s of each pool worker while reading, all threads at once (csrc/runtime/read_bandwidth.h).");
   m.def("read_bandwidth_isa", &hmoe::read_bandwidth_isa, "The load width read_bandwidth uses here.");
+  m.def("_pool_help_check", [](int threads, int runs, int items) {
+    // ThreadPool::help on a pool of its own (unpinned): another thread submits `runs` runs of `items`
+    // items (each ~1 us of spinning) while this one helps until they are done. Returns each item's run
+    // count (every one should be `runs`) and, last, the items the helper ran.
+    if (threads < 1 || runs < 1 || items < 1) fail("threads, runs and items must be >= 1");
+    nb::gil_scoped_release nogil;
+    hmoe::ThreadPool pool(threads, 1, {{}});
+    std::vector<std::atomic<int>> count(items);
+    std::atomic<int> guest{0};
+    std::atomic<bool> done{false};
+    std::thread feeder([&] {
+      for (int r = 0; r < runs; ++r)
+        pool.wait(pool.submit([&] {
+          pool.run(items, [&](int i, int worker) {
+            count[i].fetch_add(1, std::memory_order_relaxed);
+            if (worker == pool.threads()) guest.fetch_add(1, std::memory_order_relaxed);
+            const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(1);
+            while (std::chrono::steady_clock::now() < until) {}
+          });
+        }));
+      done.store(true);
+    });
+    pool.help([&] { return done.load(); });
+    feeder.join();
+    std::vector<int> out;
+    for (auto& c : count) out.push_back(c.load());
+    out.push_back(guest.load());
+    return out;
+  }, "threads"_a, "runs"_a, "items"_a, "Tests only: ThreadPool::help against a pool's runs.");
 
   nb::class_<Engine>(m, "MoeEngine", "Packed routed experts of one MoE layer (see csrc/moe/moe_layer.h).")
       .def(nb::init<int, int, int, const std::string&, int, bool, int, const std::string&, int, bool>(),
