@@ -185,10 +185,7 @@ void ThreadPool::help(FnRef<bool()> done) {
     const uint32_t gen = generation_.load();
     if (gen != joined && !stop_) {
       joined = gen;
-      // Joined as worker_main joins (Dekker with run() over closed_ and active_).
-      active_.fetch_add(1);
-      if (generation_.load() == gen && closed_.load() != gen) work(me);
-      if (active_.fetch_sub(1) == 1 && driver_sleeps_.load()) futex_wake_all(active_);
+      join_run(gen, me, false);
       if (done()) break;
       continue;
     }
@@ -217,20 +214,26 @@ void ThreadPool::worker_main(int worker) {
     }
     seen = generation_.load();
     if (stop_) return;
-    // Join run `seen` unless it has closed (or a newer one is being set up): Dekker with
-    // run(), which closes then reads active_ (all seq_cst), so it waits for us or we skip.
-    active_.fetch_add(1);
-    if (generation_.load() == seen && closed_.load() != seen) {
-      // Inside the run (counted in active_): run() waits for us before it clears the log.
-      if (int64_t* log = join_ns_.load(std::memory_order_relaxed)) {
-        log[worker] = now_ns();
-        join_slept_[worker] = slept;
-      }
-      slept = false;
-      work(worker);
-    }
-    if (active_.fetch_sub(1) == 1 && driver_sleeps_.load()) futex_wake_all(active_);
+    if (join_run(seen, worker, slept)) slept = false;
   }
+}
+
+bool ThreadPool::join_run(uint32_t gen, int worker, bool slept) {
+  // Join run `gen` unless it has closed (or a newer one is being set up): Dekker with run(),
+  // which closes then reads active_ (all seq_cst), so it waits for us or we skip.
+  active_.fetch_add(1);
+  const bool joined = generation_.load() == gen && closed_.load() != gen;
+  if (joined) {
+    // Inside the run (counted in active_): run() waits for us before it clears the log, which
+    // has an entry per pool thread (help()'s guest is not logged).
+    if (int64_t* log = join_ns_.load(std::memory_order_relaxed); log && worker < threads()) {
+      log[worker] = now_ns();
+      join_slept_[worker] = slept;
+    }
+    work(worker);
+  }
+  if (active_.fetch_sub(1) == 1 && driver_sleeps_.load()) futex_wake_all(active_);
+  return joined;
 }
 
 void ThreadPool::run(const std::vector<int>& offsets, ItemFn fn, FnRef<void()> first) {

@@ -106,6 +106,9 @@ class ThreadPool {
  private:
   struct alignas(64) Counter { std::atomic<int> next{0}; int end = 0; };
   void worker_main(int worker);
+  // worker (a pool thread, or help()'s guest) joins run gen if it is still open and works in it;
+  // slept goes to the join log. Returns whether it joined.
+  bool join_run(uint32_t gen, int worker, bool slept);
   void driver_main();
   void work(int worker);
   void learn_gap();  // called by run() before it starts its workers
