@@ -709,6 +709,13 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   // waits 4.4% of the run), and decode ran no faster (Qwen3 12 layers, 5 rounds: bf16 0.98x, int4
   // 0.97x): the workers are busy 92-95% of the run; slow workers are slow while they compute. With
   // a 16th worker and the decode thread napping (handoff_threads) bf16 1.01x, spinning 0.96x.
+  // Tried in session 17 and not kept: each side's down items ordered by when a model of equal
+  // workers taking the items in list order says its experts' gate/up ends, not in the slots' order
+  // (a host trace of a deferral call had the first workers done with 1-block tail items waiting
+  // 51-83 us at the down items of experts whose 8-block items still ran, while the tail experts'
+  // down items sat unclaimed). deferral_decode.py, Qwen3-30B-A3B 12 layers, 5 rounds: bf16 1.02x
+  // (K=0) and 1.04x (K=1), int4 0.92x and 0.97x in one run; with only clear cases reordered (an
+  // expert ending a 1-block item or more earlier) bf16 1.00x and 0.96x, int4 0.95x and 0.98x.
   std::vector<Item>& gemm_items = ws.gemm_items;
   std::vector<int>& offsets = ws.offsets;
   // Gate/up items per expert (the same for all of one side): each one counts down its expert's pending.
