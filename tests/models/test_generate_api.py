@@ -3,22 +3,14 @@
 import pytest
 
 from hybridmoe import LLM, SamplingParams
-from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.errors import HybridMoEError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3")
-    make_checkpoint("qwen3_moe", "tiny", d, dtype="fp32", progress=False)
-    return d
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint):
-    return LLM(checkpoint, max_num_seqs=2, max_model_len=64)
+def llm(tiny_qwen3_fp32):
+    return LLM(tiny_qwen3_fp32, max_num_seqs=2, max_model_len=64)
 
 
 def test_chat_answers_the_templated_conversation(llm):
@@ -74,8 +66,8 @@ def test_closing_a_stream_early_aborts_its_request(llm):
     assert not llm.engine.has_unfinished()
 
 
-def test_a_directory_without_tokenizer_takes_token_ids_only(checkpoint, tmp_path):
-    for f in checkpoint.iterdir():
+def test_a_directory_without_tokenizer_takes_token_ids_only(tiny_qwen3_fp32, tmp_path):
+    for f in tiny_qwen3_fp32.iterdir():
         if not f.name.startswith("tokenizer"):
             (tmp_path / f.name).symlink_to(f)
     llm = LLM(tmp_path)

@@ -15,16 +15,8 @@ from contextlib import contextmanager
 import openai
 import pytest
 
-from hybridmoe.checkpoint import make_checkpoint
 
 STARTUP_SECONDS = 120
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    make_checkpoint("qwen3_moe", "tiny", out, dtype="fp32", seed=0, force=True, progress=False)
-    return out
 
 
 def _free_port() -> int:
@@ -105,15 +97,15 @@ def _serve(model_dir, log_path, *args, api_key=None):
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model, tmp_path_factory):
+def server(tiny_qwen3_fp32, tmp_path_factory):
     """The main server: no API key, batch 8."""
-    with _serve(tiny_model, tmp_path_factory.mktemp("logs") / "server.log", "--max-batch", "8") as s:
+    with _serve(tiny_qwen3_fp32, tmp_path_factory.mktemp("logs") / "server.log", "--max-batch", "8") as s:
         yield s
 
 
 @pytest.fixture(scope="session")
-def small_server(tiny_model, tmp_path_factory):
+def small_server(tiny_qwen3_fp32, tmp_path_factory):
     """A server with an API key, one running request and one queued at most: for 401 and 429."""
-    with _serve(tiny_model, tmp_path_factory.mktemp("logs") / "small_server.log", "--max-batch", "1",
+    with _serve(tiny_qwen3_fp32, tmp_path_factory.mktemp("logs") / "small_server.log", "--max-batch", "1",
                 "--max-queue", "1", api_key="test-key-123") as s:
         yield s

@@ -14,12 +14,12 @@ def test_completion_answer_and_usage(server):
     assert r.usage.total_tokens == r.usage.prompt_tokens + 20
 
 
-def test_token_id_prompt_equals_text_prompt(server, tiny_model):
+def test_token_id_prompt_equals_text_prompt(server, tiny_qwen3_fp32):
     from hybridmoe.tokenizer import Tokenizer
 
     client = server.client()
     text = "The experts live on the CPU"
-    ids = Tokenizer.from_dir(tiny_model).encode(text)
+    ids = Tokenizer.from_dir(tiny_qwen3_fp32).encode(text)
     by_text = client.completions.create(prompt=text, **GREEDY)
     by_ids = client.completions.create(prompt=ids, **GREEDY)
     assert by_ids.choices[0].text == by_text.choices[0].text

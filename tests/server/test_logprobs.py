@@ -14,8 +14,8 @@ PROMPT = "Log probabilities of tiny experts"
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model):
-    return LLM(tiny_model, dtype="float32")
+def llm(tiny_qwen3_fp32):
+    return LLM(tiny_qwen3_fp32, dtype="float32")
 
 
 @pytest.mark.parametrize("params", [
@@ -24,14 +24,14 @@ def llm(tiny_model):
     SamplingParams(max_tokens=8, temperature=0.9, top_k=5, presence_penalty=1.5, seed=3, logprobs=2,
                    ignore_eos=True),
 ])
-def test_engine_logprobs_equal_transformers(llm, tiny_model, params):
+def test_engine_logprobs_equal_transformers(llm, tiny_qwen3_fp32, params):
     from transformers import AutoModelForCausalLM
 
     out = llm.generate(PROMPT, params)[0]
     steps = [o.new_logprobs for o in llm.stream(PROMPT, params)]
     logprobs = [lp for step in steps for lp in step]
     assert [lp.token_id for lp in logprobs] == out.token_ids
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_fp32, dtype=torch.float32).eval()
     ids = torch.tensor([out.prompt_token_ids + out.token_ids])
     with torch.no_grad():
         ref = hf(ids).logits[0].log_softmax(-1)  # [prompt + output, V]

@@ -6,7 +6,7 @@ import hybridmoe.weights.loader
 from hybridmoe.cli import main
 
 
-def test_a_taken_port_is_a_one_line_error_before_the_model_loads(tiny_model, capsys, monkeypatch):
+def test_a_taken_port_is_a_one_line_error_before_the_model_loads(tiny_qwen3_fp32, capsys, monkeypatch):
     loads = []
     load_model = hybridmoe.weights.loader.load_model
     monkeypatch.setattr(hybridmoe.weights.loader, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
@@ -14,7 +14,7 @@ def test_a_taken_port_is_a_one_line_error_before_the_model_loads(tiny_model, cap
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        rc = main(["serve", "--model", str(tiny_model), "--port", str(port), "--dtype", "float32"])
+        rc = main(["serve", "--model", str(tiny_qwen3_fp32), "--port", str(port), "--dtype", "float32"])
     err = capsys.readouterr().err
     assert rc == 2 and loads == []
     assert err.startswith("hybridmoe serve: error: cannot listen on 127.0.0.1:") and err.count("\n") == 1

@@ -3,7 +3,6 @@ import io
 import pytest
 
 from hybridmoe import LLM, SamplingParams
-from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.cli import main
 from hybridmoe.commands.chat import ChatSession
 
@@ -11,15 +10,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3")
-    make_checkpoint("qwen3_moe", "tiny", d, dtype="fp32", progress=False)
-    return d
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoint):
-    return LLM(checkpoint)
+def llm(tiny_qwen3_fp32):
+    return LLM(tiny_qwen3_fp32)
 
 
 def test_each_turn_sees_the_whole_history(llm, capsys):
@@ -59,16 +51,16 @@ def test_ctrl_c_stops_the_reply_and_the_session_goes_on(llm, capsys, monkeypatch
     assert len(session.history) == 4 and "[stopped]" not in capsys.readouterr().out
 
 
-def test_the_command_reads_turns_until_exit(checkpoint, capsys, monkeypatch):
+def test_the_command_reads_turns_until_exit(tiny_qwen3_fp32, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello!\n/clear\n/what\n\nHi\n/exit\nnever read\n"))
-    assert main(["chat", "--model", str(checkpoint), "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert main(["chat", "--model", str(tiny_qwen3_fp32), "--max-new-tokens", "4", "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert out.count(">>> ") == 6 and "(conversation cleared)" in err and "unknown command /what" in err
 
 
-def test_the_command_prints_the_engine_choices_to_stderr(checkpoint, capsys, monkeypatch):
+def test_the_command_prints_the_engine_choices_to_stderr(tiny_qwen3_fp32, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("/exit\n"))
-    assert main(["chat", "--model", str(checkpoint), "--expert-backend", "torch"]) == 0
+    assert main(["chat", "--model", str(tiny_qwen3_fp32), "--expert-backend", "torch"]) == 0
     out, err = capsys.readouterr()
     assert "choices:" not in out
     line = err.splitlines()[0]  # the same line as bench's, before the help line
@@ -76,13 +68,13 @@ def test_the_command_prints_the_engine_choices_to_stderr(checkpoint, capsys, mon
     assert line.endswith("cuda_graph off")
 
 
-def test_end_of_input_ends_the_session(checkpoint, capsys, monkeypatch):
+def test_end_of_input_ends_the_session(tiny_qwen3_fp32, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello!\n"))
-    assert main(["chat", "--model", str(checkpoint), "--max-new-tokens", "4"]) == 0
+    assert main(["chat", "--model", str(tiny_qwen3_fp32), "--max-new-tokens", "4"]) == 0
 
 
-def test_a_model_without_chat_template_is_a_clear_error(checkpoint, tmp_path, capsys):
-    for f in checkpoint.iterdir():
+def test_a_model_without_chat_template_is_a_clear_error(tiny_qwen3_fp32, tmp_path, capsys):
+    for f in tiny_qwen3_fp32.iterdir():
         if not f.name.startswith("tokenizer"):
             (tmp_path / f.name).symlink_to(f)
     assert main(["chat", "--model", str(tmp_path)]) == 2

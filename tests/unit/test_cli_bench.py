@@ -2,20 +2,12 @@ import json
 
 import pytest
 
-from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.cli import main
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3")
-    make_checkpoint("qwen3_moe", "tiny", d, dtype="fp32", progress=False)
-    return d
-
-
-def test_bench_prints_choices_and_table_and_writes_json(checkpoint, tmp_path, capsys):
+def test_bench_prints_choices_and_table_and_writes_json(tiny_qwen3_fp32, tmp_path, capsys):
     out_json = tmp_path / "bench.json"
-    rc = main(["bench", "--model", str(checkpoint), "--prompt-len", "16", "--gen-len", "5", "--batch", "2",
+    rc = main(["bench", "--model", str(tiny_qwen3_fp32), "--prompt-len", "16", "--gen-len", "5", "--batch", "2",
                "--seed", "1", "--json", str(out_json), "--expert-backend", "torch"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -31,15 +23,15 @@ def test_bench_prints_choices_and_table_and_writes_json(checkpoint, tmp_path, ca
 
 
 @pytest.mark.parametrize("flag", ["--gen-len", "--prompt-len", "--batch"])
-def test_a_non_positive_workload_is_a_one_line_error(checkpoint, capsys, flag):
-    assert main(["bench", "--model", str(checkpoint), flag, "0"]) == 2
+def test_a_non_positive_workload_is_a_one_line_error(tiny_qwen3_fp32, capsys, flag):
+    assert main(["bench", "--model", str(tiny_qwen3_fp32), flag, "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hybridmoe bench: error:") and err.count("\n") == 1
     assert f"{flag} 1 or more" in err
 
 
-def test_a_workload_over_the_context_names_the_flags(checkpoint, capsys):
-    assert main(["bench", "--model", str(checkpoint), "--prompt-len", "500", "--gen-len", "100",
+def test_a_workload_over_the_context_names_the_flags(tiny_qwen3_fp32, capsys):
+    assert main(["bench", "--model", str(tiny_qwen3_fp32), "--prompt-len", "500", "--gen-len", "100",
                  "--expert-backend", "torch"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hybridmoe bench: error:") and err.count("\n") == 1

@@ -4,32 +4,24 @@ import shutil
 import pytest
 
 from hybridmoe import LLM, SamplingParams
-from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.cli import main
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.errors import HybridMoEError
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3")
-    make_checkpoint("qwen3_moe", "tiny", d, dtype="fp32", progress=False)
-    return d
-
-
-def test_run_streams_the_completion_to_stdout(checkpoint, capsys):
-    rc = main(["run", "--model", str(checkpoint), "--prompt", "Once upon a time", "--max-new-tokens", "12",
+def test_run_streams_the_completion_to_stdout(tiny_qwen3_fp32, capsys):
+    rc = main(["run", "--model", str(tiny_qwen3_fp32), "--prompt", "Once upon a time", "--max-new-tokens", "12",
                "--temperature", "0", "--ignore-eos", "--max-num-seqs", "2"])
     out, err = capsys.readouterr()
-    expected = LLM(checkpoint).generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0,
+    expected = LLM(tiny_qwen3_fp32).generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0,
                                                                            ignore_eos=True))[0]
     assert rc == 0 and out == expected.text + "\n"
     assert "[12 tokens, length;" in err
 
 
-def test_run_prints_the_engine_choices_to_stderr(checkpoint, capsys):
-    rc = main(["run", "--model", str(checkpoint), "--prompt", "Hi", "--max-new-tokens", "2", "--expert-backend", "torch"])
+def test_run_prints_the_engine_choices_to_stderr(tiny_qwen3_fp32, capsys):
+    rc = main(["run", "--model", str(tiny_qwen3_fp32), "--prompt", "Hi", "--max-new-tokens", "2", "--expert-backend", "torch"])
     out, err = capsys.readouterr()
     assert rc == 0 and "choices:" not in out
     line = err.splitlines()[0]  # the same line as bench's, before the completion's summary
@@ -37,8 +29,8 @@ def test_run_prints_the_engine_choices_to_stderr(checkpoint, capsys):
     assert line.endswith("cuda_graph off")
 
 
-def test_run_with_a_seed_is_reproducible(checkpoint, capsys):
-    argv = ["run", "--model", str(checkpoint), "--prompt", "Hello", "--max-new-tokens", "8", "--seed", "3",
+def test_run_with_a_seed_is_reproducible(tiny_qwen3_fp32, capsys):
+    argv = ["run", "--model", str(tiny_qwen3_fp32), "--prompt", "Hello", "--max-new-tokens", "8", "--seed", "3",
             "--top-k", "50", "--top-p", "0.9"]
     outputs = []
     for _ in range(2):
@@ -54,8 +46,8 @@ def test_run_with_a_seed_is_reproducible(checkpoint, capsys):
     (["--max-model-len", "1024"],
      "max_model_len 1024 (--max-model-len) exceeds the model's max_position_embeddings 512"),
 ])
-def test_mistakes_are_one_line_errors(checkpoint, capsys, extra, needle):
-    assert main(["run", "--model", str(checkpoint), "--prompt", "Hi", *extra]) == 2
+def test_mistakes_are_one_line_errors(tiny_qwen3_fp32, capsys, extra, needle):
+    assert main(["run", "--model", str(tiny_qwen3_fp32), "--prompt", "Hi", *extra]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.startswith("hybridmoe run: error:") and err.count("\n") == 1
 
@@ -74,28 +66,28 @@ def test_engine_flags_map_onto_engine_config_fields():
         assert "--" + f.name.replace("_", "-") in help_text
 
 
-def _edit_config(checkpoint, tmp_path, edit):
+def _edit_config(tiny_qwen3_fp32, tmp_path, edit):
     d = tmp_path / "model"
-    shutil.copytree(checkpoint, d)
+    shutil.copytree(tiny_qwen3_fp32, d)
     config = json.loads((d / "config.json").read_text())
     edit(config)
     (d / "config.json").write_text(json.dumps(config))
     return d
 
 
-def test_max_model_len_up_to_the_model_positions_or_its_default(checkpoint):
-    assert LLMEngine(checkpoint, EngineConfig(max_model_len=512)).max_model_len == 512
-    assert LLMEngine(checkpoint).max_model_len == 512  # max_position_embeddings, under the 4096 cap
+def test_max_model_len_up_to_the_model_positions_or_its_default(tiny_qwen3_fp32):
+    assert LLMEngine(tiny_qwen3_fp32, EngineConfig(max_model_len=512)).max_model_len == 512
+    assert LLMEngine(tiny_qwen3_fp32).max_model_len == 512  # max_position_embeddings, under the 4096 cap
 
 
-def test_max_model_len_of_a_config_without_max_position_embeddings(checkpoint, tmp_path):
-    d = _edit_config(checkpoint, tmp_path, lambda c: c.pop("max_position_embeddings"))
+def test_max_model_len_of_a_config_without_max_position_embeddings(tiny_qwen3_fp32, tmp_path):
+    d = _edit_config(tiny_qwen3_fp32, tmp_path, lambda c: c.pop("max_position_embeddings"))
     assert LLMEngine(d, EngineConfig(max_model_len=1024)).max_model_len == 1024
     assert LLMEngine(d).max_model_len == 4096  # the family's default (32768), capped
 
 
-def test_max_model_len_may_reach_what_yarn_stretches_the_model_to(checkpoint, tmp_path):
-    d = _edit_config(checkpoint, tmp_path, lambda c: c.update(
+def test_max_model_len_may_reach_what_yarn_stretches_the_model_to(tiny_qwen3_fp32, tmp_path):
+    d = _edit_config(tiny_qwen3_fp32, tmp_path, lambda c: c.update(
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}))
     assert LLMEngine(d, EngineConfig(max_model_len=2048)).max_model_len == 2048
     with pytest.raises(HybridMoEError, match="exceeds the model's max_position_embeddings 2048"):
