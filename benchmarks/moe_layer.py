@@ -47,6 +47,16 @@ SHAPES = {  # hidden H, expert intermediate I, experts E, experts per token K
 DECODE_MAX_T = 64  # up to here caches are flushed between calls
 
 
+def layer_shape(name, experts=None, top_k=None):
+    """SHAPES[name], with E and K overridden where given (--experts, --top-k)."""
+    shape = dict(SHAPES[name])
+    if experts:
+        shape["E"] = experts
+    if top_k:
+        shape["K"] = top_k
+    return shape
+
+
 def median_ms(fn, reps, flush=None, budget_s=3.0, traced=None):
     """Median ms of fn(); with `traced` (the CpuExperts fn calls) also the median ms the engine
     itself took (its trace: from entering it to its return), over every other call."""
@@ -300,11 +310,7 @@ def main():
                     help="--gap-us mode: seconds per (format, T, api) after which it stops (at least 3 cycles)")
     args = ap.parse_args()
 
-    shape = dict(SHAPES[args.shape])
-    if args.experts:
-        shape["E"] = args.experts
-    if args.top_k:
-        shape["K"] = args.top_k
+    shape = layer_shape(args.shape, args.experts, args.top_k)
     E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
     threads = args.threads or default_threads()
     tokens = [int(t) for t in args.tokens.split(",")]

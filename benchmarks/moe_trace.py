@@ -47,7 +47,8 @@ import torch
 
 from hybridmoe import CpuExperts, _native
 from hybridmoe.experts.cpu_experts import default_threads
-from moe_layer import SHAPES, busy_wait, host_read_gbps, make_weights, packed_copy, prefetching_read_gbps, routing
+from moe_layer import (SHAPES, busy_wait, host_read_gbps, layer_shape, make_weights, packed_copy, prefetching_read_gbps,
+                       routing)
 
 WORKER, DOWN, EXPERT, SLICE, B0, B1, START, END, WAIT, CONVERT, DEFERRED = range(11)  # take_trace()'s item columns
 N_ROUTINGS = 16
@@ -285,11 +286,7 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    shape = dict(SHAPES[args.shape])
-    if args.experts:
-        shape["E"] = args.experts
-    if args.top_k:
-        shape["K"] = args.top_k
+    shape = layer_shape(args.shape, args.experts, args.top_k)
     if not 0 <= args.deferred < shape["K"]:
         raise SystemExit(f"--deferred must be in [0, K), K = {shape['K']}")
     E, H, I, K = shape["E"], shape["H"], shape["I"], shape["K"]
