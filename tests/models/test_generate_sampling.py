@@ -5,16 +5,13 @@ import json
 import pytest
 
 from hybridmoe import LLM, SamplingParams
-from hybridmoe.checkpoint.make import make_checkpoint
 
 PROMPT = "Once upon a time, there was"
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3")
-    make_checkpoint("qwen3_moe", "tiny", d, dtype="fp32", progress=False)
-    return LLM(d, max_num_seqs=4)
+def llm(tiny_qwen3_fp32):
+    return LLM(tiny_qwen3_fp32, max_num_seqs=4)
 
 
 def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_batch(llm):
