@@ -1,6 +1,7 @@
 #include "binding_args.h"
 
 #include <stdexcept>
+#include <utility>
 
 #include "runtime/cpu_features.h"
 
@@ -56,6 +57,17 @@ Format parse_format(const std::string& name) {
   for (int i = 0; i < 3; ++i)
     if (name == kFormatNames[i]) return Format(i);
   fail("unknown expert format '" + name + "'; choose bf16, int8 or int4");
+}
+
+const MoeTuning& checked_tuning(const MoeTuning& t) {
+  for (const auto& [name, value] :
+       {std::pair{"item_blocks", t.item_blocks}, std::pair{"item_prefetch", t.item_prefetch},
+        std::pair{"kernel_prefetch_l1", t.kernel_prefetch_l1}, std::pair{"kernel_prefetch_l2", t.kernel_prefetch_l2}})
+    if (value < 0) fail(std::string(name) + " must be >= 0, got " + std::to_string(value));
+  if (t.prefetch_touch < 0 || t.prefetch_touch > 3)
+    fail("prefetch_touch must be 0 (prefetcht1), 1 (prefetcht0), 2 (loads) or 3 (loads + cldemote), got " +
+         std::to_string(t.prefetch_touch));
+  return t;
 }
 
 MoeConfig moe_config(int E, int H, int I, const std::string& format, int group_size, bool zero_points,

@@ -7,20 +7,18 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <atomic>
-#include <chrono>
 #include <initializer_list>
 #include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "binding_args.h"
 #include "moe/moe_layer.h"
 #include "moe/pack_codes.h"
 #include "runtime/cpu_features.h"
+#include "runtime/pool_help_check.h"
 #include "runtime/read_bandwidth.h"
 #include "runtime/thread_pool.h"
 
@@ -337,35 +335,27 @@ NB_MODULE(_native, m) {
   }, "nbytes"_a, "threads"_a, "passes"_a = 3,
         "Bytes/s of each pool worker while reading, all threads at once (csrc/runtime/read_bandwidth.h).");
   m.def("read_bandwidth_isa", &hmoe::read_bandwidth_isa, "The load width read_bandwidth uses here.");
-  m.def("_pool_help_check", [](int threads, int runs, int items) {
-    // ThreadPool::help on a pool of its own (unpinned): another thread submits `runs` runs of `items`
-    // items (each ~1 us of spinning) while this one helps until they are done. Returns each item's run
-    // count (every one should be `runs`) and, last, the items the helper ran.
+  m.def("_pool_help_check", [](int threads, int runs, int items, bool wait_for_helper) {
     if (threads < 1 || runs < 1 || items < 1) fail("threads, runs and items must be >= 1");
     nb::gil_scoped_release nogil;
-    hmoe::ThreadPool pool(threads, 1, {{}});
-    std::vector<std::atomic<int>> count(items);
-    std::atomic<int> guest{0};
-    std::atomic<bool> done{false};
-    std::thread feeder([&] {
-      for (int r = 0; r < runs; ++r)
-        pool.wait(pool.submit([&] {
-          pool.run(items, [&](int i, int worker) {
-            count[i].fetch_add(1, std::memory_order_relaxed);
-            if (worker == pool.threads()) guest.fetch_add(1, std::memory_order_relaxed);
-            const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(1);
-            while (std::chrono::steady_clock::now() < until) {}
-          });
-        }));
-      done.store(true);
-    });
-    pool.help([&] { return done.load(); });
-    feeder.join();
-    std::vector<int> out;
-    for (auto& c : count) out.push_back(c.load());
-    out.push_back(guest.load());
-    return out;
-  }, "threads"_a, "runs"_a, "items"_a, "Tests only: ThreadPool::help against a pool's runs.");
+    return hmoe::pool_help_check(threads, runs, items, wait_for_helper);
+  }, "threads"_a, "runs"_a, "items"_a, "wait_for_helper"_a,
+        "Tests only: ThreadPool::help against a pool's runs (csrc/runtime/pool_help_check.h).");
+
+  nb::class_<hmoe::MoeTuning>(m, "MoeTuning",
+                              "How a call's GEMM work is cut and prefetched (hybridmoe.experts.tuning.EngineTuning).")
+      .def(nb::init<>())
+      .def_rw("item_blocks", &hmoe::MoeTuning::item_blocks)
+      .def_rw("item_prefetch", &hmoe::MoeTuning::item_prefetch)
+      .def_rw("kernel_prefetch_l1", &hmoe::MoeTuning::kernel_prefetch_l1)
+      .def_rw("kernel_prefetch_l2", &hmoe::MoeTuning::kernel_prefetch_l2)
+      .def_rw("early_start", &hmoe::MoeTuning::early_start)
+      .def_rw("padded_counters", &hmoe::MoeTuning::padded_counters)
+      .def_rw("tail_split", &hmoe::MoeTuning::tail_split)
+      .def_rw("gate_up_tail", &hmoe::MoeTuning::gate_up_tail)
+      .def_rw("balanced_items", &hmoe::MoeTuning::balanced_items)
+      .def_rw("combine_in_run", &hmoe::MoeTuning::combine_in_run)
+      .def_rw("prefetch_touch", &hmoe::MoeTuning::prefetch_touch);
 
   nb::class_<Engine>(m, "MoeEngine", "Packed routed experts of one MoE layer (see csrc/moe/moe_layer.h).")
       .def(nb::init<int, int, int, const std::string&, int, bool, int, const std::string&, int, bool>(),
@@ -381,56 +371,10 @@ NB_MODULE(_native, m) {
       .def("wait", &Engine::wait, "ticket"_a)
       .def("prewake", &Engine::prewake, "Wake sleeping workers ahead of a call (no-op while they spin).")
       .def("prefetch", &Engine::prefetch, "experts"_a, "Read these experts' packed weights into the caches.")
-      .def_prop_rw("prefetch_touch", [](const Engine& e) { return e.layer().prefetch_touch(); },
-                   [](Engine& e, int mode) {
-                     if (mode < 0 || mode > 3)
-                       fail("prefetch_touch must be 0 (prefetcht1), 1 (prefetcht0), 2 (loads) or 3 (loads + "
-                            "cldemote), got " +
-                            std::to_string(mode));
-                     e.layer().set_prefetch_touch(mode);
-                   }, "How prefetch touches each line: 0 prefetcht1, 1 prefetcht0, 2 a load, 3 a load + cldemote.")
       .def("trace", &Engine::trace, "calls"_a, "Record the next `calls` forwards (see take_trace).")
-      .def_prop_rw("item_blocks", [](const Engine& e) { return e.layer().item_blocks(); },
-                   [](Engine& e, int n) {
-                     if (n < 0) fail("item_blocks must be >= 0 (0: automatic), got " + std::to_string(n));
-                     e.layer().set_item_blocks(n);
-                   }, "32-row blocks per GEMM work item (0: automatic).")
-      .def_prop_rw("item_prefetch", [](const Engine& e) { return e.layer().item_prefetch(); },
-                   [](Engine& e, int n) {
-                     if (n < 0) fail("item_prefetch must be >= 0 bytes, got " + std::to_string(n));
-                     e.layer().set_item_prefetch(n);
-                   }, "Bytes of each weight stream of a GEMM item prefetched as it starts (0: none).")
-      .def_prop_rw("kernel_prefetch_l1", [](const Engine& e) { return e.layer().kernel_prefetch_l1(); },
-                   [](Engine& e, int n) {
-                     if (n < 0) fail("kernel_prefetch_l1 must be >= 0 bytes, got " + std::to_string(n));
-                     e.layer().set_kernel_prefetch(n, e.layer().kernel_prefetch_l2());
-                   }, "Bytes ahead of its loads the AVX-512 kernels prefetch weights into L1 (0: none).")
-      .def_prop_rw("kernel_prefetch_l2", [](const Engine& e) { return e.layer().kernel_prefetch_l2(); },
-                   [](Engine& e, int n) {
-                     if (n < 0) fail("kernel_prefetch_l2 must be >= 0 bytes, got " + std::to_string(n));
-                     e.layer().set_kernel_prefetch(e.layer().kernel_prefetch_l1(), n);
-                   }, "Bytes ahead of its loads the AVX-512 kernels prefetch weights into L2 (0: none).")
-      .def_prop_rw("paired", [](const Engine& e) { return e.layer().paired(); },
-                   [](Engine& e, bool on) { e.layer().set_paired(on); },
-                   "Whether one-token experts read two weight blocks at once (two streams per core).")
-      .def_prop_rw("early_start", [](const Engine& e) { return e.layer().early_start(); },
-                   [](Engine& e, bool on) { e.layer().set_early_start(on); },
-                   "Whether a decode call starts the GEMM run before converting x (workers prefetch meanwhile).")
-      .def_prop_rw("padded_counters", [](const Engine& e) { return e.layer().padded_counters(); },
-                   [](Engine& e, bool on) { e.layer().set_padded_counters(on); },
-                   "Whether a call's counters (per active expert, per down block) sit on a cache line each.")
-      .def_prop_rw("tail_split", [](const Engine& e) { return e.layer().tail_split(); },
-                   [](Engine& e, bool on) { e.layer().set_tail_split(on); },
-                   "Whether the last down items of a call are cut into 1-block items.")
-      .def_prop_rw("gate_up_tail", [](const Engine& e) { return e.layer().gate_up_tail(); },
-                   [](Engine& e, bool on) { e.layer().set_gate_up_tail(on); },
-                   "Whether each side's last gate/up items of a call are cut into 1-block items.")
-      .def_prop_rw("balanced_items", [](const Engine& e) { return e.layer().balanced_items(); },
-                   [](Engine& e, bool on) { e.layer().set_balanced_items(on); },
-                   "Whether GEMM items are sized so that the run should end soonest (see moe_layer.cpp).")
-      .def_prop_rw("combine_in_run", [](const Engine& e) { return e.layer().combine_in_run(); },
-                   [](Engine& e, bool on) { e.layer().set_combine_in_run(on); },
-                   "Whether calls of few tokens sum the experts' outputs inside the GEMM run.")
+      .def_prop_rw("tuning", [](const Engine& e) { return e.layer().tuning(); },
+                   [](Engine& e, const hmoe::MoeTuning& t) { e.layer().set_tuning(checked_tuning(t)); },
+                   "The MoeTuning of later calls.")
       .def("take_trace", &Engine::take_trace, "The records of the traced calls since the last take (moe_trace.h).")
       .def("run", &Engine::run, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a,
            "submit + wait on the calling thread (GIL released), without the driver thread.")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU host (16-core Xeon with AMX, one GPU): build the native engine, run the device tests
+# On a GPU host (a Xeon with AMX, one GPU): build the native engine, run the device tests
 # (AMX, CUDA handoff, graphs, hybrid, GPU experts, streamed prefill) and the CPU kernel suite, then
 # the benchmarks behind issues #3 and #4 (about 15-20 minutes). Everything goes to $OUT (logs, JSON).
 #   OUT=/tmp/out bash scripts/device_check.sh [PART ...]
@@ -33,26 +33,28 @@ echo "== benchmarks"
 # suite on in-memory synthetic models (4 layers, extrapolated to full depth, with the ablation rows).
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep -v "loading weights" | tee "$OUT/$name.log"; }
 if wants cpu; then
-run qwen3_layer 60 $PY benchmarks/moe_layer.py --shape qwen3-30b-a3b --tokens 1,4,2048 --reps 15 --json "$OUT/qwen3_layer.json"
-run dsv3_layer 90 $PY benchmarks/moe_layer.py --shape deepseek-v3 --experts 64 --tokens 1,4,2048 --no-torch --reps 8 --json "$OUT/dsv3_layer.json"
-run load_rss 150 $PY benchmarks/load_rss.py --experts 256 --formats bf16,int4 --dir /dev/shm
+run qwen3_layer 60 $PY benchmarks/kernel.py moe-layer --shape qwen3-30b-a3b --tokens 1,4,2048 --reps 15 --json "$OUT/qwen3_layer.json"
+run dsv3_layer 90 $PY benchmarks/kernel.py moe-layer --shape deepseek-v3 --experts 64 --tokens 1,4,2048 --no-torch --reps 8 --json "$OUT/dsv3_layer.json"
+run load_rss 150 $PY benchmarks/load.py rss --experts 256 --formats bf16,int4 --dir /dev/shm --json "$OUT/load_rss.json"
 fi
 if wants gpu; then
-run handoff 40 $PY benchmarks/handoff.py --layers 48 --tokens 1,4 --json "$OUT/handoff.json"
-run gpu_experts 30 $PY benchmarks/gpu_experts.py --shape qwen3-30b-a3b --tokens 1,4,8,16,512
+run handoff 40 $PY benchmarks/kernel.py handoff --layers 48 --tokens 1,4 --json "$OUT/handoff.json"
+run gpu_experts 30 $PY benchmarks/kernel.py gpu-experts --shape qwen3-30b-a3b --tokens 1,4,8,16,512 \
+    --json "$OUT/gpu_experts.json"
 M=/dev/shm/device_check_q3_2
 $PY -m hybridmoe.cli make-model --arch qwen3_moe --preset qwen3-30b-a3b --layers 2 --out $M --quiet --force >/dev/null 2>&1
-run streamed_prefill 40 $PY benchmarks/streamed_prefill.py --shape qwen3-30b-a3b --format int4 --layers 3 --tokens 2048 --reps 2 --model $M --prompt-len 2048
+run streamed_prefill 40 $PY benchmarks/prefill.py streamed --shape qwen3-30b-a3b --format int4 --layers 3 --tokens 2048 \
+    --reps 2 --model $M --prompt-len 2048 --json "$OUT/streamed_prefill.json"
 rm -rf $M
-run decode_gpu_ops 60 $PY benchmarks/decode_gpu_ops.py --synthetic qwen3-30b-a3b --layers 2 --format int4 \
-    --gpu-experts-per-layer 26 --batch 1 --reps 200
-run prefill_profile 110 $PY benchmarks/prefill_profile.py --synthetic qwen3-30b-a3b --layers 4 --formats int4 \
-    --prompt-lens 512,2048 --device cuda --gpu-memory-budget 16GiB --reps 2
+run decode_gpu_ops 60 $PY benchmarks/decode.py gpu-ops --synthetic qwen3-30b-a3b --layers 2 --format int4 \
+    --gpu-experts-per-layer 26 --batch 1 --reps 200 --json "$OUT/decode_gpu_ops.json"
+run prefill_profile 110 $PY benchmarks/prefill.py profile --synthetic qwen3-30b-a3b --layers 4 --formats int4 \
+    --prompt-lens 512,2048 --device cuda --gpu-memory-budget 16GiB --reps 2 --json "$OUT/prefill_profile.json"
 fi
 if wants e2e; then
-run e2e_qwen3 240 $PY benchmarks/e2e.py --device cuda --gpu-memory-budget 16GiB --synthetic qwen3-30b-a3b --layers 4,12 \
+run e2e_qwen3 240 $PY benchmarks/e2e.py run --device cuda --gpu-memory-budget 16GiB --synthetic qwen3-30b-a3b --layers 4,12 \
     --formats int4,bf16 --ablation graph,deferral,gpu-experts,trim --prompt-lens 512,2048,8192 --gen-len 64 \
     --json "$OUT/e2e_qwen3.json"
-run e2e_dsv3 120 $PY benchmarks/e2e.py --device cuda --gpu-memory-budget 16GiB --synthetic deepseek-v3 --layers 2 \
+run e2e_dsv3 120 $PY benchmarks/e2e.py run --device cuda --gpu-memory-budget 16GiB --synthetic deepseek-v3 --layers 2 \
     --formats bf16 --prompt-lens 512,2048 --gen-len 16 --json "$OUT/e2e_dsv3.json"
 fi

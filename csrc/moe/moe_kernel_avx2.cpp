@@ -1,12 +1,8 @@
 // AVX2 + FMA kernels (built with -mavx2 -mfma -mf16c -O3), for CPUs without AVX-512: the GEMMs
 // written with 256-bit intrinsics over the packed layouts of packed.h, the row-wise work the
-// portable code (row_ops_portable.inc) vectorized by the compiler. Before these GEMMs the AVX2 path
-// was the portable code built with -mavx2 at the module's -Os: on the 2-core AVX2 dev box (AMD
-// EPYC, session 8; `benchmarks/moe_layer.py --shape qwen3-30b-a3b --experts 32 --tokens 1,4
-// --threads 2 --isa avx2 --gap-us 100 --layers 4`), a one-token call took int4 41.97 -> 1.95 ms,
-// int8 53.70 -> 2.98, bf16 42.17 -> 5.65 (2-8% -> 46-59% of the probe's 22.3 GB/s). One core
-// computes int4 at 6.6 GB/s of weights, int8 12.3, bf16 15.6 with the weights in cache
-// (decode_kernel_rate --isa avx2): int4 is compute-bound on two cores, not on eight.
+// portable code (row_ops_portable.inc) vectorized by the compiler. One core computes int4 at
+// 6.6 GB/s of weights, int8 12.3, bf16 15.6 with the weights in cache: int4 is compute-bound on
+// two cores, not on eight.
 //
 // A pass covers 16 or 8 rows of a block for up to four tokens (see int4_vectors below). bf16
 // pairs are widened to fp32 by shifts and summed by FMA; int8 and int4 weights are widened to

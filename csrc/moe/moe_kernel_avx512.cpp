@@ -36,184 +36,128 @@ inline Prefetch prefetch_of(const PackedView& w) { return {w.prefetch_l1, w.pref
 template <int M>
 constexpr int chains() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 
-// Each pass computes S blocks at once (S = 1, or 2 for one token: two weight streams per core,
-// see PackedView::paired), block s read from wb[s] and written to out[s]; per block the sums
-// are the same, in the same order, whatever S.
-
 // np is a multiple of 16 (Kp of 32), so of every C.
-template <int M, int S>
-void bf16_pass(const uint16_t* const* wb, int np, const uint16_t* x, int ld, float* const* out, int ldo, Prefetch pf) {
+template <int M>
+void bf16_pass(const uint16_t* wb, int np, const uint16_t* x, int ld, float* out, int ldo, Prefetch pf) {
   constexpr int C = chains<M>();
-  __m512 acc[S][2][M][C];
-  _Pragma("GCC unroll 2")
-  for (int s = 0; s < S; ++s)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < M; ++i)
-      _Pragma("GCC unroll 4")
-      for (int c = 0; c < C; ++c) acc[s][0][i][c] = acc[s][1][i][c] = _mm512_setzero_ps();
+  __m512 acc[2][M][C];
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i)
+    _Pragma("GCC unroll 4")
+    for (int c = 0; c < C; ++c) acc[0][i][c] = acc[1][i][c] = _mm512_setzero_ps();
   for (int p0 = 0; p0 < np; p0 += C) {
     _Pragma("GCC unroll 4")
     for (int c = 0; c < C; ++c) {
       const int p = p0 + c;
-      __m512bh w0[S], w1[S];
-      _Pragma("GCC unroll 2")
-      for (int s = 0; s < S; ++s) {
-        HMOE_PREFETCH_AHEAD(pf, wb[s] + p * 64, 0);  // both lines of the step
-        HMOE_PREFETCH_AHEAD(pf, wb[s] + p * 64, 1);
-        w0[s] = (__m512bh)_mm512_loadu_si512(wb[s] + p * 64);
-        w1[s] = (__m512bh)_mm512_loadu_si512(wb[s] + p * 64 + 32);
-      }
+      HMOE_PREFETCH_AHEAD(pf, wb + p * 64, 0);  // both lines of the step
+      HMOE_PREFETCH_AHEAD(pf, wb + p * 64, 1);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * 64);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
       _Pragma("GCC unroll 8")
       for (int i = 0; i < M; ++i) {
         const __m512bh xb = (__m512bh)bcast32(x + size_t(i) * ld + 2 * p);
-        _Pragma("GCC unroll 2")
-        for (int s = 0; s < S; ++s) {
-          acc[s][0][i][c] = _mm512_dpbf16_ps(acc[s][0][i][c], w0[s], xb);
-          acc[s][1][i][c] = _mm512_dpbf16_ps(acc[s][1][i][c], w1[s], xb);
-        }
+        acc[0][i][c] = _mm512_dpbf16_ps(acc[0][i][c], w0, xb);
+        acc[1][i][c] = _mm512_dpbf16_ps(acc[1][i][c], w1, xb);
       }
     }
   }
-  _Pragma("GCC unroll 2")
-  for (int s = 0; s < S; ++s)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < M; ++i)
-      _Pragma("GCC unroll 2")
-      for (int h = 0; h < 2; ++h) {
-        __m512 v = acc[s][h][i][0];
-        _Pragma("GCC unroll 4")
-        for (int c = 1; c < C; ++c) v = _mm512_add_ps(v, acc[s][h][i][c]);
-        _mm512_storeu_ps(out[s] + size_t(i) * ldo + 16 * h, v);
-      }
-}
-
-// Block b of one matrix: where its weights (and scales) start.
-struct BlockRef {
-  const PackedView* w;
-  int b;
-};
-
-// One token, two blocks at once (of one matrix, or gate's and up's): out[s] [32] (any ldo).
-void bf16_pair(const BlockRef (&r)[2], const ActView& a, float* const* out) {
-  const int np = r[0].w->Kp / 2;
-  const uint16_t* wb[2];
-  for (int s = 0; s < 2; ++s) wb[s] = reinterpret_cast<const uint16_t*>(r[s].w->w) + size_t(r[s].b) * np * 64;
-  bf16_pass<1, 2>(wb, np, a.bf16, a.ld, out, kBlockRows, prefetch_of(*r[0].w));
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i)
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < 2; ++h) {
+      __m512 v = acc[h][i][0];
+      _Pragma("GCC unroll 4")
+      for (int c = 1; c < C; ++c) v = _mm512_add_ps(v, acc[h][i][c]);
+      _mm512_storeu_ps(out + size_t(i) * ldo + 16 * h, v);
+    }
 }
 
 void gemm_bf16(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
   const Prefetch pf = prefetch_of(w);
   const int np = w.Kp / 2;
   for (int b = b0; b < b1; ++b) {
-    const uint16_t* wb[1] = {reinterpret_cast<const uint16_t*>(w.w) + size_t(b) * np * 64};
+    const uint16_t* wb = reinterpret_cast<const uint16_t*>(w.w) + size_t(b) * np * 64;
     float* o = out + size_t(b - b0) * kBlockRows;
     for (int t0 = 0; t0 < a.n; t0 += 6) {
       const uint16_t* x = a.bf16 + size_t(t0) * a.ld;
-      float* ot[1] = {o + size_t(t0) * ldo};
+      float* ot = o + size_t(t0) * ldo;
       switch (std::min(6, a.n - t0)) {
-        case 1: bf16_pass<1, 1>(wb, np, x, a.ld, ot, ldo, pf); break;
-        case 2: bf16_pass<2, 1>(wb, np, x, a.ld, ot, ldo, pf); break;
-        case 3: bf16_pass<3, 1>(wb, np, x, a.ld, ot, ldo, pf); break;
-        case 4: bf16_pass<4, 1>(wb, np, x, a.ld, ot, ldo, pf); break;
-        case 5: bf16_pass<5, 1>(wb, np, x, a.ld, ot, ldo, pf); break;
-        default: bf16_pass<6, 1>(wb, np, x, a.ld, ot, ldo, pf); break;
+        case 1: bf16_pass<1>(wb, np, x, a.ld, ot, ldo, pf); break;
+        case 2: bf16_pass<2>(wb, np, x, a.ld, ot, ldo, pf); break;
+        case 3: bf16_pass<3>(wb, np, x, a.ld, ot, ldo, pf); break;
+        case 4: bf16_pass<4>(wb, np, x, a.ld, ot, ldo, pf); break;
+        case 5: bf16_pass<5>(wb, np, x, a.ld, ot, ldo, pf); break;
+        default: bf16_pass<6>(wb, np, x, a.ld, ot, ldo, pf); break;
       }
     }
   }
 }
 
 // A flush span is 64 K steps, or what is left of Kp (a multiple of 16): a multiple of every C.
-template <int M, int S>
-void int8_pass(const int8_t* const* wb, int Kp, const int16_t* x, int ld, const float* xscale,
-               const float* const* wscale, float* const* out, int ldo, Prefetch pf) {
+template <int M>
+void int8_pass(const int8_t* wb, int Kp, const int16_t* x, int ld, const float* xscale, const float* wscale,
+               float* out, int ldo, Prefetch pf) {
   constexpr int C = chains<M>();
-  __m512 facc[S][2][M];
-  _Pragma("GCC unroll 2")
-  for (int s = 0; s < S; ++s)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < M; ++i) facc[s][0][i] = facc[s][1][i] = _mm512_setzero_ps();
+  __m512 facc[2][M];
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
   for (int k0 = 0; k0 < Kp; k0 += kInt8FlushK) {
     const int pend = std::min(Kp, k0 + kInt8FlushK) / 2;
-    __m512i acc[S][2][M][C];
-    _Pragma("GCC unroll 2")
-    for (int s = 0; s < S; ++s)
-      _Pragma("GCC unroll 8")
-      for (int i = 0; i < M; ++i)
-        _Pragma("GCC unroll 4")
-        for (int c = 0; c < C; ++c) acc[s][0][i][c] = acc[s][1][i][c] = _mm512_setzero_si512();
+    __m512i acc[2][M][C];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < M; ++i)
+      _Pragma("GCC unroll 4")
+      for (int c = 0; c < C; ++c) acc[0][i][c] = acc[1][i][c] = _mm512_setzero_si512();
     for (int p0 = k0 / 2; p0 < pend; p0 += C) {
       _Pragma("GCC unroll 4")
       for (int c = 0; c < C; ++c) {
         const int p = p0 + c;
-        __m512i w0[S], w1[S];
-        _Pragma("GCC unroll 2")
-        for (int s = 0; s < S; ++s) {
-          HMOE_PREFETCH_AHEAD(pf, wb[s] + p * 64, 0);
-          w0[s] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[s] + p * 64)));
-          w1[s] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb[s] + p * 64 + 32)));
-        }
+        HMOE_PREFETCH_AHEAD(pf, wb + p * 64, 0);
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64)));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32)));
         _Pragma("GCC unroll 8")
         for (int i = 0; i < M; ++i) {
           const __m512i xb = bcast32(x + size_t(i) * ld + 2 * p);
-          _Pragma("GCC unroll 2")
-          for (int s = 0; s < S; ++s) {
-            acc[s][0][i][c] = _mm512_dpwssd_epi32(acc[s][0][i][c], w0[s], xb);
-            acc[s][1][i][c] = _mm512_dpwssd_epi32(acc[s][1][i][c], w1[s], xb);
-          }
+          acc[0][i][c] = _mm512_dpwssd_epi32(acc[0][i][c], w0, xb);
+          acc[1][i][c] = _mm512_dpwssd_epi32(acc[1][i][c], w1, xb);
         }
       }
     }
-    _Pragma("GCC unroll 2")
-    for (int s = 0; s < S; ++s)
-      _Pragma("GCC unroll 8")
-      for (int i = 0; i < M; ++i)
-        _Pragma("GCC unroll 2")
-        for (int h = 0; h < 2; ++h) {
-          __m512i v = acc[s][h][i][0];
-          _Pragma("GCC unroll 4")
-          for (int c = 1; c < C; ++c) v = _mm512_add_epi32(v, acc[s][h][i][c]);
-          facc[s][h][i] = _mm512_add_ps(facc[s][h][i], _mm512_cvtepi32_ps(v));
-        }
-  }
-  _Pragma("GCC unroll 2")
-  for (int s = 0; s < S; ++s) {
-    const __m512 s0 = _mm512_loadu_ps(wscale[s]), s1 = _mm512_loadu_ps(wscale[s] + 16);
     _Pragma("GCC unroll 8")
-    for (int i = 0; i < M; ++i) {
-      const __m512 xs = _mm512_set1_ps(xscale[i]);
-      _mm512_storeu_ps(out[s] + size_t(i) * ldo, _mm512_mul_ps(facc[s][0][i], _mm512_mul_ps(s0, xs)));
-      _mm512_storeu_ps(out[s] + size_t(i) * ldo + 16, _mm512_mul_ps(facc[s][1][i], _mm512_mul_ps(s1, xs)));
-    }
+    for (int i = 0; i < M; ++i)
+      _Pragma("GCC unroll 2")
+      for (int h = 0; h < 2; ++h) {
+        __m512i v = acc[h][i][0];
+        _Pragma("GCC unroll 4")
+        for (int c = 1; c < C; ++c) v = _mm512_add_epi32(v, acc[h][i][c]);
+        facc[h][i] = _mm512_add_ps(facc[h][i], _mm512_cvtepi32_ps(v));
+      }
   }
-}
-
-void int8_pair(const BlockRef (&r)[2], const ActView& a, float* const* out) {
-  const int np = r[0].w->Kp / 2;
-  const int8_t* wb[2];
-  const float* sc[2];
-  for (int s = 0; s < 2; ++s) {
-    wb[s] = reinterpret_cast<const int8_t*>(r[s].w->w) + size_t(r[s].b) * np * 64;
-    sc[s] = r[s].w->scale + size_t(r[s].b) * kBlockRows;
+  const __m512 s0 = _mm512_loadu_ps(wscale), s1 = _mm512_loadu_ps(wscale + 16);
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i) {
+    const __m512 xs = _mm512_set1_ps(xscale[i]);
+    _mm512_storeu_ps(out + size_t(i) * ldo, _mm512_mul_ps(facc[0][i], _mm512_mul_ps(s0, xs)));
+    _mm512_storeu_ps(out + size_t(i) * ldo + 16, _mm512_mul_ps(facc[1][i], _mm512_mul_ps(s1, xs)));
   }
-  int8_pass<1, 2>(wb, r[0].w->Kp, a.q, a.ld, a.qscale, sc, out, kBlockRows, prefetch_of(*r[0].w));
 }
 
 void gemm_int8(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
   const Prefetch pf = prefetch_of(w);
   const int np = w.Kp / 2;
   for (int b = b0; b < b1; ++b) {
-    const int8_t* wb[1] = {reinterpret_cast<const int8_t*>(w.w) + size_t(b) * np * 64};
-    const float* sc[1] = {w.scale + size_t(b) * kBlockRows};
+    const int8_t* wb = reinterpret_cast<const int8_t*>(w.w) + size_t(b) * np * 64;
+    const float* sc = w.scale + size_t(b) * kBlockRows;
     float* o = out + size_t(b - b0) * kBlockRows;
     for (int t0 = 0; t0 < a.n; t0 += 4) {
       const int16_t* x = a.q + size_t(t0) * a.ld;
-      float* ot[1] = {o + size_t(t0) * ldo};
+      float* ot = o + size_t(t0) * ldo;
       const float* xs = a.qscale + t0;
       switch (std::min(4, a.n - t0)) {
-        case 1: int8_pass<1, 1>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
-        case 2: int8_pass<2, 1>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
-        case 3: int8_pass<3, 1>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
-        default: int8_pass<4, 1>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
+        case 1: int8_pass<1>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
+        case 2: int8_pass<2>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
+        case 3: int8_pass<3>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
+        default: int8_pass<4>(wb, w.Kp, x, a.ld, xs, sc, ot, ldo, pf); break;
       }
     }
   }
@@ -223,155 +167,90 @@ void gemm_int8(const PackedView& w, int b0, int b1, const ActView& a, float* out
 inline __m512i widen(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // Each K step is four vpdpwssd per (row tile, token): with C chains they alternate over C / 2
-// consecutive steps (U); steps per group (group / 8) is even. Block s: its group scales from
-// sc[s] ([G][32]), zero points from zr[s] (null: symmetric, 8).
-template <int M, int S>
-void int4_pass(const uint8_t* const* wb, const float* const* sc, const float* const* zr, int G, int steps,
-               const int16_t* x, int ld, const float* xscale, const int32_t* xsum, float* const* out, int ldo,
-               Prefetch pf) {
+// consecutive steps (U); steps per group (group / 8) is even. Group scales from sc ([G][32]), zero
+// points from zr (null: symmetric, 8).
+template <int M>
+void int4_pass(const uint8_t* wb, const float* sc, const float* zr, int G, int steps, const int16_t* x, int ld,
+               const float* xscale, const int32_t* xsum, float* out, int ldo, Prefetch pf) {
   constexpr int C = chains<M>(), U = C == 4 ? 2 : 1;
   const __m512i nib = _mm512_set1_epi16(0x0F);
-  __m512 facc[S][2][M];
-  _Pragma("GCC unroll 2")
-  for (int s = 0; s < S; ++s)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < M; ++i) facc[s][0][i] = facc[s][1][i] = _mm512_setzero_ps();
+  __m512 facc[2][M];
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
-    __m512i acc[S][2][M][C];
-    _Pragma("GCC unroll 2")
-    for (int s = 0; s < S; ++s)
-      _Pragma("GCC unroll 8")
-      for (int i = 0; i < M; ++i)
-        _Pragma("GCC unroll 4")
-        for (int c = 0; c < C; ++c) acc[s][0][i][c] = acc[s][1][i][c] = _mm512_setzero_si512();
+    __m512i acc[2][M][C];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < M; ++i)
+      _Pragma("GCC unroll 4")
+      for (int c = 0; c < C; ++c) acc[0][i][c] = acc[1][i][c] = _mm512_setzero_si512();
     for (int p0 = g * steps; p0 < (g + 1) * steps; p0 += U) {
       _Pragma("GCC unroll 2")
       for (int u = 0; u < U; ++u) {
         const int p = p0 + u;
+        HMOE_PREFETCH_AHEAD(pf, wb + size_t(p) * 128, 0);
+        HMOE_PREFETCH_AHEAD(pf, wb + size_t(p) * 128, 1);
         _Pragma("GCC unroll 2")
-        for (int s = 0; s < S; ++s) {
-          HMOE_PREFETCH_AHEAD(pf, wb[s] + size_t(p) * 128, 0);
-          HMOE_PREFETCH_AHEAD(pf, wb[s] + size_t(p) * 128, 1);
-          _Pragma("GCC unroll 2")
-          for (int h = 0; h < 2; ++h) {
-            const __m512i w0 = widen(wb[s] + size_t(p) * 128 + h * 64), w1 = widen(wb[s] + size_t(p) * 128 + h * 64 + 32);
-            const __m512i q01 = _mm512_and_si512(w0, nib), q45 = _mm512_srli_epi16(w0, 4);
-            const __m512i q23 = _mm512_and_si512(w1, nib), q67 = _mm512_srli_epi16(w1, 4);
-            _Pragma("GCC unroll 8")
-            for (int i = 0; i < M; ++i) {
-              const int16_t* xi = x + size_t(i) * ld + 8 * p;
-              __m512i& a0 = acc[s][h][i][(2 * u) % C];
-              __m512i& a1 = acc[s][h][i][(2 * u + 1) % C];
-              a0 = _mm512_dpwssd_epi32(a0, q01, bcast32(xi));
-              a1 = _mm512_dpwssd_epi32(a1, q23, bcast32(xi + 2));
-              a0 = _mm512_dpwssd_epi32(a0, q45, bcast32(xi + 4));
-              a1 = _mm512_dpwssd_epi32(a1, q67, bcast32(xi + 6));
-            }
+        for (int h = 0; h < 2; ++h) {
+          const __m512i w0 = widen(wb + size_t(p) * 128 + h * 64), w1 = widen(wb + size_t(p) * 128 + h * 64 + 32);
+          const __m512i q01 = _mm512_and_si512(w0, nib), q45 = _mm512_srli_epi16(w0, 4);
+          const __m512i q23 = _mm512_and_si512(w1, nib), q67 = _mm512_srli_epi16(w1, 4);
+          _Pragma("GCC unroll 8")
+          for (int i = 0; i < M; ++i) {
+            const int16_t* xi = x + size_t(i) * ld + 8 * p;
+            __m512i& a0 = acc[h][i][(2 * u) % C];
+            __m512i& a1 = acc[h][i][(2 * u + 1) % C];
+            a0 = _mm512_dpwssd_epi32(a0, q01, bcast32(xi));
+            a1 = _mm512_dpwssd_epi32(a1, q23, bcast32(xi + 2));
+            a0 = _mm512_dpwssd_epi32(a0, q45, bcast32(xi + 4));
+            a1 = _mm512_dpwssd_epi32(a1, q67, bcast32(xi + 6));
           }
         }
       }
     }
     _Pragma("GCC unroll 2")
-    for (int s = 0; s < S; ++s)
-      _Pragma("GCC unroll 2")
-      for (int h = 0; h < 2; ++h) {
-        const __m512 scale = _mm512_loadu_ps(sc[s] + size_t(g) * kBlockRows + 16 * h);
-        const __m512 z = zr[s] ? _mm512_loadu_ps(zr[s] + size_t(g) * kBlockRows + 16 * h) : _mm512_set1_ps(8.f);
-        _Pragma("GCC unroll 8")
-        for (int i = 0; i < M; ++i) {
-          __m512i sum = acc[s][h][i][0];
-          _Pragma("GCC unroll 4")
-          for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, acc[s][h][i][c]);
-          const __m512 xs = _mm512_set1_ps(float(xsum[size_t(i) * G + g]));
-          const __m512 v = _mm512_fnmadd_ps(z, xs, _mm512_cvtepi32_ps(sum));
-          facc[s][h][i] = _mm512_fmadd_ps(v, scale, facc[s][h][i]);
-        }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = _mm512_loadu_ps(sc + size_t(g) * kBlockRows + 16 * h);
+      const __m512 z = zr ? _mm512_loadu_ps(zr + size_t(g) * kBlockRows + 16 * h) : _mm512_set1_ps(8.f);
+      _Pragma("GCC unroll 8")
+      for (int i = 0; i < M; ++i) {
+        __m512i sum = acc[h][i][0];
+        _Pragma("GCC unroll 4")
+        for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, acc[h][i][c]);
+        const __m512 xs = _mm512_set1_ps(float(xsum[size_t(i) * G + g]));
+        const __m512 v = _mm512_fnmadd_ps(z, xs, _mm512_cvtepi32_ps(sum));
+        facc[h][i] = _mm512_fmadd_ps(v, scale, facc[h][i]);
       }
-  }
-  _Pragma("GCC unroll 2")
-  for (int s = 0; s < S; ++s)
-    _Pragma("GCC unroll 8")
-    for (int i = 0; i < M; ++i) {
-      const __m512 xs = _mm512_set1_ps(xscale[i]);
-      _mm512_storeu_ps(out[s] + size_t(i) * ldo, _mm512_mul_ps(facc[s][0][i], xs));
-      _mm512_storeu_ps(out[s] + size_t(i) * ldo + 16, _mm512_mul_ps(facc[s][1][i], xs));
     }
-}
-
-// Block b of w: its weights, group scales and zero points (null: symmetric).
-struct Int4Block {
-  const uint8_t* wb;
-  const float *sc, *zr;
-};
-inline Int4Block int4_block(const PackedView& w, int b) {
-  const size_t sbase = size_t(b) * (w.Kp / w.group) * kBlockRows;
-  return {w.w + size_t(b) * (w.Kp / 8) * 128, w.scale + sbase, w.zero ? w.zero + sbase : nullptr};
-}
-
-void int4_pair(const BlockRef (&r)[2], const ActView& a, float* const* out) {
-  const PackedView& w = *r[0].w;
-  const Int4Block k0 = int4_block(w, r[0].b), k1 = int4_block(*r[1].w, r[1].b);
-  const uint8_t* wb[2] = {k0.wb, k1.wb};
-  const float* sc[2] = {k0.sc, k1.sc};
-  const float* zr[2] = {k0.zr, k1.zr};
-  int4_pass<1, 2>(wb, sc, zr, w.Kp / w.group, w.group / 8, a.q, a.ld, a.qscale, a.qsum, out, kBlockRows,
-                  prefetch_of(w));
+  }
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i) {
+    const __m512 xs = _mm512_set1_ps(xscale[i]);
+    _mm512_storeu_ps(out + size_t(i) * ldo, _mm512_mul_ps(facc[0][i], xs));
+    _mm512_storeu_ps(out + size_t(i) * ldo + 16, _mm512_mul_ps(facc[1][i], xs));
+  }
 }
 
 void gemm_int4(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
   const Prefetch pf = prefetch_of(w);
   const int G = w.Kp / w.group, steps = w.group / 8;
   for (int b = b0; b < b1; ++b) {
-    const Int4Block k = int4_block(w, b);
-    const uint8_t* wb[1] = {k.wb};
-    const float* sc[1] = {k.sc};
-    const float* zr[1] = {k.zr};
+    const size_t sbase = size_t(b) * G * kBlockRows;
+    const uint8_t* wb = w.w + size_t(b) * (w.Kp / 8) * 128;
+    const float* sc = w.scale + sbase;
+    const float* zr = w.zero ? w.zero + sbase : nullptr;
     float* o = out + size_t(b - b0) * kBlockRows;
     for (int t0 = 0; t0 < a.n; t0 += 4) {
       const int16_t* x = a.q + size_t(t0) * a.ld;
       const int32_t* xsum = a.qsum + size_t(t0) * G;
-      float* ot[1] = {o + size_t(t0) * ldo};
+      float* ot = o + size_t(t0) * ldo;
       const float* xs = a.qscale + t0;
       switch (std::min(4, a.n - t0)) {
-        case 1: int4_pass<1, 1>(wb, sc, zr, G, steps, x, a.ld, xs, xsum, ot, ldo, pf); break;
-        case 2: int4_pass<2, 1>(wb, sc, zr, G, steps, x, a.ld, xs, xsum, ot, ldo, pf); break;
-        case 3: int4_pass<3, 1>(wb, sc, zr, G, steps, x, a.ld, xs, xsum, ot, ldo, pf); break;
-        default: int4_pass<4, 1>(wb, sc, zr, G, steps, x, a.ld, xs, xsum, ot, ldo, pf); break;
+        case 1: int4_pass<1>(wb, sc, zr, G, steps, x, a.ld, xs, xsum, ot, ldo, pf); break;
+        case 2: int4_pass<2>(wb, sc, zr, G, steps, x, a.ld, xs, xsum, ot, ldo, pf); break;
+        case 3: int4_pass<3>(wb, sc, zr, G, steps, x, a.ld, xs, xsum, ot, ldo, pf); break;
+        default: int4_pass<4>(wb, sc, zr, G, steps, x, a.ld, xs, xsum, ot, ldo, pf); break;
       }
     }
-  }
-}
-
-// ---- Two weight streams per core for one token (PackedView::paired) ----
-
-using PairFn = void (*)(const BlockRef (&r)[2], const ActView& a, float* const* out);
-using GemmOne = void (*)(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo);
-
-// out [32 x (b1 - b0)]: with one token and w.paired, blocks b and b + half (half = (b1 - b0) / 2)
-// in one pass; else (or an odd block left) one block at a time.
-template <PairFn pair, GemmOne one>
-void gemm_paired(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
-  if (a.n != 1 || !w.paired) return one(w, b0, b1, a, out, ldo);
-  const int half = (b1 - b0) / 2;
-  for (int b = b0; b < b0 + half; ++b) {
-    float* o[2] = {out + size_t(b - b0) * kBlockRows, out + size_t(b + half - b0) * kBlockRows};
-    pair({{&w, b}, {&w, b + half}}, a, o);
-  }
-  if ((b1 - b0) % 2) one(w, b1 - 1, b1, a, out + size_t(b1 - 1 - b0) * kBlockRows, ldo);
-}
-
-void silu_mul(float* g, const float* u, int n);
-
-// h = silu(x Wg^T) * (x Wu^T): with one token and paired views, gate's and up's block b in one
-// pass; else two GEMMs, as for kernel sets without gate_up.
-template <PairFn pair, GemmOne one>
-void gate_up(const PackedView& g, const PackedView& u, int b0, int b1, const ActView& a, float* h, int ldh) {
-  if (a.n != 1 || !g.paired) return gate_up_two_gemms(one, silu_mul, g, u, b0, b1, a, h, ldh);
-  alignas(64) float ub[kBlockRows];
-  for (int b = b0; b < b1; ++b) {
-    float* o[2] = {h + size_t(b - b0) * kBlockRows, ub};
-    pair({{&g, b}, {&u, b}}, a, o);
-    silu_mul(o[0], ub, kBlockRows);
   }
 }
 
@@ -469,15 +348,8 @@ void combine(int K, const float* const* src, const float* w, int n, void* dst, b
 }  // namespace
 
 const Kernels& kernels_avx512() {
-  static const Kernels k = [] {
-    Kernels k{{gemm_paired<bf16_pair, gemm_bf16>, gemm_paired<int8_pair, gemm_int8>, gemm_paired<int4_pair, gemm_int4>},
-              {ActKind::bf16, ActKind::i16, ActKind::i16},
-              {to_bf16, to_i16, silu_mul, combine}};
-    k.gate_up[int(Format::bf16)] = gate_up<bf16_pair, gemm_bf16>;
-    k.gate_up[int(Format::int8)] = gate_up<int8_pair, gemm_int8>;
-    k.gate_up[int(Format::int4)] = gate_up<int4_pair, gemm_int4>;
-    return k;
-  }();
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::i16, ActKind::i16},
+                         {to_bf16, to_i16, silu_mul, combine}};
   return k;
 }
 

@@ -40,9 +40,8 @@ const Kernels& kernels_for(Isa isa) {
 // Page-aligned zeroed memory; bound to `node` when the machine really has that many nodes.
 // Backed by huge pages where the kernel's THP mode allows it ("madvise" or "always"): decode
 // streams each expert's weights once, and with 4 KiB pages every 4 KiB read is a TLB miss
-// (the host read probe, read_bandwidth.cpp, asks for huge pages too). On the GPU host (mini
-// round, Qwen3 decode loop, same run, two repeats) huge pages were faster in 11 of 12 cells,
-// e.g. int4 T=1 210 and 176 us vs 223 and 217 with 4 KiB pages.
+// (the host read probe, read_bandwidth.cpp, asks for huge pages too). Huge pages made a decode
+// loop faster in 11 of 12 cells (int4 T=1 176-210 us vs 217-223).
 void* alloc_on_node(size_t bytes, int node, int nodes) {
   if (bytes == 0) bytes = 1;
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -132,6 +131,7 @@ struct ActLayout {
   float* gscale = nullptr;
   int32_t* sums = nullptr;
 
+  ActLayout() = default;
   // Rows for Ra activation rows, buffers only for the kinds in use[].
   ActLayout(ActRows& rows, int Kp_, int group_, size_t Ra, const bool use[kActKinds])
       : Kp(Kp_), Kq(round_up(Kp_, 64)), group(group_), ng((Kq + kActGroupK - 1) / kActGroupK), ld(Kp_ + 32),
@@ -162,10 +162,8 @@ struct ActLayout {
   // need r0 and r1 at whole tiles, each written in order by the tile kinds' kernel set: bf16
   // converted straight into tile order (RowOps::to_bf16_tile), int8 (a scale per row or group
   // first) quantized into a scratch block of the writing thread, then copied out step by step
-  // (RowOps::to_tiles). Written row by row (each row's 64-byte pieces 1 KiB apart) the h
-  // conversion took 1.3-1.8x the thread time of row-major rows on the GPU host (session 6 r1,
-  // Qwen3 shape, T=2048), and still 2x through a scratch block and this file's memcpy of 64
-  // bytes at a time (built at -Os: a call each; r2).
+  // (RowOps::to_tiles): written row by row (each row's 64-byte pieces 1 KiB apart), or here
+  // 64 bytes at a time, the h conversion took 1.3-2x the thread time of row-major rows.
   template <class Row>
   void write_rows(const RowOps& ops, const RowOps& ops8, ActKind kind, size_t r0, size_t r1, bool src_bf16,
                   Row row) {
@@ -274,7 +272,7 @@ struct Workspace {
   std::vector<uint8_t> slot_own;  // the same per active slot j
   std::vector<Item> gemm_items, tail_items;
   std::vector<int> gate_up_count;  // per active slot j: its gate/up items in gemm_items
-  PlanKey plan;  // what gemm_items, offsets and gate_up_count were built for (see forward)
+  PlanKey plan;  // what gemm_items, offsets and gate_up_count were built for (Forward::plan_items)
   AtomicInts pending;   // per active expert
   AtomicInts col_left;  // per down block: experts whose y is still missing
   AtomicInts col_own;   // the same for the own experts alone (MoeCall::deferred)
@@ -282,7 +280,9 @@ struct Workspace {
   ActRows act_tok;    // x once per token, for the experts of one token (decode)
   AlignedVec<float> h, y;
 };
-thread_local Workspace ws;
+// One per thread that runs calls. A call's steps that run on the pool's workers read the calling
+// thread's workspace through MoeLayer::Forward::ws, never through their own.
+thread_local Workspace thread_ws;
 
 }  // namespace
 
@@ -376,9 +376,8 @@ PackedView MoeLayer::view(const Matrix& m, int e, int s) const {
   v.zero = m.zero[s] ? m.zero[s] + size_t(e) * sf : nullptr;
   v.Kp = m.Kp;
   v.group = cfg_.group;
-  v.prefetch_l1 = kernel_prefetch_l1_;
-  v.prefetch_l2 = kernel_prefetch_l2_;
-  v.paired = paired_;
+  v.prefetch_l1 = tuning_.kernel_prefetch_l1;
+  v.prefetch_l2 = tuning_.kernel_prefetch_l2;
   return v;
 }
 
@@ -449,509 +448,625 @@ void MoeLayer::run(const MoeCall& call) {
   pool_->run_here([&] { forward(call, call_ns); });
 }
 
-void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
-  const int T = c.T, K = c.K, E = cfg_.E, H = cfg_.H, I = cfg_.I, S = cfg_.numa_nodes;
-  if (T == 0) return;
+// One forward call: its state, and the steps MoeLayer::forward runs in turn. Tokens are grouped by
+// expert (group_tokens), each expert's activation rows laid out (layout_activations) and written
+// from x (plan_conversion, convert_x), the GEMM items planned or the last call's plan reused
+// (plan_items), gate/up and down run in one pool run (run_items), and each token's expert outputs
+// summed (inside the run for calls of few tokens, else after it: finish).
+struct MoeLayer::Forward {
+  Forward(MoeLayer& layer, const MoeCall& call, int64_t call_ns);
+  void run();
+
+ private:
+  // Steps.
+  void prefetch_decode_state();
+  void group_tokens();
+  void group_by_sorting();
+  void group_by_counting();
+  void layout_activations();
+  void plan_conversion();
+  void add_chunks(int j);
+  void convert_x();
+  void plan_items();
+  int step_for(int experts) const;
+  int gate_up_items(int step) const;
+  void split_tail(size_t seg);
+  void prepare_run();
+  void run_items();
+  void gate_up_item(int i, int worker);
+  void down_item(int i, int worker);
+  void combine_in_item(const Item& it);
+  void finish();
+
+  // Helpers of the steps.
+  int id_at(int i) const {
+    return c.ids64 ? int(static_cast<const int64_t*>(c.ids)[i]) : static_cast<const int32_t*>(c.ids)[i];
+  }
+  bool tiles(int n) const { return L.many_ != L.base_ && n >= kAmxMinTokens; }
+  int n_of(int j) const { return row_begin[j + 1] - row_begin[j]; }
+  const Kernels& kernels_of(int j) const { return n_of(j) >= kAmxMinTokens ? *L.many_ : *L.base_; }
+  // Activation rows expert j's kernels read: AMX tiles read whole 16-row panels (padding rows
+  // zeros), the other kernels n rows only; a decode step's experts (1 token each) would
+  // otherwise write 15 rows of zeros per token, on the critical path.
+  int rows_read(int j) const { return tiles(n_of(j)) ? round_up(n_of(j), 16) : n_of(j); }
+  // Whether expert j reads token rows of tok1 (one token, or rows copied from tok1).
+  bool from_tok1(int j) const { return &kernels_of(j) == L.base_ && (n_of(j) == 1 || copies); }
+  const void* x_row(int t) const { return static_cast<const char*>(c.x) + size_t(t) * H * esize; }
+  void parallel_or_inline(int n, size_t work, ItemFn fn);
+  void combine_slots(int t, int k0, int k1, void* dst, int c0, int c1);
+  void combine(int t, int c0, int c1) { combine_slots(t, 0, K_own, c.out, c0, c1); }
+  void combine_deferred(int t, int c0, int c1) { combine_slots(t, K_own, K, c.out2, c0, c1); }
+  void out_ready();
+  void down_acts(int j);
+  void prefetch_heads(const Matrix& mat, const Item& it) const;
+
+  MoeLayer& L;
+  const MoeCall& c;
+  const MoeTuning tune;
+  Workspace& ws;  // the calling thread's (thread_ws), also in the steps the workers run
+  const int T, K, E, H, I, S, R;
+  const int K_own;      // with deferral, the own slots k < K_own come first everywhere
+  const size_t esize;   // bytes per value of x, out and out2
+  const Matrix &gate, &up, &down;
   TraceCall trace;  // filled only when this call is traced (tr); empty vectors cost nothing
-  TraceCall* const tr = tracer_.claim() ? &trace : nullptr;
+  TraceCall* const tr;
+
+  // group_tokens: order[j] the expert of active slot j; rows of slot j [row_begin[j], row_begin[j+1])
+  // in token order; tok[row] its token, pos[t * K + k] the row of (t, k); slot_own[j]: an own expert
+  // (all are, without deferral). The first A_tiles slots are AMX experts, A_tiles_own of them own.
+  std::vector<int>& order;
+  int A = 0, A_own = 0, A_tiles = 0, A_tiles_own = 0;
+  int* row_begin = nullptr;
+  int* tok = nullptr;
+  int* pos = nullptr;
+  const uint8_t* slot_own = nullptr;
+
+  // layout_activations: activation rows of slot j [act_begin[j], act_begin[j] + rows_read(j)), packed
+  // back to back; act1 for gate/up (x), act2 for down (h), tok1 one row per token; h [R, ldh] and
+  // y [R, ldy] fp32 rows, one per (token, slot).
+  int* act_begin = nullptr;
+  const RowOps* ops = nullptr;   // base_'s
+  const RowOps* ops8 = nullptr;  // many_'s: to_i8, where a kernel set reads i8 rows
+  size_t ldh = 0, ldy = 0;
+  ActLayout act1, act2, tok1;
+  ActKind tok_kind = ActKind::bf16;
+  float* h = nullptr;
+  float* y = nullptr;
+
+  // plan_conversion: phase A's items (-1: token chunk_first[i]'s row of tok1; else slot j's 16 rows
+  // from row chunk_first[i]); the first `converts` convert x, the rest copy tok1 rows.
+  bool copies = false;  // tok1's kind holds whole rows (bf16, i16): copied, not converted again
+  int converts = 0, chunks = 0;
+  size_t rows_written = 0, rows_copied = 0;
+  bool early = false;   // x converted inside the GEMM run (MoeTuning::early_start)
+  std::atomic<bool> acts_ready{true};
+
+  // prepare_run: the run's counters and how its outputs are summed.
+  Counters pending{nullptr, 1};
+  Counters col_left{nullptr, 1};
+  Counters col_own{nullptr, 1};
+  TraceItem* titems = nullptr;  // tracing: one record per GEMM item, written by its worker
+  bool combine_in_run = false;
+  bool ready_in_run = false;
+  alignas(64) std::atomic<int> own_blocks_left{0};
+};
+
+MoeLayer::Forward::Forward(MoeLayer& layer, const MoeCall& call, int64_t call_ns)
+    : L(layer), c(call), tune(layer.tuning_), ws(thread_ws), T(call.T), K(call.K), E(layer.cfg_.E), H(layer.cfg_.H),
+      I(layer.cfg_.I), S(layer.cfg_.numa_nodes), R(call.T * call.K), K_own(call.K - call.deferred),
+      esize(call.x_bf16 ? 2 : 4), gate(layer.mats_[0]), up(layer.mats_[1]), down(layer.mats_[2]),
+      tr(layer.tracer_.claim() ? &trace : nullptr), order(ws.order) {
   if (tr) {
     tr->call_ns = call_ns;
     tr->entry_ns = trace_now_ns();
   }
-  const int R = T * K;
-  // With deferral, the experts of own slots (k < K_own) come first (the grouping, and the GEMM items below).
-  const int K_own = K - c.deferred;
-  const Matrix &gate = mats_[0], &up = mats_[1], &down = mats_[2];
-  if (T <= kCombineInRunTokens) {
-    // Decode: x (fresh from the caller, often not in this core's caches) and the rows its
-    // conversion writes, on their way while the tokens are grouped; each a few KiB.
-    prefetch_l2(c.x, size_t(T) * H * (c.x_bf16 ? 2 : 4));
-    if (!ws.act_tok.q.empty()) prefetch_l2(ws.act_tok.q.data(), std::min(ws.act_tok.q.size(), size_t(T) * (H + 32)) * 2);
-    if (!ws.act_tok.bf16.empty())
-      prefetch_l2(ws.act_tok.bf16.data(), std::min(ws.act_tok.bf16.size(), size_t(T) * (H + 32)) * 2);
-    // So are the item list this call will likely reuse (the plan) and the column counters it
-    // sets: a few KiB, evicted by the weights that streamed past since the last call.
-    prefetch_l2(ws.gemm_items.data(), ws.gemm_items.size() * sizeof(Item));
-    for (size_t o = 0; o < ws.col_left.size * sizeof(int); o += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(ws.col_left.data.get()) + o, 1, 2);
-  }
-  auto id_at = [&](int i) {
-    return c.ids64 ? int(static_cast<const int64_t*>(c.ids)[i]) : static_cast<const int32_t*>(c.ids)[i];
-  };
+}
 
-  // Group (token, slot) pairs by expert: order[j] the expert of active slot j, most tokens first
-  // (longest work first), ties by expert id; rows of slot j [row_begin[j], row_begin[j+1]) in
-  // token order; tok[row] its token, pos[t * K + k] the row of (t, k). With deferral the A_own
-  // experts that some token has in an own slot come first, each side in that order; but the experts of
-  // AMX tiles first of all (their activation rows are whole tiles from the start, see ActRows).
-  std::vector<int>& order = ws.order;
+void MoeLayer::Forward::run() {
+  if (T <= kCombineInRunTokens) prefetch_decode_state();
+  group_tokens();
+  layout_activations();
+  plan_conversion();
+  if (!early) convert_x();
+  // Traced: x converted, or (early) its conversion handed to the run, whose gate/up items' wait
+  // then shows it.
+  if (tr) tr->acts_ns = trace_now_ns();
+  plan_items();
+  prepare_run();
+  run_items();
+  finish();
+}
+
+// Decode: x (fresh from the caller, often not in this core's caches) and the rows its conversion
+// writes, on their way while the tokens are grouped; each a few KiB. So are the item list this call
+// will likely reuse (the plan) and the column counters it sets: evicted by the weights that streamed
+// past since the last call.
+void MoeLayer::Forward::prefetch_decode_state() {
+  prefetch_l2(c.x, size_t(T) * H * esize);
+  if (!ws.act_tok.q.empty()) prefetch_l2(ws.act_tok.q.data(), std::min(ws.act_tok.q.size(), size_t(T) * (H + 32)) * 2);
+  if (!ws.act_tok.bf16.empty())
+    prefetch_l2(ws.act_tok.bf16.data(), std::min(ws.act_tok.bf16.size(), size_t(T) * (H + 32)) * 2);
+  prefetch_l2(ws.gemm_items.data(), ws.gemm_items.size() * sizeof(Item));
+  for (size_t o = 0; o < ws.col_left.size * sizeof(int); o += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(ws.col_left.data.get()) + o, 1, 2);
+}
+
+// Groups the (token, slot) pairs by expert: most tokens first (longest work first), ties by expert
+// id. With deferral the A_own experts that some token has in an own slot come first, each side in
+// that order; but the experts of AMX tiles first of all (their activation rows are whole tiles from
+// the start, see ActRows).
+void MoeLayer::Forward::group_tokens() {
   order.clear();
-  int* row_begin;
-  int A_own = 0;
-  auto tiles = [&](int n) { return many_ != base_ && n >= kAmxMinTokens; };
-  int* tok = grow(ws.tok, R);
-  int* pos = grow(ws.pos, R);
-  if (R <= kFewRows) {
-    // Decode: sort the R (expert, i) keys instead of counting over all E experts: only R-sized
-    // arrays are touched (counting clears and scans two E-sized ones, and sorts with a buffer).
-    uint64_t* key = grow(ws.keys, R);
-    for (int i = 0; i < R; ++i) {
-      const uint64_t k = uint64_t(id_at(i)) << 32 | uint32_t(i);
-      int r = i;
-      for (; r > 0 && key[r - 1] > k; --r) key[r] = key[r - 1];
-      key[r] = k;
-    }
-    int* run_start = grow(ws.run_start, R + 1);  // keys of the expert's run: [run_start[q], run_start[q+1])
-    int runs = 0;
-    for (int r = 0; r < R; ++r)
-      if (r == 0 || key[r] >> 32 != key[r - 1] >> 32) run_start[runs++] = r;
-    run_start[runs] = R;
-    // Runs of AMX tiles first, then own runs, then by length, longest first, stably (insertion: runs are
-    // few); slot j takes run q.
-    int* run_own = grow(ws.run_own, runs);
-    for (int q = 0; q < runs; ++q) {
-      run_own[q] = 0;
-      for (int r = run_start[q]; r < run_start[q + 1]; ++r) run_own[q] |= int(uint32_t(key[r]) % K) < K_own;
-      A_own += run_own[q];
-    }
-    auto rank = [&](int q) {
-      const int n = run_start[q + 1] - run_start[q];
-      return n + run_own[q] * (R + 1) + tiles(n) * 2 * (R + 1);
-    };
-    int* run_of = grow(ws.run_of, runs);
-    for (int q = 0; q < runs; ++q) {
-      const int r = rank(q);
-      int j = q;
-      for (; j > 0 && rank(run_of[j - 1]) < r; --j) run_of[j] = run_of[j - 1];
-      run_of[j] = q;
-    }
-    row_begin = grow(ws.row_begin, runs + 1);
-    row_begin[0] = 0;
-    uint8_t* slot_own = grow(ws.slot_own, runs);
-    for (int j = 0; j < runs; ++j) {
-      const int q = run_of[j];
-      slot_own[j] = uint8_t(run_own[q]);
-      order.push_back(int(key[run_start[q]] >> 32));
-      for (int r = run_start[q]; r < run_start[q + 1]; ++r) {
-        const int i = int(uint32_t(key[r])), row = row_begin[j] + (r - run_start[q]);
-        tok[row] = i / K;
-        pos[i] = row;
-      }
-      row_begin[j + 1] = row_begin[j] + run_start[q + 1] - run_start[q];
-    }
-  } else {
-    int* counts = grow(ws.counts, E);
-    std::fill(counts, counts + E, 0);
-    for (int i = 0; i < R; ++i) ++counts[id_at(i)];
-    uint8_t* own = grow(ws.own, E);
-    std::fill(own, own + E, uint8_t(c.deferred == 0));
-    if (c.deferred)
-      for (int i = 0; i < R; ++i) own[id_at(i)] |= i % K < K_own;
-    for (int e = 0; e < E; ++e)
-      if (counts[e]) order.push_back(e), A_own += own[e];
-    // Ties by id make it the stable order without std::stable_sort's buffer (a malloc per call).
-    std::sort(order.begin(), order.end(), [&](int a, int b) {
-      if (tiles(counts[a]) != tiles(counts[b])) return tiles(counts[a]);
-      return own[a] != own[b] ? own[a] > own[b] : counts[a] != counts[b] ? counts[a] > counts[b] : a < b;
-    });
-    const int A = int(order.size());
-    row_begin = grow(ws.row_begin, A + 1);
-    int* slot_of = grow(ws.slot_of, E);  // read only for active experts, all set below
-    uint8_t* slot_own = grow(ws.slot_own, A);
-    row_begin[0] = 0;
-    for (int j = 0; j < A; ++j) {
-      slot_of[order[j]] = j;
-      slot_own[j] = own[order[j]];
-      row_begin[j + 1] = row_begin[j] + counts[order[j]];
-    }
-    int* fill = std::copy(row_begin, row_begin + A, grow(ws.fill, A)) - A;
-    for (int i = 0; i < R; ++i) {
-      const int j = slot_of[id_at(i)];
-      tok[fill[j]] = i / K;
-      pos[i] = fill[j]++;
-    }
-  }
-  const int A = int(order.size());
+  tok = grow(ws.tok, R);
+  pos = grow(ws.pos, R);
+  if (R <= kFewRows) group_by_sorting();
+  else group_by_counting();
+  A = int(order.size());
   if (tr) tr->grouped_ns = trace_now_ns();
-  auto n_of = [&](int j) { return row_begin[j + 1] - row_begin[j]; };
-  const uint8_t* slot_own = ws.slot_own.data();  // an own expert (all are, without deferral)
-  int A_tiles = 0, A_tiles_own = 0;  // the first slots (AMX experts), the own ones among them
+  slot_own = ws.slot_own.data();
   for (int j = 0; j < A && tiles(n_of(j)); ++j) ++A_tiles, A_tiles_own += slot_own[j];
-  auto kernels_of = [&](int j) -> const Kernels& { return n_of(j) >= kAmxMinTokens ? *many_ : *base_; };
-  // Activation rows expert j's kernels read: AMX tiles read whole 16-row panels (padding rows
-  // zeros), the other kernels n rows only; a decode step's experts (1 token each) would
-  // otherwise write 15 rows of zeros per token, on the critical path.
-  auto rows_read = [&](int j) { return many_ != base_ && n_of(j) >= kAmxMinTokens ? round_up(n_of(j), 16) : n_of(j); };
-  // Activation rows of active expert j: [act_begin[j], act_begin[j] + rows_read(j)), packed
-  // back to back (a decode step's rows stay few, and the same ones call after call).
-  int* act_begin = grow(ws.act_begin, A + 1);
+}
+
+// Decode: sorts the R (expert, i) keys instead of counting over all E experts: only R-sized arrays
+// are touched (counting clears and scans two E-sized ones, and sorts with a buffer).
+void MoeLayer::Forward::group_by_sorting() {
+  uint64_t* key = grow(ws.keys, R);
+  for (int i = 0; i < R; ++i) {
+    const uint64_t k = uint64_t(id_at(i)) << 32 | uint32_t(i);
+    int r = i;
+    for (; r > 0 && key[r - 1] > k; --r) key[r] = key[r - 1];
+    key[r] = k;
+  }
+  int* run_start = grow(ws.run_start, R + 1);  // keys of the expert's run: [run_start[q], run_start[q+1])
+  int runs = 0;
+  for (int r = 0; r < R; ++r)
+    if (r == 0 || key[r] >> 32 != key[r - 1] >> 32) run_start[runs++] = r;
+  run_start[runs] = R;
+  // Runs of AMX tiles first, then own runs, then by length, longest first, stably (insertion: runs are
+  // few); slot j takes run q.
+  int* run_own = grow(ws.run_own, runs);
+  for (int q = 0; q < runs; ++q) {
+    run_own[q] = 0;
+    for (int r = run_start[q]; r < run_start[q + 1]; ++r) run_own[q] |= int(uint32_t(key[r]) % K) < K_own;
+    A_own += run_own[q];
+  }
+  auto rank = [&](int q) {
+    const int n = run_start[q + 1] - run_start[q];
+    return n + run_own[q] * (R + 1) + tiles(n) * 2 * (R + 1);
+  };
+  int* run_of = grow(ws.run_of, runs);
+  for (int q = 0; q < runs; ++q) {
+    const int r = rank(q);
+    int j = q;
+    for (; j > 0 && rank(run_of[j - 1]) < r; --j) run_of[j] = run_of[j - 1];
+    run_of[j] = q;
+  }
+  row_begin = grow(ws.row_begin, runs + 1);
+  row_begin[0] = 0;
+  uint8_t* own = grow(ws.slot_own, runs);
+  for (int j = 0; j < runs; ++j) {
+    const int q = run_of[j];
+    own[j] = uint8_t(run_own[q]);
+    order.push_back(int(key[run_start[q]] >> 32));
+    for (int r = run_start[q]; r < run_start[q + 1]; ++r) {
+      const int i = int(uint32_t(key[r])), row = row_begin[j] + (r - run_start[q]);
+      tok[row] = i / K;
+      pos[i] = row;
+    }
+    row_begin[j + 1] = row_begin[j] + run_start[q + 1] - run_start[q];
+  }
+}
+
+// Many tokens: counts each expert's pairs, then places them.
+void MoeLayer::Forward::group_by_counting() {
+  int* counts = grow(ws.counts, E);
+  std::fill(counts, counts + E, 0);
+  for (int i = 0; i < R; ++i) ++counts[id_at(i)];
+  uint8_t* own = grow(ws.own, E);
+  std::fill(own, own + E, uint8_t(c.deferred == 0));
+  if (c.deferred)
+    for (int i = 0; i < R; ++i) own[id_at(i)] |= i % K < K_own;
+  for (int e = 0; e < E; ++e)
+    if (counts[e]) order.push_back(e), A_own += own[e];
+  // Ties by id make it the stable order without std::stable_sort's buffer (a malloc per call).
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    if (tiles(counts[a]) != tiles(counts[b])) return tiles(counts[a]);
+    return own[a] != own[b] ? own[a] > own[b] : counts[a] != counts[b] ? counts[a] > counts[b] : a < b;
+  });
+  const int n = int(order.size());
+  row_begin = grow(ws.row_begin, n + 1);
+  int* slot_of = grow(ws.slot_of, E);  // read only for active experts, all set below
+  uint8_t* own_slot = grow(ws.slot_own, n);
+  row_begin[0] = 0;
+  for (int j = 0; j < n; ++j) {
+    slot_of[order[j]] = j;
+    own_slot[j] = own[order[j]];
+    row_begin[j + 1] = row_begin[j] + counts[order[j]];
+  }
+  int* fill = std::copy(row_begin, row_begin + n, grow(ws.fill, n)) - n;
+  for (int i = 0; i < R; ++i) {
+    const int j = slot_of[id_at(i)];
+    tok[fill[j]] = i / K;
+    pos[i] = fill[j]++;
+  }
+}
+
+// The activation rows of every active expert, and the h and y rows. h and y rows are 64 bytes past
+// the padded width, so that neither stride is a multiple of 4 KiB (L1 sets, as for activations).
+void MoeLayer::Forward::layout_activations() {
+  act_begin = grow(ws.act_begin, A + 1);
   act_begin[0] = 0;
   for (int j = 0; j < A; ++j) act_begin[j + 1] = act_begin[j] + rows_read(j);
-  const Format fmt = cfg_.format;
-  const RowOps& ops = base_->ops;
-  const RowOps& ops8 = many_->ops;  // to_i8, where a kernel set reads i8 rows
+  const Format fmt = L.cfg_.format;
+  ops = &L.base_->ops;
+  ops8 = &L.many_->ops;
   const size_t Ra = act_begin[A];
-  const int grp = cfg_.format == Format::int4 ? cfg_.group : 0;
-  // h [R, ldh] and y [R, ldy] fp32 rows, one per (token, slot); 64 bytes past the padded
-  // width, so that neither stride is a multiple of 4 KiB (L1 sets, as for activations).
-  const size_t ldh = size_t(gate.blocks) * kBlockRows + 16, ldy = size_t(down.blocks) * kBlockRows + 16;
+  const int grp = fmt == Format::int4 ? L.cfg_.group : 0;
+  ldh = size_t(gate.blocks) * kBlockRows + 16;
+  ldy = size_t(down.blocks) * kBlockRows + 16;
   bool use1[kActKinds] = {}, use2[kActKinds] = {};
-  for (const Kernels* k : {base_, many_}) {
+  for (const Kernels* k : {L.base_, L.many_}) {
     use1[int(act_of(*k, false, fmt))] = true;
     use2[int(act_of(*k, true, fmt))] = true;
   }
-  ActLayout act1(ws.act, gate.Kp, grp, Ra, use1), act2(ws.act2, down.Kp, grp, Ra, use2);
+  act1 = ActLayout(ws.act, gate.Kp, grp, Ra, use1);
+  act2 = ActLayout(ws.act2, down.Kp, grp, Ra, use2);
   // An expert with one token (every expert of a decode step) reads that token's row of tok1:
   // each token is converted once, not once per expert (K times at T = 1), and the rows stay few
   // and cache-hot. Those experts run base_'s kernels (one token is below kAmxMinTokens).
-  ActLayout tok1(ws.act_tok, gate.Kp, grp, T, use1);
-  const ActKind tok_kind = act_of(*base_, false, fmt);
-  float* h = grow(ws.h, size_t(R) * ldh);
-  float* y = grow(ws.y, size_t(R) * ldy);
-  // Phase A: x -> activation rows, each token converted once for the experts that run base_'s
-  // kernels (all of a decode step's): A1 converts x rows into tok1 (items (-1, token)) and the
-  // AMX experts' rows (chunks of 16: (expert, first row), padding rows zeros); A2 copies tok1
-  // rows into the rows of base_'s experts with several tokens (chunks likewise). One-token
-  // experts read tok1 itself.
-  const bool copies = tok_kind == ActKind::bf16 || tok_kind == ActKind::i16;  // whole rows
-  auto from_tok1 = [&](int j) { return &kernels_of(j) == base_ && (n_of(j) == 1 || copies); };
-  std::vector<int>& items = ws.items;
-  std::vector<int>& chunk_first = ws.chunk_first;
-  items.clear();
-  chunk_first.clear();
-  size_t rows_written = 0, rows_copied = 0;
+  tok1 = ActLayout(ws.act_tok, gate.Kp, grp, T, use1);
+  tok_kind = act_of(*L.base_, false, fmt);
+  h = grow(ws.h, size_t(R) * ldh);
+  y = grow(ws.y, size_t(R) * ldy);
+}
+
+// Phase A's items: x -> activation rows, each token converted once for the experts that run base_'s
+// kernels (all of a decode step's). A1 converts x rows into tok1 (items (-1, token)) and the AMX
+// experts' rows (chunks of 16: (expert, first row), padding rows zeros); A2 copies tok1 rows into the
+// rows of base_'s experts with several tokens (chunks likewise). One-token experts read tok1 itself.
+void MoeLayer::Forward::plan_conversion() {
+  copies = tok_kind == ActKind::bf16 || tok_kind == ActKind::i16;
+  ws.items.clear();
+  ws.chunk_first.clear();
   int* tok_used = grow(ws.tok_used, T);
   std::fill(tok_used, tok_used + T, 0);
   for (int j = 0; j < A; ++j)
     if (from_tok1(j))
       for (int r = row_begin[j]; r < row_begin[j + 1]; ++r)
         if (!tok_used[tok[r]]++) {
-          items.push_back(-1);
-          chunk_first.push_back(tok[r]);
+          ws.items.push_back(-1);
+          ws.chunk_first.push_back(tok[r]);
           ++rows_written;
         }
   for (int j = 0; j < A; ++j) {
     if (from_tok1(j)) continue;
     rows_written += rows_read(j);
-    for (int r = act_begin[j]; r < act_begin[j + 1]; r += 16) {
-      items.push_back(j);
-      chunk_first.push_back(r);
-    }
+    add_chunks(j);
   }
-  const int converts = int(items.size());
+  converts = int(ws.items.size());
   for (int j = 0; j < A; ++j) {
     if (!from_tok1(j) || n_of(j) == 1) continue;
     rows_copied += n_of(j);
-    for (int r = act_begin[j]; r < act_begin[j + 1]; r += 16) {
-      items.push_back(j);
-      chunk_first.push_back(r);
-    }
+    add_chunks(j);
   }
-  const int chunks = int(items.size());
-  auto parallel_or_inline = [&](int n, size_t work, ItemFn fn) {
-    if (work < (1u << 15)) {
-      for (int i = 0; i < n; ++i) fn(i, 0);
-    } else {
-      pool_->run(n, fn);
-    }
-  };
+  chunks = int(ws.items.size());
+  // x is converted before the run, or with early_start (a decode call, converted inline) inside the
+  // GEMM run, by its caller once the workers are on their way (gate/up items wait for acts_ready).
+  const bool inline_acts = rows_written * H < (1u << 15) && rows_copied * H / 4 < (1u << 15);
+  early = tune.early_start && inline_acts;
+  acts_ready.store(!early, std::memory_order_relaxed);
+}
+
+// Phase A items of slot j's activation rows, 16 at a time.
+void MoeLayer::Forward::add_chunks(int j) {
+  for (int r = act_begin[j]; r < act_begin[j + 1]; r += 16) {
+    ws.items.push_back(j);
+    ws.chunk_first.push_back(r);
+  }
+}
+
+void MoeLayer::Forward::parallel_or_inline(int n, size_t work, ItemFn fn) {
+  if (work < (1u << 15)) {
+    for (int i = 0; i < n; ++i) fn(i, 0);
+  } else {
+    L.pool_->run(n, fn);
+  }
+}
+
+// Phase A: A1 then A2 (plan_conversion), then acts_ready.
+void MoeLayer::Forward::convert_x() {
+  const std::vector<int>& items = ws.items;
+  const std::vector<int>& chunk_first = ws.chunk_first;
+  const Format fmt = L.cfg_.format;
   auto rows_of = [&](int i) {  // phase A item i's activation rows
     const int j = items[i], a0 = chunk_first[i];
     return std::make_pair(size_t(a0), std::min<size_t>(a0 + 16, act_begin[j] + rows_read(j)));
   };
-  // x is converted here, or with early_start (a decode call, converted inline) inside the GEMM run,
-  // by its caller once the workers are on their way (gate/up items wait for acts_ready).
-  const bool inline_acts = rows_written * H < (1u << 15) && rows_copied * H / 4 < (1u << 15);
-  const bool early = early_start_ && inline_acts;
-  std::atomic<bool> acts_ready{!early};
-  auto convert_x = [&] {
-    parallel_or_inline(converts, rows_written * H, [&](int i, int) {  // A1
-      const int j = items[i], a0 = chunk_first[i];
-      if (j < 0) {  // token a0's row of tok1
-        tok1.write(ops, ops8, tok_kind, a0, static_cast<const char*>(c.x) + size_t(a0) * H * (c.x_bf16 ? 2 : 4),
-                   c.x_bf16, H);
-        return;
-      }
-      const ActKind kind = act_of(kernels_of(j), false, fmt);
-      const auto [r0, r1] = rows_of(i);
-      act1.write_rows(ops, ops8, kind, r0, r1, c.x_bf16, [&](size_t r) {
-        const int local = r - act_begin[j];
-        const bool pad = local >= n_of(j);
-        const int t = pad ? 0 : tok[row_begin[j] + local];
-        const void* src = static_cast<const char*>(c.x) + size_t(t) * H * (c.x_bf16 ? 2 : 4);
-        return std::make_pair(src, pad ? 0 : H);
-      });
+  parallel_or_inline(converts, rows_written * H, [&](int i, int) {  // A1
+    const int j = items[i], a0 = chunk_first[i];
+    if (j < 0) {  // token a0's row of tok1
+      tok1.write(*ops, *ops8, tok_kind, a0, x_row(a0), c.x_bf16, H);
+      return;
+    }
+    const ActKind kind = act_of(kernels_of(j), false, fmt);
+    const auto [r0, r1] = rows_of(i);
+    act1.write_rows(*ops, *ops8, kind, r0, r1, c.x_bf16, [&](size_t r) {
+      const int local = r - act_begin[j];
+      const bool pad = local >= n_of(j);
+      return std::make_pair(x_row(pad ? 0 : tok[row_begin[j] + local]), pad ? 0 : H);
     });
-    // A2: a row copy moves 2 bytes per K, a conversion reads x and works on it more than once
-    parallel_or_inline(chunks - converts, rows_copied * H / 4, [&](int i, int) {
-      const int j = items[converts + i];
-      const auto [r0, r1] = rows_of(converts + i);
-      for (size_t r = r0; r < r1; ++r) act1.copy(tok_kind, r, tok1, tok[row_begin[j] + (r - act_begin[j])]);
-    });
-    acts_ready.store(true, std::memory_order_release);
-  };
-  if (!early) convert_x();
-  // Traced: x converted, or (early) its conversion handed to the run, whose gate/up items' wait
-  // then shows it.
-  if (tr) tr->acts_ns = trace_now_ns();
+  });
+  // A2: a row copy moves 2 bytes per K, a conversion reads x and works on it more than once
+  parallel_or_inline(chunks - converts, rows_copied * H / 4, [&](int i, int) {
+    const int j = items[converts + i];
+    const auto [r0, r1] = rows_of(converts + i);
+    for (size_t r = r0; r < r1; ++r) act1.copy(tok_kind, r, tok1, tok[row_begin[j] + (r - act_begin[j])]);
+  });
+  acts_ready.store(true, std::memory_order_release);
+}
 
-  // Gate/up and down in one pool run, without a barrier between them. Items (expert, slice,
-  // block range): per slice, all gate/up items (largest experts first), then all down items; with
-  // deferral that for the own experts, then again for the deferred ones. The gate/up item that
-  // finishes an expert last turns its h rows into down activations and marks it ready; a down item
-  // of an expert not ready yet waits for it. That never deadlocks: a worker reaches an expert's down
-  // items only after every gate/up item of that expert in its own group is claimed (and steals only
-  // from exhausted groups), and claimed gate/up items never wait (with early_start, only for x's
-  // rows, which the calling thread makes before it takes items or waits). Tried in session 15 and
-  // not kept (03721eb, reverted): a worker at a down item of an expert not ready computing that
-  // expert's unclaimed gate/up blocks from the back of its items (their own workers went two blocks
-  // at a time from the front). On the GPU host it stole 1 block in 48 one-token bf16 calls (top-7,
-  // waits 4.4% of the run), and decode ran no faster (Qwen3 12 layers, 5 rounds: bf16 0.98x, int4
-  // 0.97x): the workers are busy 92-95% of the run; slow workers are slow while they compute. With
-  // a 16th worker and the decode thread napping (handoff_threads) bf16 1.01x, spinning 0.96x.
-  // Tried in session 17 and not kept: each side's down items ordered by when a model of equal
-  // workers taking the items in list order says its experts' gate/up ends, not in the slots' order
-  // (a host trace of a deferral call had the first workers done with 1-block tail items waiting
-  // 51-83 us at the down items of experts whose 8-block items still ran, while the tail experts'
-  // down items sat unclaimed). deferral_decode.py, Qwen3-30B-A3B 12 layers, 5 rounds: bf16 1.02x
-  // (K=0) and 1.04x (K=1), int4 0.92x and 0.97x in one run; with only clear cases reordered (an
-  // expert ending a 1-block item or more earlier) bf16 1.00x and 0.96x, int4 0.95x and 0.98x.
-  std::vector<Item>& gemm_items = ws.gemm_items;
-  std::vector<int>& offsets = ws.offsets;
-  // Gate/up items per expert (the same for all of one side): each one counts down its expert's pending.
-  auto gate_up_items = [&](int step) {
-    int n = 0;
-    for (int s = 0; s < S; ++s) n += (gate.slice_begin[s + 1] - gate.slice_begin[s] + step - 1) / step;
-    return n;
-  };
-  // Items of 1 to 8 blocks: each item restarts its weight streams (on the GPU host 8-block items
-  // beat 5-block ones at T = 1, r1), and the tail split below keeps the end of the run fine-grained.
-  // Balanced (the default): the size with which the run should end soonest, in units of one gate/up
-  // block's time (a down block's is r = I / 2H of it, an item's restart ~0.2): the later of the
-  // critical path (the gate/up items' rounds over the workers, each round an item long, then the last
-  // expert's down items spread over the workers) and all the work spread over the workers. An
-  // expert's down items wait for all its gate/up items, so one round too many holds up the run: 6
-  // one-token experts of Qwen3-30B-A3B (24 gate blocks) in 8-block items are 18 items for 15
-  // workers, the last 3 run after the others and their experts' down items wait for them; in 6- or
-  // 7-block items the second round is full and short. On the GPU host (session 9 call 3,
-  // moe_layer.py --top-k 6 --gap-us 100, 16 threads, variants taking turns) a rule of rounds x
-  // (item + 1 block) alone took 5-block items there: one-token calls of 6 experts int4 0.137 vs
-  // 0.149 ms, bf16 0.492 vs 0.553; but 6-block items for 8 experts, where 8 are as fast or faster
-  // (bf16 0.684 vs 0.654, int4 0.199 vs 0.196): with the work term this rule keeps 8 there (not
-  // measured since). Otherwise about 4 items per thread over gate/up and down blocks. Sized per side
-  // with deferral: the deferred experts (often one or two) in items as small as their own count
-  // asks for, so that every worker reads their weights. Tried in session 14 and not kept: decode
-  // items capped at 512 KiB of gate's blocks (Qwen3-30B-A3B bf16 4 blocks, DeepSeek-V3 bf16 1):
-  // Qwen3 bf16 in the pipeline 1.07x in one run (deferral_decode.py, 12 layers), alone the same,
-  // e2e.py on another host no faster; DeepSeek-V3 alone (64 experts) bf16 / int8 2-6% slower.
-  auto step_for = [&](int experts) {
-    if (item_blocks_ > 0) return item_blocks_;
-    const int threads = pool_->threads();
-    if (!balanced_items_) {
-      const int64_t blocks = int64_t(gate.blocks + down.blocks) * experts;
-      return int(std::clamp<int64_t>(blocks / (4 * threads), 1, 8));
-    }
-    constexpr double kRestart = 0.2;
-    const double r = double(down.K) / (2.0 * gate.K);  // a down block's bytes over a gate/up block's
-    const double work = experts * (gate.blocks + down.blocks * r);
-    int best = 8;
-    double best_time = 1e300;
-    for (int step = 8; step >= 1; --step) {  // ties: the larger items
-      int down_items = 0;
-      for (int s = 0; s < S; ++s) down_items += (down.slice_begin[s + 1] - down.slice_begin[s] + step - 1) / step;
-      const int64_t gate_up = int64_t(experts) * gate_up_items(step), items = gate_up + int64_t(experts) * down_items;
-      const int64_t rounds = (gate_up + threads - 1) / threads;
-      const double critical = rounds * (step + kRestart) + down.blocks * r / threads;
-      const double time = std::max(critical, (work + items * kRestart) / threads);
-      if (time < best_time - 1e-9) best = step, best_time = time;
-    }
-    return best;
-  };
+// Gate/up items per expert (the same for all of one side): each one counts down its expert's pending.
+int MoeLayer::Forward::gate_up_items(int step) const {
+  int n = 0;
+  for (int s = 0; s < S; ++s) n += (gate.slice_begin[s + 1] - gate.slice_begin[s] + step - 1) / step;
+  return n;
+}
+
+// 32-row blocks per GEMM item for `experts` experts, 1 to 8: each item restarts its weight streams,
+// and split_tail keeps the end of the run fine-grained. Balanced (the default): the size with which
+// the run should end soonest, in units of one gate/up block's time (a down block's is r = I / 2H of
+// it, an item's restart ~0.2): the later of the critical path (the gate/up items' rounds over the
+// workers, each round an item long, then the last expert's down items spread over the workers) and
+// all the work spread over the workers. An expert's down items wait for all its gate/up items, so one
+// round too many holds up the run: 6 one-token experts of Qwen3-30B-A3B (24 gate blocks) in 8-block
+// items are 18 items for 15 workers, the last 3 run after the others and their experts' down items
+// wait for them; in 6- or 7-block items the second round is full and short. Otherwise about 4 items
+// per thread over gate/up and down blocks. Sized per side with deferral: the deferred experts (often
+// one or two) in items as small as their own count asks for, so that every worker reads their weights.
+int MoeLayer::Forward::step_for(int experts) const {
+  if (tune.item_blocks > 0) return tune.item_blocks;
+  const int threads = L.pool_->threads();
+  if (!tune.balanced_items) {
+    const int64_t blocks = int64_t(gate.blocks + down.blocks) * experts;
+    return int(std::clamp<int64_t>(blocks / (4 * threads), 1, 8));
+  }
+  constexpr double kRestart = 0.2;
+  const double r = double(down.K) / (2.0 * gate.K);  // a down block's bytes over a gate/up block's
+  const double work = experts * (gate.blocks + down.blocks * r);
+  int best = 8;
+  double best_time = 1e300;
+  for (int step = 8; step >= 1; --step) {  // ties: the larger items
+    int down_items = 0;
+    for (int s = 0; s < S; ++s) down_items += (down.slice_begin[s + 1] - down.slice_begin[s] + step - 1) / step;
+    const int64_t gate_up = int64_t(experts) * gate_up_items(step), items = gate_up + int64_t(experts) * down_items;
+    const int64_t rounds = (gate_up + threads - 1) / threads;
+    const double critical = rounds * (step + kRestart) + down.blocks * r / threads;
+    const double time = std::max(critical, (work + items * kRestart) / threads);
+    if (time < best_time - 1e-9) best = step, best_time = time;
+  }
+  return best;
+}
+
+// The last items of the segment from seg on, about two blocks per thread of the group, become 1-block
+// items: workers run out of work (or reach the deferred experts) within a small item of each other.
+// For gate/up (gate_up_tail): the experts whose gate/up ends last hold up their down items, so every
+// worker should finish its share of gate/up at about the same time.
+void MoeLayer::Forward::split_tail(size_t seg) {
+  std::vector<Item>& items = ws.gemm_items;
+  size_t first = items.size();
+  for (int covered = 0; first > seg && covered < 2 * L.pool_->threads() / S;)
+    --first, covered += items[first].b1 - items[first].b0;
+  ws.tail_items.assign(items.begin() + first, items.end());
+  items.resize(first);
+  for (const Item& it : ws.tail_items)
+    for (int b = it.b0; b < it.b1; ++b) items.push_back({it.down, it.j, it.s, b, b + 1});
+}
+
+// The GEMM items (expert, slice, block range): per slice, all gate/up items (largest experts first),
+// then all down items; with deferral that for the own experts, then again for the deferred ones. The
+// list names active slots, not experts: a call with the same plan key as the last one (a decode
+// step's layers, one after the other) reuses it.
+void MoeLayer::Forward::plan_items() {
   const int step_own = step_for(A_own), step_deferred = step_for(A - A_own);
   // (with A_own and the AMX experts' counts, the own slots are known: own AMX experts, deferred ones, own others)
   const PlanKey plan{A, A_own, A_tiles, A_tiles_own, S, gate.blocks, down.blocks, step_own, step_deferred,
-                     pool_->threads(), tail_split_, gate_up_tail_};
-  if (!(plan == ws.plan)) {
-    gemm_items.clear();
-    offsets.assign(1, 0);
-    ws.gate_up_count.assign(A, 0);
-    for (int s = 0; s < S; ++s) {
-      for (const auto& [side, step] : {std::pair{1, step_own}, std::pair{0, step_deferred}})
-        for (int m = 0; m < 2; ++m) {
-          const Matrix& mat = m ? down : gate;
-          const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
-          const size_t seg = gemm_items.size();
-          for (int j = 0; j < A; ++j)
-            if (slot_own[j] == side)
-              for (int b = 0; b < nb; b += step) gemm_items.push_back({m, j, s, b, std::min(nb, b + step)});
-          if (m ? tail_split_ : gate_up_tail_) {
-            // The last items, about two blocks per thread of the group, become 1-block items: workers run
-            // out of work (or reach the deferred experts) within a small item of each other. For gate/up
-            // (gate_up_tail): the experts whose gate/up ends last hold up their down items, so every worker
-            // should finish its share of gate/up at about the same time. On the GPU host (session 10,
-            // Qwen3-30B-A3B int4 12 layers, decode rows interleaved) decode ran +5.2% and +9.1% faster with it
-            // (once -16%, on a disturbed host), one-token calls alone the same. Every gate/up item after the
-            // first round in 1-block items, also tried, was 1-8% slower than none in one-token calls alone.
-            size_t first = gemm_items.size();
-            for (int covered = 0; first > seg && covered < 2 * pool_->threads() / S;)
-              --first, covered += gemm_items[first].b1 - gemm_items[first].b0;
-            ws.tail_items.assign(gemm_items.begin() + first, gemm_items.end());
-            gemm_items.resize(first);
-            for (const Item& it : ws.tail_items)
-              for (int b = it.b0; b < it.b1; ++b) gemm_items.push_back({it.down, it.j, it.s, b, b + 1});
-          }
-          if (!m)
-            for (size_t i = seg; i < gemm_items.size(); ++i) ws.gate_up_count[gemm_items[i].j] += 1;
-        }
-      offsets.push_back(int(gemm_items.size()));
-    }
-    ws.plan = plan;
+                     L.pool_->threads(), tune.tail_split, tune.gate_up_tail};
+  if (plan == ws.plan) return;
+  std::vector<Item>& items = ws.gemm_items;
+  items.clear();
+  ws.offsets.assign(1, 0);
+  ws.gate_up_count.assign(A, 0);
+  for (int s = 0; s < S; ++s) {
+    for (const auto& [side, step] : {std::pair{1, step_own}, std::pair{0, step_deferred}})
+      for (int m = 0; m < 2; ++m) {
+        const Matrix& mat = m ? down : gate;
+        const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
+        const size_t seg = items.size();
+        for (int j = 0; j < A; ++j)
+          if (slot_own[j] == side)
+            for (int b = 0; b < nb; b += step) items.push_back({m, j, s, b, std::min(nb, b + step)});
+        if (m ? tune.tail_split : tune.gate_up_tail) split_tail(seg);
+        if (!m)
+          for (size_t i = seg; i < items.size(); ++i) ws.gate_up_count[items[i].j] += 1;
+      }
+    ws.offsets.push_back(int(items.size()));
   }
-  const int stride = padded_counters_ ? 64 / int(sizeof(std::atomic<int>)) : 1;
-  const Counters pending{grow(ws.pending, size_t(A) * stride), stride};
+  ws.plan = plan;
+}
+
+// The run's counters (pending gate/up items per expert; per down block, the experts whose y is still
+// missing), the trace's records, and where the outputs are summed: out is ready inside the run once
+// the own experts have all summed every block (own_blocks_left), with deferral in the run; else when
+// the call ends. With no own slot at all, at once.
+void MoeLayer::Forward::prepare_run() {
+  const int stride = tune.padded_counters ? 64 / int(sizeof(std::atomic<int>)) : 1;
+  pending = {grow(ws.pending, size_t(A) * stride), stride};
   for (int j = 0; j < A; ++j) pending[j].store(ws.gate_up_count[j], std::memory_order_relaxed);
-  TraceItem* titems = nullptr;  // tracing: one record per GEMM item, written by its worker
   if (tr) {
     tr->T = T;
     tr->K = K;
     tr->A = A;
-    tr->items.resize(gemm_items.size());
+    tr->items.resize(ws.gemm_items.size());
     titems = tr->items.data();
-    tr->join_ns.assign(pool_->threads(), 0);
-    tr->slept.assign(pool_->threads(), 0);
-    pool_->set_join_log(tr->join_ns.data(), tr->slept.data());
+    tr->join_ns.assign(L.pool_->threads(), 0);
+    tr->slept.assign(L.pool_->threads(), 0);
+    L.pool_->set_join_log(tr->join_ns.data(), tr->slept.data());
   }
-  // dst[t, c0:c1] = sum_k w[t, k] * y[row of (t, k), c0:c1], k0 <= k < k1 in order (deterministic):
-  // combine(t, c0, c1) for out (the own slots), combine_deferred for out2.
-  const size_t esize = c.x_bf16 ? 2 : 4;
-  auto combine_slots = [&](int t, int k0, int k1, void* dst, int c0, int c1) {
-    thread_local std::vector<const float*> srcv;
-    const float** src = grow(srcv, K);
-    for (int k = k0; k < k1; ++k) src[k - k0] = y + size_t(pos[size_t(t) * K + k]) * ldy + c0;
-    char* o = static_cast<char*>(dst) + (size_t(t) * H + c0) * esize;
-    ops.combine(k1 - k0, src, c.weights + size_t(t) * K + k0, c1 - c0, o, c.x_bf16);
-  };
-  auto combine = [&](int t, int c0, int c1) { combine_slots(t, 0, K_own, c.out, c0, c1); };
-  auto combine_deferred = [&](int t, int c0, int c1) { combine_slots(t, K_own, K, c.out2, c0, c1); };
-  auto out_ready = [&] {
-    if (c.out_ready_ns || (tr && c.deferred > 0)) {
-      const int64_t now = trace_now_ns();
-      if (c.out_ready_ns) *c.out_ready_ns = now;
-      if (tr && c.deferred > 0) tr->ready_ns = now;
-    }
-    if (c.out_ready) __atomic_store_n(c.out_ready, 1u, __ATOMIC_RELEASE);
-  };
-  const bool combine_in_run = combine_in_run_ && T <= kCombineInRunTokens;
-  // out is ready inside the run once the own experts have all summed every block (own_blocks_left),
-  // with deferral in the run; else when the call ends. With no own slot at all, at once.
-  const bool ready_in_run = c.deferred > 0 && K_own > 0 && combine_in_run;
+  combine_in_run = tune.combine_in_run && T <= kCombineInRunTokens;
+  ready_in_run = c.deferred > 0 && K_own > 0 && combine_in_run;
   if (c.deferred > 0 && K_own == 0) {
     std::memset(c.out, 0, size_t(T) * H * esize);
     out_ready();
   }
-  const Counters col_left{grow(ws.col_left, size_t(down.blocks) * stride), stride};
-  const Counters col_own{grow(ws.col_own, size_t(down.blocks) * stride), stride};
-  alignas(64) std::atomic<int> own_blocks_left{down.blocks};
+  col_left = {grow(ws.col_left, size_t(down.blocks) * stride), stride};
+  col_own = {grow(ws.col_own, size_t(down.blocks) * stride), stride};
+  own_blocks_left.store(down.blocks, std::memory_order_relaxed);
   if (combine_in_run)
     for (int b = 0; b < down.blocks; ++b) {
       col_left[b].store(A, std::memory_order_relaxed);
       col_own[b].store(A_own, std::memory_order_relaxed);
     }
-  auto down_acts = [&](int j) {  // expert j's h rows -> down activations (padding as in phase A)
-    const ActKind kind = act_of(kernels_of(j), true, fmt);
-    act2.write_rows(ops, ops8, kind, act_begin[j], act_begin[j] + rows_read(j), false, [&](size_t r) {
-      const int local = r - act_begin[j];
-      const bool pad = local >= n_of(j);
-      return std::make_pair(static_cast<const void*>(h + size_t(pad ? 0 : row_begin[j] + local) * ldh), pad ? 0 : I);
-    });
-  };
+}
 
+// dst[t, c0:c1] = sum_k w[t, k] * y[row of (t, k), c0:c1], k0 <= k < k1 in order (deterministic):
+// combine(t, c0, c1) for out (the own slots), combine_deferred for out2.
+void MoeLayer::Forward::combine_slots(int t, int k0, int k1, void* dst, int c0, int c1) {
+  thread_local std::vector<const float*> srcv;
+  const float** src = grow(srcv, K);
+  for (int k = k0; k < k1; ++k) src[k - k0] = y + size_t(pos[size_t(t) * K + k]) * ldy + c0;
+  char* o = static_cast<char*>(dst) + (size_t(t) * H + c0) * esize;
+  ops->combine(k1 - k0, src, c.weights + size_t(t) * K + k0, c1 - c0, o, c.x_bf16);
+}
+
+void MoeLayer::Forward::out_ready() {
+  if (c.out_ready_ns || (tr && c.deferred > 0)) {
+    const int64_t now = trace_now_ns();
+    if (c.out_ready_ns) *c.out_ready_ns = now;
+    if (tr && c.deferred > 0) tr->ready_ns = now;
+  }
+  if (c.out_ready) __atomic_store_n(c.out_ready, 1u, __ATOMIC_RELEASE);
+}
+
+// Expert j's h rows -> down activations (padding as in phase A).
+void MoeLayer::Forward::down_acts(int j) {
+  const ActKind kind = act_of(kernels_of(j), true, L.cfg_.format);
+  act2.write_rows(*ops, *ops8, kind, act_begin[j], act_begin[j] + rows_read(j), false, [&](size_t r) {
+    const int local = r - act_begin[j];
+    const bool pad = local >= n_of(j);
+    return std::make_pair(static_cast<const void*>(h + size_t(pad ? 0 : row_begin[j] + local) * ldh), pad ? 0 : I);
+  });
+}
+
+// The head of each weight stream of an item (and of its scales): a kernel's own prefetches run
+// a fixed distance ahead of its loads, so without this a new stream starts on demand misses.
+void MoeLayer::Forward::prefetch_heads(const Matrix& mat, const Item& it) const {
+  const size_t head = size_t(tune.item_prefetch);
+  const PackedView v = L.view(mat, order[it.j], it.s);
+  const size_t bb = block_bytes(L.cfg_.format, mat.Kp), sf = L.scale_floats(mat, 1);
+  prefetch_l2(v.w + size_t(it.b0) * bb, std::min(head, size_t(it.b1 - it.b0) * bb));
+  if (v.scale) prefetch_l2(v.scale + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
+  if (v.zero) prefetch_l2(v.zero + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
+}
+
+// Gate/up and down in one pool run, without a barrier between them. The gate/up item that finishes
+// an expert last turns its h rows into down activations and marks it ready; a down item of an expert
+// not ready yet waits for it. That never deadlocks: a worker reaches an expert's down items only after
+// every gate/up item of that expert in its own group is claimed (and steals only from exhausted
+// groups), and claimed gate/up items never wait (with early_start, only for x's rows, which the
+// calling thread makes before it takes items or waits).
+void MoeLayer::Forward::run_items() {
   if (tr) tr->items_ns = trace_now_ns();
-  // The head of each weight stream of an item (and of its scales): a kernel's own prefetches run
-  // a fixed distance ahead of its loads, so without this a new stream starts on demand misses.
-  const size_t head = size_t(item_prefetch_);
-  auto prefetch_heads = [&](const Matrix& mat, const Item& it) {
-    const PackedView v = view(mat, order[it.j], it.s);
-    const size_t bb = block_bytes(fmt, mat.Kp), sf = scale_floats(mat, 1);
-    prefetch_l2(v.w + size_t(it.b0) * bb, std::min(head, size_t(it.b1 - it.b0) * bb));
-    if (v.scale) prefetch_l2(v.scale + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
-    if (v.zero) prefetch_l2(v.zero + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
-  };
-  pool_->run(offsets, [&](int i, int worker) {
-    const Item it = gemm_items[i];
-    const int64_t t0 = titems ? trace_now_ns() : 0;
-    const Kernels& kn = kernels_of(it.j);
-    if (head) {
-      prefetch_heads(it.down ? down : gate, it);
-      if (!it.down) prefetch_heads(up, it);
-    }
-    if (!it.down) {  // h = silu(x Wg^T) * (x Wu^T) for this item's rows of I
-      int64_t waited_ns = 0;  // early_start: for x's activation rows (its weights' heads on their way)
-      if (!acts_ready.load(std::memory_order_acquire)) {
-        // x's rows take the calling thread a few microseconds: pause that long (~1000 pauses), then
-        // yield, in case it waits for this core (more threads than cores).
-        for (int spin = 0; !acts_ready.load(std::memory_order_acquire); ++spin)
-          if (spin > 1024) std::this_thread::yield(); else cpu_relax();
-        if (titems) waited_ns = trace_now_ns() - t0;
-      }
-      const ActView a = n_of(it.j) == 1 ? tok1.view(tok_kind, tok[row_begin[it.j]], 1)
-                                        : act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
-      const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows;
-      float* hrow = h + size_t(row_begin[it.j]) * ldh + col0;
-      if (kn.gate_up[int(fmt)]) {
-        kn.gate_up[int(fmt)](view(gate, order[it.j], it.s), view(up, order[it.j], it.s), it.b0, it.b1, a, hrow,
-                             int(ldh));
-      } else {
-        gate_up_two_gemms(gemm_of(kn, false, fmt), ops.silu_mul, view(gate, order[it.j], it.s),
-                          view(up, order[it.j], it.s), it.b0, it.b1, a, hrow, int(ldh));
-      }
-      // The last one of this expert (acq_rel: it sees every other item's h) converts h.
-      // Traced: the item's end is stamped before it lets its expert's down items go.
-      if (titems)
-        titems[i] = {worker, 0, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
-      if (pending[it.j].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        down_acts(it.j);
-        pending[it.j].store(-1, std::memory_order_release);
-        if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
-      }
-      return;
-    }
-    // y = h Wd^T for this item's rows of H, once expert j's down activations exist.
-    for (int spin = 0; pending[it.j].load(std::memory_order_acquire) != -1; ++spin)
-      if (spin > 64) std::this_thread::yield(); else cpu_relax();
-    const int64_t waited_ns = titems ? trace_now_ns() - t0 : 0;
-    const ActView a = act2.view(act_of(kn, true, fmt), act_begin[it.j], n_of(it.j));
-    const int col0 = (down.slice_begin[it.s] + it.b0) * kBlockRows;
-    gemm_of(kn, true, fmt)(view(down, order[it.j], it.s), it.b0, it.b1, a, y + size_t(row_begin[it.j]) * ldy + col0,
-                           int(ldy));
-    if (titems)
-      titems[i] = {worker, 1, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
-    if (!combine_in_run) return;
-    // The last expert to finish a block of output columns (acq_rel: it sees every other
-    // expert's y there) sums them; traced as this item's convert time. With deferral: the last own
-    // expert sums out's block (and the last block makes out ready), the last of all out2's.
-    for (int b = it.b0; b < it.b1; ++b) {
-      const int gb = down.slice_begin[it.s] + b, c0 = gb * kBlockRows, c1 = std::min(H, c0 + kBlockRows);
-      if (c.deferred == 0) {
-        if (col_left[gb].fetch_sub(1, std::memory_order_acq_rel) == 1)
-          for (int t = 0; t < T; ++t) combine(t, c0, c1);
-        continue;
-      }
-      if (slot_own[it.j] && col_own[gb].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        for (int t = 0; t < T; ++t) combine(t, c0, c1);
-        if (own_blocks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) out_ready();
-      }
-      if (col_left[gb].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        for (int t = 0; t < T; ++t) combine_deferred(t, c0, c1);
-    }
-    if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
-  }, early ? FnRef<void()>(convert_x) : FnRef<void()>());
+  auto convert = [this] { convert_x(); };
+  L.pool_->run(ws.offsets, [&](int i, int worker) {
+    if (ws.gemm_items[i].down) down_item(i, worker);
+    else gate_up_item(i, worker);
+  }, early ? FnRef<void()>(convert) : FnRef<void()>());
   if (tr) {
     tr->gemm_end_ns = trace_now_ns();
-    pool_->set_join_log(nullptr, nullptr);
+    L.pool_->set_join_log(nullptr, nullptr);
   }
+}
 
-  // Phase C (more tokens): the weighted sum in chunks of (token, 512 columns).
+// h = silu(x Wg^T) * (x Wu^T) for this item's rows of I.
+void MoeLayer::Forward::gate_up_item(int i, int worker) {
+  const Item it = ws.gemm_items[i];
+  const int64_t t0 = titems ? trace_now_ns() : 0;
+  const Kernels& kn = kernels_of(it.j);
+  const Format fmt = L.cfg_.format;
+  if (tune.item_prefetch) {
+    prefetch_heads(gate, it);
+    prefetch_heads(up, it);
+  }
+  int64_t waited_ns = 0;  // early_start: for x's activation rows (its weights' heads on their way)
+  if (!acts_ready.load(std::memory_order_acquire)) {
+    // x's rows take the calling thread a few microseconds: pause that long (~1000 pauses), then
+    // yield, in case it waits for this core (more threads than cores).
+    for (int spin = 0; !acts_ready.load(std::memory_order_acquire); ++spin)
+      if (spin > 1024) std::this_thread::yield(); else cpu_relax();
+    if (titems) waited_ns = trace_now_ns() - t0;
+  }
+  const ActView a = n_of(it.j) == 1 ? tok1.view(tok_kind, tok[row_begin[it.j]], 1)
+                                    : act1.view(act_of(kn, false, fmt), act_begin[it.j], n_of(it.j));
+  const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows;
+  float* hrow = h + size_t(row_begin[it.j]) * ldh + col0;
+  const PackedView g = L.view(gate, order[it.j], it.s), u = L.view(up, order[it.j], it.s);
+  if (kn.gate_up[int(fmt)]) kn.gate_up[int(fmt)](g, u, it.b0, it.b1, a, hrow, int(ldh));
+  else gate_up_two_gemms(gemm_of(kn, false, fmt), ops->silu_mul, g, u, it.b0, it.b1, a, hrow, int(ldh));
+  // The last one of this expert (acq_rel: it sees every other item's h) converts h.
+  // Traced: the item's end is stamped before it lets its expert's down items go.
+  if (titems)
+    titems[i] = {worker, 0, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
+  if (pending[it.j].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    down_acts(it.j);
+    pending[it.j].store(-1, std::memory_order_release);
+    if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
+  }
+}
+
+// y = h Wd^T for this item's rows of H, once expert j's down activations exist.
+void MoeLayer::Forward::down_item(int i, int worker) {
+  const Item it = ws.gemm_items[i];
+  const int64_t t0 = titems ? trace_now_ns() : 0;
+  const Kernels& kn = kernels_of(it.j);
+  const Format fmt = L.cfg_.format;
+  if (tune.item_prefetch) prefetch_heads(down, it);
+  for (int spin = 0; pending[it.j].load(std::memory_order_acquire) != -1; ++spin)
+    if (spin > 64) std::this_thread::yield(); else cpu_relax();
+  const int64_t waited_ns = titems ? trace_now_ns() - t0 : 0;
+  const ActView a = act2.view(act_of(kn, true, fmt), act_begin[it.j], n_of(it.j));
+  const int col0 = (down.slice_begin[it.s] + it.b0) * kBlockRows;
+  gemm_of(kn, true, fmt)(L.view(down, order[it.j], it.s), it.b0, it.b1, a, y + size_t(row_begin[it.j]) * ldy + col0,
+                         int(ldy));
+  if (titems)
+    titems[i] = {worker, 1, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
+  if (!combine_in_run) return;
+  combine_in_item(it);
+  if (titems) titems[i].convert_ns = trace_now_ns() - titems[i].end_ns;
+}
+
+// The last expert to finish a block of output columns (acq_rel: it sees every other expert's y
+// there) sums them; traced as the item's convert time. With deferral: the last own expert sums out's
+// block (and the last block makes out ready), the last of all out2's.
+void MoeLayer::Forward::combine_in_item(const Item& it) {
+  for (int b = it.b0; b < it.b1; ++b) {
+    const int gb = down.slice_begin[it.s] + b, c0 = gb * kBlockRows, c1 = std::min(H, c0 + kBlockRows);
+    if (c.deferred == 0) {
+      if (col_left[gb].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        for (int t = 0; t < T; ++t) combine(t, c0, c1);
+      continue;
+    }
+    if (slot_own[it.j] && col_own[gb].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      for (int t = 0; t < T; ++t) combine(t, c0, c1);
+      if (own_blocks_left.fetch_sub(1, std::memory_order_acq_rel) == 1) out_ready();
+    }
+    if (col_left[gb].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      for (int t = 0; t < T; ++t) combine_deferred(t, c0, c1);
+  }
+}
+
+// Phase C (more tokens): the weighted sum in chunks of (token, 512 columns); then out is ready
+// (unless the run or prepare_run said so already) and the trace record is handed over.
+void MoeLayer::Forward::finish() {
   constexpr int kCols = 512;
   const int col_chunks = (H + kCols - 1) / kCols;
   if (!combine_in_run)
@@ -963,8 +1078,13 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   if (!ready_in_run && !(c.deferred > 0 && K_own == 0)) out_ready();
   if (tr) {
     tr->end_ns = trace_now_ns();
-    tracer_.finish(std::move(trace));
+    L.tracer_.finish(std::move(trace));
   }
+}
+
+void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
+  if (c.T == 0) return;
+  Forward(*this, c, call_ns).run();
 }
 
 void gate_up_two_gemms(GemmFn gemm, void (*silu_mul)(float* g, const float* u, int n), const PackedView& gate,

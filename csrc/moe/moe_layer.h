@@ -46,6 +46,22 @@ struct MoeCall {
   int64_t* out_ready_ns = nullptr;
 };
 
+// How a call's GEMM work is cut and prefetched: timing only, results never depend on it. The
+// fields and their defaults are documented once, in src/hybridmoe/experts/tuning.py (EngineTuning).
+struct MoeTuning {
+  int item_blocks = 0;             // 32-row blocks per GEMM item (0: automatic, 1 to 8 blocks)
+  int item_prefetch = 4096;        // bytes of each weight stream prefetched into L2 as an item starts
+  int kernel_prefetch_l1 = 4096;   // PackedView::prefetch_l1
+  int kernel_prefetch_l2 = 16384;  // PackedView::prefetch_l2
+  bool early_start = true;         // a decode call converts x inside the GEMM run (forward)
+  bool padded_counters = true;     // a call's counters on a cache line each (Counters)
+  bool tail_split = true;          // the run's last down items in 1-block items
+  bool gate_up_tail = true;        // each side's last gate/up items in 1-block items
+  bool balanced_items = true;      // automatic item sizes by the run's critical path (step_for)
+  bool combine_in_run = true;      // calls of few tokens sum the outputs inside the GEMM run
+  int prefetch_touch = 0;          // prefetch()'s touch: 0 prefetcht1, 1 prefetcht0, 2 load, 3 load + cldemote
+};
+
 struct PackedBuffer {
   std::string name;  // "<gate|up|down>.<slice>.<w|scale|zero>"
   void* data;
@@ -76,67 +92,19 @@ class MoeLayer {
   void run(const MoeCall& call);
   // Reads the packed weights of the given experts (each in [0, E), repeats allowed) into the
   // caches, on the calling thread with the pool (as run()), so that a call that follows soon may
-  // find them there (the idea: the CPU, idle while the GPU runs a layer's attention, fetches the
-  // experts its router is likely to name; moe_prefetch.cpp says what it measured).
-  // Work items of kPrefetchChunk bytes. Returns the bytes fetched. Results of later calls do not
-  // depend on it. Measured on the GPU host (benchmarks/prefetch_gain.py), not yet used by the engine.
+  // find them there: the CPU, idle while the GPU runs a layer's attention, fetches the experts its
+  // router is likely to name. Work items of kPrefetchChunk bytes, each line touched as
+  // MoeTuning::prefetch_touch says. Returns the bytes fetched. Results of later calls do not
+  // depend on it; the engine does not call it (benchmarks measure what it saves).
   size_t prefetch(const int* experts, int n);
   static constexpr size_t kPrefetchChunk = 16384;
-  // How prefetch() touches each 64-byte line: 0 prefetcht1 (into L2), 1 prefetcht0 (into L1),
-  // 2 a load (the line is in L1 when the item ends), 3 a load then cldemote (moved on to the L3,
-  // which every core reads: the GPU host's L3 does not keep what the L2s hold).
-  void set_prefetch_touch(int mode) { prefetch_touch_ = mode; }
-  int prefetch_touch() const { return prefetch_touch_; }
   // Tracing (moe_trace.h): record the next `calls` forwards; take_trace() hands the records over.
   void trace(int calls) { tracer_.arm(calls); }
   std::vector<TraceCall> take_trace() { return tracer_.take(); }
-  // 32-row blocks per GEMM work item (0: about 4 items per thread, 1 to 8 blocks): for
-  // benchmarks that weigh the tail against per-item costs.
-  void set_item_blocks(int blocks) { item_blocks_ = blocks; }
-  int item_blocks() const { return item_blocks_; }
-  // Bytes of each weight stream (and scales) of a GEMM item prefetched into L2 as it starts (0: none).
-  void set_item_prefetch(int bytes) { item_prefetch_ = bytes; }
-  int item_prefetch() const { return item_prefetch_; }
-  // Software prefetch distances of the memory-bound kernels (PackedView::prefetch_l1 / _l2).
-  void set_kernel_prefetch(int l1_bytes, int l2_bytes) {
-    kernel_prefetch_l1_ = l1_bytes;
-    kernel_prefetch_l2_ = l2_bytes;
-  }
-  int kernel_prefetch_l1() const { return kernel_prefetch_l1_; }
-  int kernel_prefetch_l2() const { return kernel_prefetch_l2_; }
-  // Whether a decode call (x converted on one thread) starts the GEMM run before converting x:
-  // the workers join and prefetch their first items' weights while the calling thread converts
-  // x, and gate/up items wait for it (traced: their wait). On, with padded_counters: on the GPU
-  // host (session 5 r3, Qwen3 decode loop at 15 threads, variants rotated in one run) the two
-  // together against neither: int4 T=1 0.148 vs 0.152 ms, T=4 0.594 vs 0.605, int8 T=4 1.093 vs
-  // 1.107, bf16 T=4 submit 2.080 vs 2.096; 9 of 12 cells faster, the others within 0.5%. On tiny
-  // experts (r2, rotated) early_start alone saved 0.2-1.3 us of a 22-28 us call.
-  void set_early_start(bool on) { early_start_ = on; }
-  bool early_start() const { return early_start_; }
-  // Whether a call's counters (per active expert, per down block) sit on a cache line each
-  // (workers counting down neighbouring ones would bounce one line between their cores). On: see
-  // early_start for the two measured together.
-  void set_padded_counters(bool on) { padded_counters_ = on; }
-  bool padded_counters() const { return padded_counters_; }
-  // Whether one-token experts read two weight blocks at once (PackedView::paired). Off: no
-  // clear win on the GPU host (mini round: within the noise, int8 T=1 slower).
-  void set_paired(bool on) { paired_ = on; }
+  // The knobs of later calls (set between calls).
+  void set_tuning(const MoeTuning& t) { tuning_ = t; }
+  const MoeTuning& tuning() const { return tuning_; }
   ThreadPool& pool() const { return *pool_; }
-  bool paired() const { return paired_; }
-  // Whether the run's last down items (about two blocks per thread) are cut into 1-block items.
-  void set_tail_split(bool on) { tail_split_ = on; }
-  bool tail_split() const { return tail_split_; }
-  // Whether each side's last gate/up items (about two blocks per thread) are cut into 1-block items,
-  // so that its experts' gate/up ends on every worker within a block of each other (see forward).
-  void set_gate_up_tail(bool on) { gate_up_tail_ = on; }
-  bool gate_up_tail() const { return gate_up_tail_; }
-  // Whether GEMM items are sized so that the run should end soonest, by the gate/up items' rounds
-  // and all the work over the workers (see forward), else about 4 items per thread over all blocks.
-  void set_balanced_items(bool on) { balanced_items_ = on; }
-  bool balanced_items() const { return balanced_items_; }
-  // Whether calls of few tokens sum the experts' outputs inside the GEMM run (see forward).
-  void set_combine_in_run(bool on) { combine_in_run_ = on; }
-  bool combine_in_run() const { return combine_in_run_; }
 
  private:
   struct Matrix {
@@ -147,6 +115,8 @@ class MoeLayer {
   };
   size_t scale_floats(const Matrix& m, int blocks) const;
   PackedView view(const Matrix& m, int e, int s) const;
+  // One call on the pool, step by step (moe_layer.cpp): its state and steps.
+  struct Forward;
   void forward(const MoeCall& call, int64_t call_ns);
 
   MoeConfig cfg_;
@@ -158,20 +128,7 @@ class MoeLayer {
   const Kernels* many_;   // many tokens (AMX where present, else base_)
   uint64_t last_ticket_ = 0;
   Tracer tracer_;
-  int item_blocks_ = 0;
-  int item_prefetch_ = 4096;
-  // L1 4 KiB and L2 16 KiB ahead: on the GPU host (r1, Qwen3 decode loop, side by side) the
-  // fastest of 0/2/4/8 KiB into L1 and 8 or 16 KiB into L2: int8 T=1 268 vs 425 us, bf16 T=4
-  // 1963 vs 2451, int4 T=4 651 vs 680 (T=1 189 vs 197); per core 9-12 GB/s instead of 8-9.
-  int kernel_prefetch_l1_ = 4096, kernel_prefetch_l2_ = 16384;
-  bool paired_ = false;
-  bool early_start_ = true;
-  bool padded_counters_ = true;
-  bool tail_split_ = true;
-  bool gate_up_tail_ = true;
-  bool combine_in_run_ = true;
-  bool balanced_items_ = true;
-  int prefetch_touch_ = 0;
+  MoeTuning tuning_;
 };
 
 }  // namespace hmoe

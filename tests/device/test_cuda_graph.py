@@ -13,11 +13,10 @@ import json
 
 import pytest
 import torch
+from logprobs_close import assert_logprobs_close, generate_forced
 
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
-
-from logprobs_close import assert_logprobs_close, generate_forced
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -110,7 +109,7 @@ def test_decode_thread_helping_its_pool_gives_the_same_tokens(checkpoint):
     # (the default) or spins in CUDA's wait; the layers' items then run on one more thread or not.
     llm = LLM(checkpoint, device="cuda", gpu_memory_budget=BUDGET, **HYBRID)
     experts = llm.engine.runner.model.experts
-    assert experts.help_decode_wait
+    assert experts.tuning.help_decode_wait
     helped = runs(llm)
-    experts.help_decode_wait = False
+    experts.tuning.help_decode_wait = False
     assert tokens_of(runs(llm)) == tokens_of(helped)

@@ -15,6 +15,7 @@ import torch
 from hybridmoe import CpuExperts
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cuda_handoff import CudaHandoff
+from hybridmoe.experts.tuning import EngineTuning
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -49,6 +50,21 @@ def handoff(layers, request) -> CudaHandoff:
 
 def test_auto_takes_stream_memory_operations_on_this_gpu(layers):
     assert CudaHandoff(layers, max_tokens=TMAX, top_k=K).path == "stream_mem_ops"
+
+
+def test_tune_sets_every_layer_and_leaves_the_output_alone(layers, routers):
+    handoff = CudaHandoff(layers, max_tokens=TMAX, top_k=K, path="stream_mem_ops")
+    assert handoff.tuning == EngineTuning()
+    stream = torch.cuda.current_stream()
+    x = hidden(4, seed=5)
+    ids, weights = route(x, routers[0])
+    before = handoff.enqueue(stream, 0, x, ids, weights).clone()
+    handoff.tune(EngineTuning(item_blocks=1, gate_up_tail=False, early_start=False))
+    assert handoff.tuning == EngineTuning(item_blocks=1, gate_up_tail=False, early_start=False)
+    after = handoff.enqueue(stream, 0, x, ids, weights)
+    torch.cuda.synchronize()
+    handoff.check()
+    assert torch.equal(after, before)
 
 
 def route(x: torch.Tensor, router: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

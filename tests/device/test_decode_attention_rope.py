@@ -9,7 +9,7 @@ B sequences, Hq query heads, Hkv key/value heads, D head dim, S slots, L cached 
 import pytest
 import torch
 
-from hybridmoe.engine.context import Context, DecodeBatch, use_context
+from hybridmoe.forward_context import Context, DecodeBatch, use_context
 from hybridmoe.layers.attention import Attention
 
 pytestmark = [pytest.mark.device,
@@ -44,7 +44,10 @@ def attention(qk_norm: bool, window: int | None, dtype: torch.dtype, max_len: in
 @pytest.mark.parametrize("qk_norm,window", [(True, None), (False, None), (True, 5)])
 @pytest.mark.parametrize("lens", [[1, 1], [5, 64], [512, 300, 2]])
 def test_rope_inside_decode_attention_equals_the_two_kernels_and_torch(lens, qk_norm, window, dtype):
-    from hybridmoe.layers.decode_attention_triton import triton_decode_attention, triton_rope_decode_attention
+    from hybridmoe.layers.decode_attention_triton import (
+        triton_decode_attention,
+        triton_rope_decode_attention,
+    )
     from hybridmoe.layers.rope_triton import triton_norm_rope_cache
 
     a = attention(qk_norm, window, dtype, 512)

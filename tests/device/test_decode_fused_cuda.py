@@ -8,20 +8,24 @@ T tokens, E experts, K experts per token, H hidden, D normalized size.
 
 import pytest
 import torch
+from test_cuda_graph import HYBRID, assert_close_to, runs
+from test_decode_attention_rope import seeded_attention
 
 from hybridmoe import LLM
 from hybridmoe.checkpoint.make import make_checkpoint
-from hybridmoe.engine.context import Context, DecodeBatch, use_context
 from hybridmoe.experts.cpu_experts import CpuExperts
-from hybridmoe.experts.decode_fused import add_parts, route_split, split_slots, sum_parts
+from hybridmoe.experts.decode_fused import (
+    add_parts,
+    route_split,
+    split_slots,
+    sum_parts,
+)
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
+from hybridmoe.forward_context import Context, DecodeBatch, use_context
 from hybridmoe.layers.attention import KVCache, _attend_decode, _StepIndex
-from hybridmoe.layers.moe import softmax_topk
 from hybridmoe.layers.norm import RMSNorm
-
-from test_cuda_graph import HYBRID, assert_close_to, runs
-from test_decode_attention_rope import seeded_attention
+from hybridmoe.layers.router import softmax_topk
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -159,7 +163,7 @@ def test_route_split_and_split_slots_of_a_part_with_deferral_equal_torch(T, E, K
 @pytest.mark.parametrize("E,K,on,deferred", [(8, 3, 3, 1), (8, 3, 0, 2), (128, 8, 26, 2), (128, 8, 120, 3)])
 @pytest.mark.parametrize("T", [1, 4, 9])
 def test_route_split_with_the_deferred_part_staged_equals_torch(T, E, K, on, deferred):
-    """Both parts' splits from the router's kernel (later: the linked handoffs of HybridExperts.merged_deferral),
+    """Both parts' splits from the router's kernel (later: the linked handoffs of CudaHandoff.link_deferred),
     each part's CPU slots in its own staging buffers, x staged once."""
     on_gpu, local = placement(E, on, seed=E + on)
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).cuda()
@@ -294,7 +298,9 @@ def test_attention_fused_equals_torch(qk_norm, window, dtype):
 @pytest.mark.parametrize("window", [None, 300])
 def test_decode_attention_over_a_long_cache_in_chunks_equals_torch(window, dtype):
     """Caches longer than one chunk: chunks side by side, then combined (some chunks see no key)."""
-    from hybridmoe.layers.decode_attention_triton import triton_decode_attention  # triton: on the GPU host only
+    from hybridmoe.layers.decode_attention_triton import (
+        triton_decode_attention,  # triton: on the GPU host only
+    )
 
     g = torch.Generator().manual_seed(0)
     S, L, Hq, Hkv, D = 3, 2048, 32, 4, 128

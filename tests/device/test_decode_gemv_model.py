@@ -12,12 +12,11 @@ scripts/device_check.sh.
 
 import pytest
 import torch
+from test_cuda_graph import HYBRID, assert_close_to, runs
 
 from hybridmoe import LLM
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.models.base import DecoderLayer
-
-from test_cuda_graph import HYBRID, assert_close_to, runs
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -1,7 +1,7 @@
-"""The CUDA handoff's rows written by the router's kernel and its flags played by kernels (HybridExperts.kernel_flags:
+"""The CUDA handoff's rows written by the router's kernel and its flags played by kernels (HybridTuning.kernel_flags:
 route_split stages the rows, clears done and writes go, sum_parts / add_parts wait for done; on the host-function
 path the rows alone), the residual added by the backend (forward_logits(..., residual), as DecoderLayer asks for
-it) and the next layer's weights prefetched into L2 (prefetch_next) give the same layers, bit for bit, as the rows
+it) give the same layers, bit for bit, as the rows
 copied by their own kernel, the flags written and waited for by stream memory operations (or host functions) and
 the residual added by the caller: eagerly and as CUDA graph replays, with and without GPU experts and deferred
 experts (those of several tokens to float32 rounding: with kernel flags they share their own part's CPU call).
@@ -23,11 +23,10 @@ pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 E, H, I, K, TMAX = 8, 64, 32, 3, 8
-OFF = {"kernel_flags": False, "prefetch_next": False}
-MODES = {"copies": OFF, "residual": OFF, "kernel_flags": {**OFF, "kernel_flags": True},
-         "kernel_flags_sum": {**OFF, "kernel_flags": True}, "prefetch": {"kernel_flags": True, "prefetch_next": True},
-         "host_function": {**OFF, "kernel_flags": True}}
-"""Backend options per mode; every mode but copies and kernel_flags_sum has the backend add the residual; host_function
+OFF = {"kernel_flags": False}
+MODES = {"copies": OFF, "residual": OFF, "kernel_flags": {"kernel_flags": True}, "kernel_flags_sum": {"kernel_flags": True},
+         "host_function": {"kernel_flags": True}}
+"""HybridTuning per mode; every mode but copies and kernel_flags_sum has the backend add the residual; host_function
 runs the handoffs on host functions (the rows staged by the router, no flag words)."""
 
 
@@ -48,9 +47,7 @@ def backend(gpu_ids: list[int], deferred: int, dtype: torch.dtype, mode: str, mo
         monkeypatch.setattr(ch, "CudaHandoff", lambda *a, **k: made(*a, **{**k, "path": "host_function"}))
     assert b.use_fixed_shapes(TMAX, dtype)
     for name, on in MODES[mode].items():
-        setattr(b, name, on)
-    # while layer 0's CPU part runs, layer 1's "attention" weights into L2 (prefetch_next)
-    b.prefetch_during(0, [torch.nn.Linear(H, 3 * H, device="cuda"), torch.nn.Linear(H, H, device="cuda")])
+        setattr(b.tuning, name, on)
     return b
 
 
@@ -76,7 +73,7 @@ def replayed(b: HybridExperts, fn) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("mode", ["residual", "kernel_flags", "kernel_flags_sum", "prefetch", "host_function"])
+@pytest.mark.parametrize("mode", ["residual", "kernel_flags", "kernel_flags_sum", "host_function"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("gpu_ids", [[], [0, 3, 5]])
@@ -92,7 +89,7 @@ def test_rows_staged_by_the_router_and_flags_in_kernels_equal_copies_and_stream_
     assert torch.equal(want_replayed, want)
     b = backend(gpu_ids, deferred, dtype, mode, monkeypatch)
     residual = mode not in ("copies", "kernel_flags_sum")
-    # with kernel flags a layer's deferred part runs in its own part's CPU call (HybridExperts.merged_deferral):
+    # with kernel flags a layer's deferred part runs in its own part's CPU call (linked handoffs, CudaHandoff.link_deferred):
     # an expert of one token's own slots and another's deferred ones then computes both rows in one kernel call,
     # which may round them otherwise than two one-row calls (float32 outputs differed in the last bits at T=4)
     merged = bool(deferred) and T > 1 and MODES[mode].get("kernel_flags", False) and mode != "host_function"

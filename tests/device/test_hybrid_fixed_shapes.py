@@ -16,7 +16,7 @@ from hybridmoe.experts.cpu_experts import CpuExperts
 from hybridmoe.experts.gpu_experts import weighted_experts
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
-from hybridmoe.layers.moe import softmax_topk
+from hybridmoe.layers.router import softmax_topk
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -12,7 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.experts.gpu_experts import fixed_shape_experts, gpu_share, triton_usable, weighted_experts
+from hybridmoe.experts.gpu_experts import (
+    fixed_shape_experts,
+    gpu_share,
+    triton_usable,
+    weighted_experts,
+)
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

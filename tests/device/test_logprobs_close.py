@@ -6,13 +6,12 @@ import contextlib
 
 import pytest
 import torch
+from logprobs_close import TOL, assert_logprobs_close, step_difference
+from test_cuda_graph import HYBRID, PROMPTS, runs, runs_forced
 from torch import nn
 
 from hybridmoe import LLM
 from hybridmoe.checkpoint.make import make_checkpoint
-
-from logprobs_close import TOL, assert_logprobs_close, step_difference
-from test_cuda_graph import HYBRID, PROMPTS, runs, runs_forced
 
 
 @pytest.fixture(scope="module")

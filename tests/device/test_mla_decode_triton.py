@@ -9,7 +9,7 @@ B rows, N heads, R kv_lora_rank, P qk_rope_head_dim, L cached positions.
 import pytest
 import torch
 
-from hybridmoe.engine.context import Context, DecodeBatch, use_context
+from hybridmoe.forward_context import Context, DecodeBatch, use_context
 from hybridmoe.layers.mla import MultiHeadLatentAttention
 
 pytestmark = [pytest.mark.device,

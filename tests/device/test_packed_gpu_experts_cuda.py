@@ -18,7 +18,11 @@ import torch.nn.functional as F
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.experts.cpu_experts import CpuExperts
-from hybridmoe.experts.gpu_experts import fixed_shape_experts, gpu_share, weighted_experts
+from hybridmoe.experts.gpu_experts import (
+    fixed_shape_experts,
+    gpu_share,
+    weighted_experts,
+)
 from hybridmoe.experts.packed_gpu import PackedMatrix, pack_gpu_experts
 
 pytestmark = [pytest.mark.device,

@@ -18,7 +18,11 @@ from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.experts.hybrid import weighted_experts
 from hybridmoe.experts.packed_torch import PackedLayout
-from hybridmoe.experts.streamed_prefill import PrefillStreamer, device_bytes, measured_costs
+from hybridmoe.experts.streamed_prefill import (
+    PrefillStreamer,
+    device_bytes,
+    measured_costs,
+)
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -7,11 +7,11 @@ import torch
 
 from hybridmoe.cli import main
 from hybridmoe.config import EngineConfig
-from hybridmoe.engine.context import Context, use_context
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.forward_context import Context, use_context
 from hybridmoe.weights.convert import convert_checkpoint
 from hybridmoe.weights.expert_cache import read_manifest
-from hybridmoe.weights.loader import load_model
 
 PROMPT = [5, 17, 3, 60, 22, 9, 41]
 

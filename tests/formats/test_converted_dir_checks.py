@@ -6,9 +6,9 @@ import struct
 import pytest
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.convert import convert_checkpoint
-from hybridmoe.weights.loader import load_model
 
 OPTIONS = dict(expert_backend="native", expert_format="int4", expert_group_size=32, cpu_threads=1,
                dtype="float32", cache_dir="")

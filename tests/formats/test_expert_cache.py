@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.experts.cpu_experts import CpuExperts
-from hybridmoe.weights.loader import load_model
 
 
 def options(cache_dir, group=32):

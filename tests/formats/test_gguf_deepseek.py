@@ -19,8 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from hybridmoe.checkpoint.presets import model_config
 from hybridmoe.checkpoint.tokenizer import write_tokenizer
 from hybridmoe.config import EngineConfig
-from hybridmoe.engine.context import Context, use_context
-from hybridmoe.weights.loader import load_model
+from hybridmoe.engine.model_loader import load_model
+from hybridmoe.forward_context import Context, use_context
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 PROMPT = [5, 17, 3, 60, 22, 9, 41, 300, 2, 77, 101]

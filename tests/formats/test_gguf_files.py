@@ -11,8 +11,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf_writer import write_qwen3_gguf
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import CheckpointError
-from hybridmoe.weights.loader import load_model
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 

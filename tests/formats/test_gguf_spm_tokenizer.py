@@ -11,7 +11,14 @@ from tokenizers import models, pre_tokenizers, trainers
 
 from hybridmoe.tokenizer import Tokenizer
 from hybridmoe.weights.gguf_file import GGUFFiles
-from hybridmoe.weights.gguf_tokenizer import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, tokenizer_files
+from hybridmoe.weights.gguf_tokenizer import (
+    BYTE,
+    CONTROL,
+    NORMAL,
+    SPACE,
+    UNKNOWN,
+    tokenizer_files,
+)
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "A mixture of experts routes each token to a few experts.",
           "What is the capital of France? The capital of France is Paris.", "Numbers: 0 1 2 3 10 100 2024.",

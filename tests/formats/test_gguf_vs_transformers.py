@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from hybridmoe import LLM
 from hybridmoe.config import EngineConfig
-from hybridmoe.engine.context import Context, use_context
+from hybridmoe.engine.model_loader import load_model
+from hybridmoe.forward_context import Context, use_context
 from hybridmoe.sampling_params import SamplingParams
-from hybridmoe.weights.loader import load_model
 
 PROMPT = [5, 17, 3, 60, 22, 9, 41, 300, 2]
 # K-quants need rows of 256: every width of this model is 256

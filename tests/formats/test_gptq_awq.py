@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from hybridmoe.config import EngineConfig
-from hybridmoe.engine.context import Context, use_context
-from hybridmoe.weights.loader import load_model
+from hybridmoe.engine.model_loader import load_model
+from hybridmoe.forward_context import Context, use_context
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 GROUP = 32

@@ -13,14 +13,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hybridmoe.config import EngineConfig
-from hybridmoe.engine.context import Context, use_context
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cpu_experts import CpuExperts
+from hybridmoe.forward_context import Context, use_context
 from hybridmoe.models.registry import load_config
 from hybridmoe.system.auto import resolve_engine_config
 from hybridmoe.weights.convert import convert_checkpoint
 from hybridmoe.weights.int4_codes import Int4Codes
-from hybridmoe.weights.loader import load_model
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 GROUP = 32  # the tiny model's experts are [32, 64]: 32 is the one engine group size dividing both

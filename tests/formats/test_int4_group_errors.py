@@ -5,8 +5,8 @@ import pytest
 
 from hybridmoe.cli import main
 from hybridmoe.config import EngineConfig
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.weights.loader import load_model
 from hybridmoe.weights.native_format import check_int4_group
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from hybridmoe.checkpoint.presets import model_config
 from hybridmoe.checkpoint.tensors import tensor_specs
-from hybridmoe.weights.load_rss import measure_in_subprocess
+from hybridmoe.bench.load_rss import measure_in_subprocess
 
 MARGIN = 16 << 20
 LAYER = {"hidden_size": 1024, "moe_intermediate_size": 512, "num_experts": 64, "head_dim": 64,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.config import EngineConfig
-from hybridmoe.engine.context import single_sequence_context, use_context
-from hybridmoe.weights.loader import load_model
+from hybridmoe.engine.model_loader import load_model
+from hybridmoe.forward_context import single_sequence_context, use_context
 
 PROMPT = [5, 17, 3, 60, 22, 9, 41, 2, 99, 7, 13]
 FP32 = dict(atol=1e-4, rtol=1e-4)

@@ -2,11 +2,11 @@
 
 import torch
 
-from hybridmoe.config import EngineConfig
+from hybridmoe.config import EngineConfig, uses_hybrid
 from hybridmoe.experts.cpu_experts import CpuExperts
-from hybridmoe.experts.placement import cpu_expert_bytes
+from hybridmoe.experts.expert_bytes import cpu_expert_bytes
 from hybridmoe.models.registry import load_config
-from hybridmoe.system.auto import resolve_engine_config, uses_hybrid
+from hybridmoe.system.auto import resolve_engine_config
 
 
 def resolved(path, dtype, **options):

@@ -9,11 +9,16 @@ import pytest
 import torch
 
 from hybridmoe.checkpoint.presets import model_config
-from hybridmoe.experts.decode_fused import add_parts, route_split, split_slots, sum_parts
+from hybridmoe.experts.decode_fused import (
+    add_parts,
+    route_split,
+    split_slots,
+    sum_parts,
+)
 from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
 from hybridmoe.experts.placement import Footprint, PlacementPlan
-from hybridmoe.layers.moe import softmax_topk
 from hybridmoe.layers.norm import RMSNorm
+from hybridmoe.layers.router import softmax_topk
 from hybridmoe.models.qwen_moe import Qwen3MoeForCausalLM
 
 E, K = 8, 3

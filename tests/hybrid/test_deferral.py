@@ -9,12 +9,13 @@ import pytest
 import torch
 from hybrid_helpers import FP32, PROMPT, load, prompt_logits
 
-from hybridmoe.engine.context import single_sequence_context, use_context
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.deferral import split_deferred
 from hybridmoe.experts.torch_ref import ref_moe
-from hybridmoe.layers.moe import SparseMoeBlock, softmax_topk
+from hybridmoe.forward_context import single_sequence_context, use_context
+from hybridmoe.layers.router import softmax_topk
 from hybridmoe.models.deepseek import DeepseekMoE
+from hybridmoe.models.moe_block import SparseMoeBlock
 
 
 def route(mlp, x):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hybridmoe.experts.gpu_experts import weighted_experts
 from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
 from hybridmoe.experts.placement import Footprint, PlacementPlan
-from hybridmoe.layers.moe import softmax_topk
+from hybridmoe.layers.router import softmax_topk
 
 E, H, I, K, LAYERS = 8, 32, 16, 3, 3
 GPU = [0, 3, 5]
@@ -108,7 +108,7 @@ def chain(b: HybridExperts, x: torch.Tensor, routers: torch.Tensor, fused_router
 def test_fixed_shapes_with_deferral_equal_the_synchronous_path_in_overlapping_order(T, deferred, fused_router,
                                                                                    staged, residual):
     """staged: the handoffs have staging buffers (zero_copy), and the fused router writes the own part's rows
-    into them (HybridExperts.kernel_flags; the deferred part and the caller-routed path still hand theirs over
+    into them (HybridTuning.kernel_flags; the deferred part and the caller-routed path still hand theirs over
     at submit; the stand-in has no flag words to signal). residual: the backend adds
     the residual stream to the MoE output (in the kernel that sums the parts, where it can)."""
     g = torch.Generator().manual_seed(T)

@@ -5,13 +5,13 @@ what CpuExperts.forward gives with compact_slots' distinct ids.
 T tokens, K experts per token, E experts of the layer, C of them on the CPU, H hidden, I intermediate.
 """
 
+import hybridmoe._native as native
 import pytest
 import torch
 
-import hybridmoe._native as native
 from hybridmoe import CpuExperts
+from hybridmoe.experts.cpu_slots import compact_slots
 from hybridmoe.experts.decode_fused import fixed_cpu_slots
-from hybridmoe.experts.hybrid import compact_slots
 
 E, H, I, K = 8, 64, 32, 3
 ON_GPU = torch.tensor([True, False, True, False, False, True, False, False])  # C = 5 on the CPU

@@ -8,10 +8,10 @@ T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
 
 import time
 
+import hybridmoe._native as native
 import pytest
 import torch
 
-import hybridmoe._native as native
 from hybridmoe import CpuExperts
 
 E, H, I, K, TMAX = 8, 64, 32, 2, 4

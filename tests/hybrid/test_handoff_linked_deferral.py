@@ -6,13 +6,12 @@ parts as one call. Each output equals forward() on its columns, padding slots of
 T tokens, K own slots, KD deferred slots per token, E experts, H hidden, I expert intermediate size.
 """
 
+import hybridmoe._native as native
 import pytest
 import torch
-
-import hybridmoe._native as native
-from hybridmoe import CpuExperts
-
 from test_handoff_flags import wait_for
+
+from hybridmoe import CpuExperts
 
 E, H, I, K, KD, TMAX = 8, 64, 32, 3, 2, 4
 

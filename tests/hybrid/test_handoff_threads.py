@@ -1,10 +1,10 @@
 """How many workers the CUDA handoff's layers get: the CPU experts' own count, but one CPU stays
 free for the thread that drives the GPU."""
 
+import hybridmoe._native as native
 import pytest
 import torch
 
-import hybridmoe._native as native
 from hybridmoe import CpuExperts
 from hybridmoe.experts.cuda_handoff import handoff_threads
 

@@ -1,14 +1,16 @@
 """CudaHandoff.trace / take_trace: the calls its polling thread runs, traced (moe_trace.h), without a GPU
-(this test's thread plays the stream, as in test_handoff_flags.py). benchmarks/decode_cpu_trace.py reads
+(this test's thread plays the stream, as in test_handoff_flags.py). `benchmarks/decode.py cpu-trace` reads
 a running decode's CPU layers through them."""
+
+import hybridmoe._native as native
+from dataclasses import replace
 
 import pytest
 import torch
-
-import hybridmoe._native as native
-from hybridmoe import CpuExperts
-
 from test_handoff_flags import K, Layer, polling_handoff, stream_round
+
+from hybridmoe import CpuExperts
+from hybridmoe.experts.tuning import EngineTuning, from_native, to_native
 
 T = 3
 
@@ -45,8 +47,8 @@ def test_trace_refuses_a_layer_out_of_range_and_a_negative_count():
         handoff.take_trace(-1)
 
 
-def test_set_schedule_reaches_every_layer_of_the_handoff_and_leaves_the_output_alone():
-    """CudaHandoff.set_schedule sets each layer's engine: with gate_up_tail off (on by default) its traced calls end
+def test_tuning_reaches_every_layer_of_the_handoff_and_leaves_the_output_alone():
+    """The handoff's tuning sets each layer's engine: with gate_up_tail off (on by default) its traced calls end
     their gate/up items in items of several blocks (experts of 256 intermediate rows: 8 blocks), on in 1-block ones;
     item_blocks 1 cuts every item to one block; the output stays the same."""
     E, H, I = 8, 64, 256
@@ -71,24 +73,28 @@ def test_set_schedule_reaches_every_layer_of_the_handoff_and_leaves_the_output_a
         stream_round(handoff, flags, [0, 1], 1)
         return [handoff.take_trace(i)[0]["items"] for i in (0, 1)]
 
+    def tune(**changes):
+        handoff.tuning = to_native(replace(from_native(handoff.tuning), **changes), native.MoeTuning)
+
     last_gate_up = lambda items: (lambda up: (up[-1, 5] - up[-1, 4]).item())(items[items[:, 1] == 0])  # b1 - b0
-    assert handoff.schedule()["gate_up_tail"] is True and handoff.schedule()["item_blocks"] == 0
-    handoff.set_schedule("gate_up_tail", 0)
-    assert handoff.schedule()["gate_up_tail"] is False
+    assert from_native(handoff.tuning) == EngineTuning()
+    tune(gate_up_tail=False)
+    assert handoff.tuning.gate_up_tail is False
     assert all(last_gate_up(items) > 1 for items in traced_round())
-    handoff.set_schedule("gate_up_tail", 1)
+    tune(gate_up_tail=True)
     assert all(last_gate_up(items) == 1 for items in traced_round())
-    handoff.set_schedule("gate_up_tail", 0)
-    handoff.set_schedule("item_blocks", 1)
+    tune(gate_up_tail=False, item_blocks=1)
     assert all(((items[:, 5] - items[:, 4]) == 1).all() for items in traced_round())
     for cpu, (x, ids, w, out) in staged:
         assert torch.equal(out, cpu.forward(x, ids, w))
     assert handoff.take_error() is None
 
 
-def test_set_schedule_refuses_an_unknown_knob_and_a_negative_value():
+def test_tuning_refuses_a_negative_size_and_needs_a_layer():
     handoff, _ = polling_handoff([Layer(0)])
-    with pytest.raises(ValueError, match="unknown schedule knob 'item_size'"):
-        handoff.set_schedule("item_size", 2)
+    t = native.MoeTuning()
+    t.item_blocks = -1
     with pytest.raises(ValueError, match="item_blocks must be >= 0"):
-        handoff.set_schedule("item_blocks", -1)
+        handoff.tuning = t
+    with pytest.raises(ValueError, match="no layer yet"):
+        native.CudaHandoff(1, K).tuning

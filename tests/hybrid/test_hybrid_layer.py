@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from hybridmoe.experts.cpu_experts import CpuExperts
-from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer, compact_slots
-from hybridmoe.experts.placement import Footprint, PlacementPlan, cpu_expert_bytes
+from hybridmoe.experts.cpu_slots import compact_slots
+from hybridmoe.experts.expert_bytes import cpu_expert_bytes
+from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
+from hybridmoe.experts.placement import Footprint, PlacementPlan
 from hybridmoe.experts.torch_ref import ref_moe
 
 E, H, I, K = 8, 64, 32, 3  # experts, hidden, intermediate, experts per token

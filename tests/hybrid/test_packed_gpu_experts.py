@@ -13,10 +13,16 @@ import torch.nn.functional as F
 from hybridmoe.config import EngineConfig
 from hybridmoe.experts import packed_gpu
 from hybridmoe.experts.cpu_experts import CpuExperts
+from hybridmoe.experts.expert_bytes import packed_expert_bytes
 from hybridmoe.experts.gpu_experts import fixed_shape_experts, weighted_experts
 from hybridmoe.experts.hybrid import HybridExperts
-from hybridmoe.experts.packed_gpu import pack_gpu_experts, packed_expert_bytes, packed_gpu_format
-from hybridmoe.experts.placement import Footprint, PlacementPlan, model_footprint, plan_placement
+from hybridmoe.experts.packed_gpu import pack_gpu_experts, packed_gpu_format
+from hybridmoe.experts.placement import (
+    Footprint,
+    PlacementPlan,
+    model_footprint,
+    plan_placement,
+)
 from hybridmoe.models.registry import load_config
 
 E, H, I, K = 6, 64, 96, 2

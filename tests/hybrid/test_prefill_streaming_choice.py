@@ -10,10 +10,15 @@ import torch
 from hybridmoe.cli import main
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.experts.placement import model_footprint, placement_for
 from hybridmoe.experts import streamed_prefill
-from hybridmoe.experts.streamed_prefill import (GPU_SECONDS_PER_WEIGHT, break_even_tokens, layer_packed_bytes,
-                                                reserved_bytes, streamed_layer_seconds)
+from hybridmoe.experts.placement import model_footprint, placement_for
+from hybridmoe.experts.streamed_prefill import (
+    GPU_SECONDS_PER_WEIGHT,
+    break_even_tokens,
+    layer_packed_bytes,
+    reserved_bytes,
+    streamed_layer_seconds,
+)
 from hybridmoe.models.registry import load_config
 from hybridmoe.system import auto
 
@@ -175,7 +180,7 @@ def test_a_layer_in_parts_is_timed_from_its_first_part(monkeypatch):
 
 
 def test_attach_streams_from_the_measured_count_or_not_at_all(tiny_checkpoints, step_times):
-    from hybridmoe.weights.loader import load_model
+    from hybridmoe.engine.model_loader import load_model
 
     path = tiny_checkpoints("qwen3_moe")
     ec = EngineConfig(device="cpu", expert_backend="native", expert_format="int8", gpu_experts_per_layer=2,

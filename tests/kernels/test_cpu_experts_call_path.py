@@ -7,6 +7,7 @@ import torch
 from hybridmoe import CpuExperts
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.torch_ref import ref_moe
+from hybridmoe.experts.tuning import EngineTuning
 
 E, H, I = 16, 96, 64
 
@@ -88,10 +89,10 @@ def test_schedule_knobs_give_the_same_bits(make_weights, make_routing, fmt, isa)
     plain = dict(early_start=False, padded_counters=False)
     for T in (1, 4, 40):
         x, ids, weights = make_routing(T, H, 6, range(E), seed=T)
-        experts.set_schedule(**plain)
+        experts.tune(EngineTuning(**plain))
         expected = experts.forward(x, ids, weights)
         for knobs in ({"early_start": True}, {"padded_counters": True}, {"early_start": True, "padded_counters": True}):
-            experts.set_schedule(**{**plain, **knobs})
+            experts.tune(EngineTuning(**{**plain, **knobs}))
             assert torch.equal(experts.forward(x, ids, weights), expected)
             experts.submit(x, ids, weights)
             assert torch.equal(experts.wait(), expected)
@@ -99,7 +100,7 @@ def test_schedule_knobs_give_the_same_bits(make_weights, make_routing, fmt, isa)
 
 def test_early_start_trace_records_the_wait_for_x(make_weights, make_routing):
     experts = CpuExperts(*make_weights(E, H, I), threads=2)
-    experts.set_schedule(early_start=True)
+    experts.tune(EngineTuning(early_start=True))
     experts.trace(1)
     experts.forward(*make_routing(1, H, 4, range(E)))
     rec = experts.take_trace()[0]

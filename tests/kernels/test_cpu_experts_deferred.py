@@ -36,10 +36,10 @@ def test_both_outputs_equal_forward_on_their_columns(make_weights, kernel_bound,
     want = experts.forward(x, *own) if keep else torch.zeros_like(x)
     want2 = experts.forward(x, *later) if deferred else torch.zeros_like(x)
     # an expert shared by one token's own slots and another's deferred ones has more rows in one pass than in
-    # either call, which may take it to another kernel (several-token kernels, AMX from 16 rows; on the GPU host
-    # avx512 and amx at T=3 differed in the last bf16 bits, amx int8 at T=128 by AMX-INT8's activation rounding
-    # where one call had an expert below 16 rows): bit for bit only at one token, else within twice the kernel's
-    # own bound of each other
+    # either call, which may take it to another kernel (several-token kernels, AMX from 16 rows: avx512 and amx
+    # at T=3 differ in the last bf16 bits, amx int8 at T=128 by AMX-INT8's activation rounding where one call has
+    # an expert below 16 rows): bit for bit only at one token, else within twice the kernel's own bound of each
+    # other
     for got, ref in ((out, want), (out2, want2)):
         if T == 1 or not ref.any():
             torch.testing.assert_close(got, ref, atol=0, rtol=0)
@@ -73,7 +73,8 @@ def test_a_slot_of_weight_zero_may_repeat_an_expert(make_weights):
 def test_two_part_slots_feed_submit_deferred_as_the_torch_reference_computes_them(make_weights):
     """The synchronous hybrid path's one CPU call per layer with deferral: each side compacted (padding may repeat
     an expert of the token's other side), both sides' sums as the torch reference gives them."""
-    from hybridmoe.experts.hybrid import TorchCpuLayer, two_part_slots
+    from hybridmoe.experts.cpu_slots import two_part_slots
+    from hybridmoe.experts.hybrid import TorchCpuLayer
 
     weights = make_weights(E, H, I)
     experts = CpuExperts(*weights, format="bf16", threads=2)

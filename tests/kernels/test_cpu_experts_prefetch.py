@@ -6,6 +6,7 @@ import torch
 
 from hybridmoe import CpuExperts
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.tuning import EngineTuning
 
 E, H, I = 8, 128, 64
 
@@ -16,7 +17,7 @@ def test_prefetch_reads_each_listed_expert_and_changes_no_result(make_weights, m
     experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2, isa=isa)
     x, ids, weights = make_routing(3, H, 2, range(E), seed=1)
     before = experts.forward(x, ids, weights)
-    experts.set_schedule(prefetch_touch=touch)
+    experts.tune(EngineTuning(prefetch_touch=touch))
     per_expert = experts.packed_bytes // E
     assert experts.prefetch([1, 5, 5]) == 3 * per_expert
     assert experts.prefetch(torch.tensor([], dtype=torch.int64)) == 0
@@ -30,4 +31,4 @@ def test_prefetch_refuses_bad_ids_and_touch_modes(make_weights):
     with pytest.raises(HybridMoEError, match="out of range"):
         experts.prefetch([-1])
     with pytest.raises(HybridMoEError, match="prefetch_touch must be"):
-        experts.set_schedule(prefetch_touch=4)
+        experts.tune(EngineTuning(prefetch_touch=4))

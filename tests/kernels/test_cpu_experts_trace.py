@@ -5,11 +5,15 @@ Blocks are 32 output rows: gate/up have ceil(I / 32) per expert, down ceil(H / 3
 over the numa_nodes slices.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from hybridmoe import CpuExperts
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.cpu_experts import _native
+from hybridmoe.experts.tuning import EngineTuning
 
 E, H, I, K = 8, 160, 96, 3
 BLOCK = 32
@@ -128,7 +132,7 @@ def test_item_blocks_change_the_items_not_the_result(make_weights, make_routing,
     experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2)
     x, ids, weights = make_routing(5, H, K, range(E))
     expected = experts.forward(x, ids, weights)
-    experts.set_schedule(item_blocks=blocks, tail_split=tail_split)
+    experts.tune(EngineTuning(item_blocks=blocks, tail_split=tail_split))
     experts.trace(1)
     assert torch.equal(experts.forward(x, ids, weights), expected)
     rec = experts.take_trace()[0]
@@ -146,9 +150,9 @@ def test_balanced_items_change_the_items_not_the_result(make_weights, make_routi
     and every item within 1 to 8 blocks."""
     experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2)
     x, ids, weights = make_routing(T, H, K, range(E))
-    experts.set_schedule(balanced_items=False)
+    experts.tune(EngineTuning(balanced_items=False))
     expected = experts.forward(x, ids, weights)
-    experts.set_schedule(balanced_items=True)
+    experts.tune(EngineTuning(balanced_items=True))
     experts.trace(1)
     assert torch.equal(experts.forward(x, ids, weights), expected)
     rec = experts.take_trace()[0]
@@ -175,9 +179,9 @@ def test_gate_up_tail_cuts_each_sides_last_gate_up_items_to_one_block_and_not_th
     x, ids, weights = torch.randn(1, H, generator=g), torch.randperm(E, generator=g)[:k][None], torch.rand(1, k)
     run = (lambda: experts.forward_deferred(x, ids, weights, deferred)) if deferred else (
         lambda: (experts.forward(x, ids, weights),))
-    experts.set_schedule(item_blocks=blocks, gate_up_tail=False)
+    experts.tune(EngineTuning(item_blocks=blocks, gate_up_tail=False))
     expected = run()
-    experts.set_schedule(gate_up_tail=True)
+    experts.tune(replace(experts.tuning, gate_up_tail=True))
     experts.trace(1)
     assert all(torch.equal(a, b) for a, b in zip(run(), expected))
     rec = experts.take_trace()[0]
@@ -192,7 +196,7 @@ def test_item_prefetch_changes_nothing_but_timing(make_weights, make_routing, nb
     experts = CpuExperts(*make_weights(E, H, I), format="int4", group_size=32, threads=2, numa_nodes=2)
     x, ids, weights = make_routing(3, H, K, range(E))
     expected = experts.forward(x, ids, weights)
-    experts.set_schedule(item_prefetch=nbytes)
+    experts.tune(EngineTuning(item_prefetch=nbytes))
     experts.trace(1)
     assert torch.equal(experts.forward(x, ids, weights), expected)
     check_call(experts.take_trace()[0], ids, threads=2, slices=2)
@@ -204,28 +208,20 @@ def test_kernel_prefetch_changes_nothing_but_timing(make_weights, make_routing, 
     experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2)
     x, ids, weights = make_routing(5, H, K, range(E))
     expected = experts.forward(x, ids, weights)
-    experts.set_schedule(kernel_prefetch_l1=l1, kernel_prefetch_l2=l2)
-    assert torch.equal(experts.forward(x, ids, weights), expected)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-@pytest.mark.parametrize("T, item_blocks", [(1, 0), (1, 1), (1, 4), (2, 0), (5, 0)])
-def test_paired_streams_change_nothing_but_timing(make_weights, make_routing, fmt, T, item_blocks):
-    # blocks: gate/up 3 per expert, down 5 (odd: one block of a range left unpaired), and with
-    # 2 slices 1-2 and 2-3; T = 1: every expert has one token (the paired path), T = 5: a mix
-    experts = CpuExperts(*make_weights(E, H, I), format=fmt, group_size=32, threads=2, numa_nodes=2)
-    x, ids, weights = make_routing(T, H, K, range(E))
-    experts.set_schedule(item_blocks=item_blocks)
-    expected = experts.forward(x, ids, weights)
-    experts.set_schedule(paired=True)
+    experts.tune(EngineTuning(kernel_prefetch_l1=l1, kernel_prefetch_l2=l2))
     assert torch.equal(experts.forward(x, ids, weights), expected)
 
 
 @pytest.mark.parametrize("knob", ["item_blocks", "item_prefetch", "kernel_prefetch_l1", "kernel_prefetch_l2"])
-def test_schedule_knobs_must_not_be_negative(make_weights, knob):
-    experts = CpuExperts(*make_weights(E, H, I), threads=1)
+def test_tuning_sizes_must_not_be_negative(make_weights, knob):
     with pytest.raises(HybridMoEError, match=knob):
-        experts.set_schedule(**{knob: -1})
+        EngineTuning(**{knob: -1})
+    # the native boundary checks them too
+    experts = CpuExperts(*make_weights(E, H, I), threads=1)
+    native = _native().MoeTuning()
+    setattr(native, knob, -1)
+    with pytest.raises(ValueError, match=f"{knob} must be >= 0"):
+        experts._engine.tuning = native
 
 
 @pytest.mark.parametrize("T", [1, 5])
@@ -233,7 +229,7 @@ def test_combine_after_the_run_gives_the_same_output(make_weights, make_routing,
     experts = CpuExperts(*make_weights(E, H, I), format="bf16", threads=2, numa_nodes=2)
     x, ids, weights = make_routing(T, H, K, range(E))
     in_run = experts.forward(x, ids, weights)
-    experts.set_schedule(combine_in_run=False)
+    experts.tune(EngineTuning(combine_in_run=False))
     experts.trace(1)
     assert torch.equal(experts.forward(x, ids, weights), in_run)
     assert experts.take_trace()[0]["items"][:, CONVERT][-1] == 0  # no down item summed anything

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from hybridmoe.config import EngineConfig
-from hybridmoe.engine.context import Context, use_context
-from hybridmoe.weights.loader import LoadedModel, load_model
+from hybridmoe.engine.model_loader import LoadedModel, load_model
+from hybridmoe.forward_context import Context, use_context
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),

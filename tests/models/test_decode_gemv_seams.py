@@ -8,8 +8,8 @@ T tokens, H hidden.
 import torch
 
 from hybridmoe.checkpoint.presets import model_config
-from hybridmoe.engine.context import Context, use_context
 from hybridmoe.experts.torch_ref import TorchExperts
+from hybridmoe.forward_context import Context, use_context
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.linear import decode_gemv
 from hybridmoe.models.base import DecoderLayer

@@ -14,8 +14,8 @@ from deepseek_tiny import tiny_deepseek
 from safetensors.torch import load_file, save_file
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import CheckpointError, HybridMoEError
-from hybridmoe.weights.loader import load_model
 
 PROMPT = [5, 17, 3, 60, 22, 9, 41]
 

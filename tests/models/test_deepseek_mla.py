@@ -10,7 +10,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
-from hybridmoe.engine.context import Context, use_context
+from hybridmoe.forward_context import Context, use_context
 from hybridmoe.layers.mla import MultiHeadLatentAttention
 from hybridmoe.layers.yarn import complete_yarn
 from hybridmoe.models.base import normalize_rope

@@ -7,12 +7,12 @@ leaves the real rows' logits unchanged.
 
 import pytest
 import torch
-
 from compare import TOLERANCE, run_step
+
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.config import EngineConfig
-from hybridmoe.engine.context import Context, DecodeBatch, use_context
-from hybridmoe.weights.loader import load_model
+from hybridmoe.engine.model_loader import load_model
+from hybridmoe.forward_context import Context, DecodeBatch, use_context
 
 PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 13], [99, 2, 8, 31, 4]]
 SLOTS = [2, 0, 1]

@@ -5,7 +5,7 @@ from compare import assert_close, run_step
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 from hybridmoe.config import EngineConfig
-from hybridmoe.weights.loader import load_model
+from hybridmoe.engine.model_loader import load_model
 
 
 def test_native_bf16_experts_give_the_torch_reference_logits(tmp_path):

@@ -2,7 +2,11 @@
 
 import pytest
 import torch
-from compare import assert_batched_decode_equals_recomputation, assert_forward_equals_transformers, save_and_load
+from compare import (
+    assert_batched_decode_equals_recomputation,
+    assert_forward_equals_transformers,
+    save_and_load,
+)
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 2, 33], [11, 50, 8, 19, 27]]

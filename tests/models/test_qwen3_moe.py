@@ -2,8 +2,14 @@
 
 import pytest
 import torch
-from compare import (assert_batched_decode_equals_recomputation, assert_close, assert_forward_equals_transformers, hf_forward,
-                     run_step, save_and_load)
+from compare import (
+    assert_batched_decode_equals_recomputation,
+    assert_close,
+    assert_forward_equals_transformers,
+    hf_forward,
+    run_step,
+    save_and_load,
+)
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 2, 33], [11, 50, 8, 19, 27]]

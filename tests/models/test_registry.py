@@ -7,9 +7,9 @@ import torch
 from compare import assert_close, hf_forward, run_step
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import CheckpointError
 from hybridmoe.models.registry import get_model_class, load_config
-from hybridmoe.weights.loader import load_model
 
 # Hand-written config.json files in the older spelling real checkpoints use (rope_theta and
 # rope_scaling beside it, num_experts for Qwen), leaving most fields to the defaults.

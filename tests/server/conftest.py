@@ -15,7 +15,6 @@ from contextlib import contextmanager
 import openai
 import pytest
 
-
 STARTUP_SECONDS = 120
 
 

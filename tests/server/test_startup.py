@@ -2,14 +2,14 @@
 
 import socket
 
-import hybridmoe.weights.loader
+import hybridmoe.engine.llm_engine
 from hybridmoe.cli import main
 
 
 def test_a_taken_port_is_a_one_line_error_before_the_model_loads(tiny_qwen3_fp32, capsys, monkeypatch):
     loads = []
-    load_model = hybridmoe.weights.loader.load_model
-    monkeypatch.setattr(hybridmoe.weights.loader, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
+    load_model = hybridmoe.engine.llm_engine.load_model
+    monkeypatch.setattr(hybridmoe.engine.llm_engine, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()

@@ -1,6 +1,6 @@
 import pytest
 
-from hybridmoe.bench_anatomy import step_anatomy
+from hybridmoe.bench.anatomy import step_anatomy
 
 
 def stats(**over):

@@ -1,19 +1,33 @@
 import json
-import runpy
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from benchmarks import e2e as entry
+from benchmarks.lib import e2e, e2e_suite
+from benchmarks.lib.cli import parser
+from hybridmoe.bench.anatomy import step_anatomy
+from hybridmoe.bench.fit import depth_fits
+from hybridmoe.bench.synthetic import full_config
+from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts import packed_gpu
+from hybridmoe.experts.placement import model_footprint
+from hybridmoe.models.registry import architecture_of, get_model_class
 
-E2E = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "e2e.py"), run_name="e2e")
+
+def parse_args(argv: list[str]):
+    """The e2e command line as the subcommand sees it, the suite's settings and the defaults filled in."""
+    args = parser("e2e.py", "", entry.COMMANDS).parse_args(argv)
+    return e2e_suite.fill(args) if args.command == "suite" else e2e.fill_defaults(args)
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     """One ablation run of tiny Qwen3 cut to 1 of its 2 layers, everything on the CPU."""
     out = tmp_path_factory.mktemp("e2e") / "e2e.json"
-    argv = ["--synthetic", "qwen3_moe:tiny", "--layers", "1", "--prompt-lens", "16,32", "--gen-len", "4",
+    argv = ["run", "--synthetic", "qwen3_moe:tiny", "--layers", "1", "--prompt-lens", "16,32", "--gen-len", "4",
             "--decode-prompt-len", "8", "--ablation", "--device", "cpu", "--dtype", "bfloat16",
             "--expert-backend", "native", "--expert-format", "bf16", "--bandwidth-bytes", str(16 << 20),
             "--json", str(out)]
@@ -22,7 +36,7 @@ def report(tmp_path_factory):
 
 def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report, capsys):
     argv, out = report
-    assert E2E["main"](argv) == 0
+    assert entry.main(argv) == 0
     text = capsys.readouterr().out
     data = json.loads(out.read_text())
     labels = [r["label"] for r in data["results"]]
@@ -54,30 +68,30 @@ def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report
 
 
 def test_the_packed_row_unpacks_the_gpu_experts_of_int4_and_int8_only():
-    loads = E2E["configurations"]({"gpu_memory_budget": 1 << 30}, ["int4", "bf16"], ["packed"])
+    loads = e2e.configurations({"gpu_memory_budget": 1 << 30}, ["int4", "bf16"], ["packed"])
     unpacked = [load for load in loads if load.label.endswith("GPU experts unpacked")]
     assert [load.label for load in unpacked] == ["int4 GPU experts unpacked"]
     assert unpacked[0].kwargs["gpu_experts_packed"] is False and unpacked[0].kwargs["expert_format"] == "int4"
-    assert not any("unpacked" in load.label for load in E2E["configurations"]({}, ["bf16"], ["packed"]))
+    assert not any("unpacked" in load.label for load in e2e.configurations({}, ["bf16"], ["packed"]))
 
 
 def test_bad_prompt_lengths_are_a_one_line_error(capsys):
-    assert E2E["main"](["--synthetic", "qwen3_moe:tiny", "--prompt-lens", "16,x"]) == 2
+    assert entry.main(["run", "--synthetic", "qwen3_moe:tiny", "--prompt-lens", "16,x"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("e2e.py: error: --prompt-lens") and err.count("\n") == 1
+    assert err.startswith("e2e.py run: error: --prompt-lens") and err.count("\n") == 1
 
 
 def test_a_suite_fills_the_issue_setup_and_keeps_what_the_user_gave():
-    args = E2E["parse_args"](["--suite", "qwen3", "--gpu-memory-budget", "8GiB"])
+    args = parse_args(["suite", "qwen3", "--gpu-memory-budget", "8GiB"])
     assert (args.synthetic, args.layers, args.formats, args.repeats) == ("qwen3-30b-a3b", "4,12", "int4,bf16", 3)
-    assert args.ablation == "graph,trim,pin,help,ahead,deferral,gpu-experts,packed"
-    assert args.deferral_rows == "1,2" and E2E["parse_args"](["--synthetic", "x"]).deferral_rows == "1"
+    assert args.model is None and args.ablation == "graph,trim,pin,help,ahead,deferral,gpu-experts,packed"
+    assert args.deferral_rows == "1,2" and parse_args(["run", "--synthetic", "x"]).deferral_rows == "1"
     assert args.gpu_memory_budget == "8GiB"
-    assert E2E["parse_args"](["--suite", "dsv3"]).gpu_memory_budget == "16GiB"
-    small = E2E["parse_args"](["--suite", "dsv3", "--layers", "1", "--prompt-lens", "16", "--formats", "bf16"])
+    assert parse_args(["suite", "dsv3"]).gpu_memory_budget == "16GiB"
+    small = parse_args(["suite", "dsv3", "--layers", "1", "--prompt-lens", "16", "--formats", "bf16"])
     assert (small.synthetic, small.layers, small.prompt_lens, small.formats, small.gen_len) == \
         ("deepseek-v3", "1", "16", "bf16", 16)
-    plain = E2E["parse_args"](["--synthetic", "x"])
+    plain = parse_args(["run", "--synthetic", "x"])
     assert (plain.prompt_lens, plain.gen_len, plain.repeats) == ("512,2048,8192", 32, 1)
 
 
@@ -90,21 +104,21 @@ def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monk
             raise RuntimeError("CUDA error: invalid argument\nmore")
         return ["rows"]
 
-    run, load = E2E["run_configuration"], E2E["Load"]
-    monkeypatch.setitem(run.__globals__, "run_suite", flaky)  # the script's own namespace, not run_path's copy
+    run, load = e2e.run_configuration, e2e.Load
+    monkeypatch.setattr(e2e, "run_suite", flaky)
     trim = (("int4 trim padding off", {"trim_padding": False}),)
     assert run("M", load("int4 all on", {"device": "cpu"}, "int4 no CUDA graph", trim), [16]) == ["rows"]
     assert calls == [("int4 all on", "auto", "int4 no CUDA graph", trim),
                      ("int4 all on (streaming off)", "off", "int4 no CUDA graph (streaming off)",
                       (("int4 trim padding off (streaming off)", {"trim_padding": False}),))]
     assert "int4 all on: FAILED (RuntimeError: CUDA error: invalid argument)" in capsys.readouterr().out
-    monkeypatch.setitem(run.__globals__, "run_suite", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(e2e, "run_suite", lambda *a, **k: 1 / 0)
     assert run("M", load("bf16", {"device": "cpu", "prefill_streaming": "off"}), [16]) == []  # no second try
 
 
 def test_ablation_variants_come_after_every_format():
-    every = E2E["ablation_rows"]("graph,zero-copy,trim,pin,help,ahead,deferral,gpu-experts")
-    runs = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
+    every = e2e.ablation_rows("graph,zero-copy,trim,pin,help,ahead,deferral,gpu-experts")
+    runs = e2e.configurations({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
     assert [(r.label, r.eager_label, r.handoff_variants, r.every_length) for r in runs] == [
         ("int4 all on", "int4 no CUDA graph", (("int4 zero-copy", {"zero_copy": True}),
                                                ("int4 trim padding", {"trim_padding": True}),
@@ -116,66 +130,51 @@ def test_ablation_variants_come_after_every_format():
     assert [r.deferral_variants for r in runs] == [(("int4 deferral 1", 1),), (), ()]  # the hybrid split switches K
     kwargs = {r.label: r.kwargs for r in runs}
     assert kwargs["int4 all on"]["deferred_experts"] == 0 and kwargs["bf16 all on"]["deferred_experts"] == 0
-    given = E2E["configurations"]({"deferred_experts": 2}, ["int4"], every)
+    given = e2e.configurations({"deferred_experts": 2}, ["int4"], every)
     assert [(r.label, r.kwargs["deferred_experts"], r.deferral_variants) for r in given] == [
         ("int4 all on", 2, (("int4 no deferral", 0),)), ("int4 no GPU experts", 2, ())]
     assert kwargs["int4 no GPU experts"] == dict(kwargs["int4 all on"], gpu_experts_per_layer=0)
     # not the hybrid split (no budget, no GPU experts, K=0): K cannot be switched, the row loads its own engine
-    plain = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("deferral"))
+    plain = e2e.configurations({}, ["int4"], e2e.ablation_rows("deferral"))
     assert [(r.label, r.kwargs["deferred_experts"], r.every_length) for r in plain] == [
         ("int4 all on", 0, True), ("int4 deferral 1", 1, False)]
-    two = E2E["configurations"]({"gpu_memory_budget": "16GiB"}, ["int4"], E2E["ablation_rows"]("deferral"), 1, (1, 2))
+    two = e2e.configurations({"gpu_memory_budget": "16GiB"}, ["int4"], e2e.ablation_rows("deferral"), 1, (1, 2))
     assert [r.deferral_variants for r in two] == [(("int4 deferral 1", 1), ("int4 deferral 2", 2))]
-    plain = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("deferral"), 1, (1, 2))
+    plain = e2e.configurations({}, ["int4"], e2e.ablation_rows("deferral"), 1, (1, 2))
     assert [(r.label, r.kwargs["deferred_experts"]) for r in plain] == [
         ("int4 all on", 0), ("int4 deferral 1", 1), ("int4 deferral 2", 2)]
 
 
 def test_with_repeats_the_handoff_rows_have_no_all_on_again_row():
-    rows = E2E["ablation_rows"]("graph,trim")
-    (once,) = E2E["configurations"]({}, ["int4"], rows)
-    (repeated,) = E2E["configurations"]({}, ["int4"], rows, repeats=3)
+    rows = e2e.ablation_rows("graph,trim")
+    (once,) = e2e.configurations({}, ["int4"], rows)
+    (repeated,) = e2e.configurations({}, ["int4"], rows, repeats=3)
     assert [label for label, _ in once.handoff_variants] == ["int4 trim padding", "int4 all on, again"]
     assert [label for label, _ in repeated.handoff_variants] == ["int4 trim padding"]
 
 
 def test_ablation_rows_can_be_chosen():
-    runs = E2E["configurations"]({}, ["int4"], E2E["ablation_rows"]("graph"))
+    runs = e2e.configurations({}, ["int4"], e2e.ablation_rows("graph"))
     assert [(r.label, r.eager_label, r.handoff_variants) for r in runs] == [("int4 all on", "int4 no CUDA graph", ())]
     every = "graph,zero-copy,trim,pin,help,ahead,deferral,gpu-experts,packed"
-    assert E2E["parse_args"](["--synthetic", "x", "--ablation"]).ablation == every
+    assert parse_args(["run", "--synthetic", "x", "--ablation"]).ablation == every
     with pytest.raises(HybridMoEError, match=f"--ablation takes rows among {every}, got graphs"):
-        E2E["ablation_rows"]("graphs,trim")
+        e2e.ablation_rows("graphs,trim")
 
 
 def test_a_cut_model_gets_the_gpu_experts_per_layer_of_the_full_depth_plan():
-    import torch
-
-    from hybridmoe.checkpoint.synthetic import full_config
-    from hybridmoe.config import EngineConfig
-    from hybridmoe.experts.placement import model_footprint
-    from hybridmoe.models.registry import architecture_of, get_model_class
-
     raw = full_config("qwen3_moe:tiny")  # 2 MoE layers of 8 experts
     kwargs = {"device": "cpu", "dtype": "bfloat16", "max_num_seqs": 1, "max_model_len": 64}
     cls = get_model_class(architecture_of(raw))
     fp = model_footprint(cls, cls.make_config(raw), torch.bfloat16, EngineConfig(**kwargs))
-    per_layer, note = E2E["full_depth_gpu_experts"](raw, dict(kwargs, gpu_memory_budget=fp.fixed_bytes
+    per_layer, note = e2e.full_depth_gpu_experts(raw, dict(kwargs, gpu_memory_budget=fp.fixed_bytes
                                                               + 2 * 3 * fp.expert_bytes))
     assert per_layer == 3 and "3 GPU experts per MoE layer" in note
-    per_layer, note = E2E["full_depth_gpu_experts"](raw, dict(kwargs, gpu_memory_budget=fp.fixed_bytes - 1))
+    per_layer, note = e2e.full_depth_gpu_experts(raw, dict(kwargs, gpu_memory_budget=fp.fixed_bytes - 1))
     assert per_layer == 0 and "does not fit the budget" in note
 
 
 def test_the_full_depth_plan_counts_gpu_experts_packed_where_the_load_packs_them(monkeypatch):
-    import torch
-
-    from hybridmoe.checkpoint.synthetic import full_config
-    from hybridmoe.config import EngineConfig
-    from hybridmoe.experts import packed_gpu
-    from hybridmoe.experts.placement import model_footprint
-    from hybridmoe.models.registry import architecture_of, get_model_class
-
     monkeypatch.setattr(packed_gpu, "HAVE_TRITON", True)
     raw = full_config("qwen3_moe:tiny")  # 2 MoE layers of 8 experts, 3 x 32 x 64 weights each
     kwargs = {"device": "cuda", "dtype": "bfloat16", "max_num_seqs": 1, "max_model_len": 64, "expert_backend": "native",
@@ -183,17 +182,17 @@ def test_the_full_depth_plan_counts_gpu_experts_packed_where_the_load_packs_them
     cls = get_model_class(architecture_of(raw))
     fp = model_footprint(cls, cls.make_config(raw), torch.bfloat16, EngineConfig(**kwargs))
     budget = fp.fixed_bytes + 2 * 2 * 3 * 32 * 64 * 2  # two bf16 experts a layer
-    unpacked, _ = E2E["full_depth_gpu_experts"](raw, dict(kwargs, gpu_memory_budget=budget, gpu_experts_packed=False))
-    per_layer, note = E2E["full_depth_gpu_experts"](raw, dict(kwargs, gpu_memory_budget=budget))
+    unpacked, _ = e2e.full_depth_gpu_experts(raw, dict(kwargs, gpu_memory_budget=budget, gpu_experts_packed=False))
+    per_layer, note = e2e.full_depth_gpu_experts(raw, dict(kwargs, gpu_memory_budget=budget))
     assert unpacked == 2 and per_layer == 6 and "packed int4" in note  # int4 g32: 3.2x as many per byte
 
 
 def test_two_depths_are_measured_in_turn_and_fitted(tmp_path, capsys):
     out = tmp_path / "e2e.json"
-    argv = ["--synthetic", "qwen3_moe:tiny", "--layers", "1,2", "--prompt-lens", "16", "--gen-len", "4",
+    argv = ["run", "--synthetic", "qwen3_moe:tiny", "--layers", "1,2", "--prompt-lens", "16", "--gen-len", "4",
             "--decode-prompt-len", "8", "--device", "cpu", "--dtype", "bfloat16", "--expert-backend", "native",
             "--expert-format", "bf16", "--bandwidth-bytes", str(16 << 20), "--json", str(out)]
-    assert E2E["main"](argv) == 0
+    assert entry.main(argv) == 0
     text = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert [(r["label"], r["model_layers"]) for r in data["results"]] == [("bf16", 1), ("bf16", 2)]
@@ -209,30 +208,22 @@ def test_two_depths_are_measured_in_turn_and_fitted(tmp_path, capsys):
 
 
 def test_layers_of_a_model_directory_are_an_error(capsys):
-    assert E2E["main"](["--model", "M", "--layers", "4"]) == 2
+    assert entry.main(["run", "--model", "M", "--layers", "4"]) == 2
     assert "--layers cuts a --synthetic model" in capsys.readouterr().err
 
 
 def test_anatomy_table_sets_each_layer_beside_its_floor():
-    from types import SimpleNamespace
-
-    from hybridmoe.bench_anatomy import step_anatomy
-
     stats = dict(layers=40, cpu_us=40 * 200, late_us=40 * 0.5, steps=10, first_cpu_us=10 * 250,
                  first_late_us=10 * 2.0, gaps=30, between_us=30 * 100)
     floor = SimpleNamespace(per_moe_layer_seconds=lambda: 132e-6)
     row = SimpleNamespace(label="int4 all on", model_layers=4, floor=floor, anatomy=step_anatomy([stats], 2e-3))
-    head, _, line = E2E["anatomy_table"]([row, SimpleNamespace(anatomy=None)])
+    head, _, line = e2e.anatomy_table([row, SimpleNamespace(anatomy=None)])
     cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in line.split("|")]))
     assert (cells["CPU us/layer"], cells["floor us/layer"], cells["gap us/layer"]) == ("200.0", "132.0", "100.0")
     assert (cells["go late us"], cells["rest ms/token"]) == ("0.50", "0.900")
 
 
 def test_with_repeats_the_fit_table_gives_the_full_depth_range_of_the_samples():
-    from types import SimpleNamespace
-
-    from hybridmoe.bench_fit import depth_fits
-
     def result(moe: int, samples: list[float]):
         floor = SimpleNamespace(layers=[None] * moe, per_moe_layer_seconds=lambda: 1e-4)
         return SimpleNamespace(label="int4 all on", model_layers=moe, decode_s=sorted(samples)[1],
@@ -241,5 +232,5 @@ def test_with_repeats_the_fit_table_gives_the_full_depth_range_of_the_samples():
     # one sample per depth, at 10 layers: (2, 2.4 ms) and (6, 1.6 ms) fit 0.8 ms, the fastest; (2, 1.2) and
     # (6, 3.2) 5.2 ms, the slowest; the medians (2, 1.5) and (6, 2.0) 2.5 ms, in between
     results = [result(2, [1.2e-3, 1.5e-3, 2.4e-3]), result(6, [1.6e-3, 2.0e-3, 3.2e-3])]
-    (row,) = E2E["fit_table"](depth_fits(results, 10, 10), [512], results)[2:]
+    (row,) = e2e.fit_table(depth_fits(results, 10, 10), [512], results)[2:]
     assert "| 192.3-1250.0 " in row and "| 400.0 " in row

@@ -1,6 +1,6 @@
 import pytest
 
-from hybridmoe.bench_layers import LayerTimes
+from hybridmoe.bench.layers import LayerTimes
 
 
 def test_full_depth_is_non_layer_part_plus_each_layer_kind_at_its_mean():
@@ -19,7 +19,7 @@ def test_a_kind_the_cut_model_lacks_takes_the_other_kinds_time():
 
 
 def test_layer_timer_spans_every_decoder_layer_of_a_decode_step(tmp_path):
-    from hybridmoe.bench_layers import measure_layer_times
+    from hybridmoe.bench.layers import measure_layer_times
     from hybridmoe.checkpoint.make import make_checkpoint
     from hybridmoe.config import EngineConfig
     from hybridmoe.engine.llm_engine import LLMEngine
@@ -35,8 +35,8 @@ def test_layer_timer_spans_every_decoder_layer_of_a_decode_step(tmp_path):
 
 
 def test_a_prefill_is_timed_per_layer_over_its_chunks(tmp_path, monkeypatch):
-    from hybridmoe import bench_layers
-    from hybridmoe.bench_layers import measure_prefill_layer_times
+    from hybridmoe.bench import layers as bench_layers
+    from hybridmoe.bench.layers import measure_prefill_layer_times
     from hybridmoe.checkpoint.make import make_checkpoint
     from hybridmoe.config import EngineConfig
     from hybridmoe.engine.llm_engine import LLMEngine

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybridmoe.bench_fit import depth_fits, fit_line
+from hybridmoe.bench.fit import depth_fits, fit_line
 from hybridmoe.errors import HybridMoEError
 
 

@@ -1,10 +1,10 @@
 import pytest
 
-from hybridmoe.bench_floor import decode_floor, floor_ratio
+from hybridmoe.bench.floor import decode_floor, floor_ratio
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.llm_engine import LLMEngine
-from hybridmoe.experts.placement import cpu_expert_bytes
+from hybridmoe.experts.expert_bytes import cpu_expert_bytes
 
 # tiny qwen3: 2 MoE layers, E=8 experts, K=2 per token, H=64, I=32
 
@@ -54,7 +54,7 @@ def test_ratio_is_nan_when_no_expert_is_read_on_the_cpu(checkpoint):
 
 
 def test_decode_routing_counts_the_decode_steps_and_weights_the_floor(checkpoint):
-    from hybridmoe.bench_floor import decode_routing
+    from hybridmoe.bench.floor import decode_routing
 
     engine = LLMEngine(checkpoint, EngineConfig(device="cpu", max_num_seqs=1, cache_dir="", expert_backend="native",
                                                 expert_format="bf16", gpu_experts_per_layer=2))

@@ -3,9 +3,10 @@ of its samples; an interruption still returns the rows measured (the complete ro
 
 import pytest
 
-import hybridmoe.bench_suite as suite
+import hybridmoe.bench.suite as suite
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.config import EngineConfig
+from hybridmoe.experts.tuning import HybridTuning
 
 
 @pytest.fixture(scope="module")
@@ -109,26 +110,25 @@ def test_a_handoff_row_that_changes_nothing_measures_the_other_way():
 
 
 def test_an_expert_option_row_sets_the_experts_and_the_next_row_its_own_value_again():
-    """pin_decode_thread (EXPERT_OPTIONS) is set on the hybrid experts, RUNNER_OPTIONS on the model runner, the
+    """pin_decode_thread (EXPERT_OPTIONS) is set on the hybrid experts' tuning, RUNNER_OPTIONS on the model runner, the
     handoff options on each handoff; a row without options puts the engine's own values back."""
     from types import SimpleNamespace as NS
 
     handoff = NS(path="stream_mem_ops", zero_copy=True, trim_padding=True)
-    experts = NS(_handoffs={(False, 0): (handoff, 4), (False, 1): (handoff, 4)}, pin_decode_thread=True,
-                 help_decode_wait=True)
+    experts = NS(_handoffs={(False, 0): (handoff, 4), (False, 1): (handoff, 4)}, tuning=HybridTuning())
     runner = NS(model=NS(experts=experts), cuda_graph=True, _graphs={}, sample_on_device=False, lookahead=True)
     engine = NS(runner=runner, resolved_config=NS(deferred_experts=0), config=NS(device="cuda"))
     bench = suite._Bench(engine, [1], 4, 1e9, "probe", False)
     assert bench.defaults == {"zero_copy": True, "trim_padding": True, "pin_decode_thread": True,
                               "help_decode_wait": True, "sample_on_device": False, "lookahead": True}
     bench._set_up(suite.Row("int4 unpinned", True, {"pin_decode_thread": False}, False))
-    assert experts.pin_decode_thread is False and not hasattr(handoff, "pin_decode_thread")
+    assert experts.tuning.pin_decode_thread is False and not hasattr(handoff, "pin_decode_thread")
     bench._set_up(suite.Row("int4 helping wait off", True, {"help_decode_wait": False}, False))
-    assert experts.help_decode_wait is False and experts.pin_decode_thread is True
+    assert experts.tuning.help_decode_wait is False and experts.tuning.pin_decode_thread is True
     bench._set_up(suite.Row("int4 step ahead", True, {"sample_on_device": True}, False))
-    assert runner.sample_on_device is True and not hasattr(experts, "sample_on_device")
-    assert experts.pin_decode_thread is True and experts.help_decode_wait is True
+    assert runner.sample_on_device is True and not hasattr(experts.tuning, "sample_on_device")
+    assert experts.tuning.pin_decode_thread is True and experts.tuning.help_decode_wait is True
     bench._set_up(suite.Row("int4 zero-copy off", True, {"zero_copy": False}, False))
-    assert (experts.pin_decode_thread, handoff.zero_copy) == (True, False)
+    assert (experts.tuning.pin_decode_thread, handoff.zero_copy) == (True, False)
     bench._set_up(suite.Row("int4 all on", True, None, True))
-    assert (experts.pin_decode_thread, handoff.zero_copy, runner.sample_on_device) == (True, True, False)
+    assert (experts.tuning.pin_decode_thread, handoff.zero_copy, runner.sample_on_device) == (True, True, False)

@@ -5,10 +5,10 @@ there; and asking for the handoff without CUDA is a clear error.
 T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
 """
 
+import hybridmoe._native as native
 import pytest
 import torch
 
-import hybridmoe._native as native
 from hybridmoe import CpuExperts
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cuda_handoff import CudaHandoff

@@ -1,4 +1,4 @@
-"""benchmarks/decode_cpu_trace.py end to end on the CPU device: tiny Qwen3 (2 MoE layers, 4 experts, top-2)
+"""`benchmarks/decode.py cpu-trace` end to end on the CPU device: tiny Qwen3 (2 MoE layers, 4 experts, top-2)
 decoded with every CPU layer traced, then the captured calls replayed standalone."""
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "decode_cpu_trace.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "decode.py"
 CALLS = 3
 
 
@@ -16,7 +16,7 @@ CALLS = 3
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("trace") / "trace.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--synthetic", "qwen3_moe:tiny", "--layers", "2", "--device", "cpu",
+        [sys.executable, str(SCRIPT), "cpu-trace", "--synthetic", "qwen3_moe:tiny", "--layers", "2", "--device", "cpu",
          "--format", "int4", "--group-size", "32", "--calls", str(CALLS), "--threads", "2", "--prompt-len", "8",
          "--bandwidth-bytes", str(16 << 20), "--torch-threads", "0,1", "--max-model-len", "64", "--json", str(out)],
         capture_output=True, text=True, timeout=120)
@@ -61,7 +61,7 @@ def test_with_deferral_each_call_shows_its_deferred_part_in_both_the_pipeline_an
     prints the first pipeline call's items per worker."""
     out = tmp_path / "trace.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--synthetic", "qwen3_moe:tiny", "--layers", "2", "--device", "cpu",
+        [sys.executable, str(SCRIPT), "cpu-trace", "--synthetic", "qwen3_moe:tiny", "--layers", "2", "--device", "cpu",
          "--format", "int4", "--group-size", "32", "--calls", "2", "--threads", "2", "--prompt-len", "8",
          "--bandwidth-bytes", str(16 << 20), "--max-model-len", "64", "--deferred-experts", "1", "--timeline", "1",
          "--json", str(out)],

@@ -8,8 +8,8 @@ import hybridmoe.system.expert_memory as expert_memory
 from hybridmoe.checkpoint import make_checkpoint
 from hybridmoe.cli import main
 from hybridmoe.config import EngineConfig
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.weights.loader import load_model
 
 KIB = 1 << 10
 

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from hybridmoe.experts.cpu_experts import CpuExperts
+from hybridmoe.experts.factory import (
+    _NativeLayer,  # the CPU engine factory the loader gives a native hybrid
+)
 from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
 from hybridmoe.experts.placement import Footprint, PlacementPlan
-from hybridmoe.weights.loader import _NativeLayer  # the CPU engine factory the loader gives a native hybrid
 
 E, H, I, K, T = 8, 64, 32, 3, 5  # experts, hidden, intermediate, experts per token, tokens
 

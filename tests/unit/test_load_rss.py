@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridmoe.weights.load_rss import measure_in_subprocess, write_one_layer
+from hybridmoe.bench.load_rss import measure_in_subprocess, write_one_layer
 
 MARGIN = 32 << 20
 LAYER = {"hidden_size": 1024, "moe_intermediate_size": 512, "num_experts": 64, "head_dim": 64,

@@ -8,8 +8,8 @@ import torch
 from hybridmoe import CpuExperts
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.config import EngineConfig
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.models.base import EXPERT_PROJS
-from hybridmoe.weights.loader import load_model
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/prefetch_gain.py end to end on a small layer: every variant measured, the prefetch timed only
+"""`benchmarks/kernel.py prefetch` end to end on a small layer: every variant measured, the prefetch timed only
 where it runs, cold the reference of the ratios."""
 
 import json
@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "prefetch_gain.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "kernel.py"
 
 
 def test_every_variant_has_a_row_and_only_the_named_ones_prefetch(tmp_path):
     out = tmp_path / "prefetch.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--experts", "4", "--slots", "2", "--layers", "2", "--cycles", "2",
+        [sys.executable, str(SCRIPT), "prefetch", "--experts", "4", "--slots", "2", "--layers", "2", "--cycles", "2",
          "--tokens", "1,2", "--named", "1,0.5", "--touch", "2", "--threads", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -1,13 +1,14 @@
-"""benchmarks/prefill_profile.py on the CPU device: both modes of a tiny model profiled, each part where
+"""`benchmarks/prefill.py profile` on the CPU device: both modes of a tiny model profiled, each part where
 it runs (the streamed share only with streaming on, the CPU engine only with it off)."""
 
-import runpy
-from pathlib import Path
+import json
 
 import pytest
 
-pytest.importorskip("hybridmoe.experts.cpu_experts")
-PROFILE = runpy.run_path(str(Path(__file__).parents[2] / "benchmarks" / "prefill_profile.py"), run_name="profile")
+from benchmarks import prefill
+from hybridmoe.platform import native_engine_built
+
+pytestmark = pytest.mark.skipif(not native_engine_built(), reason="streaming needs the native engine")
 
 
 def _mean_row(text: str, title: str) -> dict[str, float]:
@@ -19,11 +20,12 @@ def _mean_row(text: str, title: str) -> dict[str, float]:
     return dict(zip(head[1:], (float(c) for c in mean.strip("|").split("|")[1:])))
 
 
-def test_streaming_on_and_off_put_the_experts_time_where_they_ran(capsys):
-    argv = ["--synthetic", "qwen3_moe:tiny", "--layers", "1", "--prompt-lens", "24", "--reps", "1", "--top-ops", "0", "--cold",
-            "--device", "cpu", "--dtype", "bfloat16", "--expert-backend", "native", "--expert-format", "int8",
-            "--gpu-experts-per-layer", "1"]
-    assert PROFILE["main"](argv) == 0
+def test_streaming_on_and_off_put_the_experts_time_where_they_ran(capsys, tmp_path):
+    out = tmp_path / "profile.json"
+    argv = ["profile", "--synthetic", "qwen3_moe:tiny", "--layers", "1", "--prompt-lens", "24", "--reps", "1",
+            "--top-ops", "0", "--cold", "--device", "cpu", "--dtype", "bfloat16", "--expert-backend", "native",
+            "--expert-format", "int8", "--gpu-experts-per-layer", "1", "--json", str(out)]
+    assert prefill.main(argv) == 0
     text = capsys.readouterr().out
     on = _mean_row(text, "## int8, 24 tokens, streaming on")
     off = _mean_row(text, "## int8, 24 tokens, streaming off")
@@ -32,3 +34,6 @@ def test_streaming_on_and_off_put_the_experts_time_where_they_ran(capsys):
     assert off["GPU-expert share"] > 0 and on["GPU-expert share"] == 0  # streamed: in the streamer's math
     for row in (on, off):
         assert row["layer"] >= row["attention"] + row["MoE block"] > 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["format"], r["tokens"], r["streaming"]) for r in results] == [("int8", 24, "on"), ("int8", 24, "off")]
+    assert results[0]["layers_ms"][0]["copy"] > 0 and results[1]["layers_ms"][0]["CPU experts"] > 0

@@ -1,8 +1,8 @@
 import math
 
+import hybridmoe._native as native
 import pytest
 
-import hybridmoe._native as native
 from hybridmoe.system import bandwidth
 
 SMALL = 32 << 20  # bytes: enough blocks for every worker, fast on a 2-core CI machine

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hybridmoe.weights.load_rss import memory_status
+from hybridmoe.bench.load_rss import memory_status
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 MIB = 1 << 20

@@ -2,7 +2,12 @@ import pytest
 import torch
 
 from hybridmoe import SamplingParams
-from hybridmoe.engine.sampler import Sampler, SamplerInput, apply_filters, apply_penalties
+from hybridmoe.engine.sampler import (
+    Sampler,
+    SamplerInput,
+    apply_filters,
+    apply_penalties,
+)
 
 V = 50
 
@@ -92,7 +97,12 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability(m):
 
 def test_filters_chain_like_transformers_warpers():
     from transformers.generation.logits_process import (
-        LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
     logits = logits_rows(1, seed=3)
     ours = apply_filters(logits, *only(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05))
     hf = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopKLogitsWarper(20), TopPLogitsWarper(0.9),

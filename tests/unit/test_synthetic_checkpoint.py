@@ -2,7 +2,12 @@ import json
 
 import pytest
 
-from hybridmoe.checkpoint.synthetic import arch_of_preset, full_config, split_preset, synthetic_checkpoint
+from hybridmoe.bench.synthetic import (
+    arch_of_preset,
+    full_config,
+    split_preset,
+    synthetic_checkpoint,
+)
 from hybridmoe.errors import HybridMoEError
 
 

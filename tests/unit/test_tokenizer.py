@@ -1,7 +1,8 @@
 import json
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.tokenizer import Tokenizer

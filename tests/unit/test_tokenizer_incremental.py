@@ -1,5 +1,6 @@
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from hybridmoe.engine.detokenizer import Detokenizer
 from hybridmoe.tokenizer import Tokenizer

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import CheckpointError
-from hybridmoe.weights.loader import load_model
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.weights.fp8 import dequant_block_fp8
-from hybridmoe.weights.loader import load_model
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridmoe.checkpoint.presets import model_config
-from hybridmoe.checkpoint.safetensors_writer import DEFAULT_SHARD_BYTES, write_random_safetensors
+from hybridmoe.checkpoint.safetensors_writer import (
+    DEFAULT_SHARD_BYTES,
+    write_random_safetensors,
+)
 from hybridmoe.checkpoint.tensors import tensor_specs
 from hybridmoe.checkpoint.tokenizer import write_tokenizer
 from hybridmoe.errors import HybridMoEError

@@ -2,7 +2,7 @@
 end-to-end speed of one model with the same engine options (and automatic choices) as `run`.
 
 Prints the choices the engine made (doctor's line, plus whether decode replayed CUDA graphs) and
-a table: prefill and decode tokens/s, time to first token, load time, peak RSS (hybridmoe/bench.py).
+a table: prefill and decode tokens/s, time to first token, load time, peak RSS (hybridmoe/bench/e2e.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from hybridmoe.bench import Workload, format_table, run_e2e
+    from hybridmoe.bench.e2e import Workload, format_table, run_e2e
     from hybridmoe.commands.doctor import choices_line
     from hybridmoe.config import EngineConfig
 

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridmoe.experts.placement import format_bytes
+    from hybridmoe.config import format_bytes
     from hybridmoe.weights.convert import convert_checkpoint
 
     s = convert_checkpoint(args.model, args.out, format=args.format, group_size=args.group_size, force=args.force,

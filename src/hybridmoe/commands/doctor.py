@@ -42,8 +42,7 @@ def isa_line(isa: dict | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridmoe.config import EngineConfig, parse_bytes
-    from hybridmoe.experts.placement import format_bytes
+    from hybridmoe.config import EngineConfig, format_bytes, parse_bytes
     from hybridmoe.system.auto import PCIE_MEASURE_BYTES, measured_pcie_bandwidth
     from hybridmoe.system.bandwidth import floor_bandwidth, floor_bandwidth_method
     from hybridmoe.system.host import host_info
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 def choices_line(ec, cuda_graph: bool | None = None) -> str:
     """What "auto" became in the resolved EngineConfig ec; cuda_graph: whether decode replays CUDA graphs
     (known once an engine is built; None leaves it out)."""
-    from hybridmoe.experts.placement import format_bytes
+    from hybridmoe.config import format_bytes
 
     graph = "" if cuda_graph is None else f", cuda_graph {'on' if cuda_graph else 'off'}"
     tokens = ec.prefill_streaming_tokens if ec.prefill_streaming == "on" else None  # None: measured at load
@@ -93,9 +92,11 @@ def print_choices(engine) -> None:
 
 def model_report(model_dir: str, engine_config, bandwidth: float) -> list[str]:
     """What a run of model_dir with engine_config would choose, and its expected decode floor."""
-    from hybridmoe.experts.placement import cpu_expert_bytes, format_bytes, model_footprint, placement_for
+    from hybridmoe.config import format_bytes, uses_hybrid
+    from hybridmoe.experts.expert_bytes import cpu_expert_bytes
+    from hybridmoe.experts.placement import model_footprint, placement_for
     from hybridmoe.models.registry import load_config
-    from hybridmoe.system.auto import prefill_streaming_decision, resolve_engine_config, uses_hybrid
+    from hybridmoe.system.auto import prefill_streaming_decision, resolve_engine_config
     from hybridmoe.system.expert_memory import memory_line
     from hybridmoe.weights.gguf_model_dir import resolve_model_path
     from hybridmoe.weights.loader import resolve_dtype

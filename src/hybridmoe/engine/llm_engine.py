@@ -11,8 +11,9 @@ import itertools
 import json
 from pathlib import Path
 
-from hybridmoe.config import EngineConfig
+from hybridmoe.config import EngineConfig, max_model_len
 from hybridmoe.engine.detokenizer import Detokenizer
+from hybridmoe.engine.model_loader import load_model
 from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.sampler import TokenLogprobs
 from hybridmoe.engine.scheduler import ScheduledSeq, Scheduler
@@ -20,39 +21,11 @@ from hybridmoe.engine.sequence import RequestOutput, Sequence
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import SamplingParams
 from hybridmoe.tokenizer import Tokenizer
-
-DEFAULT_MAX_MODEL_LEN = 4096
-
-
-def max_model_len(model_config, engine_config: EngineConfig) -> int:
-    """engine_config.max_model_len, else the model's max_position_embeddings capped at DEFAULT_MAX_MODEL_LEN.
-
-    A max_model_len over the positions the model knows is an error; a model that states none takes any."""
-    limit = _position_limit(model_config)
-    if engine_config.max_model_len is not None and limit is not None and engine_config.max_model_len > limit:
-        raise HybridMoEError(
-            f"max_model_len {engine_config.max_model_len} (--max-model-len) exceeds the model's "
-            f"max_position_embeddings {limit}; give --max-model-len {limit} or less")
-    return engine_config.max_model_len or min(
-        model_config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
-
-
-def _position_limit(model_config) -> int | None:
-    """max_position_embeddings, or YaRN's original length x factor when a rope_scaling added to config.json
-    stretches the model past it (as Qwen3's model card says to enable long context)."""
-    limit = model_config.get("max_position_embeddings")
-    rope = model_config.get("rope_parameters") or {}
-    original = rope.get("original_max_position_embeddings")
-    if limit and rope.get("rope_type") == "yarn" and rope.get("factor") and original:
-        limit = max(limit, int(rope["factor"] * original))
-    return limit or None
+from hybridmoe.weights.gguf_model_dir import resolve_model_path
 
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
-        from hybridmoe.weights.gguf_model_dir import resolve_model_path
-        from hybridmoe.weights.loader import load_model
-
         self.config = config or EngineConfig()
         model_dir = resolve_model_path(model_dir, self.config)  # a .gguf file -> its config/tokenizer directory
         self.model_dir = Path(model_dir)

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridmoe.engine.context import Context, DecodeBatch, use_context
 from hybridmoe.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from hybridmoe.engine.scheduler import ScheduledSeq
+from hybridmoe.forward_context import Context, DecodeBatch, use_context
 from hybridmoe.sampling_params import SamplingParams
 
 SMALL_BATCHES = 8
@@ -53,16 +53,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_slots, self.max_len = num_slots, max_len
         if fixed_shapes is None:
-            use_fixed = getattr(model.experts, "use_fixed_shapes", None)
-            fixed_shapes = (self.device.type == "cuda" and use_fixed is not None
-                            and use_fixed(num_slots, model.lm_head.weight.dtype))
+            fixed_shapes = (self.device.type == "cuda"
+                            and model.experts.use_fixed_shapes(num_slots, model.lm_head.weight.dtype))
         self.fixed = fixed_shapes
         model.allocate_kv_cache(num_slots + 1 if self.fixed else num_slots, max_len)  # + the padding rows' slot
         self.cuda_graph = self.fixed and cuda_graph and self.device.type == "cuda"
-        # On the GPU host (device round r1 of session 6, benchmarks/decode_step_parts.py, Qwen3-30B-A3B 4 layers,
-        # batch 1, one engine, interleaved, same tokens): us/token int4 1179 (sampler, inputs copied), 1063
-        # (sample_on_device), 948 (and lookahead: the GPU idle 1.3 us per step instead of 287); bf16 2528, 2496, 2291.
-        # r2: int4 1178 -> 999 (5 rounds of 3 runs); e2e int4 fit to 48 layers 131.9 -> 140.9 tok/s (4 and 12 layers).
+        # Both on by default: Qwen3-30B-A3B int4 decode at batch 1 takes 948 us/token (4 layers) against 1179.
         self.sample_on_device = True
         """Plain greedy decode steps read back only the step's own argmax, and copy no inputs the device holds
         (a graph captured the other way is captured again at its next step)."""
@@ -107,9 +103,7 @@ class ModelRunner:
         if self._pinned is None:
             # the step's thread off the CPU expert pools' CPUs while steps are in flight (HybridExperts)
             self._pinned = ExitStack()
-            decode_thread = getattr(self.model.experts, "decode_thread", None)
-            if decode_thread is not None:
-                self._pinned.enter_context(decode_thread())
+            self._pinned.enter_context(self.model.experts.decode_thread())
         try:
             return self._run_decode(batch, lookahead)
         finally:
@@ -197,9 +191,7 @@ class ModelRunner:
 
     def _check(self) -> None:
         """Raise what CPU layers run on the CUDA stream recorded (after the step's results were waited for)."""
-        check = getattr(self.model.experts, "check", None)
-        if check is not None:
-            check()
+        self.model.experts.check()
 
     def _launch(self, inputs: list[list[int]] | None, Bp: int, read: bool,
                 lens: list[int] | None = None) -> _Launched | None:
@@ -225,9 +217,9 @@ class ModelRunner:
             self._flip ^= 1
             step.read.copy_(self._ids[:Bp], non_blocking=True)  # the step wrote its tokens there
             if self.device.type == "cuda":
-                step.done = torch.cuda.Event()  # spun on: waiting asleep (blocking) was 1.04x slower in r2
+                step.done = torch.cuda.Event()  # spun on: waiting asleep (blocking) decodes 1.04x slower
                 step.done.record()
-                step.wait = getattr(self.model.experts, "wait_step", None)
+                step.wait = self.model.experts.wait_step
         return step
 
     def _graph(self, key: tuple[int, int], capture: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, bool] | None:
@@ -288,11 +280,11 @@ class _Launched:
     done: torch.cuda.Event | None = None
     """Recorded after that copy (CUDA)."""
     wait: Callable[[torch.cuda.Event], None] | None = None
-    """How to wait for done (the experts backend's wait_step, if it has one), else done.synchronize()."""
+    """How to wait for done: the experts backend's wait_step (set with done)."""
 
     def tokens(self) -> list[int]:
         if self.done is not None:
-            (self.wait or torch.cuda.Event.synchronize)(self.done)
+            self.wait(self.done)
         return self.read.tolist()
 
 

@@ -1,8 +1,12 @@
 """Where routed experts run is decided here, not in the model.
 
 A model's MoE block computes the router's top-k and hands (hidden, ids, weights) to an
-ExpertBackend; it never sees expert weights. Backends: the torch reference (any device,
-the ground truth in tests), the native CPU engine, and later the GPU cache and the hybrid.
+ExpertBackend; it never sees expert weights. Backends: the torch reference (experts/torch_ref.py, any
+device, the ground truth in tests), the native CPU engine (experts/factory.py NativeLayers) and the
+hybrid GPU/CPU split (experts/hybrid.py); experts/factory.py builds the one a load asks for.
+
+Every call the loader, the model runner or a model makes on a backend is declared here; the optional ones
+have a default that does nothing (or the plain thing), so callers never probe for a method.
 
 Shapes: T tokens, H hidden, K experts per token, E experts, I expert intermediate size.
 """
@@ -10,8 +14,12 @@ Shapes: T tokens, H hidden, K experts per token, E experts, I expert intermediat
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
+
+from hybridmoe.errors import HybridMoEError
 
 
 class ExpertBackend(ABC):
@@ -21,6 +29,30 @@ class ExpertBackend(ABC):
     def set_layer(self, layer: int, gate_proj: torch.Tensor, up_proj: torch.Tensor,
                   down_proj: torch.Tensor) -> None:
         """Take the stacked expert weights of one layer: gate/up [E, I, H], down [E, H, I]."""
+
+    def set_layer_experts(self, layer: int, experts: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                          num_experts: int) -> None:
+        """Take one layer's experts as (gate [I, H], up [I, H], down [H, I]) of one expert at a time, in expert order
+        (how the loader reads a checkpoint). The next expert is read only once the backend is done with the
+        last one, so a backend that packs as they come never holds the layer twice. Default: stacked on the
+        tensors' device and in their dtype, then set_layer."""
+        stacked: list[torch.Tensor] = []
+        for e, weights in enumerate(experts):
+            if not stacked:
+                stacked = [torch.empty(num_experts, *w.shape, dtype=w.dtype, device=w.device) for w in weights]
+            for dst, w in zip(stacked, weights):
+                dst[e].copy_(w)
+        self.set_layer(layer, *stacked)
+
+    def int4_codes_group(self) -> int | None:
+        """The int4 group size in which set_layer_codes takes GPTQ/AWQ codes as they are; None (default): the
+        backend takes float weights only."""
+        return None
+
+    def set_layer_codes(self, layer: int, gate_proj, up_proj, down_proj) -> None:
+        """Take one layer's experts as int4 codes (weights/int4_codes.py Int4Codes, stacked [E, ...]) in the group
+        size int4_codes_group() gives; called only when that is not None."""
+        raise HybridMoEError(f"{type(self).__name__} takes no int4 codes (its int4_codes_group() is None)")
 
     @abstractmethod
     def submit(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
@@ -52,5 +84,25 @@ class ExpertBackend(ABC):
 
     def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
+        """submit() then wait(): the layer's experts' output [T, H]."""
         self.submit(layer, hidden, topk_ids, topk_weights)
         return self.wait(layer)
+
+    def use_fixed_shapes(self, max_tokens: int, dtype: torch.dtype) -> bool:
+        """Whether steps of at most max_tokens tokens (hidden states in dtype) can run from now on in shapes fixed
+        by their token count, with no host sync, so that a CUDA graph can capture them. Default False: the model
+        runner then runs every step eagerly."""
+        return False
+
+    def decode_thread(self) -> AbstractContextManager:
+        """The context a fixed-shape step is launched and waited for in, on the thread that drives the GPU (the
+        hybrid split pins that thread off its CPU workers' cores). Default: nothing."""
+        return nullcontext()
+
+    def wait_step(self, done: torch.cuda.Event) -> None:
+        """Wait for a fixed-shape step's event `done` (recorded after its tokens' copy). Default: synchronize."""
+        done.synchronize()
+
+    def check(self) -> None:
+        """Raise what work the backend ran on the CUDA stream recorded as failed (called after a step's results
+        were waited for). Default: nothing to check."""

@@ -24,6 +24,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.tuning import EngineTuning, from_native, to_native
 
 FORMATS = ("bf16", "int8", "int4")
 
@@ -227,9 +228,7 @@ class CpuExperts:
     def prefetch(self, experts: torch.Tensor | list[int]) -> int:
         """Read these experts' packed weights into the CPU's caches now (the pool's workers, GIL
         released; returns the bytes read), so that a call soon after may find them there instead of in
-        DRAM. Results never depend on it; set_schedule's prefetch_touch says how each line is read. On the
-        GPU host only touch 3 (load + cldemote) made the next call faster (0.81-0.85x); the default
-        prefetcht1 and plain loads left it as slow or slower (benchmarks/prefetch_gain.py, session 13)."""
+        DRAM. Results never depend on it; EngineTuning.prefetch_touch says how each line is read."""
         ids = torch.as_tensor(experts, dtype=torch.int32).reshape(-1).contiguous()
         return self._call(self._engine.prefetch, ids)
 
@@ -319,54 +318,30 @@ class CpuExperts:
         Each: T, K, A (distinct experts); times in ns on time.monotonic_ns()'s clock: call_ns
         (submit/forward entered the engine), entry_ns (the layer started on its thread),
         grouped_ns, acts_ns (x rows quantized; with early_start, handed to the GEMM run), items_ns
-        (GEMM run starts), gemm_end_ns, end_ns (combine done); items int64 [n, 10] per GEMM item:
-        worker, down (0 gate/up, 1 down), expert, slice, b0, b1 (32-row blocks of the slice),
-        start, end, wait (a down item waiting for its expert's h; with early_start, a gate/up item
-        waiting for x's rows), convert (after end: the gate/up item that turned its expert's h into
-        down activations; a down item summing the output columns it completed, up to 16 tokens);
+        (GEMM run starts), gemm_end_ns, end_ns (combine done), ready_ns (with deferral: the own slots'
+        output complete, else 0); items int64 [n, 11] per GEMM item: worker, down (0 gate/up, 1 down),
+        expert, slice, b0, b1 (32-row blocks of the slice), start, end, wait (a down item waiting for its
+        expert's h; with early_start, a gate/up item waiting for x's rows), convert (after end: the
+        gate/up item that turned its expert's h into down activations; a down item summing the output
+        columns it completed, up to 16 tokens), deferred (1: a deferred slot's expert);
         join_ns int64 [threads] (when each pool worker joined the GEMM run, 0: never) and slept
         bool [threads] (it had gone to sleep before).
         """
         return trace_records(self._engine.take_trace())
 
-    def set_schedule(self, item_blocks: int | None = None, item_prefetch: int | None = None,
-                     tail_split: bool | None = None, combine_in_run: bool | None = None,
-                     kernel_prefetch_l1: int | None = None, kernel_prefetch_l2: int | None = None,
-                     paired: bool | None = None, early_start: bool | None = None,
-                     padded_counters: bool | None = None, balanced_items: bool | None = None,
-                     gate_up_tail: bool | None = None, prefetch_touch: int | None = None) -> None:
-        """How a call's GEMM work is cut, for side-by-side benchmarks (None: leave as is); results
-        do not depend on it. item_blocks: 32-row weight blocks per work item (0: automatic, the
-        default); item_prefetch: bytes of each item's weight streams prefetched into L2 as it
-        starts (default 4096, 0: none); tail_split: cut the last down items (about two blocks per
-        thread) into 1-block items (default on); combine_in_run: up to 16 tokens, sum the experts' outputs per block of columns inside the GEMM run (default on),
-        else after it; kernel_prefetch_l1 / kernel_prefetch_l2: bytes ahead of its loads the
-        AVX-512 kernels prefetch weights into L1 / L2 (defaults 4096 / 16384, 0: none); paired: experts
-        with one token read two weight blocks at once, gate's and up's or two halves of the down
-        rows (AVX-512; default off); early_start: a decode call (x converted on one thread)
-        starts the GEMM run first, and its thread converts x while the workers join and prefetch
-        their first items' weights (gate/up items wait for x's rows; default on); padded_counters:
-        the counters workers count down (per active expert, per down block) each on a cache line
-        of its own (default on; off: packed); balanced_items: automatic item sizes chosen so that the
-        run should end soonest, by the gate/up items' rounds and all the work over the workers (default on;
-        off: about 4 items per thread); gate_up_tail: cut the last gate/up items of each side (own, deferred;
-        about two blocks per thread) into 1-block items, so that no expert's gate/up ends a whole item after the
-        others' and holds up its down items (default on); prefetch_touch: how prefetch() reads each line,
-        0 prefetcht1 (into L2, the default), 1 prefetcht0, 2 a load, 3 a load then cldemote (on to the L3)."""
-        for name, value in (("item_blocks", item_blocks), ("item_prefetch", item_prefetch),
-                            ("tail_split", tail_split), ("combine_in_run", combine_in_run),
-                            ("kernel_prefetch_l1", kernel_prefetch_l1),
-                            ("kernel_prefetch_l2", kernel_prefetch_l2), ("paired", paired),
-                            ("early_start", early_start), ("padded_counters", padded_counters),
-                            ("balanced_items", balanced_items), ("gate_up_tail", gate_up_tail),
-                            ("prefetch_touch", prefetch_touch)):
-            if value is not None:
-                self._call(setattr, self._engine, name, value if isinstance(value, bool) else int(value))
+    @property
+    def tuning(self) -> EngineTuning:
+        """The schedule and prefetch knobs of this layer's later calls (tuning.py; the defaults unless tune())."""
+        return from_native(self._engine.tuning)
+
+    def tune(self, tuning: EngineTuning) -> None:
+        """Every knob of `tuning` for this layer's later calls (between calls); results do not depend on it."""
+        self._call(setattr, self._engine, "tuning", to_native(tuning, _native().MoeTuning))
 
 
 def _capsules(x, topk_ids, topk_weights, out):
     """DLPack capsules of the four per-call arrays, which the engine checks exactly as tensors: a
-    tensor's own __dlpack__ (Python code) costs ~4 us per array on a 2-core dev box, torch's C
+    tensor's own __dlpack__ (Python code) costs ~4 us per array, torch's C
     to_dlpack ~0.25. What to_dlpack refuses (no storage, the meta device, not a tensor) goes as
     is: the engine's checks refuse it with their own message."""
     try:

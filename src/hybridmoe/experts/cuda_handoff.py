@@ -12,7 +12,7 @@ or split, so GPU work enqueued in between (shared experts, GPU-resident experts)
 CPU's: enqueue_submit(stream, layer, ...) ... enqueue_wait(stream, layer) -> out.
 
 How the stream hands the rows to the CPU and gets the result back (`path`, C++ in
-csrc/cuda_host_bindings.cpp and csrc/runtime/cuda_host.cpp):
+csrc/runtime/cuda_handoff.cpp and csrc/runtime/cuda_host.cpp):
 
   stream_mem_ops  after the D2H copies the stream clears the layer's done word and writes its
                   go word (T) in pinned, device-mapped host memory (cuStreamWriteValue32,
@@ -30,7 +30,7 @@ of its buffer (the next kernel reads it over PCIe). With zero_copy a kernel of t
 write the rows itself (`staging`, enqueue_submit(staged=True)) and, on the stream_mem_ops path, play the
 stream's part of the flags (`flag_words`: clear done, fence, go = T; enqueue_submit(signaled=True)) and
 wait for done in the kernel that reads the output (enqueue_wait(in_kernel=True)): no stream memory
-operation at all (HybridExperts.kernel_flags, experts/decode_fused_triton.py).
+operation at all (HybridTuning.kernel_flags, experts/decode_fused_triton.py).
 
 "auto" takes stream_mem_ops when a probe at construction shows the device waits on host
 memory and replays a captured graph of such operations, else host_function; a log line says
@@ -42,10 +42,9 @@ as work it enqueued may still run (with stream_mem_ops the stream would wait for
 layer nobody serves). Arguments are checked here, at enqueue time; CPU work that fails (an
 expert id out of range) zeroes that layer's output and records the error, which check() raises.
 
-Measured on the GPU host (H200, driver 580, torch 2.11, benchmarks/handoff.py, 48 layers, toy
-CPU step on 4 threads, T = 1 / 4), per layer beyond the copies and the CPU work, in CUDA graphs:
-stream_mem_ops 17.8 / 5.5 µs (submit + wait split: 17.4 / 4.2), host_function 37.2 / 43.5 µs,
-Python host callback 90 / 117 µs, Python-side synchronize 131 / 107 µs (one run, round r1).
+stream_mem_ops is the default where it runs: per layer beyond the copies and the CPU work it costs
+less than half of what a host function does (docs/decisions.md has the figures). tune() sets the
+native engines' schedule knobs (hybridmoe.experts.tuning) for every layer.
 """
 
 from __future__ import annotations
@@ -62,6 +61,7 @@ import torch
 
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cpu_experts import CpuExperts, _native
+from hybridmoe.experts.tuning import EngineTuning, from_native, to_native
 
 log = logging.getLogger("hybridmoe.experts")
 
@@ -97,16 +97,9 @@ def handoff_threads(threads: int, cpus: int) -> int:
     """Workers for the layers run through the handoff: the CPU experts' own count, but at most
     one fewer than the CPUs, so that the thread driving the GPU (which spins in CUDA's waits) has
     a CPU of its own. With every CPU taken by a pinned worker, that thread preempts one of them
-    for a time slice and the whole layer waits (measured on the GPU host, 16 CPUs, toy layer:
-    the CPU step 50.7 µs per layer with 16 workers, 31.0 µs with 15). A 16th worker with that thread
-    asleep instead (polling its step's event between naps, or in CUDA's blocking wait) was tried in
-    session 14 (deferral_decode.py, Qwen3-30B-A3B 12 layers, 5 interleaved rounds): bf16 1.06x, int4
-    0.95x (the thread's host work between steps then holds up a worker's item); not kept. Session 15
-    tried it again as a rule (nap when a token's CPU experts read >= 32 MiB per layer, 02db41d, reverted):
-    bf16 napping against spinning 1.02x in one run and 0.95x in the next (5 rounds each, the first
-    layer of a napping step ~90 µs slower), int8 0.96-0.98x; not kept. What adds that CPU instead
-    (session 16): the thread works in the pool while it waits for its step, on its own CPU
-    (HybridExperts.wait_step, CudaHandoff.help_until), so nothing is preempted."""
+    for a time slice and the whole layer waits (16 CPUs, toy layer: 50.7 µs per layer with 16
+    workers, 31.0 µs with 15). That thread adds its CPU to the pool instead while it waits for its
+    step (HybridExperts.wait_step, CudaHandoff.help_until), so nothing is preempted."""
     return max(1, min(threads, cpus - 1))
 
 
@@ -126,10 +119,9 @@ def pinned(cpus: set[int]):
     """The calling thread on `cpus` inside the block, on its own affinity again after it; nothing
     changes with no cpus. For a decode step's driving thread: unpinned, the scheduler may leave it on
     the CPU of the pool's driver (which the handoff's polling thread runs the layers on), where it
-    spins in CUDA's wait while the layers' gos wait for a time slice: on the GPU host, Qwen3-30B-A3B
-    4 layers, same engine, decode 1.29x (int4) and 1.17x (bf16) faster pinned, and unpinned steps
-    saw gos up to 3.8 ms late (device round r1 of session 5). Only around the step, so that a pool
-    made later (another engine in the process) still sees every CPU."""
+    spins in CUDA's wait while the layers' gos wait for a time slice (unpinned steps saw gos up to
+    3.8 ms late). Only around the step, so that a pool made later (another engine in the process)
+    still sees every CPU."""
     if not cpus:
         yield
         return
@@ -258,11 +250,8 @@ class CudaHandoff:
         over the staging buffer, valid until the layer is enqueued again), instead of four copies.
         Needs triton. Set before the work is enqueued (or a graph captured).
 
-        Off by default here; HybridExperts turns it on (HybridExperts.zero_copy). On the GPU host (H200),
-        Qwen3-30B-A3B 4 layers: the gap between layers 54 vs 69 µs in every sample, int4 and bf16
-        (device round r1 of session 5). Whole decode steps had not shown it before (session 4: faster in
-        one round, slower in the next), likely because the CPU work per layer varied by 20% between identical
-        rows: the step's thread shared a CPU with the pool (HybridExperts.decode_thread now pins it off)."""
+        Off by default here; HybridExperts turns it on (HybridTuning.zero_copy): the gap between layers
+        54 vs 69 µs in every sample of a Qwen3-30B-A3B decode, int4 and bf16."""
         return self._zero_copy
 
     @zero_copy.setter
@@ -291,17 +280,15 @@ class CudaHandoff:
         (recorded) completes; the caller then synchronizes on it as usual (an error shows there)."""
         self._call(self._native.help_until, event.cuda_event)
 
-    def set_schedule(self, **knobs: int | bool | None) -> None:
-        """CpuExperts.set_schedule's knobs (item_blocks, item_prefetch, tail_split, gate_up_tail,
-        balanced_items, combine_in_run, early_start, paired, padded_counters; None: leave as is) for every
-        layer's CPU work, so that benchmarks compare schedules in the running pipeline. Set between steps."""
-        for name, value in knobs.items():
-            if value is not None:
-                self._call(self._native.set_schedule, name, int(value))
+    @property
+    def tuning(self) -> EngineTuning:
+        """The layers' schedule and prefetch knobs (tune() sets them alike; this reads the first layer's)."""
+        return from_native(self._call(getattr, self._native, "tuning"))
 
-    def schedule(self) -> dict[str, int | bool]:
-        """The layers' schedule knobs (set_schedule sets them alike)."""
-        return self._call(self._native.schedule)
+    def tune(self, tuning: EngineTuning) -> None:
+        """Every knob of `tuning` for every layer's CPU work (hybridmoe.experts.tuning), so that benchmarks
+        compare schedules in the running pipeline. Set between steps."""
+        self._call(setattr, self._native, "tuning", to_native(tuning, _native().MoeTuning))
 
     @staticmethod
     def _call(fn, *args):
@@ -408,7 +395,7 @@ class CudaHandoff:
         return self._native.merged_go
 
     def link_deferred(self, layer: int, other: "CudaHandoff") -> None:
-        """Run `other`'s part of `layer` (the same layer's deferred experts: HybridExperts.merged_deferral) in
+        """Run `other`'s part of `layer` (the same layer's deferred experts) in
         one CPU call with this handoff's part, started by this handoff's go word alone: a kernel stages both
         parts' rows (x in this handoff's staging only; staging(layer, T) of each for ids and weights), clears
         both done words (flag_words of each) and writes this go word = merged_go | T. This done word is set as

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.experts.gpu_experts import HAVE_TRITON
+from hybridmoe.layers.router import softmax_topk
+from hybridmoe.platform import HAVE_TRITON
 
 
 def _triton(t: torch.Tensor, fused: bool) -> bool:
@@ -72,7 +73,7 @@ def split_slots(ids: torch.Tensor, weights: torch.Tensor, on_gpu: torch.Tensor, 
 def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_gpu: torch.Tensor,
                 local: torch.Tensor, width: int, fused: bool = True, deferred: int = 0, stage=None, signal=None,
                 later=None):
-    """The router's softmax top-k (layers/moe.py softmax_topk) and split_slots of its result, one kernel
+    """The router's softmax top-k (layers/router.py softmax_topk) and split_slots of its result, one kernel
     on CUDA (fused): (weights [T, K] float32, ids [T, K] int64, split_slots' four outputs).
 
     With deferred > 0 (expert deferral, experts/deferral.py: the top-k comes out largest weight first,
@@ -89,7 +90,7 @@ def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_g
 
     later (width2, ids_dst2, w_dst2, done2; with stage and deferred > 0): the deferred columns are split here too,
     their CPU slots written to ids_dst2, w_dst2 [T, width2] (the deferred part's staging), and with signal done2
-    is cleared before go (the linked handoffs of HybridExperts.merged_deferral, which the one go starts): a fourth
+    is cleared before go (the linked handoffs of CudaHandoff.link_deferred, which the one go starts): a fourth
     result, that split (split_slots' four outputs, cpu_ids and cpu_weights being ids_dst2, w_dst2)."""
     if stage is not None and not width:
         raise ValueError("route_split: stage needs CPU slots (width > 0)")
@@ -102,7 +103,6 @@ def route_split(router_logits: torch.Tensor, top_k: int, renormalize: bool, on_g
                                   later)
     if signal is not None:
         raise ValueError("route_split: signal needs the Triton kernel (CUDA, triton, fused)")
-    from hybridmoe.layers.moe import softmax_topk
 
     weights, ids = softmax_topk(router_logits, top_k, renormalize, fused=False)
     part = (0, top_k - deferred) if deferred else None

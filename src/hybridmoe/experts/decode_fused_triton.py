@@ -171,8 +171,8 @@ def triton_route_split(router_logits: torch.Tensor, top_k: int, renormalize: boo
         gpu_ids2, gpu_mask2, _, _ = _split_outputs(T, top_k, 0, logits.device)
         split2 = (gpu_ids2, gpu_mask2, ids2, w2)
     block_t = max(2, triton.next_power_of_2(T))
-    # a few tokens on one warp: the top-k's reductions in shuffles alone (on the GPU host, Qwen3's router at T=1
-    # in a CUDA graph: 3.22 vs 4.24 us with 4 warps, session 6 r2)
+    # a few tokens on one warp: the top-k's reductions in shuffles alone (Qwen3's router at T=1 in a CUDA graph:
+    # 3.22 vs 4.24 us with 4 warps)
     _route_split_kernel[(1,)](
         logits, weights, ids, on_gpu.view(torch.uint8), local, gpu_ids, gpu_mask.view(torch.uint8),
         cpu_ids if width else gpu_ids, cpu_w if width else gpu_ids, x if x is not None else weights,

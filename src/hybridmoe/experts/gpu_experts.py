@@ -12,12 +12,10 @@ T tokens, K experts per token, S = T * K slots, E experts here, H hidden, I expe
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
+from hybridmoe.platform import HAVE_TRITON
 
 
 def triton_usable(device: torch.device, act) -> bool:

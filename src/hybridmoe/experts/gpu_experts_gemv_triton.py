@@ -29,12 +29,9 @@ GEMV_BLOCK_N, GEMV_WARPS = 8, 4
 GEMV_BLOCK_K = {0: 128, 8: 512, 4: 512}
 """Columns per step by FORMAT (dense, int8, int4); int4's are a multiple of every group size (32 / 64 / 128).
 
-Measured on the H200 (session 12, rows 8 / 16 / 32 x int8 and int4 columns 256 / 512 x warps 2 / 4 / 8, each
-as CUDA-graph replays of triton_silu_experts at T = 1 and 4: Qwen3-30B-A3B shape with 97 int4 / 50 int8
-experts, DeepSeek-V3 with 40 int4): 8 x 512 x 4 took the least in all: 26.8 / 74.0 us (int4, T = 1 / 4),
-27.9 / 51.9 (int8), 58.1 / 82.7 (DeepSeek-V3 int4), against 40.4 / 111.2, 33.6 / 61.3 and 98.4 / 138.9 at
-16 x 256 x 4; a call with every slot on the CPU takes 6.5 - 18 us. The dense path (gemv=True on bf16 weights)
-is not the default: at 16 x 128 x 4 it took 46.3 us against the dot kernels' 39.6 (3 bf16 experts, T = 1)."""
+8 rows x 512 columns x 4 warps is the fastest of rows 8 / 16 / 32, columns 256 / 512 and warps 2 / 4 / 8 for
+every int4 and int8 shape at T = 1 and 4 (Qwen3-30B-A3B int4, T = 1: 26.8 against 40.4 us at 16 x 256 x 4, H200).
+The dense path (gemv=True on bf16 weights) is not the default: slower than the dot kernels (46.3 against 39.6 us)."""
 
 
 @triton.jit

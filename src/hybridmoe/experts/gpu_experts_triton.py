@@ -14,11 +14,9 @@ the host (a CUDA graph captures each):
 
 The weights are dense [E, N, K] tensors in the model's dtype, or PackedMatrix (experts/packed_gpu.py:
 int4 / int8 codes and scales, as the CPU engine packs them), dequantized in registers: int8 tile by tile,
-int4 group by group, each group's products on its integer codes scaled once per row afterwards. On the
-H200 (session 11, benchmarks/gpu_experts.py, Qwen3-30B-A3B shape, 97 int4 experts) one token's 5 routed
-int4 experts took 92.7 us in the expert-major kernels against 45.9 for the bf16 kernel on the same 5
-experts dequantized: tl.dot pads one token's slot to 16 rows and int4 runs four small dots per group. The
-GEMV kernels take 26.8 us (session 12; gpu_experts_gemv_triton.GEMV_BLOCK_K).
+int4 group by group, each group's products on its integer codes scaled once per row afterwards. At one
+token tl.dot pads the slot to 16 rows and int4 runs four small dots per group, so the expert-major kernels
+take 92.7 us on Qwen3-30B-A3B's 5 int4 experts against 45.9 in bf16 and 26.8 in the GEMV kernels (H200).
 
 T tokens, K slots per token, S = T * K slots (slot s is token s // K), E experts here,
 H hidden, I expert intermediate size, NB blocks.
@@ -39,16 +37,12 @@ MAX_EXPERT_MAJOR_SLOTS = 64
 block of slots that every expert's programs scan."""
 MAX_GEMV_SLOTS = 32
 """Steps of at most this many slots (4 tokens of 8 experts) with packed weights run the slot-major GEMV
-kernels of gpu_experts_gemv_triton.py: on the H200 (session 12, call 1, benchmarks/gpu_experts.py --format
-int4 --experts 97, GEMV 16 x 256 x 4 then) they took 42.0 / 84.8 / 129.2 us at T = 1 / 2 / 4 against the
-expert-major kernels' 95.4 / 121.7 / 212.5 (int8, 50 experts: 37.6 / 61.8 against 70.1 / 89.7 at T = 1 / 4)."""
+kernels of gpu_experts_gemv_triton.py, faster than the expert-major kernels up to there (Qwen3-30B-A3B
+int4 at T = 4: 129.2 against 212.5 us, H200)."""
 GEMV_SPLIT_K = {1: (2, 1)}
-"""Splits of K (gate/up, down) in the GEMV kernels by T (others: (1, 1)). Measured on the H200 (session 12,
-calls 2 and 4, rows 8 x columns 512 x 4 warps): at T = 1 splitting gate/up in 2 took 41.6 / 42.4 us against
-56.8 / 58.1 for DeepSeek-V3's one int4 expert (fewer rows than programs the GPU can run), 26.0 against 26.8
-for Qwen3-30B-A3B's 5 int4 experts and 27.2 / 26.8 against 28.1 / 27.9 for its 5 int8 ones; at T = 4 it took
-longer in all three (86.3 / 88.3 against 82.7 / 83.5 DeepSeek-V3, 81.6 against 74.0 Qwen3 int4); splits of 4
-and 8 and of down took longer everywhere."""
+"""Splits of K (gate/up, down) in the GEMV kernels by T (others: (1, 1)). At T = 1 gate/up split in 2 fills a
+GPU that one expert's rows leave idle (DeepSeek-V3 int4: 41.6 against 56.8 us, H200); at T = 4 it is slower,
+and splits of 4 and 8 and of down are slower at every T."""
 
 
 @triton.jit
@@ -192,9 +186,8 @@ def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 INT4_GATE_UP_BLOCK_K, INT4_DOWN_BLOCK_K = 128, 128
 """Columns a program's step covers in int4 (multiples of every group size, 32 / 64 / 128). 512 / 256 (as many
-bytes a step as bf16's 128 columns) measured no faster at one token and slower at more on the H200 (session 11,
-benchmarks/gpu_experts.py --format int4 --experts 97, 5 / 19 / 62 routed experts: 93.4 / 279.8 / 652.9 us
-against 92.7 / 212.0 / 532.6)."""
+bytes a step as bf16's 128 columns) are no faster at one token and slower at more (62 routed experts: 652.9
+against 532.6 us, H200)."""
 
 
 def gate_up_launch(x, gate, up, block_expert, block_slots, h, K: int, NB: int, block: int, precision: str,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.experts.gpu_experts import HAVE_TRITON
+from hybridmoe.platform import HAVE_TRITON
 
 BLOCK_ROWS = 32
 MATRICES = ("gate", "up", "down")

@@ -24,8 +24,12 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.config import EngineConfig
+from hybridmoe.config import EngineConfig, format_bytes, max_model_len
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.expert_bytes import packed_expert_bytes
+from hybridmoe.experts.packed_gpu import packed_gpu_format
+from hybridmoe.experts.streamed_prefill import reserved_bytes as prefill_streaming_bytes
+from hybridmoe.experts.torch_ref import TorchExperts
 
 POLICIES = ("uniform", "frequency", "front-loading")
 STATS_FORMAT = "hybridmoe-expert-stats"
@@ -36,35 +40,10 @@ WORKSPACE_FIXED_BYTES = 256 << 20
 WORKSPACE_ROW_FLOATS = 16
 """float32 rows of the widest activation each batched token may hold at once (residual, norms,
 q/k/v, gate/up, partial expert sums, the CPU experts' result): a conservative estimate, to be
-checked against torch.cuda.max_memory_allocated on the GPU host."""
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def cpu_expert_bytes(fmt: str, inter: int, hidden: int, group_size: int) -> int:
-    """Bytes the native engine reads for one expert (gate, up [I, H], down [H, I]) in fmt.
-
-    bf16: 2 bytes a weight; int8: 1 byte a weight + a float32 scale per output row; int4: half a
-    byte a weight + a float32 scale per group of group_size weights (csrc/moe/pack.h's layouts).
-    """
-    weights = 3 * inter * hidden
-    if fmt == "bf16":
-        return 2 * weights
-    if fmt == "int8":
-        return weights + 4 * (2 * inter + hidden)
-    if fmt == "int4":
-        return weights // 2 + 4 * (weights // group_size)
-    raise HybridMoEError(f"unknown expert format {fmt!r}")
-
+checked against torch.cuda.max_memory_allocated on a GPU."""
 
 def gpu_expert_format(engine_config: EngineConfig, dtype: torch.dtype) -> str | None:
     """The packed format the GPU's routed experts are kept in (experts/packed_gpu.py), or None: the model's dtype."""
-    from hybridmoe.experts.packed_gpu import packed_gpu_format
-
     return packed_gpu_format(engine_config.expert_backend, engine_config.expert_format, engine_config.device, dtype,
                              engine_config.gpu_experts_packed)
 
@@ -95,11 +74,6 @@ class Footprint:
 
 def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: EngineConfig) -> Footprint:
     """Build the model on the meta device (no memory) and add up what it would hold."""
-    from hybridmoe.engine.llm_engine import max_model_len
-    from hybridmoe.experts.packed_gpu import packed_expert_bytes
-    from hybridmoe.experts.streamed_prefill import reserved_bytes as prefill_streaming_bytes
-    from hybridmoe.experts.torch_ref import TorchExperts
-
     with torch.device("meta"):
         model = model_cls(config, TorchExperts()).to(dtype)
     model.tie_weights()

@@ -26,12 +26,10 @@ torch references, which is how CI checks it.
 On a GPU, attach() measures the layer's costs at load (measured_costs: the CPU path as the model runs
 it, the copy, the device's work, each fitted as a + b x tokens), which give the token count from which
 "auto" streams. The CPU side is timed as the model runs it (the routing and hidden states to the host,
-the slots padded per token, the output back), not the engine alone scaled by a guessed factor: device
-round r1 (Qwen3-30B-A3B bf16, 8 layers, 102 CPU experts a layer) timed it at 23.1 ms at 512 tokens, and
-the model's layers took 22-25 ms there, against 18.3 ms streamed (the copy of 1.0 GB at 55 GB/s).
+the slots padded per token, the output back), not the engine alone scaled by a guessed factor: so timed,
+it matches the model's own layers (Qwen3-30B-A3B bf16, 512 tokens: 23.1 ms against 22-25).
 Every CPU expert of a streamed step is streamed: a split with the CPU (its engine running the first
-experts of each layer beside the device's share) lost to it in every case of the final device round
-(int4 512 tokens: 14.5 ms a layer against 4.9), and was removed.
+experts of each layer beside the device's share) is slower (int4, 512 tokens: 14.5 ms a layer against 4.9).
 
 T tokens, K experts per token, R = routed (token, slot) pairs, E experts, H hidden, I intermediate.
 """
@@ -49,9 +47,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.experts.gpu_experts import block_size, gpu_share, slot_blocks, triton_usable
+from hybridmoe.config import format_bytes
+from hybridmoe.experts.cpu_slots import compact_slots
+from hybridmoe.experts.gpu_experts import (
+    block_size,
+    gpu_share,
+    slot_blocks,
+    triton_usable,
+)
 from hybridmoe.experts.packed_torch import PackedLayout, fused_dequant
-from hybridmoe.experts.placement import format_bytes
 
 log = logging.getLogger("hybridmoe.experts")
 
@@ -168,8 +172,6 @@ def cpu_path_seconds(engine, device: torch.device, tokens: int, share: float, to
     on `device`, the routing and the bf16 hidden states (scale 0.1) to the host, the CPU experts' slots
     made dense per token (compact_slots: padded with weight 0 up to the busiest token's count), the
     engine, its output back to `device`; the host waits for the device at both ends."""
-    from hybridmoe.experts.hybrid import compact_slots
-
     E_cpu, H = (int(v) for v in engine.packed_state()["shape"][:2])
     ids, weights, x = _random_step(tokens, max(E_cpu, round(E_cpu / share)), H, top_k, device)  # CPU's: ids < E_cpu
     best = math.inf
@@ -319,7 +321,7 @@ class _HostLayer(_HostPart):
         super().__init__(state, {name: torch.from_numpy(arr).view(torch.uint8)
                                  for name, arr in state["buffers"].items()}, 0)
         self.registered: list[int] = []  # host pointers registered with CUDA (until the streamer goes)
-        self.tried = False  # registration attempted
+        self.register_attempted = False  # cudaHostRegister called for its buffers (once)
         E, n = self.layout.E, part_experts(self.nbytes, self.layout.E)
         self.parts = [self] if n == E else [
             _HostPart(dict(state, shape=[min(n, E - e0), self.layout.H, self.layout.I]),
@@ -444,9 +446,9 @@ class PrefillStreamer:
 
     def _register(self, host: _HostLayer) -> None:
         """Page-lock the layer's host buffers once, so copies are DMA from them (no staging copy)."""
-        if host.tried or self._pinned_failed:
+        if host.register_attempted or self._pinned_failed:
             return
-        host.tried = True
+        host.register_attempted = True
         if _PENDING:
             _unregister([])
         cudart = torch.cuda.cudart()
@@ -567,9 +569,8 @@ def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
 
 GPU_SECONDS_PER_WEIGHT = 5e-12
 """Device time a streamed layer takes per expert weight (dequantize + matmuls) at up to 2048 tokens on
-an H200, for the estimate before loading (system/auto.py; the loader measures its own): device round
-r1 measured 1.59 ms + 0.3 us a token for a Qwen3-30B-A3B int4 layer's 107 CPU experts (505M
-weights), 3.4 ps a weight at 512 tokens and 4.4 at 2048. (The torch path before it: 37 ps.)"""
+an H200, for the estimate before loading (system/auto.py; the loader measures its own): a Qwen3-30B-A3B
+int4 layer's 107 CPU experts (505M weights) take 3.4 ps a weight at 512 tokens, 4.4 at 2048."""
 
 
 def streamed_layer_seconds(layer_bytes: int, layer_weights: int, pcie_bytes_per_s: float) -> float:

@@ -1,6 +1,6 @@
 """Attention over a slot-based KV cache, and the GQA attention layer of Qwen/Mixtral.
 
-The step's sequences come flattened (see engine/context.py). T new tokens, B sequences,
+The step's sequences come flattened (see forward_context.py). T new tokens, B sequences,
 Hq query heads, Hkv key/value heads, D head dim (Dk for keys, Dv for values), S cache
 slots, L max cached length. Cache layout: k [S, L, Hkv, Dk], v [S, L, Hkv, Dv].
 """
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.engine.context import Context, get_context
-from hybridmoe.experts.gpu_experts import HAVE_TRITON
+from hybridmoe.forward_context import Context, get_context
 from hybridmoe.layers.linear import MergedLinear, decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
+from hybridmoe.platform import HAVE_TRITON
 
 
 class KVCache:
@@ -143,8 +143,8 @@ def _sdpa(q, k, v, mask, scale):
 def _sdpa_causal(q, k, v, scale):
     """One sequence's n queries, its last n of m positions, over all its m keys, causal, no window:
     q [n, Hq, Dk], k [m, Hkv, Dk], v [m, Hkv, Dv] -> [n, Hq, Dv]. The lower-right causal bias (not a
-    mask tensor, which kept SDPA on its math path: fp32 GEMMs, 2.2 ms a Qwen3 layer at 512 tokens on
-    the GPU host) and key/value heads repeated to the query heads let it take its flash kernels."""
+    mask tensor, which keeps SDPA on its math path: fp32 GEMMs, 2.2 ms a Qwen3 layer at 512 tokens) and
+    key/value heads repeated to the query heads let it take its flash kernels."""
     from torch.nn.attention.bias import causal_lower_right
 
     rep = q.shape[1] // k.shape[1]
@@ -238,7 +238,10 @@ class Attention(nn.Module):
         """forward's path from qkv [T, (Hq + 2 Hkv) D] to the attention output [T, Hq, D], with q/k norms,
         rotary and the cache writes in one kernel, and a decode step's attention in another (or, with
         fused_layer, over at most CHUNK cached positions, all in one)."""
-        from hybridmoe.layers.decode_attention_triton import CHUNK, triton_rope_decode_attention
+        from hybridmoe.layers.decode_attention_triton import (
+            CHUNK,
+            triton_rope_decode_attention,
+        )
         from hybridmoe.layers.rope_triton import triton_norm_rope_cache
 
         ctx, cache = get_context(), self.kv_cache

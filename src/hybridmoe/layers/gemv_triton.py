@@ -65,11 +65,8 @@ def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, xn_ptr, sum_p
 def default_blocks(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight: enough programs to cover the SMs several times, each
     reading 8-16 KB of weights per step; a router's few rows one per program, its whole row in one step, and a
-    long row (k >= 4096) of a wide layer 16 KB per step on 8 warps. Measured on the GPU host (H200, bf16, T=1,
-    in CUDA graphs of 30 calls on their own weights, one run, device round r1 of session 6), against 2 rows /
-    4 rows per program at 512 per step on 4 warps: Qwen3's router (128 x 2048, add + norm) 2.72 vs 3.45 us,
-    its o_proj (2048 x 4096) 6.71 vs 7.69 us; its qkv_proj (5120 x 2048, norm) had no faster block than
-    (8, 512, 4) among 9 tried (8.12 us)."""
+    long row (k >= 4096) of a wide layer 16 KB per step on 8 warps. Against 2 / 4 rows per program at 512 per
+    step on 4 warps: Qwen3's router 2.72 vs 3.45 us, its o_proj 6.71 vs 7.69 (H200, bf16, T=1)."""
     if n <= 256:
         return 1, min(2048, triton.next_power_of_2(k)), 4
     if n >= 2048 and k >= 4096:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridmoe.experts.gpu_experts import HAVE_TRITON
+from hybridmoe.platform import HAVE_TRITON
 
 
 class MergedLinear(nn.Linear):
@@ -36,9 +36,8 @@ SMALL_WEIGHT_MAX_TOKENS = 8
 def decode_gemv(x: torch.Tensor, on: bool, linear) -> bool:
     """Whether linear reads x [T, K] as the Triton decode GEMV (gemv_triton.py): on, CUDA, triton, and one
     token, or a few for a small weight. Each token's programs read the whole weight, so a second token
-    reads it again (from L2). Measured on the GPU host (H200, bf16, in CUDA graphs, against the norm's
-    kernel + cuBLAS): T=1 qkv_proj 8.14 vs 10.01 us, o_proj 7.69 vs 9.37, router 3.46 vs 6.37; T=4 qkv_proj
-    17.52 vs 9.98, o_proj 13.54 vs 9.37, router 3.69 vs 6.53."""
+    reads it again (from L2). Against the norm's kernel + cuBLAS it is faster for every weight at T=1 and for
+    the router alone at T=4 (router at T=4: 3.69 vs 6.53 us, H200, bf16)."""
     if not (on and HAVE_TRITON and x.is_cuda and x.dim() == 2):
         return False
     T = x.shape[0]

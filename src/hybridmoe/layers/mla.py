@@ -19,13 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridmoe.engine.context import DecodeBatch, get_context
-from hybridmoe.experts.gpu_experts import HAVE_TRITON
+from hybridmoe.forward_context import DecodeBatch, get_context
 from hybridmoe.layers.linear import decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.layers.yarn import softmax_scale
-
+from hybridmoe.platform import HAVE_TRITON
 
 FUSED_MAX_LEN = 1024
 """The longest cache the fused decode kernel reads (one program per row and head block walks all of it)."""

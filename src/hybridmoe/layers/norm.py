@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridmoe.experts.gpu_experts import HAVE_TRITON
+from hybridmoe.platform import HAVE_TRITON
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""softmax_topk (layers/moe.py) as one Triton kernel: router logits -> top-k weights and ids.
+"""softmax_topk (layers/router.py) as one Triton kernel: router logits -> top-k weights and ids.
 
 torch runs it as ~5 kernels (cast, softmax, topk, sum, divide); in a decode step each costs its
 launch and drain even inside a CUDA graph. One program per token: softmax over its E logits in

@@ -21,6 +21,7 @@ import torch
 
 from hybridmoe.layers.rotary import ROPE_INIT
 
+
 def complete_yarn(rope: dict, max_position_embeddings: int) -> dict:
     """Fill what a yarn rope dict may leave out, as transformers does: the original context
     defaults to max_position_embeddings, and factor to the ratio of the two."""

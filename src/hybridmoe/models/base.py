@@ -95,7 +95,7 @@ class MoECausalLM(nn.Module):
     """The model contract the loader and the engine rely on.
 
     forward(input_ids [T], positions [T]) -> hidden [T, H] (final norm applied), reading the
-    step context (engine/context.py) for KV-cache slots; compute_logits(hidden [N, H]) ->
+    step context (forward_context.py) for KV-cache slots; compute_logits(hidden [N, H]) ->
     [N, V] float32; allocate_kv_cache(num_slots, max_len) before the first forward.
     """
 
@@ -195,12 +195,11 @@ class MoECausalLM(nn.Module):
         """On CUDA with triton, run RMSNorm (with its residual add), attention's q/k norms + rotary +
         cache writes, the router's top-k and the hybrid experts' fixed-shape glue as one kernel each
         (on, the default), or as the torch ops they stand for (off: the reference the device tests
-        hold them to; benchmarks/decode_gpu_ops.py runs them side by side). layer (on by default): the
+        hold them to; `benchmarks/decode.py gpu-ops` runs them side by side). layer (on by default): the
         fusions across a layer's ops (fused_layer): short steps' linear layers as the Triton decode GEMV,
         each with the norm before it (DecoderLayer), q/k norms + rotary + cache writes inside a short
         decode step's attention (Attention), MLA's decode step in one kernel (MultiHeadLatentAttention);
-        only with on. Measured on the H200 (benchmarks/decode_gpu_ops.py --paths fused,layer, session 4):
-        a Qwen3 layer 8.2 us faster per step, a DeepSeek-V2-Lite MoE layer 79.9 us."""
+        only with on; layer saves 8.2 us a step per Qwen3 layer, 79.9 per DeepSeek-V2-Lite MoE layer (H200)."""
         layer = on and layer
         for module in [*self.modules(), self.experts]:
             if hasattr(module, "fused"):

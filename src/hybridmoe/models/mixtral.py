@@ -12,8 +12,8 @@ import re
 from torch import nn
 
 from hybridmoe.layers.attention import Attention
-from hybridmoe.layers.moe import SparseMoeBlock
 from hybridmoe.models.base import DecoderLayer, MoECausalLM
+from hybridmoe.models.moe_block import SparseMoeBlock
 
 
 class MixtralForCausalLM(MoECausalLM):

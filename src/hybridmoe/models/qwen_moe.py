@@ -17,8 +17,8 @@ import hybridmoe.layers.yarn  # noqa: F401  (registers rope_type "yarn", which Q
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.mlp import GatedMLP
-from hybridmoe.layers.moe import SparseMoeBlock
 from hybridmoe.models.base import DecoderLayer, MoECausalLM
+from hybridmoe.models.moe_block import SparseMoeBlock
 
 _COMMON_DEFAULTS = {
     "hidden_act": "silu",
@@ -52,18 +52,6 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
 
 
 class _QwenMoeForCausalLM(MoECausalLM):
-    def __init__(self, config, experts: ExpertBackend):
-        super().__init__(config, experts)
-        prefetch_during = getattr(experts, "prefetch_during", None)  # HybridExperts: while a layer's CPU part runs
-        if prefetch_during is not None:
-            layers = self.model.layers
-            for i in range(len(layers) - 1):
-                nxt = layers[i + 1]
-                if self.is_moe_layer(i):  # the next layer's decode GEMVs: qkv, o_proj, and its router if any
-                    gate = getattr(nxt.mlp, "gate", None)
-                    prefetch_during(i, [nxt.self_attn.qkv_proj, nxt.self_attn.o_proj]
-                                    + ([gate] if isinstance(gate, nn.Linear) else []))
-
     def is_moe_layer(self, layer_idx: int) -> bool:
         c = self.config
         return (layer_idx not in c.mlp_only_layers and c.num_experts > 0

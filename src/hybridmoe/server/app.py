@@ -21,9 +21,19 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.server import ollama
 from hybridmoe.server.async_engine import AsyncEngine, EngineError, QueueFullError
-from hybridmoe.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybridmoe.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
 from hybridmoe.server.serving_chat import create_chat_completion
-from hybridmoe.server.serving_common import APIError, ClientGoneError, ServerState, parse_body
+from hybridmoe.server.serving_common import (
+    APIError,
+    ClientGoneError,
+    ServerState,
+    parse_body,
+)
 from hybridmoe.server.serving_completion import create_completion
 
 log = logging.getLogger("hybridmoe.server")

@@ -19,7 +19,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.sampling_params import SamplingParams
 from hybridmoe.server.protocol import StrictRequest, random_id
-from hybridmoe.server.serving_common import APIError, ServerState, check_token_ids, collect, encode_chat, sampling_params
+from hybridmoe.server.serving_common import (
+    APIError,
+    ServerState,
+    check_token_ids,
+    collect,
+    encode_chat,
+    sampling_params,
+)
 
 OLLAMA_API_VERSION = "0.6.0"
 """The Ollama API version whose routes and fields we follow (front-ends check it)."""

@@ -10,11 +10,32 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.engine.sampler import TokenLogprobs
-from hybridmoe.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                       ChatCompletionRequest, ChatCompletionResponse, ChoiceLogprobs,
-                                       DeltaMessage, TokenLogprob, TopLogprob, UsageInfo, random_id)
-from hybridmoe.server.serving_common import (SSE_DONE, APIError, ServerState, collect, encode_chat,
-                                             error_event, sampling_params, seed_for, sse, token_text)
+from hybridmoe.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from hybridmoe.server.serving_common import (
+    SSE_DONE,
+    APIError,
+    ServerState,
+    collect,
+    encode_chat,
+    error_event,
+    sampling_params,
+    seed_for,
+    sse,
+    token_text,
+)
 
 
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:

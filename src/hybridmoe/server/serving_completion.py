@@ -11,10 +11,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.engine.sampler import TokenLogprobs
-from hybridmoe.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                       UsageInfo, random_id)
-from hybridmoe.server.serving_common import (SSE_DONE, APIError, ServerState, check_token_ids, collect,
-                                             error_event, sampling_params, seed_for, sse, token_text)
+from hybridmoe.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from hybridmoe.server.serving_common import (
+    SSE_DONE,
+    APIError,
+    ServerState,
+    check_token_ids,
+    collect,
+    error_event,
+    sampling_params,
+    seed_for,
+    sse,
+    token_text,
+)
 
 
 def completion_prompts(state: ServerState, prompt) -> list[list[int]]:

@@ -24,8 +24,21 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.config import EngineConfig
+from hybridmoe.config import EngineConfig, uses_hybrid
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.cpu_experts import available_isas
+from hybridmoe.experts.placement import format_bytes, model_footprint
+from hybridmoe.experts.streamed_prefill import (
+    break_even_tokens,
+    device_bytes,
+    layer_packed_bytes,
+    streamed_layer_seconds,
+)
+from hybridmoe.models.registry import architecture_of, get_model_class
+from hybridmoe.platform import native_engine_built
+from hybridmoe.system import bandwidth
+from hybridmoe.weights.expert_cache import read_manifest
+from hybridmoe.weights.native_format import resolve_expert_format
 
 log = logging.getLogger("hybridmoe")
 
@@ -33,18 +46,9 @@ AUTO_BUDGET_FRACTION = 0.9
 """Of the GPU's free memory at load time: the rest is left to the CUDA context and other processes."""
 
 
-def native_engine_built() -> bool:
-    try:
-        from hybridmoe import _native  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def resolve_expert_backend(engine_config: EngineConfig, config, dtype: torch.dtype, model_dir: str | Path) -> str:
     if engine_config.expert_backend != "auto":
         return engine_config.expert_backend
-    from hybridmoe.weights.expert_cache import read_manifest
 
     if read_manifest(Path(model_dir)) is not None:
         return "native"
@@ -82,8 +86,6 @@ def check_device(device: str) -> None:
 def resolve_engine_config(engine_config: EngineConfig, config, dtype: torch.dtype,
                           model_dir: str | Path) -> EngineConfig:
     """engine_config with every "auto" replaced by what this machine and model call for."""
-    from hybridmoe.weights.native_format import resolve_expert_format
-
     check_device(engine_config.device)
     resolved = replace(engine_config, expert_backend=resolve_expert_backend(engine_config, config, dtype, model_dir))
     resolved = resolve_expert_format(resolved, config, model_dir)
@@ -97,18 +99,10 @@ def resolve_engine_config(engine_config: EngineConfig, config, dtype: torch.dtyp
                    prefill_streaming_tokens=None if decision.measure_at_load else decision.min_tokens)
 
 
-def uses_hybrid(engine_config: EngineConfig) -> bool:
-    """Whether the routed experts are split between the GPU and the CPU (or deferred)."""
-    return (engine_config.gpu_memory_budget is not None or engine_config.gpu_experts_per_layer is not None
-            or engine_config.deferred_experts > 0)
-
-
 CPU_EXPERT_FLOPS_PER_CORE = {"amx": 190e9, "avx512": 60e9, "avx2": 25e9, "generic": 5e9}
 """Estimated FLOP/s per core of the native engine's routed experts in long steps, by the best kernel
-path. amx: benchmarks/moe_layer.py at T=2048 on the GPU host (2.8-3.3 TFLOP/s on 16 cores, every
-format; benchmarks/streamed_prefill.py's int4 layer read 2.4-3.9 in two runs); avx512: 59-71 GFLOP/s a
-core measured on the 2-core AMD development machine (E=16, H=1024, I=512, T=512, bf16/int8/int4); avx2
-and generic are guesses (fewer, narrower lanes)."""
+path. amx: 2.8-3.3 TFLOP/s on 16 cores at T=2048 (`benchmarks/kernel.py moe-layer`, every format); avx512: 59-71
+GFLOP/s a core at T=512; avx2 and generic are guesses (fewer, narrower lanes)."""
 
 DEFAULT_STREAMING_TOKENS = 1024
 """prefill_streaming "on" with no PCIe to measure (the CPU device) and no prefill_streaming_tokens."""
@@ -136,26 +130,17 @@ PCIE_MEASURE_BYTES = 256 << 20
 def measured_pcie_bandwidth(device: str) -> float:
     """Pinned host-to-device bytes/s over PCIE_MEASURE_BYTES, measured once per process and device: the
     one figure the streaming choice uses and `hybridmoe doctor` prints."""
-    from hybridmoe.system.bandwidth import pinned_h2d_bandwidth
-
-    return pinned_h2d_bandwidth(device, PCIE_MEASURE_BYTES)
+    return bandwidth.pinned_h2d_bandwidth(device, PCIE_MEASURE_BYTES)
 
 
 def estimated_cpu_flops(threads: int | None) -> float:
     """The native engine's FLOP/s for long steps on this CPU (CPU_EXPERT_FLOPS_PER_CORE x threads)."""
-    from hybridmoe.experts.cpu_experts import available_isas
-
     return CPU_EXPERT_FLOPS_PER_CORE[available_isas()[-1]] * (threads or len(os.sched_getaffinity(0)))
 
 
 def prefill_streaming_decision(ec: EngineConfig, config, dtype: torch.dtype) -> StreamingDecision:
     """Whether (and from how many tokens) steps stream their layers' CPU experts to the device, for
     ec with its other choices already resolved."""
-    from hybridmoe.experts.placement import format_bytes, model_footprint
-    from hybridmoe.experts.streamed_prefill import (break_even_tokens, device_bytes, layer_packed_bytes,
-                                                    streamed_layer_seconds)
-    from hybridmoe.models.registry import architecture_of, get_model_class
-
     if not uses_hybrid(ec) or ec.prefill_streaming == "off":
         return StreamingDecision(None, None, "off" if ec.prefill_streaming == "off" else
                                  "off (every routed expert runs where the model runs: no GPU split)")

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hybridmoe.system.auto import native_engine_built
+from hybridmoe.platform import native_engine_built
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -47,7 +47,7 @@ def host_read_method() -> str:
 def floor_bandwidth(nbytes: int = 1 << 30, threads: int | None = None) -> float:
     """The read bandwidth a decode floor divides by: with the native engine the higher of its probe's plain
     loads (host_read_bandwidth) and the same probe with the decode kernels' software prefetches ahead of its
-    loads, which read faster on the GPU host (137 vs 127 GB/s in one run of session 8) as the kernels do;
+    loads, which can read faster (137 vs 127 GB/s) as the kernels do;
     a floor below what our own decode reaches is no floor. Otherwise host_read_bandwidth."""
     threads = threads or len(os.sched_getaffinity(0))
     plain = host_read_bandwidth(nbytes, threads)

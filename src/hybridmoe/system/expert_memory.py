@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import warnings
 
-from hybridmoe.config import EngineConfig
+from hybridmoe.config import EngineConfig, format_bytes
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.experts.placement import format_bytes
 from hybridmoe.experts.streamed_prefill import layer_packed_bytes
 from hybridmoe.system.host import meminfo
 from hybridmoe.weights.native_format import fitting_int4_group

@@ -27,10 +27,12 @@ from tqdm.auto import tqdm
 
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.cpu_experts import CpuExperts
+from hybridmoe.experts.factory import NativeLayers
 from hybridmoe.models.registry import load_config
 from hybridmoe.weights.expert_cache import MANIFEST, PackedWriter
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
-from hybridmoe.weights.loader import NativeLayers, load_weights, resolve_dtype
+from hybridmoe.weights.loader import load_weights, resolve_dtype
 from hybridmoe.weights.native_format import check_int4_group, resolve_expert_format
 from hybridmoe.weights.quantized import open_checkpoint
 
@@ -121,8 +123,6 @@ class _PackAndWrite(NativeLayers):
     """The native engine's layers, each written as soon as it is packed (adopt); nothing stays in memory."""
 
     def __init__(self, writer: PackedWriter, options: dict, bar):
-        from hybridmoe.experts.cpu_experts import CpuExperts
-
         super().__init__(CpuExperts, **options)
         self.writer, self.bar = writer, bar
         self.done: list[int] = []

@@ -23,10 +23,16 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hybridmoe.config import EngineConfig
+from hybridmoe.config import EngineConfig, format_bytes
 from hybridmoe.errors import CheckpointError, HybridMoEError
-from hybridmoe.experts.placement import format_bytes
-from hybridmoe.weights.expert_cache import MANIFEST, PackedSpec, PackedWriter, check_probe, load_layer, read_manifest
+from hybridmoe.weights.expert_cache import (
+    MANIFEST,
+    PackedSpec,
+    PackedWriter,
+    check_probe,
+    load_layer,
+    read_manifest,
+)
 
 CACHED_FORMATS = ("int8", "int4")
 """bf16 packing is a copy, as fast as reading a cache would be: only quantized formats are cached."""

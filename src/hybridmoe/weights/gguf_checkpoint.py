@@ -21,7 +21,14 @@ from gguf.quants import dequantize
 from hybridmoe.errors import CheckpointError
 from hybridmoe.models.registry import read_config_json
 from hybridmoe.weights.gguf_file import GGUFFiles
-from hybridmoe.weights.gguf_names import expert_tensor, hf_name, join_kv_b, kv_b_part, mlp_name, unpermute_rows
+from hybridmoe.weights.gguf_names import (
+    expert_tensor,
+    hf_name,
+    join_kv_b,
+    kv_b_part,
+    mlp_name,
+    unpermute_rows,
+)
 from hybridmoe.weights.mapped_pages import MappedPages
 
 _EXPERT_NAME = {"block_sparse_moe": "model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",

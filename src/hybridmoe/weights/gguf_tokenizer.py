@@ -17,8 +17,16 @@ from __future__ import annotations
 
 import warnings
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from tokenizers import AddedToken
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from hybridmoe.errors import CheckpointError
 

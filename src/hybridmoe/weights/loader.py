@@ -1,58 +1,27 @@
-"""Model directory -> a ready model: config, module tree, weights, and the routed experts' backend.
+"""A checkpoint -> a built model's parameters and its routed experts' backend, each tensor read once.
 
-The model is built on the meta device (no memory, no random init), materialized empty on
-the target device in the target dtype, then every parameter is filled from the checkpoint
-exactly once. Routed-expert tensors never enter the model: each MoE layer's experts go to the
-ExpertBackend, read from the checkpoint one expert at a time once the layer is complete (the native
-engine and the hybrid split take them so, set_layer_experts: packed straight from the mapped file;
-the torch reference gets them stacked into gate/up [E, I, H] and down [E, H, I] for set_layer;
-GPTQ/AWQ int4 codes that the native int4 engine takes as they are go to set_layer_codes, never
-through float). Each tensor's mapped pages are released once it is copied or packed, so the
-checkpoint is never resident as a whole.
+Every parameter is filled from the checkpoint exactly once. Routed-expert tensors never enter the model:
+each MoE layer's experts go to the ExpertBackend, read from the checkpoint one expert at a time once the
+layer is complete (the native engine and the hybrid split take them so, set_layer_experts: packed straight
+from the mapped file; the torch reference gets them stacked into gate/up [E, I, H] and down [E, H, I] for
+set_layer; GPTQ/AWQ int4 codes that the native int4 engine takes as they are go to set_layer_codes, never
+through float). Each tensor's mapped pages are released once it is copied or packed, so the checkpoint is
+never resident as a whole. engine/model_loader.py builds the model and chooses the backend first.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 from tqdm.auto import tqdm
 
-from hybridmoe.config import EngineConfig
-from hybridmoe.engine.llm_engine import max_model_len
-from hybridmoe.errors import CheckpointError, HybridMoEError
-from hybridmoe.experts.base import ExpertBackend
-from hybridmoe.experts.streamed_prefill import attach as attach_prefill_streamer
-from hybridmoe.experts.torch_ref import TorchExperts
+from hybridmoe.errors import CheckpointError
 from hybridmoe.layers.linear import MergedLinear
-from hybridmoe.layers.mlp import get_activation
 from hybridmoe.models.base import EXPERT_PROJS, ModelConfig, MoECausalLM
-from hybridmoe.models.registry import load_config
-from hybridmoe.system.auto import resolve_engine_config, uses_hybrid
-from hybridmoe.system.expert_memory import check_expert_memory
-from hybridmoe.weights.expert_cache import read_manifest
-from hybridmoe.weights.expert_cache_policy import PackedExperts, plan_packed_experts
-from hybridmoe.weights.gguf_model_dir import resolve_model_path
 from hybridmoe.weights.int4_codes import Int4Codes
-from hybridmoe.weights.native_format import check_int4_group
-from hybridmoe.weights.quantized import open_checkpoint
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROGRESS_MIN_BYTES = 1 << 30  # a progress bar only for loads that take a noticeable time
-
-
-@dataclass
-class LoadedModel:
-    model: MoECausalLM
-    """In eval mode, on engine_config.device, in `dtype`, no gradients."""
-    config: ModelConfig
-    experts: ExpertBackend
-    """Holds the routed experts of every MoE layer (model.experts is the same object)."""
-    dtype: torch.dtype
-    engine_config: EngineConfig
-    """The options the load ran with, every "auto" resolved (what the reports print as the choices)."""
 
 
 def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
@@ -65,182 +34,6 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
         raise CheckpointError(
             f"config.json dtype {name!r} is not one we compute in; pass dtype= one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
-
-
-def make_expert_backend(engine_config: EngineConfig, config: ModelConfig, model_cls: type[MoECausalLM] | None = None,
-                        dtype: torch.dtype | None = None) -> ExpertBackend:
-    """The one place an ExpertBackend is chosen, from a resolved EngineConfig (system/auto.py).
-
-    A GPU budget, gpu_experts_per_layer or deferred experts make it the hybrid split (planned from
-    model_cls's tensor sizes in dtype); otherwise expert_backend alone decides.
-    """
-    act = get_activation(config.hidden_act)
-    if engine_config.expert_backend == "native" and config.hidden_act not in ("silu", "swish"):
-        raise HybridMoEError(f"expert_backend='native' runs SiLU experts only; this model uses {config.hidden_act!r}")
-    if uses_hybrid(engine_config):
-        return _hybrid_backend(engine_config, config, model_cls, dtype, act)
-    if engine_config.expert_backend == "torch":
-        return TorchExperts(act=act)
-    return NativeLayers(_cpu_experts_class(), **_native_options(engine_config))
-
-
-def _native_options(ec: EngineConfig) -> dict:
-    """CpuExperts' packing options from a resolved EngineConfig."""
-    return dict(format=ec.expert_format, group_size=ec.expert_group_size, threads=ec.cpu_threads,
-                zero_points=bool(ec.expert_zero_points) and ec.expert_format == "int4")
-
-
-def _cpu_experts_class():
-    try:
-        from hybridmoe.experts.cpu_experts import CpuExperts
-    except ImportError as e:
-        raise HybridMoEError(
-            f"expert_backend='native' needs the native CPU expert engine, which is not available ({e}); "
-            "use expert_backend='torch'") from None
-    return CpuExperts
-
-
-def _hybrid_backend(engine_config: EngineConfig, config: ModelConfig, model_cls, dtype, act) -> ExpertBackend:
-    from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
-    from hybridmoe.experts.placement import gpu_expert_format, placement_for
-
-    top_k = config.num_experts_per_tok
-    if engine_config.deferred_experts >= top_k:
-        raise HybridMoEError(f"deferred_experts {engine_config.deferred_experts} must be below the model's "
-                             f"{top_k} experts per token (at least one runs in its own layer)")
-    plan, _ = placement_for(model_cls, config, dtype, engine_config)
-    if engine_config.expert_backend == "native":
-        cpu_layer = _NativeLayer(_cpu_experts_class(), **_native_options(engine_config))
-    else:
-        cpu_layer = lambda g, u, d: TorchCpuLayer(g, u, d, act)  # noqa: E731
-    return HybridExperts(plan, engine_config.device, cpu_layer, act, engine_config.deferred_experts,
-                         config.num_hidden_layers, gpu_format=gpu_expert_format(engine_config, dtype))
-
-
-class _NativeLayer:
-    """Builds one layer's CpuExperts with the engine options: from stacked tensors, or one expert at a time."""
-
-    def __init__(self, cpu_experts_cls, **options):
-        self._cls, self._options = cpu_experts_cls, options
-
-    def __call__(self, gate_proj, up_proj, down_proj):
-        return self._cls(gate_proj, up_proj, down_proj, **self._options)
-
-    def from_experts(self, experts, num_experts: int):
-        return self._cls.from_experts(experts, num_experts, **self._options)
-
-
-class NativeLayers(ExpertBackend):
-    """One native CpuExperts per MoE layer behind the model-wide ExpertBackend interface.
-
-    Activations cross to the CPU (where the native engine keeps its packed weights) and the
-    result comes back to the hidden state's device and dtype.
-    """
-
-    def __init__(self, cpu_experts_cls, **options):
-        self._cls, self._options = cpu_experts_cls, options
-        self._layers: dict[int, object] = {}
-        self._out: dict[int, tuple[torch.device, torch.dtype]] = {}
-
-    def set_layer(self, layer, gate_proj, up_proj, down_proj):
-        self.adopt(layer, self._cls(gate_proj, up_proj, down_proj, **self._options))
-
-    def set_layer_experts(self, layer, experts, num_experts: int):
-        """The layer packed from (gate, up, down) of one expert at a time (CpuExperts.from_experts)."""
-        self.adopt(layer, self._cls.from_experts(experts, num_experts, **self._options))
-
-    def int4_codes_group(self) -> int | None:
-        """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
-        o = self._options
-        return o["group_size"] if o["format"] == "int4" and o["zero_points"] else None
-
-    def set_layer_codes(self, layer, gate_proj: Int4Codes, up_proj: Int4Codes, down_proj: Int4Codes):
-        self.adopt(layer, self._cls.from_codes(gate_proj, up_proj, down_proj, threads=self._options["threads"]))
-
-    def from_packed(self, state: dict):
-        """One layer's CpuExperts over already-packed buffers (a converted directory or the expert cache)."""
-        return self._cls.from_packed(state, threads=self._options["threads"])
-
-    def adopt(self, layer: int, experts) -> None:
-        """Where every packed layer goes (set_layer, set_layer_experts, set_layer_codes, the cache)."""
-        self._layers[layer] = experts
-
-    def layer_experts(self, layer: int):
-        return self._layers[layer]
-
-    def layers(self):
-        return sorted(self._layers)
-
-    def submit(self, layer, hidden, topk_ids, topk_weights):
-        x = hidden.to("cpu", torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype)
-        self._out[layer] = (hidden.device, hidden.dtype)
-        self._layers[layer].submit(x, topk_ids.cpu(), topk_weights.float().cpu())
-
-    def wait(self, layer):
-        device, dtype = self._out.pop(layer)
-        return self._layers[layer].wait().to(device, dtype)
-
-
-def _expert_placement(engine_config: EngineConfig, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
-    # The native engine and the hybrid split read experts from CPU memory (the hybrid moves its GPU share
-    # itself, so a whole layer is never staged on the GPU); the torch reference runs them where the model runs.
-    if engine_config.expert_backend == "native" or uses_hybrid(engine_config):
-        return torch.device("cpu"), dtype
-    return torch.device(engine_config.device), dtype
-
-
-def build_model(cls: type[MoECausalLM], config: ModelConfig, experts: ExpertBackend, dtype: torch.dtype,
-                device: str | torch.device) -> MoECausalLM:
-    """The module tree with uninitialized parameters on device (filled by load_weights)."""
-    with torch.device("meta"):
-        model = cls(config, experts)
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None) -> LoadedModel:
-    """model_dir: a Hugging Face model directory (bf16/fp8/GPTQ/AWQ), a converted one, or a .gguf file."""
-    engine_config = engine_config or EngineConfig()
-    model_dir = resolve_model_path(model_dir, engine_config)
-    cls, config = load_config(model_dir)
-    max_model_len(config, engine_config)  # a max_model_len the model cannot take fails before the weights load
-    dtype = resolve_dtype(engine_config.dtype, config)
-    engine_config = resolve_engine_config(engine_config, config, dtype, model_dir)
-    experts = make_expert_backend(engine_config, config, cls, dtype)
-    model = build_model(cls, config, experts, dtype, engine_config.device)
-    expert_device, expert_dtype = _expert_placement(engine_config, dtype)
-    packed = _plan_packed(model_dir, engine_config, model, experts)  # a converted directory's own checks first
-    if engine_config.expert_backend == "native" and packed.reads_checkpoint:
-        _check_before_packing(engine_config, model, experts)
-    with open_checkpoint(model_dir, config) as ckpt:
-        load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
-    packed.finish(experts)
-    engine_config = attach_prefill_streamer(experts, engine_config)  # the token count it measured, if any
-    return LoadedModel(model=model, config=config, experts=experts, dtype=dtype, engine_config=engine_config)
-
-
-def _check_before_packing(engine_config: EngineConfig, model: MoECausalLM, experts: ExpertBackend) -> None:
-    """What would fail only after a long read: int4 groups that do not fit the experts, too little memory."""
-    E, inter = model.expert_dims()
-    hidden = model.config.hidden_size
-    if engine_config.expert_format == "int4":
-        check_int4_group(engine_config.expert_group_size, hidden, inter,
-                         "set expert_group_size to {g} (--expert-group-size {g})",
-                         "set expert_format to int8 (--expert-format int8)")
-    on_gpu = experts.plan.on_gpu if uses_hybrid(engine_config) else (lambda layer: ())
-    check_expert_memory(engine_config, [E - len(on_gpu(layer)) for layer in model.moe_layers], hidden, inter)
-
-
-def _plan_packed(model_dir: Path, engine_config: EngineConfig, model: MoECausalLM, experts: ExpertBackend):
-    if not uses_hybrid(engine_config):
-        return plan_packed_experts(model_dir, engine_config, model, experts)
-    # The hybrid packs only each layer's CPU share, which neither a converted directory nor the cache holds.
-    if read_manifest(model_dir) is not None:
-        raise HybridMoEError(f"{model_dir} holds experts packed for the CPU only; GPU experts and deferral need "
-                             "the original checkpoint directory")
-    return PackedExperts(True)
 
 
 def _expected_params(model: MoECausalLM) -> dict[tuple[str, int | None], torch.Tensor]:
@@ -313,15 +106,7 @@ class _ExpertStacker:
             backend.set_layer_codes(layer, *(codes[p] for p in EXPERT_PROJS))
             return
         # A layer partly in codes (desc_act) goes through float as a whole.
-        experts = self._expert_weights(entries)
-        if hasattr(backend, "set_layer_experts"):
-            backend.set_layer_experts(layer, experts, E)
-            return
-        stacked = {p: torch.empty(E, *self.shapes[p], dtype=self.dtype, device=self.device) for p in EXPERT_PROJS}
-        for e, weights in enumerate(experts):
-            for p, w in zip(EXPERT_PROJS, weights):
-                stacked[p][e].copy_(w)
-        backend.set_layer(layer, *(stacked[p] for p in EXPERT_PROJS))
+        backend.set_layer_experts(layer, self._expert_weights(entries), E)
 
     def _expert_weights(self, entries: dict[tuple[int, str], str | Int4Codes]):
         """(gate, up, down) of each expert in turn, in the expert dtype; resumed only once the consumer is
@@ -329,7 +114,7 @@ class _ExpertStacker:
         release = getattr(self.ckpt, "release", lambda name: None)
         for e in range(self.num_experts):
             sources = [entries[(e, p)] for p in EXPERT_PROJS]
-            yield tuple((s.dequantize() if isinstance(s, Int4Codes) else self.ckpt.get(s)).to(self.dtype)
+            yield tuple((s.dequantize() if isinstance(s, Int4Codes) else self.ckpt.get(s)).to(self.device, self.dtype)
                         for s in sources)
             for s in sources:
                 if isinstance(s, str):
@@ -354,7 +139,7 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
     targets = _expected_params(model)
     stacker = _ExpertStacker(model, ckpt, expert_device, expert_dtype)
     release = getattr(ckpt, "release", lambda name: None)
-    codes_group = getattr(model.experts, "int4_codes_group", lambda: None)()
+    codes_group = model.experts.int4_codes_group()
     int4_codes = ckpt.int4_codes if codes_group and getattr(ckpt, "int4_group", None) == codes_group else None
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []

@@ -25,6 +25,9 @@ from pathlib import Path
 
 from hybridmoe.config import DEFAULT_EXPERT_GROUP_SIZE, EngineConfig
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.weights.expert_cache import read_manifest
+from hybridmoe.weights.gguf_file import GGUFFiles
+from hybridmoe.weights.gguf_names import expert_tensor
 from hybridmoe.weights.int4_codes import INT4_GROUPS
 
 log = logging.getLogger("hybridmoe.weights")
@@ -50,9 +53,6 @@ def gguf_type_format(type_name: str) -> str:
 
 
 def _from_gguf(model_dir: Path) -> tuple[str, int | None, str]:
-    from hybridmoe.weights.gguf_file import GGUFFiles
-    from hybridmoe.weights.gguf_names import expert_tensor
-
     source = json.loads((model_dir / "gguf_source.json").read_text())
     gguf = GGUFFiles(source["files"][0])
     weights: dict[str, int] = {}  # format -> expert weights that map to it
@@ -82,8 +82,6 @@ def _from_quantization_config(qc: dict) -> tuple[str, int | None, str] | None:
 
 def source_expert_format(model_dir: str | Path, config) -> tuple[str, int | None, str]:
     """(native format, int4 group size or None for "none of the engine's", what the source is)."""
-    from hybridmoe.weights.expert_cache import read_manifest
-
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
     if manifest is not None:

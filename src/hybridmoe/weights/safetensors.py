@@ -18,7 +18,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hybridmoe.errors import CheckpointError
-from hybridmoe.weights.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequant_block_fp8, scale_name
+from hybridmoe.weights.fp8 import (
+    FP8_DTYPES,
+    SCALE_SUFFIX,
+    dequant_block_fp8,
+    scale_name,
+)
 from hybridmoe.weights.mapped_pages import MappedPages
 
 INDEX_NAME = "model.safetensors.index.json"

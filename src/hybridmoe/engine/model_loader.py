@@ -1,0 +1,106 @@
+"""Model directory -> a ready model: config, resolved engine options, module tree, weights and the routed
+experts' backend.
+
+The model is built on the meta device (no memory, no random init), materialized empty on the target device
+in the target dtype, then filled from the checkpoint (weights/loader.py) or, for the routed experts, from a
+converted directory or the expert cache when one holds them packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybridmoe.config import EngineConfig, max_model_len, uses_hybrid
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.experts.factory import make_expert_backend
+from hybridmoe.experts.streamed_prefill import attach as attach_prefill_streamer
+from hybridmoe.models.base import ModelConfig, MoECausalLM
+from hybridmoe.models.registry import load_config
+from hybridmoe.system.auto import resolve_engine_config
+from hybridmoe.system.expert_memory import check_expert_memory
+from hybridmoe.weights.expert_cache import read_manifest
+from hybridmoe.weights.expert_cache_policy import PackedExperts, plan_packed_experts
+from hybridmoe.weights.gguf_model_dir import resolve_model_path
+from hybridmoe.weights.loader import load_weights, resolve_dtype
+from hybridmoe.weights.native_format import check_int4_group
+from hybridmoe.weights.quantized import open_checkpoint
+
+
+@dataclass
+class LoadedModel:
+    model: MoECausalLM
+    """In eval mode, on engine_config.device, in `dtype`, no gradients."""
+    config: ModelConfig
+    experts: ExpertBackend
+    """Holds the routed experts of every MoE layer (model.experts is the same object)."""
+    dtype: torch.dtype
+    engine_config: EngineConfig
+    """The options the load ran with, every "auto" resolved (what the reports print as the choices)."""
+
+
+
+
+def _expert_placement(engine_config: EngineConfig, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
+    # The native engine and the hybrid split read experts from CPU memory (the hybrid moves its GPU share
+    # itself, so a whole layer is never staged on the GPU); the torch reference runs them where the model runs.
+    if engine_config.expert_backend == "native" or uses_hybrid(engine_config):
+        return torch.device("cpu"), dtype
+    return torch.device(engine_config.device), dtype
+
+
+def build_model(cls: type[MoECausalLM], config: ModelConfig, experts: ExpertBackend, dtype: torch.dtype,
+                device: str | torch.device) -> MoECausalLM:
+    """The module tree with uninitialized parameters on device (filled by load_weights)."""
+    with torch.device("meta"):
+        model = cls(config, experts)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None) -> LoadedModel:
+    """model_dir: a Hugging Face model directory (bf16/fp8/GPTQ/AWQ), a converted one, or a .gguf file."""
+    engine_config = engine_config or EngineConfig()
+    model_dir = resolve_model_path(model_dir, engine_config)
+    cls, config = load_config(model_dir)
+    max_model_len(config, engine_config)  # a max_model_len the model cannot take fails before the weights load
+    dtype = resolve_dtype(engine_config.dtype, config)
+    engine_config = resolve_engine_config(engine_config, config, dtype, model_dir)
+    experts = make_expert_backend(engine_config, config, cls, dtype)
+    model = build_model(cls, config, experts, dtype, engine_config.device)
+    expert_device, expert_dtype = _expert_placement(engine_config, dtype)
+    packed = _plan_packed(model_dir, engine_config, model, experts)  # a converted directory's own checks first
+    if engine_config.expert_backend == "native" and packed.reads_checkpoint:
+        _check_before_packing(engine_config, model, experts)
+    with open_checkpoint(model_dir, config) as ckpt:
+        load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
+    packed.finish(experts)
+    engine_config = attach_prefill_streamer(experts, engine_config)  # the token count it measured, if any
+    return LoadedModel(model=model, config=config, experts=experts, dtype=dtype, engine_config=engine_config)
+
+
+def _check_before_packing(engine_config: EngineConfig, model: MoECausalLM, experts: ExpertBackend) -> None:
+    """What would fail only after a long read: int4 groups that do not fit the experts, too little memory."""
+    E, inter = model.expert_dims()
+    hidden = model.config.hidden_size
+    if engine_config.expert_format == "int4":
+        check_int4_group(engine_config.expert_group_size, hidden, inter,
+                         "set expert_group_size to {g} (--expert-group-size {g})",
+                         "set expert_format to int8 (--expert-format int8)")
+    on_gpu = experts.plan.on_gpu if uses_hybrid(engine_config) else (lambda layer: ())
+    check_expert_memory(engine_config, [E - len(on_gpu(layer)) for layer in model.moe_layers], hidden, inter)
+
+
+def _plan_packed(model_dir: Path, engine_config: EngineConfig, model: MoECausalLM, experts: ExpertBackend):
+    if not uses_hybrid(engine_config):
+        return plan_packed_experts(model_dir, engine_config, model, experts)
+    # The hybrid packs only each layer's CPU share, which neither a converted directory nor the cache holds.
+    if read_manifest(model_dir) is not None:
+        raise HybridMoEError(f"{model_dir} holds experts packed for the CPU only; GPU experts and deferral need "
+                             "the original checkpoint directory")
+    return PackedExperts(True)

@@ -1,0 +1,129 @@
+"""The one place an ExpertBackend is built: from a resolved EngineConfig, the torch reference, the native CPU
+engine (one CpuExperts per MoE layer) or the hybrid GPU/CPU split.
+
+Shapes: T tokens, H hidden, K experts per token, E experts, I expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridmoe.config import EngineConfig, uses_hybrid
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.experts.cpu_experts import CpuExperts
+from hybridmoe.experts.hybrid import HybridExperts, TorchCpuLayer
+from hybridmoe.experts.placement import gpu_expert_format, placement_for
+from hybridmoe.experts.torch_ref import TorchExperts
+from hybridmoe.layers.mlp import get_activation
+from hybridmoe.platform import native_engine_built
+
+
+def make_expert_backend(engine_config: EngineConfig, config, model_cls: type | None = None,
+                        dtype: torch.dtype | None = None) -> ExpertBackend:
+    """The one place an ExpertBackend is chosen, from a resolved EngineConfig (system/auto.py), for a model of
+    class model_cls (models/: a MoECausalLM) and its ModelConfig config.
+
+    A GPU budget, gpu_experts_per_layer or deferred experts make it the hybrid split (planned from
+    model_cls's tensor sizes in dtype); otherwise expert_backend alone decides.
+    """
+    act = get_activation(config.hidden_act)
+    if engine_config.expert_backend == "native" and config.hidden_act not in ("silu", "swish"):
+        raise HybridMoEError(f"expert_backend='native' runs SiLU experts only; this model uses {config.hidden_act!r}")
+    if uses_hybrid(engine_config):
+        return _hybrid_backend(engine_config, config, model_cls, dtype, act)
+    if engine_config.expert_backend == "torch":
+        return TorchExperts(act=act)
+    return NativeLayers(_cpu_experts_class(), **_native_options(engine_config))
+
+
+def _native_options(ec: EngineConfig) -> dict:
+    """CpuExperts' packing options from a resolved EngineConfig."""
+    return dict(format=ec.expert_format, group_size=ec.expert_group_size, threads=ec.cpu_threads,
+                zero_points=bool(ec.expert_zero_points) and ec.expert_format == "int4")
+
+
+def _cpu_experts_class():
+    if not native_engine_built():
+        raise HybridMoEError("expert_backend='native' needs the native CPU expert engine, which is not built on "
+                             "this install (hybridmoe._native does not import); use expert_backend='torch'")
+    return CpuExperts
+
+
+def _hybrid_backend(engine_config: EngineConfig, config, model_cls, dtype, act) -> ExpertBackend:
+    top_k = config.num_experts_per_tok
+    if engine_config.deferred_experts >= top_k:
+        raise HybridMoEError(f"deferred_experts {engine_config.deferred_experts} must be below the model's "
+                             f"{top_k} experts per token (at least one runs in its own layer)")
+    plan, _ = placement_for(model_cls, config, dtype, engine_config)
+    if engine_config.expert_backend == "native":
+        cpu_layer = _NativeLayer(_cpu_experts_class(), **_native_options(engine_config))
+    else:
+        cpu_layer = lambda g, u, d: TorchCpuLayer(g, u, d, act)  # noqa: E731
+    return HybridExperts(plan, engine_config.device, cpu_layer, act, engine_config.deferred_experts,
+                         config.num_hidden_layers, gpu_format=gpu_expert_format(engine_config, dtype))
+
+
+class _NativeLayer:
+    """Builds one layer's CpuExperts with the engine options: from stacked tensors, or one expert at a time."""
+
+    def __init__(self, cpu_experts_cls, **options):
+        self._cls, self._options = cpu_experts_cls, options
+
+    def __call__(self, gate_proj, up_proj, down_proj):
+        return self._cls(gate_proj, up_proj, down_proj, **self._options)
+
+    def from_experts(self, experts, num_experts: int):
+        return self._cls.from_experts(experts, num_experts, **self._options)
+
+
+class NativeLayers(ExpertBackend):
+    """One native CpuExperts per MoE layer behind the model-wide ExpertBackend interface.
+
+    Activations cross to the CPU (where the native engine keeps its packed weights) and the
+    result comes back to the hidden state's device and dtype.
+    """
+
+    def __init__(self, cpu_experts_cls, **options):
+        self._cls, self._options = cpu_experts_cls, options
+        self._layers: dict[int, object] = {}
+        self._out: dict[int, tuple[torch.device, torch.dtype]] = {}
+
+    def set_layer(self, layer, gate_proj, up_proj, down_proj):
+        self.adopt(layer, self._cls(gate_proj, up_proj, down_proj, **self._options))
+
+    def set_layer_experts(self, layer, experts, num_experts: int):
+        """The layer packed from (gate, up, down) of one expert at a time (CpuExperts.from_experts)."""
+        self.adopt(layer, self._cls.from_experts(experts, num_experts, **self._options))
+
+    def int4_codes_group(self) -> int | None:
+        """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
+        o = self._options
+        return o["group_size"] if o["format"] == "int4" and o["zero_points"] else None
+
+    def set_layer_codes(self, layer, gate_proj, up_proj, down_proj):
+        """The layer packed from int4 codes as they are (weights/int4_codes.py Int4Codes of each projection)."""
+        self.adopt(layer, self._cls.from_codes(gate_proj, up_proj, down_proj, threads=self._options["threads"]))
+
+    def from_packed(self, state: dict):
+        """One layer's CpuExperts over already-packed buffers (a converted directory or the expert cache)."""
+        return self._cls.from_packed(state, threads=self._options["threads"])
+
+    def adopt(self, layer: int, experts) -> None:
+        """Where every packed layer goes (set_layer, set_layer_experts, set_layer_codes, the cache)."""
+        self._layers[layer] = experts
+
+    def layer_experts(self, layer: int):
+        return self._layers[layer]
+
+    def layers(self):
+        return sorted(self._layers)
+
+    def submit(self, layer, hidden, topk_ids, topk_weights):
+        x = hidden.to("cpu", torch.bfloat16 if hidden.dtype == torch.float16 else hidden.dtype)
+        self._out[layer] = (hidden.device, hidden.dtype)
+        self._layers[layer].submit(x, topk_ids.cpu(), topk_weights.float().cpu())
+
+    def wait(self, layer):
+        device, dtype = self._out.pop(layer)
+        return self._layers[layer].wait().to(device, dtype)
