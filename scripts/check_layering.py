@@ -33,8 +33,10 @@ FORBIDDEN = {
 NEUTRAL = {"errors", "config", "platform", "forward_context", "sampling_params", "tokenizer", "_native"}
 """Modules at the package root that every part may import: they import nothing above them."""
 
-OPTIONAL_DEPENDENCIES = {"triton", f"{PACKAGE}._native"}
-"""A module that imports one of these at module level may be imported inside a function (guarded by a check)."""
+OPTIONAL_DEPENDENCIES = {"triton", "gguf", f"{PACKAGE}._native"}
+"""A module that imports one of these at module level, itself or through the modules it imports so, may be imported
+inside a function: triton and the built native engine may be missing (the caller checks first); gguf is installed
+with hybridmoe but only GGUF files need it, so a load of any other format never imports it."""
 
 DEFERRING_PARTS = {"commands", "cli"}
 
@@ -99,9 +101,11 @@ def _targets(node: ast.AST, package: str, modules: dict[str, Path]) -> list[str]
     return subs or [module]
 
 
-def needs_optional(module: str, top_level: dict[str, set[str]]) -> bool:
-    return any(t.split(".")[0] in OPTIONAL_DEPENDENCIES or t in OPTIONAL_DEPENDENCIES
-               for t in top_level.get(module, ())) or module in OPTIONAL_DEPENDENCIES
+def needs_optional(module: str, top_level: dict[str, set[str]], seen: frozenset = frozenset()) -> bool:
+    """Whether importing module imports an optional dependency, directly or through its module-level imports."""
+    if module in OPTIONAL_DEPENDENCIES or module.split(".")[0] in OPTIONAL_DEPENDENCIES:
+        return True
+    return any(needs_optional(t, top_level, seen | {module}) for t in top_level.get(module, ()) if t not in seen)
 
 
 def violations(root: Path) -> list[str]:
@@ -122,7 +126,7 @@ def violations(root: Path) -> list[str]:
     for imp in imports:
         if imp.in_function and part_of(imp.source) not in DEFERRING_PARTS and not needs_optional(imp.target, top_level):
             found.append(f"{imp.where(root)}: {imp.source} imports {imp.target} inside a function; import it at "
-                         "module level (only modules that need triton or the native engine are imported late)")
+                         "module level (only modules that need triton, gguf or the native engine are imported late)")
     found += [f"import circle between parts: {' -> '.join(c)} (first import: {edges[c[0]][c[1]].where(root)})"
               for c in _circles(edges)]
     return found

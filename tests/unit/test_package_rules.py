@@ -36,10 +36,22 @@ def test_a_clean_package_passes(tmp_path):
         "models/qwen.py": "from hybridmoe.experts.base import E\n",
         "layers/fast.py": "import triton\n",
         "layers/attn.py": "def f():\n    from hybridmoe.layers.fast import g\n",
+        "weights/gguf_file.py": "import gguf\n",
+        "weights/gguf_checkpoint.py": "from hybridmoe.weights.gguf_file import x\n",
+        "weights/open.py": "def f():\n    from hybridmoe.weights.gguf_checkpoint import y\n",
         "commands/run.py": "def main():\n    from hybridmoe.models.qwen import E\n",
     })
     done = check(package)
     assert done.returncode == 0, done.stdout
+
+
+def test_loading_the_engine_imports_neither_gguf_nor_triton_kernels():
+    """A load of a Hugging Face directory never needs the gguf package, and the CPU path no Triton kernel."""
+    code = ("import sys, hybridmoe.engine.llm_engine, hybridmoe.server.app, hybridmoe.commands.run\n"
+            "print(sorted(m for m in sys.modules if m == 'gguf' or m.endswith('_triton')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_a_forbidden_direction_is_named(tmp_path):

@@ -18,8 +18,6 @@ from pathlib import Path
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.expert_cache_policy import cache_root
-from hybridmoe.weights.gguf_config import hf_config
-from hybridmoe.weights.gguf_file import GGUFFiles, split_paths
 from hybridmoe.weights.gguf_tokenizer import tokenizer_files
 
 
@@ -33,6 +31,7 @@ def resolve_model_path(path: str | Path, engine_config: EngineConfig | None = No
         _check_model_dir(Path(path))
         return Path(path)
     # imported here: loading a Hugging Face directory needs no gguf package (nor its ~40 ms import)
+    from hybridmoe.weights.gguf_file import split_paths
 
     parts = split_paths(path)
     h = hashlib.sha256()
@@ -69,6 +68,9 @@ def _check_model_dir(path: Path) -> None:
 
 
 def write_model_dir(parts: list[Path], out: Path) -> None:
+    from hybridmoe.weights.gguf_config import hf_config
+    from hybridmoe.weights.gguf_file import GGUFFiles
+
     gguf = GGUFFiles(parts[0])
     config = hf_config(gguf)
     (out / "config.json").write_text(json.dumps(config, indent=1))

@@ -26,7 +26,6 @@ from pathlib import Path
 from hybridmoe.config import DEFAULT_EXPERT_GROUP_SIZE, EngineConfig
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.weights.expert_cache import read_manifest
-from hybridmoe.weights.gguf_file import GGUFFiles
 from hybridmoe.weights.gguf_names import expert_tensor
 from hybridmoe.weights.int4_codes import INT4_GROUPS
 
@@ -53,6 +52,9 @@ def gguf_type_format(type_name: str) -> str:
 
 
 def _from_gguf(model_dir: Path) -> tuple[str, int | None, str]:
+    # imported here: only GGUF models need the gguf package
+    from hybridmoe.weights.gguf_file import GGUFFiles
+
     source = json.loads((model_dir / "gguf_source.json").read_text())
     gguf = GGUFFiles(source["files"][0])
     weights: dict[str, int] = {}  # format -> expert weights that map to it

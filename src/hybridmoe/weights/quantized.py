@@ -20,7 +20,6 @@ import torch
 from hybridmoe.errors import CheckpointError
 from hybridmoe.models.base import ModelConfig
 from hybridmoe.weights.awq import awq_int4_codes, dequantize_awq
-from hybridmoe.weights.gguf_checkpoint import GGUFCheckpoint
 from hybridmoe.weights.gptq import dequantize_gptq, gptq_int4_codes
 from hybridmoe.weights.int4_codes import INT4_GROUPS, Int4Codes
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
@@ -32,6 +31,9 @@ log = logging.getLogger("hybridmoe.weights")
 def open_checkpoint(model_dir: str | Path, config: ModelConfig):
     """The checkpoint reader for model_dir; use it as a context manager."""
     if (Path(model_dir) / "gguf_source.json").is_file():
+        # imported here: only GGUF models need the gguf package
+        from hybridmoe.weights.gguf_checkpoint import GGUFCheckpoint
+
         return GGUFCheckpoint.from_model_dir(model_dir)
     qc = config.get("quantization_config") or {}
     method = qc.get("quant_method")
