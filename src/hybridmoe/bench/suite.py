@@ -23,14 +23,17 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from hybridmoe.bench.e2e import _measure, peak_rss_gib
 from hybridmoe.bench.anatomy import StepAnatomy, step_anatomy
+from hybridmoe.bench.e2e import _measure, peak_rss_gib
 from hybridmoe.bench.floor import DecodeFloor, decode_floor, decode_routing, floor_ratio
-from hybridmoe.bench.layers import LayerTimes, measure_layer_times, measure_prefill_layer_times
+from hybridmoe.bench.layers import (
+    LayerTimes,
+    measure_layer_times,
+    measure_prefill_layer_times,
+)
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.errors import HybridMoEError
-
 
 HANDOFF_OPTIONS = ("zero_copy", "trim_padding")
 """CudaHandoff attributes a variant may set (cuda_handoff.py); the others keep the engine's own values."""

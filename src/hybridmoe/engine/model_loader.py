@@ -42,8 +42,6 @@ class LoadedModel:
     """The options the load ran with, every "auto" resolved (what the reports print as the choices)."""
 
 
-
-
 def _expert_placement(engine_config: EngineConfig, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
     # The native engine and the hybrid split read experts from CPU memory (the hybrid moves its GPU share
     # itself, so a whole layer is never staged on the GPU); the torch reference runs them where the model runs.

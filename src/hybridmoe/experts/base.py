@@ -22,6 +22,14 @@ import torch
 from hybridmoe.errors import HybridMoEError
 
 
+def put_expert(stacked: list[torch.Tensor], n: int, i: int, weights, device: torch.device) -> None:
+    """Copy one expert's (gate, up, down) into row i of stacked [n, ...] buffers on device (made at the first)."""
+    if not stacked:
+        stacked.extend(torch.empty(n, *w.shape, dtype=w.dtype, device=device) for w in weights)
+    for dst, w in zip(stacked, weights):
+        dst[i].copy_(w)
+
+
 class ExpertBackend(ABC):
     """Routed experts of every MoE layer of one model."""
 
@@ -38,10 +46,7 @@ class ExpertBackend(ABC):
         tensors' device and in their dtype, then set_layer."""
         stacked: list[torch.Tensor] = []
         for e, weights in enumerate(experts):
-            if not stacked:
-                stacked = [torch.empty(num_experts, *w.shape, dtype=w.dtype, device=w.device) for w in weights]
-            for dst, w in zip(stacked, weights):
-                dst[e].copy_(w)
+            put_expert(stacked, num_experts, e, weights, weights[0].device)
         self.set_layer(layer, *stacked)
 
     def int4_codes_group(self) -> int | None:

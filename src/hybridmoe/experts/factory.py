@@ -68,13 +68,13 @@ class _NativeLayer:
     """Builds one layer's CpuExperts with the engine options: from stacked tensors, or one expert at a time."""
 
     def __init__(self, cpu_experts_cls, **options):
-        self._cls, self._options = cpu_experts_cls, options
+        self.cls, self.options = cpu_experts_cls, options
 
     def __call__(self, gate_proj, up_proj, down_proj):
-        return self._cls(gate_proj, up_proj, down_proj, **self._options)
+        return self.cls(gate_proj, up_proj, down_proj, **self.options)
 
     def from_experts(self, experts, num_experts: int):
-        return self._cls.from_experts(experts, num_experts, **self._options)
+        return self.cls.from_experts(experts, num_experts, **self.options)
 
 
 class NativeLayers(ExpertBackend):
@@ -85,29 +85,30 @@ class NativeLayers(ExpertBackend):
     """
 
     def __init__(self, cpu_experts_cls, **options):
-        self._cls, self._options = cpu_experts_cls, options
+        self._build = _NativeLayer(cpu_experts_cls, **options)
         self._layers: dict[int, object] = {}
         self._out: dict[int, tuple[torch.device, torch.dtype]] = {}
 
     def set_layer(self, layer, gate_proj, up_proj, down_proj):
-        self.adopt(layer, self._cls(gate_proj, up_proj, down_proj, **self._options))
+        self.adopt(layer, self._build(gate_proj, up_proj, down_proj))
 
     def set_layer_experts(self, layer, experts, num_experts: int):
         """The layer packed from (gate, up, down) of one expert at a time (CpuExperts.from_experts)."""
-        self.adopt(layer, self._cls.from_experts(experts, num_experts, **self._options))
+        self.adopt(layer, self._build.from_experts(experts, num_experts))
 
     def int4_codes_group(self) -> int | None:
         """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
-        o = self._options
+        o = self._build.options
         return o["group_size"] if o["format"] == "int4" and o["zero_points"] else None
 
     def set_layer_codes(self, layer, gate_proj, up_proj, down_proj):
         """The layer packed from int4 codes as they are (weights/int4_codes.py Int4Codes of each projection)."""
-        self.adopt(layer, self._cls.from_codes(gate_proj, up_proj, down_proj, threads=self._options["threads"]))
+        threads = self._build.options["threads"]
+        self.adopt(layer, self._build.cls.from_codes(gate_proj, up_proj, down_proj, threads=threads))
 
     def from_packed(self, state: dict):
         """One layer's CpuExperts over already-packed buffers (a converted directory or the expert cache)."""
-        return self._cls.from_packed(state, threads=self._options["threads"])
+        return self._build.cls.from_packed(state, threads=self._build.options["threads"])
 
     def adopt(self, layer: int, experts) -> None:
         """Where every packed layer goes (set_layer, set_layer_experts, set_layer_codes, the cache)."""

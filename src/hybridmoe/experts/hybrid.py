@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.experts.base import ExpertBackend, put_expert
 from hybridmoe.experts.deferral import DeferredOutputs, split_deferred
 from hybridmoe.experts.gpu_experts import weighted_experts
 from hybridmoe.experts.hybrid_fixed import FixedShapeSteps
@@ -57,16 +57,6 @@ class TorchCpuLayer:
     def wait(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out, self._out = self._out, None
         return out
-
-
-def _put(stacked: list[torch.Tensor], n: int, i: int, weights, device: torch.device) -> None:
-    """Copy one expert's (gate, up, down) into row i of stacked [n, ...] buffers on device (made at the first)."""
-    if not stacked:
-        stacked.extend(torch.empty(n, *w.shape, dtype=w.dtype, device=device) for w in weights)
-    for dst, w in zip(stacked, weights):
-        dst[i].copy_(w)
-
-
 
 
 class HybridExperts(FixedShapeSteps, ExpertBackend):
@@ -127,7 +117,7 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
         def cpu_experts():
             for e, weights in enumerate(experts):
                 if e in gpu_slot:
-                    _put(gpu, len(gpu_ids), gpu_slot[e], weights, self._gpu_staging)
+                    put_expert(gpu, len(gpu_ids), gpu_slot[e], weights, self._gpu_staging)
                 else:
                     yield weights
 
@@ -137,7 +127,7 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
         else:
             stacked: list[torch.Tensor] = []
             for i, weights in enumerate(cpu_experts()):
-                _put(stacked, len(cpu_ids), i, weights, torch.device("cpu"))
+                put_expert(stacked, len(cpu_ids), i, weights, torch.device("cpu"))
             cpu = self._cpu_layer(*stacked) if stacked else None
         self._layers[layer] = LayerSplit(on_gpu, local, self._on_device(tuple(gpu)) if gpu else None, cpu, self.device)
 

@@ -42,6 +42,7 @@ WORKSPACE_ROW_FLOATS = 16
 q/k/v, gate/up, partial expert sums, the CPU experts' result): a conservative estimate, to be
 checked against torch.cuda.max_memory_allocated on a GPU."""
 
+
 def gpu_expert_format(engine_config: EngineConfig, dtype: torch.dtype) -> str | None:
     """The packed format the GPU's routed experts are kept in (experts/packed_gpu.py), or None: the model's dtype."""
     return packed_gpu_format(engine_config.expert_backend, engine_config.expert_format, engine_config.device, dtype,

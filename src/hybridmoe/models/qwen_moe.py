@@ -70,7 +70,6 @@ class _QwenMoeForCausalLM(MoECausalLM):
         return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps)
 
 
-
 class Qwen2MoeForCausalLM(_QwenMoeForCausalLM):
     config_defaults = {
         **_COMMON_DEFAULTS,
