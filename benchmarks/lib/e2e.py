@@ -32,9 +32,11 @@ zero-copy: the same engine with the handoff's rows and output through the device
 buffers instead of copies; trim: the same engine with one token's padding slots (weight 0) left out of its
 CPU work ("trim padding off", kept in, where the engine already trims, as it does by default); pin: the
 same engine with the decode steps' thread left where the scheduler puts it ("unpinned"; by default it runs
-off the handoff pool's CPUs, HybridExperts.pin_decode_thread); help: the same engine with the decode steps'
+off the handoff pool's CPUs, HybridTuning.pin_decode_thread); help: the same engine with the decode steps'
 thread spinning in CUDA's wait ("helping wait off"; by default it works in the handoff pool while it waits,
-HybridExperts.help_decode_wait); ahead: the same engine with greedy tokens taken on the GPU and each decode
+HybridTuning.help_decode_wait); prefetch: the same engine without the next layer's attention and router
+weights prefetched into the GPU's L2 while a layer's CPU part runs ("next-layer prefetch off",
+HybridTuning.prefetch_next); ahead: the same engine with greedy tokens taken on the GPU and each decode
 step launched before the previous token is read ("step ahead", or "step ahead off" where the engine already
 does: ModelRunner.sample_on_device and lookahead); these with graphs captured again, on the stream_mem_ops
 handoff only, and (without --repeats) followed by "all on" again on the same engine; deferral: deferral
@@ -91,10 +93,11 @@ TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama
            "vs_llama_prefill": 1.5}
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 0, exact."""
-ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "help", "ahead", "deferral", "gpu-experts", "packed")
+ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "help", "prefetch", "ahead", "deferral", "gpu-experts", "packed")
 HANDOFF_ROWS = {"zero-copy": ("zero-copy", {"zero_copy": True}),
                 "trim": ("trim padding", {"trim_padding": True}), "pin": ("unpinned", {"pin_decode_thread": False}),
                 "help": ("helping wait", {"help_decode_wait": True}),
+                "prefetch": ("next-layer prefetch", {"prefetch_next": True}),
                 "ahead": ("step ahead", {"sample_on_device": True, "lookahead": True})}
 """Ablation rows measured on the "all on" engine: label suffix and the CudaHandoff options changed
 (bench_suite.HANDOFF_OPTIONS, EXPERT_OPTIONS and RUNNER_OPTIONS). After them, "all on" again

@@ -1,9 +1,9 @@
 """The CUDA handoff's rows written by the router's kernel and its flags played by kernels (HybridTuning.kernel_flags:
 route_split stages the rows, clears done and writes go, sum_parts / add_parts wait for done; on the host-function
 path the rows alone), the residual added by the backend (forward_logits(..., residual), as DecoderLayer asks for
-it) give the same layers, bit for bit, as the rows
-copied by their own kernel, the flags written and waited for by stream memory operations (or host functions) and
-the residual added by the caller: eagerly and as CUDA graph replays, with and without GPU experts and deferred
+it) and the next layer's weights prefetched into L2 (HybridTuning.prefetch_next) give the same layers, bit for bit,
+as the rows copied by their own kernel, the flags written and waited for by stream memory operations (or host
+functions) and the residual added by the caller: eagerly and as CUDA graph replays, with and without GPU experts and deferred
 experts (those of several tokens to float32 rounding: with kernel flags they share their own part's CPU call).
 Runs on the GPU host through scripts/device_check.sh.
 
@@ -13,6 +13,7 @@ T tokens, E experts, K experts per token, H hidden, I intermediate.
 import pytest
 import torch
 
+import hybridmoe.experts.hybrid_fixed as fixed  # where use_fixed_shapes builds its handoffs
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cpu_experts import CpuExperts
 from hybridmoe.experts.cuda_handoff import CudaHandoff
@@ -23,9 +24,10 @@ pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 E, H, I, K, TMAX = 8, 64, 32, 3, 8
-OFF = {"kernel_flags": False}
-MODES = {"copies": OFF, "residual": OFF, "kernel_flags": {"kernel_flags": True}, "kernel_flags_sum": {"kernel_flags": True},
-         "host_function": {"kernel_flags": True}}
+OFF = {"kernel_flags": False, "prefetch_next": False}
+MODES = {"copies": OFF, "residual": OFF, "kernel_flags": {**OFF, "kernel_flags": True},
+         "kernel_flags_sum": {**OFF, "kernel_flags": True}, "prefetch": {"kernel_flags": True, "prefetch_next": True},
+         "host_function": {**OFF, "kernel_flags": True}}
 """HybridTuning per mode; every mode but copies and kernel_flags_sum has the backend add the residual; host_function
 runs the handoffs on host functions (the rows staged by the router, no flag words)."""
 
@@ -41,13 +43,14 @@ def backend(gpu_ids: list[int], deferred: int, dtype: torch.dtype, mode: str, mo
         b.set_layer(layer, torch.randn(E, I, H, generator=g) / 8, torch.randn(E, I, H, generator=g) / 8,
                     torch.randn(E, H, I, generator=g) / 6)
     if mode == "host_function":
-        import hybridmoe.experts.cuda_handoff as ch
-
-        made = ch.CudaHandoff
-        monkeypatch.setattr(ch, "CudaHandoff", lambda *a, **k: made(*a, **{**k, "path": "host_function"}))
+        monkeypatch.setattr(fixed, "CudaHandoff", lambda *a, **k: CudaHandoff(*a, **{**k, "path": "host_function"}))
     assert b.use_fixed_shapes(TMAX, dtype)
+    if mode == "host_function":
+        assert {h.path for h, _ in b._handoffs.values()} == {"host_function"}
     for name, on in MODES[mode].items():
         setattr(b.tuning, name, on)
+    # while layer 0's CPU part runs, layer 1's "attention" weights into L2 (prefetch_next)
+    b.prefetch_during(0, [torch.nn.Linear(H, 3 * H, device="cuda"), torch.nn.Linear(H, H, device="cuda")])
     return b
 
 
@@ -73,7 +76,7 @@ def replayed(b: HybridExperts, fn) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("mode", ["residual", "kernel_flags", "kernel_flags_sum", "host_function"])
+@pytest.mark.parametrize("mode", ["residual", "kernel_flags", "kernel_flags_sum", "prefetch", "host_function"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("deferred", [0, 1])
 @pytest.mark.parametrize("gpu_ids", [[], [0, 3, 5]])

@@ -117,13 +117,14 @@ def test_a_crashed_configuration_is_retried_with_streaming_off_then_skipped(monk
 
 
 def test_ablation_variants_come_after_every_format():
-    every = e2e.ablation_rows("graph,zero-copy,trim,pin,help,ahead,deferral,gpu-experts")
+    every = e2e.ablation_rows("graph,zero-copy,trim,pin,help,prefetch,ahead,deferral,gpu-experts")
     runs = e2e.configurations({"gpu_memory_budget": "16GiB"}, ["int4", "bf16"], every)
     assert [(r.label, r.eager_label, r.handoff_variants, r.every_length) for r in runs] == [
         ("int4 all on", "int4 no CUDA graph", (("int4 zero-copy", {"zero_copy": True}),
                                                ("int4 trim padding", {"trim_padding": True}),
                                                ("int4 unpinned", {"pin_decode_thread": False}),
                                                ("int4 helping wait", {"help_decode_wait": True}),
+                                               ("int4 next-layer prefetch", {"prefetch_next": True}),
                                                ("int4 step ahead", {"sample_on_device": True, "lookahead": True}),
                                                ("int4 all on, again", {})), True),
         ("bf16 all on", None, (), True), ("int4 no GPU experts", None, (), False)]
@@ -156,7 +157,7 @@ def test_with_repeats_the_handoff_rows_have_no_all_on_again_row():
 def test_ablation_rows_can_be_chosen():
     runs = e2e.configurations({}, ["int4"], e2e.ablation_rows("graph"))
     assert [(r.label, r.eager_label, r.handoff_variants) for r in runs] == [("int4 all on", "int4 no CUDA graph", ())]
-    every = "graph,zero-copy,trim,pin,help,ahead,deferral,gpu-experts,packed"
+    every = "graph,zero-copy,trim,pin,help,prefetch,ahead,deferral,gpu-experts,packed"
     assert parse_args(["run", "--synthetic", "x", "--ablation"]).ablation == every
     with pytest.raises(HybridMoEError, match=f"--ablation takes rows among {every}, got graphs"):
         e2e.ablation_rows("graphs,trim")

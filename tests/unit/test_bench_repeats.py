@@ -120,14 +120,18 @@ def test_an_expert_option_row_sets_the_experts_and_the_next_row_its_own_value_ag
     engine = NS(runner=runner, resolved_config=NS(deferred_experts=0), config=NS(device="cuda"))
     bench = suite._Bench(engine, [1], 4, 1e9, "probe", False)
     assert bench.defaults == {"zero_copy": True, "trim_padding": True, "pin_decode_thread": True,
-                              "help_decode_wait": True, "sample_on_device": False, "lookahead": True}
+                              "help_decode_wait": True, "prefetch_next": True, "sample_on_device": False,
+                              "lookahead": True}
     bench._set_up(suite.Row("int4 unpinned", True, {"pin_decode_thread": False}, False))
     assert experts.tuning.pin_decode_thread is False and not hasattr(handoff, "pin_decode_thread")
     bench._set_up(suite.Row("int4 helping wait off", True, {"help_decode_wait": False}, False))
     assert experts.tuning.help_decode_wait is False and experts.tuning.pin_decode_thread is True
+    bench._set_up(suite.Row("int4 next-layer prefetch off", True, {"prefetch_next": False}, False))
+    assert experts.tuning.prefetch_next is False and experts.tuning.help_decode_wait is True
     bench._set_up(suite.Row("int4 step ahead", True, {"sample_on_device": True}, False))
     assert runner.sample_on_device is True and not hasattr(experts.tuning, "sample_on_device")
     assert experts.tuning.pin_decode_thread is True and experts.tuning.help_decode_wait is True
+    assert experts.tuning.prefetch_next is True
     bench._set_up(suite.Row("int4 zero-copy off", True, {"zero_copy": False}, False))
     assert (experts.tuning.pin_decode_thread, handoff.zero_copy) == (True, False)
     bench._set_up(suite.Row("int4 all on", True, None, True))

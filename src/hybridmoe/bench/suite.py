@@ -37,8 +37,8 @@ from hybridmoe.errors import HybridMoEError
 
 HANDOFF_OPTIONS = ("zero_copy", "trim_padding")
 """CudaHandoff attributes a variant may set (cuda_handoff.py); the others keep the engine's own values."""
-EXPERT_OPTIONS = ("pin_decode_thread", "help_decode_wait")
-"""HybridExperts attributes a variant may set the same way (hybrid.py), reported with the handoff options."""
+EXPERT_OPTIONS = ("pin_decode_thread", "help_decode_wait", "prefetch_next")
+"""HybridTuning attributes (HybridExperts.tuning) a variant may set the same way, reported with the handoff options."""
 RUNNER_OPTIONS = ("sample_on_device", "lookahead")
 """ModelRunner attributes a variant may set the same way (model_runner.py: the decode step's host path)."""
 

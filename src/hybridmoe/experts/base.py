@@ -99,6 +99,11 @@ class ExpertBackend(ABC):
         runner then runs every step eagerly."""
         return False
 
+    def prefetch_during(self, layer: int, modules: list) -> None:
+        """Hand the backend up to three modules whose .weight the step reads right after layer's MoE block (the
+        next layer's attention projections and router): a backend whose GPU waits for CPU work there may prefetch
+        them into the GPU's L2 meanwhile. Models call it once, at construction. Default: nothing."""
+
     def decode_thread(self) -> AbstractContextManager:
         """The context a fixed-shape step is launched and waited for in, on the thread that drives the GPU (the
         hybrid split pins that thread off its CPU workers' cores). Default: nothing."""

@@ -9,7 +9,8 @@ GPU share through fixed_shape_experts (experts/gpu_experts.py: Triton kernels th
 experts' weights). The glue around them (splitting the slots, summing the parts) is one Triton kernel each
 (experts/decode_fused.py). With kernel_flags the router's kernel also writes the CPU's rows to the handoff
 and its go word, and the kernel that sums the parts (and adds the residual) waits for the done word: between
-two layers' CPU work the GPU runs kernels only. Deferred experts use a second handoff of their own width;
+two layers' CPU work the GPU runs kernels only; while the CPU works, the GPU prefetches the next layer's attention
+and router weights into its L2 (tuning.prefetch_next, the modules the model handed prefetch_during). Deferred experts use a second handoff of their own width;
 on the stream-memory-operations path the two are linked (CudaHandoff.link_deferred): the router's kernel
 stages both parts and the CPU runs them as one call, which marks the own output done before it computes the
 deferred experts, while the GPU goes on with the next layer.
@@ -47,6 +48,7 @@ class FixedShapeSteps:
         self._folded: dict[int, Partial] = {}  # layer -> the deferred part joining its output
         self._merged: set[int] = set()  # layers whose own and deferred handoffs use_fixed_shapes linked
         self._driver_cpus: set[int] = set()  # the CPUs the handoffs' pools leave free (use_fixed_shapes)
+        self._prefetch: dict[int, list] = {}  # layer -> modules whose .weight to prefetch (prefetch_during)
 
     def use_fixed_shapes(self, max_tokens: int, dtype: torch.dtype) -> bool:
         """On CUDA, run steps of at most max_tokens tokens in fixed shapes from now on (CUDA-graph
@@ -90,6 +92,13 @@ class FixedShapeSteps:
                         self._merged.add(layer)
         self._fixed_tokens, self._fixed_dtype = max_tokens, dtype
         return True
+
+    def prefetch_during(self, layer: int, modules: list) -> None:
+        """While layer's CPU part runs (tuning.prefetch_next), prefetch up to three modules' .weight into the GPU's
+        L2 (read when a step is enqueued: the modules may get their weights after this call)."""
+        if not 1 <= len(modules) <= 3:
+            raise HybridMoEError(f"prefetch_during takes one to three modules, got {len(modules)}")
+        self._prefetch[layer] = list(modules)
 
     def decode_thread(self):
         """A context for a fixed-shape step, around its launch and the wait for its result: the calling
@@ -172,6 +181,11 @@ class FixedShapeSteps:
             self._deferred.add(layer, parts[1])
         for p in parts:
             p.start_gpu()
+        # only behind a CPU part: the prefetch (~8 us for Qwen3's 38 MB) runs while the GPU would wait for it
+        if self.tuning.prefetch_next and st.cpu is not None and layer in self._prefetch and HAVE_TRITON:
+            from hybridmoe.layers.prefetch_triton import prefetch_l2
+
+            prefetch_l2([m.weight for m in self._prefetch[layer]])
         # the previous layer's deferred part joins the residual with this layer's output (the same sum, in
         # another order): its output comes back while the GPU waits for this layer's CPU part anyway,
         # instead of a wait, a copy and an add after this layer

@@ -117,6 +117,11 @@ class HybridTuning:
     layer's parts waits for the done word itself (no kernel or stream-memory node of their own). Read when a step
     is enqueued (captured). Default on: 1.09x int4 decode, 1.02x bf16."""
 
+    prefetch_next: bool = True
+    """While a layer's CPU part runs, the GPU prefetches into its L2 the weights the model handed prefetch_during
+    (the next layer's attention projections and router), so that the GEMVs after the wait read them from L2. Read
+    when a step is enqueued (captured). Default on: the gap between two layers' CPU parts 3.5 us shorter."""
+
     pin_decode_thread: bool = True
     """decode_thread() pins the thread that drives the GPU on the CPUs the handoffs' pools leave free."""
 

@@ -52,6 +52,22 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
 
 
 class _QwenMoeForCausalLM(MoECausalLM):
+    def __init__(self, config, experts: ExpertBackend | None):
+        super().__init__(config, experts)
+        if experts is not None:  # None: convert's probe model, which never runs
+            self._hand_prefetch_targets(experts)
+
+    def _hand_prefetch_targets(self, experts: ExpertBackend) -> None:
+        """For each MoE layer, the weights the next layer's decode GEMVs read first (qkv, o_proj, and its router
+        if it has one), for the backend's L2 prefetch while the layer's CPU experts run (prefetch_during)."""
+        layers = self.model.layers
+        for i in range(len(layers) - 1):
+            if self.is_moe_layer(i):
+                nxt = layers[i + 1]
+                gate = getattr(nxt.mlp, "gate", None)
+                experts.prefetch_during(i, [nxt.self_attn.qkv_proj, nxt.self_attn.o_proj]
+                                        + ([gate] if isinstance(gate, nn.Linear) else []))
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         c = self.config
         return (layer_idx not in c.mlp_only_layers and c.num_experts > 0
