@@ -40,7 +40,10 @@ def test_run_with_a_seed_is_reproducible(tiny_qwen3_fp32, capsys):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be 0 (greedy) or in [0.01, 100]"),
+    (["--temperature", "1e-40"], "temperature must be 0 (greedy) or in [0.01, 100], got 1e-40"),
+    (["--repetition-penalty", "1e-300"], "repetition_penalty must be in [0.01, 100]"),
+    (["--top-k", "1000000000000000000000000000000"], "top_k must be an integer in [0, 2147483647]"),
     (["--max-new-tokens", "5000"], "exceeds the context of 512 tokens"),
     (["--max-num-seqs", "0"], "max_num_seqs must be at least 1"),
     (["--max-model-len", "1024"],

@@ -5,6 +5,8 @@ penalized rows beside greedy ones (those take the sampler), and with padding row
 ahead of an uninterrupted greedy decode is used.
 """
 
+from types import SimpleNamespace
+
 import pytest
 
 from hybridmoe import LLM, SamplingParams
@@ -106,7 +108,7 @@ def test_sampled_and_penalized_rows_take_the_sampler_beside_greedy_ones(llm, fix
     fixed.launches.clear()
     for i in range(1, len(params)):  # each alone beside a greedy row: the sampler chooses every step's tokens
         sampler, calls = fixed.sampler, []
-        fixed.sampler = lambda logits, seqs: calls.append(len(seqs)) or sampler(logits, seqs)
+        fixed.sampler = SimpleNamespace(sample=lambda logits, seqs: calls.append(len(seqs)) or sampler.sample(logits, seqs))
         try:
             assert tokens(llm, [PROMPTS[0], PROMPTS[i]], [GREEDY, params[i]]) == [want[0][0], want[i][0]]
         finally:

@@ -89,6 +89,8 @@ class ChatSession:
                 pieces.append(out.new_text)
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
+                if out.error is not None:
+                    sys.stdout.write(f" [error: {out.error}]")
         except KeyboardInterrupt:
             sys.stdout.write(" [stopped]")
         finally:

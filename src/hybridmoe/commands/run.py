@@ -45,4 +45,7 @@ def run(args: argparse.Namespace) -> int:
     decode_rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
     print(f"[{n} tokens, {out.finish_reason}; first token {1000 * (first - start):.0f} ms, "
           f"{decode_rate:.1f} tok/s after]", file=sys.stderr)
+    if out.error is not None:
+        print(f"error: the generation failed: {out.error}", file=sys.stderr)
+        return 1
     return 0

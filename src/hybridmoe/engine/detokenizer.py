@@ -70,11 +70,16 @@ class Detokenizer:
         return min(hits) if hits else None
 
     def _partial_stop_suffix(self) -> int:
-        """Length of the longest end of text that is a proper beginning of a stop string."""
+        """Length of the longest end of text that is a proper beginning of a stop string. Per stop string s
+        it compares at most len(s) ends of text, each at most len(s) characters, only from where text holds
+        s's first character."""
         best = 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
+            tail = self.text[len(self.text) - min(len(s) - 1, len(self.text)):]
+            i = tail.find(s[0])
+            while 0 <= i < len(tail) - best:  # ends of tail, longest first, longer than best
+                if s.startswith(tail[i:]):
+                    best = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return best

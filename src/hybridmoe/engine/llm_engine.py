@@ -88,15 +88,28 @@ class LLMEngine:
         for s, token, lp in zip(batch, tokens, logprobs):
             seq = s.seq
             seq.num_computed += s.num_tokens
-            if token is None:
+            if token is None and seq.error is None:
                 continue
-            if lp is not None:
-                seq.logprobs.append(lp)
-            outputs.append(seq.output(seq.append_token(token, self.eos_token_ids)))
+            delta = ""
+            if seq.error is None:
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                delta = self._append(seq, token)
+            if seq.error is not None:
+                seq.finish_reason = "error"
+            outputs.append(seq.output(delta))
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 del self._requests[seq.request_id]
         return outputs
+
+    def _append(self, seq: Sequence, token: int) -> str:
+        """seq.append_token; a failure there (its detokenizer, say) ends this sequence alone, with seq.error."""
+        try:
+            return seq.append_token(token, self.eos_token_ids)
+        except Exception as e:  # noqa: BLE001 (any failure of one request's text must not end the others)
+            seq.error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:500]
+            return ""
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -104,6 +117,9 @@ class LLMEngine:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt_ids):
             bad = next(t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size))
             raise HybridMoEError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if params.top_k > self.vocab_size:
+            raise HybridMoEError(f"top_k must be at most the vocabulary's {self.vocab_size} tokens (0 disables), "
+                                 f"got {params.top_k}")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise HybridMoEError(

@@ -127,13 +127,17 @@ class ModelRunner:
             seqs = [batch[b].seq for b in rows]
             wanted = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
             raw = logits[wanted] if wanted else None  # a copy: the sampler penalizes logits in place
-            sampled = self.sampler(logits, seqs)
+            sampled, failed = self.sampler.sample(logits, seqs)
+            for j, why in failed.items():
+                seqs[j].error = f"sampling failed: {why}"  # this sequence ends alone (LLMEngine)
             for b, t in zip(rows, sampled):
                 tokens[b] = t
-            if wanted:
-                found = token_logprobs(raw, [sampled[j] for j in wanted], [seqs[j].params.logprobs for j in wanted])
-                for j, lp in zip(wanted, found):
-                    logprobs[rows[j]] = lp
+            kept = [k for k, j in enumerate(wanted) if j not in failed]  # raw's rows of sampled sequences
+            if kept:
+                found = token_logprobs(raw[kept], [sampled[wanted[k]] for k in kept],
+                                       [seqs[wanted[k]].params.logprobs for k in kept])
+                for k, lp in zip(kept, found):
+                    logprobs[rows[wanted[k]]] = lp
         return tokens, logprobs
 
     def _run_eager(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor | None, list[int]]:

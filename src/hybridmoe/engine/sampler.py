@@ -3,7 +3,8 @@
 Processing order follows Hugging Face generate: repetition penalty, then temperature, top-k,
 top-p, min-p, then softmax and a draw. Greedy rows (temperature 0) take the argmax of the
 penalized logits. Every seeded request draws from its own torch.Generator, so its tokens do
-not depend on what else is in the batch.
+not depend on what else is in the batch. A row whose sampling fails (non-finite logits, say) fails
+alone: Sampler.sample reports it and samples the others.
 
 Shapes: N sequences, V vocabulary.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import SamplingParams
 
 
@@ -36,19 +38,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerInput]) -> torch.Ten
 
     logits [N, V] float32, changed in place and returned.
     """
-    vocab = logits.shape[1]
     for i, r in enumerate(rows):
-        p = r.params
-        if p.repetition_penalty != 1.0:
-            ids = torch.tensor([*r.prompt_ids, *r.output_ids], dtype=torch.long, device=logits.device)
-            score = logits[i, ids]
-            logits[i, ids] = torch.where(score < 0, score * p.repetition_penalty,
-                                         score / p.repetition_penalty)
-        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_ids:
-            out = torch.tensor(r.output_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        apply_row_penalties(logits[i], r)
     return logits
+
+
+def apply_row_penalties(row: torch.Tensor, r: SamplerInput) -> None:
+    """apply_penalties of one sequence: row [V], changed in place."""
+    p, vocab = r.params, row.shape[0]
+    if p.repetition_penalty != 1.0:
+        ids = torch.tensor([*r.prompt_ids, *r.output_ids], dtype=torch.long, device=row.device)
+        score = row[ids]
+        row[ids] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+    if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_ids:
+        out = torch.tensor(r.output_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
 def apply_filters(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -105,20 +110,65 @@ class Sampler:
     """Turns last-token logits into one next token per sequence."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerInput]) -> list[int]:
-        """logits [N, V] float32 (may be modified). Returns N token ids."""
-        logits = apply_penalties(logits, rows)
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        """logits [N, V] float32 (may be modified). Returns N token ids; a row that fails raises."""
+        tokens, failed = self.sample(logits, rows)
+        if failed:
+            i, why = next(iter(failed.items()))
+            raise HybridMoEError(f"sampling row {i} failed: {why}")
+        return tokens
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplerInput]) -> tuple[list[int | None], dict[int, str]]:
+        """logits [N, V] float32 (may be modified) -> (N token ids, None where a row failed; {row: why it
+        failed}). A row fails alone: its penalties, filters or draw raised (non-finite logits, say)."""
+        failed: dict[int, str] = {}
+        for i, r in enumerate(rows):
+            _guard(failed, i, apply_row_penalties, logits[i], r)
+        for i, nan in enumerate(torch.isnan(logits).any(dim=-1).tolist()):
+            if nan:
+                failed.setdefault(i, "the logits hold NaN")
+        tokens: list[int | None] = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy and i not in failed]
         if sampled:
-            dev = logits.device
-            params = [rows[i].params for i in sampled]
-            filtered = apply_filters(
-                logits[sampled],
-                torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-                torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-                torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev))
-            probs = filtered.softmax(dim=-1)
+            try:
+                probs = _filtered_probs(logits, rows, sampled)
+            except RuntimeError:  # one row's filters raised: the rows apart, so that it fails alone
+                probs = [_guard(failed, i, _filtered_probs, logits, rows, [i]) for i in sampled]
+            # checked before the draw: on CUDA a bad row would assert on the device and end the process's context
             for j, i in enumerate(sampled):
-                tokens[i] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
-        return tokens.tolist()
+                if i not in failed and not _drawable(probs[j]):
+                    failed[i] = "no token has a finite, positive probability after the filters"
+            for j, i in enumerate(sampled):
+                if i not in failed:
+                    drawn = _guard(failed, i, torch.multinomial, probs[j].reshape(-1), 1,
+                                   generator=rows[i].generator)
+                    tokens[i] = None if drawn is None else int(drawn[0])
+        for i in failed:
+            tokens[i] = None
+        return tokens, failed
+
+
+def _filtered_probs(logits: torch.Tensor, rows: list[SamplerInput], sampled: list[int]) -> torch.Tensor:
+    """Probabilities [len(sampled), V] of rows `sampled` after temperature, top-k, top-p and min-p."""
+    dev = logits.device
+    params = [rows[i].params for i in sampled]
+    filtered = apply_filters(
+        logits[sampled],
+        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+        torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev))
+    return filtered.softmax(dim=-1)
+
+
+def _drawable(probs: torch.Tensor) -> bool:
+    return bool(torch.isfinite(probs).all() and (probs >= 0).all() and probs.sum() > 0)
+
+
+def _guard(failed: dict[int, str], i: int, fn, *args, **kwargs):
+    """fn(*args, **kwargs), or None with row i's failure noted in `failed` (torch raises RuntimeError for a
+    probability row with inf, nan or negative entries, ValueError / IndexError for bad shapes)."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, ValueError, IndexError) as e:
+        failed[i] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        return None

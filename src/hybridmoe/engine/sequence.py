@@ -33,9 +33,12 @@ class RequestOutput:
     new_text: str
     """Text this step added (the streaming delta)."""
     finish_reason: str | None
-    """"stop" (EOS, stop token or stop string), "length" (max_tokens), "abort", or None while running."""
+    """"stop" (EOS, stop token or stop string), "length" (max_tokens), "abort", "error" (error says why), or
+    None while running."""
     new_logprobs: list[TokenLogprobs] | None = None
     """Log-probabilities of new_token_ids, when SamplingParams.logprobs asks for them."""
+    error: str | None = None
+    """With finish_reason "error": why this request failed, one line (the other requests of the batch go on)."""
 
     @property
     def finished(self) -> bool:
@@ -61,6 +64,8 @@ class Sequence(SamplerInput):
         self.slot: int | None = None
         self.num_computed = 0
         self.finish_reason: str | None = None
+        self.error: str | None = None
+        """Set when a step fails for this sequence alone (its sampling, its text); the engine then ends it."""
         self.logprobs: list[TokenLogprobs] = []
         """One entry per output token, when params.logprobs asks for them."""
         self._emitted_tokens = 0
@@ -106,4 +111,5 @@ class Sequence(SamplerInput):
             request_id=self.request_id, prompt_token_ids=self.prompt_ids,
             token_ids=list(self.output_ids),
             text=self.detokenizer.emitted_text if self.detokenizer else "",
-            new_token_ids=new_ids, new_text=new_text, finish_reason=self.finish_reason, new_logprobs=new_logprobs)
+            new_token_ids=new_ids, new_text=new_text, finish_reason=self.finish_reason, new_logprobs=new_logprobs,
+            error=self.error)
