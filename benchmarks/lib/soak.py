@@ -2,32 +2,31 @@
 
     python3 benchmarks/serve.py soak --model DIR --requests 400 --threads 8
 
-The mix: greedy chat and completion requests, streamed and not, each checked against the answer
-the same request got alone before the soak; Ollama chat; malformed JSON, wrong types, prompts too
-long for the context; clients that vanish mid-stream or before a non-streamed answer. At the end
-the server must still be up with nothing in flight, every valid request must have returned its
-reference answer, and the server's RSS is reported before and after (the process's VmRSS).
+First a clean phase (a quarter of the requests, well-formed only), then a hostile one: well-formed greedy chat,
+completion and Ollama requests, streamed and not, each checked against the answer the same request got alone
+before the soak, among malformed JSON, wrong types, sampling values no sampler honours, prompts too long for
+the context or megabytes long, hundreds of stop strings, deeply nested JSON, lone surrogates, clients that
+vanish mid-stream or before a non-streamed answer, and half-sent requests (benchmarks/lib/soak_requests.py).
+At the end the server must still be up with nothing in flight and every request must have got its answer;
+the report gives the counts per kind, the server's RSS before and after (VmRSS), and the p50 / p99 latency of
+the well-formed requests in each phase (the hostile phase's p99 over the clean one's: target <= 1.5x).
 Everything goes to 127.0.0.1; the run stops after --requests requests or --max-seconds.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 from .cli import write_json
-
-PROMPTS = ["Tell me about mixture of experts", "hello", "Why is the sky blue? " * 5, "One two three",
-           "A longer prompt that goes on " * 12, "Write a haiku"]
-MAX_TOKENS = 24
+from .soak_requests import PROMPTS, Client
 
 
 def rss_mib(pid: int) -> float:
@@ -37,111 +36,10 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-class Soak:
-    def __init__(self, port: int):
-        self.port = port
-        self.counts: Counter = Counter()
-        self.failures: list[str] = []
-        self.lock = threading.Lock()
-        self.reference: dict[tuple, str] = {}
-
-    def conn(self) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-
-    def post(self, path: str, body: bytes | dict) -> tuple[int, bytes]:
-        c = self.conn()
-        c.request("POST", path, body if isinstance(body, bytes) else json.dumps(body),
-                  {"Content-Type": "application/json"})
-        r = c.getresponse()
-        data = r.read()
-        c.close()
-        return r.status, data
-
-    def stream(self, path: str, body: dict) -> str:
-        c = self.conn()
-        c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-        r = c.getresponse()
-        if r.status != 200:
-            raise RuntimeError(f"{path}: {r.status} {r.read()[:200]!r}")
-        text = []
-        for line in iter(r.readline, b""):
-            if line.startswith(b"data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(f"{path}: error event {event}")
-                for ch in event["choices"]:
-                    text.append(ch.get("text") or ch.get("delta", {}).get("content") or "")
-        c.close()
-        return "".join(text)
-
-    def answer(self, kind: str, prompt: str, streaming: bool) -> str:
-        if kind == "chat":
-            body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": MAX_TOKENS,
-                    "stream": streaming}
-            if streaming:
-                return self.stream("/v1/chat/completions", body)
-            status, data = self.post("/v1/chat/completions", body)
-            return json.loads(data)["choices"][0]["message"]["content"] if status == 200 else f"HTTP {status}"
-        body = {"prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": streaming}
-        if streaming:
-            return self.stream("/v1/completions", body)
-        status, data = self.post("/v1/completions", body)
-        return json.loads(data)["choices"][0]["text"] if status == 200 else f"HTTP {status}"
-
-    def record(self, name: str, ok: bool, detail: str = "") -> None:
-        with self.lock:
-            self.counts[name + (" ok" if ok else " FAILED")] += 1
-            if not ok:
-                self.failures.append(f"{name}: {detail}")
-
-    def one(self, rng: random.Random) -> None:
-        kind = rng.choice(["valid", "valid", "valid", "valid", "ollama", "malformed", "wrong_type", "too_long",
-                           "disconnect_stream", "disconnect_wait"])
-        prompt = rng.choice(PROMPTS)
-        try:
-            if kind == "valid":
-                api, streaming = rng.choice(["chat", "completion"]), rng.random() < 0.5
-                got = self.answer(api, prompt, streaming)
-                want = self.reference[(api, prompt)]
-                self.record(f"{api} {'stream' if streaming else 'plain'}", got == want, f"{got!r} != {want!r}")
-            elif kind == "ollama":
-                status, data = self.post("/api/chat", {"model": "soak", "stream": False, "options": {
-                    "temperature": 0, "num_predict": MAX_TOKENS}, "messages": [{"role": "user", "content": prompt}]})
-                got = json.loads(data)["message"]["content"] if status == 200 else f"HTTP {status}"
-                want = self.reference[("chat", prompt)]
-                self.record("ollama chat", got == want, f"{got!r} != {want!r}")
-            elif kind == "malformed":
-                status, _ = self.post("/v1/chat/completions", rng.choice([b"{", b"[1,2]", b"\xff\xfe", b""]))
-                self.record("malformed json -> 400", status == 400, f"got {status}")
-            elif kind == "wrong_type":
-                status, _ = self.post("/v1/completions", {"prompt": prompt, rng.choice(
-                    ["temperature", "max_tokens", "n", "top_p"]): rng.choice(["x", -3, [1], 1e9])})
-                self.record("wrong type -> 422", status == 422, f"got {status}")
-            elif kind == "too_long":
-                status, _ = self.post("/v1/completions", {"prompt": prompt, "max_tokens": 100000})
-                self.record("too long -> 400", status == 400, f"got {status}")
-            elif kind == "disconnect_stream":
-                c = self.conn()
-                c.request("POST", "/v1/completions", json.dumps(
-                    {"prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}),
-                    {"Content-Type": "application/json"})
-                r = c.getresponse()
-                for _ in range(rng.randint(1, 5)):
-                    r.readline()
-                c.sock.shutdown(socket.SHUT_RDWR)
-                c.close()
-                self.record("disconnect mid-stream", True)
-            else:
-                c = self.conn()
-                c.request("POST", "/v1/chat/completions", json.dumps(
-                    {"messages": [{"role": "user", "content": prompt}], "max_tokens": 400, "ignore_eos": True}),
-                    {"Content-Type": "application/json"})
-                time.sleep(rng.uniform(0.01, 0.2))
-                c.sock.shutdown(socket.SHUT_RDWR)
-                c.close()
-                self.record("disconnect while waiting", True)
-        except Exception as e:  # any exception is a failed request, reported at the end
-            self.record(kind, False, f"{type(e).__name__}: {e}")
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
 def add_arguments(p):
@@ -159,47 +57,21 @@ def run(args) -> int:
     server = subprocess.Popen([sys.executable, "-m", "hybridmoe.cli", "serve", "--model", args.model, "--port",
                                str(port), "--dtype", "float32", "--served-model-name", "soak", "--max-batch", "8",
                                "--max-queue", "64", "--log-level", "error"])
-    soak = Soak(port)
+    client = Client(port)
     try:
-        for _ in range(600):
-            try:
-                soak.conn().request("GET", "/health")
-                break
-            except OSError:
-                time.sleep(0.2)
-        # references: each valid request alone, before any load
-        for prompt in PROMPTS:
+        wait_for_health(client, server)
+        for prompt in PROMPTS:  # references: each well-formed request alone, before any load
             for api in ("chat", "completion"):
-                soak.reference[(api, prompt)] = soak.answer(api, prompt, streaming=False)
+                client.reference[(api, prompt)] = client.answer(api, prompt, streaming=False)
         rss_before = rss_mib(server.pid)
         start = time.perf_counter()
-        todo = iter(range(args.requests))
-        lock = threading.Lock()
-
-        def client(i):
-            rng = random.Random(args.seed * 1000 + i)
-            while time.perf_counter() - start < args.max_seconds:
-                with lock:
-                    if next(todo, None) is None:
-                        return
-                soak.one(rng)
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(args.threads)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        clean = args.requests // 4
+        send(client, "clean", clean, args, start)
+        send(client, "hostile", args.requests - clean, args, start)
         seconds = time.perf_counter() - start
-        deadline = time.monotonic() + 30
-        while True:  # aborted requests leave the engine within a step or two
-            c = soak.conn()
-            c.request("GET", "/health")
-            health = json.loads(c.getresponse().read())
-            if health["requests_in_flight"] == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        health = settled_health(client)
         rss_after = rss_mib(server.pid)
-        c = soak.conn()
+        c = client.conn()
         c.request("GET", "/metrics")
         metrics = c.getresponse().read().decode()
         running = next(float(line.split()[1]) for line in metrics.splitlines()
@@ -208,17 +80,71 @@ def run(args) -> int:
         alive = server.poll() is None
         server.terminate()
         server.wait(timeout=30)
+    return report(args, client, seconds, alive, health, running, rss_before, rss_after)
 
-    result = {"requests": sum(soak.counts.values()), "seconds": seconds, "counts": dict(sorted(soak.counts.items())),
-              "failures": soak.failures[:20], "server_alive": alive, "in_flight_after": health["requests_in_flight"],
-              "running_after": running, "rss_mib_before": rss_before, "rss_mib_after": rss_after}
+
+def wait_for_health(client: Client, server: subprocess.Popen) -> None:
+    for _ in range(600):
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} before it answered /health")
+        try:
+            client.conn().request("GET", "/health")
+            return
+        except OSError:
+            time.sleep(0.2)
+
+
+def send(client: Client, phase: str, requests: int, args, start: float) -> None:
+    """`requests` requests of `phase` from args.threads clients at once (each its own seeded mix)."""
+    todo = iter(range(requests))
+    lock = threading.Lock()
+
+    def loop(i):
+        rng = random.Random(f"{args.seed} {phase} {i}")
+        while time.perf_counter() - start < args.max_seconds:
+            with lock:
+                if next(todo, None) is None:
+                    return
+            client.one(rng, phase)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(args.threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def settled_health(client: Client) -> dict:
+    """/health once nothing is in flight (aborted requests leave the engine within a step or two), or after 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        c = client.conn()
+        c.request("GET", "/health")
+        health = json.loads(c.getresponse().read())
+        if health["requests_in_flight"] == 0 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.1)
+
+
+def report(args, client: Client, seconds, alive, health, running, rss_before, rss_after) -> int:
+    lat = {phase: {"n": len(v), "p50_s": percentile(v, 50), "p99_s": percentile(v, 99)}
+           for phase, v in client.latency.items()}
+    p99_ratio = lat["hostile"]["p99_s"] / lat["clean"]["p99_s"]
+    result = {"requests": sum(client.counts.values()), "seconds": seconds,
+              "counts": dict(sorted(client.counts.items())), "failures": client.failures[:20],
+              "server_alive": alive, "in_flight_after": health["requests_in_flight"], "running_after": running,
+              "rss_mib_before": rss_before, "rss_mib_after": rss_after, "latency": lat, "p99_ratio": p99_ratio}
     print(f"{result['requests']} requests in {seconds:.0f} s from {args.threads} clients; server alive: {alive}; "
           f"in flight after: {health['requests_in_flight']}, running: {running:.0f}")
     for name, n in result["counts"].items():
         print(f"  {n:5d}  {name}")
-    print(f"RSS: {rss_before:.0f} MiB before, {rss_after:.0f} MiB after ({rss_after - rss_before:+.0f} MiB)")
+    print(f"RSS: {rss_before:.0f} MiB before, {rss_after:.0f} MiB after ({rss_after / rss_before - 1:+.1%})")
+    for phase, v in lat.items():
+        print(f"well-formed latency, {phase} phase: {v['n']} requests, p50 {1000 * v['p50_s']:.0f} ms, "
+              f"p99 {1000 * v['p99_s']:.0f} ms")
+    print(f"p99 hostile / clean: {p99_ratio:.2f}x (target <= 1.5x)")
     for f in result["failures"]:
         print("FAILED", f)
     write_json(args.json, result)
-    ok = alive and not soak.failures and health["requests_in_flight"] == 0 and running == 0
+    ok = alive and not client.failures and health["requests_in_flight"] == 0 and running == 0
     return 0 if ok else 1

@@ -4,18 +4,23 @@ tokens do not depend on what else is in its batch)."""
 
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import openai
 import pytest
 
 STARTUP_SECONDS = 120
+
+PROBE = {"model": "tiny", "prompt": "A well-formed request", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+"""The greedy request that runs beside a hostile one: it must get the answer it gets alone."""
 
 
 def _free_port() -> int:
@@ -27,6 +32,7 @@ def _free_port() -> int:
 class Server:
     def __init__(self, url: str, proc: subprocess.Popen, log_path, api_key: str | None):
         self.url, self.proc, self.log_path, self.api_key = url, proc, log_path, api_key
+        self._solo: dict | None = None
 
     def client(self, api_key: str = "none", **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kwargs)
@@ -52,6 +58,23 @@ class Server:
         key = f"hybridmoe_{name}" + (f"{{{labels}}}" if labels else "")
         m = re.search(rf"^{re.escape(key)} (\S+)$", text.decode(), re.M)
         return float(m.group(1)) if m else 0.0
+
+    def alongside(self, hostile):
+        """hostile() while PROBE runs beside it; asserts that PROBE gets its solo answer. Returns hostile()."""
+        if self._solo is None:
+            self._solo = self._probe()
+        with ThreadPoolExecutor(1) as pool:
+            probe = pool.submit(self._probe)
+            result = hostile()
+            assert probe.result() == self._solo
+        return result
+
+    def _probe(self) -> dict:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        code, raw = self.post("/v1/completions", PROBE, headers)
+        assert code == 200, raw
+        choice = json.loads(raw)["choices"][0]
+        return {"text": choice["text"], "finish_reason": choice["finish_reason"]}
 
     def wait_until(self, condition, timeout: float = 20.0, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout
@@ -107,4 +130,26 @@ def small_server(tiny_qwen3_fp32, tmp_path_factory):
     """A server with an API key, one running request and one queued at most: for 401 and 429."""
     with _serve(tiny_qwen3_fp32, tmp_path_factory.mktemp("logs") / "small_server.log", "--max-batch", "1",
                 "--max-queue", "1", api_key="test-key-123") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def timeout_server(tiny_qwen3_fp32, tmp_path_factory):
+    """A server with short deadlines: 3 s for a request's headers, 3 s for its body, 3 s of idle keep-alive."""
+    with _serve(tiny_qwen3_fp32, tmp_path_factory.mktemp("logs") / "timeout_server.log", "--timeout-headers", "3",
+                "--timeout-body", "3", "--timeout-keep-alive", "3") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def slow_template_server(tiny_qwen3_fp32, tmp_path_factory):
+    """A server whose chat template takes 990,000 loop steps (most of a second) on a conversation that opens
+    with 'render slowly', and renders any other as the tiny model's own template does."""
+    model_dir = tmp_path_factory.mktemp("slow_template") / "model"
+    shutil.copytree(tiny_qwen3_fp32, model_dir)
+    template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    slow = "{%- for _ in range(990000) %}{{- '' }}{{- '' }}{%- endfor %}"
+    (model_dir / "chat_template.jinja").write_text(
+        f"{{%- if messages[0]['content'] == 'render slowly' %}}{slow}{{%- endif %}}{template}")
+    with _serve(model_dir, tmp_path_factory.mktemp("logs") / "slow_template_server.log") as s:
         yield s

@@ -1,7 +1,9 @@
 """`hybridmoe serve --model DIR`: an OpenAI- and Ollama-compatible HTTP server with a web chat page.
 
 Binds to 127.0.0.1 unless --host says otherwise. Every engine option is a flag too. Prints the
-engine's choices (doctor's line) to stderr before it starts listening.
+engine's choices (doctor's line) to stderr before it starts listening. A client has --timeout-headers
+seconds to send a request's headers and --timeout-body more for its body (408 past them), and an idle
+connection closes after --timeout-keep-alive seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most requests decoded together; the same as --max-num-seqs")
     parser.add_argument("--max-queue", type=int, default=64, metavar="N",
                         help="most requests waiting for a slot; past that, 429 with Retry-After (default 64)")
+    parser.add_argument("--timeout-headers", type=float, default=30.0, metavar="S",
+                        help="seconds a client has to send a request's headers, from connecting or from the "
+                             "first byte of its next request; past them 408 and the connection closes (default 30)")
+    parser.add_argument("--timeout-body", type=float, default=60.0, metavar="S",
+                        help="seconds a client has to send a request's body, from the end of its headers "
+                             "(default 60)")
+    parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                        help="seconds an idle connection stays open between two requests (default 5)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn's log level (default info)")
     add_engine_arguments(parser)
@@ -40,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridmoe.engine.llm_engine import LLMEngine
     from hybridmoe.server.app import build_app
     from hybridmoe.server.async_engine import AsyncEngine
+    from hybridmoe.server.http_protocol import deadline_protocol
 
     kwargs = engine_kwargs(args)
     if args.max_batch is not None:
@@ -49,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
         kwargs["max_num_seqs"] = args.max_batch
     if args.max_queue < 0:
         raise HybridMoEError(f"--max-queue must be at least 0, got {args.max_queue}")
+    for flag in ("timeout_headers", "timeout_body", "timeout_keep_alive"):
+        if not 0 < getattr(args, flag) < float("inf"):
+            raise HybridMoEError(f"--{flag.replace('_', '-')} must be a number of seconds above 0, "
+                                 f"got {getattr(args, flag)}")
     if not 0 <= args.port < 65536:
         raise HybridMoEError(f"--port must be in [0, 65535], got {args.port}")
     model_dir = Path(args.model)
@@ -65,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"serving {name} on http://{args.host}:{args.port} (max batch {engine.max_running}, "
           f"max queue {args.max_queue}, context {engine.max_model_len} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                http=deadline_protocol(args.timeout_headers, args.timeout_body),
+                timeout_keep_alive=args.timeout_keep_alive)
     return 0
 
 

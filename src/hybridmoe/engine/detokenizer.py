@@ -15,6 +15,43 @@ from hybridmoe.tokenizer import Tokenizer
 _CONTEXT_TOKENS = 5
 
 
+class _PrefixTracker:
+    """For each stop string s, the longest beginning of s that the text ends with, kept as the text grows (a
+    KMP automaton per stop string: each new character costs each stop string amortized O(1))."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.fail = [_failure(s) for s in stops]
+        self.state = [0] * len(stops)
+
+    def feed(self, text: str) -> None:
+        for k, (s, fail) in enumerate(zip(self.stops, self.fail)):
+            m = self.state[k]
+            for c in text:
+                while m and s[m] != c:
+                    m = fail[m - 1]
+                if s[m] == c:
+                    m += 1
+                if m == len(s):  # a whole stop string (the detokenizer cuts there): keep its longest border
+                    m = fail[m - 1]
+            self.state[k] = m
+
+    def longest(self) -> int:
+        return max(self.state, default=0)
+
+
+def _failure(s: str) -> list[int]:
+    """KMP failure function: fail[i] = length of the longest proper border of s[:i + 1]."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
 class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
                  skip_special_tokens: bool = True):
@@ -29,6 +66,7 @@ class Detokenizer:
         """Decoded output text so far, cut before a stop string once one is found."""
         self.emitted = 0
         """Characters of text already handed out."""
+        self._prefixes = _PrefixTracker(stop)
 
     def add(self, token_id: int | None, final: bool) -> tuple[str, bool]:
         """Take one new token (None: nothing to decode, e.g. an EOS); return (text delta, stopped).
@@ -42,6 +80,7 @@ class Detokenizer:
             if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
                 old_len = len(self.text)
                 self.text += full_text[len(prefix_text):]
+                self._prefixes.feed(full_text[len(prefix_text):])
                 self.prefix, self.read = self.read, len(self.ids)
                 cut = self._find_stop(max(0, old_len - self._longest_stop() + 1))
                 if cut is not None:
@@ -70,16 +109,6 @@ class Detokenizer:
         return min(hits) if hits else None
 
     def _partial_stop_suffix(self) -> int:
-        """Length of the longest end of text that is a proper beginning of a stop string. Per stop string s
-        it compares at most len(s) ends of text, each at most len(s) characters, only from where text holds
-        s's first character."""
-        best = 0
-        for s in self.stop:
-            tail = self.text[len(self.text) - min(len(s) - 1, len(self.text)):]
-            i = tail.find(s[0])
-            while 0 <= i < len(tail) - best:  # ends of tail, longest first, longer than best
-                if s.startswith(tail[i:]):
-                    best = len(tail) - i
-                    break
-                i = tail.find(s[0], i + 1)
-        return best
+        """Length of the longest end of text that is a proper beginning of a stop string (kept up to date as
+        text grows, in time proportional to the new characters)."""
+        return self._prefixes.longest()

@@ -53,6 +53,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
             yield
         finally:
             engine.shutdown()
+            state.close()
 
     app = FastAPI(title="hybridmoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state

@@ -7,7 +7,9 @@ to its request's asyncio.Queue on the event loop. So concurrent requests share e
 client gone mid-stream) is aborted before the next step, which frees its slot at once.
 
 Admission is decided on the event loop: requests in flight are capped at the batch size plus
-`max_queue`; past that, submit() raises QueueFullError (HTTP 429).
+`max_queue`; past that, submit() raises QueueFullError (HTTP 429, busy now), and a group larger than
+that cap, which can never fit, a HybridMoEError (HTTP 400). A request the engine ends with
+finish_reason "error" (it failed alone) raises EngineError from its stream.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class QueueFullError(Exception):
 
 
 class EngineError(Exception):
-    """The engine failed while running this request (a bug, not the client's fault)."""
+    """The engine failed while running this request (a bug, not the client's fault); the message is one line."""
 
 
 @dataclass
@@ -58,7 +60,7 @@ class RequestStream:
     (index in the group, RequestOutput) in the order the engine made them. close() aborts what
     is still running; use it in a finally block so that a client gone frees its slots."""
 
-    def __init__(self, engine: "AsyncEngine", request_ids: list[str], outputs: asyncio.Queue):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], outputs: asyncio.Queue):
         self._engine = engine
         self.request_ids = request_ids
         self._outputs = outputs
@@ -81,6 +83,9 @@ class RequestStream:
         if item.finished:
             self._unfinished.discard(index)
             self._engine._release([self.request_ids[index]], abort=False)
+        if item.finish_reason == "error":
+            self.close()
+            raise EngineError(f"the engine failed on this request: {item.error}")
         return index, item
 
     def close(self) -> None:
@@ -119,7 +124,12 @@ class AsyncEngine:
         return len(self._in_flight)
 
     def check_capacity(self, n: int = 1) -> None:
-        """Raise QueueFullError unless n more requests fit in the batch plus the queue."""
+        """Raise QueueFullError unless n more requests fit in the batch plus the queue now, and a
+        HybridMoEError when they never can."""
+        if n > self.max_running + self.max_queue:
+            raise HybridMoEError(
+                f"this request needs {n} sequences at once (prompts x n), more than this server ever holds: "
+                f"{self.max_running} running and {self.max_queue} waiting; send fewer prompts or a lower n")
         if len(self._in_flight) + n > self.max_running + self.max_queue:
             raise QueueFullError(
                 f"the server is busy: {len(self._in_flight)} requests in flight, room for "
@@ -182,10 +192,9 @@ class AsyncEngine:
                     continue
                 self._tracked[request_id] = tracked
                 self.metrics.prompt_tokens.inc(amount=len(prompt_ids))
-            elif cmd[0] == "abort":
-                if self._tracked.pop(cmd[1], None) is not None:
-                    self.engine.abort(cmd[1])
-                    self.metrics.requests_finished.inc("abort")
+            elif cmd[0] == "abort" and self._tracked.pop(cmd[1], None) is not None:
+                self.engine.abort(cmd[1])
+                self.metrics.requests_finished.inc("abort")
             self._update_gauges()
 
     def _deliver(self, out: RequestOutput, now: float) -> None:

@@ -60,7 +60,7 @@ class Gauge:
         self.value = 0
 
     def set(self, value: float) -> None:
-        self.value = value  # one writer (the engine thread); a plain store is atomic
+        self.value = value  # one writer (the engine thread, or the event loop); a plain store is atomic
 
     def render(self) -> list[str]:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge", f"{self.name} {_number(self.value)}"]
@@ -107,6 +107,8 @@ class Metrics:
         self.engine_steps = Counter("engine_steps_total", "Engine steps run.")
         self.requests_running = Gauge("requests_running", "Requests holding a KV-cache slot (the batch).")
         self.requests_waiting = Gauge("requests_waiting", "Requests queued for a slot (the queue depth).")
+        self.prompts_preparing = Gauge("prompts_preparing", "Prompts being rendered through the chat template "
+                                       "or tokenized, on the prompt threads.")
         self.batch_size = Histogram("batch_size", "Sequences that got a token in one engine step.", _BATCH_BUCKETS)
         self.time_to_first_token = Histogram(
             "time_to_first_token_seconds", "From a request's arrival at the engine to its first token.",
@@ -118,7 +120,7 @@ class Metrics:
     def render(self) -> str:
         lines: list[str] = []
         for metric in (self.http_requests, self.requests_finished, self.prompt_tokens, self.generation_tokens,
-                       self.engine_steps, self.requests_running, self.requests_waiting, self.batch_size,
-                       self.time_to_first_token, self.inter_token_latency, self.step_time):
+                       self.engine_steps, self.requests_running, self.requests_waiting, self.prompts_preparing,
+                       self.batch_size, self.time_to_first_token, self.inter_token_latency, self.step_time):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -18,14 +18,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.sampling_params import SamplingParams
-from hybridmoe.server.protocol import StrictRequest, random_id
+from hybridmoe.server.prompts import encode_chat, encode_text
+from hybridmoe.server.protocol import StrictRequest, Text, random_id
 from hybridmoe.server.serving_common import (
     APIError,
     ServerState,
-    check_token_ids,
     collect,
-    encode_chat,
-    sampling_params,
+    for_prompt,
+    request_params,
 )
 
 OLLAMA_API_VERSION = "0.6.0"
@@ -39,7 +39,7 @@ class OllamaOptions(StrictRequest):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
-    stop: list[str] | None = None
+    stop: list[Text] | None = None
     repeat_penalty: float | None = Field(None, gt=0, le=10)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -47,20 +47,20 @@ class OllamaOptions(StrictRequest):
 
 class OllamaMessage(StrictRequest):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: Text = ""
 
 
 class OllamaChatRequest(StrictRequest):
-    model: str
+    model: Text
     messages: list[OllamaMessage] = Field(default_factory=list)
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
 
 
 class OllamaGenerateRequest(StrictRequest):
-    model: str
-    prompt: str = ""
-    system: str | None = None
+    model: Text
+    prompt: Text = ""
+    system: Text | None = None
     raw: bool = False
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
@@ -72,38 +72,47 @@ def _check_model(state: ServerState, name: str) -> None:
         state.check_model(name)
 
 
-def _params(state: ServerState, prompt_len: int, o: OllamaOptions) -> SamplingParams:
+def _max_tokens(o: OllamaOptions) -> int | None:
     max_tokens = None if o.num_predict is None or o.num_predict < 0 else o.num_predict
     if max_tokens == 0:
         raise APIError(400, "options.num_predict is 0: nothing would be generated; give at least 1 (or -1)",
                        param="options.num_predict")
-    return sampling_params(
-        state, prompt_len, max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
+    return max_tokens
+
+
+def _params(o: OllamaOptions) -> SamplingParams:
+    """The options' SamplingParams, checked before the prompt is read (for_prompt fits them to it)."""
+    return request_params(
+        max_tokens=_max_tokens(o), temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
         presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-        repetition_penalty=o.repeat_penalty, seed=o.seed, stop=o.stop, default_temperature=0.8)
+        repetition_penalty=o.repeat_penalty, stop=o.stop, default_temperature=0.8)
 
 
 async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> Response:
     _check_model(state, req.model)
     if not req.messages:  # Ollama's way to load a model: answer done at once
         return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=True))
-    ids = encode_chat(state, [m.model_dump() for m in req.messages])
-    return await _answer(state, req.model, ids, _params(state, len(ids), req.options), req.stream, request, True)
+    params = _params(req.options)
+    state.engine.check_capacity()
+    ids = await encode_chat(state, [m.model_dump() for m in req.messages])
+    params = for_prompt(state, params, len(ids), _max_tokens(req.options), req.options.seed)
+    return await _answer(state, req.model, ids, params, req.stream, request, True)
 
 
 async def generate(state: ServerState, req: OllamaGenerateRequest, request: Request) -> Response:
     _check_model(state, req.model)
     if not req.prompt:
         return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=False))
+    params = _params(req.options)
+    state.engine.check_capacity()
     if req.raw or state.tokenizer.chat_template is None:
-        ids = state.tokenizer.encode(req.prompt)
-        check_token_ids(state, ids)
+        ids = await encode_text(state, req.prompt)
     else:
         messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
             {"role": "user", "content": req.prompt}]
-        ids = encode_chat(state, messages)
-    return await _answer(state, req.model, ids, _params(state, len(ids), req.options), req.stream, request,
-                         False)
+        ids = await encode_chat(state, messages)
+    params = for_prompt(state, params, len(ids), _max_tokens(req.options), req.options.seed)
+    return await _answer(state, req.model, ids, params, req.stream, request, False)
 
 
 def tags(state: ServerState) -> dict:
@@ -144,7 +153,7 @@ async def _lines(state: ServerState, model: str, prompt_len: int, start: float, 
                 if out.finished:
                     yield json.dumps(_final(state, model, out.finish_reason, prompt_len, len(out.token_ids),
                                             start, chat)) + "\n"
-        except Exception as e:  # the headers are sent: Ollama reports errors as a line {"error": ...}
+        except Exception as e:  # noqa: BLE001 (the headers are sent: Ollama reports errors as a line {"error": ...})
             yield json.dumps({"error": str(e)}) + "\n"
     finally:
         stream.close()

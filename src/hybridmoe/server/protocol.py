@@ -3,19 +3,42 @@
 Requests are validated strictly (a string where a number belongs is an error, not a guess) and
 unknown fields are ignored, as OpenAI's own clients send fields we have no use for (user, store,
 metadata). Bounds follow OpenAI's API reference; top_k, min_p, repetition_penalty, ignore_eos
-and stop_token_ids are the extensions vLLM also accepts.
+and stop_token_ids are the extensions vLLM also accepts. Every text field the server reads is
+`Text`: valid Unicode, so a lone UTF-16 surrogate ("\\ud800" in JSON) is an `invalid_unicode` error
+(a 400) rather than a failure in the tokenizer or in the answer's encoding.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic_core import PydanticCustomError
 
 MAX_N = 16
 """Most completions one request may ask for (each one is a sequence in the batch)."""
+
+INVALID_UNICODE = "invalid_unicode"
+"""The pydantic error type of a Text field that is not valid Unicode."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_unicode(text: str) -> str:
+    if not text.isascii():
+        m = _SURROGATE.search(text)
+        if m is not None:
+            raise PydanticCustomError(
+                INVALID_UNICODE, f"holds a lone surrogate (U+{ord(m.group()):04X}) at character {m.start()}, "
+                                 "which is not valid Unicode; send the text as UTF-8")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+"""A string with no lone surrogate: one that UTF-8 can encode and the tokenizer can read."""
 
 
 class StrictRequest(BaseModel):
@@ -33,7 +56,7 @@ class StreamOptions(StrictRequest):
 class SamplingRequest(StrictRequest):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -43,7 +66,7 @@ class SamplingRequest(StrictRequest):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
+    stop: Text | list[Annotated[Text, Field(min_length=1)]] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -56,13 +79,13 @@ class SamplingRequest(StrictRequest):
 
 class TextPart(StrictRequest):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(StrictRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -81,11 +104,11 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class UsageInfo(_Response):

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.engine.sampler import TokenLogprobs
+from hybridmoe.server.prompts import encode_chat
 from hybridmoe.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,19 +30,19 @@ from hybridmoe.server.serving_common import (
     APIError,
     ServerState,
     collect,
-    encode_chat,
     error_event,
-    sampling_params,
+    for_prompt,
+    openai_params,
     seed_for,
     sse,
     token_text,
 )
 
 
-def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in req.messages]
-    return encode_chat(state, messages)
+    return await encode_chat(state, messages)
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
@@ -49,15 +50,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    prompt_ids = chat_prompt(state, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = [sampling_params(
-        state, len(prompt_ids), max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, seed=seed_for(req.seed, i), stop=req.stop,
-        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs) for i in range(req.n)]
+    params = openai_params(req, max_tokens, logprobs)
+    state.engine.check_capacity(req.n)
+    prompt_ids = await chat_prompt(state, req)
+    group = [(prompt_ids, for_prompt(state, params, len(prompt_ids), max_tokens, seed_for(req.seed, i)))
+             for i in range(req.n)]
     request_id = random_id("chatcmpl")
-    stream = state.engine.submit(request_id, [(prompt_ids, p) for p in params])
+    stream = state.engine.submit(request_id, group)
     if req.stream:
         return StreamingResponse(_chunks(state, req, request_id, len(prompt_ids), stream),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -94,7 +94,7 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, request_id: st
                                                  else None)])
                 if out.finished:
                     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(), finish_reason=out.finish_reason)])
-        except Exception as e:  # the headers are sent: the error travels as an event
+        except Exception as e:  # noqa: BLE001 (the headers are sent: any error travels as an event)
             yield error_event(e)
             return
         if include_usage:

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.engine.sampler import TokenLogprobs
+from hybridmoe.server.prompts import check_prompt_ids, encode_text
 from hybridmoe.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -23,30 +24,35 @@ from hybridmoe.server.serving_common import (
     SSE_DONE,
     APIError,
     ServerState,
-    check_token_ids,
     collect,
     error_event,
-    sampling_params,
+    for_prompt,
+    openai_params,
     seed_for,
     sse,
     token_text,
 )
 
 
-def completion_prompts(state: ServerState, prompt) -> list[list[int]]:
-    """The prompt field as a list of token-id prompts."""
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    if not prompts:
+def prompt_list(prompt) -> list[str | list[int]]:
+    """The prompt field as a list of prompts, each a string or token ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
         raise APIError(400, "prompt is an empty list; give a string, token ids, or a list of either",
                        param="prompt")
-    ids = [p if isinstance(p, list) else state.tokenizer.encode(p) for p in prompts]
-    for p in ids:
-        check_token_ids(state, p)
+    return list(prompt)
+
+
+async def completion_prompts(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Each prompt as checked token ids."""
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            ids.append(await encode_text(state, p))
+        else:
+            check_prompt_ids(state, p)
+            ids.append(p)
     return ids
 
 
@@ -58,15 +64,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported; put the text in the prompt",
                        param="suffix")
-    prompts = completion_prompts(state, req.prompt)
-    group = []
-    for ids in prompts:
-        for i in range(req.n):
-            group.append((ids, sampling_params(
-                state, len(ids), req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                min_p=req.min_p, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty, seed=seed_for(req.seed, i), stop=req.stop,
-                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=req.logprobs)))
+    params = openai_params(req, req.max_tokens, req.logprobs)
+    texts = prompt_list(req.prompt)
+    state.engine.check_capacity(len(texts) * req.n)
+    prompts = await completion_prompts(state, texts)
+    group = [(ids, for_prompt(state, params, len(ids), req.max_tokens, seed_for(req.seed, i)))
+             for ids in prompts for i in range(req.n)]
     # echo: the prompt's text comes first (token-id prompts decoded)
     echoes = [state.tokenizer.decode(ids) if req.echo else "" for ids, _ in group]
     request_id = random_id("cmpl")
@@ -111,7 +114,7 @@ async def _events(state: ServerState, req: CompletionRequest, request_id: str, p
                         offsets[i] += sum(len(t) for t in logprobs.tokens)
                     yield event([CompletionChoice(index=i, text=out.new_text, finish_reason=out.finish_reason,
                                                   logprobs=logprobs)])
-        except Exception as e:  # the headers are sent: the error travels as an event
+        except Exception as e:  # noqa: BLE001 (the headers are sent: any error travels as an event)
             yield error_event(e)
             return
         if include_usage:
