@@ -1,5 +1,6 @@
 #include "binding_args.h"
 
+#include <climits>
 #include <stdexcept>
 #include <utility>
 
@@ -17,6 +18,13 @@ std::string join(const std::vector<std::string>& v) {
 }  // namespace
 
 void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+int int_arg(int64_t v, const char* name, int64_t lo, int64_t hi) {
+  if (v < lo || v > hi)
+    fail(std::string(name) + " must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " +
+         std::to_string(v));
+  return int(v);
+}
 
 bool isa_available(Isa isa) {
   const auto& f = cpu_features();
@@ -70,17 +78,17 @@ const MoeTuning& checked_tuning(const MoeTuning& t) {
   return t;
 }
 
-MoeConfig moe_config(int E, int H, int I, const std::string& format, int group_size, bool zero_points,
-                     int threads, const std::string& isa, int numa_nodes) {
+MoeConfig moe_config(int64_t E, int64_t H, int64_t I, const std::string& format, int64_t group_size,
+                     bool zero_points, int64_t threads, const std::string& isa, int64_t numa_nodes) {
   if (E < 1 || H < 1 || I < 1)
     fail("expert shapes must be positive, got E=" + std::to_string(E) + " H=" + std::to_string(H) +
          " I=" + std::to_string(I));
   MoeConfig cfg;
-  cfg.E = E;
-  cfg.H = H;
-  cfg.I = I;
+  cfg.E = int_arg(E, "E (experts)", 1, INT32_MAX);
+  cfg.H = int_arg(H, "H (hidden size)", 1, INT32_MAX);
+  cfg.I = int_arg(I, "I (intermediate size)", 1, INT32_MAX);
   cfg.format = parse_format(format);
-  cfg.group = group_size;
+  cfg.group = int_arg(group_size, "group_size", 1, INT32_MAX);
   cfg.zero_points = zero_points;
   if (cfg.format == Format::int4) {
     if (group_size != 32 && group_size != 64 && group_size != 128)
@@ -92,13 +100,12 @@ MoeConfig moe_config(int E, int H, int I, const std::string& format, int group_s
   } else if (zero_points) {
     fail("zero points exist only for format='int4'");
   }
-  if (threads < 1) fail("threads must be >= 1, got " + std::to_string(threads));
+  cfg.threads = int_arg(threads, "threads", 1, kMaxThreads);
   if (numa_nodes < 1 || numa_nodes > threads)
     fail("numa_nodes must be between 1 and threads (" + std::to_string(threads) + "), got " +
          std::to_string(numa_nodes));
-  cfg.threads = threads;
   cfg.isa = parse_isa(isa);
-  cfg.numa_nodes = numa_nodes;
+  cfg.numa_nodes = int(numa_nodes);
   return cfg;
 }
 

@@ -1,12 +1,16 @@
 // The Python module hybridmoe._native. Arrays cross this boundary as nb::ndarray views
 // (DLPack: torch tensors and numpy arrays go in directly); shape, dtype, contiguity and device
-// are checked here and raw pointers exist only below the checks. Bad input raises ValueError.
+// are checked here and raw pointers exist only below the checks. Integers cross as int64_t and are
+// range-checked here (binding_args.h). Bad input raises ValueError, one line naming the argument.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -81,18 +85,28 @@ void check_dtype(const nb::dlpack::dtype& got, const nb::dlpack::dtype& want, co
   if (got != want) fail(std::string(what) + " must be " + dtype_name(want) + ", got " + dtype_name(got));
 }
 
+// The read-bandwidth probes' thread count: past kMaxThreads refused here, below 1 by the probe's own check.
+int probe_threads(int64_t threads) {
+  if (threads > kMaxThreads)
+    fail("threads must be at most " + std::to_string(kMaxThreads) + ", got " + std::to_string(threads));
+  return int(std::max<int64_t>(threads, 0));
+}
+
 class Engine {
  public:
-  Engine(int E, int H, int I, const std::string& format, int group_size, bool zero_points, int threads,
-         const std::string& isa, int numa_nodes, bool adopt)
-      : layer_(std::make_unique<hmoe::MoeLayer>(
-            moe_config(E, H, I, format, group_size, zero_points, threads, isa, numa_nodes), adopt)) {}
+  Engine(int64_t E, int64_t H, int64_t I, const std::string& format, int64_t group_size, bool zero_points,
+         int64_t threads, const std::string& isa, int64_t numa_nodes, bool adopt)
+      : Engine(moe_config(E, H, I, format, group_size, zero_points, threads, isa, numa_nodes), adopt) {}
+  // The pool first (the layer takes the same shared one): a pool whose threads the system refuses
+  // fails before the layer maps its buffers.
+  Engine(const hmoe::MoeConfig& cfg, bool adopt)
+      : pool_(hmoe::shared_pool(cfg.threads, cfg.numa_nodes)), layer_(std::make_unique<hmoe::MoeLayer>(cfg, adopt)) {}
 
   const hmoe::MoeConfig& cfg() const { return layer_->config(); }
 
   // One expert's float32 matrices: gate and up [I, H], down [H, I].
   template <class A>
-  void check_expert_matrices(int e, const A& gate, const A& up, const A& down) const {
+  void check_expert_matrices(int64_t e, const A& gate, const A& up, const A& down) const {
     check_expert(e);
     const auto& c = cfg();
     const nb::dlpack::dtype f32 = nb::dtype<float>();
@@ -104,15 +118,15 @@ class Engine {
     check_dtype(down.dtype(), f32, "down");
   }
 
-  void pack_expert(int e, Array gate, Array up, Array down) {
+  void pack_expert(int64_t e, Array gate, Array up, Array down) {
     check_expert_matrices(e, gate, up, down);
     nb::gil_scoped_release nogil;
-    layer_->pack_expert(e, static_cast<const float*>(gate.data()), static_cast<const float*>(up.data()),
+    layer_->pack_expert(int(e), static_cast<const float*>(gate.data()), static_cast<const float*>(up.data()),
                         static_cast<const float*>(down.data()));
   }
 
   // mats: codes uint8 [N, K], scales and zeros fp32 [N, K / group], of gate, up and down in turn.
-  void pack_expert_codes(int e, std::vector<Array> mats) {
+  void pack_expert_codes(int64_t e, std::vector<Array> mats) {
     check_expert(e);
     const auto& c = cfg();
     if (mats.size() != 9) fail("pack_expert_codes takes 9 arrays (codes, scales, zeros of gate, up, down)");
@@ -131,12 +145,12 @@ class Engine {
               static_cast<const float*>(mats[3 * i + 2].data())};
     }
     nb::gil_scoped_release nogil;
-    hmoe::pack_expert_codes(*layer_, e, m);
+    hmoe::pack_expert_codes(*layer_, int(e), m);
   }
 
-  void unpack_expert(int e, MutArray gate, MutArray up, MutArray down) {
+  void unpack_expert(int64_t e, MutArray gate, MutArray up, MutArray down) {
     check_expert_matrices(e, gate, up, down);
-    layer_->unpack_expert(e, static_cast<float*>(gate.data()), static_cast<float*>(up.data()),
+    layer_->unpack_expert(int(e), static_cast<float*>(gate.data()), static_cast<float*>(up.data()),
                           static_cast<float*>(down.data()));
   }
 
@@ -168,23 +182,24 @@ class Engine {
   }
 
   // run() / submit() with each token's last `deferred` slots summed into out2 instead of out (MoeCall::deferred).
-  void run_deferred(Array x, Array ids, Array weights, int deferred, MutArray out, MutArray out2) {
+  void run_deferred(Array x, Array ids, Array weights, int64_t deferred, MutArray out, MutArray out2) {
     const hmoe::MoeCall call = deferred_call(x, ids, weights, deferred, out, out2);
     nb::gil_scoped_release nogil;
     layer_->run(call);
   }
-  uint64_t submit_deferred(Array x, Array ids, Array weights, int deferred, MutArray out, MutArray out2) {
+  uint64_t submit_deferred(Array x, Array ids, Array weights, int64_t deferred, MutArray out, MutArray out2) {
     return layer_->submit(deferred_call(x, ids, weights, deferred, out, out2));
   }
 
-  hmoe::MoeCall deferred_call(Array& x, Array& ids, Array& weights, int deferred, MutArray& out, MutArray& out2) {
+  hmoe::MoeCall deferred_call(Array& x, Array& ids, Array& weights, int64_t deferred, MutArray& out,
+                              MutArray& out2) {
     hmoe::MoeCall call = make_call(x, ids, weights, out);
     if (deferred < 0 || deferred > call.K)
       fail("deferred must be between 0 and the " + std::to_string(call.K) + " slots per token, got " +
            std::to_string(deferred));
     check_array(out2, "out2", {call.T, cfg().H});
     check_dtype(out2.dtype(), x.dtype(), "out2");
-    call.deferred = deferred;
+    call.deferred = int(deferred);
     call.out2 = out2.data();
     if (deferred == 0) std::memset(out2.data(), 0, out2.nbytes());  // no deferred slot: out2 sums nothing
     return call;
@@ -261,18 +276,19 @@ class Engine {
   hmoe::MoeLayer& layer() { return *layer_; }
   const hmoe::MoeLayer& layer() const { return *layer_; }
 
-  void trace(int calls) {
+  void trace(int64_t calls) {
     if (calls < 0) fail("trace takes a number of calls >= 0, got " + std::to_string(calls));
-    layer_->trace(calls);
+    layer_->trace(int_arg(calls, "calls", 0, INT32_MAX));
   }
 
   nb::list take_trace() { return trace_records(layer_->take_trace()); }
 
  private:
-  void check_expert(int e) const {
+  void check_expert(int64_t e) const {
     if (e < 0 || e >= cfg().E)
       fail("expert index " + std::to_string(e) + " out of range for " + std::to_string(cfg().E) + " experts");
   }
+  std::shared_ptr<hmoe::ThreadPool> pool_;
   std::unique_ptr<hmoe::MoeLayer> layer_;
 };
 
@@ -324,21 +340,25 @@ NB_MODULE(_native, m) {
   m.def("numa_node_count", &hmoe::numa_node_count);
   m.def("allowed_cpu_count", [] { return int(hmoe::allowed_cpus().size()); },
         "CPUs this process may run on (its affinity mask).");
-  m.def("read_bandwidth", [](size_t nbytes, int threads, int passes, int rounds, bool prefetch) {
+  m.attr("max_threads") = kMaxThreads;
+  m.def("read_bandwidth", [](size_t nbytes, int64_t threads, int passes, int rounds, bool prefetch) {
+    const int n = probe_threads(threads);
     nb::gil_scoped_release nogil;
-    return hmoe::read_bandwidth(nbytes, threads, passes, rounds, prefetch);
+    return hmoe::read_bandwidth(nbytes, n, passes, rounds, prefetch);
   }, "nbytes"_a, "threads"_a, "passes"_a = 5, "rounds"_a = 3, "prefetch"_a = false,
         "Host read bytes/s on the engine's pool (csrc/runtime/read_bandwidth.h).");
-  m.def("read_bandwidth_by_worker", [](size_t nbytes, int threads, int passes) {
+  m.def("read_bandwidth_by_worker", [](size_t nbytes, int64_t threads, int passes) {
+    const int n = probe_threads(threads);
     nb::gil_scoped_release nogil;
-    return hmoe::read_bandwidth_by_worker(nbytes, threads, passes);
+    return hmoe::read_bandwidth_by_worker(nbytes, n, passes);
   }, "nbytes"_a, "threads"_a, "passes"_a = 3,
         "Bytes/s of each pool worker while reading, all threads at once (csrc/runtime/read_bandwidth.h).");
   m.def("read_bandwidth_isa", &hmoe::read_bandwidth_isa, "The load width read_bandwidth uses here.");
-  m.def("_pool_help_check", [](int threads, int runs, int items, bool wait_for_helper) {
+  m.def("_pool_help_check", [](int64_t threads, int runs, int items, bool wait_for_helper) {
     if (threads < 1 || runs < 1 || items < 1) fail("threads, runs and items must be >= 1");
+    const int n = int_arg(threads, "threads", 1, kMaxThreads);
     nb::gil_scoped_release nogil;
-    return hmoe::pool_help_check(threads, runs, items, wait_for_helper);
+    return hmoe::pool_help_check(n, runs, items, wait_for_helper);
   }, "threads"_a, "runs"_a, "items"_a, "wait_for_helper"_a,
         "Tests only: ThreadPool::help against a pool's runs (csrc/runtime/pool_help_check.h).");
 
@@ -358,7 +378,8 @@ NB_MODULE(_native, m) {
       .def_rw("prefetch_touch", &hmoe::MoeTuning::prefetch_touch);
 
   nb::class_<Engine>(m, "MoeEngine", "Packed routed experts of one MoE layer (see csrc/moe/moe_layer.h).")
-      .def(nb::init<int, int, int, const std::string&, int, bool, int, const std::string&, int, bool>(),
+      .def(nb::init<int64_t, int64_t, int64_t, const std::string&, int64_t, bool, int64_t, const std::string&, int64_t,
+                    bool>(),
            "E"_a, "H"_a, "I"_a, "format"_a, "group_size"_a, "zero_points"_a, "threads"_a, "isa"_a,
            "numa_nodes"_a, "adopt"_a)
       .def("pack_expert", &Engine::pack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)

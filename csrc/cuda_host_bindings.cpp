@@ -1,13 +1,14 @@
 // hybridmoe._native.CudaHandoff: the typed boundary of hmoe::CudaHandoff (csrc/runtime/cuda_handoff.h),
 // and the CUDA library loaders of csrc/runtime/cuda_host.h. Arrays are checked here (host memory,
-// shape, dtype, contiguity) and cross as raw pointers; the GIL is released around the calls that
-// compute or wait.
+// shape, dtype, contiguity) and cross as raw pointers; integers from the Python side cross as int64_t
+// and are range-checked here (binding_args.h); the GIL is released around the calls that compute or wait.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <climits>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -16,6 +17,7 @@
 #include "binding_args.h"
 #include "runtime/cuda_handoff.h"
 #include "runtime/cuda_host.h"
+#include "runtime/thread_pool.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -68,11 +70,14 @@ std::vector<hmoe::PackedBuffer> packed_buffers(const nb::dict& buffers) {
   return out;
 }
 
-int add_layer(CudaHandoff& h, int E, int H, int I, const std::string& format, int group_size, bool zero_points,
-              int threads, const std::string& isa, int numa_nodes, nb::dict buffers, MutArray x, MutArray ids,
-              MutArray weights, MutArray out) {
+int add_layer(CudaHandoff& h, int64_t E, int64_t H, int64_t I, const std::string& format, int64_t group_size,
+              bool zero_points, int64_t threads, const std::string& isa, int64_t numa_nodes, nb::dict buffers,
+              MutArray x, MutArray ids, MutArray weights, MutArray out) {
   const hmoe::MoeConfig cfg = moe_config(E, H, I, format, group_size, zero_points, threads, isa, numa_nodes);
-  const hmoe::HandoffStaging staging = staging_of(h, H, x, ids, weights, out);
+  const hmoe::HandoffStaging staging = staging_of(h, cfg.H, x, ids, weights, out);
+  // The layer's pool first (its MoeLayer takes the same shared one): a pool whose threads the system
+  // refuses fails before the layer is added.
+  const auto pool = hmoe::shared_pool(cfg.threads, cfg.numa_nodes);
   return h.add_layer(cfg, packed_buffers(buffers), staging);
 }
 
@@ -105,8 +110,10 @@ nb::dict stats_dict(const hmoe::HandoffStats& a) {
   return d;
 }
 
-void run(CudaHandoff& h, const std::vector<int>& layers, int T) {
-  const CudaHandoff::RunList jobs = h.prepare_run(layers, T);
+void run(CudaHandoff& h, const std::vector<int>& layers, int64_t T) {
+  if (T < 1 || T > h.max_tokens())
+    fail("T must be between 1 and max_tokens (" + std::to_string(h.max_tokens()) + "), got " + std::to_string(T));
+  const CudaHandoff::RunList jobs = h.prepare_run(layers, int(T));
   nb::gil_scoped_release nogil;
   h.run(jobs);
 }
@@ -144,7 +151,9 @@ void register_cuda_host(nb::module_& m) {
   nb::class_<CudaHandoff>(m, "CudaHandoff",
                           "Native host functions that run CPU expert layers in CUDA stream order "
                           "(see csrc/runtime/cuda_handoff.h).")
-      .def(nb::init<int, int>(), "max_tokens"_a, "top_k"_a)
+      .def("__init__", [](CudaHandoff* self, int64_t max_tokens, int64_t top_k) {
+        new (self) CudaHandoff(int_arg(max_tokens, "max_tokens", 1, INT32_MAX), int_arg(top_k, "top_k", 1, INT32_MAX));
+      }, "max_tokens"_a, "top_k"_a)
       .def("add_layer", &add_layer, "E"_a, "H"_a, "I"_a, "format"_a, "group_size"_a, "zero_points"_a,
            "threads"_a, "isa"_a, "numa_nodes"_a, "buffers"_a, "x"_a, "ids"_a, "weights"_a, "out"_a,
            nb::keep_alive<1, 11>(), nb::keep_alive<1, 12>(), nb::keep_alive<1, 13>(), nb::keep_alive<1, 14>(),

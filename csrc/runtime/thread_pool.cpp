@@ -11,7 +11,9 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -140,19 +142,32 @@ ThreadPool::ThreadPool(int threads, int groups, std::vector<std::vector<int>> cp
     group_of_[w] = g;
     if (g < int(cpus.size()) && !cpus[g].empty()) cpu_of[w] = cpus[g][used[g]++ % cpus[g].size()];
   }
-  for (int w = 1; w < threads; ++w)
-    workers_.emplace_back([this, w, cpu = cpu_of[w]] {
-      if (cpu >= 0) pin_to(cpu);
-      worker_main(w);
-    });
   driver_cpu_ = cpu_of[0];
-  driver_ = std::thread([this, cpu = cpu_of[0]] {
-    if (cpu >= 0) pin_to(cpu);
-    driver_main();
-  });
+  workers_.reserve(threads - 1);
+  try {
+    for (int w = 1; w < threads; ++w)
+      workers_.emplace_back([this, w, cpu = cpu_of[w]] {
+        if (cpu >= 0) pin_to(cpu);
+        worker_main(w);
+      });
+    driver_ = std::thread([this, cpu = cpu_of[0]] {
+      if (cpu >= 0) pin_to(cpu);
+      driver_main();
+    });
+  } catch (const std::system_error& e) {
+    // The system refused a thread (a process or thread limit): the ones already running stop and
+    // are joined here, since no destructor runs for a constructor that throws.
+    const size_t started = workers_.size();
+    stop_threads();
+    throw std::runtime_error("could not start a CPU pool of " + std::to_string(threads) + " threads: the system " +
+                             "refused thread " + std::to_string(started + 1) + " (" + e.what() +
+                             "); use fewer threads or raise the process limit (ulimit -u)");
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_threads(); }
+
+void ThreadPool::stop_threads() {
   stop_ = true;
   generation_.fetch_add(1);
   futex_wake_all(generation_);
@@ -161,7 +176,7 @@ ThreadPool::~ThreadPool() {
   }
   jobs_cv_.notify_all();
   for (auto& t : workers_) t.join();
-  driver_.join();
+  if (driver_.joinable()) driver_.join();
 }
 
 void ThreadPool::work(int worker) {

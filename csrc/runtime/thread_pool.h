@@ -52,7 +52,8 @@ using ItemFn = FnRef<void(int, int)>;
 class ThreadPool {
  public:
   // threads >= 1 (driver included); groups >= 1; cpus[g]: the CPUs group g's threads are
-  // pinned to (empty: not pinned).
+  // pinned to (empty: not pinned). Throws std::runtime_error, naming the thread count, when the
+  // system refuses a thread; the threads started before it are stopped and joined first.
   ThreadPool(int threads, int groups, std::vector<std::vector<int>> cpus);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -105,6 +106,7 @@ class ThreadPool {
 
  private:
   struct alignas(64) Counter { std::atomic<int> next{0}; int end = 0; };
+  void stop_threads();  // stops and joins every thread started (the destructor's work)
   void worker_main(int worker);
   // worker (a pool thread, or help()'s guest) joins run gen if it is still open and works in it;
   // slept goes to the join log. Returns whether it joined.
@@ -163,7 +165,8 @@ std::vector<int> allowed_cpus();
 std::vector<int> node_cpus(int node);
 int numa_node_count();
 
-// One shared pool per (threads, groups): every layer's experts use the same workers.
+// One shared pool per (threads, groups): every layer's experts use the same workers. Throws what
+// the ThreadPool constructor throws (and caches nothing then).
 std::shared_ptr<ThreadPool> shared_pool(int threads, int groups);
 
 }  // namespace hmoe

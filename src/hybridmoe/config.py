@@ -12,6 +12,7 @@ EXPERT_BACKENDS = ("auto", "torch", "native")
 EXPERT_FORMATS = ("auto", "bf16", "int8", "int4")
 EXPERT_PLACEMENTS = ("uniform", "frequency", "front-loading")
 PREFILL_STREAMING = ("auto", "on", "off")
+VERIFY_EXPERTS = ("full", "header")
 DEFAULT_EXPERT_GROUP_SIZE = 128
 """int4 group size where neither expert_group_size nor the checkpoint gives one."""
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -84,6 +85,11 @@ class EngineConfig:
     """Where hybridmoe keeps what it derives from a checkpoint: int8/int4 experts packed on a first start
     (reused on the next), and a GGUF file's config and tokenizer. None: $XDG_CACHE_HOME/hybridmoe
     (~/.cache/hybridmoe); "": no cache (experts are packed on every start)."""
+
+    verify_experts: str = "full"
+    """How the packed experts of a converted directory or of the cache are checked on load: "full" (every
+    expert's bytes against its CRC-32 in the manifest: every packed byte is read once, in parallel) or "header"
+    (each layer file's header checksum, size and expert 0 only; the files are mapped, not read)."""
 
     gpu_memory_budget: int | str | None = None
     """Most GPU memory the process may use, KV cache and workspace included: bytes or a size like "16GiB".
@@ -166,8 +172,11 @@ class EngineConfig:
                                  f"got {self.prefill_streaming!r}")
         if self.prefill_streaming_tokens is not None and self.prefill_streaming_tokens < 1:
             raise HybridMoEError(f"prefill_streaming_tokens must be at least 1, got {self.prefill_streaming_tokens}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise HybridMoEError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+        if self.verify_experts not in VERIFY_EXPERTS:
+            raise HybridMoEError(f"verify_experts must be one of {', '.join(VERIFY_EXPERTS)}, "
+                                 f"got {self.verify_experts!r}")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:  # experts.cpu_experts.MAX_THREADS
+            raise HybridMoEError(f"cpu_threads must be between 1 and 1024, got {self.cpu_threads}")
 
     @property
     def expert_group_size_or_default(self) -> int:

@@ -10,11 +10,18 @@ Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediat
 Weights are quantized and tiled once, here, expert by expert (a float32 copy of one expert at
 a time, never of the layer). `packed_state()` / `CpuExperts.from_packed(state)` move the packed
 form without repacking (the buffers are used in place, e.g. memory-mapped from a cache file).
+
+Bad arguments raise HybridMoEError (a ValueError) with one line that names the argument: integers
+are checked here (type and range) before they reach the engine, tensors the engine cannot read
+(meta, sparse, not a tensor) are named here, and the engine checks the rest (shape, dtype,
+contiguity, device, expert ids). A pool whose threads the system refuses raises it too.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import os
 import weakref
 from collections.abc import Iterable
@@ -27,6 +34,10 @@ from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.tuning import EngineTuning, from_native, to_native
 
 FORMATS = ("bf16", "int8", "int4")
+MAX_THREADS = 1024
+"""The most workers one layer's pool may have (the native engine's kMaxThreads, csrc/binding_args.h): past
+every CPU of the largest hosts, where more threads than CPUs only take turns on them."""
+_INT32_MAX = 2**31 - 1
 
 # Layers reachable from the custom op by handle (the op's schema takes tensors and ints only).
 _LAYERS: "weakref.WeakValueDictionary[int, CpuExperts]" = weakref.WeakValueDictionary()
@@ -67,6 +78,66 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def _int_arg(name: str, value, lo: int, hi: int) -> int:
+    """value as an int if it is an integer (int, numpy or 0-d torch integer) in [lo, hi]; else HybridMoEError."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise HybridMoEError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if not lo <= v <= hi:
+        raise HybridMoEError(f"{name} must be between {lo} and {hi}, got {v}")
+    return v
+
+
+def _threads_arg(threads) -> int:
+    """threads checked: 1 to MAX_THREADS (default: every allowed CPU)."""
+    if threads is None:
+        return min(default_threads(), MAX_THREADS)
+    n = _int_arg("threads", threads, -math.inf, math.inf)
+    if not 1 <= n <= MAX_THREADS:
+        raise HybridMoEError(f"threads must be between 1 and {MAX_THREADS}, got {n} "
+                             f"(this process may use {default_threads()} CPUs)")
+    return n
+
+
+def _tensor_problem(name: str, t) -> str | None:
+    """Why the engine cannot read t as the dense tensor `name` at all (None: it can try; its own checks
+    then say what else is wrong)."""
+    if not isinstance(t, torch.Tensor):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if t.is_meta:
+        return f"{name} is a meta tensor (shape only, no data); pass a CPU tensor"
+    if t.layout != torch.strided:
+        return f"{name} must be a dense tensor, got layout {t.layout}; call .to_dense() first"
+    return None
+
+
+def _check_tensor(name: str, t) -> None:
+    problem = _tensor_problem(name, t)
+    if problem:
+        raise HybridMoEError(problem)
+
+
+def _engine_error(e: Exception, **args) -> HybridMoEError:
+    """The engine's error for a call with these named arguments, on one line: the first argument the engine
+    cannot read at all if there is one, else the engine's own message (nanobind's list of signatures for
+    arguments it cannot convert, shortened to the types it got)."""
+    for name, value in args.items():
+        problem = _tensor_problem(name, value)
+        if problem:
+            return HybridMoEError(problem)
+    return HybridMoEError(_one_line(e))
+
+
+def _one_line(e: Exception) -> str:
+    msg = str(e)
+    if "incompatible function arguments" not in msg:
+        return msg
+    fn = msg.split("(", 1)[0]
+    got = msg.rsplit("Invoked with types: ", 1)[-1].strip().replace("\n", " ")
+    return f"the native engine's {fn}() cannot take arguments of types ({got})"
+
+
 class CpuExperts:
     """The routed experts of one layer, packed for the CPU kernels.
 
@@ -80,6 +151,8 @@ class CpuExperts:
     def __init__(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
                  format: str = "bf16", group_size: int = 128, threads: int | None = None,
                  isa: str | None = None, zero_points: bool = False, numa_nodes: int = 1):
+        for name, t in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+            _check_tensor(name, t)
         if gate_proj.dim() != 3 or up_proj.shape != gate_proj.shape:
             raise HybridMoEError(f"gate_proj and up_proj must both be [E, I, H], got "
                                  f"{tuple(gate_proj.shape)} and {tuple(up_proj.shape)}")
@@ -104,6 +177,7 @@ class CpuExperts:
             if expert is None:
                 raise HybridMoEError(f"got {e} experts, expected num_experts={E}")
             for name, buf, w in zip(("gate", "up", "down"), staging, expert):
+                _check_tensor(f"expert {e}'s {name}", w)
                 if not w.dtype.is_floating_point:
                     raise HybridMoEError(f"expert {e}'s {name} must be a float tensor, got {w.dtype}")
                 if w.shape != buf.shape:
@@ -116,9 +190,18 @@ class CpuExperts:
     def _init_engine(self, E, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt):
         if format not in FORMATS:
             raise HybridMoEError(f"unknown expert format {format!r}; choose one of {', '.join(FORMATS)}")
-        threads = default_threads() if threads is None else int(threads)
-        self._engine = self._call(_native().MoeEngine, int(E), int(H), int(I), format, int(group_size),
-                                  bool(zero_points), threads, isa or "", int(numa_nodes), adopt)
+        if isa is not None and not isinstance(isa, str):
+            raise HybridMoEError(f"isa must be a string or None, got {type(isa).__name__}")
+        E, H, I = (_int_arg(name, v, 1, _INT32_MAX) for name, v in (("E (experts)", E), ("H (hidden size)", H),
+                                                                      ("I (intermediate size)", I)))
+        group_size = _int_arg("group_size", group_size, 1, _INT32_MAX)
+        threads = _threads_arg(threads)
+        numa_nodes = _int_arg("numa_nodes", numa_nodes, 1, threads)
+        try:  # RuntimeError: the system refused the pool's threads
+            self._engine = _native().MoeEngine(E, H, I, format, group_size, bool(zero_points), threads, isa or "",
+                                               numa_nodes, adopt)
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise HybridMoEError(_one_line(e)) from None
         self._adopted: dict[str, object] = {}
         self._pending: tuple | None = None
         self.handle = next(_HANDLES)  # for torch.ops.hybridmoe.cpu_experts(x, ids, w, handle)
@@ -129,7 +212,7 @@ class CpuExperts:
         try:
             return fn(*args)
         except (ValueError, TypeError) as e:
-            raise HybridMoEError(str(e)) from None
+            raise HybridMoEError(_one_line(e)) from None
 
     @classmethod
     def from_packed(cls, state: dict, threads: int | None = None, isa: str | None = None) -> "CpuExperts":
@@ -179,6 +262,9 @@ class CpuExperts:
         Each projection is (codes uint8 [E, N, K] in 0..15, scales, zeros fp32 [E, N, K/group]) for
         W = (codes - zeros) * scales per group; gate/up N, K = I, H and down H, I.
         """
+        for proj, parts in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+            for part, t in zip(("codes", "scales", "zeros"), parts):
+                _check_tensor(f"{proj} {part}", t)
         self = cls.__new__(cls)
         (E, I, H), group = gate_proj[0].shape, gate_proj[0].shape[2] // gate_proj[1].shape[2]
         self._init_engine(E, H, I, "int4", group, True, threads, isa, numa_nodes, adopt=False)
@@ -216,6 +302,7 @@ class CpuExperts:
     def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert e's weights as the kernels see them (after quantization), float32."""
         E, H, I = self._engine.shape
+        e = _int_arg("expert index", e, 0, E - 1)
         gate, up, down = torch.empty(I, H), torch.empty(I, H), torch.empty(H, I)
         self._call(self._engine.unpack_expert, e, gate, up, down)
         return gate, up, down
@@ -229,20 +316,33 @@ class CpuExperts:
         """Read these experts' packed weights into the CPU's caches now (the pool's workers, GIL
         released; returns the bytes read), so that a call soon after may find them there instead of in
         DRAM. Results never depend on it; EngineTuning.prefetch_touch says how each line is read."""
-        ids = torch.as_tensor(experts, dtype=torch.int32).reshape(-1).contiguous()
-        return self._call(self._engine.prefetch, ids)
+        E = self.num_experts
+        try:
+            ids = torch.as_tensor(experts)
+        except (TypeError, ValueError, RuntimeError):
+            raise HybridMoEError(f"experts must be a list or tensor of expert indexes, got {type(experts).__name__}"
+                                 ) from None
+        _check_tensor("experts", ids)
+        ids = ids.reshape(-1)
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise HybridMoEError(f"experts must hold integer expert indexes, got {ids.dtype}")
+        bad = ((ids < 0) | (ids >= E)).nonzero()
+        if len(bad):
+            i = int(bad[0, 0])
+            raise HybridMoEError(f"experts[{i}] = {int(ids[i])} is out of range for {E} experts")
+        return self._call(self._engine.prefetch, ids.to(torch.int32).contiguous())
 
     def submit(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                out: torch.Tensor | None = None) -> None:
         """Start the layer on the CPU workers; wait() returns [T, H] in x's dtype (`out` if given)."""
         if self._pending is not None:
             raise HybridMoEError("submit() called twice without wait(); call wait() first")
-        if out is None:
-            out = torch.empty_like(x)
         try:  # _call's try inline here and in forward(): one Python call fewer per layer call
+            if out is None:
+                out = torch.empty_like(x)
             ticket = self._engine.submit(*_capsules(x, topk_ids, topk_weights, out))
         except (ValueError, TypeError) as e:
-            raise HybridMoEError(str(e)) from None
+            raise _engine_error(e, x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out) from None
         # The engine reads these after submit returns: keep them alive until wait().
         self._pending = (ticket, out, x, topk_ids, topk_weights)
 
@@ -275,12 +375,12 @@ class CpuExperts:
         """
         if self._pending is not None:
             raise HybridMoEError("forward() called between submit() and wait(); call wait() first")
-        if out is None:
-            out = torch.empty_like(x)
         try:
+            if out is None:
+                out = torch.empty_like(x)
             self._engine.run(*_capsules(x, topk_ids, topk_weights, out))
         except (ValueError, TypeError) as e:
-            raise HybridMoEError(str(e)) from None
+            raise _engine_error(e, x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out) from None
         return out
 
     __call__ = forward
@@ -298,19 +398,23 @@ class CpuExperts:
     @staticmethod
     def _deferred_call(method, x, topk_ids, topk_weights, deferred: int):
         """method (the engine's run_deferred / submit_deferred) on new outputs: (what it returns, (out, out2))."""
-        out, out2 = torch.empty_like(x), torch.empty_like(x)
+        deferred = _int_arg("deferred", deferred, 0, _INT32_MAX)
         try:
+            out, out2 = torch.empty_like(x), torch.empty_like(x)
             x_, ids_, w_, out_ = _capsules(x, topk_ids, topk_weights, out)
-            return method(x_, ids_, w_, int(deferred), out_, to_dlpack(out2)), (out, out2)
+            return method(x_, ids_, w_, deferred, out_, to_dlpack(out2)), (out, out2)
         except (ValueError, TypeError) as e:
-            raise HybridMoEError(str(e)) from None
+            raise _engine_error(e, x=x, topk_ids=topk_ids, topk_weights=topk_weights) from None
 
     def trace(self, calls: int) -> None:
         """Record the next `calls` forward()/submit() calls of this layer (off again after them).
 
         Costs nothing measurable when off; see take_trace() for what a record holds.
         """
-        self._call(self._engine.trace, int(calls))
+        calls = _int_arg("calls", calls, -math.inf, math.inf)
+        if not 0 <= calls <= _INT32_MAX:
+            raise HybridMoEError(f"trace takes a number of calls between 0 and {_INT32_MAX}, got {calls}")
+        self._engine.trace(calls)
 
     def take_trace(self) -> list[dict]:
         """The records of the traced calls since the last take, oldest first.
@@ -342,13 +446,12 @@ class CpuExperts:
 def _capsules(x, topk_ids, topk_weights, out):
     """DLPack capsules of the four per-call arrays, which the engine checks exactly as tensors: a
     tensor's own __dlpack__ (Python code) costs ~4 us per array, torch's C
-    to_dlpack ~0.25. What to_dlpack refuses (no storage, the meta device, not a tensor) goes as
-    is: the engine's checks refuse it with their own message."""
+    to_dlpack ~0.25. What to_dlpack refuses (not a tensor, a meta or sparse one) raises
+    HybridMoEError naming the argument."""
     try:
         return to_dlpack(x), to_dlpack(topk_ids), to_dlpack(topk_weights), to_dlpack(out)
-    except (TypeError, RuntimeError, BufferError):
-        return [t if not isinstance(t, torch.Tensor) or t.is_meta or t.is_sparse else to_dlpack(t)
-                for t in (x, topk_ids, topk_weights, out)]
+    except (TypeError, RuntimeError, BufferError) as e:
+        raise _engine_error(e, x=x, topk_ids=topk_ids, topk_weights=topk_weights, out=out) from None
 
 
 def trace_records(raw: list[dict]) -> list[dict]:

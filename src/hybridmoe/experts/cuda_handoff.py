@@ -60,7 +60,7 @@ from types import SimpleNamespace
 import torch
 
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.experts.cpu_experts import CpuExperts, _native
+from hybridmoe.experts.cpu_experts import _INT32_MAX, CpuExperts, _int_arg, _native
 from hybridmoe.experts.tuning import EngineTuning, from_native, to_native
 
 log = logging.getLogger("hybridmoe.experts")
@@ -196,7 +196,9 @@ class CudaHandoff:
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.runtime = load_cuda_runtime()
-        self.dtype, self.max_tokens, self.top_k = dtype, int(max_tokens), int(top_k)
+        self.dtype = dtype
+        self.max_tokens = _int_arg("max_tokens", max_tokens, 1, _INT32_MAX)
+        self.top_k = _int_arg("top_k", top_k, 1, _INT32_MAX)
         self._zero_copy = False
         self._flags_mapped: torch.Tensor | None = None  # the flag words as the GPU sees them (flag_words)
         self._native = self._call(_native().CudaHandoff, self.max_tokens, self.top_k)
@@ -311,6 +313,8 @@ class CudaHandoff:
         if not isinstance(t, torch.Tensor) or t.device != self.device:
             where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
             raise HybridMoEError(f"{name} must be a tensor on {self.device}, got {where}")
+        if t.layout != torch.strided:
+            raise HybridMoEError(f"{name} must be a dense tensor, got layout {t.layout}; call .to_dense() first")
         if tuple(t.shape) != shape:
             raise HybridMoEError(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
         if t.dtype not in dtypes:
@@ -444,7 +448,8 @@ class CudaHandoff:
         unknown = [layer for layer in layers if layer not in self._index]
         if unknown:
             raise HybridMoEError(f"layers {unknown} have no CPU experts in this handoff (layers: {self.layers})")
-        self._call(self._native.run, [self._index[layer] for layer in layers], int(T))
+        T = _int_arg("T", T, 1, self.max_tokens)
+        self._call(self._native.run, [self._index[layer] for layer in layers], T)
 
     def take_stats(self) -> dict | None:
         """stream_mem_ops path: what the polling thread saw since the last call (then zeroed);

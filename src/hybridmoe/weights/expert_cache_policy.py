@@ -2,11 +2,14 @@
 
 - A converted directory (`hybridmoe convert`) carries packed experts: they are used as they are,
   and the engine options must match them (a mismatch is an error naming the options to pass).
+  Every expert's bytes are checked against their CRC-32 (verify_experts "full"; "header" checks the
+  headers and expert 0 only); a directory converted before the checksums loads with a warning.
 - Otherwise, with the native engine in int8/int4 and a cache directory: the first start packs the
   checkpoint's experts and writes them to <cache_dir>/experts/<key>/; the next start with the same
   checkpoint files and options maps them back instead of reading and quantizing. The key covers
   the checkpoint's config.json, its weight files (path, size, mtime) and the packing options.
-  A cache entry that fails any check is rebuilt, not an error; failing to write one is a warning.
+  A cache entry that fails any check, or was written before the checksums, is rebuilt, not an error;
+  failing to write one is a warning.
   An entry is written only when the disk keeps CACHE_MIN_FREE_FRACTION free after it (else a warning
   says so), and writing one first drops the entries nothing can reach any more: those of the same
   checkpoint whose files have changed since, and those whose checkpoint directory is gone.
@@ -30,8 +33,10 @@ from hybridmoe.weights.expert_cache import (
     PackedSpec,
     PackedWriter,
     check_probe,
+    has_expert_checksums,
     load_layer,
     read_manifest,
+    verify_layers,
 )
 
 CACHED_FORMATS = ("int8", "int4")
@@ -150,28 +155,36 @@ def _spec_fields(engine_config: EngineConfig) -> dict:
             "zero_points": bool(engine_config.expert_zero_points) and engine_config.expert_format == "int4"}
 
 
-def _adopt_all(packed_dir: Path, manifest: dict, model, spec_fields: dict, backend) -> dict:
-    """Every MoE layer's packed experts, mapped and checked (CheckpointError on any mismatch)."""
+def _adopt_all(packed_dir: Path, manifest: dict, model, spec_fields: dict, backend,
+               engine_config: EngineConfig) -> dict:
+    """Every MoE layer's packed experts, mapped and checked (CheckpointError on any mismatch); each expert's
+    CRC-32 too when engine_config.verify_experts is "full" and the manifest has them."""
     E, inter = model.expert_dims()
     spec = PackedSpec((E, model.config.hidden_size, inter), spec_fields["format"], spec_fields["group_size"],
                       spec_fields["zero_points"])
+    extra = sorted(set(manifest["layers"]) - {str(layer) for layer in model.moe_layers}, key=int)
+    if extra:
+        raise CheckpointError(f"{packed_dir / MANIFEST} lists packed experts for layer {extra[0]}, which is not a "
+                              "MoE layer of this config.json; convert again")
     adopted = {}
     for layer in model.moe_layers:
         experts = backend.from_packed(load_layer(packed_dir, manifest, layer, spec))
         check_probe(packed_dir, manifest, layer, experts)
         adopted[layer] = experts
-    extra = sorted(set(manifest["layers"]) - {str(layer) for layer in model.moe_layers})
-    if extra:
-        raise CheckpointError(f"{packed_dir / MANIFEST} lists packed experts for layer {extra[0]}, which is not a "
-                              "MoE layer of this config.json; convert again")
+    if engine_config.verify_experts == "full" and has_expert_checksums(manifest):
+        verify_layers(packed_dir, manifest, list(model.moe_layers), engine_config.cpu_threads)
     return adopted
 
 
 def plan_packed_experts(model_dir: Path, engine_config: EngineConfig, model, backend) -> PackedExperts:
     manifest = read_manifest(model_dir)
     if manifest is not None:
+        if not has_expert_checksums(manifest):
+            warnings.warn(f"{model_dir} was converted without per-expert checksums (layout version 1): only its "
+                          "headers and expert 0 of each layer are checked; convert again to check every expert",
+                          stacklevel=2)
         return PackedExperts(False, _adopt_all(model_dir, manifest, model, _converted_spec(manifest, engine_config),
-                                               backend))
+                                               backend, engine_config))
     root = cache_root(engine_config)
     if engine_config.expert_backend != "native" or engine_config.expert_format not in CACHED_FORMATS or root is None:
         return PackedExperts(True)
@@ -179,8 +192,10 @@ def plan_packed_experts(model_dir: Path, engine_config: EngineConfig, model, bac
     entry = root / "experts" / cache_key(model_dir, spec_fields)
     try:
         cached = read_manifest(entry)
+        if cached is not None and not has_expert_checksums(cached):
+            raise CheckpointError("written without per-expert checksums")
         if cached is not None:
-            return PackedExperts(False, _adopt_all(entry, cached, model, spec_fields, backend))
+            return PackedExperts(False, _adopt_all(entry, cached, model, spec_fields, backend, engine_config))
     except (CheckpointError, HybridMoEError, OSError, KeyError, ValueError) as e:
         warnings.warn(f"ignoring the packed-expert cache entry {entry} ({e}); packing again", stacklevel=2)
     return PackedExperts(True, writer_args=(entry, spec_fields, {"model_dir": str(model_dir.resolve())}))

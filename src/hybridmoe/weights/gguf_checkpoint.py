@@ -40,6 +40,9 @@ class GGUFCheckpoint:
     def __init__(self, gguf: GGUFFiles):
         self.gguf = gguf
         self.arch = gguf.metadata.get("general.architecture")
+        if self.arch is not None and not isinstance(self.arch, str):
+            raise CheckpointError(f"{gguf.paths[0]}: GGUF metadata general.architecture must be a string, got "
+                                  f"{self.arch!r:.40}")
         mlp = mlp_name(self.arch)
         self._where: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert or None)
         self._file: dict[str, str] = {}
@@ -117,7 +120,10 @@ class GGUFCheckpoint:
         w = self._read(*self._where[name])
         if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             n_head = self.heads[0] if "q_proj" in name else (self.heads[1] or self.heads[0])
-            w = unpermute_rows(w, int(n_head))
+            if type(n_head) is not int or n_head < 1 or w.shape[0] % (2 * n_head):
+                raise CheckpointError(f"GGUF metadata llama.attention.head_count(_kv) {n_head!r:.40} does not split "
+                                      f"the {w.shape[0]} rows of {name} into heads")
+            w = unpermute_rows(w, n_head)
         return w
 
     def release(self, name: str) -> None:

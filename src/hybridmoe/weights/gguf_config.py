@@ -16,6 +16,7 @@ DeepSeek's GGUF metadata loses two things the HF config has, filled as llama.cpp
 
 from __future__ import annotations
 
+import math
 import re
 
 from hybridmoe.errors import CheckpointError
@@ -28,13 +29,30 @@ sigmoid gating: DeepseekV3ForCausalLM)."""
 
 _MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "deepseek2": "deepseek_v2"}
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 SOFTMAX, SIGMOID = 1, 2
 """{arch}.expert_gating_func values (llama.cpp's llama_expert_gating_func_type)."""
 
 
 def _first(value):
     # some keys (head_count_kv) may be per-layer arrays; our families use one value for all layers
-    return value[0] if isinstance(value, list) else value
+    return value[0] if isinstance(value, list) and value else value
+
+
+def _number(gguf: GGUFFiles, key: str, value):
+    """value (None: absent) if it is a finite number, else one line naming the key."""
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+        raise CheckpointError(f"{gguf.paths[0]}: GGUF metadata {key} must be a number, got {value!r:.40}")
+    return value
+
+
+def _block_count(gguf: GGUFFiles, key: str, value) -> int:
+    """The number of layers, at least 1 and at most the layers the tensors hold (a flipped bit would otherwise
+    make a config of billions of layers)."""
+    held = max((int(m.group(1)) for n in gguf.tensors if (m := _BLOCK.match(n))), default=-1) + 1
+    if not 1 <= int(value) <= held:
+        raise CheckpointError(f"{gguf.paths[0]}: GGUF metadata {key} is {value}, but its tensors hold {held} layers")
+    return int(value)
 
 
 def _dense_size(gguf: GGUFFiles, moe_layers: set[int], declared) -> int:
@@ -49,19 +67,20 @@ def _dense_size(gguf: GGUFFiles, moe_layers: set[int], declared) -> int:
 def hf_config(gguf: GGUFFiles) -> dict:
     meta = gguf.metadata
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED or (arch == "llama" and not meta.get("llama.expert_count")):
-        raise CheckpointError(f"GGUF architecture {arch!r} is not supported; supported: qwen3moe, qwen2moe, "
+    if not isinstance(arch, str) or arch not in SUPPORTED or (arch == "llama" and not meta.get("llama.expert_count")):
+        raise CheckpointError(f"GGUF architecture {arch!r:.40} is not supported; supported: qwen3moe, qwen2moe, "
                               "deepseek2, llama with experts (Mixtral)")
 
     def get(key, default=None, required=False):
         full = f"{arch}.{key}"
         if required and full not in meta:
             raise CheckpointError(f"{gguf.paths[0]} lacks the metadata key {full}")
-        return _first(meta.get(full, default))
+        value = _first(meta.get(full, default))
+        return value if key == "rope.scaling.type" else _number(gguf, full, value)
 
     if "token_embd.weight" not in gguf.tensors:
         raise CheckpointError(f"{gguf.paths[0]} has no token_embd.weight tensor")
-    layers = int(get("block_count", required=True))
+    layers = _block_count(gguf, f"{arch}.block_count", get("block_count", required=True))
     heads = int(get("attention.head_count", required=True))
     hidden = int(get("embedding_length", required=True))
     moe_layers = {int(m.group(1)) for n in gguf.tensors if (m := _ROUTER.fullmatch(n))}
@@ -101,7 +120,8 @@ def hf_config(gguf: GGUFFiles) -> dict:
                                                                            cfg["max_position_embeddings"]))}
     for role in ("bos", "eos", "pad"):
         if f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id" in meta:
-            cfg[f"{role}_token_id"] = int(meta[f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id"])
+            key = f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id"
+            cfg[f"{role}_token_id"] = int(_number(gguf, key, meta[key]))
     return cfg
 
 

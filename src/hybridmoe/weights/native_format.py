@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hybridmoe.config import DEFAULT_EXPERT_GROUP_SIZE, EngineConfig
-from hybridmoe.errors import HybridMoEError
+from hybridmoe.errors import CheckpointError, HybridMoEError
 from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.gguf_names import expert_tensor
 from hybridmoe.weights.int4_codes import INT4_GROUPS
@@ -73,11 +73,19 @@ def _from_gguf(model_dir: Path) -> tuple[str, int | None, str]:
     return fmt, INT4_GGUF_GROUP if fmt == "int4" else None, f"GGUF experts ({seen})"
 
 
+def _qc_int(qc: dict, key: str, default: int) -> int:
+    """quantization_config[key] as a positive integer (GPTQ writes group_size -1 for one group per row)."""
+    value = qc.get(key, default)
+    if type(value) is not int or (value < 1 and not (key == "group_size" and value == -1)):
+        raise CheckpointError(f"config.json's quantization_config.{key} must be a positive integer, got {value!r}")
+    return value
+
+
 def _from_quantization_config(qc: dict) -> tuple[str, int | None, str] | None:
     method = qc.get("quant_method")
     if method not in ("gptq", "awq"):
         return None
-    bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
+    bits, group = _qc_int(qc, "bits", 4), _qc_int(qc, "group_size", 128)
     fmt = "int8" if bits == 8 else "int4"
     return fmt, group if fmt == "int4" and group in INT4_GROUPS else None, f"{method.upper()} {bits}-bit g{group}"
 
@@ -87,7 +95,7 @@ def source_expert_format(model_dir: str | Path, config) -> tuple[str, int | None
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
     if manifest is not None:
-        return manifest["format"], int(manifest["group_size"]), "converted directory"
+        return manifest["format"], manifest["group_size"], "converted directory"
     if (model_dir / "gguf_source.json").is_file():
         return _from_gguf(model_dir)
     found = _from_quantization_config(config.get("quantization_config") or {})
@@ -100,7 +108,7 @@ def _zero_points(engine_config: EngineConfig, config) -> bool:
         return engine_config.expert_zero_points
     qc = config.get("quantization_config") or {}
     return (engine_config.expert_format == "int4" and qc.get("quant_method") in ("gptq", "awq")
-            and int(qc.get("bits", 4)) == 4)
+            and _qc_int(qc, "bits", 4) == 4)
 
 
 def resolve_expert_format(engine_config: EngineConfig, config, model_dir: str | Path) -> EngineConfig:
