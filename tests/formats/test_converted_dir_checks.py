@@ -4,21 +4,11 @@ import json
 import struct
 
 import pytest
+from converted import CONVERTED_LOAD as OPTIONS
 
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import CheckpointError
-from hybridmoe.weights.convert import convert_checkpoint
-
-OPTIONS = dict(expert_backend="native", expert_format="int4", expert_group_size=32, cpu_threads=1,
-               dtype="float32", cache_dir="")
-
-
-@pytest.fixture
-def converted(tiny_qwen3, tmp_path):
-    out = tmp_path / "conv"
-    convert_checkpoint(tiny_qwen3, out, format="int4", group_size=32, threads=1, progress=False)
-    return out
 
 
 def load(path):
