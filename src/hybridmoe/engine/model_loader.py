@@ -1,20 +1,23 @@
 """Model directory -> a ready model: config, resolved engine options, module tree, weights and the routed
 experts' backend.
 
-The model is built on the meta device (no memory, no random init), materialized empty on the target device
-in the target dtype, then filled from the checkpoint (weights/loader.py) or, for the routed experts, from a
+Before anything is built, the config is checked (models/config_check.py, in load_config), its weights are set
+against the machine's memory (system/model_memory.py) and its layer count against the checkpoint's tensors.
+The model is built on the meta device (no memory, no random init), materialized empty on the target device in
+the target dtype, then filled from the checkpoint (weights/loader.py) or, for the routed experts, from a
 converted directory or the expert cache when one holds them packed.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hybridmoe.config import EngineConfig, max_model_len, uses_hybrid
-from hybridmoe.errors import HybridMoEError
+from hybridmoe.errors import CheckpointError, HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.experts.factory import make_expert_backend
 from hybridmoe.experts.streamed_prefill import attach as attach_prefill_streamer
@@ -22,6 +25,7 @@ from hybridmoe.models.base import ModelConfig, MoECausalLM
 from hybridmoe.models.registry import load_config
 from hybridmoe.system.auto import resolve_engine_config
 from hybridmoe.system.expert_memory import check_expert_memory
+from hybridmoe.system.model_memory import check_weights_fit
 from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.expert_cache_policy import PackedExperts, plan_packed_experts
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
@@ -68,18 +72,33 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     cls, config = load_config(model_dir)
     max_model_len(config, engine_config)  # a max_model_len the model cannot take fails before the weights load
     dtype = resolve_dtype(engine_config.dtype, config)
-    engine_config = resolve_engine_config(engine_config, config, dtype, model_dir)
-    experts = make_expert_backend(engine_config, config, cls, dtype)
-    model = build_model(cls, config, experts, dtype, engine_config.device)
-    expert_device, expert_dtype = _expert_placement(engine_config, dtype)
-    packed = _plan_packed(model_dir, engine_config, model, experts)  # a converted directory's own checks first
-    if engine_config.expert_backend == "native" and packed.reads_checkpoint:
-        _check_before_packing(engine_config, model, experts)
+    check_weights_fit(model_dir, cls, config, dtype, engine_config.device)
     with open_checkpoint(model_dir, config) as ckpt:
+        _check_layer_count(model_dir, ckpt, config)
+        engine_config = resolve_engine_config(engine_config, config, dtype, model_dir)
+        experts = make_expert_backend(engine_config, config, cls, dtype)
+        model = build_model(cls, config, experts, dtype, engine_config.device)
+        expert_device, expert_dtype = _expert_placement(engine_config, dtype)
+        packed = _plan_packed(model_dir, engine_config, model, experts)  # a converted directory's own checks first
+        if engine_config.expert_backend == "native" and packed.reads_checkpoint:
+            _check_before_packing(engine_config, model, experts)
         load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
     packed.finish(experts)
     engine_config = attach_prefill_streamer(experts, engine_config)  # the token count it measured, if any
     return LoadedModel(model=model, config=config, experts=experts, dtype=dtype, engine_config=engine_config)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(model_dir: Path, ckpt, config: ModelConfig) -> None:
+    """A num_hidden_layers past the checkpoint's last layer fails here, before the build's per-layer work."""
+    last = max((int(m.group(1)) for names in ckpt.names_by_file().values() for n in names
+                if (m := _LAYER.match(n))), default=-1)
+    if last < config.num_hidden_layers - 1:
+        held = f"ends at model.layers.{last}" if last >= 0 else "holds no model.layers tensors"
+        raise CheckpointError(f"{model_dir / 'config.json'} has num_hidden_layers {config.num_hidden_layers}, but "
+                              f"the checkpoint {held}")
 
 
 def _check_before_packing(engine_config: EngineConfig, model: MoECausalLM, experts: ExpertBackend) -> None:

@@ -139,13 +139,18 @@ class MoECausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def make_config(cls, raw: dict) -> ModelConfig:
-        """config.json's dict -> ModelConfig with this family's defaults and normalizations."""
+    def config_values(cls, raw: dict) -> dict:
+        """config.json's dict with this family's aliases resolved and its defaults filled in (nothing derived)."""
         values = dict(raw)
         for alias, name in cls.config_aliases.items():
             if alias in values and name not in values:
                 values[name] = values.pop(alias)
-        values = {**cls.config_defaults, **values}
+        return {**cls.config_defaults, **values}
+
+    @classmethod
+    def make_config(cls, raw: dict) -> ModelConfig:
+        """config.json's dict -> ModelConfig with this family's defaults and normalizations."""
+        values = cls.config_values(raw)
         values["rope_parameters"] = normalize_rope(values, cls.default_rope_theta)
         values["checkpoint_dtype"] = values.get("dtype") or values.get("torch_dtype")
         if values.get("num_key_value_heads") is None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hybridmoe.errors import CheckpointError
 from hybridmoe.models.base import ModelConfig, MoECausalLM
+from hybridmoe.models.config_check import checked_config
 
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("hybridmoe.models.qwen_moe", "Qwen2MoeForCausalLM"),
@@ -44,7 +45,7 @@ def read_config_json(model_dir: str | Path) -> dict:
         raise CheckpointError(f"{model_dir} has no config.json; point at a Hugging Face model directory")
     try:
         raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an integer of 4300+ digits
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
@@ -53,17 +54,19 @@ def read_config_json(model_dir: str | Path) -> dict:
 
 def architecture_of(raw: dict, source: str = "config.json") -> str:
     archs = raw.get("architectures")
-    if not archs or not isinstance(archs, list):
+    if not archs:
         raise CheckpointError(
             f"{source} has no \"architectures\" entry; supported: {', '.join(supported_architectures())}")
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise CheckpointError(f"{source}: \"architectures\" must be a list of class names, got "
+                              f"{json.dumps(archs)[:60]}; supported: {', '.join(supported_architectures())}")
     return archs[0]
 
 
 def load_config(model_dir: str | Path) -> tuple[type[MoECausalLM], ModelConfig]:
-    """(model class, its config with the family's defaults applied) for a model directory."""
+    """(model class, its config with the family's defaults applied) for a model directory; every value the
+    family reads is checked first (models/config_check.py)."""
     raw = read_config_json(model_dir)
-    cls = get_model_class(architecture_of(raw, str(Path(model_dir) / "config.json")))
-    try:
-        return cls, cls.make_config(raw)
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{Path(model_dir) / 'config.json'} is missing or has a malformed field: {e}") from None
+    source = str(Path(model_dir) / "config.json")
+    cls = get_model_class(architecture_of(raw, source))
+    return cls, checked_config(cls, raw, source)

@@ -7,9 +7,15 @@ from the mapped file; the torch reference gets them stacked into gate/up [E, I, 
 set_layer; GPTQ/AWQ int4 codes that the native int4 engine takes as they are go to set_layer_codes, never
 through float). Each tensor's mapped pages are released once it is copied or packed, so the checkpoint is
 never resident as a whole. engine/model_loader.py builds the model and chooses the backend first.
+
+Every tensor the model or the backend receives is checked as it is read (checked_weight): a float dtype (the
+readers hand quantized formats over dequantized or as Int4Codes, so an integer tensor here is a wrong file) and
+no NaN or Inf, found by one min/max pass over its bytes (~30 GB/s), not a full-size mask.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from tqdm.auto import tqdm
@@ -34,6 +40,25 @@ def resolve_dtype(requested: str, config: ModelConfig) -> torch.dtype:
         raise CheckpointError(
             f"config.json dtype {name!r} is not one we compute in; pass dtype= one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def checked_weight(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """tensor, if it is a float tensor without NaN or Inf; else a CheckpointError naming it."""
+    if not tensor.is_floating_point():
+        raise CheckpointError(f"tensor {name} has dtype {str(tensor.dtype).removeprefix('torch.')}, where a float "
+                              "weight is expected")
+    if tensor.numel():
+        values = tensor if tensor.element_size() > 1 else tensor.float()  # FP8 has no min/max kernels
+        low, high = (v.item() for v in values.aminmax())  # NaN anywhere makes both NaN
+        if not (math.isfinite(low) and math.isfinite(high)):
+            what = "NaN" if math.isnan(low) else "infinite values"
+            raise CheckpointError(f"tensor {name} holds {what}; the checkpoint file is damaged")
+    return tensor
+
+
+def _check_codes(name: str, codes: Int4Codes) -> None:
+    checked_weight(f"{name} (scales)", codes.scales)
+    checked_weight(f"{name} (zero points)", codes.zeros)
 
 
 def _expected_params(model: MoECausalLM) -> dict[tuple[str, int | None], torch.Tensor]:
@@ -114,8 +139,8 @@ class _ExpertStacker:
         release = getattr(self.ckpt, "release", lambda name: None)
         for e in range(self.num_experts):
             sources = [entries[(e, p)] for p in EXPERT_PROJS]
-            yield tuple((s.dequantize() if isinstance(s, Int4Codes) else self.ckpt.get(s)).to(self.device, self.dtype)
-                        for s in sources)
+            yield tuple((s.dequantize() if isinstance(s, Int4Codes) else checked_weight(s, self.ckpt.get(s)))
+                        .to(self.device, self.dtype) for s in sources)
             for s in sources:
                 if isinstance(s, str):
                     release(s)
@@ -164,6 +189,7 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
                     _check_shape(name, ckpt.shape(name), stacker.expected_shape(proj))
                     codes = int4_codes(name) if int4_codes else None
                     if codes is not None:
+                        _check_codes(name, codes)
                         release(name)  # its codes are converted: the source pages are done with
                     stacker.add(layer, expert, proj, name if codes is None else codes)
                     continue
@@ -173,7 +199,7 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
                     continue
                 target = targets[target_key]
                 _check_shape(name, ckpt.shape(name), tuple(target.shape))
-                target.copy_(ckpt.get(name))
+                target.copy_(checked_weight(name, ckpt.get(name)))
                 release(name)
                 loaded.add(target_key)
     if unexpected:
