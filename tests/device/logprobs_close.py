@@ -19,6 +19,8 @@ Shapes: P positions of a sequence (prompt and tokens so far), M MoE layers, E ex
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -95,7 +97,8 @@ def generate_forced(llm, prompts: list[list[int]], params: SamplingParams, token
     forced = dict(zip(ids, tokens))
     runner = engine.runner
     sampler = runner.sampler
-    runner.sampler = lambda logits, seqs: [forced[s.request_id][len(s.output_ids)] for s in seqs]
+    runner.sampler = SimpleNamespace(  # Sampler.sample's (tokens, failed rows): the reference's tokens, none failed
+        sample=lambda logits, seqs: ([forced[s.request_id][len(s.output_ids)] for s in seqs], {}))
     logprobs = {i: [] for i in ids}
     try:
         while engine.has_unfinished():
