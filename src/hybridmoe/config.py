@@ -133,6 +133,11 @@ class EngineConfig:
     """Fewest tokens in a step for prefill_streaming. None: where streaming starts to beat the CPU (from the
     measured PCIe bandwidth and the CPU's estimated FLOP/s; `hybridmoe doctor` prints it)."""
 
+    revision: str | None = None
+    """Branch, tag or commit hash of a model named by its Hugging Face repo id (--model org/name, or
+    org/name:Q4_K_M for a GGUF repo's files of that quant). None: the repo's default branch. A local model path
+    ignores it."""
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             import torch
@@ -175,6 +180,8 @@ class EngineConfig:
         if self.verify_experts not in VERIFY_EXPERTS:
             raise HybridMoEError(f"verify_experts must be one of {', '.join(VERIFY_EXPERTS)}, "
                                  f"got {self.verify_experts!r}")
+        if self.revision is not None and re.fullmatch(r"\S+", self.revision) is None:
+            raise HybridMoEError(f"revision must be a branch, tag or commit hash (no spaces), got {self.revision!r}")
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:  # experts.cpu_experts.MAX_THREADS
             raise HybridMoEError(f"cpu_threads must be between 1 and 1024, got {self.cpu_threads}")
 

@@ -3,6 +3,7 @@ over a tiny float32 Qwen3-MoE checkpoint made once per session (float32, so a re
 tokens do not depend on what else is in its batch)."""
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 
 import openai
 import pytest
+from hub_cache import directory_files, put
 
 STARTUP_SECONDS = 120
 
@@ -85,14 +87,15 @@ class Server:
 
 
 @contextmanager
-def _serve(model_dir, log_path, *args, api_key=None):
+def _serve(model_dir, log_path, *args, api_key=None, name="tiny", env=None):
+    """`hybridmoe serve` on a free port (served as `name`; None: the server's own choice), env: extra variables."""
     port = _free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridmoe.cli", "serve", "--model", str(model_dir), "--port", str(port),
-         "--dtype", "float32", "--device", "cpu", "--served-model-name", "tiny", "--log-level", "warning", *args,
-         *(["--api-key", api_key] if api_key else [])],
-        stdout=log, stderr=subprocess.STDOUT)
+         "--dtype", "float32", "--device", "cpu", *(["--served-model-name", name] if name else []),
+         "--log-level", "warning", *args, *(["--api-key", api_key] if api_key else [])],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = Server(f"http://127.0.0.1:{port}", proc, log_path, api_key)
     try:
         deadline = time.monotonic() + STARTUP_SECONDS
@@ -152,4 +155,14 @@ def slow_template_server(tiny_qwen3_fp32, tmp_path_factory):
     (model_dir / "chat_template.jinja").write_text(
         f"{{%- if messages[0]['content'] == 'render slowly' %}}{slow}{{%- endif %}}{template}")
     with _serve(model_dir, tmp_path_factory.mktemp("logs") / "slow_template_server.log") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def hub_server(tiny_qwen3_fp32, tmp_path_factory):
+    """A server of --model org/tiny: the tiny checkpoint in a Hub cache the test lays out, offline."""
+    cache = tmp_path_factory.mktemp("hub")
+    put(cache, "org/tiny", directory_files(tiny_qwen3_fp32), "a" * 40)
+    with _serve("org/tiny", tmp_path_factory.mktemp("logs") / "hub_server.log", name=None,
+                env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}) as s:
         yield s

@@ -1,10 +1,12 @@
 import io
+import re
+from types import SimpleNamespace
 
 import pytest
 
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.cli import main
-from hybridmoe.commands.chat import ChatSession
+from hybridmoe.commands.chat import ChatSession, empty_reason
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -45,7 +47,8 @@ def test_ctrl_c_stops_the_reply_and_the_session_goes_on(llm, capsys, monkeypatch
     monkeypatch.setattr(engine, "step", step_interrupted_on_the_third_call)
     session = ChatSession(llm, GREEDY)
     session.say("Hello!")
-    assert capsys.readouterr().out.endswith(" [stopped]\n")
+    out, err = capsys.readouterr()
+    assert out.endswith(" [stopped]\n") and "tokens, stopped; first token" in err
     assert not engine.has_unfinished() and len(engine.scheduler.free_slots) == engine.config.max_num_seqs
     session.say("Are you there?")
     assert len(session.history) == 4 and "[stopped]" not in capsys.readouterr().out
@@ -79,3 +82,50 @@ def test_a_model_without_chat_template_is_a_clear_error(tiny_qwen3_fp32, tmp_pat
             (tmp_path / f.name).symlink_to(f)
     assert main(["chat", "--model", str(tmp_path)]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+STATS = re.compile(r"^\[(\d+) tokens, (\w+); first token \d+ ms, [\d.]+ tok/s after\]$", re.MULTILINE)
+
+
+def test_each_reply_is_followed_by_its_tokens_and_speed_on_stderr(tiny_qwen3_fp32, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello!\nHi\n"))
+    assert main(["chat", "--model", str(tiny_qwen3_fp32), "--max-new-tokens", "4", "--temperature", "0",
+                 "--ignore-eos"]) == 0
+    out, err = capsys.readouterr()
+    assert STATS.findall(err) == [("4", "length"), ("4", "length")] and "tok/s" not in out
+
+
+def test_without_max_new_tokens_a_reply_runs_to_the_end_of_the_context(tiny_qwen3_fp32, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    assert main(["chat", "--model", str(tiny_qwen3_fp32), "--max-model-len", "48", "--temperature", "0",
+                 "--ignore-eos"]) == 0
+    prompt_len = len(LLM(tiny_qwen3_fp32).encode_chat([{"role": "user", "content": "Hi"}]))
+    assert STATS.findall(capsys.readouterr().err) == [(str(48 - prompt_len), "length")]
+
+
+def test_a_reply_that_stops_at_once_says_why(llm, capsys):
+    first = llm.chat([{"role": "user", "content": "Hello!"}], GREEDY)[0].token_ids[0]
+    session = ChatSession(llm, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[first]))
+    session.say("Hello!")
+    out, err = capsys.readouterr()
+    assert out == "\n" and session.history[-1] == {"role": "assistant", "content": ""}
+    assert STATS.findall(err) == [("1", "stop")]
+    assert "(empty reply: the model produced a stop token at once)" in err
+
+
+def test_a_conversation_that_fills_the_context_is_refused_and_left_out(tiny_qwen3_fp32, capsys):
+    session = ChatSession(LLM(tiny_qwen3_fp32, max_model_len=16), GREEDY)
+    session.say("a long message " * 8)
+    out, err = capsys.readouterr()
+    assert session.history == [] and out == "" and "the conversation fills the context" in err
+
+
+@pytest.mark.parametrize("finish, tokens, max_tokens, why", [
+    ("stop", 1, 10, "the model produced a stop token at once"),
+    ("stop", 3, 10, "its 3 tokens end in a stop string or are special tokens"),
+    ("length", 6, 6, "the context is full (16 tokens)"),
+    ("length", 2, 2, "its 2 tokens (--max-new-tokens 2) decode to no visible text"),
+])
+def test_an_empty_reply_names_its_cause(finish, tokens, max_tokens, why):
+    out = SimpleNamespace(finish_reason=finish, token_ids=[0] * tokens)
+    assert empty_reason(out, max_tokens, prompt_len=10, max_model_len=16).startswith(why)

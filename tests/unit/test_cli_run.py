@@ -20,6 +20,19 @@ def test_run_streams_the_completion_to_stdout(tiny_qwen3_fp32, capsys):
     assert "[12 tokens, length;" in err
 
 
+def test_without_max_new_tokens_the_completion_runs_to_the_end_of_the_context(tiny_qwen3_fp32, capsys):
+    rc = main(["run", "--model", str(tiny_qwen3_fp32), "--prompt", "Once upon a time", "--temperature", "0",
+               "--ignore-eos", "--max-model-len", "40"])
+    prompt_len = len(LLM(tiny_qwen3_fp32).encode("Once upon a time"))
+    assert rc == 0 and f"[{40 - prompt_len} tokens, length;" in capsys.readouterr().err
+
+
+def test_a_prompt_that_fills_the_context_is_a_one_line_error(tiny_qwen3_fp32, capsys):
+    assert main(["run", "--model", str(tiny_qwen3_fp32), "--prompt", "word " * 40, "--max-model-len", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the context of 16 tokens" in err and err.count("\n") == 1
+
+
 def test_run_prints_the_engine_choices_to_stderr(tiny_qwen3_fp32, capsys):
     rc = main(["run", "--model", str(tiny_qwen3_fp32), "--prompt", "Hi", "--max-new-tokens", "2", "--expert-backend", "torch"])
     out, err = capsys.readouterr()

@@ -16,6 +16,9 @@ from hybridmoe.checkpoint.tensors import tensor_specs
 from hybridmoe.checkpoint.tokenizer import write_tokenizer
 from hybridmoe.errors import HybridMoEError
 
+RANDOM_WEIGHTS_KEY = "hybridmoe_random_weights"
+"""config.json's mark of a checkpoint written here: run, chat, serve and bench say its text is noise."""
+
 _OUR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "model.safetensors.index.json", "model.safetensors")
 
@@ -41,11 +44,23 @@ def _prepare_out_dir(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _with_overrides(config: dict, overrides: dict) -> dict:
+    unknown = sorted(set(overrides) - set(config))
+    if unknown:
+        raise HybridMoEError(f"cannot override {', '.join(unknown)}: not in this preset's config.json "
+                             f"({', '.join(sorted(config))})")
+    return {**config, **overrides}
+
+
 def make_checkpoint(arch: str, preset: str, out: str | Path, *, layers: int | None = None, dtype: str = "bf16",
                     seed: int = 0, force: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    progress: bool = True) -> CheckpointSummary:
-    """Write `arch`/`preset` (cut to `layers`) with random weights drawn from `seed` into `out`."""
-    config = model_config(arch, preset, layers=layers, dtype=dtype)
+                    progress: bool = True, overrides: dict | None = None) -> CheckpointSummary:
+    """Write `arch`/`preset` (cut to `layers`) with random weights drawn from `seed` into `out`.
+
+    overrides: config.json values that replace the preset's (a smaller num_experts, say), keys of the
+    preset only; config.json carries RANDOM_WEIGHTS_KEY true."""
+    config = _with_overrides(model_config(arch, preset, layers=layers, dtype=dtype), overrides or {})
+    config[RANDOM_WEIGHTS_KEY] = True
     out = Path(out)
     specs = tensor_specs(config)
     total = sum(s.nbytes for s in specs)

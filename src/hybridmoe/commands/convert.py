@@ -7,7 +7,9 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="source: a Hugging Face model directory (bf16/fp8/GPTQ/AWQ) or a .gguf file")
+                        help="source: a Hugging Face model directory (bf16/fp8/GPTQ/AWQ), a .gguf file, or a Hub "
+                             "repo id (org/name, org/name:Q4_K_M for a GGUF repo)")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit hash of a Hub repo id --model")
     parser.add_argument("--format", default="auto", choices=["auto", "bf16", "int8", "int4"],
                         help="packed expert format (default auto: the one a load picks, nearest the checkpoint's)")
     parser.add_argument("--group-size", type=int, default=None, choices=[32, 64, 128],
@@ -21,8 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from hybridmoe.config import format_bytes
     from hybridmoe.weights.convert import convert_checkpoint
+    from hybridmoe.weights.hub import resolve_model_source
 
-    s = convert_checkpoint(args.model, args.out, format=args.format, group_size=args.group_size, force=args.force,
+    src = resolve_model_source(args.model, args.revision)  # a Hub repo id -> its files in the Hub cache
+    s = convert_checkpoint(src, args.out, format=args.format, group_size=args.group_size, force=args.force,
                            threads=args.cpu_threads, progress=not args.quiet)
     group = f" g{s.group_size}{' with zero points' if s.zero_points else ''}" if s.format == "int4" else ""
     print(f"wrote {s.out_dir}: {s.moe_layers} MoE layers of experts in {s.format}{group} "

@@ -1,4 +1,7 @@
-"""`hybridmoe make-model`: write a Hugging Face-format MoE checkpoint with random weights."""
+"""`hybridmoe make-model`: write a Hugging Face-format MoE checkpoint with random weights.
+
+Its config.json says so (hybridmoe_random_weights: true): run, chat, serve and bench then print that the text
+is noise, and serve's web page shows it."""
 
 from __future__ import annotations
 
@@ -10,14 +13,17 @@ from hybridmoe.checkpoint.presets import ARCHS, PRESETS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     presets = "; ".join(f"{arch}: {', '.join(p)}" for arch, p in PRESETS.items())
-    parser.add_argument("--arch", required=True, choices=list(ARCHS), help="model family")
-    parser.add_argument("--preset", required=True, help=f"model shape ({presets})")
-    parser.add_argument("--out", required=True, help="directory to write (new or empty)")
-    parser.add_argument("--layers", type=int, default=None, help="number of decoder layers (default: the preset's)")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="weight dtype (default bf16)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same bytes (default 0)")
-    parser.add_argument("--force", action="store_true", help="replace a checkpoint already in --out")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--arch", required=True, choices=list(ARCHS), metavar="|".join(ARCHS), help="model family")
+    parser.add_argument("--preset", required=True, metavar="NAME", help=f"model shape ({presets})")
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory to write (new or empty)")
+    parser.add_argument("--layers", type=int, default=None, metavar="N",
+                        help="number of decoder layers (default: the preset's)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", metavar="bf16|fp32",
+                        help="weight dtype (default: bf16)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="random seed; same seed, same bytes (default: 0)")
+    parser.add_argument("--force", action="store_true", help="replace a checkpoint already in --out (default: off)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,5 +36,5 @@ def run(args: argparse.Namespace) -> int:
     cfg = summary.config
     print(f"wrote {summary.out_dir}: {cfg['architectures'][0]} {args.preset}, {cfg['num_hidden_layers']} layers, "
           f"{summary.num_tensors} tensors, {summary.total_bytes / 1e9:.3f} GB in {len(summary.shards)} shards, "
-          f"{seconds:.1f} s ({summary.total_bytes / 1e6 / seconds:.0f} MB/s)")
+          f"{seconds:.1f} s ({summary.total_bytes / 1e6 / seconds:.0f} MB/s); random weights: its text is noise")
     return 0

@@ -16,7 +16,8 @@ from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="a Hugging Face model directory")
+    parser.add_argument("--model", required=True, metavar="PATH",
+                        help="a Hugging Face model directory, a .gguf file or a Hub repo id (org/name[:QUANT])")
     parser.add_argument("--prompts", required=True, metavar="FILE", help="text file, one prompt per line")
     parser.add_argument("--out", required=True, metavar="FILE", help="where to write the statistics JSON")
     parser.add_argument("--max-tokens", type=int, default=16,

@@ -1,4 +1,4 @@
-"""`hybridmoe run --model DIR --prompt TEXT`: complete one prompt, streaming the text to stdout.
+"""`hybridmoe run --model PATH --prompt TEXT`: complete one prompt, streaming the text to stdout.
 
 Only the completion goes to stdout; the engine's choices (doctor's line) and a one-line summary
 (tokens, speed) go to stderr.
@@ -10,17 +10,18 @@ import argparse
 import sys
 import time
 
-from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
+from hybridmoe.commands.engine_args import add_engine_arguments, add_model_argument, engine_kwargs
 from hybridmoe.commands.sampling_args import add_sampling_arguments, sampling_params
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="a Hugging Face model directory")
-    parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to complete")
-    parser.add_argument("--chat", action="store_true",
-                        help="send the prompt as a user message through the chat template")
-    add_sampling_arguments(parser, max_new_tokens=128)
-    add_engine_arguments(parser)
+    model = add_model_argument(parser)
+    prompt = parser.add_argument_group("prompt")
+    prompt.add_argument("--prompt", required=True, metavar="TEXT", help="the text to complete")
+    prompt.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message through the chat template (default: off)")
+    add_sampling_arguments(parser)
+    add_engine_arguments(parser, model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     from hybridmoe.llm import LLM
 
     llm = LLM(args.model, **engine_kwargs(args))
-    params = sampling_params(args)
     prompt = llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else llm.encode(args.prompt)
+    params = sampling_params(args, room=llm.engine.max_model_len - len(prompt))
     start = time.perf_counter()
     first = None
     out = None
@@ -41,11 +42,17 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     end = time.perf_counter()
     sys.stdout.write("\n")
-    n = len(out.token_ids)
-    decode_rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
-    print(f"[{n} tokens, {out.finish_reason}; first token {1000 * (first - start):.0f} ms, "
-          f"{decode_rate:.1f} tok/s after]", file=sys.stderr)
+    print(summary_line(out, start, first, end), file=sys.stderr)
     if out.error is not None:
         print(f"error: the generation failed: {out.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def summary_line(out, start: float, first: float, end: float, finish: str | None = None) -> str:
+    """[tokens, finish reason (or finish); time to the first token, decode speed after it], as run and chat
+    print it."""
+    n = len(out.token_ids)
+    decode_rate = (n - 1) / (end - first) if n > 1 and end > first else 0.0
+    return (f"[{n} tokens, {finish or out.finish_reason}; first token {1000 * (first - start):.0f} ms, "
+            f"{decode_rate:.1f} tok/s after]")

@@ -13,33 +13,33 @@ import socket
 import sys
 from pathlib import Path
 
-from hybridmoe.commands.engine_args import add_engine_arguments, engine_kwargs
+from hybridmoe.commands.engine_args import add_engine_arguments, add_model_argument, engine_kwargs
 from hybridmoe.errors import HybridMoEError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR", help="a Hugging Face model directory")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
+    model = add_model_argument(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, metavar="PORT",
+                        help="port to listen on, 0-65535 (default: 8000)")
+    server.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1 and /api routes (default: no key)")
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+    server.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model name clients use (default: the model directory's name)")
-    parser.add_argument("--max-batch", type=int, default=None, metavar="N",
-                        help="most requests decoded together; the same as --max-num-seqs")
-    parser.add_argument("--max-queue", type=int, default=64, metavar="N",
-                        help="most requests waiting for a slot; past that, 429 with Retry-After (default 64)")
-    parser.add_argument("--timeout-headers", type=float, default=30.0, metavar="S",
-                        help="seconds a client has to send a request's headers, from connecting or from the "
-                             "first byte of its next request; past them 408 and the connection closes (default 30)")
-    parser.add_argument("--timeout-body", type=float, default=60.0, metavar="S",
-                        help="seconds a client has to send a request's body, from the end of its headers "
-                             "(default 60)")
-    parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
-                        help="seconds an idle connection stays open between two requests (default 5)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                        help="uvicorn's log level (default info)")
-    add_engine_arguments(parser)
+    server.add_argument("--max-batch", type=int, default=None, metavar="N",
+                        help="most requests decoded together; the same as --max-num-seqs (default: 8)")
+    server.add_argument("--max-queue", type=int, default=64, metavar="N",
+                        help="most requests waiting for a slot; past them 429 with Retry-After (default: 64)")
+    server.add_argument("--timeout-headers", type=float, default=30.0, metavar="S",
+                        help="seconds a client has to send a request's headers; past them 408 (default: 30)")
+    server.add_argument("--timeout-body", type=float, default=60.0, metavar="S",
+                        help="seconds a client has to send a request's body, after its headers (default: 60)")
+    server.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="S",
+                        help="seconds an idle connection stays open between requests (default: 5)")
+    server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        metavar="critical|error|warning|info|debug", help="uvicorn's log level (default: info)")
+    add_engine_arguments(parser, model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from hybridmoe.server.app import build_app
     from hybridmoe.server.async_engine import AsyncEngine
     from hybridmoe.server.http_protocol import deadline_protocol
+    from hybridmoe.weights.gguf_model_dir import resolve_model_path
 
     kwargs = engine_kwargs(args)
     if args.max_batch is not None:
@@ -66,14 +67,12 @@ def run(args: argparse.Namespace) -> int:
                                  f"got {getattr(args, flag)}")
     if not 0 <= args.port < 65536:
         raise HybridMoEError(f"--port must be in [0, 65535], got {args.port}")
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise HybridMoEError(f"--model {args.model} is not a directory; give a Hugging Face model directory")
+    config = EngineConfig.from_kwargs(**kwargs)
     api_key = args.api_key or None
-    name = args.served_model_name or model_dir.resolve().name
+    name = args.served_model_name or _served_name(args.model)
     _check_port(args.host, args.port)  # before the load, which can take minutes
 
-    llm_engine = LLMEngine(model_dir, EngineConfig.from_kwargs(**kwargs))
+    llm_engine = LLMEngine(resolve_model_path(args.model, config), config)
     print_choices(llm_engine)
     engine = AsyncEngine(llm_engine, max_queue=args.max_queue)
     app = build_app(engine, name, api_key=api_key)
@@ -84,6 +83,15 @@ def run(args: argparse.Namespace) -> int:
                 http=deadline_protocol(args.timeout_headers, args.timeout_body),
                 timeout_keep_alive=args.timeout_keep_alive)
     return 0
+
+
+def _served_name(model: str) -> str:
+    """The name clients ask for: a local directory's or .gguf file's own name, else the repo id as given (vLLM
+    serves a Hub model under its id)."""
+    path = Path(model)
+    if path.exists():
+        return path.resolve().stem if path.is_file() else path.resolve().name
+    return model
 
 
 def _check_port(host: str, port: int) -> None:

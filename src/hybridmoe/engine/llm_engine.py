@@ -31,6 +31,7 @@ class LLMEngine:
         self.model_dir = Path(model_dir)
         loaded = load_model(model_dir, self.config)
         self.model_config = loaded.config
+        self.random_weights = bool(loaded.config.get("hybridmoe_random_weights"))  # make-model's mark: noise text
         self.dtype = loaded.dtype
         self.resolved_config = loaded.engine_config  # self.config with "auto" as the load resolved it
         self.tokenizer = Tokenizer.from_dir(model_dir)

@@ -95,6 +95,7 @@ COMMON = {
     "num_experts_per_tok": _int(), "rope_theta": Rule(float, above=1, null=True),
     "rope_scaling": Rule(dict, null=True), "rope_parameters": Rule(dict, null=True),
     "dtype": Rule(str, null=True), "torch_dtype": Rule(str, null=True), "quantization_config": Rule(dict, null=True),
+    "hybridmoe_random_weights": Rule(bool, null=True),  # make-model's mark (checkpoint/make.py RANDOM_WEIGHTS_KEY)
 }
 # transformers writes sliding_window 0 for no window in some versions
 _GQA = {"num_key_value_heads": _int(null=True), "head_dim": _int(2, null=True), "sliding_window": _int(0, null=True)}

@@ -1,7 +1,8 @@
 """The HTTP app: routes, API-key check, errors in OpenAI's JSON, HTTP metrics.
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models (OpenAI); /api/chat, /api/generate,
-/api/tags, /api/version (Ollama); /health, /metrics (Prometheus text); / (the web chat page).
+/api/tags, /api/version (Ollama); /health, /metrics (Prometheus text); / (the web chat page, with a banner
+when the model's weights are random: a make-model checkpoint, whose text is noise).
 With an API key, every /v1 and /api route wants `Authorization: Bearer KEY`.
 """
 
@@ -37,6 +38,10 @@ from hybridmoe.server.serving_common import (
 from hybridmoe.server.serving_completion import create_completion
 
 log = logging.getLogger("hybridmoe.server")
+
+RANDOM_WEIGHTS_BANNER = ('<p id="random-weights" class="banner">This model\'s weights are random (a '
+                         '<code>hybridmoe make-model</code> checkpoint): the text it writes is noise.</p>')
+"""What the web page shows, in place of its <!--random-weights--> mark, when the weights are random."""
 
 RETRY_AFTER_SECONDS = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's code for a client gone before the answer; never seen by it
@@ -113,21 +118,30 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     async def ollama_version():
         return ollama.version()
 
+    random_weights = engine.engine.random_weights
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "requests_in_flight": engine.num_in_flight}
+        return {"status": "ok", "model": model_name, "requests_in_flight": engine.num_in_flight,
+                "random_weights": random_weights}
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    page = resources.files("hybridmoe.server").joinpath("static/index.html").read_text(encoding="utf-8")
+    page = index_page(random_weights)
 
     @app.get("/")
     async def index():
         return HTMLResponse(page)
 
     return AuthAndMetrics(app, api_key, engine.metrics, {r.path for r in app.routes})
+
+
+def index_page(random_weights: bool) -> str:
+    """The web chat page (static/index.html), with RANDOM_WEIGHTS_BANNER when the weights are random."""
+    page = resources.files("hybridmoe.server").joinpath("static/index.html").read_text(encoding="utf-8")
+    return page.replace("<!--random-weights-->", RANDOM_WEIGHTS_BANNER if random_weights else "")
 
 
 class AuthAndMetrics:

@@ -1,4 +1,5 @@
-"""Measured bandwidths: host memory read (what bounds CPU expert decode) and pinned host-to-GPU copies."""
+"""Measured bandwidths: host memory read (what bounds CPU expert decode), host memory as torch's matrix-vector
+products read it (the model's own layers on the CPU), GPU memory, and pinned host-to-GPU copies."""
 
 from __future__ import annotations
 
@@ -76,6 +77,36 @@ def torch_read_bandwidth(nbytes: int, threads: int, repeats: int = 5) -> float:
     finally:
         torch.set_num_threads(previous)
     return buf.numel() * 4 / seconds
+
+
+GEMV_COLUMNS = 4096
+"""In-features of the weight torch_gemv_bandwidth reads: a model's widest projections have about as many."""
+
+
+def torch_gemv_bandwidth(nbytes: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Bytes/s of weight read by torch's matrix-vector product (x [1, GEMV_COLUMNS] @ W.T) over a dtype weight
+    of nbytes, on torch's threads: how fast a decode step reads the weights torch runs on the CPU (attention,
+    dense layers, the output head), which it does slower than the native engine's loads."""
+    rows = max(nbytes // (GEMV_COLUMNS * dtype.itemsize), 1)
+    weight = torch.ones(rows, GEMV_COLUMNS, dtype=dtype)
+    x = torch.ones(1, GEMV_COLUMNS, dtype=dtype)
+    torch.nn.functional.linear(x, weight)  # pages touched, threads started
+    seconds = _median_seconds(lambda: torch.nn.functional.linear(x, weight), repeats)
+    return weight.numel() * dtype.itemsize / seconds
+
+
+def device_copy_bandwidth(device: str | torch.device = "cuda", nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s through GPU memory of a device-to-device copy of nbytes, its read and its write both counted
+    (synchronized per copy): a conservative figure for how fast the GPU reads its weights."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+
+    copy()
+    return 2 * nbytes / _median_seconds(copy, repeats)
 
 
 def pinned_h2d_bandwidth(device: str | torch.device = "cuda", nbytes: int = 256 << 20, repeats: int = 5) -> float:

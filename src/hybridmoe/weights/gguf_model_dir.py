@@ -19,6 +19,7 @@ from hybridmoe.config import EngineConfig
 from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.expert_cache_policy import cache_root
 from hybridmoe.weights.gguf_tokenizer import tokenizer_files
+from hybridmoe.weights.hub import resolve_model_source
 
 
 def is_gguf_path(path: str | Path) -> bool:
@@ -26,7 +27,10 @@ def is_gguf_path(path: str | Path) -> bool:
 
 
 def resolve_model_path(path: str | Path, engine_config: EngineConfig | None = None) -> Path:
-    """A model directory for path: path itself, or (for a .gguf file or split part) the directory made from it."""
+    """A model directory for path, the one place a user-given model is resolved: path itself when it exists; a
+    Hugging Face repo id (org/name, or org/name:QUANT for GGUF files) resolved in the Hub cache at
+    engine_config.revision (weights/hub.py); and for a .gguf file or split part, the directory made from it."""
+    path = resolve_model_source(path, engine_config.revision if engine_config is not None else None)
     if not is_gguf_path(path):
         _check_model_dir(Path(path))
         return Path(path)
@@ -81,5 +85,6 @@ def write_model_dir(parts: list[Path], out: Path) -> None:
         tokenizer, tokenizer_config = tok
         tokenizer.save(str(out / "tokenizer.json"))
         (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1, ensure_ascii=False))
-    # gguf_source.json last: its presence marks a complete directory
-    (out / "gguf_source.json").write_text(json.dumps({"files": [str(p.resolve()) for p in parts]}, indent=1))
+    # gguf_source.json last: its presence marks a complete directory. The paths stay as named, links not followed:
+    # a split model's parts in the Hub cache are links to blobs whose names say nothing of the split.
+    (out / "gguf_source.json").write_text(json.dumps({"files": [os.path.abspath(p) for p in parts]}, indent=1))
