@@ -53,8 +53,7 @@ table lists every sample and the spread; rows of other loads (no GPU experts, ot
 measured N times back to back on their own engine. --decode-runs N times the decode N times in each sample
 (after its one untimed run) and takes their median as the sample's. A SIGTERM (e.g. `timeout`) ends the
 run with the tables of the configurations measured so far, and the in-memory checkpoint deleted.
-Qwen3-30B-A3B rows are also set against llama.cpp's reference figures on the issue's host (issue #4):
-47 tok/s decode, 650-760 tok/s prefill at 512 (48 layers).
+Peers (llama.cpp, kt-kernel) are measured side by side on the same host by benchmarks/peers.py.
 """
 
 from __future__ import annotations
@@ -87,10 +86,7 @@ from hybridmoe.weights.loader import resolve_dtype
 
 from .cli import Stopped, write_json
 
-LLAMA_CPP = {"decode_tok_s": 47.0, "prefill512_tok_s": (650.0, 760.0)}
-"""llama.cpp on the issue's host, every routed expert on the CPU, Qwen3-30B-A3B Q4_K_M, 48 layers (issue #4)."""
-TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0, "vs_llama_decode": 1.75,
-           "vs_llama_prefill": 1.5}
+TARGETS = {"decode_over_floor": 1.15, "prefill2048_over_decode": 10.0}
 DEFAULT_DEFERRED = 0
 """Deferred experts of the "all on" rows unless given: 0, exact."""
 ABLATION_ROWS = ("graph", "zero-copy", "trim", "pin", "help", "prefetch", "ahead", "deferral", "gpu-experts", "packed")
@@ -425,22 +421,6 @@ def headlines(results, fits) -> list[dict]:
     return out
 
 
-def llama_cpp_lines(final: list[dict]) -> list[str]:
-    """Our figure / llama.cpp's, at 48 layers (extrapolated when the model is cut)."""
-    lines = []
-    lo, hi = LLAMA_CPP["prefill512_tok_s"]
-    for h in final:
-        d = h["decode_tok_s"]
-        line = (f"  {h['label']}: decode {_fmt(d)} / {LLAMA_CPP['decode_tok_s']:.0f} = "
-                f"{_fmt(d / LLAMA_CPP['decode_tok_s'], '.2f')}x (target >= {TARGETS['vs_llama_decode']}x)")
-        p = h["prefill_tok_s"].get(512)
-        if p is not None and not math.isnan(p):
-            line += (f"; prefill 512 {p:.0f} / {lo:.0f}-{hi:.0f} = {p / hi:.2f}-{p / lo:.2f}x "
-                     f"(target >= {TARGETS['vs_llama_prefill']}x)")
-        lines.append(line + (f" [{h['extrapolated']}]" if h["extrapolated"] else ""))
-    return lines
-
-
 def target_lines(final: list[dict], budget: int | None) -> list[str]:
     lines = []
     for h in final:
@@ -572,9 +552,6 @@ def measure(args) -> int:
                       "layer x MoE layers, for decode per token and for each prompt's time to first token",
                   *fit_table(fits, prompt_lens, results)]
     final = headlines(results, fits)
-    if raw_cut.get("model_type") == "qwen3_moe" and raw_cut.get("num_experts") == 128:
-        lines += ["", "# vs llama.cpp (same host, Qwen3-30B-A3B Q4_K_M, all experts on CPU, 48 layers): ours / theirs",
-                  *llama_cpp_lines(final)]
     lines += ["", "# targets (issue #4)", *target_lines(final, results[0].resolved.gpu_memory_budget)]
     print("\n".join(lines))
     setup = {"model": args.model, "synthetic": args.synthetic, "layers": measured,
@@ -582,7 +559,7 @@ def measure(args) -> int:
              "prompt_lens": prompt_lens, "gen_len": args.gen_len, "repeats": args.repeats,
              "decode_runs": args.decode_runs,
              "bandwidth_probes_gbps": [b / 1e9 for b in probes],
-             "bandwidth_method": method, "torch": torch.__version__, "llama_cpp": LLAMA_CPP, "targets": TARGETS}
+             "bandwidth_method": method, "torch": torch.__version__, "targets": TARGETS}
     write_json(args.json, {"setup": setup, "results": [r.to_json() for r in results],
                            "depth_fits": [f.to_json() for f in fits]})
     return 0

@@ -65,6 +65,15 @@ def test_ablation_runs_every_configuration_and_the_json_carries_the_floor(report
     assert data["results"][0]["full_depth"]["prefill_tok_s"]["32"] == pytest.approx(full)
     assert "| bf16 no GPU experts |" in text and "extrapolated to 2 layers" in text
     assert "assumption: top-k routing" in text
+    # peers are measured side by side by benchmarks/peers.py, never set against figures written in the code
+    assert "llama" not in text.lower() and "llama_cpp" not in data["setup"]
+    assert set(data["setup"]["targets"]) == {"decode_over_floor", "prefill2048_over_decode"}
+
+
+def test_the_help_points_to_the_peers_benchmark(capsys):
+    with pytest.raises(SystemExit):
+        entry.main(["run", "--help"])
+    assert "benchmarks/peers.py" in capsys.readouterr().out
 
 
 def test_the_packed_row_unpacks_the_gpu_experts_of_int4_and_int8_only():
