@@ -3,10 +3,9 @@ banner on the web page. And the page asks for the API key when the server answer
 in localStorage and sends it as a Bearer token (headless Chromium, as test_web_page.py drives it)."""
 
 import json
-import shutil
 
 import pytest
-from selenium import webdriver
+from chromium import needs_chromium, start_browser
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
@@ -28,20 +27,11 @@ def test_a_server_over_random_weights_says_so(server):
     assert RANDOM_WEIGHTS_LINE in server.log_path.read_text().splitlines()
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-needs_chromium = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                    reason="needs Debian's chromium and chromium-driver (apt-get install chromium "
-                                           "chromium-driver)")
 
 
 @pytest.fixture(scope="module")
 def browser():
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    driver = start_browser()
     yield driver
     driver.quit()
 
@@ -52,8 +42,9 @@ def test_the_page_asks_for_the_key_keeps_it_and_sends_it(small_server, browser):
     browser.execute_script("localStorage.clear()")
     browser.get(small_server.url + "/")  # no key: /v1/models answers 401 invalid_api_key
     prompt = browser.find_element(By.ID, "key-prompt")
-    WebDriverWait(browser, 20).until(lambda d: prompt.is_displayed())
-    assert "model unavailable" in browser.find_element(By.ID, "model").text
+    # the page shows the prompt, then (after reading the 401's body) says the model is unavailable
+    WebDriverWait(browser, 20).until(lambda d: prompt.is_displayed()
+                                     and "model unavailable" in d.find_element(By.ID, "model").text)
     browser.find_element(By.ID, "key-prompt-input").send_keys(small_server.api_key, Keys.ENTER)
     WebDriverWait(browser, 20).until(lambda d: d.find_element(By.ID, "model").text == "tiny")
     assert not prompt.is_displayed()
