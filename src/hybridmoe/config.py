@@ -14,6 +14,8 @@ EXPERT_PLACEMENTS = ("uniform", "frequency", "front-loading")
 PREFILL_STREAMING = ("auto", "on", "off")
 VERIFY_EXPERTS = ("full", "header")
 DEFAULT_EXPERT_GROUP_SIZE = 128
+MAX_CPU_THREADS = 1024
+"""The most workers one CPU expert pool may have (the native engine's kMaxThreads, csrc/binding_args.h)."""
 """int4 group size where neither expert_group_size nor the checkpoint gives one."""
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -182,8 +184,8 @@ class EngineConfig:
                                  f"got {self.verify_experts!r}")
         if self.revision is not None and re.fullmatch(r"\S+", self.revision) is None:
             raise HybridMoEError(f"revision must be a branch, tag or commit hash (no spaces), got {self.revision!r}")
-        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:  # experts.cpu_experts.MAX_THREADS
-            raise HybridMoEError(f"cpu_threads must be between 1 and 1024, got {self.cpu_threads}")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= MAX_CPU_THREADS:
+            raise HybridMoEError(f"cpu_threads must be between 1 and {MAX_CPU_THREADS}, got {self.cpu_threads}")
 
     @property
     def expert_group_size_or_default(self) -> int:

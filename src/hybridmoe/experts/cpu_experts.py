@@ -30,12 +30,13 @@ import numpy as np
 import torch
 from torch.utils.dlpack import to_dlpack
 
+from hybridmoe.config import MAX_CPU_THREADS
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.tuning import EngineTuning, from_native, to_native
 
 FORMATS = ("bf16", "int8", "int4")
-MAX_THREADS = 1024
-"""The most workers one layer's pool may have (the native engine's kMaxThreads, csrc/binding_args.h): past
+MAX_THREADS = MAX_CPU_THREADS
+"""The most workers one layer's pool may have (config.MAX_CPU_THREADS, the native engine's kMaxThreads): past
 every CPU of the largest hosts, where more threads than CPUs only take turns on them."""
 _INT32_MAX = 2**31 - 1
 
