@@ -134,8 +134,10 @@ class Sampler:
             except RuntimeError:  # one row's filters raised: the rows apart, so that it fails alone
                 probs = [_guard(failed, i, _filtered_probs, logits, rows, [i]) for i in sampled]
             # checked before the draw: on CUDA a bad row would assert on the device and end the process's context
+            drawable = (_drawable(probs).tolist() if isinstance(probs, torch.Tensor)
+                        else [p is not None and bool(_drawable(p)[0]) for p in probs])
             for j, i in enumerate(sampled):
-                if i not in failed and not _drawable(probs[j]):
+                if i not in failed and not drawable[j]:
                     failed[i] = "no token has a finite, positive probability after the filters"
             for j, i in enumerate(sampled):
                 if i not in failed:
@@ -160,8 +162,10 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SamplerInput], sampled: lis
     return filtered.softmax(dim=-1)
 
 
-def _drawable(probs: torch.Tensor) -> bool:
-    return bool(torch.isfinite(probs).all() and (probs >= 0).all() and probs.sum() > 0)
+def _drawable(probs: torch.Tensor) -> torch.Tensor:
+    """Per row of probs [N, V]: whether a draw can take a token (finite, non-negative, not all 0); one reduction
+    for all rows, read back once."""
+    return torch.isfinite(probs).all(dim=-1) & (probs >= 0).all(dim=-1) & (probs.sum(dim=-1) > 0)
 
 
 def _guard(failed: dict[int, str], i: int, fn, *args, **kwargs):
