@@ -250,11 +250,12 @@ def decode_step(engine: LLMEngine, seqs: list, cuda_fixed: bool):
         pad_len = max(MIN_PAD_LEN, 1 << (max(lens) - 1).bit_length())
         # the runner's static buffers still hold this step's rows (batch <= SMALL_BATCHES: no padding rows)
         ctx = Context(slot_ids=[], start_pos=[], cu_seqlens=[0],
-                      decode=DecodeBatch(runner._slots[:len(seqs)], runner._lens[:len(seqs)], pad_len))
+                      decode=DecodeBatch(runner._slots[:len(seqs)], runner._lens[:len(seqs)], pad_len),
+                      block_table=runner.block_table)
         ids, positions = runner._ids[:len(seqs)], runner._positions[:len(seqs)]
     else:
         ctx = Context(slot_ids=[s.slot for s in seqs], start_pos=[n - 1 for n in lens],
-                      cu_seqlens=list(range(len(seqs) + 1)))
+                      cu_seqlens=list(range(len(seqs) + 1)), block_table=runner.block_table)
         ids = torch.tensor([s.token_ids(n - 1, n)[0] for s, n in zip(seqs, lens)], device=runner.device)
         positions = torch.tensor([n - 1 for n in lens], device=runner.device)
 

@@ -49,8 +49,20 @@ class EngineConfig:
     a GPU, else cpu)."""
 
     max_model_len: int | None = None
-    """Longest prompt + completion, in tokens. None: the model's max_position_embeddings, capped at 4096.
-    More than max_position_embeddings (or what a YaRN rope_scaling stretches it to) fails the load."""
+    """Longest prompt + completion, in tokens. None: the model's max_position_embeddings, or what the KV cache
+    holds if that is less (kv_plan.py). More than max_position_embeddings (or what a YaRN rope_scaling stretches
+    it to), or than kv_cache_budget holds, fails the load."""
+
+    kv_cache_budget: int | str | None = None
+    """Memory of the paged KV cache ("8GiB" or bytes), on the device that runs attention. None: max_num_seqs x
+    4096 tokens' worth, or one max_model_len sequence if that is more."""
+
+    kv_block_size: int = 64
+    """Positions per KV-cache block (a power of two, 16 to 256): the unit of allocation and of prefix reuse."""
+
+    prefix_caching: bool = True
+    """Keep the KV blocks of finished requests and reuse them for a later prompt that starts with the same
+    tokens (full blocks only), least recently used evicted first."""
 
     max_num_seqs: int = 8
     """Most sequences decoded together in one step (the max batch)."""
@@ -174,6 +186,12 @@ class EngineConfig:
                 f"({self.max_num_seqs}): every decoding sequence runs one token per step")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise HybridMoEError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.kv_cache_budget is not None:
+            self.kv_cache_budget = parse_bytes(self.kv_cache_budget)
+            if self.kv_cache_budget < 1:
+                raise HybridMoEError(f"kv_cache_budget must be positive, got {self.kv_cache_budget}")
+        if self.kv_block_size not in (16, 32, 64, 128, 256):
+            raise HybridMoEError(f"kv_block_size must be 16, 32, 64, 128 or 256, got {self.kv_block_size}")
         if self.prefill_streaming not in PREFILL_STREAMING:
             raise HybridMoEError(f"prefill_streaming must be one of {', '.join(PREFILL_STREAMING)}, "
                                  f"got {self.prefill_streaming!r}")
@@ -212,20 +230,16 @@ def uses_hybrid(engine_config: EngineConfig) -> bool:
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
-def max_model_len(model_config, engine_config: EngineConfig) -> int:
-    """engine_config.max_model_len, else the model's max_position_embeddings capped at DEFAULT_MAX_MODEL_LEN.
-
-    A max_model_len over the positions the model knows is an error; a model that states none takes any."""
-    limit = _position_limit(model_config)
+def check_max_model_len(model_config, engine_config: EngineConfig) -> None:
+    """A max_model_len over the positions the model knows is an error; a model that states none takes any."""
+    limit = position_limit(model_config)
     if engine_config.max_model_len is not None and limit is not None and engine_config.max_model_len > limit:
         raise HybridMoEError(
             f"max_model_len {engine_config.max_model_len} (--max-model-len) exceeds the model's "
             f"max_position_embeddings {limit}; give --max-model-len {limit} or less")
-    return engine_config.max_model_len or min(
-        model_config.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
 
 
-def _position_limit(model_config) -> int | None:
+def position_limit(model_config) -> int | None:
     """max_position_embeddings, or YaRN's original length x factor when a rope_scaling added to config.json
     stretches the model past it (as Qwen3's model card says to enable long context)."""
     limit = model_config.get("max_position_embeddings")

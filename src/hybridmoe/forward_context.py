@@ -5,8 +5,9 @@ Keeping it here (not in forward's arguments) lets every model keep the signature
 
 Tokens of all sequences in a step are flattened: input_ids [T], positions [T], where
 sequence b owns tokens cu_seqlens[b]:cu_seqlens[b+1]. Each sequence writes its keys and
-values into KV-cache slot slot_ids[b], at positions start_pos[b] .. start_pos[b]+n_b-1,
-and attends to cache positions 0 .. start_pos[b]+n_b-1 (causally).
+values at positions start_pos[b] .. start_pos[b]+n_b-1 of the KV cache of slot slot_ids[b],
+and attends to its positions 0 .. start_pos[b]+n_b-1 (causally). The cache is paged: slot s's
+position p lives in block block_table[s, p // block_size] (engine/kv_blocks.py).
 
 A decode step may also carry `decode` (DecodeBatch): the same batch as device tensors and one
 padded length, so attention runs in shapes that do not depend on the lengths (CUDA graphs).
@@ -47,6 +48,10 @@ class Context:
 
     decode: DecodeBatch | None = None
     """Set for a decode step run in fixed shapes; attention then reads it instead of the lists."""
+
+    block_table: torch.Tensor | None = None
+    """[S, M] int32 on the step's device: row s lists the KV blocks of slot s's sequence. None: the cache's own
+    table of contiguous slots (what allocate_kv_cache(num_slots, max_len) lays out)."""
 
     @property
     def num_seqs(self) -> int:

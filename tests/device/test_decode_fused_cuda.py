@@ -8,6 +8,7 @@ T tokens, E experts, K experts per token, H hidden, D normalized size.
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_cuda_graph import HYBRID, assert_close_to, runs
 from test_decode_attention_rope import seeded_attention
 
@@ -23,7 +24,7 @@ from hybridmoe.experts.decode_fused import (
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
 from hybridmoe.forward_context import Context, DecodeBatch, use_context
-from hybridmoe.layers.attention import KVCache, _attend_decode, _StepIndex
+from hybridmoe.layers.attention import contiguous_slot_table
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.router import softmax_topk
 
@@ -276,7 +277,7 @@ def test_attention_fused_equals_torch(qk_norm, window, dtype):
     layers = []
     for fused in (True, False):
         a = seeded_attention(256, 64, qk_norm, window, dtype)
-        a.allocate_kv_cache(3, 64)
+        a.allocate_kv_cache(3, 64, contiguous_slot_table(3, 64, 64, torch.device("cuda")))  # a block per slot
         a.fused, a.fused_layer = fused, False  # the layer fusions against these: test_decode_attention_rope.py
         layers.append(a)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1)).to("cuda", dtype)
@@ -297,22 +298,27 @@ def test_attention_fused_equals_torch(qk_norm, window, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 300])
 def test_decode_attention_over_a_long_cache_in_chunks_equals_torch(window, dtype):
-    """Caches longer than one chunk: chunks side by side, then combined (some chunks see no key)."""
+    """Caches longer than one chunk, paged through a shuffled block table: chunks side by side, then combined
+    (some chunks see no key), against SDPA over each row's keys gathered through the table."""
     from hybridmoe.layers.decode_attention_triton import (
         triton_decode_attention,  # triton: on the GPU host only
     )
 
     g = torch.Generator().manual_seed(0)
-    S, L, Hq, Hkv, D = 3, 2048, 32, 4, 128
-    k, v = (torch.randn(S, L, Hkv, D, generator=g).to("cuda", dtype) for _ in range(2))
+    S, L, BS, Hq, Hkv, D = 3, 2048, 64, 32, 4, 128
+    table = (torch.randperm(S * L // BS, generator=g) + 1).view(S, L // BS).to("cuda", torch.int32)  # 0: scratch
+    k, v = (torch.randn(S * L // BS + 1, BS, Hkv, D, generator=g).to("cuda", dtype) for _ in range(2))
     q = torch.randn(2, Hq, D, generator=g).to("cuda", dtype)
     slots, lens = torch.tensor([2, 0], device="cuda"), torch.tensor([1500, 700], device="cuda")
-    idx = _StepIndex(token_slot=slots, token_pos=lens - 1, seq_slot=slots, seq_len=lens, max_seq_len=L)
-    cache = KVCache(S, L, Hkv, D, D, dtype, torch.device("cuda"))
-    cache.k.copy_(k)
-    cache.v.copy_(v)
-    want = _attend_decode(q, cache, idx, D ** -0.5, window)
-    got = triton_decode_attention(q, cache.k, cache.v, slots, lens, D ** -0.5, window, L)
+    rows = (table[slots].long()[:, :, None] * BS + torch.arange(BS, device="cuda")).flatten(1)  # [B, L] in order
+    kb, vb = (c.flatten(0, 1)[rows].transpose(1, 2) for c in (k, v))  # [B, Hkv, L, D]
+    pos = torch.arange(L, device="cuda")
+    mask = pos[None, :] < lens[:, None]
+    if window is not None:
+        mask &= pos[None, :] >= lens[:, None] - window
+    want = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=mask[:, None, None, :], scale=D ** -0.5,
+                                          enable_gqa=True).squeeze(2)
+    got = triton_decode_attention(q, k, v, table, slots, lens, D ** -0.5, window, L)
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 

@@ -37,11 +37,16 @@ def test_non_expert_bytes_are_the_checkpoint_tensors_the_gpu_holds(arch, preset)
     assert fp.non_expert_bytes == expected
 
 
-def test_kv_cache_is_max_num_seqs_by_max_model_len():
+def test_the_kv_cache_holds_max_num_seqs_x_4096_tokens_or_its_budget():
+    per_token = 48 * 2 * 4 * 128 * 2  # layers, k+v, kv heads, head dim, bf16
     _, _, fp = footprint("qwen3_moe", "qwen3-30b-a3b", max_num_seqs=3, max_model_len=1000)
-    assert fp.kv_cache_bytes == 48 * 2 * 3 * 1000 * 4 * 128 * 2  # layers, k+v, seqs, tokens, kv heads, head dim, bf16
+    assert fp.kv_cache_bytes == (3 * 4096 // 64 + 1) * 64 * per_token  # blocks of 64 and the scratch block
+    _, _, long = footprint("qwen3_moe", "qwen3-30b-a3b", max_num_seqs=1, max_model_len=32768)
+    assert long.kv_cache_bytes == (32768 // 64 + 1) * 64 * per_token  # one max_model_len sequence is more
+    _, _, budget = footprint("qwen3_moe", "qwen3-30b-a3b", kv_cache_budget="1GiB")
+    assert budget.kv_cache_bytes == ((1 << 30) // (64 * per_token) + 1) * 64 * per_token
     _, _, mla = footprint("deepseek_v3", "deepseek-v3", max_num_seqs=2, max_model_len=512)
-    assert mla.kv_cache_bytes == 61 * 2 * 512 * (512 + 64) * 2  # one latent + rope key per token and layer
+    assert mla.kv_cache_bytes == (2 * 4096 // 64 + 1) * 64 * 61 * (512 + 64) * 2  # a latent + rope key per layer
 
 
 @pytest.mark.parametrize("arch,preset", PRESETS)

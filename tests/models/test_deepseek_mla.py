@@ -63,8 +63,9 @@ def hf_attention(hf, hf_rotary, x):
 def test_prefill_matches_transformers(family, q_lora_rank, rope, rope_interleave):
     hf, hf_rotary, ours = build(family, q_lora_rank, rope, rope_interleave)
     x = torch.randn(11, 48)
-    ours.allocate_kv_cache(num_slots=1, max_len=16)
-    with use_context(Context(slot_ids=[0], start_pos=[0], cu_seqlens=[0, 11])):
+    ours.allocate_kv_cache(num_blocks=4, block_size=4)
+    table = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)  # positions 0-3 in block 2, 4-7 in block 0, ...
+    with use_context(Context(slot_ids=[0], start_pos=[0], cu_seqlens=[0, 11], block_table=table)):
         got = ours(x, torch.arange(11))
     torch.testing.assert_close(got, hf_attention(hf, hf_rotary, x), rtol=1e-5, atol=1e-5)
 
@@ -75,18 +76,21 @@ def test_batched_chunks_and_decode_through_the_latent_cache_match_full_recomputa
         family, q_lora_rank, rope, rope_interleave):
     hf, hf_rotary, ours = build(family, q_lora_rank, rope, rope_interleave)
     a, b = torch.randn(9, 48), torch.randn(6, 48)
-    ours.allocate_kv_cache(num_slots=3, max_len=16)
+    ours.allocate_kv_cache(num_blocks=13, block_size=4)
+    # three slots of four blocks each, in no order (block 0 unused, as the engine's scratch block)
+    table = (torch.randperm(12, generator=torch.Generator().manual_seed(0)) + 1).to(torch.int32).view(3, 4)
     # a lives in slot 2, b in slot 0; steps: prefill chunks, a chunk beside a decode, pure decode
     steps = [([0, 0], [6, 4]), ([6, 4], [2, 1]), ([8, 5], [1, 1])]
     outs_a, outs_b = [], []
     for start, n in steps:
         x = torch.cat((a[start[0]:start[0] + n[0]], b[start[1]:start[1] + n[1]]))
         positions = torch.cat((torch.arange(n[0]) + start[0], torch.arange(n[1]) + start[1]))
-        with use_context(Context(slot_ids=[2, 0], start_pos=start, cu_seqlens=[0, n[0], n[0] + n[1]])):
+        with use_context(Context(slot_ids=[2, 0], start_pos=start, cu_seqlens=[0, n[0], n[0] + n[1]],
+                                 block_table=table)):
             out = ours(x, positions)
         outs_a.append(out[:n[0]])
         outs_b.append(out[n[0]:])
     torch.testing.assert_close(torch.cat(outs_a), hf_attention(hf, hf_rotary, a), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat(outs_b), hf_attention(hf, hf_rotary, b), rtol=1e-5, atol=1e-5)
     # the cache holds R + P numbers per token, not expanded keys and values
-    assert ours.kv_cache.shape == (3, 16, 16 + 8)
+    assert ours.kv_cache.shape == (13, 4, 16 + 8)

@@ -18,7 +18,8 @@ def test_cached_decode_logits_equal_full_recomputation(family, tmp_path):
     pytest.importorskip(ARCHITECTURES[FAMILIES[family]][0])
     make_checkpoint(family, "tiny", tmp_path, dtype="fp32", progress=False)
     llm = LLM(tmp_path, dtype="float32", max_num_seqs=2)
-    model = llm.engine.runner.model  # its KV cache has 2 slots: 0 decodes, 1 recomputes
+    model = llm.engine.runner.model
+    model.allocate_kv_cache(2, 64, block_size=16)  # contiguous slots of 4 blocks: 0 decodes, 1 recomputes
     ids = llm.tokenizer.encode("Once upon a time, there was")
     (logits,) = run_step(model, [ids], slots=[0], start_pos=[0])
     for _ in range(8):

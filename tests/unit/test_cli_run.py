@@ -93,13 +93,22 @@ def _edit_config(tiny_qwen3_fp32, tmp_path, edit):
 
 def test_max_model_len_up_to_the_model_positions_or_its_default(tiny_qwen3_fp32):
     assert LLMEngine(tiny_qwen3_fp32, EngineConfig(max_model_len=512)).max_model_len == 512
-    assert LLMEngine(tiny_qwen3_fp32).max_model_len == 512  # max_position_embeddings, under the 4096 cap
+    assert LLMEngine(tiny_qwen3_fp32).max_model_len == 512  # max_position_embeddings: the cache holds more
 
 
 def test_max_model_len_of_a_config_without_max_position_embeddings(tiny_qwen3_fp32, tmp_path):
     d = _edit_config(tiny_qwen3_fp32, tmp_path, lambda c: c.pop("max_position_embeddings"))
     assert LLMEngine(d, EngineConfig(max_model_len=1024)).max_model_len == 1024
-    assert LLMEngine(d).max_model_len == 4096  # the family's default (32768), capped
+    assert LLMEngine(d).max_model_len == 32768  # the family's default, which the cache (8 x 4096 tokens) holds
+    # a smaller cache: as many tokens as it holds, and a max_model_len it cannot hold is an error
+    assert LLMEngine(d, EngineConfig(max_num_seqs=2)).max_model_len == 8192
+    small = LLMEngine(d, EngineConfig(kv_cache_budget=64 << 10))
+    c = small.model_config  # keys and values of every layer's KV heads, float32
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    assert small.kv_plan.bytes_per_token == per_token
+    assert small.max_model_len == (64 << 10) // (per_token * 64) * 64
+    with pytest.raises(HybridMoEError, match="max_model_len 4096 needs .* raise --kv-cache-budget"):
+        LLMEngine(d, EngineConfig(kv_cache_budget=64 << 10, max_model_len=4096))
 
 
 def test_max_model_len_may_reach_what_yarn_stretches_the_model_to(tiny_qwen3_fp32, tmp_path):

@@ -26,7 +26,8 @@ def test_fixed_shape_decode_steps_give_the_plain_runners_tokens(checkpoint):
     llm = LLM(checkpoint, device="cpu", expert_backend="torch", max_num_seqs=16, max_model_len=32)
     want = [[o.token_ids for o in llm.generate(p, GREEDY)] for p in (PROMPTS[:1], PROMPTS)]
     engine = llm.engine
-    engine.runner = ModelRunner(engine.runner.model, 16, 32, "cpu", fixed_shapes=True)
+    engine.runner = ModelRunner(engine.runner.model, 16, 32, "cpu", fixed_shapes=True,
+                                num_blocks=engine.kv_plan.num_blocks, block_size=engine.kv_plan.block_size)
     assert engine.runner.fixed
     got = [[o.token_ids for o in llm.generate(p, GREEDY)] for p in (PROMPTS[:1], PROMPTS)]
     assert got == want

@@ -34,7 +34,9 @@ def llm(checkpoint):
 def fixed(llm):
     """The same model behind a fixed-shape runner, its launches counted (inputs None: a step launched ahead)."""
     plain = llm.engine.runner
-    runner = ModelRunner(plain.model, 16, 32, "cpu", fixed_shapes=True)
+    plan = llm.engine.kv_plan
+    runner = ModelRunner(plain.model, 16, 32, "cpu", fixed_shapes=True, num_blocks=plan.num_blocks,
+                         block_size=plan.block_size)
     runner.sample_on_device = runner.lookahead = True
     launch = runner._launch
     runner.launches = []

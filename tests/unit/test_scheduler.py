@@ -1,17 +1,25 @@
 from hybridmoe import SamplingParams
+from hybridmoe.engine.kv_blocks import BlockPool
 from hybridmoe.engine.scheduler import Scheduler
 from hybridmoe.engine.sequence import Sequence, SequenceStatus
+
+
+def scheduler(num_slots, max_num_batched_tokens, num_blocks=64, block_size=4, prefix_caching=True):
+    return Scheduler(num_slots, max_num_batched_tokens, BlockPool(num_blocks, block_size, prefix_caching))
 
 
 def seq(name, prompt_len):
     return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100))
 
 
-def run(batch):
-    """What the engine does after the model ran: advance caches, add a token where one was sampled."""
+def run(batch, sched=None):
+    """What the engine does after the model ran: advance caches (registering full blocks), add a token where
+    one was sampled."""
     for s in batch:
         completes = s.completes
         s.seq.num_computed += s.num_tokens
+        if sched is not None:
+            sched.cache_computed(s.seq)
         if completes:
             s.seq.output_ids.append(0)
 
@@ -21,7 +29,7 @@ def plan(batch):
 
 
 def test_admits_up_to_the_number_of_slots_and_a_finished_sequence_frees_its_slot_at_once():
-    sched = Scheduler(num_slots=2, max_num_batched_tokens=100)
+    sched = scheduler(num_slots=2, max_num_batched_tokens=100)
     a, b, c = seq("a", 3), seq("b", 3), seq("c", 3)
     for s in (a, b, c):
         sched.add(s)
@@ -37,7 +45,7 @@ def test_admits_up_to_the_number_of_slots_and_a_finished_sequence_frees_its_slot
 
 
 def test_an_aborted_waiting_sequence_is_never_scheduled():
-    sched = Scheduler(num_slots=1, max_num_batched_tokens=100)
+    sched = scheduler(num_slots=1, max_num_batched_tokens=100)
     a, b = seq("a", 2), seq("b", 2)
     sched.add(a)
     sched.add(b)
@@ -48,7 +56,7 @@ def test_an_aborted_waiting_sequence_is_never_scheduled():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding():
-    sched = Scheduler(num_slots=4, max_num_batched_tokens=8)
+    sched = scheduler(num_slots=4, max_num_batched_tokens=8)
     a, b = seq("a", 2), seq("b", 2)
     sched.add(a)
     sched.add(b)
@@ -66,9 +74,96 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding():
 
 
 def test_new_requests_join_between_steps_without_waiting_for_the_batch_to_drain():
-    sched = Scheduler(num_slots=4, max_num_batched_tokens=100)
+    sched = scheduler(num_slots=4, max_num_batched_tokens=100)
     sched.add(seq("a", 4))
     run(sched.schedule())
     run(sched.schedule())
     sched.add(seq("b", 5))
     assert plan(sched.schedule()) == [("a", 1), ("b", 5)]
+
+
+def finish_all(sched, seqs, max_steps=500):
+    """Run steps until every seq has max_tokens outputs, finishing each as it gets there; the steps' plans."""
+    plans = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return plans
+        batch = sched.schedule()
+        plans.append(plan(batch))
+        run(batch, sched)
+        for s in batch:
+            if len(s.seq.output_ids) >= s.seq.params.max_tokens:
+                sched.finish(s.seq)
+    raise AssertionError(f"not finished after {max_steps} steps: {plans[-3:]}")
+
+
+def test_a_prompt_starting_like_an_earlier_one_starts_after_its_cached_full_blocks():
+    sched = scheduler(num_slots=2, max_num_batched_tokens=100, block_size=4)
+    a = Sequence("a", list(range(1, 11)), SamplingParams(max_tokens=1))
+    sched.add(a)
+    finish_all(sched, [a])
+    b = Sequence("b", list(range(1, 10)) + [99, 98], SamplingParams(max_tokens=1))
+    sched.add(b)
+    assert plan(sched.schedule()) == [("b", 3)]  # blocks [1-4] and [5-8] found: 8 tokens not computed
+    assert b.num_cached_tokens == 8 and b.num_computed == 8
+    assert (sched.pool.stats.queried_tokens, sched.pool.stats.hit_tokens) == (10 + 11, 8)
+
+
+def test_a_prompt_cached_whole_still_computes_its_last_block_and_prefix_caching_off_finds_nothing():
+    for caching, cached in ((True, 4), (False, 0)):
+        sched = scheduler(num_slots=2, max_num_batched_tokens=100, block_size=4, prefix_caching=caching)
+        first = Sequence("a", list(range(1, 9)), SamplingParams(max_tokens=1))
+        sched.add(first)
+        finish_all(sched, [first])
+        again = Sequence("b", list(range(1, 9)), SamplingParams(max_tokens=1))
+        sched.add(again)
+        # 8 tokens, two full blocks cached: the second is computed again (a sequence samples after its last token)
+        assert plan(sched.schedule()) == [("b", 8 - cached)]
+        assert again.num_cached_tokens == cached
+
+
+def test_a_sequence_the_pool_cannot_hold_is_preempted_and_resumes_where_it_stood():
+    # 6 usable blocks of 4 tokens: two sequences of 8-token prompts and 12 new tokens each cannot both fit
+    sched = scheduler(num_slots=2, max_num_batched_tokens=100, num_blocks=7, block_size=4)
+    a = Sequence("a", list(range(1, 9)), SamplingParams(max_tokens=12))
+    b = Sequence("b", list(range(101, 109)), SamplingParams(max_tokens=12))
+    sched.add(a)
+    sched.add(b)
+    plans = finish_all(sched, [a, b])
+    assert sched.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert len(a.output_ids) == len(b.output_ids) == 12
+    # b comes back with its prompt and the tokens it had: computed again after the full blocks still cached
+    back = next(i for i, p in enumerate(plans) if i and ("b", 1) in plans[i - 1] and ("b", 1) not in p)
+    assert any(name == "b" and n > 1 for p in plans[back:] for name, n in p)
+    assert sched.pool.num_free == sched.pool.usable_blocks
+    assert all(r == 0 for r in sched.pool.refs)
+
+
+def test_every_block_is_back_in_the_pool_after_mixed_requests_and_aborts():
+    import random
+
+    rng = random.Random(0)
+    sched = scheduler(num_slots=4, max_num_batched_tokens=16, num_blocks=12, block_size=4)
+    shared = [7] * 12  # prompts that share a prefix hit the cache
+    live = []
+    for step in range(400):
+        if rng.random() < 0.3:
+            prompt = (shared[:rng.randrange(13)] + [rng.randrange(1000) for _ in range(rng.randrange(1, 12))])
+            seq = Sequence(f"s{step}", prompt, SamplingParams(max_tokens=rng.randrange(1, 10)))
+            sched.add(seq)
+            live.append(seq)
+        if live and rng.random() < 0.05:
+            sched.finish(live.pop(rng.randrange(len(live))))  # an abort, waiting or running
+        batch = sched.schedule()
+        run(batch, sched)
+        for s in batch:
+            if len(s.seq.output_ids) >= s.seq.params.max_tokens:
+                sched.finish(s.seq)
+                live.remove(s.seq)
+        assert sched.pool.num_free + len({b for s in sched.running for b in s.blocks.table}) == \
+            sched.pool.usable_blocks
+    for seq in list(live):
+        sched.finish(seq)
+    assert not sched.has_unfinished()
+    assert sched.pool.num_free == sched.pool.usable_blocks and all(r == 0 for r in sched.pool.refs)
+    assert sched.pool.stats.hit_tokens > 0 and sched.num_preemptions > 0

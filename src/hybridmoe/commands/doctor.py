@@ -126,7 +126,8 @@ def engine_lines(ec, cuda_graph: bool | None = None, random_weights: bool = Fals
 
 def print_choices(engine) -> None:
     """engine_lines of a loaded LLMEngine, to stderr: what run/chat/serve chose (their stdout is the text)."""
-    for line in engine_lines(engine.resolved_config, engine.runner.cuda_graph, engine.random_weights):
+    for line in [*engine_lines(engine.resolved_config, engine.runner.cuda_graph, engine.random_weights),
+                 f"kv cache:   {engine.kv_plan.line()}"]:
         print(line, file=sys.stderr, flush=True)
 
 
@@ -212,6 +213,7 @@ def _placement(cls, config, dtype, planned, asked) -> tuple[list[str], dict, dic
                                       planned.expert_group_size_or_default)
     else:
         host_bytes = 3 * fp.moe_intermediate_size * fp.hidden_size * dtype.itemsize
+    lines.append(f"kv cache:   {fp.kv_plan.line()}")
     streaming = replace(planned, prefill_streaming=asked.prefill_streaming,
                         prefill_streaming_tokens=asked.prefill_streaming_tokens)
     lines.append(f"streaming:  long prefill steps {prefill_streaming_decision(streaming, config, dtype).reason}")
@@ -219,5 +221,8 @@ def _placement(cls, config, dtype, planned, asked) -> tuple[list[str], dict, dic
               "expert_bytes_with_model": with_model_bytes, "experts_on_host": on_host,
               "expert_bytes_on_host": host_bytes}
     placed = {"text": lines[0].removeprefix("placement:  "), "routed_experts": fp.num_experts * len(fp.moe_layers),
+              "kv_cache": {"bytes": fp.kv_plan.bytes, "tokens": fp.kv_plan.tokens,
+                           "max_model_len": fp.kv_plan.max_model_len,
+                           "tokens_per_gib": (1 << 30) // fp.kv_plan.bytes_per_token},
               "routed_experts_on_host": sum(per_layer_host) if native or uses_hybrid(planned) else 0}
     return lines, routed, placed

@@ -11,14 +11,16 @@ import itertools
 import json
 from pathlib import Path
 
-from hybridmoe.config import EngineConfig, max_model_len
+from hybridmoe.config import EngineConfig
 from hybridmoe.engine.detokenizer import Detokenizer
+from hybridmoe.engine.kv_blocks import BlockPool
 from hybridmoe.engine.model_loader import load_model
 from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.sampler import TokenLogprobs
 from hybridmoe.engine.scheduler import ScheduledSeq, Scheduler
 from hybridmoe.engine.sequence import RequestOutput, Sequence
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.kv_plan import plan_kv_cache
 from hybridmoe.sampling_params import SamplingParams
 from hybridmoe.tokenizer import Tokenizer
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
@@ -37,10 +39,13 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = _eos_token_ids(Path(model_dir), loaded.config, self.tokenizer)
-        self.max_model_len = max_model_len(loaded.config, self.config)
-        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.kv_plan = plan_kv_cache(loaded.config, self.config, loaded.model.kv_bytes_per_token())
+        self.max_model_len = self.kv_plan.max_model_len
+        pool = BlockPool(self.kv_plan.num_blocks, self.kv_plan.block_size, self.config.prefix_caching)
+        self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, pool)
         self.runner = ModelRunner(loaded.model, self.config.max_num_seqs, self.max_model_len,
-                                  self.config.device, cuda_graph=self.config.cuda_graph)
+                                  self.config.device, cuda_graph=self.config.cuda_graph,
+                                  num_blocks=self.kv_plan.num_blocks, block_size=self.kv_plan.block_size)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -89,6 +94,7 @@ class LLMEngine:
         for s, token, lp in zip(batch, tokens, logprobs):
             seq = s.seq
             seq.num_computed += s.num_tokens
+            self.scheduler.cache_computed(seq)
             if token is None and seq.error is None:
                 continue
             delta = ""

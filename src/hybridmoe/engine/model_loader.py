@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.config import EngineConfig, max_model_len, uses_hybrid
+from hybridmoe.config import EngineConfig, check_max_model_len, uses_hybrid
 from hybridmoe.errors import CheckpointError, HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.experts.factory import make_expert_backend
@@ -70,7 +70,7 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     engine_config = engine_config or EngineConfig()
     model_dir = resolve_model_path(model_dir, engine_config)
     cls, config = load_config(model_dir)
-    max_model_len(config, engine_config)  # a max_model_len the model cannot take fails before the weights load
+    check_max_model_len(config, engine_config)  # a max_model_len the model cannot take fails before the weights load
     dtype = resolve_dtype(engine_config.dtype, config)
     check_weights_fit(model_dir, cls, config, dtype, engine_config.device)
     with open_checkpoint(model_dir, config) as ckpt:

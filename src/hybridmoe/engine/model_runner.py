@@ -3,10 +3,14 @@
 Shapes: T new tokens of all sequences (flattened), B scheduled sequences, N of them sampled,
 H hidden, V vocabulary.
 
+The KV cache is paged (engine/kv_blocks.py): the runner keeps the block table on the device, one row per
+slot, and writes a sequence's row where its blocks changed before the step that reads them.
+
 On CUDA, when the experts can run without host syncs (HybridExperts.use_fixed_shapes: native CPU
 experts, or none), a decode step (one token per sequence, B <= max_num_seqs) runs in fixed
-shapes: the batch padded to a bucket of Bp rows (padding rows use a spare KV-cache slot), every
-row attending over one padded length Lp, inputs in static device buffers. With cuda_graph, the
+shapes: the batch padded to a bucket of Bp rows (padding rows use a spare slot, whose row of the
+block table points at the scratch block), every row attending over one padded length Lp, inputs
+and the block table in static device buffers. With cuda_graph, the
 step for each (Bp, Lp) is captured once as a CUDA graph (lazily, after one eager warm-up run)
 and replayed; without, the same fixed-shape step runs eagerly, so both give the same tokens.
 Prefill and everything else runs eagerly in the shapes of the batch.
@@ -30,9 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmoe.engine.kv_blocks import SCRATCH_BLOCK
 from hybridmoe.engine.sampler import Sampler, TokenLogprobs, token_logprobs
-from hybridmoe.engine.scheduler import ScheduledSeq
+from hybridmoe.engine.scheduler import LOOKAHEAD_TOKENS, ScheduledSeq
+from hybridmoe.engine.sequence import Sequence
 from hybridmoe.forward_context import Context, DecodeBatch, use_context
+from hybridmoe.layers.attention import DEFAULT_BLOCK_SIZE
 from hybridmoe.sampling_params import SamplingParams
 
 SMALL_BATCHES = 8
@@ -45,9 +52,11 @@ MIN_PAD_LEN = 64
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device,
-                 cuda_graph: bool = False, fixed_shapes: bool | None = None):
+                 cuda_graph: bool = False, fixed_shapes: bool | None = None, num_blocks: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE):
         """cuda_graph: capture and replay decode steps (CUDA only). fixed_shapes: run decode steps in
-        fixed shapes; None: on CUDA when the experts allow it; True also runs them so on the CPU."""
+        fixed shapes; None: on CUDA when the experts allow it; True also runs them so on the CPU.
+        num_blocks: the KV cache's blocks of block_size positions (None: num_slots sequences of max_len)."""
         self.model = model
         self.device = torch.device(device)
         self.sampler = Sampler()
@@ -56,7 +65,14 @@ class ModelRunner:
             fixed_shapes = (self.device.type == "cuda"
                             and model.experts.use_fixed_shapes(num_slots, model.lm_head.weight.dtype))
         self.fixed = fixed_shapes
-        model.allocate_kv_cache(num_slots + 1 if self.fixed else num_slots, max_len)  # + the padding rows' slot
+        self.block_size = block_size
+        if num_blocks is None:
+            num_blocks = 1 + num_slots * -(-(max_len + LOOKAHEAD_TOKENS) // block_size)
+        model.allocate_kv_blocks(num_blocks, block_size)
+        # [slots + the padding rows' slot, blocks of the longest sequence and its lookahead] (SCRATCH_BLOCK: 0)
+        self.block_table = torch.full((num_slots + 1, -(-(max_len + LOOKAHEAD_TOKENS) // block_size)), SCRATCH_BLOCK,
+                                      dtype=torch.int32, device=self.device)
+        self._rows: list[tuple[object, int]] = [(None, 0)] * num_slots  # per slot: whose blocks, how many written
         self.cuda_graph = self.fixed and cuda_graph and self.device.type == "cuda"
         # Both on by default: Qwen3-30B-A3B int4 decode at batch 1 takes 948 us/token (4 layers) against 1179.
         self.sample_on_device = True
@@ -92,6 +108,7 @@ class ModelRunner:
         and its log-probabilities where the sequence's SamplingParams.logprobs asks for them.
         lookahead: the caller schedules the same sequences next unless one finishes (no request waits
         to be admitted), so the next decode step may be launched before this one's tokens are read."""
+        self._write_block_table([s.seq for s in batch])
         decode = bool(self.fixed and batch and all(s.num_tokens == 1 and s.completes for s in batch))
         if not decode:
             self.settle()
@@ -117,6 +134,23 @@ class ModelRunner:
         if self._pinned is not None:
             self._pinned, pinned = None, self._pinned
             pinned.close()
+
+    def _write_block_table(self, seqs: list[Sequence]) -> None:
+        """The device block table's rows of seqs, where their blocks changed since it was last written: the
+        blocks added to a row's sequence, or the whole row of a sequence new to its slot."""
+        rows, cols, blocks = [], [], []
+        for seq in seqs:
+            owner, written = self._rows[seq.slot]
+            table = seq.blocks.table
+            start = written if owner is seq.blocks else 0
+            if start < len(table):
+                rows += [seq.slot] * (len(table) - start)
+                cols += range(start, len(table))
+                blocks += table[start:]
+                self._rows[seq.slot] = (seq.blocks, len(table))
+        if rows:
+            self.block_table[torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)] = \
+                torch.tensor(blocks, dtype=torch.int32, device=self.device)
 
     def _sample(self, batch: list[ScheduledSeq], logits: torch.Tensor | None,
                 rows: list[int]) -> tuple[list[int | None], list[TokenLogprobs | None]]:
@@ -149,7 +183,7 @@ class ModelRunner:
             positions += range(start, start + s.num_tokens)
             cu_seqlens.append(len(ids))
         ctx = Context(slot_ids=[s.seq.slot for s in batch], start_pos=[s.seq.num_computed for s in batch],
-                      cu_seqlens=cu_seqlens)
+                      cu_seqlens=cu_seqlens, block_table=self.block_table)
         with use_context(ctx):
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
                                 torch.tensor(positions, dtype=torch.long, device=self.device))  # [T, H]
@@ -182,7 +216,8 @@ class ModelRunner:
         else:
             ahead = None
             if (self.lookahead and lookahead and pad == 0
-                    and all(len(s.seq.output_ids) + 1 < s.seq.params.max_tokens for s in batch)):
+                    and all(len(s.seq.output_ids) + 1 < s.seq.params.max_tokens
+                            and len(s.seq.blocks.table) * self.block_size >= s.seq.num_computed + 2 for s in batch)):
                 ahead = self._launch(None, Bp, read=True, lens=[n + 1 for n in lens])
             tokens = step.tokens()
             # after the step the device holds its tokens and the next positions (after the ahead, the ones after)
@@ -243,7 +278,7 @@ class ModelRunner:
         sample_on_device, the buffers then hold the next step's inputs: each row's greedy token at the
         next position, one more cached."""
         ctx = Context(slot_ids=[], start_pos=[], cu_seqlens=[0],
-                      decode=DecodeBatch(self._slots[:Bp], self._lens[:Bp], pad_len))
+                      decode=DecodeBatch(self._slots[:Bp], self._lens[:Bp], pad_len), block_table=self.block_table)
         with use_context(ctx):
             logits = self.model.compute_logits(self.model(self._ids[:Bp], self._positions[:Bp]))
         if self.sample_on_device:

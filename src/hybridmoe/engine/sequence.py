@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.engine.detokenizer import Detokenizer
+from hybridmoe.engine.kv_blocks import SequenceBlocks
 from hybridmoe.engine.sampler import SamplerInput, TokenLogprobs
 from hybridmoe.sampling_params import SamplingParams
 
@@ -39,6 +40,8 @@ class RequestOutput:
     """Log-probabilities of new_token_ids, when SamplingParams.logprobs asks for them."""
     error: str | None = None
     """With finish_reason "error": why this request failed, one line (the other requests of the batch go on)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache (their keys and values were not computed for this request)."""
 
     @property
     def finished(self) -> bool:
@@ -50,7 +53,7 @@ class RequestOutput:
 
 
 class Sequence(SamplerInput):
-    """A request inside the engine. Tokens [0, num_computed) are in its KV-cache slot."""
+    """A request inside the engine. Tokens [0, num_computed) are in its KV-cache blocks (blocks.table)."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  detokenizer: Detokenizer | None = None, device: str | torch.device = "cpu"):
@@ -62,7 +65,12 @@ class Sequence(SamplerInput):
         self.detokenizer = detokenizer
         self.status = SequenceStatus.WAITING
         self.slot: int | None = None
+        """Its row of the block table while it runs."""
+        self.blocks = SequenceBlocks()
         self.num_computed = 0
+        self.num_cached_tokens = 0
+        """Prompt tokens its first admission found in the prefix cache."""
+        self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
         """Set when a step fails for this sequence alone (its sampling, its text); the engine then ends it."""
@@ -84,7 +92,9 @@ class Sequence(SamplerInput):
         n = len(self.prompt_ids)
         if stop <= n:
             return self.prompt_ids[start:stop]
-        return (self.prompt_ids + self.output_ids)[start:stop]
+        if start >= n:
+            return self.output_ids[start - n:stop - n]
+        return self.prompt_ids[start:] + self.output_ids[:stop - n]
 
     def append_token(self, token: int, eos_token_ids: frozenset[int]) -> str:
         """Add a sampled token, decide whether the request is done; returns the new text."""
@@ -112,4 +122,4 @@ class Sequence(SamplerInput):
             token_ids=list(self.output_ids),
             text=self.detokenizer.emitted_text if self.detokenizer else "",
             new_token_ids=new_ids, new_text=new_text, finish_reason=self.finish_reason, new_logprobs=new_logprobs,
-            error=self.error)
+            error=self.error, num_cached_tokens=self.num_cached_tokens)

@@ -1,7 +1,7 @@
 """Which routed experts live on the GPU, decided from tensor sizes before any weight is read.
 
 The GPU holds everything but the routed experts (embeddings, attention, norms, routers, dense
-layers, shared experts, lm_head), the KV cache for max_num_seqs x max_model_len tokens and a
+layers, shared experts, lm_head), the paged KV cache (kv_plan.py) and a
 workspace margin; that must fit the budget, else a HybridMoEError says how much is needed. What
 is left fills with routed experts, chosen by a policy:
 
@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.config import EngineConfig, format_bytes, max_model_len
+from hybridmoe.config import EngineConfig, format_bytes
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.kv_plan import KVPlan, plan_kv_cache
 from hybridmoe.experts.expert_bytes import packed_expert_bytes
 from hybridmoe.experts.packed_gpu import packed_gpu_format
 from hybridmoe.experts.streamed_prefill import reserved_bytes as prefill_streaming_bytes
@@ -56,7 +57,7 @@ class Footprint:
     non_expert_bytes: int
     """Every parameter and buffer of the model but the routed experts, in the compute dtype."""
     kv_cache_bytes: int
-    """KV cache of max_num_seqs sequences x max_model_len tokens."""
+    """The paged KV cache (kv_plan.py)."""
     workspace_bytes: int
     expert_bytes: int
     """One routed expert (gate + up + down) on the GPU: in the compute dtype, or packed (gpu_expert_format)."""
@@ -67,6 +68,8 @@ class Footprint:
     moe_intermediate_size: int
     gpu_format: str | None = None
     """The packed format of the GPU's routed experts (gpu_expert_format), None: the compute dtype."""
+    kv_plan: KVPlan | None = None
+    """The KV cache's blocks and the max_model_len they give (kv_cache_bytes is its size)."""
 
     @property
     def fixed_bytes(self) -> int:
@@ -80,12 +83,7 @@ def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: Engine
     model.tie_weights()
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     non_expert = sum(t.numel() * t.element_size() for t in tensors.values())
-    model.allocate_kv_cache(engine_config.max_num_seqs, max_model_len(config, engine_config))
-    kv = 0
-    for module in model.modules():
-        cache = getattr(module, "kv_cache", None)
-        parts = [cache] if isinstance(cache, torch.Tensor) else list(vars(cache).values()) if cache is not None else []
-        kv += sum(t.numel() * t.element_size() for t in parts if isinstance(t, torch.Tensor))
+    kv_plan = plan_kv_cache(config, engine_config, model.kv_bytes_per_token())
     E, inter = model.expert_dims()
     H = config.hidden_size
     widest = max(H, config.get("intermediate_size") or 0, inter * config.num_experts_per_tok)
@@ -96,10 +94,10 @@ def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: Engine
     expert_bytes = (packed_expert_bytes(packed, H, inter, engine_config.expert_group_size_or_default,
                                         bool(engine_config.expert_zero_points)) if packed
                     else 3 * inter * H * torch.finfo(dtype).bits // 8)
-    return Footprint(non_expert_bytes=non_expert, kv_cache_bytes=kv, workspace_bytes=workspace,
+    return Footprint(non_expert_bytes=non_expert, kv_cache_bytes=kv_plan.bytes, workspace_bytes=workspace,
                      expert_bytes=expert_bytes, moe_layers=model.moe_layers,
                      num_experts=E, top_k=config.num_experts_per_tok, hidden_size=H, moe_intermediate_size=inter,
-                     gpu_format=packed)
+                     gpu_format=packed, kv_plan=kv_plan)
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""Attention over a slot-based KV cache, and the GQA attention layer of Qwen/Mixtral.
+"""Attention over a paged KV cache, and the GQA attention layer of Qwen/Mixtral.
 
 The step's sequences come flattened (see forward_context.py). T new tokens, B sequences,
-Hq query heads, Hkv key/value heads, D head dim (Dk for keys, Dv for values), S cache
-slots, L max cached length. Cache layout: k [S, L, Hkv, Dk], v [S, L, Hkv, Dv].
+Hq query heads, Hkv key/value heads, D head dim (Dk for keys, Dv for values), NB cache blocks
+of BS positions, S slots (rows of the block table), M blocks per slot at most.
+Cache layout: k [NB, BS, Hkv, Dk], v [NB, BS, Hkv, Dv]; slot s's position p sits in block
+block_table[s, p // BS] at row p % BS.
 """
 
 from __future__ import annotations
@@ -19,48 +21,80 @@ from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.platform import HAVE_TRITON
 
+DEFAULT_BLOCK_SIZE = 64
+"""KV-cache block size in positions, unless the engine says otherwise (EngineConfig.kv_block_size)."""
+
+
+def contiguous_slot_table(num_slots: int, max_len: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """[num_slots, M] int32: slot s holds blocks s * M .. s * M + M - 1 (M blocks cover max_len positions)."""
+    per_slot = -(-max_len // block_size)
+    return torch.arange(num_slots * per_slot, dtype=torch.int32, device=device).view(num_slots, per_slot)
+
 
 class KVCache:
-    """Keys and values of one attention layer for S sequence slots of up to L tokens each."""
+    """Keys and values of one attention layer in num_blocks blocks of block_size positions.
 
-    def __init__(self, num_slots: int, max_len: int, num_kv_heads: int, k_dim: int, v_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.k = torch.zeros(num_slots, max_len, num_kv_heads, k_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(num_slots, max_len, num_kv_heads, v_dim, dtype=dtype, device=device)
+    slot_table: the block table of contiguous slots used when a step's context carries none."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, k_dim: int, v_dim: int,
+                 dtype: torch.dtype, device: torch.device, slot_table: torch.Tensor | None = None):
+        self.k = torch.zeros(num_blocks, block_size, num_kv_heads, k_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_blocks, block_size, num_kv_heads, v_dim, dtype=dtype, device=device)
+        self.slot_table = slot_table
 
     @property
-    def max_len(self) -> int:
+    def block_size(self) -> int:
         return self.k.shape[1]
 
 
 @dataclass
-class _StepIndex:
-    token_slot: torch.Tensor  # [T] cache slot of each new token
-    token_pos: torch.Tensor  # [T] cache position of each new token
+class StepIndex:
+    token_slot: torch.Tensor  # [T] slot of each new token
+    token_pos: torch.Tensor  # [T] position of each new token
+    token_row: torch.Tensor  # [T] its row in the cache seen as [NB * BS, ...]
     seq_slot: torch.Tensor  # [B]
     seq_len: torch.Tensor  # [B] cached length after this step
     max_seq_len: int  # the longest of seq_len, known without reading the device
+    block_table: torch.Tensor  # [S, M] int32
 
 
-def _step_index(ctx: Context, device: torch.device) -> _StepIndex:
-    # Built once per step and device, then shared by every layer (kept on the context object).
+def step_index(ctx: Context, device: torch.device, slot_table: torch.Tensor | None, block_size: int) -> StepIndex:
+    """The step's token and sequence indices over the paged cache: built once per step and device, then shared
+    by every layer (kept on the context object). slot_table: the cache's own table, used when ctx has none."""
     memo = ctx.__dict__.setdefault("_attention_index", {})
-    if device not in memo and ctx.decode is not None:
+    if device in memo:
+        return memo[device]
+    table = ctx.block_table if ctx.block_table is not None else slot_table
+    if table is None:
+        raise RuntimeError("the step's context has no block table and the KV cache no slot table")
+    if ctx.decode is not None:
         d = ctx.decode  # fixed shapes: attend over pad_len positions whatever the lengths
-        memo[device] = _StepIndex(token_slot=d.slots, token_pos=d.lens - 1, seq_slot=d.slots, seq_len=d.lens,
-                                  max_seq_len=d.pad_len)
-    if device not in memo:
+        token_slot, token_pos, seq_slot, seq_len, longest = d.slots, d.lens - 1, d.slots, d.lens, d.pad_len
+    else:
         lens = [ctx.seq_len(b) for b in range(ctx.num_seqs)]
-        token_slot = [s for s, n in zip(ctx.slot_ids, lens) for _ in range(n)]
-        token_pos = [p0 + i for p0, n in zip(ctx.start_pos, lens) for i in range(n)]
-        memo[device] = _StepIndex(
-            token_slot=torch.tensor(token_slot, dtype=torch.long, device=device),
-            token_pos=torch.tensor(token_pos, dtype=torch.long, device=device),
-            seq_slot=torch.tensor(ctx.slot_ids, dtype=torch.long, device=device),
-            seq_len=torch.tensor([p0 + n for p0, n in zip(ctx.start_pos, lens)], dtype=torch.long,
-                                 device=device),
-            max_seq_len=max(p0 + n for p0, n in zip(ctx.start_pos, lens)))
+        ends = [p0 + n for p0, n in zip(ctx.start_pos, lens)]
+        token_slot = torch.tensor([s for s, n in zip(ctx.slot_ids, lens) for _ in range(n)], dtype=torch.long,
+                                  device=device)
+        token_pos = torch.tensor([p for p0, n in zip(ctx.start_pos, lens) for p in range(p0, p0 + n)],
+                                 dtype=torch.long, device=device)
+        seq_slot = torch.tensor(ctx.slot_ids, dtype=torch.long, device=device)
+        seq_len, longest = torch.tensor(ends, dtype=torch.long, device=device), max(ends)
+    if longest > table.shape[1] * block_size:
+        raise RuntimeError(f"a sequence reaches {longest} tokens but its block table holds "
+                           f"{table.shape[1] * block_size}")
+    token_row = table[token_slot, token_pos // block_size].long() * block_size + token_pos % block_size
+    memo[device] = StepIndex(token_slot, token_pos, token_row, seq_slot, seq_len, longest, table)
     return memo[device]
+
+
+def gather_positions(cache: torch.Tensor, table_rows: torch.Tensor, length: int) -> torch.Tensor:
+    """The first length positions of each listed slot, contiguous: cache [NB, BS, ...], table_rows [M] or
+    [B, M] -> [length, ...] or [B, length, ...] (a copy)."""
+    bs = cache.shape[1]
+    blocks = table_rows[..., :-(-length // bs)].long()
+    got = cache[blocks]  # [(B,) nb, BS, ...]
+    got = got.reshape(*blocks.shape[:-1], blocks.shape[-1] * bs, *cache.shape[2:])
+    return got.narrow(blocks.dim() - 1, 0, length)
 
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -84,16 +118,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
             raise RuntimeError("decoding past position 0 needs a KV cache: call allocate_kv_cache first")
         return _attend_uncached(q, k, v, ctx, scale, sliding_window)
     idx = _cache_index(ctx, cache, q.device)
-    cache.k[idx.token_slot, idx.token_pos] = k
-    cache.v[idx.token_slot, idx.token_pos] = v
+    cache.k.view(-1, *cache.k.shape[2:])[idx.token_row] = k
+    cache.v.view(-1, *cache.v.shape[2:])[idx.token_row] = v
     return _attend_cached(q, cache, ctx, idx, scale, sliding_window)
 
 
-def _cache_index(ctx: Context, cache: KVCache, device: torch.device) -> _StepIndex:
-    idx = _step_index(ctx, device)
-    if idx.max_seq_len > cache.max_len:
-        raise RuntimeError(f"a sequence reaches {idx.max_seq_len} tokens but the KV cache holds {cache.max_len}")
-    return idx
+def _cache_index(ctx: Context, cache: KVCache, device: torch.device) -> StepIndex:
+    return step_index(ctx, device, cache.slot_table, cache.block_size)
 
 
 def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = False):
@@ -102,16 +133,16 @@ def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = Fals
     if (ctx.decode is not None or ctx.is_decode) and fused:
         from hybridmoe.layers.decode_attention_triton import triton_decode_attention
 
-        return triton_decode_attention(q, cache.k, cache.v, idx.seq_slot, idx.seq_len, scale, sliding_window,
-                                       idx.max_seq_len)
+        return triton_decode_attention(q, cache.k, cache.v, idx.block_table, idx.seq_slot, idx.seq_len, scale,
+                                       sliding_window, idx.max_seq_len)
     if ctx.decode is not None or ctx.is_decode:
         return _attend_decode(q, cache, idx, scale, sliding_window)
     out = []
     for b in range(ctx.num_seqs):
         lo, hi = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1]
         end = ctx.start_pos[b] + (hi - lo)
-        kb = cache.k[ctx.slot_ids[b], :end]
-        vb = cache.v[ctx.slot_ids[b], :end]
+        kb = gather_positions(cache.k, idx.block_table[ctx.slot_ids[b]], end)
+        vb = gather_positions(cache.v, idx.block_table[ctx.slot_ids[b]], end)
         if sliding_window is None:  # the queries are the last hi - lo of the end positions
             out.append(_sdpa_causal(q[lo:hi], kb, vb, scale))
             continue
@@ -160,8 +191,9 @@ def _attend_decode(q, cache, idx, scale, sliding_window):
     # One new token per sequence: gather every sequence's cache up to the longest (or the padded
     # length of a fixed-shape step), mask the rest.
     max_len = idx.max_seq_len
-    kb = cache.k[idx.seq_slot, :max_len].transpose(1, 2)  # [B, Hkv, L, Dk]
-    vb = cache.v[idx.seq_slot, :max_len].transpose(1, 2)
+    rows = idx.block_table[idx.seq_slot]  # [B, M]
+    kb = gather_positions(cache.k, rows, max_len).transpose(1, 2)  # [B, Hkv, L, Dk]
+    vb = gather_positions(cache.v, rows, max_len).transpose(1, 2)
     k_pos = torch.arange(max_len, device=q.device)
     mask = k_pos[None, :] < idx.seq_len[:, None]  # [B, L]
     if sliding_window is not None:
@@ -199,9 +231,15 @@ class Attention(nn.Module):
         # CHUNK cached positions: q/k norms, rotary, cache writes and attention in one kernel
         self.fused_layer = True
 
-    def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.o_proj.weight.element_size()
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None) -> None:
+        """A cache of num_blocks blocks of block_size positions (slot_table: contiguous_slot_table's, for steps
+        whose context carries no block table)."""
         w = self.o_proj.weight
-        self.kv_cache = KVCache(num_slots, max_len, self.num_kv_heads, self.head_dim, self.head_dim, w.dtype, w.device)
+        self.kv_cache = KVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.head_dim, w.dtype,
+                                w.device, slot_table)
 
     def forward(self, x: torch.Tensor | None, positions: torch.Tensor, qkv: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H], positions [T] -> [T, H]. qkv: qkv_proj(x) [T, (Hq + 2 Hkv) D] if the caller made it
@@ -249,9 +287,10 @@ class Attention(nn.Module):
         norm = hasattr(self, "q_norm")
         norm_args = (self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                      self.q_norm.eps if norm else 0.0, positions, self.rotary.inv_freq(qkv.device),
-                     self.rotary.attention_scaling, cache.k, cache.v, idx.token_slot, idx.token_pos)
+                     self.rotary.attention_scaling, cache.k, cache.v, idx.token_row)
         if self.fused_layer and (ctx.decode is not None or ctx.is_decode) and idx.max_seq_len <= CHUNK:
             return triton_rope_decode_attention(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norm_args,
-                                                idx.seq_slot, idx.seq_len, self.scale, self.sliding_window)
+                                                idx.block_table, idx.seq_slot, idx.seq_len, self.scale,
+                                                self.sliding_window)
         q = triton_norm_rope_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norm_args)
         return _attend_cached(q, cache, ctx, idx, self.scale, self.sliding_window, fused=True)

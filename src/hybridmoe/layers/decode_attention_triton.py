@@ -1,4 +1,4 @@
-"""Decode attention (one new token per sequence) over the slot KV cache, as one Triton kernel.
+"""Decode attention (one new token per sequence) over the paged KV cache, as one Triton kernel.
 
 torch gathers every row's cache up to the padded length, builds the mask and runs SDPA: ~8 kernels
 per layer, each with its launch and drain in a decode step's CUDA graph. Here one program per
@@ -9,7 +9,12 @@ probabilities are rounded to the cache dtype before they weigh the values, as fl
 does. Up to CHUNK positions that is the one kernel; a longer cache adds a second that combines
 the chunks (flash-decoding).
 
-B sequences, Hq query heads, Hkv key/value heads, D head dim, S slots, L cached positions, NC chunks.
+The cache is paged: position p of the sequence in slot s lives in block block_table[s, p // BS] at row
+p % BS. Keys are read in tiles of BLOCK_L positions, BLOCK_L a divisor of BS, so a tile lies inside one
+block: one block-table read per tile, and each key row is a contiguous load as in an unpaged cache.
+
+B sequences, Hq query heads, Hkv key/value heads, Dk / Dv key / value head dims, NB blocks of BS
+positions, S slots, M blocks per slot's table, NC chunks.
 """
 
 from __future__ import annotations
@@ -18,81 +23,92 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridmoe.layers.rope_triton import norm_rope_heads
+from hybridmoe.layers.rope_triton import check_paged_cache, norm_rope_heads
 
 
 @triton.jit
-def _attend(q, k_ptr, v_ptr, base, first, end, scale, stride_cl, D, PRECISION: tl.constexpr,
-            BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
-    """q [BLOCK_G, BLOCK_D] over the cached keys/values at positions [first, end) from base -> the online
-    softmax's (max [BLOCK_G], total [BLOCK_G], unnormalized sum [BLOCK_G, BLOCK_D]), float32; no key:
+def _attend(q, k_ptr, v_ptr, table, k_head, v_head, first, end, scale, stride_kr, stride_vr, DK, DV,
+            BS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
+            BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """q [BLOCK_G, BLOCK_DK] over the cached keys/values at positions [first, end) of the sequence whose
+    block-table row starts at table (k_head, v_head: the head's offset in a cache row) -> the online
+    softmax's (max [BLOCK_G], total [BLOCK_G], unnormalized sum [BLOCK_G, BLOCK_DV]), float32; no key:
     (-inf, 0, 0)."""
-    d = tl.arange(0, BLOCK_D)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
     m = tl.full((BLOCK_G,), -float("inf"), dtype=tl.float32)
     total = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    # blocks from the one holding the first visible key: each holds at least one, so m stays finite
+    acc = tl.zeros((BLOCK_G, BLOCK_DV), dtype=tl.float32)
+    # tiles from the one holding the first visible key: each holds at least one, so m stays finite
     for l0 in range(first // BLOCK_L * BLOCK_L, tl.where(first < end, end, 0), BLOCK_L):
         pos = l0 + tl.arange(0, BLOCK_L)
-        kv_mask = (pos < end)[:, None] & (d < D)[None, :]
-        k = tl.load(k_ptr + base + pos[:, None] * stride_cl + d[None, :], mask=kv_mask, other=0.0)
+        rows = tl.load(table + l0 // BS).to(tl.int64) * BS + l0 % BS + tl.arange(0, BLOCK_L)  # flat cache rows
+        seen = pos < end
+        k = tl.load(k_ptr + k_head + rows[:, None] * stride_kr + dk[None, :], mask=seen[:, None] & (dk < DK)[None, :],
+                    other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_L]
-        s = tl.where(((pos >= first) & (pos < end))[None, :], s, -float("inf"))
+        s = tl.where(((pos >= first) & seen)[None, :], s, -float("inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + base + pos[:, None] * stride_cl + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + v_head + rows[:, None] * stride_vr + dv[None, :], mask=seen[:, None] & (dv < DV)[None, :],
+                    other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     return m, total, acc
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, out_ptr, m_ptr, l_ptr, scale, window, G, D,
-                             stride_qb, stride_qh, stride_cs, stride_cl, stride_ch, CHUNK,
-                             HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                             BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, slot_ptr, len_ptr, out_ptr, m_ptr, l_ptr, scale, window,
+                             G, DK, DV, stride_qb, stride_qh, stride_bt, stride_kr, stride_kh, stride_vr, stride_vh,
+                             CHUNK, BS: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+                             PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
+                             BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Program (b, kh, c): row b's query heads of key/value head kh over the visible keys of positions
     [c * CHUNK, (c + 1) * CHUNK). SPLIT: the unnormalized sum and its (max, total) go to out, m, l
-    [B, Hq, NC(, D)] for _combine_kernel; else the normalized output to out [B, Hq, D]."""
+    [B, Hq, NC(, Dv)] for combine_chunks; else the normalized output to out [B, Hq, Dv]."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     c = tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
     heads = kh * G + g
-    q_mask = (g < G)[:, None] & (d < D)[None, :]
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dk[None, :],
+                mask=(g < G)[:, None] & (dk < DK)[None, :], other=0.0)
     n = tl.load(len_ptr + b)  # the row's keys: positions 0 .. n - 1, its new token at n - 1
     first = c * CHUNK
     if HAS_WINDOW:
         first = tl.maximum(first, n - window)  # keys > (n - 1) - window
     end = tl.minimum(n, (c + 1) * CHUNK)
-    base = tl.load(slot_ptr + b).to(tl.int64) * stride_cs + kh * stride_ch
-    m, total, acc = _attend(q, k_ptr, v_ptr, base, first, end, scale, stride_cl, D, PRECISION,
-                            BLOCK_G, BLOCK_L, BLOCK_D)
+    table = bt_ptr + tl.load(slot_ptr + b).to(tl.int64) * stride_bt
+    m, total, acc = _attend(q, k_ptr, v_ptr, table, kh * stride_kh, kh * stride_vh, first, end, scale, stride_kr,
+                            stride_vr, DK, DV, BS, PRECISION, BLOCK_G, BLOCK_L, BLOCK_DK, BLOCK_DV)
+    out_mask = (g < G)[:, None] & (dv < DV)[None, :]
     if SPLIT:
         NC = tl.num_programs(2)
         part = (b * G * tl.num_programs(1) + heads) * NC + c  # [BLOCK_G] index into [B, Hq, NC]
         tl.store(m_ptr + part, m, mask=g < G)
         tl.store(l_ptr + part, total, mask=g < G)
-        tl.store(out_ptr + part[:, None] * D + d[None, :], acc, mask=q_mask)
+        tl.store(out_ptr + part[:, None] * DV + dv[None, :], acc, mask=out_mask)
     else:
-        tl.store(out_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                 (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(out_ptr + (b * G * tl.num_programs(1) + heads[:, None]) * DV + dv[None, :],
+                 (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _rope_attention_kernel(qkv_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, positions_ptr, inv_freq_ptr, tslot_ptr, tpos_ptr,
-                           slot_ptr, len_ptr, out_ptr, rope_scaling, eps, scale, window, G, D, Hq, Hkv,
-                           stride_t, stride_cs, stride_cl, stride_ch,
-                           HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-                           BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_attention_kernel(qkv_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, positions_ptr, inv_freq_ptr, token_row_ptr,
+                           bt_ptr, slot_ptr, len_ptr, out_ptr, rope_scaling, eps, scale, window, G, D, Hq, Hkv,
+                           stride_t, stride_bt, stride_cr, stride_ch,
+                           BS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                           PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
     """Program (b, kh): row b's new token from the merged projection qkv [B, (Hq + 2 Hkv) D]: its G query
     heads of key/value head kh and that key head normalized and rotated (rope_triton.norm_rope_heads), the
-    key and value written to the cache at (tslot[b], tpos[b]); then the queries over the cached keys
-    before it (visible ones) and, last, over the new key, held in registers -> out [B, Hq, D]."""
+    key and value written to the cache's flat row token_row[b]; then the queries over the cached keys
+    before it (visible ones, through the block table) and, last, over the new key, held in registers (no
+    program reads a row another writes) -> out [B, Hq, D]."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -120,16 +136,16 @@ def _rope_attention_kernel(qkv_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, positions_pt
         wp = tl.load(k_w_ptr + partner, mask=inside, other=0.0)
     k = norm_rope_heads(x, xp, w, wp, angle, right, rope_scaling, eps, D, HAS_NORM).to(k_ptr.dtype.element_ty)
     v = tl.load(row + (Hq + Hkv + kh) * D + cols, mask=inside, other=0.0).to(v_ptr.dtype.element_ty)  # [1, BLOCK_D]
-    at = tl.load(tslot_ptr + b).to(tl.int64) * stride_cs + tl.load(tpos_ptr + b).to(tl.int64) * stride_cl + kh * stride_ch
+    at = tl.load(token_row_ptr + b).to(tl.int64) * stride_cr + kh * stride_ch
     tl.store(k_ptr + at + cols, k, mask=inside)
     tl.store(v_ptr + at + cols, v, mask=inside)
     n = tl.load(len_ptr + b)  # the row's keys: positions 0 .. n - 1, its new token at n - 1
     first = n * 0
     if HAS_WINDOW:
         first = tl.maximum(first, n - window)  # keys > (n - 1) - window
-    base = tl.load(slot_ptr + b).to(tl.int64) * stride_cs + kh * stride_ch
-    m, total, acc = _attend(q, k_ptr, v_ptr, base, first, n - 1, scale, stride_cl, D, PRECISION,
-                            BLOCK_G, BLOCK_L, BLOCK_D)
+    table = bt_ptr + tl.load(slot_ptr + b).to(tl.int64) * stride_bt
+    m, total, acc = _attend(q, k_ptr, v_ptr, table, kh * stride_ch, kh * stride_ch, first, n - 1, scale, stride_cr,
+                            stride_cr, D, D, BS, PRECISION, BLOCK_G, BLOCK_L, BLOCK_D, BLOCK_D)
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * scale  # [BLOCK_G] the new key's scores
     m_new = tl.maximum(m, s)
     alpha = tl.exp(m - m_new)
@@ -142,17 +158,34 @@ def _rope_attention_kernel(qkv_ptr, k_ptr, v_ptr, q_w_ptr, k_w_ptr, positions_pt
 
 @triton.jit
 def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NC, D, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b, h): the chunks' partial softmax sums of one query head -> its output row."""
-    row = tl.program_id(0)  # b * Hq + h
+    """Program (row, db): columns db * BLOCK_D .. of one output row from its NC chunks' partial softmax sums,
+    BLOCK_C chunks at a time: first the largest chunk max, then the sums rescaled to it."""
+    row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
-    d = tl.arange(0, BLOCK_D)
-    m = tl.load(m_ptr + row * NC + c, mask=c < NC, other=-float("inf"))
-    scale = tl.exp(m - tl.max(m, axis=0))  # chunks with no key (-inf) weigh 0
-    total = tl.sum(tl.load(l_ptr + row * NC + c, mask=c < NC, other=0.0) * scale, axis=0)
-    acc = tl.load(acc_ptr + (row * NC + c)[:, None] * D + d[None, :], mask=(c < NC)[:, None] & (d < D)[None, :],
-                  other=0.0)
-    out = tl.sum(acc * scale[:, None], axis=0) / total
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    top = tl.full((BLOCK_C,), -float("inf"), dtype=tl.float32)
+    for c0 in range(0, NC, BLOCK_C):
+        top = tl.maximum(top, tl.load(m_ptr + row * NC + c0 + c, mask=c0 + c < NC, other=-float("inf")))
+    top_all = tl.max(top, axis=0)  # finite: the chunk holding the new token has a key
+    total = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
+    for c0 in range(0, NC, BLOCK_C):
+        cs = c0 + c
+        scale = tl.exp(tl.load(m_ptr + row * NC + cs, mask=cs < NC, other=-float("inf")) - top_all)  # no key: 0
+        total += tl.load(l_ptr + row * NC + cs, mask=cs < NC, other=0.0) * scale
+        acc += tl.load(acc_ptr + (row * NC + cs)[:, None].to(tl.int64) * D + d[None, :],
+                       mask=(cs < NC)[:, None] & (d < D)[None, :], other=0.0) * scale[:, None]
+    out = tl.sum(acc, axis=0) / tl.sum(total, axis=0)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def combine_chunks(acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, out: torch.Tensor) -> None:
+    """Flash-decoding's second step: the chunks' partial softmax sums acc [rows, NC, D] (float32, unnormalized)
+    with their maxima m and totals total [rows, NC] -> out [rows, D] (written; any row-major view)."""
+    rows, NC, D = acc.shape
+    block_d = min(128, triton.next_power_of_2(D))
+    _combine_kernel[(rows, triton.cdiv(D, block_d))](acc, m, total, out, NC, D,
+                                                     BLOCK_C=min(16, triton.next_power_of_2(NC)), BLOCK_D=block_d)
 
 
 CHUNK = 512
@@ -160,50 +193,56 @@ CHUNK = 512
 (row, key/value head) is one program otherwise, too few to read a long cache fast), then combined."""
 
 
-def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                            lens: torch.Tensor, scale: float, sliding_window: int | None,
+def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                            slots: torch.Tensor, lens: torch.Tensor, scale: float, sliding_window: int | None,
                             max_len: int) -> torch.Tensor:
-    """q [B, Hq, D] (row b's new token) over k_cache, v_cache [S, L, Hkv, D] slot slots[b], positions
-    0 .. lens[b] - 1 (within the window, if any) -> [B, Hq, D]. max_len: a bound on lens (known on
-    the host: the padded length of a fixed-shape step), which sets the chunks."""
-    B, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
+    """q [B, Hq, Dk] (row b's new token) over k_cache [NB, BS, Hkv, Dk], v_cache [NB, BS, Hkv, Dv], the
+    sequence in slot slots[b] (its blocks: block_table [S, M] int32, row slots[b]), positions
+    0 .. lens[b] - 1 (within the window, if any) -> [B, Hq, Dv]. max_len: a bound on lens (known on
+    the host: the padded length of a fixed-shape step), which sets the chunks; lens and the block table
+    are read on the device only."""
+    B, Hq, DK = q.shape
+    Hkv, DV = v_cache.shape[2:]
+    BS = check_paged_cache(k_cache, v_cache, block_table=block_table)
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(B, Hq, DV, dtype=q.dtype, device=q.device)
     G = Hq // Hkv
     NC = triton.cdiv(max_len, CHUNK)
-    blocks = dict(BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_L=64, BLOCK_D=max(16, triton.next_power_of_2(D)))
-    args = (scale, sliding_window or 0, G, D, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), CHUNK)
-    flags = dict(HAS_WINDOW=sliding_window is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    blocks = {"BLOCK_G": max(16, triton.next_power_of_2(G)), "BLOCK_L": min(64, BS),
+              "BLOCK_DK": max(16, triton.next_power_of_2(DK)), "BLOCK_DV": max(16, triton.next_power_of_2(DV))}
+    args = (scale, sliding_window or 0, G, DK, DV, q.stride(0), q.stride(1), block_table.stride(0),
+            k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), CHUNK)
+    flags = {"BS": BS, "HAS_WINDOW": sliding_window is not None,
+             "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
     if NC == 1:
-        _decode_attention_kernel[(B, Hkv, 1)](q, k_cache, v_cache, slots, lens, out, out, out, *args, SPLIT=False,
-                                             **flags, **blocks)
+        _decode_attention_kernel[(B, Hkv, 1)](q, k_cache, v_cache, block_table, slots, lens, out, out, out, *args,
+                                             SPLIT=False, **flags, **blocks)
         return out
-    acc = torch.empty(B, Hq, NC, D, dtype=torch.float32, device=q.device)
+    acc = torch.empty(B, Hq, NC, DV, dtype=torch.float32, device=q.device)
     m = torch.empty(B, Hq, NC, dtype=torch.float32, device=q.device)
     total = torch.empty_like(m)
-    _decode_attention_kernel[(B, Hkv, NC)](q, k_cache, v_cache, slots, lens, acc, m, total, *args, SPLIT=True,
-                                          **flags, **blocks)
-    _combine_kernel[(B * Hq,)](acc, m, total, out, NC, D, BLOCK_C=max(2, triton.next_power_of_2(NC)),
-                               BLOCK_D=blocks["BLOCK_D"])
+    _decode_attention_kernel[(B, Hkv, NC)](q, k_cache, v_cache, block_table, slots, lens, acc, m, total, *args,
+                                          SPLIT=True, **flags, **blocks)
+    combine_chunks(acc.view(B * Hq, NC, DV), m.view(B * Hq, NC), total.view(B * Hq, NC), out.view(B * Hq, DV))
     return out
 
 
 def triton_rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                                 positions: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float,
-                                 k_cache: torch.Tensor, v_cache: torch.Tensor, token_slot: torch.Tensor,
-                                 token_pos: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float,
+                                 positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float,
+                                 k_cache: torch.Tensor, v_cache: torch.Tensor, token_row: torch.Tensor,
+                                 block_table: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float,
                                  sliding_window: int | None) -> torch.Tensor:
     """A decode step's rope_triton.triton_norm_rope_cache then triton_decode_attention in one kernel, for
     caches of at most CHUNK positions (max_len <= CHUNK: one program per (row, key/value head) reads it all).
 
-    qkv [B, (Hq + 2 Hkv) D], one new token per row b at positions[b], its key and value written at
-    (token_slot[b], token_pos[b]) of k_cache, v_cache [S, L, Hkv, D]; slots, lens: the rows' slots and
-    lengths with the new token (its position lens[b] - 1 = token_pos[b]) -> [B, Hq, D].
+    qkv [B, (Hq + 2 Hkv) D], one new token per row b at positions[b], its key and value written at the flat
+    row token_row[b] (block * BS + offset) of k_cache, v_cache [NB, BS, Hkv, D]; block_table [S, M] int32,
+    slots, lens: the rows' slots and lengths with the new token (it sits at position lens[b] - 1, which
+    token_row[b] addresses) -> [B, Hq, D].
     """
     B = qkv.shape[0]
+    BS = check_paged_cache(k_cache, v_cache, block_table=block_table)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     out = torch.empty(B, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -211,9 +250,9 @@ def triton_rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads
     has_norm = q_weight is not None
     _rope_attention_kernel[(B, num_kv_heads)](
         qkv, k_cache, v_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv, positions, inv_freq,
-        token_slot, token_pos, slots, lens, out, rope_scaling, eps, scale, sliding_window or 0, G, head_dim,
-        num_heads, num_kv_heads, qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HAS_NORM=has_norm, HAS_WINDOW=sliding_window is not None,
+        token_row, block_table, slots, lens, out, attention_scaling, eps, scale, sliding_window or 0, G, head_dim,
+        num_heads, num_kv_heads, qkv.stride(0), block_table.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BS=BS, HAS_NORM=has_norm, HAS_WINDOW=sliding_window is not None,
         PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", BLOCK_G=max(16, triton.next_power_of_2(G)),
-        BLOCK_L=64, BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+        BLOCK_L=min(64, BS), BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
     return out

@@ -11,7 +11,7 @@ heads. Attention never expands the cache: kv_b_proj's key half is absorbed into 
     score(t, s) = (q_nope W_UK^T) . c_s + q_pe . k_pe_s,   out = (sum_s p(t, s) c_s) W_UV^T
 
 which is one multi-query attention with key [c, k_pe] (R + P wide) and value c (R wide),
-over a cache of [slots, max_len, R + P].
+over a paged cache of [NB blocks, BS positions, R + P] (layers/attention.py's block tables).
 """
 
 from __future__ import annotations
@@ -19,16 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridmoe.forward_context import DecodeBatch, get_context
+from hybridmoe.forward_context import get_context
+from hybridmoe.layers.attention import StepIndex, gather_positions, step_index
 from hybridmoe.layers.linear import decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.layers.yarn import softmax_scale
 from hybridmoe.platform import HAVE_TRITON
-
-FUSED_MAX_LEN = 1024
-"""The longest cache the fused decode kernel reads (one program per row and head block walks all of it)."""
-
 
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay them out.
@@ -64,16 +61,22 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope)
         self.rotate = apply_rotary_interleaved if rope_interleave else apply_rotary
         self.scale = softmax_scale(rope, qk_head_dim)
-        self.kv_cache: torch.Tensor | None = None  # [slots, max_len, R + P]
-        # on CUDA, a fixed-shape decode step of at most FUSED_MAX_LEN positions: rotary, the latent's norm,
-        # the cache write and the attention in one kernel (mla_decode_triton.py); one token: the projections
+        self.kv_cache: torch.Tensor | None = None  # [NB, BS, R + P]
+        self.slot_table: torch.Tensor | None = None  # contiguous slots, for contexts without a block table
+        # on CUDA, a fixed-shape decode step: rotary, the latent's norm, the cache write and the attention in
+        # one kernel launch per chunk of positions (mla_decode_triton.py); one token: the projections
         # as decode GEMVs (forward_normed, o_proj); MoECausalLM.fuse_decode_kernels
         self.fused_layer = True
 
-    def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
+    def kv_bytes_per_token(self) -> int:
+        return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_a_proj_with_mqa.weight.element_size()
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None) -> None:
+        """A latent cache of num_blocks blocks of block_size positions (slot_table: see Attention's)."""
         w = self.kv_a_proj_with_mqa.weight
-        self.kv_cache = torch.zeros(num_slots, max_len, self.kv_lora_rank + self.qk_rope_head_dim,
+        self.kv_cache = torch.zeros(num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim,
                                     dtype=w.dtype, device=w.device)
+        self.slot_table = slot_table
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], positions [T] -> [T, H]; writes the new tokens' latents into the cache."""
@@ -103,15 +106,14 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # [N, D, R], [N, V, R]
         q_abs = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)  # [T, N, R]
         decode = get_context().decode
-        if (self.fused_layer and HAVE_TRITON and q.is_cuda and self.kv_cache is not None
-                and decode is not None and decode.pad_len <= FUSED_MAX_LEN):
+        if self.fused_layer and HAVE_TRITON and q.is_cuda and self.kv_cache is not None and decode is not None:
             from hybridmoe.layers.mla_decode_triton import triton_mla_decode
 
-            norm = self.kv_a_layernorm
+            norm, idx = self.kv_a_layernorm, self._index(q.device)
             out = triton_mla_decode(q_abs, q_pe, latent, k_pe, norm.weight, norm.eps, positions,
                                     self.rotary.inv_freq(q.device), self.rotary.attention_scaling,
-                                    self.rotate is apply_rotary_interleaved, self.kv_cache, decode.slots, decode.lens,
-                                    self.scale)
+                                    self.rotate is apply_rotary_interleaved, self.kv_cache, idx.block_table,
+                                    decode.slots, decode.lens, self.scale, decode.pad_len)
         else:
             cos, sin = self.rotary(positions, q.dtype)
             q_pe = self.rotate(q_pe, cos, sin)
@@ -123,27 +125,26 @@ class MultiHeadLatentAttention(nn.Module):
             return norm_linear(out, self.o_proj)[0]
         return self.o_proj(out)
 
+    def _index(self, device: torch.device) -> StepIndex:
+        if self.kv_cache is None:
+            raise RuntimeError("MLA needs its latent KV cache: call allocate_kv_cache first")
+        return step_index(get_context(), device, self.slot_table, self.kv_cache.shape[1])
+
     def _attend(self, query: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Write kv [T, R + P] into the cache; query [T, N, R + P] -> [T, N, R] over each sequence's cache.
 
         All N heads share one key, so a sequence's T_b queries of N heads are T_b * N rows of
-        one matmul against its cache slice (a view: nothing is gathered or expanded).
+        one matmul against its cached positions (gathered from its blocks once, not per head).
         """
-        if self.kv_cache is None:
-            raise RuntimeError("MLA needs its latent KV cache: call allocate_kv_cache first")
-        ctx = get_context()
+        ctx, idx = get_context(), self._index(kv.device)
+        self.kv_cache.view(-1, kv.shape[-1])[idx.token_row] = kv
         if ctx.decode is not None:
-            return self._attend_fixed(query, kv, ctx.decode)
-        lens = [ctx.seq_len(b) for b in range(ctx.num_seqs)]
-        if max(p + n for p, n in zip(ctx.start_pos, lens)) > self.kv_cache.shape[1]:
-            raise RuntimeError(f"a sequence outgrows the KV cache of {self.kv_cache.shape[1]} tokens")
-        token_slots = torch.tensor([s for s, n in zip(ctx.slot_ids, lens) for _ in range(n)], device=kv.device)
-        self.kv_cache[token_slots, positions] = kv
+            return self._attend_fixed(query, idx)
         N, R = query.shape[1], self.kv_lora_rank
         out = torch.empty(query.shape[0], N, R, dtype=query.dtype, device=query.device)
-        for b, (slot, start, n) in enumerate(zip(ctx.slot_ids, ctx.start_pos, lens)):
-            lo = ctx.cu_seqlens[b]
-            cached = self.kv_cache[slot, :start + n]  # [S, R + P]
+        for b, (slot, start) in enumerate(zip(ctx.slot_ids, ctx.start_pos)):
+            lo, n = ctx.cu_seqlens[b], ctx.seq_len(b)
+            cached = gather_positions(self.kv_cache, idx.block_table[slot], start + n)  # [S, R + P]
             scores = (query[lo:lo + n].reshape(n * N, -1) @ cached.T).view(n, N, -1) * self.scale
             if n > 1:  # token i sits at position start + i and sees positions 0 .. start + i
                 k_pos = torch.arange(start + n, device=query.device)
@@ -153,14 +154,13 @@ class MultiHeadLatentAttention(nn.Module):
             out[lo:lo + n] = (probs.view(n * N, -1) @ cached[:, :R]).view(n, N, R)
         return out
 
-    def _attend_fixed(self, query: torch.Tensor, kv: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
-        """A decode step in fixed shapes: B = T rows, each over its slot's first d.pad_len positions
-        (those past its length masked). query [B, N, R + P], kv [B, R + P] -> [B, N, R]."""
-        R, L = self.kv_lora_rank, d.pad_len
-        self.kv_cache[d.slots, d.lens - 1] = kv
-        cached = self.kv_cache[d.slots, :L]  # [B, L, R + P]
+    def _attend_fixed(self, query: torch.Tensor, idx: StepIndex) -> torch.Tensor:
+        """A decode step in fixed shapes: B = T rows, each over its slot's first max_seq_len (the padded length)
+        positions, those past its length masked; the new rows already written. query [B, N, R + P] -> [B, N, R]."""
+        R, L = self.kv_lora_rank, idx.max_seq_len
+        cached = gather_positions(self.kv_cache, idx.block_table[idx.seq_slot], L)  # [B, L, R + P]
         scores = (query @ cached.transpose(1, 2)) * self.scale  # [B, N, L]
-        hidden_keys = torch.arange(L, device=query.device)[None, :] >= d.lens[:, None]  # [B, L]
+        hidden_keys = torch.arange(L, device=query.device)[None, :] >= idx.seq_len[:, None]  # [B, L]
         scores = scores.masked_fill(hidden_keys[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
         return probs @ cached[..., :R]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hybridmoe.experts.base import ExpertBackend
+from hybridmoe.layers.attention import DEFAULT_BLOCK_SIZE, contiguous_slot_table
 from hybridmoe.layers.linear import decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 
@@ -96,7 +97,7 @@ class MoECausalLM(nn.Module):
 
     forward(input_ids [T], positions [T]) -> hidden [T, H] (final norm applied), reading the
     step context (forward_context.py) for KV-cache slots; compute_logits(hidden [N, H]) ->
-    [N, V] float32; allocate_kv_cache(num_slots, max_len) before the first forward.
+    [N, V] float32; allocate_kv_cache(num_slots, max_len) or allocate_kv_blocks before the first forward.
     """
 
     config_defaults: dict = {}
@@ -216,11 +217,23 @@ class MoECausalLM(nn.Module):
         """hidden [N, H] -> logits [N, V] float32."""
         return self.lm_head(hidden).float()
 
-    def allocate_kv_cache(self, num_slots: int, max_len: int) -> None:
-        """Give every attention layer a cache of num_slots sequences x max_len tokens (model dtype/device)."""
+    def allocate_kv_cache(self, num_slots: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        """Give every attention layer a cache of num_slots contiguous slots of max_len tokens (model dtype and
+        device), which steps whose context carries no block table use: a single model run outside the engine."""
+        device = self.lm_head.weight.device
+        table = contiguous_slot_table(num_slots, max_len, block_size, device)
+        self.allocate_kv_blocks(table.numel(), block_size, table)
+
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token takes over every attention layer (in the model's dtype)."""
+        return sum(m.kv_bytes_per_token() for m in self.model.layers.modules() if hasattr(m, "kv_bytes_per_token"))
+
+    def allocate_kv_blocks(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None) -> None:
+        """Give every attention layer a paged cache of num_blocks blocks of block_size positions; each step's
+        context then carries the block table (the engine's, engine/kv_blocks.py), else slot_table is used."""
         for module in self.model.layers.modules():
             if hasattr(module, "allocate_kv_cache"):
-                module.allocate_kv_cache(num_slots, max_len)
+                module.allocate_kv_cache(num_blocks, block_size, slot_table)
 
     def expert_key(self, name: str) -> tuple[int, int, str] | None:
         """(layer, expert, "gate"|"up"|"down") if name is a routed-expert tensor, else None."""

@@ -228,6 +228,13 @@ class AsyncEngine:
         self._update_gauges()
 
     def _update_gauges(self) -> None:
-        scheduler = self.engine.scheduler
-        self.metrics.requests_running.set(len(scheduler.running))
-        self.metrics.requests_waiting.set(len(scheduler.waiting))
+        scheduler, m = self.engine.scheduler, self.metrics
+        m.requests_running.set(len(scheduler.running))
+        m.requests_waiting.set(len(scheduler.waiting))
+        pool = scheduler.pool
+        m.kv_cache_usage.set(1.0 - pool.num_free / pool.usable_blocks)
+        # the counters follow the scheduler's own totals
+        m.prefix_cache_queries.inc(amount=pool.stats.queried_tokens - m.prefix_cache_queries.value())
+        m.prefix_cache_hits.inc(amount=pool.stats.hit_tokens - m.prefix_cache_hits.value())
+        m.prefix_cache_hit_rate.set(pool.stats.hit_rate)
+        m.preemptions.inc(amount=scheduler.num_preemptions - m.preemptions.value())

@@ -116,11 +116,22 @@ class Metrics:
         self.inter_token_latency = Histogram(
             "inter_token_latency_seconds", "Between two consecutive tokens of one request.", _LATENCY_BUCKETS)
         self.step_time = Histogram("step_seconds", "Wall time of one engine step.", _LATENCY_BUCKETS)
+        self.prefix_cache_queries = Counter("prefix_cache_queries_total",
+                                            "Prompt tokens looked up in the prefix cache (each request once).")
+        self.prefix_cache_hits = Counter("prefix_cache_hits_total",
+                                         "Prompt tokens found in the prefix cache: not computed again.")
+        self.prefix_cache_hit_rate = Gauge("prefix_cache_hit_rate", "prefix_cache_hits_total over "
+                                           "prefix_cache_queries_total since the server started.")
+        self.kv_cache_usage = Gauge("kv_cache_usage", "Share of the KV cache's blocks held by running requests.")
+        self.preemptions = Counter("preemptions_total", "Requests preempted for want of KV-cache blocks "
+                                   "(computed again when readmitted).")
 
     def render(self) -> str:
         lines: list[str] = []
         for metric in (self.http_requests, self.requests_finished, self.prompt_tokens, self.generation_tokens,
                        self.engine_steps, self.requests_running, self.requests_waiting, self.prompts_preparing,
-                       self.batch_size, self.time_to_first_token, self.inter_token_latency, self.step_time):
+                       self.batch_size, self.time_to_first_token, self.inter_token_latency, self.step_time,
+                       self.prefix_cache_queries, self.prefix_cache_hits, self.prefix_cache_hit_rate,
+                       self.kv_cache_usage, self.preemptions):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -111,10 +111,22 @@ class CompletionRequest(SamplingRequest):
     suffix: Text | None = None
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+    """Prompt tokens whose keys and values came from the prefix cache."""
+
+
 class UsageInfo(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class TopLogprob(_Response):

@@ -67,7 +67,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         choices=[ChatChoice(index=i, message=AssistantMessage(content=f.output.text),
                             logprobs=_logprobs(state, f.logprobs) if req.logprobs else None,
                             finish_reason=f.output.finish_reason) for i, f in sorted(finals.items())],
-        usage=_usage(len(prompt_ids), sum(len(f.output.token_ids) for f in finals.values())))
+        usage=UsageInfo.of(len(prompt_ids), sum(len(f.output.token_ids) for f in finals.values()),
+                           finals[0].output.num_cached_tokens))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -81,13 +82,14 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, request_id: st
                                 usage=usage)
         return sse(c.model_dump_json(exclude=None if include_usage else {"usage"}))
 
-    completion_tokens = 0
+    completion_tokens, cached_tokens = 0, 0
     try:
         for i in range(req.n):
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         try:
             async for i, out in stream:
                 completion_tokens += len(out.new_token_ids)
+                cached_tokens = out.num_cached_tokens if i == 0 else cached_tokens  # the prompt's, as choice 0 found
                 if out.new_text or out.new_logprobs:
                     yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=out.new_text),
                                                  logprobs=_logprobs(state, out.new_logprobs) if req.logprobs
@@ -98,7 +100,7 @@ async def _chunks(state: ServerState, req: ChatCompletionRequest, request_id: st
             yield error_event(e)
             return
         if include_usage:
-            yield chunk([], _usage(prompt_len, completion_tokens))
+            yield chunk([], UsageInfo.of(prompt_len, completion_tokens, cached_tokens))
         yield SSE_DONE
     finally:
         stream.close()
@@ -113,7 +115,3 @@ def _logprobs(state: ServerState, logprobs: list[TokenLogprobs]) -> ChoiceLogpro
         TokenLogprob(**entry(lp.token_id, lp.logprob), top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top])
         for lp in logprobs])
 
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)

@@ -84,7 +84,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         choices=[CompletionChoice(index=i, text=echoes[i] + f.output.text, finish_reason=f.output.finish_reason,
                                   logprobs=None if req.logprobs is None else _logprobs(state, f.logprobs, 0))
                  for i, f in sorted(finals.items())],
-        usage=_usage(prompt_tokens, sum(len(f.output.token_ids) for f in finals.values())))
+        usage=UsageInfo.of(prompt_tokens, sum(len(f.output.token_ids) for f in finals.values()),
+                           sum(finals[p * req.n].output.num_cached_tokens for p in range(len(prompts)))))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -98,7 +99,7 @@ async def _events(state: ServerState, req: CompletionRequest, request_id: str, p
                                usage=usage)
         return sse(c.model_dump_json(exclude=None if include_usage else {"usage"}))
 
-    completion_tokens = 0
+    completion_tokens, cached = 0, {}  # cached: each prompt's cached tokens, as its first choice found them
     offsets = [0] * len(echoes)  # text_offset of each choice's next token
     try:
         for i, echo in enumerate(echoes):
@@ -107,6 +108,8 @@ async def _events(state: ServerState, req: CompletionRequest, request_id: str, p
         try:
             async for i, out in stream:
                 completion_tokens += len(out.new_token_ids)
+                if i % req.n == 0:
+                    cached[i] = out.num_cached_tokens
                 if out.new_text or out.finished or out.new_logprobs:
                     logprobs = None
                     if req.logprobs is not None:
@@ -118,7 +121,7 @@ async def _events(state: ServerState, req: CompletionRequest, request_id: str, p
             yield error_event(e)
             return
         if include_usage:
-            yield event([], _usage(prompt_tokens, completion_tokens))
+            yield event([], UsageInfo.of(prompt_tokens, completion_tokens, sum(cached.values())))
         yield SSE_DONE
     finally:
         stream.close()
@@ -139,7 +142,3 @@ def _by_text(state: ServerState, top: list[tuple[int, float]]) -> dict[str, floa
         out.setdefault(token_text(state, token_id), logprob)
     return out
 
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)

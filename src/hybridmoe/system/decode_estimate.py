@@ -58,11 +58,7 @@ def model_token_bytes(model_cls, config, dtype: torch.dtype, context: int) -> di
         part = model_part(name)
         nbytes = p.numel() * p.element_size()
         parts[part] += nbytes // p.shape[0] if part == "embedding_row" else nbytes
-    model.allocate_kv_cache(1, context)
-    for module in model.modules():
-        cache = getattr(module, "kv_cache", None)  # a tensor (MLA's latents) or a KVCache (k, v)
-        tensors = [cache] if isinstance(cache, torch.Tensor) else [] if cache is None else list(vars(cache).values())
-        parts["kv_cache"] += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    parts["kv_cache"] += model.kv_bytes_per_token() * context
     return parts
 
 

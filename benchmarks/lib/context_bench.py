@@ -1,0 +1,125 @@
+"""Long context and prefix reuse on one engine: decode speed at each context length, the time to first token
+of a conversation re-sent with new tokens against its cold one, and the most context a GPU budget holds.
+
+    python3 benchmarks/context.py decode [--synthetic qwen3-30b-a3b] [--layers 4] [--contexts 1024,8192,32768,131072]
+    python3 benchmarks/context.py prefix [--synthetic ...] [--context 32768] [--new-tokens 200]
+    python3 benchmarks/context.py fit [--presets qwen3-30b-a3b,deepseek-v3] [--budget 24GiB]
+
+decode: one engine whose KV cache holds the longest context; per context a random prompt of that many tokens
+is prefilled (chunked as the engine does), then --gen-len tokens are decoded greedily; tok/s is over the
+decode steps alone (from the first token to the last), and each context's ratio is to the shortest one's.
+prefix: the same engine, prefix caching on; the time to first token of a --context-token prompt from an empty
+cache (cold), then of the same prompt with --new-tokens more (warm: its full blocks come from the cache); the
+ratio warm / cold. fit: per preset at full depth, what the budget leaves after the non-expert weights and the
+workspace, as KV-cache tokens (no routed expert on the GPU). Figures of a cut model are per its depth.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hybridmoe import SamplingParams
+from hybridmoe.bench.synthetic import full_config, synthetic_checkpoint
+from hybridmoe.config import EngineConfig, format_bytes, parse_bytes
+from hybridmoe.engine.llm_engine import LLMEngine
+
+from .cli import int_list, str_list, write_json
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--synthetic", default="qwen3-30b-a3b", help="make-model preset (decode, prefix)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the cut model (default 4)")
+    parser.add_argument("--format", default="int4", help="routed experts' format (default int4)")
+    parser.add_argument("--contexts", default="1024,8192,32768,131072")
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--context", type=int, default=32768, help="prefix: the conversation's tokens")
+    parser.add_argument("--new-tokens", type=int, default=200, help="prefix: the tokens the re-sent one adds")
+    parser.add_argument("--device", default=None, help="default cuda when there is one, else cpu")
+    parser.add_argument("--gpu-memory-budget", default=None, help="e.g. 16GiB (routed experts on the GPU)")
+    parser.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3", help="fit: make-model presets")
+    parser.add_argument("--budget", default="24GiB", help="fit: the GPU budget")
+
+
+def _engine(model_dir: str, args, max_len: int) -> LLMEngine:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return LLMEngine(model_dir, EngineConfig(device=device, expert_format=args.format, max_num_seqs=1,
+                                             max_model_len=max_len, gpu_memory_budget=args.gpu_memory_budget))
+
+
+def _timed(engine: LLMEngine, prompt: list[int], gen_len: int) -> tuple[float, float]:
+    """(seconds to the first token, seconds per decoded token after it), greedy, EOS ignored."""
+    start, first, tokens = time.perf_counter(), None, 0
+    engine.add_request(prompt, SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+        if first is None and tokens:
+            first = time.perf_counter()
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return first - start, (time.perf_counter() - first) / max(tokens - 1, 1)
+
+
+def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:
+    return torch.randint(0, engine.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def decode_rows(engine: LLMEngine, contexts: list[int], gen_len: int) -> list[dict]:
+    _timed(engine, _prompt(engine, 64, 0), 8)  # warm-up: graphs, kernels
+    rows = []
+    for i, n in enumerate(contexts):
+        ttft, per_token = _timed(engine, _prompt(engine, n, 1 + i), gen_len)
+        rows.append({"context": n, "ttft_s": ttft, "decode_tok_s": 1 / per_token})
+        print(f"context {n:>7}: decode {1 / per_token:8.1f} tok/s ({rows[-1]['decode_tok_s'] / rows[0]['decode_tok_s']:.2f}x "
+              f"of {contexts[0]}), prefill {n / ttft:8.0f} tok/s", flush=True)
+    return rows
+
+
+def prefix_row(engine: LLMEngine, context: int, new_tokens: int) -> dict:
+    _timed(engine, _prompt(engine, 64, 0), 2)
+    conversation = _prompt(engine, context, 1)
+    cold, _ = _timed(engine, conversation, 1)
+    warm, _ = _timed(engine, conversation + _prompt(engine, new_tokens, 2), 1)
+    row = {"context": context, "new_tokens": new_tokens, "cold_ttft_s": cold, "warm_ttft_s": warm,
+           "ratio": warm / cold, "hit_tokens": engine.scheduler.pool.stats.hit_tokens}
+    print(f"{context} tokens cold: TTFT {cold * 1e3:.1f} ms; re-sent with {new_tokens} more: {warm * 1e3:.1f} ms "
+          f"({warm / cold:.1%} of cold; {row['hit_tokens']} tokens from the cache)", flush=True)
+    return row
+
+
+def fit_rows(presets: list[str], budget: int) -> list[dict]:
+    from hybridmoe.experts.placement import model_footprint
+    from hybridmoe.models.registry import get_model_class
+
+    rows = []
+    for preset in presets:
+        raw = full_config(preset)
+        cls = get_model_class(raw["architectures"][0])
+        fp = model_footprint(cls, cls.make_config(raw), torch.bfloat16, EngineConfig(max_num_seqs=1))
+        left = budget - fp.non_expert_bytes - fp.workspace_bytes
+        tokens = max(left, 0) // fp.kv_plan.bytes_per_token
+        rows.append({"preset": preset, "non_expert_bytes": fp.non_expert_bytes, "workspace_bytes": fp.workspace_bytes,
+                     "kv_bytes_per_token": fp.kv_plan.bytes_per_token, "context_tokens": tokens})
+        print(f"{preset}: {format_bytes(budget)} - non-expert weights {format_bytes(fp.non_expert_bytes)} - "
+              f"workspace {format_bytes(fp.workspace_bytes)} = {format_bytes(max(left, 0))} of KV cache at "
+              f"{format_bytes(fp.kv_plan.bytes_per_token)} per token: {tokens} tokens of context", flush=True)
+    return rows
+
+
+def run(args) -> int:
+    if args.command == "fit":
+        write_json(args.json, {"budget": parse_bytes(args.budget), "rows": fit_rows(str_list(args.presets),
+                                                                                   parse_bytes(args.budget))})
+        return 0
+    contexts = int_list(args.contexts)
+    longest = max(contexts) + args.gen_len if args.command == "decode" else args.context + args.new_tokens + 1
+    with synthetic_checkpoint(args.synthetic, args.layers) as ckpt:
+        engine = _engine(str(ckpt.out_dir), args, longest)
+        print(f"# {args.synthetic} cut to {args.layers} layers, {args.format} experts, device "
+              f"{engine.runner.device}; kv cache: {engine.kv_plan.line()}", flush=True)
+        result = (decode_rows(engine, contexts, args.gen_len) if args.command == "decode"
+                  else prefix_row(engine, args.context, args.new_tokens))
+    write_json(args.json, {"synthetic": args.synthetic, "layers": args.layers, "format": args.format,
+                           "result": result})
+    return 0

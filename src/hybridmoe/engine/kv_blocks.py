@@ -1,0 +1,135 @@
+"""The paged KV cache's block pool: which blocks each sequence holds, and which full blocks are cached.
+
+The KV cache is num_blocks blocks of block_size positions (layers/attention.py, layers/mla.py); a sequence holds
+a list of blocks, its block table, position p in block p // block_size. Block 0 is never handed out: rows that
+only pad a fixed-shape decode step write there.
+
+Prefix caching: a block whose block_size tokens are all computed is registered under a digest of its tokens
+and of every token before it (a chain: the digest of block i covers blocks 0..i), so a later sequence whose
+tokens start the same way takes those blocks instead of computing them. The digest is SHA-256: a collision
+would hand one request another's keys and values, and token ids come from whoever sends a prompt. A block
+nobody holds stays registered and goes to the back of the free queue; allocation takes blocks from the front,
+so the least recently released cached blocks are evicted first (LRU), and a sequence's later blocks before
+its earlier ones (they are released in reverse).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+SCRATCH_BLOCK = 0
+"""The block padding rows write into; never held by a sequence."""
+
+
+def block_digest(parent: bytes, tokens: list[int]) -> bytes:
+    """The digest of a full block of tokens following the blocks whose digest is parent (b"" for the first)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+@dataclass
+class BlockStats:
+    """Prefix-cache lookups since the engine started: prompt tokens asked for and found cached."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass
+class SequenceBlocks:
+    """One sequence's blocks: its block table and the digests of its full blocks registered so far."""
+
+    table: list[int] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
+    """digests[i]: the chained digest of block i (for every i < len(digests))."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (one is scratch), got {num_blocks}")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.refs = [0] * num_blocks
+        self.digest_of: dict[int, bytes] = {}  # block -> its registered digest
+        self.cached: dict[bytes, int] = {}  # digest -> block
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.stats = BlockStats()
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that allocation can take now (unheld, cached ones included)."""
+        return len(self.free)
+
+    @property
+    def usable_blocks(self) -> int:
+        """Every block but the scratch block."""
+        return self.num_blocks - 1
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
+        """The cached blocks that hold tokens' longest cached prefix of full blocks, at most limit tokens (so
+        a sequence keeps at least one token to compute), and their digests. Takes no reference."""
+        found, digests, parent = [], [], b""
+        if self.prefix_caching:
+            for i in range(min(len(tokens), limit) // self.block_size):
+                parent = block_digest(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+                block = self.cached.get(parent)
+                if block is None:
+                    break
+                found.append(block)
+                digests.append(parent)
+        return found, digests
+
+    def take(self, blocks: list[int]) -> None:
+        """Hold cached blocks (from match_prefix) for a sequence."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                del self.free[b]
+            self.refs[b] += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n fresh blocks held once each, evicting the least recently released cached ones; None (nothing
+        taken) when fewer than n are free."""
+        if n > len(self.free):
+            return None
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            digest = self.digest_of.pop(b, None)
+            if digest is not None:
+                del self.cached[digest]
+            self.refs[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one hold of each block; unheld ones become free, the last ones first in line for eviction."""
+        for b in reversed(blocks):
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free[b] = None
+            elif self.refs[b] < 0:
+                raise RuntimeError(f"KV block {b} released more often than it was held")
+
+    def register(self, seq: SequenceBlocks, tokens: list[int], num_computed: int) -> None:
+        """Register the sequence's blocks that num_computed made full (tokens: its tokens so far). A block
+        whose digest another block already has stays unregistered (the other is found instead)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        while len(seq.digests) < min(num_computed // bs, len(seq.table)):
+            i = len(seq.digests)
+            digest = block_digest(seq.digests[-1] if seq.digests else b"", tokens[i * bs:(i + 1) * bs])
+            seq.digests.append(digest)
+            block = seq.table[i]
+            if digest not in self.cached and block not in self.digest_of:
+                self.cached[digest] = block
+                self.digest_of[block] = digest

@@ -1,0 +1,69 @@
+"""The paged KV cache's size and the longest sequence it serves, from the engine's options and the model's bytes
+per cached token.
+
+kv_cache_budget sets the cache's memory; without it the cache holds max_num_seqs x 4096 tokens (what one
+contiguous slot per sequence of the default length held), or one max_model_len sequence if that is more. A
+sequence may be as long as the model allows (max_position_embeddings, YaRN's stretch included) when the cache
+holds that many tokens, else as long as the cache holds: concurrent sequences share the blocks, and one that
+finds none free is preempted and resumed later (engine/scheduler.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridmoe.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, check_max_model_len, format_bytes, position_limit
+from hybridmoe.errors import HybridMoEError
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    num_blocks: int
+    """Blocks allocated, the scratch block (engine/kv_blocks.py) included."""
+    block_size: int
+    max_model_len: int
+    bytes_per_token: int
+    """KV-cache bytes one token takes over all layers."""
+    model_limit: int | None
+    """The positions the model knows (None: it states none)."""
+
+    @property
+    def tokens(self) -> int:
+        """Positions the sequences can hold together."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+    def line(self) -> str:
+        """The load's line about the cache: its size, the tokens per GiB (the trade against cached experts) and
+        the context it chose."""
+        per_gib = (1 << 30) // max(self.bytes_per_token, 1)
+        why = "" if self.model_limit is None else (
+            " (the model's limit)" if self.max_model_len == self.model_limit
+            else f" (the model knows {self.model_limit}; --kv-cache-budget or --max-model-len for more)")
+        return (f"{self.tokens} tokens in blocks of {self.block_size}, {format_bytes(self.bytes)} "
+                f"({per_gib} tokens per GiB); max_model_len {self.max_model_len}{why}")
+
+
+def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: int) -> KVPlan:
+    """The cache and max_model_len for a model whose tokens take bytes_per_token of KV cache each."""
+    check_max_model_len(model_config, engine_config)
+    bs, given, limit = engine_config.kv_block_size, engine_config.max_model_len, position_limit(model_config)
+    if engine_config.kv_cache_budget is not None:
+        blocks = engine_config.kv_cache_budget // (bytes_per_token * bs)
+        if blocks < 1:
+            raise HybridMoEError(
+                f"kv_cache_budget {format_bytes(engine_config.kv_cache_budget)} holds no block of {bs} tokens "
+                f"({format_bytes(bytes_per_token * bs)} each); raise --kv-cache-budget")
+    else:
+        blocks = -(-max(engine_config.max_num_seqs * DEFAULT_MAX_MODEL_LEN, given or 0) // bs)
+    tokens = blocks * bs
+    if given is not None and given > tokens:
+        raise HybridMoEError(
+            f"max_model_len {given} needs {format_bytes(given * bytes_per_token)} of KV cache, and "
+            f"kv_cache_budget {format_bytes(engine_config.kv_cache_budget)} holds {tokens} tokens; raise "
+            "--kv-cache-budget or lower --max-model-len")
+    max_len = given or min(limit or tokens, tokens)
+    return KVPlan(blocks + 1, bs, max_len, bytes_per_token, limit)
