@@ -6,8 +6,9 @@ of a conversation re-sent with new tokens against its cold one, and the most con
     python3 benchmarks/context.py fit [--presets qwen3-30b-a3b,deepseek-v3] [--budget 24GiB]
 
 decode: one engine whose KV cache holds the longest context; per context a random prompt of that many tokens
-is prefilled (chunked as the engine does), then --gen-len tokens are decoded greedily; tok/s is over the
-decode steps alone (from the first token to the last), and each context's ratio is to the shortest one's.
+is prefilled (chunked as the engine does) and --gen-len tokens decoded greedily (its prefill tok/s; the decode
+captures the CUDA graphs of that length), then the same request again (its prompt from the prefix cache), whose
+decode steps alone are timed (from the first token to the last); each context's ratio is to the shortest one's.
 prefix: the same engine, prefix caching on; the time to first token of a --context-token prompt from an empty
 cache (cold), then of the same prompt with --new-tokens more (warm: its full blocks come from the cache); the
 ratio warm / cold. fit: per preset at full depth, what the budget leaves after the non-expert weights and the
@@ -69,7 +70,9 @@ def decode_rows(engine: LLMEngine, contexts: list[int], gen_len: int) -> list[di
     _timed(engine, _prompt(engine, 64, 0), 8)  # warm-up: graphs, kernels
     rows = []
     for i, n in enumerate(contexts):
-        ttft, per_token = _timed(engine, _prompt(engine, n, 1 + i), gen_len)
+        prompt = _prompt(engine, n, 1 + i)
+        ttft, _ = _timed(engine, prompt, gen_len)  # cold: its TTFT; its decode captures this length's graphs
+        _, per_token = _timed(engine, prompt, gen_len)  # again, the prompt from the cache: decode alone timed
         rows.append({"context": n, "ttft_s": ttft, "decode_tok_s": 1 / per_token})
         print(f"context {n:>7}: decode {1 / per_token:8.1f} tok/s ({rows[-1]['decode_tok_s'] / rows[0]['decode_tok_s']:.2f}x "
               f"of {contexts[0]}), prefill {n / ttft:8.0f} tok/s", flush=True)

@@ -11,6 +11,7 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 from hybridmoe.forward_context import Context, use_context
+from hybridmoe.layers import mla as mla_module
 from hybridmoe.layers.mla import MultiHeadLatentAttention
 from hybridmoe.layers.yarn import complete_yarn
 from hybridmoe.models.base import normalize_rope
@@ -72,8 +73,11 @@ def test_prefill_matches_transformers(family, q_lora_rank, rope, rope_interleave
 
 @pytest.mark.parametrize("family,q_lora_rank,rope,rope_interleave", CASES[1:3])
 @torch.inference_mode()
+@pytest.mark.parametrize("score_elements", [None, 1])  # 1: every query in a slice of its own
 def test_batched_chunks_and_decode_through_the_latent_cache_match_full_recomputation(
-        family, q_lora_rank, rope, rope_interleave):
+        family, q_lora_rank, rope, rope_interleave, score_elements, monkeypatch):
+    if score_elements is not None:
+        monkeypatch.setattr(mla_module, "SCORE_ELEMENTS", score_elements)
     hf, hf_rotary, ours = build(family, q_lora_rank, rope, rope_interleave)
     a, b = torch.randn(9, 48), torch.randn(6, 48)
     ours.allocate_kv_cache(num_blocks=13, block_size=4)

@@ -27,6 +27,10 @@ from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.layers.yarn import softmax_scale
 from hybridmoe.platform import HAVE_TRITON
 
+SCORE_ELEMENTS = 1 << 26
+"""Most attention scores one slice of a prefill chunk's queries computes at once (x 4 bytes in the softmax): a
+chunk over a long cached prefix runs in slices of queries, so its memory stays bounded at any length."""
+
 def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay them out.
 
@@ -145,14 +149,22 @@ class MultiHeadLatentAttention(nn.Module):
         for b, (slot, start) in enumerate(zip(ctx.slot_ids, ctx.start_pos)):
             lo, n = ctx.cu_seqlens[b], ctx.seq_len(b)
             cached = gather_positions(self.kv_cache, idx.block_table[slot], start + n)  # [S, R + P]
-            scores = (query[lo:lo + n].reshape(n * N, -1) @ cached.T).view(n, N, -1) * self.scale
-            if n > 1:  # token i sits at position start + i and sees positions 0 .. start + i
-                k_pos = torch.arange(start + n, device=query.device)
-                hidden_keys = k_pos[None, :] > start + torch.arange(n, device=query.device)[:, None]
-                scores = scores.masked_fill(hidden_keys[:, None, :], float("-inf"))
-            probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
-            out[lo:lo + n] = (probs.view(n * N, -1) @ cached[:, :R]).view(n, N, R)
+            step = max(1, SCORE_ELEMENTS // (N * (start + n)))  # queries per slice: bounded score memory
+            for q0 in range(0, n, step):
+                q1 = min(n, q0 + step)
+                out[lo + q0:lo + q1] = self._attend_rows(query[lo + q0:lo + q1], cached, start + q0)
         return out
+
+    def _attend_rows(self, query: torch.Tensor, cached: torch.Tensor, first: int) -> torch.Tensor:
+        """Consecutive queries [m, N, R + P] at positions first.. over cached [S, R + P], causal -> [m, N, R]."""
+        m, N, R = query.shape[0], query.shape[1], self.kv_lora_rank
+        scores = (query.reshape(m * N, -1) @ cached.T).view(m, N, -1) * self.scale
+        if first + m < cached.shape[0] or m > 1:  # query i sits at position first + i and sees 0 .. first + i
+            k_pos = torch.arange(cached.shape[0], device=query.device)
+            hidden_keys = k_pos[None, :] > first + torch.arange(m, device=query.device)[:, None]
+            scores = scores.masked_fill(hidden_keys[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        return (probs.view(m * N, -1) @ cached[:, :R]).view(m, N, R)
 
     def _attend_fixed(self, query: torch.Tensor, idx: StepIndex) -> torch.Tensor:
         """A decode step in fixed shapes: B = T rows, each over its slot's first max_seq_len (the padded length)
