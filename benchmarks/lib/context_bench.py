@@ -11,7 +11,7 @@ captures the CUDA graphs of that length), then the same request again (its promp
 decode steps alone are timed (from the first token to the last); each context's ratio is to the shortest one's.
 prefix: the same engine, prefix caching on; the time to first token of a --context-token prompt from an empty
 cache (cold), then of the same prompt with --new-tokens more (warm: its full blocks come from the cache); the
-ratio warm / cold. fit: per preset at full depth, what the budget leaves after the non-expert weights and the
+ratio warm / cold; with a host tier, once more after another prompt as long has evicted its blocks there. fit: per preset at full depth, what the budget leaves after the non-expert weights and the
 workspace, as KV-cache tokens (no routed expert on the GPU). Figures of a cut model are per its depth.
 """
 
@@ -84,10 +84,18 @@ def prefix_row(engine: LLMEngine, context: int, new_tokens: int) -> dict:
     conversation = _prompt(engine, context, 1)
     cold, _ = _timed(engine, conversation, 1)
     warm, _ = _timed(engine, conversation + _prompt(engine, new_tokens, 2), 1)
+    hits = engine.scheduler.pool.stats.hit_tokens
     row = {"context": context, "new_tokens": new_tokens, "cold_ttft_s": cold, "warm_ttft_s": warm,
-           "ratio": warm / cold, "hit_tokens": engine.scheduler.pool.stats.hit_tokens}
+           "ratio": warm / cold, "hit_tokens": hits}
     print(f"{context} tokens cold: TTFT {cold * 1e3:.1f} ms; re-sent with {new_tokens} more: {warm * 1e3:.1f} ms "
-          f"({warm / cold:.1%} of cold; {row['hit_tokens']} tokens from the cache)", flush=True)
+          f"({warm / cold:.1%} of cold; {hits} tokens from the cache)", flush=True)
+    if engine.kv_plan.host_blocks:  # another conversation evicts this one's blocks to the host tier
+        _timed(engine, _prompt(engine, context + new_tokens, 3), 1)
+        host, _ = _timed(engine, conversation + _prompt(engine, new_tokens, 4), 1)
+        came = engine.scheduler.pool.stats.hit_tokens - hits
+        row.update(host_ttft_s=host, host_ratio=host / cold, host_hit_tokens=came)
+        print(f"re-sent after its blocks went to the host tier: {host * 1e3:.1f} ms ({host / cold:.1%} of cold; "
+              f"{came} tokens from the cache)", flush=True)
     return row
 
 

@@ -57,6 +57,11 @@ class EngineConfig:
     """Memory of the paged KV cache ("8GiB" or bytes), on the device that runs attention. None: max_num_seqs x
     4096 tokens' worth, or one max_model_len sequence if that is more."""
 
+    kv_cpu_budget: int | str | None = None
+    """Host memory for KV blocks evicted from the device's cache (the host tier: a re-sent prefix comes back
+    over PCIe instead of being computed again). None: as large as the device's cache when that is a GPU, none
+    on the CPU; 0 turns it off."""
+
     kv_block_size: int = 64
     """Positions per KV-cache block (a power of two, 16 to 256): the unit of allocation and of prefix reuse."""
 
@@ -190,6 +195,10 @@ class EngineConfig:
             self.kv_cache_budget = parse_bytes(self.kv_cache_budget)
             if self.kv_cache_budget < 1:
                 raise HybridMoEError(f"kv_cache_budget must be positive, got {self.kv_cache_budget}")
+        if self.kv_cpu_budget is not None:
+            self.kv_cpu_budget = parse_bytes(self.kv_cpu_budget)
+            if self.kv_cpu_budget < 0:
+                raise HybridMoEError(f"kv_cpu_budget must be 0 or more, got {self.kv_cpu_budget}")
         if self.kv_block_size not in (16, 32, 64, 128, 256):
             raise HybridMoEError(f"kv_block_size must be 16, 32, 64, 128 or 256, got {self.kv_block_size}")
         if self.prefill_streaming not in PREFILL_STREAMING:

@@ -2,7 +2,9 @@
 per cached token.
 
 kv_cache_budget sets the cache's memory; without it the cache holds max_num_seqs x 4096 tokens (what one
-contiguous slot per sequence of the default length held), or one max_model_len sequence if that is more. A
+contiguous slot per sequence of the default length held), or one max_model_len sequence if that is more.
+kv_cpu_budget sets the host tier's (none on the CPU device, whose cache is in host memory already; as large as
+the device's cache on a GPU, unless given). A
 sequence may be as long as the model allows (max_position_embeddings, YaRN's stretch included) when the cache
 holds that many tokens, else as long as the cache holds: concurrent sequences share the blocks, and one that
 finds none free is preempted and resumed later (engine/scheduler.py).
@@ -26,6 +28,8 @@ class KVPlan:
     """KV-cache bytes one token takes over all layers."""
     model_limit: int | None
     """The positions the model knows (None: it states none)."""
+    host_blocks: int = 0
+    """Blocks of the host tier (engine/kv_blocks.py), 0: none."""
 
     @property
     def tokens(self) -> int:
@@ -43,8 +47,10 @@ class KVPlan:
         why = "" if self.model_limit is None else (
             " (the model's limit)" if self.max_model_len == self.model_limit
             else f" (the model knows {self.model_limit}; --kv-cache-budget or --max-model-len for more)")
+        host = (f"; host tier {self.host_blocks * self.block_size} tokens, "
+                f"{format_bytes(self.host_blocks * self.block_size * self.bytes_per_token)}" if self.host_blocks else "")
         return (f"{self.tokens} tokens in blocks of {self.block_size}, {format_bytes(self.bytes)} "
-                f"({per_gib} tokens per GiB); max_model_len {self.max_model_len}{why}")
+                f"({per_gib} tokens per GiB); max_model_len {self.max_model_len}{why}{host}")
 
 
 def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: int) -> KVPlan:
@@ -66,4 +72,6 @@ def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: in
             f"kv_cache_budget {format_bytes(engine_config.kv_cache_budget)} holds {tokens} tokens; raise "
             "--kv-cache-budget or lower --max-model-len")
     max_len = given or min(limit or tokens, tokens)
-    return KVPlan(blocks + 1, bs, max_len, bytes_per_token, limit)
+    host = engine_config.kv_cpu_budget
+    host_blocks = (blocks if engine_config.device == "cuda" else 0) if host is None else host // (bytes_per_token * bs)
+    return KVPlan(blocks + 1, bs, max_len, bytes_per_token, limit, host_blocks if engine_config.prefix_caching else 0)

@@ -98,3 +98,22 @@ def test_a_preempted_sequence_resumes_with_the_tokens_it_would_have_had(checkpoi
                 max_model_len=256, prefix_caching=False)
     assert [o.token_ids for o in tight.generate(prompts, [params, params])] == expected
     assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_a_prefix_evicted_to_the_host_tier_comes_back_with_the_same_output(checkpoint):
+    reference = LLM(checkpoint, dtype="float32", kv_block_size=16, prefix_caching=False)
+    per_token = reference.engine.kv_plan.bytes_per_token
+    vocab = reference.engine.vocab_size
+    conversation, others = random_prompt(200, vocab, seed=20), [random_prompt(200, vocab, seed=21 + i) for i in range(2)]
+    resent = conversation + random_prompt(30, vocab, seed=30)
+    want = reference.generate(resent, GREEDY)[0].token_ids
+    for host_budget, cached in ((0, 0), (64 * 16 * per_token, 192)):
+        # 20 blocks of 16: the two other prompts evict the conversation's blocks from the cache
+        llm = LLM(checkpoint, dtype="float32", kv_block_size=16, kv_cache_budget=20 * 16 * per_token,
+                  max_model_len=256, kv_cpu_budget=host_budget)
+        llm.generate(conversation, GREEDY)
+        for other in others:
+            llm.generate(other, GREEDY)
+        got = llm.generate(resent, GREEDY)[0]
+        assert got.token_ids == want
+        assert got.num_cached_tokens == cached  # 12 full blocks of the conversation, back from the host

@@ -1,3 +1,5 @@
+import pytest
+
 from hybridmoe import SamplingParams
 from hybridmoe.engine.kv_blocks import BlockPool
 from hybridmoe.engine.scheduler import Scheduler
@@ -139,11 +141,12 @@ def test_a_sequence_the_pool_cannot_hold_is_preempted_and_resumes_where_it_stood
     assert all(r == 0 for r in sched.pool.refs)
 
 
-def test_every_block_is_back_in_the_pool_after_mixed_requests_and_aborts():
+@pytest.mark.parametrize("host_blocks", [0, 5])
+def test_every_block_is_back_in_the_pool_after_mixed_requests_and_aborts(host_blocks):
     import random
 
     rng = random.Random(0)
-    sched = scheduler(num_slots=4, max_num_batched_tokens=16, num_blocks=12, block_size=4)
+    sched = Scheduler(4, 16, BlockPool(12, 4, host_blocks=host_blocks))
     shared = [7] * 12  # prompts that share a prefix hit the cache
     live = []
     for step in range(400):
@@ -167,3 +170,57 @@ def test_every_block_is_back_in_the_pool_after_mixed_requests_and_aborts():
     assert not sched.has_unfinished()
     assert sched.pool.num_free == sched.pool.usable_blocks and all(r == 0 for r in sched.pool.refs)
     assert sched.pool.stats.hit_tokens > 0 and sched.num_preemptions > 0
+    pool = sched.pool
+    assert len(pool.on_host) + len(pool.host_free) == host_blocks  # every host block listed once
+    assert len(set(pool.on_host.values()) | set(pool.host_free)) == host_blocks
+    if host_blocks:
+        assert any(c.direction == "in" for c in pool.copies) and any(c.direction == "out" for c in pool.copies)
+
+
+def test_evicted_cached_blocks_go_to_the_host_tier_and_come_back_as_copies():
+    from hybridmoe.engine.kv_blocks import BlockCopy
+
+    sched = scheduler(num_slots=1, max_num_batched_tokens=100, num_blocks=4, block_size=4)  # 3 usable blocks
+    sched.pool = pool = BlockPool(4, 4, host_blocks=4)
+    a = Sequence("a", list(range(1, 10)), SamplingParams(max_tokens=1))  # 9 tokens: 2 full blocks, 3 blocks
+    sched.add(a)
+    finish_all(sched, [a])
+    kept = dict(pool.cached)
+    assert len(kept) == 2 and not pool.copies
+    b = Sequence("b", list(range(50, 59)), SamplingParams(max_tokens=1))  # needs every block: a's are evicted
+    sched.add(b)
+    finish_all(sched, [b])
+    assert [c.direction for c in pool.copies] == ["out", "out"]
+    assert {c.device_block for c in pool.copies} == set(kept.values()) and set(pool.on_host) == set(kept)
+    pool.copies.clear()
+    again = Sequence("c", list(range(1, 10)) + [77], SamplingParams(max_tokens=1))
+    sched.add(again)
+    assert plan(sched.schedule()) == [("c", 2)]  # a's two full blocks, copied back in
+    assert again.num_cached_tokens == 8
+    ins = [c for c in pool.copies if c.direction == "in"]
+    assert [c.host_block for c in ins] == [pool.on_host[d] for d in kept]
+    assert again.blocks.table[:2] == [c.device_block for c in ins]
+    # the copies out (b's blocks evicted for the copies in) come before the copies in that reuse their blocks
+    for i, c in enumerate(pool.copies):
+        if c.direction == "in":
+            later_outs = [o for o in pool.copies[i + 1:] if o.direction == "out" and o.device_block == c.device_block]
+            assert not later_outs
+    assert BlockCopy("in", 1, 0).direction == "in"
+
+
+def test_the_host_tier_drops_its_least_recently_used_block_when_full():
+    pool = BlockPool(3, 4, host_blocks=1)  # 2 usable device blocks, 1 host block
+    seq = SequenceBlocksFor(pool, [1, 2, 3, 4, 5, 6, 7, 8])
+    pool.release(seq.table)
+    pool.allocate(2)  # evicts both, the later block first (released last): the earlier one replaces it on the host
+    assert list(pool.on_host) == [seq.digests[0]] and pool.on_host[seq.digests[0]] == 0
+    assert [c.direction for c in pool.copies] == ["out", "out"]
+
+
+def SequenceBlocksFor(pool, tokens):
+    """Two full blocks of tokens computed and registered in pool (a finished sequence's blocks)."""
+    from hybridmoe.engine.kv_blocks import SequenceBlocks
+
+    seq = SequenceBlocks(pool.allocate(len(tokens) // pool.block_size))
+    pool.register(seq, tokens, len(tokens))
+    return seq

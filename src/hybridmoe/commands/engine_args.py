@@ -42,6 +42,8 @@ FLAGS: dict[str, Flag] = {
                           "the model's, at most what the KV cache holds", "N", type=int),
     "kv_cache_budget": Flag("engine", "memory of the paged KV cache, e.g. 8GiB (sets how much context fits)",
                             "max-num-seqs x 4096 tokens", "SIZE"),
+    "kv_cpu_budget": Flag("engine", "host memory for KV blocks evicted from the GPU's cache, e.g. 32GiB; 0: none",
+                          "as large as the GPU's KV cache (none on the CPU)", "SIZE"),
     "kv_block_size": Flag("engine", "positions per KV-cache block", "64", choices=(16, 32, 64, 128, 256), type=int),
     "prefix_caching": Flag("engine", "reuse the KV cache of earlier prompts that start the same way", "on",
                            type=bool),

@@ -11,6 +11,12 @@ would hand one request another's keys and values, and token ids come from whoeve
 nobody holds stays registered and goes to the back of the free queue; allocation takes blocks from the front,
 so the least recently released cached blocks are evicted first (LRU), and a sequence's later blocks before
 its earlier ones (they are released in reverse).
+
+The host tier (host_blocks > 0): a cached block evicted from the device pool is first copied to one of
+host_blocks blocks in host memory, kept there under its digest (least recently used dropped first), and a later
+prefix that reaches it copies it back into a fresh device block instead of computing it again. The pool only
+decides; the copies it asks for wait in `copies` ("out": device block -> host block, "in": host block -> device
+block, in order) until the model runner makes them before the next step.
 """
 
 from __future__ import annotations
@@ -41,6 +47,14 @@ class BlockStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class BlockCopy:
+    direction: str
+    """"out": device -> host; "in": host -> device."""
+    device_block: int
+    host_block: int
+
+
 @dataclass
 class SequenceBlocks:
     """One sequence's blocks: its block table and the digests of its full blocks registered so far."""
@@ -51,7 +65,7 @@ class SequenceBlocks:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, host_blocks: int = 0):
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is scratch), got {num_blocks}")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
@@ -60,6 +74,11 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}  # digest -> block
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.stats = BlockStats()
+        self.host_blocks = host_blocks if prefix_caching else 0
+        self.on_host: OrderedDict[bytes, int] = OrderedDict()  # digest -> host block, least recently used first
+        self.host_free = list(range(self.host_blocks - 1, -1, -1))
+        self.copies: list[BlockCopy] = []
+        """Copies between the device and the host tier the next step must make first, in order."""
 
     @property
     def num_free(self) -> int:
@@ -74,26 +93,42 @@ class BlockPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
-        """The cached blocks that hold tokens' longest cached prefix of full blocks, at most limit tokens (so
-        a sequence keeps at least one token to compute), and their digests. Takes no reference."""
+    def match_prefix(self, tokens: list[int], limit: int) -> tuple[list[int | None], list[bytes]]:
+        """The longest cached prefix of tokens' full blocks, at most limit tokens (so a sequence keeps at least
+        one token to compute): per block its device block, or None where only the host tier holds it; and their
+        digests. Takes no reference (take does)."""
         found, digests, parent = [], [], b""
         if self.prefix_caching:
             for i in range(min(len(tokens), limit) // self.block_size):
                 parent = block_digest(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
                 block = self.cached.get(parent)
-                if block is None:
+                if block is None and parent not in self.on_host:
                     break
                 found.append(block)
                 digests.append(parent)
         return found, digests
 
-    def take(self, blocks: list[int]) -> None:
-        """Hold cached blocks (from match_prefix) for a sequence."""
-        for b in blocks:
-            if self.refs[b] == 0:
-                del self.free[b]
-            self.refs[b] += 1
+    def take(self, found: list[int | None], digests: list[bytes]) -> list[int]:
+        """Hold match_prefix's blocks for a sequence, copying those only the host tier holds back into fresh
+        device blocks; the held blocks, fewer than found where the pool has no block for a copy."""
+        held = []
+        for block, digest in zip(found, digests):
+            if block is not None and self.cached.get(digest) == block:
+                if self.refs[block] == 0:
+                    del self.free[block]
+                self.refs[block] += 1
+            else:  # on the host (or evicted from the device since the match)
+                host = self.on_host.pop(digest, None)  # out of the LRU while the allocation may evict into it
+                fresh = self.allocate(1) if host is not None else None
+                if host is not None:
+                    self.on_host[digest] = host
+                if fresh is None:
+                    break
+                block = fresh[0]
+                self.copies.append(BlockCopy("in", block, host))
+                self.cached[digest], self.digest_of[block] = block, digest
+            held.append(block)
+        return held
 
     def allocate(self, n: int) -> list[int] | None:
         """n fresh blocks held once each, evicting the least recently released cached ones; None (nothing
@@ -106,9 +141,24 @@ class BlockPool:
             digest = self.digest_of.pop(b, None)
             if digest is not None:
                 del self.cached[digest]
+                self._keep_on_host(b, digest)
             self.refs[b] = 1
             out.append(b)
         return out
+
+    def _keep_on_host(self, block: int, digest: bytes) -> None:
+        """An evicted cached block into the host tier (copied unless the tier holds its digest already)."""
+        if digest in self.on_host:
+            self.on_host.move_to_end(digest)
+            return
+        if not self.host_free and self.on_host:
+            _, dropped = self.on_host.popitem(last=False)
+            self.host_free.append(dropped)
+        if not self.host_free:  # no tier, or its one block is being copied in
+            return
+        host = self.host_free.pop()
+        self.on_host[digest] = host
+        self.copies.append(BlockCopy("out", block, host))
 
     def release(self, blocks: list[int]) -> None:
         """Drop one hold of each block; unheld ones become free, the last ones first in line for eviction."""

@@ -41,11 +41,13 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(Path(model_dir), loaded.config, self.tokenizer)
         self.kv_plan = plan_kv_cache(loaded.config, self.config, loaded.model.kv_bytes_per_token())
         self.max_model_len = self.kv_plan.max_model_len
-        pool = BlockPool(self.kv_plan.num_blocks, self.kv_plan.block_size, self.config.prefix_caching)
+        pool = BlockPool(self.kv_plan.num_blocks, self.kv_plan.block_size, self.config.prefix_caching,
+                         self.kv_plan.host_blocks)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, pool)
         self.runner = ModelRunner(loaded.model, self.config.max_num_seqs, self.max_model_len,
                                   self.config.device, cuda_graph=self.config.cuda_graph,
-                                  num_blocks=self.kv_plan.num_blocks, block_size=self.kv_plan.block_size)
+                                  num_blocks=self.kv_plan.num_blocks, block_size=self.kv_plan.block_size,
+                                  host_blocks=self.kv_plan.host_blocks)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
@@ -82,6 +84,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for each request that got a token (finished or not)."""
         batch = self.scheduler.schedule()
+        self.runner.copy_blocks(self.scheduler.pool.copies)  # the host tier's, before the step reads the blocks
+        self.scheduler.pool.copies.clear()
         tokens, logprobs = self.runner.run(batch, lookahead=not self.scheduler.admits())
         outputs = self._postprocess(batch, tokens, logprobs)
         if not self.scheduler.has_unfinished():

@@ -103,15 +103,15 @@ class Scheduler:
         """Give the first waiting sequence a slot, its cached prefix and blocks for its first chunk; the
         chunk's tokens, or 0 (nothing taken) when the pool cannot hold any."""
         found, digests = self.pool.match_prefix(seq.token_ids(0, seq.num_tokens), seq.num_tokens - 1)
-        self.pool.take(found)
-        cached = len(found) * self.pool.block_size
+        held = self.pool.take(found, digests)
+        cached = len(held) * self.pool.block_size
         n = min(seq.num_uncomputed - cached, budget,
-                (len(found) + self.pool.num_free) * self.pool.block_size - cached)
-        fresh = self.pool.allocate(self.pool.blocks_for(cached + n) - len(found)) if n > 0 else None
+                (len(held) + self.pool.num_free) * self.pool.block_size - cached)
+        fresh = self.pool.allocate(self.pool.blocks_for(cached + n) - len(held)) if n > 0 else None
         if fresh is None:
-            self.pool.release(found)
+            self.pool.release(held)
             return 0
-        seq.blocks = SequenceBlocks(found + fresh, digests)
+        seq.blocks = SequenceBlocks(held + fresh, digests[:len(held)])
         seq.num_computed = cached
         if seq.num_preemptions == 0:  # a request's first admission: what /metrics counts, what usage reports
             seq.num_cached_tokens = cached

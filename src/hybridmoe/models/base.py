@@ -228,6 +228,17 @@ class MoECausalLM(nn.Module):
         """KV-cache bytes one token takes over every attention layer (in the model's dtype)."""
         return sum(m.kv_bytes_per_token() for m in self.model.layers.modules() if hasattr(m, "kv_bytes_per_token"))
 
+    def kv_cache_tensors(self) -> list[torch.Tensor]:
+        """Every attention layer's cache tensors ([NB, BS, ...]: keys and values, or MLA's latents)."""
+        out = []
+        for m in self.model.layers.modules():
+            cache = getattr(m, "kv_cache", None)
+            if isinstance(cache, torch.Tensor):
+                out.append(cache)
+            elif cache is not None:
+                out += [cache.k, cache.v]
+        return out
+
     def allocate_kv_blocks(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None) -> None:
         """Give every attention layer a paged cache of num_blocks blocks of block_size positions; each step's
         context then carries the block table (the engine's, engine/kv_blocks.py), else slot_table is used."""
