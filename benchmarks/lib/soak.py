@@ -74,13 +74,14 @@ def run(args) -> int:
         c = client.conn()
         c.request("GET", "/metrics")
         metrics = c.getresponse().read().decode()
-        running = next(float(line.split()[1]) for line in metrics.splitlines()
-                       if line.startswith("hybridmoe_requests_running "))
+        after = {name: next(float(line.split()[1]) for line in metrics.splitlines()
+                            if line.startswith(f"hybridmoe_{name} "))
+                 for name in ("requests_running", "kv_cache_usage")}  # KV blocks held: none once all are done
     finally:
         alive = server.poll() is None
         server.terminate()
         server.wait(timeout=30)
-    return report(args, client, seconds, alive, health, running, rss_before, rss_after)
+    return report(args, client, seconds, alive, health, after, rss_before, rss_after)
 
 
 def wait_for_health(client: Client, server: subprocess.Popen) -> None:
@@ -126,16 +127,18 @@ def settled_health(client: Client) -> dict:
         time.sleep(0.1)
 
 
-def report(args, client: Client, seconds, alive, health, running, rss_before, rss_after) -> int:
+def report(args, client: Client, seconds, alive, health, after: dict, rss_before, rss_after) -> int:
     lat = {phase: {"n": len(v), "p50_s": percentile(v, 50), "p99_s": percentile(v, 99)}
            for phase, v in client.latency.items()}
     p99_ratio = lat["hostile"]["p99_s"] / lat["clean"]["p99_s"]
     result = {"requests": sum(client.counts.values()), "seconds": seconds,
               "counts": dict(sorted(client.counts.items())), "failures": client.failures[:20],
-              "server_alive": alive, "in_flight_after": health["requests_in_flight"], "running_after": running,
+              "server_alive": alive, "in_flight_after": health["requests_in_flight"],
+              "running_after": after["requests_running"], "kv_cache_usage_after": after["kv_cache_usage"],
               "rss_mib_before": rss_before, "rss_mib_after": rss_after, "latency": lat, "p99_ratio": p99_ratio}
     print(f"{result['requests']} requests in {seconds:.0f} s from {args.threads} clients; server alive: {alive}; "
-          f"in flight after: {health['requests_in_flight']}, running: {running:.0f}")
+          f"in flight after: {health['requests_in_flight']}, running: {after['requests_running']:.0f}, KV cache "
+          f"blocks held: {after['kv_cache_usage']:.0%}")
     for name, n in result["counts"].items():
         print(f"  {n:5d}  {name}")
     print(f"RSS: {rss_before:.0f} MiB before, {rss_after:.0f} MiB after ({rss_after / rss_before - 1:+.1%})")
@@ -146,5 +149,6 @@ def report(args, client: Client, seconds, alive, health, running, rss_before, rs
     for f in result["failures"]:
         print("FAILED", f)
     write_json(args.json, result)
-    ok = alive and not client.failures and health["requests_in_flight"] == 0 and running == 0
+    ok = (alive and not client.failures and health["requests_in_flight"] == 0 and after["requests_running"] == 0
+          and after["kv_cache_usage"] == 0)
     return 0 if ok else 1
