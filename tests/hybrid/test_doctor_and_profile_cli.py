@@ -63,6 +63,7 @@ def test_without_a_gpu_nothing_is_placed_on_one_and_the_gpu_flags_are_named(tiny
                                  "prefill_streaming"]
     estimate = found["estimate"]
     assert estimate["bound"] == "cpu" and estimate["decode_tok_s"] > 0
+    assert "kv cache:   8192 tokens in blocks of 64" in out and "each GiB" not in out  # 2 sequences x 4096
     assert estimate["bytes_per_token"]["routed_experts_gpu"] == 0
     assert estimate["bytes_per_token"]["routed_experts_cpu"] == ROUTED * EXPERT_F32
     assert estimate["decode_tok_s"] == pytest.approx(1 / estimate["seconds_per_token"])
@@ -75,6 +76,10 @@ def test_on_a_gpu_the_plan_splits_the_experts_and_the_estimate_overlaps_them(tin
                        "--gpu-experts-per-layer", "4")
     out = capsys.readouterr().out
     assert "gpu read:   1000.0 GB/s" in out and "8 of 16 routed experts on the GPU" in out
+    kv = found["placement"]["kv_cache"]  # the budget's trade between context and experts, in its line
+    assert f"each GiB of GPU budget holds {kv['tokens_per_gib']} tokens of context or {(1 << 30) // EXPERT_F32} " \
+           "routed experts" in out
+    assert kv["max_model_len"] == 512 and kv["tokens"] >= 512 and kv["bytes"] > 0
     assert "no GPU:" not in out and "at once" in out
     estimate = found["estimate"]
     routed = estimate["bytes_per_token"]

@@ -213,7 +213,11 @@ def _placement(cls, config, dtype, planned, asked) -> tuple[list[str], dict, dic
                                       planned.expert_group_size_or_default)
     else:
         host_bytes = 3 * fp.moe_intermediate_size * fp.hidden_size * dtype.itemsize
-    lines.append(f"kv cache:   {fp.kv_plan.line()}")
+    trade = ""
+    if planned.device == "cuda" and uses_hybrid(planned):  # the budget's GiB go to context or to experts
+        trade = (f"; each GiB of GPU budget holds {(1 << 30) // fp.kv_plan.bytes_per_token} tokens of context or "
+                 f"{(1 << 30) // fp.expert_bytes} routed experts (--kv-cache-budget sets the split)")
+    lines.append(f"kv cache:   {fp.kv_plan.line()}{trade}")
     streaming = replace(planned, prefill_streaming=asked.prefill_streaming,
                         prefill_streaming_tokens=asked.prefill_streaming_tokens)
     lines.append(f"streaming:  long prefill steps {prefill_streaming_decision(streaming, config, dtype).reason}")
