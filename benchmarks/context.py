@@ -1,7 +1,8 @@
 """Long context and prefix reuse (issue #27): decode tok/s at 1K to 128K tokens of context, the time to first
-token of a re-sent conversation against its cold one, the most context a GPU budget holds.
+token of a re-sent conversation against its cold one, the most context a GPU budget holds, the float8 cache's
+accuracy.
 
-    python3 benchmarks/context.py {decode,prefix,fit} [options]     (python3 benchmarks/context.py decode --help)
+    python3 benchmarks/context.py {decode,prefix,fit,fp8} [options]     (python3 benchmarks/context.py decode --help)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ else:
     from lib import context_bench
     from lib.cli import main as run_command
 
-COMMANDS = {"decode": context_bench, "prefix": context_bench, "fit": context_bench}
+COMMANDS = {"decode": context_bench, "prefix": context_bench, "fit": context_bench, "fp8": context_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

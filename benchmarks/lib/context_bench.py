@@ -12,7 +12,10 @@ decode steps alone are timed (from the first token to the last); each context's 
 prefix: the same engine, prefix caching on; the time to first token of a --context-token prompt from an empty
 cache (cold), then of the same prompt with --new-tokens more (warm: its full blocks come from the cache); the
 ratio warm / cold; with a host tier, once more after another prompt as long has evicted its blocks there. fit: per preset at full depth, what the budget leaves after the non-expert weights and the
-workspace, as KV-cache tokens (no routed expert on the GPU). Figures of a cut model are per its depth.
+workspace, as KV-cache tokens (no routed expert on the GPU). fp8: the float8 cache's accuracy, teacher-forced:
+one random --tokens prompt through the cut model with an unquantized cache and with the float8 one, the share
+of positions whose top token agrees and the KL divergence of the float8 run's next-token distribution from
+the other's, and both caches' bytes per token. Figures of a cut model are per its depth.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gpu-memory-budget", default=None, help="e.g. 16GiB (routed experts on the GPU)")
     parser.add_argument("--presets", default="qwen3-30b-a3b,deepseek-v3", help="fit: make-model presets")
     parser.add_argument("--budget", default="24GiB", help="fit: the GPU budget")
+    parser.add_argument("--tokens", type=int, default=1024, help="fp8: the prompt's tokens")
 
 
 def _engine(model_dir: str, args, max_len: int) -> LLMEngine:
@@ -118,10 +122,39 @@ def fit_rows(presets: list[str], budget: int) -> list[dict]:
     return rows
 
 
+def fp8_row(model_dir: str, args) -> dict:
+    from hybridmoe.engine.model_loader import load_model
+    from hybridmoe.forward_context import single_sequence_context, use_context
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_dir, EngineConfig(device=device, expert_format=args.format)).model
+    ids = torch.randint(0, model.config.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for quantized in (False, True):
+        model.allocate_kv_cache(1, args.tokens, quantized=quantized)
+        with torch.inference_mode(), use_context(single_sequence_context(args.tokens)):
+            logits[quantized] = model.compute_logits(model(ids.to(device), torch.arange(args.tokens, device=device)))
+    exact, fp8 = logits[False].float(), logits[True].float()
+    kl = torch.nn.functional.kl_div(fp8.log_softmax(-1), exact.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    row = {"tokens": args.tokens, "top1_agreement": (exact.argmax(-1) == fp8.argmax(-1)).float().mean().item(),
+           "kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+           "bytes_per_token": model.kv_bytes_per_token(), "fp8_bytes_per_token": model.kv_bytes_per_token(True)}
+    print(f"fp8 KV cache over {args.tokens} tokens: top token agrees at {row['top1_agreement']:.2%} of positions, "
+          f"KL mean {row['kl_mean']:.5f} max {row['kl_max']:.4f}; {row['fp8_bytes_per_token']} bytes per token "
+          f"against {row['bytes_per_token']}", flush=True)
+    return row
+
+
 def run(args) -> int:
     if args.command == "fit":
         write_json(args.json, {"budget": parse_bytes(args.budget), "rows": fit_rows(str_list(args.presets),
                                                                                    parse_bytes(args.budget))})
+        return 0
+    if args.command == "fp8":
+        with synthetic_checkpoint(args.synthetic, args.layers) as ckpt:
+            write_json(args.json, {"synthetic": args.synthetic, "layers": args.layers,
+                                   "result": fp8_row(str(ckpt.out_dir), args)})
         return 0
     contexts = int_list(args.contexts)
     longest = max(contexts) + args.gen_len if args.command == "decode" else args.context + args.new_tokens + 1

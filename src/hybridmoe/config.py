@@ -39,6 +39,9 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass
 class EngineConfig:
     dtype: str = "auto"
@@ -61,6 +64,11 @@ class EngineConfig:
     """Host memory for KV blocks evicted from the device's cache (the host tier: a re-sent prefix comes back
     over PCIe instead of being computed again). None: as large as the device's cache when that is a GPU, none
     on the CPU; 0 turns it off."""
+
+    kv_cache_dtype: str = "auto"
+    """"auto": the KV cache in the compute dtype; "fp8": float8 e4m3 with a float32 scale per token and head
+    (layers/kv_quant.py), half a bf16 cache's memory; attention then runs its torch path on the GPU too (the fused
+    Triton kernels read the compute dtype)."""
 
     kv_block_size: int = 64
     """Positions per KV-cache block (a power of two, 16 to 256): the unit of allocation and of prefix reuse."""
@@ -199,6 +207,9 @@ class EngineConfig:
             self.kv_cpu_budget = parse_bytes(self.kv_cpu_budget)
             if self.kv_cpu_budget < 0:
                 raise HybridMoEError(f"kv_cpu_budget must be 0 or more, got {self.kv_cpu_budget}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise HybridMoEError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                 f"got {self.kv_cache_dtype!r}")
         if self.kv_block_size not in (16, 32, 64, 128, 256):
             raise HybridMoEError(f"kv_block_size must be 16, 32, 64, 128 or 256, got {self.kv_block_size}")
         if self.prefill_streaming not in PREFILL_STREAMING:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from hybridmoe.config import (DTYPES, EXPERT_BACKENDS, EXPERT_FORMATS, EXPERT_PLACEMENTS, PREFILL_STREAMING,
-                              VERIFY_EXPERTS, EngineConfig)
+from hybridmoe.config import (DTYPES, EXPERT_BACKENDS, EXPERT_FORMATS, EXPERT_PLACEMENTS, KV_CACHE_DTYPES,
+                              PREFILL_STREAMING, VERIFY_EXPERTS, EngineConfig)
 
 GROUPS = ("model", "engine", "GPU")
 """The engine flags' argument groups, in --help order."""
@@ -44,6 +44,8 @@ FLAGS: dict[str, Flag] = {
                             "max-num-seqs x 4096 tokens", "SIZE"),
     "kv_cpu_budget": Flag("engine", "host memory for KV blocks evicted from the GPU's cache, e.g. 32GiB; 0: none",
                           "as large as the GPU's KV cache (none on the CPU)", "SIZE"),
+    "kv_cache_dtype": Flag("engine", "KV cache in the compute dtype, or float8 (half of bf16's memory)", "auto",
+                           choices=KV_CACHE_DTYPES),
     "kv_block_size": Flag("engine", "positions per KV-cache block", "64", choices=(16, 32, 64, 128, 256), type=int),
     "prefix_caching": Flag("engine", "reuse the KV cache of earlier prompts that start the same way", "on",
                            type=bool),

@@ -39,7 +39,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = _eos_token_ids(Path(model_dir), loaded.config, self.tokenizer)
-        self.kv_plan = plan_kv_cache(loaded.config, self.config, loaded.model.kv_bytes_per_token())
+        fp8 = self.config.kv_cache_dtype == "fp8"
+        self.kv_plan = plan_kv_cache(loaded.config, self.config, loaded.model.kv_bytes_per_token(fp8))
         self.max_model_len = self.kv_plan.max_model_len
         pool = BlockPool(self.kv_plan.num_blocks, self.kv_plan.block_size, self.config.prefix_caching,
                          self.kv_plan.host_blocks)
@@ -47,7 +48,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.config.max_num_seqs, self.max_model_len,
                                   self.config.device, cuda_graph=self.config.cuda_graph,
                                   num_blocks=self.kv_plan.num_blocks, block_size=self.kv_plan.block_size,
-                                  host_blocks=self.kv_plan.host_blocks)
+                                  host_blocks=self.kv_plan.host_blocks, kv_fp8=fp8)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 

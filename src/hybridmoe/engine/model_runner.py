@@ -54,11 +54,12 @@ MIN_PAD_LEN = 64
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device,
                  cuda_graph: bool = False, fixed_shapes: bool | None = None, num_blocks: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, host_blocks: int = 0):
+                 block_size: int = DEFAULT_BLOCK_SIZE, host_blocks: int = 0, kv_fp8: bool = False):
         """cuda_graph: capture and replay decode steps (CUDA only). fixed_shapes: run decode steps in
         fixed shapes; None: on CUDA when the experts allow it; True also runs them so on the CPU.
         num_blocks: the KV cache's blocks of block_size positions (None: num_slots sequences of max_len).
-        host_blocks: the host tier's blocks (engine/kv_blocks.py), in pinned memory on CUDA."""
+        host_blocks: the host tier's blocks (engine/kv_blocks.py), in pinned memory on CUDA. kv_fp8: the cache in
+        float8 (layers/kv_quant.py)."""
         self.model = model
         self.device = torch.device(device)
         self.sampler = Sampler()
@@ -70,7 +71,7 @@ class ModelRunner:
         self.block_size = block_size
         if num_blocks is None:
             num_blocks = 1 + num_slots * -(-(max_len + LOOKAHEAD_TOKENS) // block_size)
-        model.allocate_kv_blocks(num_blocks, block_size)
+        model.allocate_kv_blocks(num_blocks, block_size, quantized=kv_fp8)
         # [slots + the padding rows' slot, blocks of the longest sequence and its lookahead] (SCRATCH_BLOCK: 0)
         self.block_table = torch.full((num_slots + 1, -(-(max_len + LOOKAHEAD_TOKENS) // block_size)), SCRATCH_BLOCK,
                                       dtype=torch.int32, device=self.device)

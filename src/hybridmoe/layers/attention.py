@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.forward_context import Context, get_context
+from hybridmoe.layers.kv_quant import FP8, read_positions, write_rows
 from hybridmoe.layers.linear import MergedLinear, decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
@@ -32,19 +33,41 @@ def contiguous_slot_table(num_slots: int, max_len: int, block_size: int, device:
 
 
 class KVCache:
-    """Keys and values of one attention layer in num_blocks blocks of block_size positions.
+    """Keys and values of one attention layer in num_blocks blocks of block_size positions, in the compute dtype
+    or (quantized) in float8 with a scale per token and head (layers/kv_quant.py).
 
     slot_table: the block table of contiguous slots used when a step's context carries none."""
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, k_dim: int, v_dim: int,
-                 dtype: torch.dtype, device: torch.device, slot_table: torch.Tensor | None = None):
-        self.k = torch.zeros(num_blocks, block_size, num_kv_heads, k_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(num_blocks, block_size, num_kv_heads, v_dim, dtype=dtype, device=device)
-        self.slot_table = slot_table
+                 dtype: torch.dtype, device: torch.device, slot_table: torch.Tensor | None = None,
+                 quantized: bool = False):
+        store = FP8 if quantized else dtype
+        self.k = torch.zeros(num_blocks, block_size, num_kv_heads, k_dim, dtype=store, device=device)
+        self.v = torch.zeros(num_blocks, block_size, num_kv_heads, v_dim, dtype=store, device=device)
+        scales = [torch.zeros(num_blocks, block_size, num_kv_heads, 1, device=device) for _ in range(2)]
+        self.k_scale, self.v_scale = scales if quantized else (None, None)
+        self.dtype, self.slot_table = dtype, slot_table
 
     @property
     def block_size(self) -> int:
         return self.k.shape[1]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What holds the cache's state (the host tier copies these)."""
+        return [self.k, self.v, *([self.k_scale, self.v_scale] if self.quantized else [])]
+
+    def write(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        write_rows(self.k, self.k_scale, rows, k)
+        write_rows(self.v, self.v_scale, rows, v)
+
+    def read(self, table_rows: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first length positions of the listed slots, in the compute dtype."""
+        return (read_positions(self.k, self.k_scale, table_rows, length, self.dtype),
+                read_positions(self.v, self.v_scale, table_rows, length, self.dtype))
 
 
 @dataclass
@@ -87,16 +110,6 @@ def step_index(ctx: Context, device: torch.device, slot_table: torch.Tensor | No
     return memo[device]
 
 
-def gather_positions(cache: torch.Tensor, table_rows: torch.Tensor, length: int) -> torch.Tensor:
-    """The first length positions of each listed slot, contiguous: cache [NB, BS, ...], table_rows [M] or
-    [B, M] -> [length, ...] or [B, length, ...] (a copy)."""
-    bs = cache.shape[1]
-    blocks = table_rows[..., :-(-length // bs)].long()
-    got = cache[blocks]  # [(B,) nb, BS, ...]
-    got = got.reshape(*blocks.shape[:-1], blocks.shape[-1] * bs, *cache.shape[2:])
-    return got.narrow(blocks.dim() - 1, 0, length)
-
-
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """Which keys each query sees: causal, and within the window (key > query - window) if any."""
     mask = k_pos[None, :] <= q_pos[:, None]
@@ -118,8 +131,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
             raise RuntimeError("decoding past position 0 needs a KV cache: call allocate_kv_cache first")
         return _attend_uncached(q, k, v, ctx, scale, sliding_window)
     idx = _cache_index(ctx, cache, q.device)
-    cache.k.view(-1, *cache.k.shape[2:])[idx.token_row] = k
-    cache.v.view(-1, *cache.v.shape[2:])[idx.token_row] = v
+    cache.write(idx.token_row, k, v)
     return _attend_cached(q, cache, ctx, idx, scale, sliding_window)
 
 
@@ -141,8 +153,7 @@ def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = Fals
     for b in range(ctx.num_seqs):
         lo, hi = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1]
         end = ctx.start_pos[b] + (hi - lo)
-        kb = gather_positions(cache.k, idx.block_table[ctx.slot_ids[b]], end)
-        vb = gather_positions(cache.v, idx.block_table[ctx.slot_ids[b]], end)
+        kb, vb = cache.read(idx.block_table[ctx.slot_ids[b]], end)
         if sliding_window is None:  # the queries are the last hi - lo of the end positions
             out.append(_sdpa_causal(q[lo:hi], kb, vb, scale))
             continue
@@ -195,8 +206,7 @@ def _attend_decode(q, cache, idx, scale, sliding_window):
     the key/value heads."""
     max_len = idx.max_seq_len
     rows = idx.block_table[idx.seq_slot]  # [B, M]
-    kb = gather_positions(cache.k, rows, max_len)  # [B, L, Hkv, Dk]
-    vb = gather_positions(cache.v, rows, max_len)
+    kb, vb = cache.read(rows, max_len)  # [B, L, Hkv, Dk], [B, L, Hkv, Dv]
     B, Hq, Dk = q.shape
     Hkv = kb.shape[2]
     k_pos = torch.arange(max_len, device=q.device)
@@ -237,15 +247,19 @@ class Attention(nn.Module):
         # CHUNK cached positions: q/k norms, rotary, cache writes and attention in one kernel
         self.fused_layer = True
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, quantized: bool = False) -> int:
+        """Keys and values of one token: in the compute dtype, or float8 codes and a float32 scale per head."""
+        if quantized:
+            return 2 * self.num_kv_heads * (self.head_dim + 4)
         return 2 * self.num_kv_heads * self.head_dim * self.o_proj.weight.element_size()
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None,
+                          quantized: bool = False) -> None:
         """A cache of num_blocks blocks of block_size positions (slot_table: contiguous_slot_table's, for steps
-        whose context carries no block table)."""
+        whose context carries no block table; quantized: float8, read by the torch path)."""
         w = self.o_proj.weight
         self.kv_cache = KVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.head_dim, w.dtype,
-                                w.device, slot_table)
+                                w.device, slot_table, quantized)
 
     def forward(self, x: torch.Tensor | None, positions: torch.Tensor, qkv: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H], positions [T] -> [T, H]. qkv: qkv_proj(x) [T, (Hq + 2 Hkv) D] if the caller made it
@@ -253,7 +267,7 @@ class Attention(nn.Module):
         if qkv is None:
             qkv = self.qkv_proj(x)
         t = qkv.shape[0]
-        if self.fused and HAVE_TRITON and qkv.is_cuda and self.kv_cache is not None:
+        if self.fused and HAVE_TRITON and qkv.is_cuda and self.kv_cache is not None and not self.kv_cache.quantized:
             return self._o_proj(self._fused_attention(qkv, positions).reshape(t, self.num_heads * self.head_dim))
         cos, sin = self.rotary(positions, qkv.dtype)
         q, k, v = self.qkv_proj.split(qkv)

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from hybridmoe.forward_context import get_context
-from hybridmoe.layers.attention import StepIndex, gather_positions, step_index
+from hybridmoe.layers.attention import StepIndex, step_index
+from hybridmoe.layers.kv_quant import FP8, read_positions, write_rows
 from hybridmoe.layers.linear import decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
@@ -66,20 +67,26 @@ class MultiHeadLatentAttention(nn.Module):
         self.rotate = apply_rotary_interleaved if rope_interleave else apply_rotary
         self.scale = softmax_scale(rope, qk_head_dim)
         self.kv_cache: torch.Tensor | None = None  # [NB, BS, R + P]
+        self.kv_scale: torch.Tensor | None = None  # [NB, BS, 1] float32, with a float8 cache (layers/kv_quant.py)
         self.slot_table: torch.Tensor | None = None  # contiguous slots, for contexts without a block table
         # on CUDA, a fixed-shape decode step: rotary, the latent's norm, the cache write and the attention in
         # one kernel launch per chunk of positions (mla_decode_triton.py); one token: the projections
         # as decode GEMVs (forward_normed, o_proj); MoECausalLM.fuse_decode_kernels
         self.fused_layer = True
 
-    def kv_bytes_per_token(self) -> int:
-        return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_a_proj_with_mqa.weight.element_size()
+    def kv_bytes_per_token(self, quantized: bool = False) -> int:
+        """One token's latent: in the compute dtype, or float8 codes and a float32 scale."""
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        return width + 4 if quantized else width * self.kv_a_proj_with_mqa.weight.element_size()
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None) -> None:
-        """A latent cache of num_blocks blocks of block_size positions (slot_table: see Attention's)."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None,
+                          quantized: bool = False) -> None:
+        """A latent cache of num_blocks blocks of block_size positions (slot_table: see Attention's; quantized:
+        float8 with a scale per token, read by the torch path)."""
         w = self.kv_a_proj_with_mqa.weight
         self.kv_cache = torch.zeros(num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim,
-                                    dtype=w.dtype, device=w.device)
+                                    dtype=FP8 if quantized else w.dtype, device=w.device)
+        self.kv_scale = torch.zeros(num_blocks, block_size, 1, device=w.device) if quantized else None
         self.slot_table = slot_table
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -110,7 +117,8 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # [N, D, R], [N, V, R]
         q_abs = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)  # [T, N, R]
         decode = get_context().decode
-        if self.fused_layer and HAVE_TRITON and q.is_cuda and self.kv_cache is not None and decode is not None:
+        if (self.fused_layer and HAVE_TRITON and q.is_cuda and self.kv_cache is not None and self.kv_scale is None
+                and decode is not None):
             from hybridmoe.layers.mla_decode_triton import triton_mla_decode
 
             norm, idx = self.kv_a_layernorm, self._index(q.device)
@@ -141,14 +149,14 @@ class MultiHeadLatentAttention(nn.Module):
         one matmul against its cached positions (gathered from its blocks once, not per head).
         """
         ctx, idx = get_context(), self._index(kv.device)
-        self.kv_cache.view(-1, kv.shape[-1])[idx.token_row] = kv
+        write_rows(self.kv_cache, self.kv_scale, idx.token_row, kv)
         if ctx.decode is not None:
             return self._attend_fixed(query, idx)
         N, R = query.shape[1], self.kv_lora_rank
         out = torch.empty(query.shape[0], N, R, dtype=query.dtype, device=query.device)
         for b, (slot, start) in enumerate(zip(ctx.slot_ids, ctx.start_pos)):
             lo, n = ctx.cu_seqlens[b], ctx.seq_len(b)
-            cached = gather_positions(self.kv_cache, idx.block_table[slot], start + n)  # [S, R + P]
+            cached = read_positions(self.kv_cache, self.kv_scale, idx.block_table[slot], start + n, query.dtype)
             step = max(1, SCORE_ELEMENTS // (N * (start + n)))  # queries per slice: bounded score memory
             for q0 in range(0, n, step):
                 q1 = min(n, q0 + step)
@@ -170,7 +178,7 @@ class MultiHeadLatentAttention(nn.Module):
         """A decode step in fixed shapes: B = T rows, each over its slot's first max_seq_len (the padded length)
         positions, those past its length masked; the new rows already written. query [B, N, R + P] -> [B, N, R]."""
         R, L = self.kv_lora_rank, idx.max_seq_len
-        cached = gather_positions(self.kv_cache, idx.block_table[idx.seq_slot], L)  # [B, L, R + P]
+        cached = read_positions(self.kv_cache, self.kv_scale, idx.block_table[idx.seq_slot], L, query.dtype)
         scores = (query @ cached.transpose(1, 2)) * self.scale  # [B, N, L]
         hidden_keys = torch.arange(L, device=query.device)[None, :] >= idx.seq_len[:, None]  # [B, L]
         scores = scores.masked_fill(hidden_keys[:, None, :], float("-inf"))

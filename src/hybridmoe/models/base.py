@@ -217,34 +217,41 @@ class MoECausalLM(nn.Module):
         """hidden [N, H] -> logits [N, V] float32."""
         return self.lm_head(hidden).float()
 
-    def allocate_kv_cache(self, num_slots: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        """Give every attention layer a cache of num_slots contiguous slots of max_len tokens (model dtype and
-        device), which steps whose context carries no block table use: a single model run outside the engine."""
+    def allocate_kv_cache(self, num_slots: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                          quantized: bool = False) -> None:
+        """Give every attention layer a cache of num_slots contiguous slots of max_len tokens (model dtype, or
+        float8 when quantized; model device), which steps whose context carries no block table use: a single
+        model run outside the engine."""
         device = self.lm_head.weight.device
         table = contiguous_slot_table(num_slots, max_len, block_size, device)
-        self.allocate_kv_blocks(table.numel(), block_size, table)
+        self.allocate_kv_blocks(table.numel(), block_size, table, quantized)
 
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes one token takes over every attention layer (in the model's dtype)."""
-        return sum(m.kv_bytes_per_token() for m in self.model.layers.modules() if hasattr(m, "kv_bytes_per_token"))
+    def kv_bytes_per_token(self, quantized: bool = False) -> int:
+        """KV-cache bytes one token takes over every attention layer (in the model's dtype, or float8 with its
+        scales when quantized)."""
+        return sum(m.kv_bytes_per_token(quantized) for m in self.model.layers.modules()
+                   if hasattr(m, "kv_bytes_per_token"))
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
-        """Every attention layer's cache tensors ([NB, BS, ...]: keys and values, or MLA's latents)."""
+        """Every attention layer's cache tensors ([NB, BS, ...]: keys and values, or MLA's latents, and their
+        scales when quantized)."""
         out = []
         for m in self.model.layers.modules():
             cache = getattr(m, "kv_cache", None)
             if isinstance(cache, torch.Tensor):
-                out.append(cache)
+                out += [cache, *([m.kv_scale] if m.kv_scale is not None else [])]
             elif cache is not None:
-                out += [cache.k, cache.v]
+                out += cache.tensors()
         return out
 
-    def allocate_kv_blocks(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None) -> None:
-        """Give every attention layer a paged cache of num_blocks blocks of block_size positions; each step's
-        context then carries the block table (the engine's, engine/kv_blocks.py), else slot_table is used."""
+    def allocate_kv_blocks(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None,
+                           quantized: bool = False) -> None:
+        """Give every attention layer a paged cache of num_blocks blocks of block_size positions (float8 when
+        quantized); each step's context then carries the block table (the engine's, engine/kv_blocks.py), else
+        slot_table is used."""
         for module in self.model.layers.modules():
             if hasattr(module, "allocate_kv_cache"):
-                module.allocate_kv_cache(num_blocks, block_size, slot_table)
+                module.allocate_kv_cache(num_blocks, block_size, slot_table, quantized=quantized)
 
     def expert_key(self, name: str) -> tuple[int, int, str] | None:
         """(layer, expert, "gate"|"up"|"down") if name is a routed-expert tensor, else None."""
