@@ -117,3 +117,26 @@ def test_a_prefix_evicted_to_the_host_tier_comes_back_with_the_same_output(check
         got = llm.generate(resent, GREEDY)[0]
         assert got.token_ids == want
         assert got.num_cached_tokens == cached  # 12 full blocks of the conversation, back from the host
+
+
+def test_yarn_positions_past_the_original_length_give_transformers_tokens(tmp_path):
+    """Qwen3's long-context recipe: a YaRN rope_scaling added to config.json (factor 4 over 512 positions);
+    a prompt well past the original length gives transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    pytest.importorskip(ARCHITECTURES["Qwen3MoeForCausalLM"][0])
+    make_checkpoint("qwen3_moe", "tiny", tmp_path, dtype="fp32", progress=False, force=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(tmp_path, dtype="float32", kv_block_size=16)
+    assert llm.engine.max_model_len == 2048
+    prompt = random_prompt(1800, llm.engine.vocab_size, seed=5)
+    out = llm.generate(prompt, GREEDY)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    assert hf.config.rope_scaling["rope_type"] == "yarn"
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, len(prompt):]
+    assert out.token_ids == expected.tolist()
