@@ -111,14 +111,17 @@ def fit_rows(presets: list[str], budget: int) -> list[dict]:
     for preset in presets:
         raw = full_config(preset)
         cls = get_model_class(raw["architectures"][0])
-        fp = model_footprint(cls, cls.make_config(raw), torch.bfloat16, EngineConfig(max_num_seqs=1))
-        left = budget - fp.non_expert_bytes - fp.workspace_bytes
-        tokens = max(left, 0) // fp.kv_plan.bytes_per_token
+        fp, fp8 = (model_footprint(cls, cls.make_config(raw), torch.bfloat16,
+                                   EngineConfig(max_num_seqs=1, kv_cache_dtype=dtype)) for dtype in ("auto", "fp8"))
+        left = max(budget - fp.non_expert_bytes - fp.workspace_bytes, 0)
+        tokens, tokens_fp8 = left // fp.kv_plan.bytes_per_token, left // fp8.kv_plan.bytes_per_token
         rows.append({"preset": preset, "non_expert_bytes": fp.non_expert_bytes, "workspace_bytes": fp.workspace_bytes,
-                     "kv_bytes_per_token": fp.kv_plan.bytes_per_token, "context_tokens": tokens})
+                     "kv_bytes_per_token": fp.kv_plan.bytes_per_token, "context_tokens": tokens,
+                     "fp8_kv_bytes_per_token": fp8.kv_plan.bytes_per_token, "fp8_context_tokens": tokens_fp8})
         print(f"{preset}: {format_bytes(budget)} - non-expert weights {format_bytes(fp.non_expert_bytes)} - "
-              f"workspace {format_bytes(fp.workspace_bytes)} = {format_bytes(max(left, 0))} of KV cache at "
-              f"{format_bytes(fp.kv_plan.bytes_per_token)} per token: {tokens} tokens of context", flush=True)
+              f"workspace {format_bytes(fp.workspace_bytes)} = {format_bytes(left)} of KV cache at "
+              f"{format_bytes(fp.kv_plan.bytes_per_token)} per token: {tokens} tokens of context "
+              f"({tokens_fp8} with --kv-cache-dtype fp8)", flush=True)
     return rows
 
 
