@@ -53,6 +53,10 @@ class Context:
     """[S, M] int32 on the step's device: row s lists the KV blocks of slot s's sequence. None: the cache's own
     table of contiguous slots (what allocate_kv_cache(num_slots, max_len) lays out)."""
 
+    first_blocks: list[int | None] | None = None
+    """Per sequence, where the host knows it: its first block when its blocks are consecutive (b, b + 1, ...),
+    so attention reads its positions as one slice of the cache instead of gathering them; None: gather."""
+
     @property
     def num_seqs(self) -> int:
         return len(self.slot_ids)

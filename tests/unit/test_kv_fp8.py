@@ -67,3 +67,15 @@ def test_the_fp8_engine_takes_about_half_the_memory_and_reuses_prefixes_alike(bf
     again = fp8.generate(prompt + first.token_ids, params)[0]  # its cached blocks hold the same float8 codes
     assert again.num_cached_tokens == 96
     assert again.token_ids == no_cache.generate(prompt + first.token_ids, params)[0].token_ids
+
+
+def test_a_slot_of_consecutive_blocks_reads_as_a_view_equal_to_the_gather():
+    from hybridmoe.layers.kv_quant import gather_positions
+
+    cache = torch.randn(8, 4, 2, 3)
+    table = torch.tensor([[3, 4, 5, 6]], dtype=torch.int32)
+    view = gather_positions(cache, table[0], 13, first_block=3)
+    assert torch.equal(view, gather_positions(cache, table[0], 13))
+    assert view.data_ptr() == cache[3].data_ptr()  # no copy
+    batched = gather_positions(cache, table, 13, first_block=3)
+    assert torch.equal(batched, gather_positions(cache, table, 13)) and batched.shape == (1, 13, 2, 3)

@@ -202,7 +202,8 @@ class ModelRunner:
             positions += range(start, start + s.num_tokens)
             cu_seqlens.append(len(ids))
         ctx = Context(slot_ids=[s.seq.slot for s in batch], start_pos=[s.seq.num_computed for s in batch],
-                      cu_seqlens=cu_seqlens, block_table=self.block_table)
+                      cu_seqlens=cu_seqlens, block_table=self.block_table,
+                      first_blocks=[_consecutive_from(s.seq.blocks.table) for s in batch])
         with use_context(ctx):
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
                                 torch.tensor(positions, dtype=torch.long, device=self.device))  # [T, H]
@@ -344,6 +345,12 @@ class _Launched:
         if self.done is not None:
             self.wait(self.done)
         return self.read.tolist()
+
+
+def _consecutive_from(table: list[int]) -> int | None:
+    """table's first block when its blocks are consecutive (b, b + 1, ...), else None."""
+    return table[0] if table and table[-1] - table[0] == len(table) - 1 and table == list(
+        range(table[0], table[0] + len(table))) else None
 
 
 def _plain_greedy(p: SamplingParams) -> bool:

@@ -64,10 +64,12 @@ class KVCache:
         write_rows(self.k, self.k_scale, rows, k)
         write_rows(self.v, self.v_scale, rows, v)
 
-    def read(self, table_rows: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the first length positions of the listed slots, in the compute dtype."""
-        return (read_positions(self.k, self.k_scale, table_rows, length, self.dtype),
-                read_positions(self.v, self.v_scale, table_rows, length, self.dtype))
+    def read(self, table_rows: torch.Tensor, length: int,
+             first_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first length positions of the listed slots, in the compute dtype
+        (first_block: see kv_quant.gather_positions)."""
+        return (read_positions(self.k, self.k_scale, table_rows, length, self.dtype, first_block),
+                read_positions(self.v, self.v_scale, table_rows, length, self.dtype, first_block))
 
 
 @dataclass
@@ -148,12 +150,13 @@ def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = Fals
         return triton_decode_attention(q, cache.k, cache.v, idx.block_table, idx.seq_slot, idx.seq_len, scale,
                                        sliding_window, idx.max_seq_len)
     if ctx.decode is not None or ctx.is_decode:
-        return _attend_decode(q, cache, idx, scale, sliding_window)
+        first = _first_block(ctx, 0) if ctx.num_seqs == 1 else None
+        return _attend_decode(q, cache, idx, scale, sliding_window, first)
     out = []
     for b in range(ctx.num_seqs):
         lo, hi = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1]
         end = ctx.start_pos[b] + (hi - lo)
-        kb, vb = cache.read(idx.block_table[ctx.slot_ids[b]], end)
+        kb, vb = cache.read(idx.block_table[ctx.slot_ids[b]], end, _first_block(ctx, b))
         if sliding_window is None:  # the queries are the last hi - lo of the end positions
             out.append(_sdpa_causal(q[lo:hi], kb, vb, scale))
             continue
@@ -198,7 +201,11 @@ def _sdpa_causal(q, k, v, scale):
     return o[0].transpose(0, 1)
 
 
-def _attend_decode(q, cache, idx, scale, sliding_window):
+def _first_block(ctx: Context, b: int) -> int | None:
+    return ctx.first_blocks[b] if ctx.first_blocks is not None else None
+
+
+def _attend_decode(q, cache, idx, scale, sliding_window, first_block: int | None = None):
     """One new token per sequence over each sequence's cache up to the longest (or the padded length of a
     fixed-shape step), the rest masked: q [B, Hq, Dk] -> [B, Hq, Dv]. Each key/value head's G query heads are one
     matrix product against its keys, scores in float32 and probabilities rounded to the cache dtype before they
@@ -206,7 +213,7 @@ def _attend_decode(q, cache, idx, scale, sliding_window):
     the key/value heads."""
     max_len = idx.max_seq_len
     rows = idx.block_table[idx.seq_slot]  # [B, M]
-    kb, vb = cache.read(rows, max_len)  # [B, L, Hkv, Dk], [B, L, Hkv, Dv]
+    kb, vb = cache.read(rows, max_len, first_block)  # [B, L, Hkv, Dk], [B, L, Hkv, Dv]
     B, Hq, Dk = q.shape
     Hkv = kb.shape[2]
     k_pos = torch.arange(max_len, device=q.device)

@@ -33,20 +33,25 @@ def write_rows(store: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tens
     scale.view(-1, *scale.shape[2:])[rows] = s
 
 
-def gather_positions(cache: torch.Tensor, table_rows: torch.Tensor, length: int) -> torch.Tensor:
+def gather_positions(cache: torch.Tensor, table_rows: torch.Tensor, length: int,
+                     first_block: int | None = None) -> torch.Tensor:
     """The first length positions of each listed slot, contiguous: cache [NB, BS, ...], table_rows [M] or
-    [B, M] -> [length, ...] or [B, length, ...] (a copy)."""
-    bs = cache.shape[1]
-    blocks = table_rows[..., :-(-length // bs)].long()
+    [B, M] -> [length, ...] or [B, length, ...]. first_block: the one slot's blocks are first_block,
+    first_block + 1, ... (the caller knows it on the host), so its positions are a view of the cache, not a copy."""
+    bs, nb = cache.shape[1], -(-length // cache.shape[1])
+    if first_block is not None:
+        got = cache[first_block:first_block + nb].reshape(nb * bs, *cache.shape[2:])[:length]
+        return got if table_rows.dim() == 1 else got.unsqueeze(0)
+    blocks = table_rows[..., :nb].long()
     got = cache[blocks]  # [(B,) nb, BS, ...]
-    got = got.reshape(*blocks.shape[:-1], blocks.shape[-1] * bs, *cache.shape[2:])
+    got = got.reshape(*blocks.shape[:-1], nb * bs, *cache.shape[2:])
     return got.narrow(blocks.dim() - 1, 0, length)
 
 
 def read_positions(store: torch.Tensor, scale: torch.Tensor | None, table_rows: torch.Tensor, length: int,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, first_block: int | None = None) -> torch.Tensor:
     """gather_positions of store, dequantized to dtype when scale is given."""
-    got = gather_positions(store, table_rows, length)
+    got = gather_positions(store, table_rows, length, first_block)
     if scale is None:
         return got
-    return (got.float() * gather_positions(scale, table_rows, length)).to(dtype)
+    return (got.float() * gather_positions(scale, table_rows, length, first_block)).to(dtype)
