@@ -62,8 +62,8 @@ class EngineConfig:
 
     kv_cpu_budget: int | str | None = None
     """Host memory for KV blocks evicted from the device's cache (the host tier: a re-sent prefix comes back
-    over PCIe instead of being computed again). None: as large as the device's cache when that is a GPU, none
-    on the CPU; 0 turns it off."""
+    over PCIe instead of being computed again). None: as large as the device's cache when that is a GPU (at most
+    half the host's available memory), none on the CPU; 0 turns it off."""
 
     kv_cache_dtype: str = "auto"
     """"auto": the KV cache in the compute dtype; "fp8": float8 e4m3 with a float32 scale per token and head

@@ -4,7 +4,7 @@ per cached token.
 kv_cache_budget sets the cache's memory; without it the cache holds max_num_seqs x 4096 tokens (what one
 contiguous slot per sequence of the default length held), or one max_model_len sequence if that is more.
 kv_cpu_budget sets the host tier's (none on the CPU device, whose cache is in host memory already; as large as
-the device's cache on a GPU, unless given). A
+the device's cache on a GPU, at most half the host's available memory, unless given). A
 sequence may be as long as the model allows (max_position_embeddings, YaRN's stretch included) when the cache
 holds that many tokens, else as long as the cache holds: concurrent sequences share the blocks, and one that
 finds none free is preempted and resumed later (engine/scheduler.py).
@@ -47,14 +47,17 @@ class KVPlan:
         why = "" if self.model_limit is None else (
             " (the model's limit)" if self.max_model_len == self.model_limit
             else f" (the model knows {self.model_limit}; --kv-cache-budget or --max-model-len for more)")
-        host = (f"; host tier {self.host_blocks * self.block_size} tokens, "
-                f"{format_bytes(self.host_blocks * self.block_size * self.bytes_per_token)}" if self.host_blocks else "")
+        host_tokens = self.host_blocks * self.block_size
+        host = (f"; host tier {host_tokens} tokens, {format_bytes(host_tokens * self.bytes_per_token)}"
+                if self.host_blocks else "")
         return (f"{self.tokens} tokens in blocks of {self.block_size}, {format_bytes(self.bytes)} "
                 f"({per_gib} tokens per GiB); max_model_len {self.max_model_len}{why}{host}")
 
 
-def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: int) -> KVPlan:
-    """The cache and max_model_len for a model whose tokens take bytes_per_token of KV cache each."""
+def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: int,
+                  host_available: int = 0) -> KVPlan:
+    """The cache and max_model_len for a model whose tokens take bytes_per_token of KV cache each.
+    host_available: the host's available memory (0: unknown), which caps the default host tier at half of it."""
     check_max_model_len(model_config, engine_config)
     bs, given, limit = engine_config.kv_block_size, engine_config.max_model_len, position_limit(model_config)
     if engine_config.kv_cache_budget is not None:
@@ -73,5 +76,9 @@ def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: in
             "--kv-cache-budget or lower --max-model-len")
     max_len = given or min(limit or tokens, tokens)
     host = engine_config.kv_cpu_budget
-    host_blocks = (blocks if engine_config.device == "cuda" else 0) if host is None else host // (bytes_per_token * bs)
+    if host is None:  # the default: as large as the device's cache on a GPU, at most half the available memory
+        cap = host_available // 2 // (bytes_per_token * bs) if host_available else blocks
+        host_blocks = min(blocks, cap) if engine_config.device == "cuda" else 0
+    else:
+        host_blocks = host // (bytes_per_token * bs)
     return KVPlan(blocks + 1, bs, max_len, bytes_per_token, limit, host_blocks if engine_config.prefix_caching else 0)

@@ -117,3 +117,22 @@ def test_max_model_len_may_reach_what_yarn_stretches_the_model_to(tiny_qwen3_fp3
     assert LLMEngine(d, EngineConfig(max_model_len=2048)).max_model_len == 2048
     with pytest.raises(HybridMoEError, match="exceeds the model's max_position_embeddings 2048"):
         LLMEngine(d, EngineConfig(max_model_len=2049))
+
+
+def test_a_kv_cache_beyond_the_host_memory_is_refused_before_it_is_allocated(tiny_qwen3_fp32):
+    with pytest.raises(HybridMoEError, match=r"the KV cache needs .* of host memory .* lower --kv-cache-budget"):
+        LLMEngine(tiny_qwen3_fp32, EngineConfig(kv_cache_budget=1 << 50))
+
+
+def test_the_default_host_tier_is_the_gpu_cache_at_most_half_the_available_memory(tiny_qwen3_fp32):
+    from hybridmoe.kv_plan import plan_kv_cache
+    from hybridmoe.models.registry import load_config
+
+    _, config = load_config(tiny_qwen3_fp32)
+    gpu = EngineConfig(device="cpu")
+    gpu.device = "cuda"  # the plan only reads the name: no GPU needed to plan for one
+    plan = plan_kv_cache(config, gpu, 1000)
+    assert plan.host_blocks == plan.num_blocks - 1  # as large as the device's cache
+    assert plan_kv_cache(config, gpu, 1000, host_available=64 * 1000 * 10).host_blocks == 5  # half of 10 blocks
+    assert plan_kv_cache(config, EngineConfig(device="cpu"), 1000).host_blocks == 0  # the cache is host memory
+    assert plan_kv_cache(config, EngineConfig(device="cpu", kv_cpu_budget=64 * 1000 * 3), 1000).host_blocks == 3

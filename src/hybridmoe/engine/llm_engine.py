@@ -22,6 +22,8 @@ from hybridmoe.engine.sequence import RequestOutput, Sequence
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.kv_plan import plan_kv_cache
 from hybridmoe.sampling_params import SamplingParams
+from hybridmoe.system.host import meminfo
+from hybridmoe.system.model_memory import check_kv_fits
 from hybridmoe.tokenizer import Tokenizer
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
 
@@ -40,8 +42,9 @@ class LLMEngine:
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = _eos_token_ids(Path(model_dir), loaded.config, self.tokenizer)
         fp8 = self.config.kv_cache_dtype == "fp8"
-        self.kv_plan = plan_kv_cache(loaded.config, self.config, loaded.model.kv_bytes_per_token(fp8))
+        self.kv_plan = plan_kv_cache(loaded.config, self.config, loaded.model.kv_bytes_per_token(fp8), meminfo()[1])
         self.max_model_len = self.kv_plan.max_model_len
+        check_kv_fits(self.kv_plan, self.config.device)
         pool = BlockPool(self.kv_plan.num_blocks, self.kv_plan.block_size, self.config.prefix_caching,
                          self.kv_plan.host_blocks)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, pool)

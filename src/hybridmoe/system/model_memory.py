@@ -67,3 +67,22 @@ def check_weights_fit(model_dir: Path, cls: type[MoECausalLM], config: ModelConf
 
 def _size(n: int) -> str:
     return format_bytes(n) if n < 1 << 80 else f"~2^{n.bit_length() - 1} B"
+
+
+def check_kv_fits(plan, device: str) -> None:
+    """A HybridMoEError when the KV cache (kv_plan.KVPlan), before it is allocated, exceeds the memory it goes to:
+    the host's available memory for a cache on the CPU and for the host tier; the GPU's free memory for a cache
+    there (a GPU budget's placement has already counted it against the budget)."""
+    _, available = meminfo()
+    host_tier = plan.host_blocks * plan.block_size * plan.bytes_per_token
+    on_host = host_tier + (plan.bytes if torch.device(device).type == "cpu" else 0)
+    if available and on_host > available:
+        raise HybridMoEError(
+            f"the KV cache needs {format_bytes(on_host)} of host memory ({format_bytes(plan.bytes)} of cache"
+            f"{f', {format_bytes(host_tier)} of host tier' if host_tier else ''}) and {format_bytes(available)} is "
+            "available; lower --kv-cache-budget or --kv-cpu-budget")
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        if plan.bytes > free:
+            raise HybridMoEError(f"the KV cache needs {format_bytes(plan.bytes)} of GPU memory and "
+                                 f"{format_bytes(free)} is free; lower --kv-cache-budget")
