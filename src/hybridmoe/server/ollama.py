@@ -55,6 +55,8 @@ class OllamaChatRequest(StrictRequest):
     messages: list[OllamaMessage] = Field(default_factory=list)
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
+    tools: list[dict] | None = None  # read to be refused (_refuse_unbuilt)
+    format: Text | dict | None = None
 
 
 class OllamaGenerateRequest(StrictRequest):
@@ -64,6 +66,17 @@ class OllamaGenerateRequest(StrictRequest):
     raw: bool = False
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
+    format: Text | dict | None = None
+
+
+def _refuse_unbuilt(req: OllamaChatRequest | OllamaGenerateRequest) -> None:
+    """A 400 for tool calls and structured output (format), which the server does not do yet: a plain-text
+    answer would look like success."""
+    if getattr(req, "tools", None):
+        raise APIError(400, "tool calls are not supported yet: send the request without tools", param="tools")
+    if req.format not in (None, ""):
+        raise APIError(400, "format (structured output) is not supported yet: send the request without it",
+                       param="format")
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -90,6 +103,7 @@ def _params(o: OllamaOptions) -> SamplingParams:
 
 async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> Response:
     _check_model(state, req.model)
+    _refuse_unbuilt(req)
     if not req.messages:  # Ollama's way to load a model: answer done at once
         return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=True))
     params = _params(req.options)
@@ -101,6 +115,7 @@ async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> 
 
 async def generate(state: ServerState, req: OllamaGenerateRequest, request: Request) -> Response:
     _check_model(state, req.model)
+    _refuse_unbuilt(req)
     if not req.prompt:
         return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=False))
     params = _params(req.options)

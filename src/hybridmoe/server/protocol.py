@@ -101,6 +101,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # read so that a request asking for tool calls or a response format is refused, not answered in plain text
+    tools: list[dict] | None = None
+    tool_choice: Text | dict | None = None
+    response_format: dict | None = None
 
 
 class CompletionRequest(SamplingRequest):

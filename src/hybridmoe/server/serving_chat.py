@@ -47,6 +47,7 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[in
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
+    refuse_unbuilt(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -70,6 +71,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         usage=UsageInfo.of(len(prompt_ids), sum(len(f.output.token_ids) for f in finals.values()),
                            finals[0].output.num_cached_tokens))
     return JSONResponse(response.model_dump(mode="json"))
+
+
+def refuse_unbuilt(req: ChatCompletionRequest) -> None:
+    """A 400 for what the server does not do yet: tool calls (tools, or a tool_choice that needs one) and
+    response formats other than text; answering such a request in plain text would look like success."""
+    if req.tools:
+        raise APIError(400, "tool calls are not supported yet: the reply would be plain text; send the request "
+                            "without tools", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice needs tool calls, which are not supported yet", param="tool_choice")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise APIError(400, f"response_format {req.response_format.get('type')!r} is not supported yet (only "
+                            "'text'): the reply would not be held to it", param="response_format")
 
 
 async def _chunks(state: ServerState, req: ChatCompletionRequest, request_id: str, prompt_len: int,
