@@ -40,6 +40,8 @@ def format_bytes(n: float) -> str:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+DEFAULT_KV_BLOCK_SIZE = 64
+"""KV-cache block size in positions (EngineConfig.kv_block_size's default)."""
 
 
 @dataclass
@@ -70,7 +72,7 @@ class EngineConfig:
     (layers/kv_quant.py), half a bf16 cache's memory; attention then runs its torch path on the GPU too (the fused
     Triton kernels read the compute dtype)."""
 
-    kv_block_size: int = 64
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     """Positions per KV-cache block (a power of two, 16 to 256): the unit of allocation and of prefix reuse."""
 
     prefix_caching: bool = True

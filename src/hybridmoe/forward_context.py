@@ -69,6 +69,10 @@ class Context:
     def seq_len(self, b: int) -> int:
         return self.cu_seqlens[b + 1] - self.cu_seqlens[b]
 
+    def first_block(self, b: int) -> int | None:
+        """first_blocks[b] where the context carries them, else None (gather)."""
+        return self.first_blocks[b] if self.first_blocks is not None else None
+
     def slot_tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor(self.slot_ids, dtype=torch.long, device=device)
 

@@ -35,12 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmoe.config import DEFAULT_KV_BLOCK_SIZE
 from hybridmoe.engine.kv_blocks import SCRATCH_BLOCK, BlockCopy
 from hybridmoe.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from hybridmoe.engine.scheduler import LOOKAHEAD_TOKENS, ScheduledSeq
 from hybridmoe.engine.sequence import Sequence
 from hybridmoe.forward_context import Context, DecodeBatch, use_context
-from hybridmoe.layers.attention import DEFAULT_BLOCK_SIZE
 from hybridmoe.sampling_params import SamplingParams
 
 SMALL_BATCHES = 8
@@ -54,7 +54,7 @@ MIN_PAD_LEN = 64
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device,
                  cuda_graph: bool = False, fixed_shapes: bool | None = None, num_blocks: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, host_blocks: int = 0, kv_fp8: bool = False):
+                 block_size: int = DEFAULT_KV_BLOCK_SIZE, host_blocks: int = 0, kv_fp8: bool = False):
         """cuda_graph: capture and replay decode steps (CUDA only). fixed_shapes: run decode steps in
         fixed shapes; None: on CUDA when the experts allow it; True also runs them so on the CPU.
         num_blocks: the KV cache's blocks of block_size positions (None: num_slots sequences of max_len).
@@ -69,12 +69,11 @@ class ModelRunner:
                             and model.experts.use_fixed_shapes(num_slots, model.lm_head.weight.dtype))
         self.fixed = fixed_shapes
         self.block_size = block_size
-        if num_blocks is None:
-            num_blocks = 1 + num_slots * -(-(max_len + LOOKAHEAD_TOKENS) // block_size)
-        model.allocate_kv_blocks(num_blocks, block_size, quantized=kv_fp8)
-        # [slots + the padding rows' slot, blocks of the longest sequence and its lookahead] (SCRATCH_BLOCK: 0)
-        self.block_table = torch.full((num_slots + 1, -(-(max_len + LOOKAHEAD_TOKENS) // block_size)), SCRATCH_BLOCK,
-                                      dtype=torch.int32, device=self.device)
+        per_seq = -(-(max_len + LOOKAHEAD_TOKENS) // block_size)  # blocks of the longest sequence and its lookahead
+        model.allocate_kv_blocks(1 + num_slots * per_seq if num_blocks is None else num_blocks, block_size,
+                                 quantized=kv_fp8)
+        # a row per slot and one for the padding rows (all SCRATCH_BLOCK)
+        self.block_table = torch.full((num_slots + 1, per_seq), SCRATCH_BLOCK, dtype=torch.int32, device=self.device)
         self._rows: list[tuple[object, int]] = [(None, 0)] * num_slots  # per slot: whose blocks, how many written
         pin = self.device.type == "cuda"
         self._host_kv = [torch.zeros(host_blocks, *t.shape[1:], dtype=t.dtype, pin_memory=pin)

@@ -71,9 +71,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            n = min(seq.num_uncomputed, budget)
-            # what the free blocks hold, or else one block's worth, made room for by preemption
-            n = min(n, self._room(seq)) if self._room(seq) > 0 else min(n, self.pool.block_size)
+            room = self._room(seq)  # what the free blocks hold, or else one block's worth, made room for by preemption
+            n = min(seq.num_uncomputed, budget, room if room > 0 else self.pool.block_size)
             if self._grow(seq, n, batch):
                 batch.append(ScheduledSeq(seq, n))
                 budget -= n
@@ -88,7 +87,7 @@ class Scheduler:
 
     def cache_computed(self, seq: Sequence) -> None:
         """After a step: register the blocks seq's computed tokens filled, for later requests to find."""
-        if seq.num_computed // self.pool.block_size > len(seq.blocks.digests):
+        if self.pool.prefix_caching and seq.num_computed // self.pool.block_size > len(seq.blocks.digests):
             self.pool.register(seq.blocks, seq.token_ids(0, seq.num_computed), seq.num_computed)
 
     def finish(self, seq: Sequence) -> None:

@@ -22,10 +22,6 @@ from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridmoe.platform import HAVE_TRITON
 
-DEFAULT_BLOCK_SIZE = 64
-"""KV-cache block size in positions, unless the engine says otherwise (EngineConfig.kv_block_size)."""
-
-
 def contiguous_slot_table(num_slots: int, max_len: int, block_size: int, device: torch.device) -> torch.Tensor:
     """[num_slots, M] int32: slot s holds blocks s * M .. s * M + M - 1 (M blocks cover max_len positions)."""
     per_slot = -(-max_len // block_size)
@@ -150,13 +146,13 @@ def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = Fals
         return triton_decode_attention(q, cache.k, cache.v, idx.block_table, idx.seq_slot, idx.seq_len, scale,
                                        sliding_window, idx.max_seq_len)
     if ctx.decode is not None or ctx.is_decode:
-        first = _first_block(ctx, 0) if ctx.num_seqs == 1 else None
+        first = ctx.first_block(0) if ctx.num_seqs == 1 else None
         return _attend_decode(q, cache, idx, scale, sliding_window, first)
     out = []
     for b in range(ctx.num_seqs):
         lo, hi = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1]
         end = ctx.start_pos[b] + (hi - lo)
-        kb, vb = cache.read(idx.block_table[ctx.slot_ids[b]], end, _first_block(ctx, b))
+        kb, vb = cache.read(idx.block_table[ctx.slot_ids[b]], end, ctx.first_block(b))
         if sliding_window is None:  # the queries are the last hi - lo of the end positions
             out.append(_sdpa_causal(q[lo:hi], kb, vb, scale))
             continue
@@ -199,10 +195,6 @@ def _sdpa_causal(q, k, v, scale):
     o = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
                                        attn_mask=causal_lower_right(q.shape[0], k.shape[0]), scale=scale)
     return o[0].transpose(0, 1)
-
-
-def _first_block(ctx: Context, b: int) -> int | None:
-    return ctx.first_blocks[b] if ctx.first_blocks is not None else None
 
 
 def _attend_decode(q, cache, idx, scale, sliding_window, first_block: int | None = None):

@@ -156,8 +156,8 @@ class MultiHeadLatentAttention(nn.Module):
         out = torch.empty(query.shape[0], N, R, dtype=query.dtype, device=query.device)
         for b, (slot, start) in enumerate(zip(ctx.slot_ids, ctx.start_pos)):
             lo, n = ctx.cu_seqlens[b], ctx.seq_len(b)
-            first = ctx.first_blocks[b] if ctx.first_blocks is not None else None
-            cached = read_positions(self.kv_cache, self.kv_scale, idx.block_table[slot], start + n, query.dtype, first)
+            cached = read_positions(self.kv_cache, self.kv_scale, idx.block_table[slot], start + n, query.dtype,
+                                    ctx.first_block(b))
             step = max(1, SCORE_ELEMENTS // (N * (start + n)))  # queries per slice: bounded score memory
             for q0 in range(0, n, step):
                 q1 = min(n, q0 + step)

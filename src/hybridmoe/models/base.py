@@ -19,8 +19,9 @@ import re
 import torch
 from torch import nn
 
+from hybridmoe.config import DEFAULT_KV_BLOCK_SIZE
 from hybridmoe.experts.base import ExpertBackend
-from hybridmoe.layers.attention import DEFAULT_BLOCK_SIZE, contiguous_slot_table
+from hybridmoe.layers.attention import contiguous_slot_table
 from hybridmoe.layers.linear import decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 
@@ -217,7 +218,7 @@ class MoECausalLM(nn.Module):
         """hidden [N, H] -> logits [N, V] float32."""
         return self.lm_head(hidden).float()
 
-    def allocate_kv_cache(self, num_slots: int, max_len: int, block_size: int = DEFAULT_BLOCK_SIZE,
+    def allocate_kv_cache(self, num_slots: int, max_len: int, block_size: int = DEFAULT_KV_BLOCK_SIZE,
                           quantized: bool = False) -> None:
         """Give every attention layer a cache of num_slots contiguous slots of max_len tokens (model dtype, or
         float8 when quantized; model device), which steps whose context carries no block table use: a single
