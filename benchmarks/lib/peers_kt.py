@@ -6,8 +6,8 @@
 
 Both layers hold the same E bf16 experts (benchmarks/lib/moe_layer.py's make_weights) and see the same tokens and
 routing (its routing, seeded by T); int8 and int4 are each system's own quantization of them (kt-kernel's AMX
-classes per output channel; ours int8 per channel, int4 in groups of --group-size). Decode sizes flush the
-caches before each call, so the weights come from memory. Per format kt-kernel runs first, in a process of its
+classes per output channel; ours int8 per channel, int4 in groups of --group-size). Decode sizes run back to back
+with each call's experts out of the caches (peers_kt_calls.py), as in a model's decode. Per format kt-kernel runs first, in a process of its
 own (peers_kt_worker.py: its threads never share cores with ours, and its crash is reported, not fatal), then
 ours. Each row: both systems' median ms, ours / kt-kernel as speed (kt ms / our ms: above 1 ours is faster),
 the floor (the routed experts' weight bytes, 3 x H x I x bits / 8 per distinct expert, scales left out, at the
@@ -33,9 +33,10 @@ from hybridmoe.experts.torch_ref import ref_moe
 from hybridmoe.system.bandwidth import floor_bandwidth, floor_bandwidth_method
 
 from .cli import Stopped, int_list, str_list, write_json
-from .common import SHAPES, cache_flusher, layer_shape
-from .moe_layer import DECODE_MAX_T, make_weights, median_ms, routing
-from .peers_kt_worker import CLASSES, RESULT_MARK
+from .common import SHAPES, layer_shape
+from .moe_layer import make_weights, routing
+from .peers_kt_calls import timed_ms
+from .peers_kt_worker import CLASSES, RESULT_MARK, SPINNING_THREADS
 from .peers_report import context, context_lines, fmt, ratio, table
 from .peers_sources import KT_DIR, ROOT
 
@@ -74,34 +75,32 @@ def run_kt(spec: dict, python: str, timeout_s: float) -> dict:
 
 
 def run_ours(fmt_name: str, gate, up, down, shape: dict, tokens: list[int], threads: int, group_size: int,
-             reps: int, budget_s: float) -> tuple[dict, dict, str, float]:
-    """Our layer of one format: median ms and the output per T, the ISA its kernels use, its packing seconds."""
+             reps: int, budget_s: float) -> tuple[dict, dict, dict, str, float]:
+    """Our layer of one format: median ms, mean distinct experts per timed call and the output per T, the ISA
+    its kernels use, its packing seconds."""
     H, E, K = shape["H"], shape["E"], shape["K"]
     t0 = time.perf_counter()
     ex = CpuExperts(gate, up, down, format=fmt_name, group_size=group_size, threads=threads)
     pack_s = time.perf_counter() - t0
-    flush = cache_flusher("write")
-    ms, outputs = {}, {}
+    ms, outputs, touched = {}, {}, {}
     for T in tokens:
-        x, ids, w = routing(T, H, E, K, seed=T)
-        outputs[T] = ex.forward(x, ids, w)
-        ms[T] = median_ms(lambda: ex.forward(x, ids, w), reps, flush if T <= DECODE_MAX_T else None, budget_s=budget_s)
-    return ms, outputs, ex.isa, pack_s
+        outputs[T] = ex.forward(*routing(T, H, E, K, seed=T))
+        ms[T], touched[T] = timed_ms(ex.forward, T, H, E, K, reps, budget_s)
+    return ms, touched, outputs, ex.isa, pack_s
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def format_rows(name: str, shape: dict, tokens: list[int], bandwidth: float, ours: dict, kt: dict,
-                ours_out: dict, kt_out: dict) -> list[dict]:
+def format_rows(name: str, shape: dict, tokens: list[int], bandwidth: float, ours: dict, touched_of: dict,
+                kt: dict, ours_out: dict, kt_out: dict) -> list[dict]:
     """One row per T of one format."""
     H, I, E, K = shape["H"], shape["I"], shape["E"], shape["K"]
     expert_bytes = 3 * H * I * BITS[name] / 8
     rows = []
     for T in tokens:
-        _, ids, _ = routing(T, H, E, K, seed=T)
-        touched = len(torch.unique(ids))
+        touched = touched_of[T]
         floor_ms = touched * expert_bytes / bandwidth * 1e3
         kt_ms = kt.get("ms", {}).get(str(T))
         rows.append(dict(format=name, tokens=T, experts_touched=touched, ours_ms=ours[T], kt_ms=kt_ms,
@@ -112,7 +111,7 @@ def format_rows(name: str, shape: dict, tokens: list[int], bandwidth: float, our
 
 
 def report(rows: list[dict], notes: list[str], ctx: dict, head: str) -> str:
-    cells = [[r["format"], str(r["tokens"]), str(r["experts_touched"]), fmt(r["kt_ms"], ".3f"),
+    cells = [[r["format"], str(r["tokens"]), fmt(r["experts_touched"], ".4g"), fmt(r["kt_ms"], ".3f"),
               fmt(r["ours_ms"], ".3f"),
               fmt(r["ours_over_kt"], ".2f"), fmt(r["floor_ms"], ".3f"),
               fmt(None if r["kt_of_floor"] is None else 100 * r["kt_of_floor"], ".0f"),
@@ -139,7 +138,7 @@ def measure_format(args, name: str, weights: tuple, shape: dict, tokens: list[in
                  f"{kt['load_s']:.1f} s"]
     torch.set_num_threads(1)
     time.sleep(1.0)  # torch's OpenMP workers stop spinning on the cores ours are pinned to
-    ours, ours_out, isa, pack_s = run_ours(name, *weights, shape, tokens, threads, args.group_size, args.reps,
+    ours, touched, ours_out, isa, pack_s = run_ours(name, *weights, shape, tokens, threads, args.group_size, args.reps,
                                            args.budget_s)
     notes.append(f"ours {name}: CpuExperts on its {isa} kernels, packed in {pack_s:.1f} s")
     x, ids, w = routing(tokens[0], H, E, K, seed=tokens[0])
@@ -150,7 +149,7 @@ def measure_format(args, name: str, weights: tuple, shape: dict, tokens: list[in
     notes.append(f"{name} at T={tokens[0]}, error vs the float32 reference of the bf16 weights: "
                  + ", ".join(f"{k} {v:.4f}" for k, v in errs.items()))
     after = floor_bandwidth(2 << 30, threads)
-    rows = format_rows(name, shape, tokens, max(bandwidth, after), ours, kt, ours_out, kt_out)
+    rows = format_rows(name, shape, tokens, max(bandwidth, after), ours, touched, kt, ours_out, kt_out)
     return rows, notes, kt, after
 
 
@@ -174,7 +173,8 @@ def run(args) -> int:
     except Stopped:
         notes.append("stopped by SIGTERM (time limit): the formats after the last row not measured")
     head = (f"# one MoE layer, {args.shape}: E={shape['E']} H={shape['H']} I={shape['I']} top-{shape['K']}, "
-            f"{threads} threads each; floor at {', '.join(f'{b / 1e9:.1f}' for b in probes)} GB/s "
+            f"{threads} CPUs each (ours: {threads} threads; kt-kernel: {max(1, threads - SPINNING_THREADS)} pool workers, its "
+            f"TaskQueue thread and the caller); floor at {', '.join(f'{b / 1e9:.1f}' for b in probes)} GB/s "
             f"({floor_bandwidth_method()}; a format's rows at the higher of the probes around it)")
     print(report(rows, notes, ctx, head))
     write_json(args.json, {"context": ctx, "shape": shape, "threads": threads, "bandwidth_probes_gbps":

@@ -11,7 +11,10 @@ JSON (the extension's own prints may come after it): {"variant", "class", "ms": 
 kt-kernel is driven as its own benchmarks drive it (kt-kernel/bench/bench_moe_amx.py, bench_bf16_moe.py): a
 CPUInfer over one worker pool of `threads` threads, MOEConfig(E, K, H, I, mask) with bf16 [E, I, H] / [E, H, I]
 weights by address (int8 and int4: quantized by kt-kernel itself as it loads them, "online"), the layer's
-forward_task submitted and synced per call. The extension is loaded by kt-kernel's own chooser
+forward_task submitted and synced per call. Its TaskQueue's thread and the caller's sync() spin without pause,
+each on a CPU of its own, so the worker pool gets `threads` - 2 threads (at least 1): the layer's calls then use
+the same CPUs as ours. max_len is rounded up to a multiple of MAX_LEN_STEP (its int8 and int4 buffers need
+whole AMX row blocks). The extension is loaded by kt-kernel's own chooser
 (kt_kernel/_cpu_detect.py, cpuid) without importing its package, whose other modules need packages this
 benchmark does not (safetensors loaders, gguf readers).
 """
@@ -28,13 +31,16 @@ from pathlib import Path
 
 import torch
 
-from .common import cache_flusher
-from .moe_layer import DECODE_MAX_T, make_weights, median_ms, routing
+from .moe_layer import make_weights, routing
+from .peers_kt_calls import timed_ms
 
 RESULT_MARK = "PEERS_KT_RESULT "
 CLASSES = {"bf16": "AMXBF16_MOE", "int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE"}
 """Our format -> kt-kernel's MoE class (int8/int4 quantized from bf16 as they load, per output channel)."""
 SUPPORTED_VARIANTS = ("amx", "avx512_bf16")
+SPINNING_THREADS = 2
+"""kt-kernel's threads besides its pool that spin while a call runs: the TaskQueue's worker and sync()'s caller."""
+MAX_LEN_STEP = 256
 
 
 class KtUnavailable(Exception):
@@ -73,7 +79,7 @@ class KtLayer:
         config = ext.WorkerPoolConfig()
         config.subpool_count = 1
         config.subpool_numa_map = [0]
-        config.subpool_thread_count = [threads]
+        config.subpool_thread_count = [max(1, threads - SPINNING_THREADS)]
         self.cpu_infer = ext.CPUInfer(config)
         self.weights = [gate.contiguous(), up.contiguous(), down.contiguous()]
         self.gpu_mask = torch.zeros(E, dtype=torch.bool)  # every expert on the CPU
@@ -81,7 +87,7 @@ class KtLayer:
         moe_config = ext.moe.MOEConfig(E, K, H, I, self.gpu_mask.data_ptr())
         moe_config.layer_idx = 0
         moe_config.pool = self.cpu_infer.backend_
-        moe_config.max_len = max_len
+        moe_config.max_len = -(-max_len // MAX_LEN_STEP) * MAX_LEN_STEP
         moe_config.gate_proj, moe_config.up_proj, moe_config.down_proj = (w.data_ptr() for w in self.weights)
         cls = getattr(ext.moe, CLASSES[fmt], None)
         if cls is None:
@@ -108,17 +114,16 @@ def measure(spec: dict) -> dict:
     layer = KtLayer(ext, spec["format"], gate, up, down, K, max(spec["tokens"]), spec["threads"])
     load_s = time.perf_counter() - t0
     torch.set_num_threads(1)  # torch's own workers stay off the cores kt-kernel's pool uses
-    flush = cache_flusher("write")
     ms, outputs = {}, {}
     for T in spec["tokens"]:
-        x, ids, w = routing(T, H, E, K, seed=T)
-        ids, w, out = ids.long().contiguous(), w.float().contiguous(), torch.empty(T, H, dtype=torch.bfloat16)
-        qlen = torch.tensor([T], dtype=torch.int32)
-        x = x.contiguous()
-        layer.forward(x, ids, w, out, qlen)
-        outputs[T] = out.clone()
-        ms[T] = median_ms(lambda: layer.forward(x, ids, w, out, qlen), spec["reps"],
-                          flush if T <= DECODE_MAX_T else None, budget_s=spec["budget_s"])
+        out, qlen = torch.empty(T, H, dtype=torch.bfloat16), torch.tensor([T], dtype=torch.int32)
+
+        def call(x, ids, w):
+            layer.forward(x.contiguous(), ids.long().contiguous(), w.float().contiguous(), out, qlen)
+            return out
+
+        outputs[T] = call(*routing(T, H, E, K, seed=T)).clone()
+        ms[T], _ = timed_ms(call, T, H, E, K, spec["reps"], spec["budget_s"])
     torch.save(outputs, spec["outputs"])
     return {"variant": variant, "class": layer.name, "ms": ms, "load_s": load_s}
 

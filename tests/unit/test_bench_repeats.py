@@ -136,3 +136,20 @@ def test_an_expert_option_row_sets_the_experts_and_the_next_row_its_own_value_ag
     assert (experts.tuning.pin_decode_thread, handoff.zero_copy) == (True, False)
     bench._set_up(suite.Row("int4 all on", True, None, True))
     assert (experts.tuning.pin_decode_thread, handoff.zero_copy, runner.sample_on_device) == (True, True, False)
+
+
+def test_repetitions_prefill_every_prompt_token_again(model_dir, monkeypatch):
+    """The same prompts are prefilled in every round: none of their tokens may come from a prefix cache
+    (which the engine keeps by default), or the rounds after the first time a cache hit, not a prefill."""
+    measure, hits = suite._measure, []
+
+    def counting(engine, prompts, gen_len):
+        timing = measure(engine, prompts, gen_len)
+        hits.append(engine.scheduler.pool.stats.hit_tokens)
+        return timing
+
+    monkeypatch.setattr(suite, "_measure", counting)
+    (result,) = suite.run_suite("all on", model_dir, EngineConfig(device="cpu", max_num_seqs=1, kv_block_size=16),
+                                [64], 3, 1e9, "probe", decode_prompt_len=8, repeats=2)
+    assert hits and hits[-1] == 0
+    assert result.resolved.prefix_caching is False

@@ -178,7 +178,9 @@ def run_suite(label: str, model_dir: str, engine_config: EngineConfig, prompt_le
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    engine = LLMEngine(model_dir, engine_config)
+    # every repetition prefills the same prompts into an empty context (llama-bench's pp<N>): a prefix cache
+    # would serve the repetitions after the first from the blocks the first one left
+    engine = LLMEngine(model_dir, replace(engine_config, prefix_caching=False))
     load_s = time.perf_counter() - t0
     bench = None
     try:
