@@ -25,6 +25,30 @@ MAX_STOP_CHARS = 512
 """Longest stop string, in characters."""
 MAX_STOP_TOTAL_CHARS = 4096
 """All stop strings of a request together, in characters."""
+MAX_GRAMMAR_CHARS = 256 * 1024
+"""Longest grammar or JSON schema a request may hold output to, in characters."""
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "lark")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match: any JSON object ("json_object", spec empty), a JSON schema ("json_schema", spec
+    its JSON text), a regular expression ("regex") or a Lark grammar ("lark", llguidance's dialect). The engine
+    masks every token that would leave the grammar, so the output matches it whatever the model prefers."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise HybridMoEError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                 f"got {_short(self.kind)}")
+        if not isinstance(self.spec, str):
+            raise HybridMoEError(f"a structured output's spec must be text, got {type(self.spec).__name__}")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise HybridMoEError(f"the {self.kind} holds {len(self.spec)} characters; at most {MAX_GRAMMAR_CHARS}")
+        if self.kind != "json_object" and not self.spec:
+            raise HybridMoEError(f"a {self.kind} structured output needs its {self.kind.replace('_', ' ')}")
 
 
 @dataclass
@@ -75,7 +99,12 @@ class SamplingParams:
     its position (0: only the generated token's), under the model's own distribution (before
     penalties, temperature and filters). None: no log-probabilities."""
 
+    structured: StructuredOutput | None = None
+    """Hold the output to a grammar (StructuredOutput); None: free text."""
+
     def __post_init__(self) -> None:
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise HybridMoEError(f"structured must be a StructuredOutput or None, got {_short(self.structured)}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

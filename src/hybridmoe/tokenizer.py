@@ -94,6 +94,10 @@ class Tokenizer:
         # own while the event loop answers other requests
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar engine builds its token trie from)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

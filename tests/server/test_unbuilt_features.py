@@ -1,6 +1,6 @@
 """What the server does not do yet is refused with a 400 naming the field, never answered in plain text as if
-it were done: tool calls (tools, a tool_choice that needs them) and response formats other than text. Values
-that ask for nothing (no tools, tool_choice none/auto, response_format text) are accepted."""
+it were done: tool calls (tools, a tool_choice that needs them). Values that ask for nothing (no tools,
+tool_choice none/auto, response_format text) are accepted."""
 
 import openai
 import pytest
@@ -13,11 +13,8 @@ HELLO = [{"role": "user", "content": "hello"}]
     ({"tools": [TOOL]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-     "response_format"),
 ])
-def test_a_request_for_tool_calls_or_a_response_format_is_refused(server, extra, param):
+def test_a_request_for_tool_calls_is_refused(server, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         server.client().chat.completions.create(model="tiny", messages=HELLO, max_tokens=2, **extra)
     assert e.value.status_code == 400 and "not supported yet" in str(e.value)
@@ -32,10 +29,8 @@ def test_values_that_ask_for_nothing_are_accepted(server):
 
 @pytest.mark.parametrize("path,body,param", [
     ("/api/chat", {"messages": HELLO, "tools": [TOOL]}, "tools"),
-    ("/api/chat", {"messages": HELLO, "format": "json"}, "format"),
-    ("/api/generate", {"prompt": "hello", "format": {"type": "object"}}, "format"),
 ])
-def test_ollama_tools_and_format_are_refused(server, path, body, param):
+def test_ollama_tools_are_refused(server, path, body, param):
     import json
 
     code, raw = server.post(path, {"model": "tiny", "stream": False, **body})

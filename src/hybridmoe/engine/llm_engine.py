@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 from pathlib import Path
 
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.detokenizer import Detokenizer
+from hybridmoe.engine.grammar import Grammars
 from hybridmoe.engine.kv_blocks import BlockPool
 from hybridmoe.engine.model_loader import load_model
 from hybridmoe.engine.model_runner import ModelRunner
@@ -54,6 +56,20 @@ class LLMEngine:
                                   host_blocks=self.kv_plan.host_blocks, kv_fp8=fp8)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
+
+    def grammars(self) -> Grammars:
+        """The vocabulary's grammar engine, built on first use (about a second for a 150K-token vocabulary); safe
+        to call from any thread (a server checks requests' grammars on its prompt threads)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise HybridMoEError("structured output needs the model's tokenizer, and this model directory "
+                                         "has none")
+                self._grammars = Grammars.build(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
+                self.runner.sampler.grammars = self._grammars
+            return self._grammars
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -67,6 +83,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = Detokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
         seq = Sequence(request_id, prompt_ids, params, detok, self.config.device)
+        if params.structured is not None:
+            seq.matcher = self.grammars().matcher(params.structured)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id

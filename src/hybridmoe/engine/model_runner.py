@@ -355,4 +355,4 @@ def _consecutive_from(table: list[int]) -> int | None:
 def _plain_greedy(p: SamplingParams) -> bool:
     """Greedy with nothing that needs the logits on the host: the step's own argmax is the token."""
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0)
+            and p.frequency_penalty == 0.0 and p.structured is None)

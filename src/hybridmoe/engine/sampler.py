@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridmoe.engine.grammar import Grammars, advance
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import SamplingParams
 
@@ -23,7 +24,7 @@ from hybridmoe.sampling_params import SamplingParams
 class SamplerInput:
     """What the sampler needs to know about one sequence."""
 
-    __slots__ = ("params", "prompt_ids", "output_ids", "generator")
+    __slots__ = ("params", "prompt_ids", "output_ids", "generator", "matcher")
 
     def __init__(self, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int],
                  generator: torch.Generator | None = None):
@@ -31,6 +32,8 @@ class SamplerInput:
         self.prompt_ids = prompt_ids
         self.output_ids = output_ids
         self.generator = generator
+        self.matcher = None
+        """The llguidance matcher of params.structured at this point of the output (engine/grammar.py), or None."""
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplerInput]) -> torch.Tensor:
@@ -107,7 +110,11 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) 
 
 
 class Sampler:
-    """Turns last-token logits into one next token per sequence."""
+    """Turns last-token logits into one next token per sequence; rows with a grammar (SamplerInput.matcher) draw
+    only tokens it allows, and their matchers consume the tokens drawn."""
+
+    def __init__(self, grammars: Grammars | None = None):
+        self.grammars = grammars
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerInput]) -> list[int]:
         """logits [N, V] float32 (may be modified). Returns N token ids; a row that fails raises."""
@@ -121,6 +128,9 @@ class Sampler:
         """logits [N, V] float32 (may be modified) -> (N token ids, None where a row failed; {row: why it
         failed}). A row fails alone: its penalties, filters or draw raised (non-finite logits, say)."""
         failed: dict[int, str] = {}
+        constrained = [(i, r.matcher) for i, r in enumerate(rows) if r.matcher is not None]
+        if constrained:
+            self.grammars.mask(logits, constrained)
         for i, r in enumerate(rows):
             _guard(failed, i, apply_row_penalties, logits[i], r)
         for i, nan in enumerate(torch.isnan(logits).any(dim=-1).tolist()):
@@ -144,6 +154,9 @@ class Sampler:
                     drawn = _guard(failed, i, torch.multinomial, probs[j].reshape(-1), 1,
                                    generator=rows[i].generator)
                     tokens[i] = None if drawn is None else int(drawn[0])
+        for i, matcher in constrained:
+            if i not in failed and (why := advance(matcher, tokens[i])) is not None:
+                failed[i] = why
         for i in failed:
             tokens[i] = None
         return tokens, failed

@@ -27,6 +27,7 @@ from hybridmoe.server.serving_common import (
     for_prompt,
     request_params,
 )
+from hybridmoe.server.structured import check_structured, ollama_structured
 
 OLLAMA_API_VERSION = "0.6.0"
 """The Ollama API version whose routes and fields we follow (front-ends check it)."""
@@ -70,13 +71,9 @@ class OllamaGenerateRequest(StrictRequest):
 
 
 def _refuse_unbuilt(req: OllamaChatRequest | OllamaGenerateRequest) -> None:
-    """A 400 for tool calls and structured output (format), which the server does not do yet: a plain-text
-    answer would look like success."""
+    """A 400 for tool calls, which the server does not do yet: a plain-text answer would look like success."""
     if getattr(req, "tools", None):
         raise APIError(400, "tool calls are not supported yet: send the request without tools", param="tools")
-    if req.format not in (None, ""):
-        raise APIError(400, "format (structured output) is not supported yet: send the request without it",
-                       param="format")
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -93,12 +90,15 @@ def _max_tokens(o: OllamaOptions) -> int | None:
     return max_tokens
 
 
-def _params(o: OllamaOptions) -> SamplingParams:
-    """The options' SamplingParams, checked before the prompt is read (for_prompt fits them to it)."""
+async def _params(state: ServerState, req: OllamaChatRequest | OllamaGenerateRequest) -> SamplingParams:
+    """The request's SamplingParams (its options and format), checked before the prompt is read (for_prompt fits
+    them to it)."""
+    o, structured = req.options, ollama_structured(req.format)
+    await check_structured(state, structured, param="format")
     return request_params(
         max_tokens=_max_tokens(o), temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, min_p=o.min_p,
         presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty,
-        repetition_penalty=o.repeat_penalty, stop=o.stop, default_temperature=0.8)
+        repetition_penalty=o.repeat_penalty, stop=o.stop, default_temperature=0.8, structured=structured)
 
 
 async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> Response:
@@ -106,7 +106,7 @@ async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> 
     _refuse_unbuilt(req)
     if not req.messages:  # Ollama's way to load a model: answer done at once
         return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=True))
-    params = _params(req.options)
+    params = await _params(state, req)
     state.engine.check_capacity()
     ids = await encode_chat(state, [m.model_dump() for m in req.messages])
     params = for_prompt(state, params, len(ids), _max_tokens(req.options), req.options.seed)
@@ -118,7 +118,7 @@ async def generate(state: ServerState, req: OllamaGenerateRequest, request: Requ
     _refuse_unbuilt(req)
     if not req.prompt:
         return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=False))
-    params = _params(req.options)
+    params = await _params(state, req)
     state.engine.check_capacity()
     if req.raw or state.tokenizer.chat_template is None:
         ids = await encode_text(state, req.prompt)

@@ -49,7 +49,7 @@ def check_prompt_ids(state: ServerState, ids: list[int], param: str = "prompt") 
 async def encode_text(state: ServerState, text: str, param: str = "prompt") -> list[int]:
     """A plain text prompt as checked token ids (special tokens added as the tokenizer does)."""
     check_text_length(state, len(text), "the prompt", param)
-    ids = await _off_loop(state, state.tokenizer.encode, text)
+    ids = await off_loop(state, state.tokenizer.encode, text)
     check_prompt_ids(state, ids, param)
     return ids
 
@@ -61,7 +61,7 @@ async def encode_chat(state: ServerState, messages: list[dict]) -> list[int]:
                             f"{state.max_model_len} tokens holds", param="messages", code="context_length_exceeded")
     chars = sum(len(m["content"]) + len(m.get("name") or "") for m in messages)
     check_text_length(state, chars, "the conversation", "messages")
-    ids = await _off_loop(state, _render_and_encode, state, state.tokenizer, messages)
+    ids = await off_loop(state, _render_and_encode, state, state.tokenizer, messages)
     check_prompt_ids(state, ids, "messages")
     return ids
 
@@ -76,7 +76,7 @@ def _render_and_encode(state: ServerState, tokenizer: Tokenizer, messages: list[
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-async def _off_loop(state: ServerState, fn, *args):
+async def off_loop(state: ServerState, fn, *args):
     """fn(*args) on a prompt thread, counted by the prompts_preparing gauge (set on the event loop only)."""
     preparing = state.engine.metrics.prompts_preparing
     preparing.set(preparing.value + 1)

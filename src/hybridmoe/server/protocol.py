@@ -53,6 +53,21 @@ class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictRequest):
+    """response_format's json_schema: OpenAI's name, description, schema and strict (the output is always held to
+    the schema, strict or not)."""
+
+    name: Text = Field(max_length=64)
+    description: Text | None = None
+    json_schema: dict | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictRequest):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingRequest(StrictRequest):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -71,6 +86,7 @@ class SamplingRequest(StrictRequest):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -104,7 +120,6 @@ class ChatCompletionRequest(SamplingRequest):
     # read so that a request asking for tool calls or a response format is refused, not answered in plain text
     tools: list[dict] | None = None
     tool_choice: Text | dict | None = None
-    response_format: dict | None = None
 
 
 class CompletionRequest(SamplingRequest):

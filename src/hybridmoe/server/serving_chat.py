@@ -37,6 +37,7 @@ from hybridmoe.server.serving_common import (
     sse,
     token_text,
 )
+from hybridmoe.server.structured import check_structured, structured_of
 
 
 async def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
@@ -52,7 +53,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = openai_params(req, max_tokens, logprobs)
+    structured = structured_of(req.response_format)
+    params = openai_params(req, max_tokens, logprobs, structured)
+    await check_structured(state, structured)
     state.engine.check_capacity(req.n)
     prompt_ids = await chat_prompt(state, req)
     group = [(prompt_ids, for_prompt(state, params, len(prompt_ids), max_tokens, seed_for(req.seed, i)))
@@ -74,16 +77,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 def refuse_unbuilt(req: ChatCompletionRequest) -> None:
-    """A 400 for what the server does not do yet: tool calls (tools, or a tool_choice that needs one) and
-    response formats other than text; answering such a request in plain text would look like success."""
+    """A 400 for what the server does not do yet: tool calls (tools, or a tool_choice that needs one);
+    answering such a request in plain text would look like success."""
     if req.tools:
         raise APIError(400, "tool calls are not supported yet: the reply would be plain text; send the request "
                             "without tools", param="tools")
     if req.tool_choice not in (None, "none", "auto"):
         raise APIError(400, "tool_choice needs tool calls, which are not supported yet", param="tool_choice")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise APIError(400, f"response_format {req.response_format.get('type')!r} is not supported yet (only "
-                            "'text'): the reply would not be held to it", param="response_format")
 
 
 async def _chunks(state: ServerState, req: ChatCompletionRequest, request_id: str, prompt_len: int,

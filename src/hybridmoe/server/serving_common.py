@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from hybridmoe.engine.sampler import TokenLogprobs
 from hybridmoe.engine.sequence import RequestOutput
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.sampling_params import SamplingParams
+from hybridmoe.sampling_params import SamplingParams, StructuredOutput
 from hybridmoe.server.async_engine import AsyncEngine, EngineError, RequestStream
 from hybridmoe.server.protocol import INVALID_UNICODE, SamplingRequest
 from hybridmoe.tokenizer import Tokenizer
@@ -127,7 +127,7 @@ def request_params(*, max_tokens: int | None, temperature: float | None, top_p: 
                    frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                    stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
                    ignore_eos: bool = False, logprobs: int | None = None,
-                   default_temperature: float = 1.0) -> SamplingParams:
+                   default_temperature: float = 1.0, structured: StructuredOutput | None = None) -> SamplingParams:
     """A request's SamplingParams, checked before its prompt is read: a value SamplingParams refuses is a
     400 naming the field. max_tokens None stands at 1 until for_prompt fits it to each prompt."""
     return _checked(lambda: SamplingParams(
@@ -138,12 +138,14 @@ def request_params(*, max_tokens: int | None, temperature: float | None, top_p: 
         min_p=min_p or 0.0, presence_penalty=presence_penalty or 0.0,
         frequency_penalty=frequency_penalty or 0.0,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
-        stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, logprobs=logprobs))
+        stop=stop or [], stop_token_ids=stop_token_ids or [], ignore_eos=ignore_eos, logprobs=logprobs,
+        structured=structured))
 
 
-def openai_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """request_params of an OpenAI request (chat or completion)."""
-    return request_params(
+def openai_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                  structured: StructuredOutput | None = None) -> SamplingParams:
+    """request_params of an OpenAI request (chat or completion); structured: its response_format's grammar."""
+    return request_params(structured=structured,
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, stop=req.stop, stop_token_ids=req.stop_token_ids,

@@ -32,6 +32,7 @@ from hybridmoe.server.serving_common import (
     sse,
     token_text,
 )
+from hybridmoe.server.structured import check_structured, structured_of
 
 
 def prompt_list(prompt) -> list[str | list[int]]:
@@ -64,7 +65,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported; put the text in the prompt",
                        param="suffix")
-    params = openai_params(req, req.max_tokens, req.logprobs)
+    structured = structured_of(req.response_format)
+    params = openai_params(req, req.max_tokens, req.logprobs, structured)
+    await check_structured(state, structured)
     texts = prompt_list(req.prompt)
     state.engine.check_capacity(len(texts) * req.n)
     prompts = await completion_prompts(state, texts)

@@ -1,0 +1,111 @@
+"""Structured output: a request's grammar as an llguidance matcher over the model's vocabulary, and the token
+masks that hold a batch's sampled tokens to their grammars.
+
+llguidance (not xgrammar) because it installs as one abi3 wheel with no dependencies (xgrammar pulls in
+transformers and triton), computes a batch's masks in parallel in native threads without the GIL, and bounds
+the work of hostile grammars itself (its parser limits; a grammar past them puts its matcher into an error
+state instead of running on).
+
+Per step: the masks of the rows that have a matcher are computed on the CPU (one bit per token, [rows,
+ceil(V / 32)] int32), moved to the logits' device and applied there (a forbidden token's logit becomes -inf);
+after the draw each matcher consumes its row's token. When a grammar is complete only EOS stays allowed, so
+the sequence ends the usual way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import llguidance
+import torch
+
+from hybridmoe.errors import HybridMoEError
+from hybridmoe.sampling_params import StructuredOutput
+
+MASK_THREADS = 2
+"""Native threads computing a batch's masks: the CPU's other cores run the routed experts."""
+
+
+def grammar_text(spec: StructuredOutput) -> str:
+    """spec as llguidance grammar text. JSON is written without free whitespace: a grammar that allows any run
+    of spaces would let a weak model pad forever instead of closing the object."""
+    compact = {"whitespace_flexible": False}
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.spec)
+        except ValueError as e:
+            raise HybridMoEError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise HybridMoEError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compact)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.spec)
+    return llguidance.LLMatcher.grammar_from_lark(spec.spec)
+
+
+@dataclass
+class Grammars:
+    """The model's vocabulary for llguidance, and the matchers and masks built over it."""
+
+    tokenizer: llguidance.LLTokenizer
+    vocab_size: int
+    executor: llguidance.LLExecutor
+
+    @classmethod
+    def build(cls, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> Grammars:
+        """From the model's tokenizer.json text; vocab_size is the logits' width (it may exceed the tokenizer's)."""
+        tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        return cls(tokenizer, vocab_size, llguidance.LLExecutor(MASK_THREADS))
+
+    def check(self, spec: StructuredOutput) -> str:
+        """spec's grammar text, checked against this vocabulary; a HybridMoEError says what is wrong with it."""
+        try:
+            text = grammar_text(spec)
+        except HybridMoEError:
+            raise
+        except Exception as e:  # noqa: BLE001 (llguidance's conversions raise ValueError / RuntimeError alike)
+            raise HybridMoEError(f"the {spec.kind.replace('_', ' ')} cannot be used: {_one_line(e)}") from None
+        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error:
+            raise HybridMoEError(f"the {spec.kind.replace('_', ' ')} cannot be used: {_one_line(error)}")
+        return text
+
+    def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """A new matcher of spec at the start of the output."""
+        matcher = llguidance.LLMatcher(self.tokenizer, self.check(spec), log_level=0)
+        if matcher.is_error():
+            raise HybridMoEError(f"the {spec.kind.replace('_', ' ')} cannot be used: {_one_line(matcher.get_error())}")
+        return matcher
+
+    def mask(self, logits: torch.Tensor, matchers: list[tuple[int, llguidance.LLMatcher]]) -> None:
+        """Set to -inf, in logits [N, V] (any device), every token the grammar of row i forbids, for each (i,
+        matcher) of matchers."""
+        if not matchers:
+            return
+        words = (self.vocab_size + 31) // 32
+        bits = torch.empty(len(matchers), words, dtype=torch.int32)
+        self.executor.unsafe_compute_mask_ptr([(m, k) for k, (_, m) in enumerate(matchers)], bits.data_ptr(),
+                                              words * 4, len(matchers))
+        rows = torch.tensor([i for i, _ in matchers], device=logits.device)
+        allowed = unpack_bits(bits.to(logits.device, non_blocking=True), logits.shape[1])
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def unpack_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """bits int32 [N, W] (bit j of word w: token 32 w + j) -> bool [N, width]."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).reshape(bits.shape[0], -1)[:, :width].bool()
+
+
+def advance(matcher: llguidance.LLMatcher, token: int) -> str | None:
+    """The matcher past token; why it cannot go on (None when it can)."""
+    if not matcher.consume_token(token) or matcher.is_error():
+        return f"the output left its grammar: {_one_line(matcher.get_error() or f'token {token} not allowed')}"
+    return None
+
+
+def _one_line(error) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:300]
