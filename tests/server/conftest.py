@@ -17,6 +17,8 @@ from contextlib import contextmanager
 
 import openai
 import pytest
+
+from hybridmoe.checkpoint.make import make_checkpoint
 from hub_cache import directory_files, put
 
 STARTUP_SECONDS = 120
@@ -165,4 +167,16 @@ def hub_server(tiny_qwen3_fp32, tmp_path_factory):
     put(cache, "org/tiny", directory_files(tiny_qwen3_fp32), "a" * 40)
     with _serve("org/tiny", tmp_path_factory.mktemp("logs") / "hub_server.log", name=None,
                 env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def long_server(tmp_path_factory):
+    """A server of the tiny Qwen3 model with a context of 4096 tokens (the preset's is 512): room for tools'
+    descriptions in the prompt, which the tiny tokenizer spells out in many tokens."""
+    model_dir = tmp_path_factory.mktemp("tiny_qwen3_long")
+    make_checkpoint("qwen3_moe", "tiny", model_dir, dtype="fp32", progress=False,
+                    overrides={"max_position_embeddings": 4096})
+    with _serve(model_dir, tmp_path_factory.mktemp("logs") / "long_server.log", "--max-batch", "8") as s:
+        s.model_dir = model_dir
         yield s

@@ -7,6 +7,7 @@ the same SamplingParams as the OpenAI routes. Durations are in nanoseconds, as O
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -18,8 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.sampling_params import SamplingParams
-from hybridmoe.server.prompts import encode_chat, encode_text
-from hybridmoe.server.protocol import StrictRequest, Text, random_id
+from hybridmoe.server.chat_output import ChatOutputFormat, reasoning_parser
+from hybridmoe.server.prompts import encode_chat, encode_text, render_chat
+from hybridmoe.server.protocol import MAX_TOOLS, StrictRequest, Text, ToolDef, random_id
 from hybridmoe.server.serving_common import (
     APIError,
     ServerState,
@@ -28,6 +30,8 @@ from hybridmoe.server.serving_common import (
     request_params,
 )
 from hybridmoe.server.structured import check_structured, ollama_structured
+from hybridmoe.server.tool_parsers import ParsedOutput, parser_for_template
+from hybridmoe.server.tool_parsers.base import assemble
 
 OLLAMA_API_VERSION = "0.6.0"
 """The Ollama API version whose routes and fields we follow (front-ends check it)."""
@@ -46,9 +50,30 @@ class OllamaOptions(StrictRequest):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
 
 
+class OllamaFunction(StrictRequest):
+    name: Text
+    arguments: dict = Field(default_factory=dict)
+
+
+class OllamaToolCall(StrictRequest):
+    function: OllamaFunction
+
+
 class OllamaMessage(StrictRequest):
     role: Literal["system", "user", "assistant", "tool"]
     content: Text = ""
+    tool_calls: list[OllamaToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_name: Text | None = None
+    thinking: Text | None = None
+    """An earlier answer's reasoning: accepted and left out of the prompt."""
+
+    def as_template_message(self) -> dict:
+        d = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [{"type": "function", "function": c.function.model_dump()} for c in self.tool_calls]
+        if self.tool_name:
+            d["name"] = self.tool_name
+        return d
 
 
 class OllamaChatRequest(StrictRequest):
@@ -56,8 +81,10 @@ class OllamaChatRequest(StrictRequest):
     messages: list[OllamaMessage] = Field(default_factory=list)
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
-    tools: list[dict] | None = None  # read to be refused (_refuse_unbuilt)
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     format: Text | dict | None = None
+    think: bool | None = None
+    """False turns thinking off where the chat template can (enable_thinking)."""
 
 
 class OllamaGenerateRequest(StrictRequest):
@@ -68,12 +95,6 @@ class OllamaGenerateRequest(StrictRequest):
     stream: bool = True
     options: OllamaOptions = Field(default_factory=OllamaOptions)
     format: Text | dict | None = None
-
-
-def _refuse_unbuilt(req: OllamaChatRequest | OllamaGenerateRequest) -> None:
-    """A 400 for tool calls, which the server does not do yet: a plain-text answer would look like success."""
-    if getattr(req, "tools", None):
-        raise APIError(400, "tool calls are not supported yet: send the request without tools", param="tools")
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -103,19 +124,28 @@ async def _params(state: ServerState, req: OllamaChatRequest | OllamaGenerateReq
 
 async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> Response:
     _check_model(state, req.model)
-    _refuse_unbuilt(req)
     if not req.messages:  # Ollama's way to load a model: answer done at once
         return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=True))
     params = await _params(state, req)
     state.engine.check_capacity()
-    ids = await encode_chat(state, [m.model_dump() for m in req.messages])
+    template = state.tokenizer.chat_template
+    parser, kwargs = None, {} if req.think is not False else {"enable_thinking": False}
+    if req.tools:
+        parser = parser_for_template(template)
+        if parser is None:
+            raise APIError(400, "this model's chat template writes no tool-call format the server reads; send the "
+                                "request without tools", param="tools")
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    if parser is not None:  # most formats' markers are special tokens: the reader must see them
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    text, ids = await render_chat(state, [m.as_template_message() for m in req.messages], **kwargs)
     params = for_prompt(state, params, len(ids), _max_tokens(req.options), req.options.seed)
-    return await _answer(state, req.model, ids, params, req.stream, request, True)
+    output = ChatOutputFormat(parser, reasoning_parser(template, text))
+    return await _answer(state, req.model, ids, params, req.stream, request, output)
 
 
 async def generate(state: ServerState, req: OllamaGenerateRequest, request: Request) -> Response:
     _check_model(state, req.model)
-    _refuse_unbuilt(req)
     if not req.prompt:
         return JSONResponse(_final(state, req.model, "load", 0, 0, time.perf_counter(), chat=False))
     params = await _params(state, req)
@@ -127,7 +157,7 @@ async def generate(state: ServerState, req: OllamaGenerateRequest, request: Requ
             {"role": "user", "content": req.prompt}]
         ids = await encode_chat(state, messages)
     params = for_prompt(state, params, len(ids), _max_tokens(req.options), req.options.seed)
-    return await _answer(state, req.model, ids, params, req.stream, request, False)
+    return await _answer(state, req.model, ids, params, req.stream, request, None)
 
 
 def tags(state: ServerState) -> dict:
@@ -143,28 +173,55 @@ def version() -> dict:
 
 
 async def _answer(state: ServerState, model: str, ids: list[int], params: SamplingParams, streaming: bool,
-                  request: Request, chat: bool) -> Response:
-    start = time.perf_counter()
+                  request: Request, output: ChatOutputFormat | None) -> Response:
+    """The answer of /api/chat (output: how its text is read) or /api/generate (output None)."""
+    start, chat = time.perf_counter(), output is not None
     stream = state.engine.submit(random_id("ollama"), [(ids, params)])
     if streaming:
-        return StreamingResponse(_lines(state, model, len(ids), start, stream, chat),
+        return StreamingResponse(_lines(state, model, len(ids), start, stream, output),
                                  media_type="application/x-ndjson")
     out = (await collect(stream, request))[0].output
     body = _final(state, model, out.finish_reason, len(ids), len(out.token_ids), start, chat)
-    body["message" if chat else "response"] = (
-        {"role": "assistant", "content": out.text} if chat else out.text)
+    body["message" if chat else "response"] = _message(output.parse(out.text)) if chat else out.text
     return JSONResponse(body)
 
 
+def _message(parsed: ParsedOutput) -> dict:
+    """Ollama's assistant message: content, thinking, and tool calls with their arguments as objects."""
+    message = {"role": "assistant", "content": parsed.content or ""}
+    if parsed.reasoning:
+        message["thinking"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                 for c in parsed.tool_calls]
+    return message
+
+
 async def _lines(state: ServerState, model: str, prompt_len: int, start: float, stream,
-                 chat: bool) -> AsyncIterator[str]:
+                 output: ChatOutputFormat | None) -> AsyncIterator[str]:
+    """ndjson lines: each piece of text (chat: content or thinking), a chat's tool calls together once the output
+    ends, then the final line."""
+    chat, reader = output is not None, output.stream() if output is not None else None
+    call_deltas = []  # a chat's tool-call deltas so far: its calls go out whole, in one line at the end
+
+    def line(piece) -> str:
+        return json.dumps({"model": model, "created_at": _now(), "message" if chat else "response": piece,
+                           "done": False}) + "\n"
+
     try:
         try:
             async for _, out in stream:
-                if out.new_text:
-                    piece = {"role": "assistant", "content": out.new_text} if chat else out.new_text
-                    yield json.dumps({"model": model, "created_at": _now(), "message" if chat else "response": piece,
-                                      "done": False}) + "\n"
+                if not chat:
+                    if out.new_text:
+                        yield line(out.new_text)
+                else:
+                    deltas = reader.feed(out.new_text) + (reader.finish() if out.finished else [])
+                    call_deltas += [d for d in deltas if d.index is not None]
+                    for d in deltas:
+                        if d.index is None:
+                            yield line(_message(ParsedOutput(d.content, [], d.reasoning)))
+                    if out.finished and (calls := assemble(call_deltas).tool_calls):
+                        yield line({**_message(ParsedOutput(None, calls)), "content": ""})
                 if out.finished:
                     yield json.dumps(_final(state, model, out.finish_reason, prompt_len, len(out.token_ids),
                                             start, chat)) + "\n"

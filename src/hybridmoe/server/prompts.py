@@ -54,26 +54,33 @@ async def encode_text(state: ServerState, text: str, param: str = "prompt") -> l
     return ids
 
 
-async def encode_chat(state: ServerState, messages: list[dict]) -> list[int]:
+async def encode_chat(state: ServerState, messages: list[dict], **template_kwargs) -> list[int]:
     """A conversation through the model's chat template, as checked prompt token ids."""
+    return (await render_chat(state, messages, **template_kwargs))[1]
+
+
+async def render_chat(state: ServerState, messages: list[dict], **template_kwargs) -> tuple[str, list[int]]:
+    """A conversation through the model's chat template (template_kwargs: tools, enable_thinking, ...): the
+    prompt's text and its checked token ids."""
     if len(messages) >= state.max_model_len:
         raise APIError(400, f"messages holds {len(messages)} messages, more than a context of "
                             f"{state.max_model_len} tokens holds", param="messages", code="context_length_exceeded")
-    chars = sum(len(m["content"]) + len(m.get("name") or "") for m in messages)
+    chars = sum(len(m.get("content") or "") + len(m.get("name") or "") for m in messages)
     check_text_length(state, chars, "the conversation", "messages")
-    ids = await off_loop(state, _render_and_encode, state, state.tokenizer, messages)
+    text, ids = await off_loop(state, _render_and_encode, state, state.tokenizer, messages, template_kwargs)
     check_prompt_ids(state, ids, "messages")
-    return ids
+    return text, ids
 
 
-def _render_and_encode(state: ServerState, tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+def _render_and_encode(state: ServerState, tokenizer: Tokenizer, messages: list[dict],
+                       template_kwargs: dict) -> tuple[str, list[int]]:
     try:
-        text = tokenizer.apply_chat_template(messages)
+        text = tokenizer.apply_chat_template(messages, **template_kwargs)
     except HybridMoEError as e:
         raise APIError(400, str(e), param="messages") from None
     check_text_length(state, len(text), "the conversation through the chat template", "messages")
     # The template writes BOS itself when the model wants one, so no special tokens here.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 async def off_loop(state: ServerState, fn, *args):

@@ -98,10 +98,54 @@ class TextPart(StrictRequest):
     text: Text
 
 
+MAX_TOOLS = 128
+TOOL_NAME = r"^[A-Za-z0-9_.:\-]{1,64}$"
+
+
+class FunctionDef(StrictRequest):
+    name: Text = Field(pattern=TOOL_NAME)
+    description: Text | None = None
+    parameters: dict | None = None
+    """A JSON schema of the arguments (None: no arguments)."""
+    strict: bool | None = None
+
+
+class ToolDef(StrictRequest):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(StrictRequest):
+    name: Text = Field(pattern=TOOL_NAME)
+
+
+class NamedToolChoice(StrictRequest):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(StrictRequest):
+    name: Text
+    arguments: Text
+    """The arguments as a JSON object's text, as the model wrote them."""
+
+
+class ToolCallIn(StrictRequest):
+    """An earlier turn's tool call, sent back in an assistant message."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(StrictRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
+    """An earlier answer's reasoning: accepted and left out of the prompt, as the families' templates do."""
 
     def text(self) -> str:
         if self.content is None:
@@ -117,9 +161,12 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # read so that a request asking for tool calls or a response format is refused, not answered in plain text
-    tools: list[dict] | None = None
-    tool_choice: Text | dict | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[Annotated[str, Field(max_length=64)], bool | int | float | str | None] | None = \
+        Field(None, max_length=16)
+    """Variables for the chat template (vLLM's): {"enable_thinking": false} turns Qwen3's thinking off."""
 
 
 class CompletionRequest(SamplingRequest):
@@ -174,9 +221,22 @@ class CompletionLogprobs(_Response):
     text_offset: list[int]
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Response):
@@ -195,9 +255,31 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class FunctionDelta(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set_fields(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set_fields(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set_fields(self, handler):

@@ -24,7 +24,7 @@ def structured_of(response_format: ResponseFormat | None) -> StructuredOutput | 
                            param="response_format")
         return StructuredOutput("json_schema", json.dumps(response_format.json_schema.json_schema))
     except HybridMoEError as e:
-        raise APIError(400, str(e), param=param) from None
+        raise APIError(400, str(e), param="response_format") from None
 
 
 def ollama_structured(format_: str | dict | None) -> StructuredOutput | None:
