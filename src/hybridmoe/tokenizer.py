@@ -63,6 +63,7 @@ class Tokenizer:
                                if _token_text(config.get(k)) is not None}
         """Special tokens by role (bos_token, eos_token, ...), as the chat template sees them."""
         self.template_limits = TemplateLimits()
+        self._special_ids: dict[str, int] | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer | None":
@@ -93,6 +94,13 @@ class Tokenizer:
         # encode_batch releases the GIL while it works (encode holds it): the server tokenizes on a thread of its
         # own while the event loop answers other requests
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of text when the vocabulary holds it as one special token (which a grammar must name as a
+        token: the special token's text is not its bytes), else None."""
+        if self._special_ids is None:
+            self._special_ids = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return self._special_ids.get(text)
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what a grammar engine builds its token trie from)."""

@@ -1,9 +1,11 @@
 """The HTTP app: routes, API-key check, errors in OpenAI's JSON, HTTP metrics.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/models (OpenAI); /api/chat, /api/generate,
-/api/tags, /api/version (Ollama); /health, /metrics (Prometheus text); / (the web chat page, with a banner
-when the model's weights are random: a make-model checkpoint, whose text is noise).
-With an API key, every /v1 and /api route wants `Authorization: Bearer KEY`.
+Routes: /v1/chat/completions, /v1/completions, /v1/models (OpenAI); /v1/messages, /v1/messages/count_tokens
+(Anthropic, answering errors in Anthropic's JSON); /api/chat, /api/generate, /api/tags, /api/version (Ollama);
+/health, /metrics (Prometheus text); / (the web chat page, with a banner when the model's weights are random:
+a make-model checkpoint, whose text is noise).
+With an API key, every /v1 and /api route wants `Authorization: Bearer KEY`; the Anthropic routes also take
+`x-api-key: KEY` (what Anthropic's clients send) and answer a missing or wrong key in Anthropic's JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.server import ollama
+from hybridmoe.server import anthropic_api, ollama
 from hybridmoe.server.async_engine import AsyncEngine, EngineError, QueueFullError
 from hybridmoe.server.protocol import (
     ChatCompletionRequest,
@@ -102,6 +104,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         card = ModelCard(id=model_name, created=state.created, max_model_len=state.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request):
+        return await anthropic_api.create_message(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request):
+        return await anthropic_api.count_tokens(state, request)
+
     @app.post("/api/chat")
     async def ollama_chat(request: Request):
         return await ollama.chat(state, await parse_body(request, ollama.OllamaChatRequest), request)
@@ -145,7 +155,7 @@ def index_page(random_weights: bool) -> str:
 
 
 class AuthAndMetrics:
-    """ASGI wrapper: the bearer-token check on /v1 and /api, and a count of answers by route and status.
+    """ASGI wrapper: the API-key check on /v1 and /api, and a count of answers by route and status.
 
     Plain ASGI rather than a BaseHTTPMiddleware, which would wrap streaming responses and hide
     the client's disconnect from them."""
@@ -166,23 +176,37 @@ class AuthAndMetrics:
                 status["code"] = message["status"]
             await send(message)
 
+        anthropic = path == anthropic_api.ANTHROPIC_PATH or path.startswith(anthropic_api.ANTHROPIC_PATH + "/")
         try:
-            if self.api_key and path.startswith(("/v1/", "/api/")) and not self._authorized(scope):
-                await _send_json(send_and_count, 401, APIError(
-                    401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
-                    code="invalid_api_key").body(), {"WWW-Authenticate": "Bearer"})
+            if self.api_key and path.startswith(("/v1/", "/api/")) and not self._authorized(scope, anthropic):
+                await _send_json(send_and_count, 401, _unauthorized_body(anthropic), {"WWW-Authenticate": "Bearer"})
             else:
                 await self.app(scope, receive, send_and_count)
         finally:
             self.metrics.http_requests.inc(route, status["code"] or CLIENT_CLOSED_REQUEST)
 
-    def _authorized(self, scope) -> bool:
+    def _authorized(self, scope, anthropic: bool) -> bool:
+        """Whether the request carries the key: as its bearer token, or (anthropic) as its x-api-key header."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                          self.api_key.encode())
+                if scheme.lower() == "bearer" and self._is_key(token.strip()):
+                    return True
+            elif anthropic and name == b"x-api-key" and self._is_key(value.decode("latin-1").strip()):
+                return True
         return False
+
+    def _is_key(self, token: str) -> bool:
+        return hmac.compare_digest(token.encode(), self.api_key.encode())
+
+
+def _unauthorized_body(anthropic: bool) -> dict:
+    """The 401's JSON: Anthropic's error shape on its routes, OpenAI's elsewhere."""
+    if anthropic:
+        return anthropic_api.error_body(APIError(
+            401, "a valid API key is required: send the header 'x-api-key: <key>' or 'Authorization: Bearer <key>'"))[1]
+    return APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key").body()
 
 
 async def _send_json(send, status: int, body: dict, headers: dict[str, str]) -> None:

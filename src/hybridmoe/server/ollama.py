@@ -7,7 +7,6 @@ the same SamplingParams as the OpenAI routes. Durations are in nanoseconds, as O
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +29,7 @@ from hybridmoe.server.serving_common import (
     request_params,
 )
 from hybridmoe.server.structured import check_structured, ollama_structured
+from hybridmoe.server.tool_choice import reading_markup
 from hybridmoe.server.tool_parsers import ParsedOutput, parser_for_template
 from hybridmoe.server.tool_parsers.base import assemble
 
@@ -136,8 +136,7 @@ async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> 
             raise APIError(400, "this model's chat template writes no tool-call format the server reads; send the "
                                 "request without tools", param="tools")
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-    if parser is not None:  # most formats' markers are special tokens: the reader must see them
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    params = reading_markup(params, parser)
     text, ids = await render_chat(state, [m.as_template_message() for m in req.messages], **kwargs)
     params = for_prompt(state, params, len(ids), _max_tokens(req.options), req.options.seed)
     output = ChatOutputFormat(parser, reasoning_parser(template, text))

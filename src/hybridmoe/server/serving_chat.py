@@ -3,7 +3,6 @@ OpenAI frames chat.completion.chunk events or answered at once."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -42,7 +41,7 @@ from hybridmoe.server.serving_common import (
     token_text,
 )
 from hybridmoe.server.structured import check_structured, structured_of
-from hybridmoe.server.tool_choice import plan_tools
+from hybridmoe.server.tool_choice import marker_for, plan_tools, reading_markup
 from hybridmoe.server.tool_parsers import Delta
 
 
@@ -73,15 +72,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    plan = plan_tools(state.tokenizer.chat_template, req)
+    plan = plan_tools(state.tokenizer.chat_template, req, marker_for(state.tokenizer))
     structured = structured_of(req.response_format)
     if structured is not None and plan.structured is not None:
         raise APIError(400, "response_format and a tool_choice that forces calls cannot both hold the output; "
                             "drop one", param="response_format")
     structured = structured or plan.structured
     params = openai_params(req, max_tokens, logprobs, structured)
-    if plan.parser is not None:  # most formats' markers are special tokens: the reader must see them
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    params = reading_markup(params, plan.parser)
     await check_structured(state, structured, "response_format" if plan.structured is None else "tools")
     state.engine.check_capacity(req.n)
     text, prompt_ids = await render_chat(state, [message_dict(m) for m in req.messages], **plan.template_kwargs)

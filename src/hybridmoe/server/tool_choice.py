@@ -8,13 +8,16 @@ with tool_choice "auto", where its output is parsed, not held).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hybridmoe.sampling_params import StructuredOutput
+from hybridmoe.sampling_params import SamplingParams, StructuredOutput
 from hybridmoe.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDef
 from hybridmoe.server.serving_common import APIError
 from hybridmoe.server.tool_parsers import ToolParser, parser_for_template
+from hybridmoe.tokenizer import Tokenizer
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
                                       "pad_token", "unk_token"})
@@ -24,28 +27,90 @@ COMPACT = {"whitespace_flexible": False}
 """llguidance's JSON options: no free whitespace, which a weak model would pad with forever."""
 
 
+Marker = Callable[[str], str]
+"""A format's marker in a grammar: the special token's reference (<[id]>) when the vocabulary has the marker as
+one special token, which a quoted string would never match, else the quoted text."""
+
+
+def quoted(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def marker_for(tokenizer: Tokenizer) -> Marker:
+    """The Marker of a model's vocabulary."""
+    def marker(text: str) -> str:
+        token = tokenizer.special_token_id(text)
+        return quoted(text) if token is None else f"<[{token}]>"
+    return marker
+
+
+def _arguments(tool: ToolDef) -> dict:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def _json(schema: dict) -> str:
+    return f"%json {json.dumps({**schema, 'x-guidance': COMPACT})}"
+
+
+def _one_of(schemas: list[dict]) -> dict:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
 def call_schema(tool: ToolDef) -> dict:
-    """The JSON object of one call in the Qwen / Hermes layout: {"name": <the name>, "arguments": {...}}."""
-    parameters = tool.function.parameters or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
+    """The JSON object of one call in the Qwen / Hermes / Mistral layout: {"name": <the name>, "arguments": {...}}."""
+    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": _arguments(tool)},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def hermes_grammar(tools: list[ToolDef], parallel: bool) -> str:
-    """Lark (llguidance's dialect) for <tool_call>\\n{json}\\n</tool_call> calls, one per line."""
-    schemas = [call_schema(t) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    call = f'"<tool_call>\\n" %json {json.dumps({**schema, "x-guidance": COMPACT})} "\\n</tool_call>"'
-    more = ' ("\\n" call)*' if parallel else ""
+def hermes_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str:
+    """<tool_call>, a newline, the call as JSON, a newline, </tool_call>: calls one per line."""
+    call = f'{marker("<tool_call>")} "\\n" {_json(_one_of([call_schema(t) for t in tools]))} "\\n" ' \
+           f'{marker("</tool_call>")}'
+    return _calls(call, parallel, '"\\n"')
+
+
+def deepseek_v3_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str:
+    """A section of <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME + a fenced JSON block + <｜tool▁call▁end｜>."""
+    calls = [f'{marker("<｜tool▁call▁begin｜>")} "function" {marker("<｜tool▁sep｜>")} '
+             f'{quoted(t.function.name + chr(10) + "```json" + chr(10))} {_json(_arguments(t))} '
+             f'{quoted(chr(10) + "```")} {marker("<｜tool▁call▁end｜>")}' for t in tools]
+    return _section(calls, parallel, marker("<｜tool▁calls▁begin｜>"), marker("<｜tool▁calls▁end｜>"))
+
+
+def kimi_k2_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str:
+    """A section of <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{json}<|tool_call_end|>."""
+    calls = [f'{marker("<|tool_call_begin|>")} {quoted("functions." + t.function.name + ":")} /[0-9]/ '
+             f'{marker("<|tool_call_argument_begin|>")} {_json(_arguments(t))} {marker("<|tool_call_end|>")}'
+             for t in tools]
+    return _section(calls, parallel, marker("<|tool_calls_section_begin|>"), marker("<|tool_calls_section_end|>"))
+
+
+def mistral_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str:
+    """[TOOL_CALLS] and a JSON list of {"name", "arguments"} calls."""
+    items = {"type": "array", "items": _one_of([call_schema(t) for t in tools]), "minItems": 1,
+             **({} if parallel else {"maxItems": 1})}
+    return f"start: {marker('[TOOL_CALLS]')} {_json(items)}\n"
+
+
+def _calls(call: str, parallel: bool, separator: str) -> str:
+    more = f" ({separator} call)*" if parallel else ""
     return f"start: call{more}\ncall: {call}\n"
 
 
-GRAMMARS = {"hermes": hermes_grammar}
-"""Tool-call format (tool_parsers.PARSERS' names) -> its grammar of calls."""
+def _section(calls: list[str], parallel: bool, begin: str, end: str) -> str:
+    more = " call*" if parallel else ""
+    return f"start: {begin} call{more} {end}\ncall: " + "\n    | ".join(calls) + "\n"
 
 
-def forced_calls(format_name: str, tools: list[ToolDef], choice: str | NamedToolChoice,
-                 parallel: bool) -> StructuredOutput:
+GRAMMARS: dict[str, Callable[[list[ToolDef], bool, Marker], str]] = {
+    "hermes": hermes_grammar, "deepseek_v3": deepseek_v3_grammar, "kimi_k2": kimi_k2_grammar,
+    "mistral": mistral_grammar}
+"""Tool-call format (tool_parsers.PARSERS' names) -> its grammar of calls. GLM-4.5 (one tag per argument) and
+gpt-oss (its channels around the call) have none yet."""
+
+
+def forced_calls(format_name: str, tools: list[ToolDef], choice: str | NamedToolChoice, parallel: bool,
+                 marker: Marker = quoted) -> StructuredOutput:
     """The grammar that holds the output to calls of `tools` (choice "required") or of the named one."""
     if isinstance(choice, NamedToolChoice):
         named = [t for t in tools if t.function.name == choice.function.name]
@@ -55,10 +120,10 @@ def forced_calls(format_name: str, tools: list[ToolDef], choice: str | NamedTool
         tools, parallel = named[:1], False
     grammar = GRAMMARS.get(format_name)
     if grammar is None:
-        raise APIError(400, f"tool_choice 'required' or a named function needs a grammar of this model's tool-call "
-                            f"format ({format_name}), which the server does not have yet; use tool_choice 'auto'",
+        raise APIError(400, f"a tool_choice that forces calls needs a grammar of this model's tool-call format "
+                            f"({format_name}), which the server does not have yet; let the model choose (auto)",
                        param="tool_choice")
-    return StructuredOutput("lark", grammar(tools, parallel))
+    return StructuredOutput("lark", grammar(tools, parallel, marker))
 
 
 @dataclass(frozen=True)
@@ -75,7 +140,13 @@ class ToolPlan:
     """Whether more than one call is kept (parallel_tool_calls)."""
 
 
-def plan_tools(chat_template: str | None, req: ChatCompletionRequest) -> ToolPlan:
+def reading_markup(params: SamplingParams, parser: ToolParser | None) -> SamplingParams:
+    """params with special tokens kept in the output's text when a tool-call reader reads it: most formats'
+    markers are special tokens, which the text would otherwise leave out."""
+    return params if parser is None else dataclasses.replace(params, skip_special_tokens=False)
+
+
+def plan_tools(chat_template: str | None, req: ChatCompletionRequest, marker: Marker = quoted) -> ToolPlan:
     """req's tools, tool_choice and parallel_tool_calls checked (a 400 names what is wrong) and planned. With
     tool_choice "none" the tools are left out of the prompt, so the model is not offered them."""
     kwargs = dict(req.chat_template_kwargs or {})
@@ -94,6 +165,6 @@ def plan_tools(chat_template: str | None, req: ChatCompletionRequest) -> ToolPla
         raise APIError(400, "this model's chat template writes no tool-call format the server reads (Qwen/Hermes, "
                             "DeepSeek-V3, GLM-4.5, Kimi-K2, gpt-oss, Mistral); send the request without tools",
                        param="tools")
-    structured = None if choice == "auto" else forced_calls(parser.name, req.tools, choice, parallel)
+    structured = None if choice == "auto" else forced_calls(parser.name, req.tools, choice, parallel, marker)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     return ToolPlan(parser, structured, {**kwargs, "tools": tools}, parallel)
