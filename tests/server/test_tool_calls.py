@@ -165,3 +165,11 @@ def test_values_that_ask_for_nothing_are_accepted(server):
                                                                                    "tool_choice": "none"}):
         r = server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=2, **extra)
         assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("field,value", [("functions", [{"name": "f", "parameters": {}}]),
+                                         ("function_call", "auto"), ("logit_bias", {"5": 10})])
+def test_openai_fields_that_would_change_the_answer_are_a_400(server, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body={field: value})
+    assert e.value.body["param"] == field

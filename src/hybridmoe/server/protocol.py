@@ -2,7 +2,7 @@
 
 Requests are validated strictly (a string where a number belongs is an error, not a guess) and
 unknown fields are ignored, as OpenAI's own clients send fields we have no use for (user, store,
-metadata). Bounds follow OpenAI's API reference; top_k, min_p, repetition_penalty, ignore_eos
+metadata), except those that would change the answer (UNSUPPORTED_FIELDS: a 400 names them). Bounds follow OpenAI's API reference; top_k, min_p, repetition_penalty, ignore_eos
 and stop_token_ids are the extensions vLLM also accepts. Every text field the server reads is
 `Text`: valid Unicode, so a lone UTF-16 surrogate ("\\ud800" in JSON) is an `invalid_unicode` error
 (a 400) rather than a failure in the tokenizer or in the answer's encoding.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 from pydantic_core import PydanticCustomError
@@ -156,6 +156,12 @@ class ChatMessage(StrictRequest):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    UNSUPPORTED_FIELDS: ClassVar[dict[str, str]] = {
+        "functions": "send them as tools", "function_call": "send tool_choice",
+        "logit_bias": "the sampler does not bias logits", "audio": "the models answer in text",
+        "modalities": "the models answer in text", "prediction": "predicted outputs are not used",
+        "web_search_options": "the server does not search the web"}
+    """Fields OpenAI defines that would change the answer: a 400 names them (parse_body)."""
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -170,6 +176,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
+    UNSUPPORTED_FIELDS: ClassVar[dict[str, str]] = {"logit_bias": "the sampler does not bias logits",
+                                                    "best_of": "each choice is sampled once"}
     prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)

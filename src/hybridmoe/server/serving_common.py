@@ -86,8 +86,9 @@ class ServerState:
 
 
 async def parse_body(request: Request, schema: type[T]) -> T:
-    """The JSON body validated against schema: 400 for bad JSON, JSON nested too deeply or text that is
-    not valid Unicode; 422 for a wrong field."""
+    """The JSON body validated against schema: 400 for bad JSON, JSON nested too deeply, text that is not
+    valid Unicode or a field of schema.UNSUPPORTED_FIELDS (which would change the answer, so ignoring it would
+    look like success); 422 for a wrong field."""
     body = bytearray()
     try:
         async for chunk in request.stream():
@@ -104,6 +105,9 @@ async def parse_body(request: Request, schema: type[T]) -> T:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    for name, why in getattr(schema, "UNSUPPORTED_FIELDS", {}).items():
+        if data.get(name) not in (None, [], {}):
+            raise APIError(400, f"{name} is not supported: {why}", param=name)
     try:
         return schema.model_validate(data)
     except ValidationError as e:
