@@ -219,8 +219,32 @@ def test_the_host_tier_drops_its_least_recently_used_block_when_full():
 
 def SequenceBlocksFor(pool, tokens):
     """Two full blocks of tokens computed and registered in pool (a finished sequence's blocks)."""
-    from hybridmoe.engine.kv_blocks import SequenceBlocks
+    from hybridmoe.engine.kv_blocks import SequenceBlocks, TokenDigests
 
     seq = SequenceBlocks(pool.allocate(len(tokens) // pool.block_size))
-    pool.register(seq, tokens, len(tokens))
+    pool.register(seq, TokenDigests.of(tokens, pool.block_size), len(tokens))
     return seq
+
+
+def test_each_block_of_a_sequence_is_hashed_once_however_long_it_waits(monkeypatch):
+    """A waiting prompt is looked up at every step it stays out, and its blocks registered as they fill: each
+    block's digest is computed once, and equals the chain of block_digest over its tokens."""
+    import hybridmoe.engine.kv_blocks as kv_blocks
+
+    calls = []
+    digest = kv_blocks.block_digest
+    monkeypatch.setattr(kv_blocks, "block_digest", lambda parent, tokens: calls.append((parent, tuple(tokens)))
+                        or digest(parent, tokens))
+    # one slot: b (12 tokens, 3 blocks) waits while a runs its 10 new tokens
+    sched = scheduler(num_slots=1, max_num_batched_tokens=100, block_size=4)
+    a = Sequence("a", list(range(1, 9)), SamplingParams(max_tokens=10))
+    b = Sequence("b", list(range(50, 62)), SamplingParams(max_tokens=1))
+    sched.add(a)
+    sched.add(b)
+    finish_all(sched, [a, b])
+    assert len(calls) == len(set(calls))  # no block hashed twice
+    want, parent = [], b""
+    for i in range(3):
+        parent = digest(parent, b.token_ids(4 * i, 4 * i + 4))
+        want.append(parent)
+    assert [b.block_digests[i] for i in range(3)] == want

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SCRATCH_BLOCK = 0
@@ -33,6 +34,27 @@ SCRATCH_BLOCK = 0
 def block_digest(parent: bytes, tokens: list[int]) -> bytes:
     """The digest of a full block of tokens following the blocks whose digest is parent (b"" for the first)."""
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class TokenDigests:
+    """The chained digests of one sequence's full blocks, each computed once, when first asked for: a sequence's
+    tokens only grow, so block i's digest never changes (a prompt that waits for blocks, or comes back after a
+    preemption, is not hashed again)."""
+
+    def __init__(self, token_ids: Callable[[int, int], list[int]], block_size: int):
+        self._token_ids, self._block_size, self._digests = token_ids, block_size, []
+
+    @classmethod
+    def of(cls, tokens: list[int], block_size: int) -> TokenDigests:
+        return cls(lambda start, stop: tokens[start:stop], block_size)
+
+    def __getitem__(self, i: int) -> bytes:
+        """Block i's digest (its tokens must be there)."""
+        bs = self._block_size
+        while len(self._digests) <= i:
+            k = len(self._digests)
+            self._digests.append(block_digest(self._digests[-1] if k else b"", self._token_ids(k * bs, (k + 1) * bs)))
+        return self._digests[i]
 
 
 @dataclass
@@ -93,19 +115,19 @@ class BlockPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, tokens: list[int], limit: int) -> tuple[list[int | None], list[bytes]]:
-        """The longest cached prefix of tokens' full blocks, at most limit tokens (so a sequence keeps at least
-        one token to compute): per block its device block, or None where only the host tier holds it; and their
-        digests. Takes no reference (take does)."""
-        found, digests, parent = [], [], b""
+    def match_prefix(self, tokens: TokenDigests, limit: int) -> tuple[list[int | None], list[bytes]]:
+        """The longest cached prefix of a sequence's full blocks (tokens: their digests), at most limit tokens (so
+        a sequence keeps at least one token to compute): per block its device block, or None where only the host
+        tier holds it; and their digests. Takes no reference (take does)."""
+        found, digests = [], []
         if self.prefix_caching:
-            for i in range(min(len(tokens), limit) // self.block_size):
-                parent = block_digest(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
-                block = self.cached.get(parent)
-                if block is None and parent not in self.on_host:
+            for i in range(limit // self.block_size):
+                digest = tokens[i]
+                block = self.cached.get(digest)
+                if block is None and digest not in self.on_host:
                     break
                 found.append(block)
-                digests.append(parent)
+                digests.append(digest)
         return found, digests
 
     def take(self, found: list[int | None], digests: list[bytes]) -> list[int]:
@@ -169,15 +191,14 @@ class BlockPool:
             elif self.refs[b] < 0:
                 raise RuntimeError(f"KV block {b} released more often than it was held")
 
-    def register(self, seq: SequenceBlocks, tokens: list[int], num_computed: int) -> None:
-        """Register the sequence's blocks that num_computed made full (tokens: its tokens so far). A block
-        whose digest another block already has stays unregistered (the other is found instead)."""
+    def register(self, seq: SequenceBlocks, tokens: TokenDigests, num_computed: int) -> None:
+        """Register the sequence's blocks that num_computed made full (tokens: their digests). A block whose
+        digest another block already has stays unregistered (the other is found instead)."""
         if not self.prefix_caching:
             return
-        bs = self.block_size
-        while len(seq.digests) < min(num_computed // bs, len(seq.table)):
+        while len(seq.digests) < min(num_computed // self.block_size, len(seq.table)):
             i = len(seq.digests)
-            digest = block_digest(seq.digests[-1] if seq.digests else b"", tokens[i * bs:(i + 1) * bs])
+            digest = tokens[i]
             seq.digests.append(digest)
             block = seq.table[i]
             if digest not in self.cached and block not in self.digest_of:

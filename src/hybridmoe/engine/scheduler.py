@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hybridmoe.engine.kv_blocks import BlockPool, SequenceBlocks
+from hybridmoe.engine.kv_blocks import BlockPool, SequenceBlocks, TokenDigests
 from hybridmoe.engine.sequence import Sequence, SequenceStatus
 
 LOOKAHEAD_TOKENS = 1
@@ -88,7 +88,7 @@ class Scheduler:
     def cache_computed(self, seq: Sequence) -> None:
         """After a step: register the blocks seq's computed tokens filled, for later requests to find."""
         if self.pool.prefix_caching and seq.num_computed // self.pool.block_size > len(seq.blocks.digests):
-            self.pool.register(seq.blocks, seq.token_ids(0, seq.num_computed), seq.num_computed)
+            self.pool.register(seq.blocks, self._digests(seq), seq.num_computed)
 
     def finish(self, seq: Sequence) -> None:
         """Take seq out of the schedule and free its slot and blocks (finished or aborted)."""
@@ -101,7 +101,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give the first waiting sequence a slot, its cached prefix and blocks for its first chunk; the
         chunk's tokens, or 0 (nothing taken) when the pool cannot hold any."""
-        found, digests = self.pool.match_prefix(seq.token_ids(0, seq.num_tokens), seq.num_tokens - 1)
+        found, digests = self.pool.match_prefix(self._digests(seq), seq.num_tokens - 1)
         held = self.pool.take(found, digests)
         cached = len(held) * self.pool.block_size
         n = min(seq.num_uncomputed - cached, budget,
@@ -120,6 +120,11 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return n
+
+    def _digests(self, seq: Sequence) -> TokenDigests:
+        if seq.block_digests is None:
+            seq.block_digests = TokenDigests(seq.token_ids, self.pool.block_size)
+        return seq.block_digests
 
     def _room(self, seq: Sequence) -> int:
         """Tokens seq could add this step with its blocks and every free one."""

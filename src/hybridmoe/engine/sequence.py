@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.engine.detokenizer import Detokenizer
-from hybridmoe.engine.kv_blocks import SequenceBlocks
+from hybridmoe.engine.kv_blocks import SequenceBlocks, TokenDigests
 from hybridmoe.engine.sampler import SamplerInput, TokenLogprobs
 from hybridmoe.sampling_params import SamplingParams
 
@@ -67,6 +67,8 @@ class Sequence(SamplerInput):
         self.slot: int | None = None
         """Its row of the block table while it runs."""
         self.blocks = SequenceBlocks()
+        self.block_digests: TokenDigests | None = None
+        """Its full blocks' digests, computed once each (the scheduler makes it with the pool's block size)."""
         self.num_computed = 0
         self.num_cached_tokens = 0
         """Prompt tokens its first admission found in the prefix cache."""
