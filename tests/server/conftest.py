@@ -180,3 +180,15 @@ def long_server(tmp_path_factory):
     with _serve(model_dir, tmp_path_factory.mktemp("logs") / "long_server.log", "--max-batch", "8") as s:
         s.model_dir = model_dir
         yield s
+
+
+@pytest.fixture(scope="session")
+def long_deepseek_server(tmp_path_factory):
+    """The tiny DeepSeek-V3 model with a context of 4096 tokens: its chat template writes tool calls with
+    DeepSeek's special tokens."""
+    model_dir = tmp_path_factory.mktemp("tiny_deepseek_long")
+    make_checkpoint("deepseek_v3", "tiny", model_dir, dtype="fp32", progress=False,
+                    overrides={"max_position_embeddings": 4096})
+    with _serve(model_dir, tmp_path_factory.mktemp("logs") / "long_deepseek_server.log", "--max-batch", "4") as s:
+        s.model_dir = model_dir
+        yield s

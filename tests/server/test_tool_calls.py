@@ -1,7 +1,8 @@
 """Tool calls through the official openai client against a real server on a random-weight Qwen3-shaped model
 (its chat template lays tools out as Qwen's does): tool_choice "required" and a named function hold the output to
 calls whose arguments validate against the tool's parameters; streamed call deltas assemble to the non-streamed
-calls; a conversation with calls and tool results renders as transformers renders it."""
+calls; a conversation with calls and tool results renders as transformers renders it. The same forced calls on a
+DeepSeek-V3-shaped model, whose tool-call markers are special tokens."""
 
 import json
 from pathlib import Path
@@ -173,3 +174,22 @@ def test_openai_fields_that_would_change_the_answer_are_a_400(server, field, val
     with pytest.raises(openai.BadRequestError) as e:
         server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=2, extra_body={field: value})
     assert e.value.body["param"] == field
+
+
+def test_deepseek_calls_written_with_its_special_tokens_validate(long_deepseek_server):
+    """DeepSeek-V3's format, whose markers are special tokens: the forced grammar names them by id, the text keeps
+    them for the parser, and the calls come back whole, streamed or not."""
+    client = long_deepseek_server.client()
+    for seed in range(8):
+        kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
+                      max_tokens=400)
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls", (seed, choice.message)
+        _check_calls(choice.message.tool_calls)
+        streamed = {}
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                streamed.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+                streamed[d.index]["arguments"] += d.function.arguments or ""
+        assert [streamed[i] for i in sorted(streamed)] == [
+            {"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]

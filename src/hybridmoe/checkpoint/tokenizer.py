@@ -86,15 +86,37 @@ _CHATML = (
     "{%- endif %}"
 )
 
+# DeepSeek-V3's layout: the system text first (then the tools, each with its JSON), user and assistant turns
+# marked by their tokens; the assistant's calls in a tool-calls section, each `function<｜tool▁sep｜>NAME` and its
+# arguments in a fenced JSON block; tool results in a tool-outputs section (consecutive ones together).
 _DEEPSEEK = (
     "{{- bos_token }}"
     "{%- for message in messages if message['role'] == 'system' %}{{- message['content'] }}{%- endfor %}"
+    "{%- if tools %}{{- '\\n\\n## Tools\\n\\nYou have the following functions available:\\n' }}"
+    "{%- for tool in tools %}"
+    "{{- '\\n- `' + tool['function']['name'] + '`:\\n```json\\n' + (tool['function'] | tojson) + '\\n```' }}"
+    "{%- endfor %}{%- endif %}"
+    "{%- set state = namespace(outputs=false) %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] != 'tool' and state.outputs %}"
+    "{{- '<｜tool▁outputs▁end｜>' }}{%- set state.outputs = false %}"
+    "{%- endif %}"
     "{%- if message['role'] == 'user' %}{{- '<｜User｜>' + message['content'] }}"
     "{%- elif message['role'] == 'assistant' %}"
-    "{{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{{- '<｜Assistant｜>' + (message['content'] or '') }}"
+    "{%- if message.get('tool_calls') %}{{- '<｜tool▁calls▁begin｜>' }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + call['function']['name'] + '\\n```json\\n'"
+    " + (args if args is string else args | tojson) + '\\n```<｜tool▁call▁end｜>' }}"
+    "{%- endfor %}{{- '<｜tool▁calls▁end｜>' }}{%- endif %}"
+    "{{- '<｜end▁of▁sentence｜>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if not state.outputs %}{{- '<｜tool▁outputs▁begin｜>' }}{%- set state.outputs = true %}{%- endif %}"
+    "{{- '<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}"
     "{%- endif %}"
     "{%- endfor %}"
+    "{%- if state.outputs %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}"
     "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}"
 )
 
@@ -117,7 +139,9 @@ _MIXTRAL = (
 _QWEN = TokenizerFamily(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), bos=None, eos="<|im_end|>",
                         pad="<|endoftext|>", unk=None, extra_eos=("<|endoftext|>",), chat_template=_CHATML)
 _DS = TokenizerFamily(("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>",
-                       "<｜User｜>", "<｜Assistant｜>"),
+                       "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                       "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+                       "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"),
                       bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", pad="<｜▁pad▁｜>", unk=None,
                       extra_eos=(), chat_template=_DEEPSEEK)
 _MX = TokenizerFamily(("<unk>", "<s>", "</s>"), bos="<s>", eos="</s>", pad="</s>", unk="<unk>",
