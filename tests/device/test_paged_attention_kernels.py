@@ -6,6 +6,12 @@ lengths (1, BS - 1, BS, BS + 1, several chunks), and every cache position no row
 past a row's length or through a wrong table entry shows. The cache writes are checked too: the new rows
 equal the reference's normalized / rotated keys, values or latents, and nothing else changed.
 
+A float8 cache (layers/kv_quant.py: e4m3 codes and a float32 scale per token and head, or per latent row) is
+made from the same caches by kv_quant.quantize_rows (NaN rows get NaN scales) and checked against the float32
+references over its dequantized values (codes x scale), against the unquantized kernels over those values
+rounded to the model's dtype (what kv_quant.read_positions gives), and the rows the kernels write against
+quantize_rows of the rows the unquantized kernels write, bit for bit.
+
 Each row has a few "needle" keys (planted where the row sees them) that every query head of the row scores
 about log(length) + 1 higher than a typical key, so the needles carry a fixed share of the weight however
 long the cache: at 128K keys a chunk, block or tile the kernel skips or misplaces still moves the output.
@@ -17,6 +23,7 @@ B rows, Hq query heads, Hkv key/value heads, Dk / Dv head dims, N MLA heads, R k
 qk_rope_head_dim, NB blocks of BS positions, S slots, M blocks per slot's table.
 """
 
+import functools
 import importlib.util
 import math
 import os
@@ -37,6 +44,7 @@ from hybridmoe.layers.decode_attention_triton import (  # triton: imported once 
     triton_decode_attention,
     triton_rope_decode_attention,
 )
+from hybridmoe.layers.kv_quant import FP8, quantize_rows
 from hybridmoe.layers.mla_decode_triton import MIN_CHUNK, chunk_len, triton_mla_decode
 from hybridmoe.layers.rope_triton import triton_norm_rope_cache
 
@@ -68,6 +76,29 @@ def _interpreter_dots_take_bfloat16_values(monkeypatch):
         return dot(self, a, b, d, *args)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_rounds_to_float8_to_nearest_even(monkeypatch):
+    """On the CPU: Triton's interpreter rounds float32 to float8 e4m3 half up and drops the carry when the
+    mantissa rounds over (126.6 -> 64; triton 3.9's interpreter._convert_float), so a float32 -> e4m3 cast
+    takes torch's conversion here: round to nearest even, as the GPU's cvt.rn does for the kernels' values
+    (at most e4m3's largest, 448)."""
+    if DEVICE != "cpu":
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+            return to_fp(self, src, dst_type, rounding_mode)
+        codes = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(FP8).view(torch.uint8).numpy()
+        return interpreter.TensorHandle(codes, dst_type.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fp_to_fp", create_fp_to_fp)
 
 
 def flat_rows(table: torch.Tensor, slot: int, pos: torch.Tensor, bs: int) -> torch.Tensor:
@@ -141,6 +172,16 @@ def unchanged_but(new: torch.Tensor, old: torch.Tensor, rows: torch.Tensor) -> N
     torch.testing.assert_close(new.flatten(0, 1)[keep], old.flatten(0, 1)[keep], rtol=0, atol=0, equal_nan=True)
 
 
+def same_codes(new: torch.Tensor, old: torch.Tensor, rows: torch.Tensor) -> None:
+    """The float8 cache new holds old's codes (NaN's too) in every flat row but rows."""
+    unchanged_but(new.view(torch.uint8), old.view(torch.uint8), rows)
+
+
+def dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A float8 cache's values in float32: codes x their rows' scales (NaN where no row is held)."""
+    return codes.float() * scales
+
+
 def ref_attention(q, k_cache, v_cache, table, slots, lens, scale, window):
     """q [B, Hq, Dk] over each row's keys at positions [max(0, n - window), n) gathered through table (float32)
     -> [B, Hq, Dv]."""
@@ -189,20 +230,27 @@ def gqa_cases():
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("lens,max_len,bs,shape", gqa_cases())
 def test_decode_attention_reads_the_rows_blocks(lens, max_len, bs, shape, window, dtype):
-    Hq, Hkv, DK, DV = shape
+    Hq, DV = shape[0], shape[3]
     g = torch.Generator().manual_seed(len(lens) * bs + max_len)
-    slots, slots_t, lens_t, table, num_blocks = rows_setup(lens, bs, g)
-    k = filled_cache((num_blocks, bs, Hkv, DK), table, slots, lens, dtype, g)
-    v = filled_cache((num_blocks, bs, Hkv, DV), table, slots, lens, dtype, g)
-    q = grouped(len(lens), Hkv, Hq // Hkv, DK, g).to(DEVICE, dtype)
-    scale = DK ** -0.5
-    plant_group_needles(k, q.float(), table, slots, lens, window, 0, g)
+    slots, slots_t, lens_t, table, k, v, q, scale = gqa_cache(lens, bs, shape, window, dtype, g)
     k0, v0 = k.clone(), v.clone()
     got = triton_decode_attention(q, k, v, table, slots_t, lens_t, scale, window, max_len)
     assert got.shape == (len(lens), Hq, DV) and got.dtype == dtype
     torch.testing.assert_close(got.float(), ref_attention(q, k0, v0, table, slots, lens, scale, window), **TOL[dtype])
     unchanged_but(k, k0, torch.zeros(0, dtype=torch.long))
     unchanged_but(v, v0, torch.zeros(0, dtype=torch.long))
+
+
+def gqa_cache(lens, bs, shape, window, dtype, g):
+    """A decode step's inputs over a shuffled paged cache (Hq, Hkv, Dk, Dv: shape) holding each row's lens keys
+    and needles for its queries q [B, Hq, Dk]: (slots list, slots [B], lens [B], table, k, v, q, scale)."""
+    Hq, Hkv, DK, DV = shape
+    slots, slots_t, lens_t, table, num_blocks = rows_setup(lens, bs, g)
+    k = filled_cache((num_blocks, bs, Hkv, DK), table, slots, lens, dtype, g)
+    v = filled_cache((num_blocks, bs, Hkv, DV), table, slots, lens, dtype, g)
+    q = grouped(len(lens), Hkv, Hq // Hkv, DK, g).to(DEVICE, dtype)
+    plant_group_needles(k, q.float(), table, slots, lens, window, 0, g)
+    return slots, slots_t, lens_t, table, k, v, q, DK ** -0.5
 
 
 def plant_group_needles(k, q, table, slots, lens, window, new, g):
@@ -215,6 +263,58 @@ def plant_group_needles(k, q, table, slots, lens, window, new, g):
         for kh in range(Hkv):
             plant_needles(k.flatten(0, 1)[:, kh], q[b, kh * Hq // Hkv:(kh + 1) * Hq // Hkv], rows, n,
                           k.shape[-1] ** -0.5)
+
+
+def fp8_gqa_cases():
+    """(lens, max_len, bs, (Hq, Hkv, Dk, Dv)) on a float8 cache: block edges at three block sizes, GQA groups
+    of 1, 3, 4 and 8 heads (head dims not powers of two too), two chunks."""
+    return [([1, 15, 16, 17, 53], CHUNK, 16, (8, 2, 64, 64)),
+            ([33, 2, 95, 32], CHUNK, 32, (6, 2, 48, 48)),
+            ([1, 63, 64, 65], CHUNK, 64, (4, 4, 32, 32)),
+            ([CHUNK + 1, 2 * CHUNK - 3, 17, 1], 2 * CHUNK, 16, (8, 1, 32, 16)),
+            pytest.param([32768, 1000, 1], 32768, 64, (32, 4, 128, 128), marks=cuda_only, id="32768keys-fp8")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("lens,max_len,bs,shape", fp8_gqa_cases())
+def test_decode_attention_reads_a_fp8_cache_through_its_scales(lens, max_len, bs, shape, window, dtype):
+    """The float32 reference over the dequantized cache; the unquantized kernel over it in the model's dtype."""
+    Hq, DV = shape[0], shape[3]
+    g = torch.Generator().manual_seed(len(lens) * bs + max_len + Hq)
+    slots, slots_t, lens_t, table, k, v, q, scale = gqa_cache(lens, bs, shape, window, dtype, g)
+    (k8, ks), (v8, vs) = quantize_rows(k), quantize_rows(v)
+    k0, ks0, v0, vs0 = k8.clone(), ks.clone(), v8.clone(), vs.clone()
+    got = triton_decode_attention(q, k8, v8, table, slots_t, lens_t, scale, window, max_len, ks, vs)
+    assert got.shape == (len(lens), Hq, DV) and got.dtype == dtype
+    want = ref_attention(q, dequantized(k8, ks), dequantized(v8, vs), table, slots, lens, scale, window)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    plain = triton_decode_attention(q, dequantized(k8, ks).to(dtype), dequantized(v8, vs).to(dtype), table, slots_t,
+                                    lens_t, scale, window, max_len)
+    torch.testing.assert_close(got, plain, **TOL[dtype])
+    none = torch.zeros(0, dtype=torch.long)
+    same_codes(k8, k0, none)
+    same_codes(v8, v0, none)
+    unchanged_but(ks, ks0, none)
+    unchanged_but(vs, vs0, none)
+
+
+def test_kernels_refuse_a_fp8_cache_without_its_scales():
+    """Float8 codes without their scales, scales of another shape or beside a cache in the model's dtype."""
+    q = torch.zeros(1, 4, 16, device=DEVICE)
+    one = torch.ones(1, dtype=torch.long, device=DEVICE)
+    table = torch.ones(1, 2, dtype=torch.int32, device=DEVICE)
+    k8, ks = quantize_rows(torch.ones(3, 16, 2, 16, device=DEVICE))
+    for args in [(k8, k8, None, None), (k8, k8, ks, None), (k8, k8, ks, ks[..., :1, :]), (k8.float(), k8, ks, ks)]:
+        with pytest.raises(ValueError, match="float8"):
+            triton_decode_attention(q, args[0], args[1], table, one, one, 0.25, None, 1, args[2], args[3])
+    z = torch.zeros
+    mla = (z(1, 4, 32, device=DEVICE), z(1, 4, 16, device=DEVICE), z(1, 32, device=DEVICE), z(1, 16, device=DEVICE),
+           z(32, device=DEVICE), 1e-6, one - 1, inv_freq(16), 1.0, True)
+    lat8, lat_s = quantize_rows(torch.ones(3, 16, 48, device=DEVICE))
+    for cache, scales in [(lat8, None), (lat8, lat_s[:, :8]), (lat8.float(), lat_s)]:
+        with pytest.raises(ValueError, match="float8"):
+            triton_mla_decode(*mla, cache, table, one, one, 0.25, 1, scales)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -291,6 +391,85 @@ def test_rope_decode_attention_writes_the_new_row_and_reads_the_blocks(lens, bs,
                                **TOL[dtype])
 
 
+def assert_quantized_rows(codes: torch.Tensor, scales: torch.Tensor, plain: torch.Tensor, rows: torch.Tensor) -> None:
+    """The float8 cache's flat rows rows (codes, scales) hold kv_quant.quantize_rows of the unquantized cache plain's,
+    bit for bit."""
+    want_codes, want_scales = quantize_rows(plain.flatten(0, 1)[rows])
+    assert torch.equal(codes.flatten(0, 1)[rows].view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales.flatten(0, 1)[rows], want_scales)
+
+
+def fp8_rope_cases():
+    return [([1, 15, 16, 17, 35], 16, (8, 2, 64)), ([1, 63, 64, 65], 64, (6, 6, 32)),
+            pytest.param([CHUNK, 1, 300], 64, (32, 4, 128), marks=cuda_only, id="chunk-fp8")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm,window", [(True, None), (False, 5)])
+@pytest.mark.parametrize("lens,bs,heads", fp8_rope_cases())
+def test_rope_decode_attention_writes_the_new_row_into_a_fp8_cache(lens, bs, heads, qk_norm, window, dtype):
+    """The new key and value written as quantize_rows writes the unquantized kernels' (bit for bit), nothing else
+    changed; the output equals the float32 reference over the dequantized cache, and the two kernels (the rows
+    quantized between them, as Attention runs a float8 cache past CHUNK positions)."""
+    Hq, Hkv, D = heads
+    g = torch.Generator().manual_seed(len(lens) * bs + Hq)
+    slots, slots_t, lens_t, table, k, v, qkv, rope, q_ref, _, token_row = gqa_step(lens, bs, heads, qk_norm,
+                                                                                   window, dtype, g)
+    (k8, ks), (v8, vs) = quantize_rows(k), quantize_rows(v)
+    k0, ks0, v0, vs0 = k8.clone(), ks.clone(), v8.clone(), vs.clone()
+    scale = D ** -0.5
+    got = triton_rope_decode_attention(qkv, Hq, Hkv, D, *rope, k8, v8, token_row, table, slots_t, lens_t, scale,
+                                       window, ks, vs)
+    k2, v2 = dequantized(k0, ks0).to(dtype), dequantized(v0, vs0).to(dtype)
+    q = triton_norm_rope_cache(qkv, Hq, Hkv, D, *rope, k2, v2, token_row)
+    assert_quantized_rows(k8, ks, k2, token_row)
+    assert_quantized_rows(v8, vs, v2, token_row)
+    same_codes(k8, k0, token_row)
+    same_codes(v8, v0, token_row)
+    unchanged_but(ks, ks0, token_row)
+    unchanged_but(vs, vs0, token_row)
+    want = ref_attention(q_ref, dequantized(k8, ks), dequantized(v8, vs), table, slots, lens, scale, window)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    two = triton_decode_attention(q, k8, v8, table, slots_t, lens_t, scale, window, CHUNK, ks, vs)
+    torch.testing.assert_close(got, two, **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Attention's fused path: on the GPU only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused_layer", [True, False])
+@pytest.mark.parametrize("max_len", [CHUNK, 4 * CHUNK])
+def test_attention_on_a_fp8_cache_takes_the_kernels_and_equals_its_torch_ops(max_len, fused_layer, dtype):
+    """Attention's decode step on a float8 cache (fused on: the one kernel up to CHUNK positions with fused_layer,
+    else torch's rotary and cache write, then the decode kernel) against the module with fused off: the same
+    output, and caches within a step of e4m3 where their rows in the model's dtype differ by an ulp."""
+    from hybridmoe.forward_context import Context, DecodeBatch, use_context
+    from hybridmoe.layers.attention import Attention
+
+    bs, lens = 64, [max_len - 3, 9, 1]
+    g = torch.Generator().manual_seed(max_len)
+    _, slots_t, lens_t, table, num_blocks = rows_setup(lens, bs, g)
+    torch.manual_seed(0)
+    a = Attention(512, 8, 2, 128, {"rope_type": "default", "rope_theta": 1e6}, qk_norm_eps=1e-6).to(DEVICE, dtype)
+    a.allocate_kv_cache(num_blocks, bs, quantized=True)
+    cache = a.kv_cache
+    filled = [*quantize_rows(torch.randn(cache.k.shape, device=DEVICE)),
+              *quantize_rows(torch.randn(cache.v.shape, device=DEVICE))]
+    x = torch.randn(len(lens), 512, generator=g).to(DEVICE, dtype)
+    ctx = Context(slot_ids=[], start_pos=[], cu_seqlens=[0], decode=DecodeBatch(slots_t, lens_t, max_len),
+                  block_table=table)
+    outs = []
+    for fused in (True, False):
+        for dst, src in zip((cache.k, cache.k_scale, cache.v, cache.v_scale), filled):
+            dst.copy_(src)
+        a.fused, a.fused_layer = fused, fused_layer and fused
+        with use_context(ctx), torch.no_grad():
+            outs.append((a(x, lens_t - 1), dequantized(cache.k, cache.k_scale), dequantized(cache.v, cache.v_scale)))
+    (got, got_k, got_v), (want, want_k, want_v) = outs
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, atol=TOL[dtype]["atol"], rtol=TOL[dtype]["rtol"] + 2 ** -3)
+    torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("bs", [16, 64])
@@ -339,13 +518,26 @@ def ref_mla(q_abs, q_pe, latent, k_pe, norm_weight, eps, positions, freq, scalin
     new = torch.cat((c_new, ref_mla_rotate(k_pe.float(), positions, freq, scaling, interleaved)), -1)
     cache = cache.clone()
     flat = cache.flatten(0, 1)
-    q = torch.cat((q_abs.float(), ref_mla_rotate(q_pe.float(), positions, freq, scaling, interleaved)), -1)
-    out = []
     for b, (slot, n) in enumerate(zip(slots, lens)):
         flat[flat_rows(table, slot, torch.tensor(n - 1), bs)] = new[b].to(cache.dtype)
-        keys = flat[flat_rows(table, slot, torch.arange(n, device=cache.device), bs)].float()  # [n, R + P]
+    q = ref_mla_query(q_abs, q_pe, positions, freq, scaling, interleaved)
+    return ref_mla_attend(q, cache.float(), table, slots, lens, scale, R), cache
+
+
+def ref_mla_query(q_abs, q_pe, positions, freq, scaling, interleaved):
+    """The reference's queries [B, N, R + P] float32: q_abs beside the rotated q_pe."""
+    return torch.cat((q_abs.float(), ref_mla_rotate(q_pe.float(), positions, freq, scaling, interleaved)), -1)
+
+
+def ref_mla_attend(q, cache, table, slots, lens, scale, R):
+    """q [B, N, R + P] float32 over each row's positions 0 .. lens[b] - 1 of cache [NB, BS, R + P] float32 (scores
+    over [c, k_pe], weights over c) -> [B, N, R]."""
+    bs, flat = cache.shape[1], cache.flatten(0, 1)
+    out = []
+    for b, (slot, n) in enumerate(zip(slots, lens)):
+        keys = flat[flat_rows(table, slot, torch.arange(n, device=cache.device), bs)]  # [n, R + P]
         out.append((q[b] @ keys.T * scale).softmax(-1) @ keys[:, :R])
-    return torch.stack(out), cache
+    return torch.stack(out)
 
 
 def mla_cases():
@@ -397,6 +589,35 @@ def test_mla_decode_writes_the_new_row_and_reads_the_blocks(lens, max_len, bs, s
     unchanged_but(cache, cache0, new_rows)
 
 
+def fp8_mla_cases():
+    """(lens, max_len, bs, (N, R, P)) on a float8 cache: block edges in one chunk at two block sizes, three chunks."""
+    return [([1, 15, 16, 17, 100], 128, 16, (20, 64, 32)), ([1, 63, 64, 65], 128, 64, (16, 64, 32)),
+            ([1, 255, 257, 700, 17], 768, 16, (20, 64, 32)),
+            pytest.param([32768, 1000, 1], 32768, 64, (128, 512, 64), marks=cuda_only, id="32768keys-fp8")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,max_len,bs,shape", fp8_mla_cases())
+def test_mla_decode_writes_and_reads_a_fp8_cache(lens, max_len, bs, shape, dtype):
+    """The new rows written as quantize_rows writes the unquantized kernel's (bit for bit), nothing else changed;
+    the output equals the float32 reference over the dequantized cache, the new rows included."""
+    g = torch.Generator().manual_seed(len(lens) * bs + max_len)
+    slots, slots_t, lens_t, table, cache, args, scale = mla_step(lens, bs, shape, dtype, g)
+    cache8, scales = quantize_rows(cache)
+    cache0, scales0 = cache8.clone(), scales.clone()
+    plain = dequantized(cache8, scales).to(dtype)
+    triton_mla_decode(*args, True, plain, table, slots_t, lens_t, scale, max_len)  # its new rows
+    got = triton_mla_decode(*args, True, cache8, table, slots_t, lens_t, scale, max_len, scales)
+    assert got.shape == (len(lens), shape[0], shape[1]) and got.dtype == dtype
+    new_rows = torch.stack([flat_rows(table, s, torch.tensor(n - 1), bs) for s, n in zip(slots, lens)])
+    assert_quantized_rows(cache8, scales, plain, new_rows)
+    same_codes(cache8, cache0, new_rows)
+    unchanged_but(scales, scales0, new_rows)
+    q = ref_mla_query(args[0], args[1], args[6], args[7], args[8], True)
+    want = ref_mla_attend(q, dequantized(cache8, scales), table, slots, lens, scale, shape[1])
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
 def test_kernels_refuse_caches_they_cannot_address():
     """A block size outside 16..256 or not a power of two, a cache not contiguous, a block table not int32."""
     q = torch.zeros(1, 4, 16, device=DEVICE)
@@ -414,8 +635,9 @@ def test_kernels_refuse_caches_they_cannot_address():
         triton_decode_attention(q, k, k, table.long(), one, one, 0.25, None, 1)
 
 
-def graph_gqa(lens, g):
-    """A decode step of triton_decode_attention at the graph test's fixed shapes: (inputs, reference)."""
+def graph_gqa(lens, g, fp8=False):
+    """A decode step of triton_decode_attention at the graph test's fixed shapes: (inputs, reference); fp8: over
+    a float8 cache, its scales last in the inputs."""
     bs, max_len, dtype = 64, 4096, torch.bfloat16
     slots, slots_t, lens_t, table, _ = rows_setup(lens, bs, g)
     table_full = torch.zeros(table.shape[0], max_len // bs + 1, dtype=torch.int32, device=DEVICE)
@@ -423,8 +645,11 @@ def graph_gqa(lens, g):
     k, v = (filled_cache((3 * max_len // bs + 3, bs, 4, 128), table_full, slots, lens, dtype, g) for _ in range(2))
     q = grouped(len(lens), 4, 8, 128, g).to(DEVICE, dtype)
     plant_group_needles(k, q.float(), table_full, slots, lens, None, 0, g)
-    return [q, k, v, table_full, slots_t, lens_t], (ref_attention(q, k, v, table_full, slots, lens, 128 ** -0.5,
-                                                                  None), None)
+    inputs = [q, k, v, table_full, slots_t, lens_t]
+    if fp8:
+        (k8, ks), (v8, vs) = quantize_rows(k), quantize_rows(v)
+        inputs, k, v = [q, k8, v8, table_full, slots_t, lens_t, ks, vs], dequantized(k8, ks), dequantized(v8, vs)
+    return inputs, (ref_attention(q, k, v, table_full, slots, lens, 128 ** -0.5, None), None)
 
 
 def graph_mla(lens, g):
@@ -440,16 +665,17 @@ def graph_mla(lens, g):
 
 
 @cuda_only
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "gqa-fp8", "mla"])
 def test_replayed_graph_follows_lens_and_block_table_rewritten_in_place(kind):
     """One capture at a fixed padded length (4096), replayed with new lengths, block tables and caches copied
-    into the captured tensors: each replay equals the reference of its inputs (MLA: its cache too)."""
+    into the captured tensors (a float8 cache's scales too): each replay equals the reference of its inputs
+    (MLA: its cache too)."""
     g = torch.Generator().manual_seed(0)
-    step = graph_gqa if kind == "gqa" else graph_mla
+    step = {"gqa": graph_gqa, "gqa-fp8": functools.partial(graph_gqa, fp8=True), "mla": graph_mla}[kind]
     captured, _ = step([4096, 700, 1], g)
-    if kind == "gqa":
+    if kind != "mla":
         def call():
-            return triton_decode_attention(*captured, 128 ** -0.5, None, 4096)
+            return triton_decode_attention(*captured[:6], 128 ** -0.5, None, 4096, *captured[6:])
     else:
         def call():
             return triton_mla_decode(*captured[:9], True, *captured[9:], 576 ** -0.5, 4096)

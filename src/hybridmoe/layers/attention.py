@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.forward_context import Context, get_context
-from hybridmoe.layers.kv_quant import FP8, read_positions, write_rows
+from hybridmoe.layers.kv_quant import FP8, kernels_read_fp8, read_positions, write_rows
 from hybridmoe.layers.linear import MergedLinear, decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
@@ -118,7 +118,7 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | Non
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
                      scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """Write k, v into the cache, then attend each sequence's queries to its cached keys.
+    """Write k, v into the cache, then attend each sequence's queries to its cached keys (torch ops).
 
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] -> [T, Hq, Dv]. Without a cache every
     sequence must start at position 0 and attends to its own new tokens only.
@@ -144,7 +144,7 @@ def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = Fals
         from hybridmoe.layers.decode_attention_triton import triton_decode_attention
 
         return triton_decode_attention(q, cache.k, cache.v, idx.block_table, idx.seq_slot, idx.seq_len, scale,
-                                       sliding_window, idx.max_seq_len)
+                                       sliding_window, idx.max_seq_len, cache.k_scale, cache.v_scale)
     if ctx.decode is not None or ctx.is_decode:
         first = ctx.first_block(0) if ctx.num_seqs == 1 else None
         return _attend_decode(q, cache, idx, scale, sliding_window, first)
@@ -255,7 +255,7 @@ class Attention(nn.Module):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None,
                           quantized: bool = False) -> None:
         """A cache of num_blocks blocks of block_size positions (slot_table: contiguous_slot_table's, for steps
-        whose context carries no block table; quantized: float8, read by the torch path)."""
+        whose context carries no block table; quantized: float8 with a scale per token and head)."""
         w = self.o_proj.weight
         self.kv_cache = KVCache(num_blocks, block_size, self.num_kv_heads, self.head_dim, self.head_dim, w.dtype,
                                 w.device, slot_table, quantized)
@@ -266,8 +266,16 @@ class Attention(nn.Module):
         if qkv is None:
             qkv = self.qkv_proj(x)
         t = qkv.shape[0]
-        if self.fused and HAVE_TRITON and qkv.is_cuda and self.kv_cache is not None and not self.kv_cache.quantized:
+        if (self.fused and HAVE_TRITON and qkv.is_cuda and self.kv_cache is not None
+                and (not self.kv_cache.quantized or kernels_read_fp8(qkv.device))):
             return self._o_proj(self._fused_attention(qkv, positions).reshape(t, self.num_heads * self.head_dim))
+        o = cached_attention(*self._rotated(qkv, positions), self.kv_cache, self.scale, self.sliding_window)
+        return self._o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+    def _rotated(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k, v [T, Hkv, D], q and k normalized (q/k norms) and rotated,
+        in torch ops."""
+        t = qkv.shape[0]
         cos, sin = self.rotary(positions, qkv.dtype)
         q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -275,9 +283,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = cached_attention(q, k, v, self.kv_cache, self.scale, self.sliding_window)
-        return self._o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward_normed(self, h: torch.Tensor, norm: RMSNorm, positions: torch.Tensor) -> torch.Tensor:
         """forward(norm(h), positions), the norm folded into qkv_proj's decode GEMV where it runs (fused_layer)."""
@@ -294,7 +300,9 @@ class Attention(nn.Module):
     def _fused_attention(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """forward's path from qkv [T, (Hq + 2 Hkv) D] to the attention output [T, Hq, D], with q/k norms,
         rotary and the cache writes in one kernel, and a decode step's attention in another (or, with
-        fused_layer, over at most CHUNK cached positions, all in one)."""
+        fused_layer, over at most CHUNK cached positions, all in one). A float8 cache takes the same kernels
+        but the first: rope_triton's kernel writes keys and values as they are, so torch's ops rotate them
+        and the cache quantizes them (KVCache.write)."""
         from hybridmoe.layers.decode_attention_triton import (
             CHUNK,
             triton_rope_decode_attention,
@@ -310,6 +318,10 @@ class Attention(nn.Module):
         if self.fused_layer and (ctx.decode is not None or ctx.is_decode) and idx.max_seq_len <= CHUNK:
             return triton_rope_decode_attention(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norm_args,
                                                 idx.block_table, idx.seq_slot, idx.seq_len, self.scale,
-                                                self.sliding_window)
-        q = triton_norm_rope_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norm_args)
+                                                self.sliding_window, cache.k_scale, cache.v_scale)
+        if cache.quantized:
+            q, k, v = self._rotated(qkv, positions)
+            cache.write(idx.token_row, k, v)
+        else:
+            q = triton_norm_rope_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norm_args)
         return _attend_cached(q, cache, ctx, idx, self.scale, self.sliding_window, fused=True)

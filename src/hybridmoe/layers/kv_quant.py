@@ -10,10 +10,19 @@ mean requantizing the rows already there.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+@cache
+def kernels_read_fp8(device: torch.device) -> bool:
+    """Whether the Triton kernels can read a float8 cache on this CUDA device: Triton converts e4m3 from compute
+    capability 8.9 on (Ada, Hopper and later); an older GPU reads it through the torch path."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

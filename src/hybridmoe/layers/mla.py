@@ -21,7 +21,7 @@ from torch import nn
 
 from hybridmoe.forward_context import get_context
 from hybridmoe.layers.attention import StepIndex, step_index
-from hybridmoe.layers.kv_quant import FP8, read_positions, write_rows
+from hybridmoe.layers.kv_quant import FP8, kernels_read_fp8, read_positions, write_rows
 from hybridmoe.layers.linear import decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
@@ -82,7 +82,7 @@ class MultiHeadLatentAttention(nn.Module):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, slot_table: torch.Tensor | None = None,
                           quantized: bool = False) -> None:
         """A latent cache of num_blocks blocks of block_size positions (slot_table: see Attention's; quantized:
-        float8 with a scale per token, read by the torch path)."""
+        float8 with a scale per token)."""
         w = self.kv_a_proj_with_mqa.weight
         self.kv_cache = torch.zeros(num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim,
                                     dtype=FP8 if quantized else w.dtype, device=w.device)
@@ -117,15 +117,15 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # [N, D, R], [N, V, R]
         q_abs = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)  # [T, N, R]
         decode = get_context().decode
-        if (self.fused_layer and HAVE_TRITON and q.is_cuda and self.kv_cache is not None and self.kv_scale is None
-                and decode is not None):
+        if (self.fused_layer and HAVE_TRITON and q.is_cuda and self.kv_cache is not None and decode is not None
+                and (self.kv_scale is None or kernels_read_fp8(q.device))):
             from hybridmoe.layers.mla_decode_triton import triton_mla_decode
 
             norm, idx = self.kv_a_layernorm, self._index(q.device)
             out = triton_mla_decode(q_abs, q_pe, latent, k_pe, norm.weight, norm.eps, positions,
                                     self.rotary.inv_freq(q.device), self.rotary.attention_scaling,
                                     self.rotate is apply_rotary_interleaved, self.kv_cache, idx.block_table,
-                                    decode.slots, decode.lens, self.scale, decode.pad_len)
+                                    decode.slots, decode.lens, self.scale, decode.pad_len, self.kv_scale)
         else:
             cos, sin = self.rotary(positions, q.dtype)
             q_pe = self.rotate(q_pe, cos, sin)

@@ -11,12 +11,18 @@ makes its cache row in registers (the normalized latent c and the rotated k_pe, 
 torch ops kept): its head block 0 writes the row into the cache, and its programs weigh the new key from
 registers last. No program reads that row from the cache, so the write needs no ordering against the reads
 and no launch of its own (decode runs in CUDA graphs, where each launch costs). Probabilities are rounded
-to the cache dtype before they weigh the latents, as flash attention does; scores stay float32 (torch
-rounds them to the model dtype first).
+to the cache dtype (a float8 cache: the queries') before they weigh the latents, as flash attention does;
+scores stay float32 (torch rounds them to the model dtype first).
 
 The cache is paged: position p of the sequence in slot s is at block block_table[s, p // BS], row p % BS.
 Positions are read in tiles of BLOCK_L, a divisor of BS, so a tile lies in one block: one block-table read
 per tile, and the tile's rows are consecutive as in an unpaged cache.
+
+A float8 cache (layers/kv_quant.py: e4m3 codes, a float32 scale per position in kv_scale [NB, BS, 1]) is read
+in place: each tile's codes are widened to float32, times their rows' scales, and rounded to the queries' dtype
+(kv_quant.read_positions' values); the new row is quantized as kv_quant.quantize_rows does (the same codes and
+scale) and weighs in dequantized, as it will when read from the cache. Without a scale (QUANT off) that code is
+not compiled.
 
 B rows (one new token each), N heads, R kv_lora_rank, P qk_rope_head_dim (pairs rotated: P / 2), NB blocks of
 BS positions, S slots, M blocks per slot's table, NC chunks. Cache rows: [c (R) | rotated k_pe, first elements
@@ -29,7 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridmoe.layers.decode_attention_triton import combine_chunks
+from hybridmoe.layers.decode_attention_triton import (
+    check_fp8_scales,
+    combine_chunks,
+    fp8_codes,
+    fp8_scale,
+    fp8_values,
+)
 from hybridmoe.layers.rope_triton import check_paged_cache
 
 
@@ -57,19 +69,53 @@ def _new_row(lat_ptr, kpe_ptr, nw_ptr, eps, cos, sin, R, r, rm, o1, o2, im, dtyp
 
 
 @triton.jit
-def _mla_decode_kernel(q_ptr, qpe_ptr, lat_ptr, kpe_ptr, nw_ptr, positions_ptr, inv_freq_ptr, cache_ptr, bt_ptr,
-                       slot_ptr, len_ptr, out_ptr, m_ptr, l_ptr, eps, rope_scaling, scale, N, R, P, CHUNK,
+def _store_new_row(cache_ptr, scale_ptr, table, pos, stride_cr, stride_sr, c_new, k1, k2, R, half, r, rm, i, im,
+                   store, BS: tl.constexpr, QUANT: tl.constexpr):
+    """A row's new cache entry (c_new [BLOCK_R], k1, k2 [BLOCK_P2] in the compute dtype) written at position pos
+    of the sequence whose block-table row starts at table, where store (one of the programs that make it) -> the
+    entry as a read of the cache gives it back. QUANT: float8 codes with the row's scale at scale_ptr
+    (kv_quant.quantize_rows), given back dequantized."""
+    c_st, k1_st, k2_st = c_new, k1, k2  # what the cache row holds
+    if QUANT:
+        amax = tl.maximum(tl.max(tl.where(rm, tl.abs(c_new.to(tl.float32)), 0.0), axis=0),
+                          tl.maximum(tl.max(tl.where(im, tl.abs(k1.to(tl.float32)), 0.0), axis=0),
+                                     tl.max(tl.where(im, tl.abs(k2.to(tl.float32)), 0.0), axis=0)))
+        row_scale = fp8_scale(amax)
+        c_st = fp8_codes(c_new, row_scale, cache_ptr.dtype.element_ty)
+        k1_st = fp8_codes(k1, row_scale, cache_ptr.dtype.element_ty)
+        k2_st = fp8_codes(k2, row_scale, cache_ptr.dtype.element_ty)
+        c_new = fp8_values(c_st, row_scale, c_new.dtype)
+        k1 = fp8_values(k1_st, row_scale, k1.dtype)
+        k2 = fp8_values(k2_st, row_scale, k2.dtype)
+    if store:
+        new_at = tl.load(table + pos // BS).to(tl.int64) * BS + pos % BS
+        new_row = cache_ptr + new_at * stride_cr
+        tl.store(new_row + r, c_st, mask=rm)
+        tl.store(new_row + R + i, k1_st, mask=im)
+        tl.store(new_row + R + half + i, k2_st, mask=im)
+        if QUANT:
+            tl.store(scale_ptr + new_at * stride_sr, row_scale)
+    return c_new, k1, k2
+
+
+@triton.jit
+def _mla_decode_kernel(q_ptr, qpe_ptr, lat_ptr, kpe_ptr, nw_ptr, positions_ptr, inv_freq_ptr, cache_ptr, scale_ptr,
+                       bt_ptr, slot_ptr, len_ptr, out_ptr, m_ptr, l_ptr, eps, rope_scaling, scale, N, R, P, CHUNK,
                        stride_qb, stride_qh, stride_pb, stride_ph, stride_lb, stride_kb, stride_bt, stride_cr,
-                       BS: tl.constexpr, INTERLEAVED: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P2: tl.constexpr, BLOCK_L: tl.constexpr):
+                       stride_sr, BS: tl.constexpr, INTERLEAVED: tl.constexpr, SPLIT: tl.constexpr,
+                       QUANT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_P2: tl.constexpr, BLOCK_L: tl.constexpr):
     """Program (hb, c, b): heads hb * BLOCK_H .. of row b over positions [c * CHUNK, (c + 1) * CHUNK) of its
     length. q [B, N, R] (q_nope with kv_b_proj's key half absorbed), qpe [B, N, P], lat [B, R], kpe [B, P]
     (before norm / rotary). SPLIT: the unnormalized sums and their (max, total) go to out, m, l
-    [B, N, NC(, R)] for combine_chunks; else the normalized output to out [B, N, R]."""
+    [B, N, NC(, R)] for combine_chunks; else the normalized output to out [B, N, R]. QUANT: a float8 cache,
+    its scales at scale_ptr (stride_sr: a row's)."""
     hb = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2)
     dtype = cache_ptr.dtype.element_ty
+    if QUANT:  # float8 codes: the rest runs in the queries' dtype, as over an unquantized cache
+        dtype = q_ptr.dtype.element_ty
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < N
     r = tl.arange(0, BLOCK_R)
@@ -103,6 +149,11 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, lat_ptr, kpe_ptr, nw_ptr, positions_ptr, 
         lat = tl.load(at + r[None, :], mask=seen[:, None] & rm[None, :], other=0.0)  # [BLOCK_L, BLOCK_R]
         p1 = tl.load(at + R + i[None, :], mask=seen[:, None] & im[None, :], other=0.0)
         p2 = tl.load(at + R + half + i[None, :], mask=seen[:, None] & im[None, :], other=0.0)
+        if QUANT:
+            row_scale = tl.load(scale_ptr + rows * stride_sr, mask=seen, other=0.0)[:, None]
+            lat = fp8_values(lat, row_scale, dtype)
+            p1 = fp8_values(p1, row_scale, dtype)
+            p2 = fp8_values(p2, row_scale, dtype)
         s = (tl.dot(qc, tl.trans(lat), input_precision=PRECISION)
              + tl.dot(q1, tl.trans(p1), input_precision=PRECISION)
              + tl.dot(q2, tl.trans(p2), input_precision=PRECISION)) * scale  # [BLOCK_H, BLOCK_L]
@@ -116,11 +167,8 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, lat_ptr, kpe_ptr, nw_ptr, positions_ptr, 
     if (start <= n - 1) & (n - 1 < start + CHUNK):  # the chunk of the new token: its row from registers
         c_new, k1, k2 = _new_row(lat_ptr + b * stride_lb, kpe_ptr + b * stride_kb, nw_ptr, eps, cos, sin, R, r, rm,
                                  o1, o2, im, dtype)
-        if hb == 0:
-            new_row = cache_ptr + ((tl.load(table + (n - 1) // BS).to(tl.int64) * BS + (n - 1) % BS) * stride_cr)
-            tl.store(new_row + r, c_new, mask=rm)
-            tl.store(new_row + R + i, k1, mask=im)
-            tl.store(new_row + R + half + i, k2, mask=im)
+        c_new, k1, k2 = _store_new_row(cache_ptr, scale_ptr, table, n - 1, stride_cr, stride_sr, c_new, k1, k2, R,
+                                       half, r, rm, i, im, hb == 0, BS, QUANT)
         s_new = (tl.sum(qc.to(tl.float32) * c_new.to(tl.float32)[None, :], axis=1)
                  + tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], axis=1)
                  + tl.sum(q2.to(tl.float32) * k2.to(tl.float32)[None, :], axis=1)) * scale  # [BLOCK_H]
@@ -159,7 +207,8 @@ def chunk_len(max_len: int, programs_per_chunk: int) -> int:
 def triton_mla_decode(q_abs: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, positions: torch.Tensor, inv_freq: torch.Tensor,
                       rope_scaling: float, interleaved: bool, cache: torch.Tensor, block_table: torch.Tensor,
-                      slots: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int) -> torch.Tensor:
+                      slots: torch.Tensor, lens: torch.Tensor, scale: float, max_len: int,
+                      kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """MultiHeadLatentAttention's decode step from the absorbed queries to the attention over the latents.
 
     q_abs [B, N, R]; q_pe [B, N, P] and k_pe [B, P] before rotary (at positions [B]); latent [B, R] before
@@ -167,11 +216,14 @@ def triton_mla_decode(q_abs: torch.Tensor, q_pe: torch.Tensor, latent: torch.Ten
     blocks: block_table [S, M] int32, row slots[b]), its length with the new token lens[b] (written at
     position lens[b] - 1); max_len: a bound on lens known on the host (the padded length of a fixed-shape
     step), which sets the chunks; lens and the block table are read on the device only -> [B, N, R] in
-    q_abs's dtype. Last dims contiguous.
+    q_abs's dtype. Last dims contiguous. kv_scale [NB, BS, 1]: a float8 cache's scales (kv_quant.py), the new row
+    written quantized with its own.
     """
     B, N, R = q_abs.shape
     P = q_pe.shape[-1]
     BS = check_paged_cache(cache, block_table=block_table)
+    quant = check_fp8_scales((cache,), (kv_scale,))
+    dtype = q_abs.dtype if quant else cache.dtype
     out = torch.empty(B, N, R, dtype=q_abs.dtype, device=q_abs.device)
     block_h = 16
     heads = triton.cdiv(N, block_h)
@@ -184,10 +236,11 @@ def triton_mla_decode(q_abs: torch.Tensor, q_pe: torch.Tensor, latent: torch.Ten
                  torch.empty(B, N, NC, dtype=torch.float32, device=q_abs.device),
                  torch.empty(B, N, NC, dtype=torch.float32, device=q_abs.device))
     _mla_decode_kernel[(heads, NC, B)](
-        q_abs, q_pe, latent, k_pe, norm_weight, positions, inv_freq, cache, block_table, slots, lens, *parts, eps,
-        rope_scaling, scale, N, R, P, chunk, q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1),
-        latent.stride(0), k_pe.stride(0), block_table.stride(0), cache.stride(1), BS=BS, INTERLEAVED=interleaved,
-        SPLIT=NC > 1, PRECISION="ieee" if cache.dtype == torch.float32 else "tf32", BLOCK_H=block_h,
+        q_abs, q_pe, latent, k_pe, norm_weight, positions, inv_freq, cache, kv_scale if quant else cache,
+        block_table, slots, lens, *parts, eps, rope_scaling, scale, N, R, P, chunk, q_abs.stride(0), q_abs.stride(1),
+        q_pe.stride(0), q_pe.stride(1), latent.stride(0), k_pe.stride(0), block_table.stride(0), cache.stride(1),
+        kv_scale.stride(1) if quant else 0, BS=BS, INTERLEAVED=interleaved, SPLIT=NC > 1, QUANT=quant,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32", BLOCK_H=block_h,
         BLOCK_R=triton.next_power_of_2(R), BLOCK_P2=max(16, triton.next_power_of_2(P // 2)), BLOCK_L=min(32, BS),
         num_warps=8)
     if NC > 1:
