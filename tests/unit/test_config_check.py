@@ -63,6 +63,9 @@ def config_error(tmp_path, family: str, **changes) -> str:
     ("deepseek_v3", "rope_interleave", "yes", 'rope_interleave must be true or false, got "yes"'),
     ("deepseek_v3", "routed_scaling_factor", float("inf"), "routed_scaling_factor must be a finite number > 0, got "
                                                            "Infinity"),
+    ("glm4_moe", "partial_rotary_factor", 1.5, "partial_rotary_factor must be a finite number > 0 and <= 1"),
+    ("glm4_moe", "use_qk_norm", "no", 'use_qk_norm must be true or false, got "no"'),
+    ("glm4_moe", "n_routed_experts", 3, "num_experts_per_tok must be at most n_routed_experts (3), got 4"),
 ])
 def test_a_value_outside_its_rule_is_named_with_what_is_allowed(tmp_path, family, key, value, want):
     assert want in config_error(tmp_path, family, **{key: value})
@@ -72,6 +75,13 @@ def test_a_yarn_rope_names_its_bad_field(tmp_path):
     rope = {**model_config("deepseek_v3", "tiny")["rope_scaling"], "beta_fast": 0}
     assert "rope_scaling.beta_fast must be a finite number > 0 or null, got 0" in config_error(
         tmp_path, "deepseek_v3", rope_scaling=rope)
+
+
+def test_a_partial_rotary_of_fewer_than_two_dimensions_is_named(tmp_path):
+    config = {**model_config("glm4_moe", "tiny"), "partial_rotary_factor": 0.0625}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"head_dim 16 \* partial_rotary_factor 0.0625 gives 1 rotary dim"):
+        load_config(tmp_path)
 
 
 def test_a_head_dim_derived_from_the_hidden_size_needs_heads_that_divide_it(tmp_path):

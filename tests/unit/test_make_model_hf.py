@@ -25,6 +25,7 @@ TEMPLATE_ENDS = {
     "deepseek_v2": ("<｜end▁of▁sentence｜>", "<｜User｜>Tell me a joke.<｜Assistant｜>"),
     "deepseek_v3": ("<｜end▁of▁sentence｜>", "<｜User｜>Tell me a joke.<｜Assistant｜>"),
     "mixtral": ("</s>", "[INST] Tell me a joke. [/INST]"),
+    "glm4_moe": ("<|im_end|>", "<|im_start|>assistant\n"),
 }
 
 
@@ -69,7 +70,7 @@ def test_transformers_uses_the_values_we_wrote(tiny):
                                _file_tensor(out, f"{moe}.experts.1.{down}.weight"))
     for name in ["model.embed_tokens.weight", f"{prefix}.post_attention_layernorm.weight", "lm_head.weight"]:
         torch.testing.assert_close(state[name], _file_tensor(out, name))
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "glm4_moe"):
         bias = f"{prefix}.mlp.gate.e_score_correction_bias"
         torch.testing.assert_close(state[bias], _file_tensor(out, bias))
 

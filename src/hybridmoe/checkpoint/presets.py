@@ -1,7 +1,8 @@
 """Model shapes for `hybridmoe make-model`: config.json contents per architecture and preset.
 
 Real-shape presets carry the fields and values of the public config.json of that model (minus
-`auto_map`, and DeepSeek-V3's FP8 `quantization_config`: we write bf16/fp32 weights). Token ids
+`auto_map`, and DeepSeek-V3's FP8 `quantization_config`: we write bf16/fp32 weights); glm-4.5-air carries
+transformers' Glm4MoeConfig defaults, which are GLM-4.5-Air's shape. Token ids
 (bos/eos/pad) are not here: they come from the tokenizer we build, so config and tokenizer agree.
 `tiny` presets keep every dimension small (a few MB) but switch on the family's features.
 """
@@ -19,6 +20,7 @@ ARCHS = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 TINY_VOCAB = 512
@@ -154,12 +156,40 @@ _MIXTRAL = {
     },
 }
 
+_GLM4_MOE = {
+    # q/k/v bias and q/k norm, half of each head rotates, sigmoid noaux_tc routing in the best 2 of 4 groups,
+    # two shared experts, a dense first layer
+    "tiny": {
+        "attention_bias": True, "attention_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 16,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+        "max_position_embeddings": 512, "moe_intermediate_size": 32, "n_group": 4, "n_routed_experts": 16,
+        "n_shared_experts": 2, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts_per_tok": 4,
+        "num_hidden_layers": 3, "num_key_value_heads": 2, "num_nextn_predict_layers": 0,
+        "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 1000000.0,
+        "routed_scaling_factor": 2.5, "tie_word_embeddings": False, "topk_group": 2, "use_cache": True,
+        "use_qk_norm": True, "vocab_size": TINY_VOCAB,
+    },
+    # transformers' Glm4MoeConfig defaults (GLM-4.5-Air's shape); num_nextn_predict_layers is 0, not the
+    # real 1: we write no multi-token-prediction layer
+    "glm-4.5-air": {
+        "attention_bias": True, "attention_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 10944,
+        "max_position_embeddings": 131072, "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8,
+        "num_hidden_layers": 46, "num_key_value_heads": 8, "num_nextn_predict_layers": 0,
+        "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 1000000.0,
+        "routed_scaling_factor": 1.0, "tie_word_embeddings": False, "topk_group": 1, "use_cache": True,
+        "use_qk_norm": False, "vocab_size": 151552,
+    },
+}
+
 PRESETS = {
     "qwen2_moe": _QWEN2_MOE,
     "qwen3_moe": _QWEN3_MOE,
     "deepseek_v2": _DEEPSEEK_V2,
     "deepseek_v3": _DEEPSEEK_V3,
     "mixtral": _MIXTRAL,
+    "glm4_moe": _GLM4_MOE,
 }
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}

@@ -5,9 +5,9 @@ Weight init (chosen so that a real-shape model's activations stay finite and its
     to unit-variance outputs (router logits and lm_head logits come out with std ~1);
   - embed_tokens: normal, std 1 (the first RMSNorm sees unit-scale rows either way);
   - RMSNorm weights: 1 + normal(std 0.02), near 1 but not exactly, so a norm that fails to load shows;
-  - attention biases (Qwen2): normal, std 0.02;
-  - e_score_correction_bias (DeepSeek-V3 noaux_tc): normal, std 0.01, stored float32 as in the
-    real checkpoint; it shifts the choice of experts a little, never their weights.
+  - attention biases (Qwen2, GLM-4.5): normal, std 0.02;
+  - e_score_correction_bias (DeepSeek-V3 noaux_tc, GLM-4.5): normal, std 0.01, stored float32 as in the
+    real checkpoints; it shifts the choice of experts a little, never their weights.
 """
 
 from __future__ import annotations
@@ -109,12 +109,14 @@ def _qwen_mlp(s: _Specs, p: str, c: dict, i: int) -> None:
 
 
 def _deepseek_mlp(s: _Specs, p: str, c: dict, i: int) -> None:
+    """DeepSeek's MLP, GLM-4.5's too: dense before first_k_dense_replace, else routed and shared experts; the
+    router of sigmoid noaux_tc routing (V3's topk_method, GLM-4.5's only one) has an e_score_correction_bias."""
     hidden = c["hidden_size"]
     if i < c["first_k_dense_replace"] or i % c.get("moe_layer_freq", 1) != 0:
         s.swiglu(f"{p}.mlp", hidden, c["intermediate_size"])
         return
     s.linear(f"{p}.mlp.gate", c["n_routed_experts"], hidden)
-    if c.get("topk_method") == "noaux_tc":
+    if c.get("topk_method") == "noaux_tc" or c["model_type"] == "glm4_moe":
         s.raw(f"{p}.mlp.gate.e_score_correction_bias", (c["n_routed_experts"],), torch.float32, 0.01)
     for e in range(c["n_routed_experts"]):
         s.swiglu(f"{p}.mlp.experts.{e}", hidden, c["moe_intermediate_size"])
@@ -141,10 +143,12 @@ def tensor_specs(config: dict) -> list[TensorSpec]:
         s.norm(f"{p}.input_layernorm", hidden)
         if mt.startswith("deepseek"):
             _mla_attention(s, p, config)
+        elif mt == "glm4_moe":
+            _gqa_attention(s, p, config, qkv_bias=config["attention_bias"], qk_norm=config["use_qk_norm"])
         else:
             _gqa_attention(s, p, config, qkv_bias=mt == "qwen2_moe", qk_norm=mt == "qwen3_moe")
         s.norm(f"{p}.post_attention_layernorm", hidden)
-        if mt.startswith("deepseek"):
+        if mt.startswith("deepseek") or mt == "glm4_moe":
             _deepseek_mlp(s, p, config, i)
         elif mt == "mixtral":
             _mixtral_mlp(s, p, config, i)

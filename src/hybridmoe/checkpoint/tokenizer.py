@@ -147,7 +147,9 @@ _DS = TokenizerFamily(("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence
 _MX = TokenizerFamily(("<unk>", "<s>", "</s>"), bos="<s>", eos="</s>", pad="</s>", unk="<unk>",
                       extra_eos=(), chat_template=_MIXTRAL)
 
-FAMILIES = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "deepseek_v2": _DS, "deepseek_v3": _DS, "mixtral": _MX}
+FAMILIES = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "deepseek_v2": _DS, "deepseek_v3": _DS, "mixtral": _MX,
+            "glm4_moe": _QWEN}
+"""Architecture -> its tokenizer family; GLM-4.5 gets Qwen's ChatML (its own template is not reproduced here)."""
 
 
 TRAINED_VOCAB = 512

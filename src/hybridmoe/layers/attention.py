@@ -223,12 +223,14 @@ class Attention(nn.Module):
 
     rope: the normalized rope dict (rope_type, rope_theta, ...). qk_norm_eps: Qwen3's per-head
     RMSNorm of queries and keys before rotary (None: no norm). sliding_window: keys older than
-    this many positions are not seen (None: full causal attention).
+    this many positions are not seen (None: full causal attention). rotary_dim: how many of each head's
+    first dimensions rotate (GLM-4.5's partial rotary; None: all head_dim). The Triton kernels rotate whole
+    heads, so a partial-rotary layer runs its rotary and cache writes as torch ops.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rope: dict, *, qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, rotary_dim: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
@@ -239,7 +241,7 @@ class Attention(nn.Module):
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
-        self.rotary = RotaryEmbedding(head_dim, rope)
+        self.rotary = RotaryEmbedding(rotary_dim or head_dim, rope)
         self.kv_cache: KVCache | None = None
         self.fused = True  # on CUDA: norms, rotary and cache writes in one kernel, decode attention in one
         # on CUDA, short steps: o_proj as the Triton GEMV (layers/linear.py); a decode step over at most
@@ -266,7 +268,8 @@ class Attention(nn.Module):
         if qkv is None:
             qkv = self.qkv_proj(x)
         t = qkv.shape[0]
-        if (self.fused and HAVE_TRITON and qkv.is_cuda and self.kv_cache is not None
+        whole_heads = self.rotary.dim == self.head_dim  # the Triton kernels rotate whole heads
+        if (self.fused and HAVE_TRITON and qkv.is_cuda and self.kv_cache is not None and whole_heads
                 and (not self.kv_cache.quantized or kernels_read_fp8(qkv.device))):
             return self._o_proj(self._fused_attention(qkv, positions).reshape(t, self.num_heads * self.head_dim))
         o = cached_attention(*self._rotated(qkv, positions), self.kv_cache, self.scale, self.sliding_window)

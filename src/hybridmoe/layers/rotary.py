@@ -1,4 +1,7 @@
-"""Rotary position embeddings (neox layout: the two halves of each head rotate together).
+"""Rotary position embeddings (neox layout: the two halves of the rotated dimensions rotate together).
+
+Partial rotary (GLM-4.5's partial_rotary_factor): only a head's first R of D dimensions rotate, R being
+the RotaryEmbedding's dim; the other D - R pass through unchanged.
 
 `rope_parameters` is the normalized dict of config.json ({"rope_type", "rope_theta", ...});
 ROPE_INIT maps a rope_type to a function returning (inv_freq [D/2] float32, attention
@@ -38,8 +41,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos, sin [T, D] (already in x's dtype)."""
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+    """x [T, heads, D]; cos, sin [T, R] (already in x's dtype), R <= D: the first R dimensions of each head
+    rotate (their two halves together), the last D - R pass through."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat((rot * cos.unsqueeze(1) + rotate_half(rot) * sin.unsqueeze(1), rest), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):

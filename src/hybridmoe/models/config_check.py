@@ -110,6 +110,14 @@ _DEEPSEEK_V2 = {
     "attention_bias": BOOL, "mlp_bias": BOOL,
 }
 
+_GLM4_MOE = {
+    "num_key_value_heads": _GQA["num_key_value_heads"], "head_dim": _GQA["head_dim"],
+    "moe_intermediate_size": _int(), "n_routed_experts": _int(), "n_shared_experts": _int(0, null=True),
+    "n_group": _int(0, null=True), "topk_group": _int(0, null=True), "first_k_dense_replace": _int(0),
+    "norm_topk_prob": BOOL, "routed_scaling_factor": Rule(float, above=0), "attention_bias": BOOL,
+    "use_qk_norm": BOOL, "partial_rotary_factor": Rule(float, above=0, high=1, null=True),
+}
+
 
 @dataclass(frozen=True)
 class Schema:
@@ -134,6 +142,7 @@ SCHEMAS = {
     # V3 routes by noaux_tc whatever topk_method says (as transformers does)
     "DeepseekV3ForCausalLM": Schema({**_DEEPSEEK_V2, "topk_method": Rule(str, null=True), "rope_interleave": BOOL},
                                     "n_routed_experts", False),
+    "Glm4MoeForCausalLM": Schema(_GLM4_MOE, "n_routed_experts", True),
 }
 
 ROPE_RULES = {
@@ -142,7 +151,7 @@ ROPE_RULES = {
     "original_max_position_embeddings": _int(null=True), "beta_fast": Rule(float, above=0, null=True),
     "beta_slow": Rule(float, above=0, null=True), "mscale": Rule(float, low=0, null=True),
     "mscale_all_dim": Rule(float, low=0, null=True), "attention_factor": Rule(float, above=0, null=True),
-    "truncate": Rule(bool, null=True),
+    "truncate": Rule(bool, null=True), "partial_rotary_factor": Rule(float, above=0, high=1, null=True),
 }
 
 QUANTIZATION_RULES = {

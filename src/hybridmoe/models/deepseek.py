@@ -59,6 +59,32 @@ class DeepseekMoE(nn.Module):
         return out if shared is None else out + shared
 
 
+def noaux_tc_router(c) -> DeepseekRouter:
+    """V3's router (also GLM-4.5's): sigmoid scores plus e_score_correction_bias choose within the topk_group
+    best of n_group groups; the unbiased scores weigh, renormalised if norm_topk_prob, times routed_scaling_factor."""
+    return DeepseekRouter(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, scoring_func="sigmoid",
+                          topk_method="noaux_tc", n_group=c.n_group, topk_group=c.topk_group,
+                          norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+
+
+def deepseek_mlp(model: MoECausalLM, layer_idx: int) -> nn.Module:
+    """A layer's MLP in DeepSeek's layout (GLM-4.5's too): on an MoE layer (model.is_moe_layer) the routed
+    experts under model.make_router() plus one GatedMLP of n_shared_experts * moe_intermediate_size, else a
+    dense GatedMLP of intermediate_size."""
+    c = model.config
+    if not model.is_moe_layer(layer_idx):
+        return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
+    return DeepseekMoE(layer_idx, model.make_router(), model.experts, c.hidden_size,
+                       c.moe_intermediate_size * (c.n_shared_experts or 0), c.hidden_act)
+
+
+def is_beyond_last_layer(name: str, num_hidden_layers: int) -> bool:
+    """A tensor of a layer past num_hidden_layers: the multi-token-prediction layer that V3/R1 and GLM-4.5
+    checkpoints ship after the decoder stack, which next-token decoding never runs."""
+    m = _LAYER_INDEX.match(name)
+    return m is not None and int(m.group(1)) >= num_hidden_layers
+
+
 class DeepseekV2ForCausalLM(MoECausalLM):
     config_defaults = {
         "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -103,19 +129,10 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         attn = MultiHeadLatentAttention(c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank,
                                         c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.rope_parameters,
                                         self.rope_interleave(), c.attention_bias)
-        if self.is_moe_layer(layer_idx):
-            mlp = DeepseekMoE(layer_idx, self.make_router(), self.experts, c.hidden_size,
-                              c.moe_intermediate_size * (c.n_shared_experts or 0), c.hidden_act)
-        else:
-            mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
-        return DecoderLayer(attn, mlp, c.hidden_size, c.rms_norm_eps)
+        return DecoderLayer(attn, deepseek_mlp(self, layer_idx), c.hidden_size, c.rms_norm_eps)
 
     def is_ignored(self, name: str) -> bool:
-        # V3/R1 ship their multi-token-prediction module as one extra layer past num_hidden_layers
-        m = _LAYER_INDEX.match(name)
-        if m is not None and int(m.group(1)) >= self.config.num_hidden_layers:
-            return True
-        return super().is_ignored(name)
+        return is_beyond_last_layer(name, self.config.num_hidden_layers) or super().is_ignored(name)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
@@ -129,10 +146,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     }
 
     def make_router(self) -> DeepseekRouter:
-        c = self.config
-        return DeepseekRouter(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, scoring_func="sigmoid",
-                              topk_method="noaux_tc", n_group=c.n_group, topk_group=c.topk_group,
-                              norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor)
+        return noaux_tc_router(self.config)
 
     def rope_interleave(self) -> bool:
         return self.config.rope_interleave

@@ -75,12 +75,21 @@ def _deepseek(c: ModelConfig, v3: bool) -> tuple[int, int, int, int, int]:
     return moe_layers, E, c.moe_intermediate_size, _mla_attention(c), shared
 
 
+def _glm4_moe(c: ModelConfig) -> tuple[int, int, int, int, int]:
+    E = c.n_routed_experts
+    moe_layers = max(0, c.num_hidden_layers - c.first_k_dense_replace)
+    attention = _gqa_attention(c, bool(c.attention_bias), False, bool(c.use_qk_norm))
+    shared = _gated_mlp(c.hidden_size, c.moe_intermediate_size * (c.n_shared_experts or 0)) + E  # + the bias
+    return moe_layers, E, c.moe_intermediate_size, attention, shared
+
+
 _FAMILIES = {
     "Qwen2MoeForCausalLM": lambda c: _qwen(c, qwen2=True),
     "Qwen3MoeForCausalLM": lambda c: _qwen(c, qwen2=False),
     "MixtralForCausalLM": _mixtral,
     "DeepseekV2ForCausalLM": lambda c: _deepseek(c, v3=False),
     "DeepseekV3ForCausalLM": lambda c: _deepseek(c, v3=True),
+    "Glm4MoeForCausalLM": _glm4_moe,
 }
 """Architecture -> (MoE layers, E, expert I, one layer's attention, one MoE layer's parameters besides its router
 and routed experts)."""
