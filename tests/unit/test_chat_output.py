@@ -72,6 +72,6 @@ def test_plan_tools_reads_the_template_and_refuses_what_it_cannot_do():
     with pytest.raises(APIError, match="no tool-call format"):
         plan_tools("{{ messages }}", _request(tools=TOOLS))
     with pytest.raises(APIError, match="does not have yet"):
-        plan_tools("<tool_call> <arg_key>", _request(tools=TOOLS, tool_choice="required"))  # GLM-4.5
+        plan_tools("<|channel|> <|call|>", _request(tools=TOOLS, tool_choice="required"))  # gpt-oss
     with pytest.raises(APIError, match="no tools"):
         plan_tools(QWEN_TEMPLATE, _request(tool_choice="required"))

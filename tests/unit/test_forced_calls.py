@@ -24,6 +24,7 @@ MARKERS = {
     "kimi_k2": ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                 "<|tool_call_end|>", "<|tool_call_argument_begin|>"],
     "mistral": ["[TOOL_CALLS]"],
+    "glm45": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
 }
 EOS = "<eos>"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
@@ -88,3 +89,12 @@ def test_a_marker_that_is_one_special_token_is_named_by_its_id():
     tokenizer = vocabulary(MARKERS["mistral"])
     assert marker_for(tokenizer)("[TOOL_CALLS]") == f"<[{tokenizer.special_token_id('[TOOL_CALLS]')}]>"
     assert marker_for(tokenizer)("<tool_call>") == '"<tool_call>"'
+
+
+def test_glm_needs_parameters_with_plain_properties():
+    from hybridmoe.server.serving_common import APIError
+
+    tool = ToolDef.model_validate({"type": "function", "function": {"name": "f", "parameters": {
+        "anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}]}}})
+    with pytest.raises(APIError, match="plain properties"):
+        forced_calls("glm45", [tool], "required", True)

@@ -92,6 +92,25 @@ def mistral_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str
     return f"start: {marker('[TOOL_CALLS]')} {_json(items)}\n"
 
 
+def glm45_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str:
+    """<tool_call>NAME, then per required parameter <arg_key>KEY</arg_key> and <arg_value>VALUE</arg_value> on
+    lines of their own, then </tool_call>; each value as JSON of its property's schema (a string quoted: the
+    parser reads a value that parses as JSON as that JSON)."""
+    calls = []
+    for t in tools:
+        schema = _arguments(t)
+        combined = any(k in schema for k in ("anyOf", "oneOf", "allOf"))
+        if combined or not isinstance(schema.get("properties", {}), dict):
+            raise APIError(400, f"tool {t.function.name!r}: GLM-4.5 writes arguments one by one, which needs "
+                                f"parameters with plain properties; let the model choose (auto)", param="tools")
+        args = [f'{marker("<arg_key>")} {quoted(key)} {marker("</arg_key>")} "\\n" {marker("<arg_value>")} '
+                f'{_json(schema["properties"].get(key, {}))} {marker("</arg_value>")} "\\n"'
+                for key in schema.get("required", [])]
+        calls.append(f'{marker("<tool_call>")} {quoted(t.function.name + chr(10))} {" ".join(args)} '
+                     f'{marker("</tool_call>")}')
+    return _calls(" | ".join(f"({c})" for c in calls), parallel, '"\\n"')
+
+
 def _calls(call: str, parallel: bool, separator: str) -> str:
     more = f" ({separator} call)*" if parallel else ""
     return f"start: call{more}\ncall: {call}\n"
@@ -104,9 +123,9 @@ def _section(calls: list[str], parallel: bool, begin: str, end: str) -> str:
 
 GRAMMARS: dict[str, Callable[[list[ToolDef], bool, Marker], str]] = {
     "hermes": hermes_grammar, "deepseek_v3": deepseek_v3_grammar, "kimi_k2": kimi_k2_grammar,
-    "mistral": mistral_grammar}
-"""Tool-call format (tool_parsers.PARSERS' names) -> its grammar of calls. GLM-4.5 (one tag per argument) and
-gpt-oss (its channels around the call) have none yet."""
+    "mistral": mistral_grammar, "glm45": glm45_grammar}
+"""Tool-call format (tool_parsers.PARSERS' names) -> its grammar of calls. gpt-oss (its channels around the
+call) has none yet."""
 
 
 def forced_calls(format_name: str, tools: list[ToolDef], choice: str | NamedToolChoice, parallel: bool,
