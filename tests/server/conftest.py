@@ -182,13 +182,13 @@ def long_server(tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="session")
-def long_deepseek_server(tmp_path_factory):
-    """The tiny DeepSeek-V3 model with a context of 4096 tokens: its chat template writes tool calls with
-    DeepSeek's special tokens."""
-    model_dir = tmp_path_factory.mktemp("tiny_deepseek_long")
-    make_checkpoint("deepseek_v3", "tiny", model_dir, dtype="fp32", progress=False,
+@pytest.fixture(scope="session", params=["deepseek_v3", "glm4_moe"])
+def special_token_tools_server(request, tmp_path_factory):
+    """A tiny model with a context of 4096 tokens whose chat template writes tool calls with special tokens:
+    DeepSeek-V3's sections, GLM-4.5's per-argument tags."""
+    model_dir = tmp_path_factory.mktemp(f"tiny_{request.param}_long")
+    make_checkpoint(request.param, "tiny", model_dir, dtype="fp32", progress=False,
                     overrides={"max_position_embeddings": 4096})
-    with _serve(model_dir, tmp_path_factory.mktemp("logs") / "long_deepseek_server.log", "--max-batch", "4") as s:
+    with _serve(model_dir, tmp_path_factory.mktemp("logs") / f"{request.param}_server.log", "--max-batch", "4") as s:
         s.model_dir = model_dir
         yield s

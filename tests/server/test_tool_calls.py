@@ -1,8 +1,8 @@
 """Tool calls through the official openai client against a real server on a random-weight Qwen3-shaped model
 (its chat template lays tools out as Qwen's does): tool_choice "required" and a named function hold the output to
 calls whose arguments validate against the tool's parameters; streamed call deltas assemble to the non-streamed
-calls; a conversation with calls and tool results renders as transformers renders it. The same forced calls on a
-DeepSeek-V3-shaped model, whose tool-call markers are special tokens."""
+calls; a conversation with calls and tool results renders as transformers renders it. The same forced calls on
+DeepSeek-V3- and GLM-4.5-shaped models, whose tool-call markers are special tokens."""
 
 import json
 from pathlib import Path
@@ -176,10 +176,10 @@ def test_openai_fields_that_would_change_the_answer_are_a_400(server, field, val
     assert e.value.body["param"] == field
 
 
-def test_deepseek_calls_written_with_its_special_tokens_validate(long_deepseek_server):
-    """DeepSeek-V3's format, whose markers are special tokens: the forced grammar names them by id, the text keeps
-    them for the parser, and the calls come back whole, streamed or not."""
-    client = long_deepseek_server.client()
+def test_calls_written_with_special_tokens_validate(special_token_tools_server):
+    """DeepSeek-V3's and GLM-4.5's formats, whose markers are special tokens: the forced grammar names them by id,
+    the text keeps them for the parser, and the calls come back whole, streamed or not."""
+    client = special_token_tools_server.client()
     for seed in range(8):
         kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
                       max_tokens=400)

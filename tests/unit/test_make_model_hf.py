@@ -25,7 +25,7 @@ TEMPLATE_ENDS = {
     "deepseek_v2": ("<｜end▁of▁sentence｜>", "<｜User｜>Tell me a joke.<｜Assistant｜>"),
     "deepseek_v3": ("<｜end▁of▁sentence｜>", "<｜User｜>Tell me a joke.<｜Assistant｜>"),
     "mixtral": ("</s>", "[INST] Tell me a joke. [/INST]"),
-    "glm4_moe": ("<|im_end|>", "<|im_start|>assistant\n"),
+    "glm4_moe": ("<|user|>", "<|user|>\nTell me a joke.<|assistant|>"),
 }
 
 

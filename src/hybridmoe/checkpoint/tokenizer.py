@@ -120,6 +120,45 @@ _DEEPSEEK = (
     "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}"
 )
 
+# GLM-4.5's layout: [gMASK]<sop>, then turns opened by <|system|>, <|user|>, <|assistant|>; tools listed in a
+# system turn between <tools> tags; the assistant's calls as <tool_call>NAME with one <arg_key>/<arg_value> pair
+# per argument (strings bare, other values as JSON); tool results in an <|observation|> turn (consecutive ones
+# together) as <tool_response> blocks; enable_thinking=false opens the answer with an empty <think></think>. No
+# token closes a turn: an answer ends where the model opens the next one (<|user|>, <|observation|>), its EOS.
+_GLM = (
+    "{{- '[gMASK]<sop>' }}"
+    "{%- if tools %}"
+    "{{- '<|system|>\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, output the function name and arguments within the following'"
+    " + ' XML format:\\n<tool_call>{function-name}\\n<arg_key>{arg-key-1}</arg_key>\\n<arg_value>{arg-value-1}'"
+    " + '</arg_value>\\n...\\n</tool_call>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|observation|>' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '\\n<tool_call>' + call['function']['name'] + '\\n' }}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{%- for key, value in (args.items() if args is mapping else []) %}"
+    "{{- '<arg_key>' + key + '</arg_key>\\n<arg_value>' + (value if value is string else value | tojson)"
+    " + '</arg_value>\\n' }}"
+    "{%- endfor %}"
+    "{{- '</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- else %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '\\n<think></think>' }}{%- endif %}"
+    "{%- endif %}"
+)
+
 # Mistral's [INST] format: a system message is put in front of the first user message; the prompt
 # for the assistant is the closing [/INST] itself, so add_generation_prompt adds nothing.
 _MIXTRAL = (
@@ -147,9 +186,15 @@ _DS = TokenizerFamily(("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence
 _MX = TokenizerFamily(("<unk>", "<s>", "</s>"), bos="<s>", eos="</s>", pad="</s>", unk="<unk>",
                       extra_eos=(), chat_template=_MIXTRAL)
 
+_GLM4 = TokenizerFamily(("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                         "<|observation|>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                         "</arg_value>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
+                        bos=None, eos="<|user|>", pad="<|endoftext|>", unk=None,
+                        extra_eos=("<|endoftext|>", "<|observation|>"), chat_template=_GLM)
+
 FAMILIES = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "deepseek_v2": _DS, "deepseek_v3": _DS, "mixtral": _MX,
-            "glm4_moe": _QWEN}
-"""Architecture -> its tokenizer family; GLM-4.5 gets Qwen's ChatML (its own template is not reproduced here)."""
+            "glm4_moe": _GLM4}
+"""Architecture -> its tokenizer family."""
 
 
 TRAINED_VOCAB = 512

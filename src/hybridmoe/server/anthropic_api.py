@@ -81,7 +81,7 @@ async def _create_message(state: ServerState, request: Request) -> Response:
     chat = chat_input(template, req, marker_for(state.tokenizer))
     params = request_params(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                             top_k=req.top_k, stop=req.stop_sequences, structured=chat.plan.structured)
-    params = reading_markup(params, chat.plan.parser)
+    params = reading_markup(params, chat.plan.parser, template)
     await check_structured(state, chat.plan.structured, "tools")
     state.engine.check_capacity()
     text, prompt_ids = await render_chat(state, chat.messages, **chat.plan.template_kwargs)

@@ -136,7 +136,7 @@ async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> 
             raise APIError(400, "this model's chat template writes no tool-call format the server reads; send the "
                                 "request without tools", param="tools")
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-    params = reading_markup(params, parser)
+    params = reading_markup(params, parser, template)
     text, ids = await render_chat(state, [m.as_template_message() for m in req.messages], **kwargs)
     params = for_prompt(state, params, len(ids), _max_tokens(req.options), req.options.seed)
     output = ChatOutputFormat(parser, reasoning_parser(template, text))

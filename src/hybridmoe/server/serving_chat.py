@@ -79,7 +79,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                             "drop one", param="response_format")
     structured = structured or plan.structured
     params = openai_params(req, max_tokens, logprobs, structured)
-    params = reading_markup(params, plan.parser)
+    params = reading_markup(params, plan.parser, state.tokenizer.chat_template)
     await check_structured(state, structured, "response_format" if plan.structured is None else "tools")
     state.engine.check_capacity(req.n)
     text, prompt_ids = await render_chat(state, [message_dict(m) for m in req.messages], **plan.template_kwargs)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from hybridmoe.sampling_params import SamplingParams, StructuredOutput
 from hybridmoe.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDef
 from hybridmoe.server.serving_common import APIError
+from hybridmoe.server.reasoning import THINK_OPEN
 from hybridmoe.server.tool_parsers import ToolParser, parser_for_template
 from hybridmoe.tokenizer import Tokenizer
 
@@ -159,10 +160,12 @@ class ToolPlan:
     """Whether more than one call is kept (parallel_tool_calls)."""
 
 
-def reading_markup(params: SamplingParams, parser: ToolParser | None) -> SamplingParams:
-    """params with special tokens kept in the output's text when a tool-call reader reads it: most formats'
-    markers are special tokens, which the text would otherwise leave out."""
-    return params if parser is None else dataclasses.replace(params, skip_special_tokens=False)
+def reading_markup(params: SamplingParams, parser: ToolParser | None, chat_template: str | None) -> SamplingParams:
+    """params with special tokens kept in the output's text when a reader needs them: a tool-call reader (most
+    formats' markers are special tokens) or the reasoning reader of a template that thinks (GLM-4.5's <think> is
+    a special token)."""
+    thinks = bool(chat_template) and THINK_OPEN in chat_template
+    return params if parser is None and not thinks else dataclasses.replace(params, skip_special_tokens=False)
 
 
 def plan_tools(chat_template: str | None, req: ChatCompletionRequest, marker: Marker = quoted) -> ToolPlan:
