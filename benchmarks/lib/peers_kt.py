@@ -96,8 +96,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def format_rows(name: str, shape: dict, tokens: list[int], bandwidth: float, ours: dict, touched_of: dict,
                 kt: dict, ours_out: dict, kt_out: dict) -> list[dict]:
     """One row per T of one format."""
-    H, I, E, K = shape["H"], shape["I"], shape["E"], shape["K"]
-    expert_bytes = 3 * H * I * BITS[name] / 8
+    expert_bytes = 3 * shape["H"] * shape["I"] * BITS[name] / 8
     rows = []
     for T in tokens:
         touched = touched_of[T]

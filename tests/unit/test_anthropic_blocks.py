@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridmoe.server.anthropic_blocks import ContentBlocks, answer_blocks, tool_use_id
-from hybridmoe.server.chat_output import ChatOutputFormat, reasoning_parser
+from hybridmoe.server.chat_output import ChatOutputFormat
+from hybridmoe.server.reasoning import reasoning_parser
 from hybridmoe.server.tool_parsers import parser_for_template
 
 QWEN_TEMPLATE = "... <tool_call> ... <think> ..."

@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridmoe.server.chat_output import ChatOutputFormat, reasoning_parser
+from hybridmoe.server.chat_output import ChatOutputFormat
 from hybridmoe.server.protocol import ChatCompletionRequest
+from hybridmoe.server.reasoning import reasoning_parser
 from hybridmoe.server.serving_common import APIError
 from hybridmoe.server.tool_choice import plan_tools
 from hybridmoe.server.tool_parsers import parser_for_template

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from hybridmoe.server.reasoning import (
     ReasoningParser,
     prompt_opens_reasoning,
-    reasoning_parser_for_template,
-    template_opens_reasoning,
+    reasoning_parser,
 )
 from hybridmoe.server.tool_parsers import Delta
 from hybridmoe.server.tool_parsers.base import assemble
@@ -108,20 +107,20 @@ TEMPLATE_DEEPSEEK_V31 = ("{% if add_generation_prompt %}{{'<｜Assistant｜>'}}{
                          "{% else %}{{'<think>'}}{% endif %}{% endif %}")
 
 
-@pytest.mark.parametrize("template, starts", [
-    (TEMPLATE_QWEN3, False),
-    (TEMPLATE_QWEN3_THINKING, True),
-    (TEMPLATE_DEEPSEEK_V31, False),
+@pytest.mark.parametrize("template, prompt, starts", [
+    (TEMPLATE_QWEN3, "<|im_start|>assistant\n", False),
+    (TEMPLATE_QWEN3_THINKING, "<|im_start|>assistant\n<think>\n", True),
+    (TEMPLATE_DEEPSEEK_V31, "<｜Assistant｜></think>", False),
+    (TEMPLATE_DEEPSEEK_V31, "<｜Assistant｜><think>", True),
 ])
-def test_a_template_with_think_gets_a_parser_that_knows_where_the_output_starts(template, starts):
-    parser = reasoning_parser_for_template(template)
+def test_a_template_with_think_gets_a_parser_that_starts_where_the_prompt_leaves_off(template, prompt, starts):
+    parser = reasoning_parser(template, prompt)
     assert parser is not None and parser.starts_in_reasoning is starts
-    assert template_opens_reasoning(template) is starts
 
 
 @pytest.mark.parametrize("template", [None, "", "{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}"])
 def test_a_template_without_think_gets_no_reasoning_parser(template):
-    assert reasoning_parser_for_template(template) is None
+    assert reasoning_parser(template, "<think>") is None
 
 
 @pytest.mark.parametrize("prompt, opens", [

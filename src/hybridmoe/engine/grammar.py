@@ -8,9 +8,9 @@ puts its matcher into an error state instead of running on).
 Per step: the masks of the rows that have a matcher are computed on the CPU, one row after the other on the
 calling thread, into one bitmask (one bit per token, [rows, ceil(V / 32)] int32; a row's mask over a 152K-token
 vocabulary takes microseconds, where handing the rows to llguidance's thread pool costs milliseconds and
-competes with the expert engine's threads), unpacked to one bool per token, moved to the logits' device and applied there for the whole
-batch at once (a forbidden token's logit becomes -inf); after the draw each matcher consumes its row's token. When a
-grammar is complete only EOS stays allowed, so the sequence ends the usual way.
+competes with the expert engine's threads), unpacked to one bool per token, moved to the logits' device and
+applied there for the whole batch at once (a forbidden token's logit becomes -inf); after the draw each matcher
+consumes its row's token. When a grammar is complete only EOS stays allowed, so the sequence ends the usual way.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import StructuredOutput
+
 
 def grammar_text(spec: StructuredOutput) -> str:
     """spec as llguidance grammar text. JSON is written without free whitespace: a grammar that allows any run
@@ -57,24 +58,19 @@ class Grammars:
         tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         return cls(tokenizer, vocab_size)
 
-    def check(self, spec: StructuredOutput) -> str:
-        """spec's grammar text, checked against this vocabulary; a HybridMoEError says what is wrong with it."""
-        try:
-            text = grammar_text(spec)
-        except HybridMoEError:
-            raise
-        except Exception as e:  # noqa: BLE001 (llguidance's conversions raise ValueError / RuntimeError alike)
-            raise HybridMoEError(f"the {spec.kind.replace('_', ' ')} cannot be used: {_one_line(e)}") from None
-        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+    def check(self, spec: StructuredOutput) -> None:
+        """A HybridMoEError saying what is wrong when spec cannot be used with this vocabulary (a server checks a
+        request's grammar before queueing it)."""
+        error = llguidance.LLMatcher.validate_grammar(_text(spec), self.tokenizer)
         if error:
-            raise HybridMoEError(f"the {spec.kind.replace('_', ' ')} cannot be used: {_one_line(error)}")
-        return text
+            raise _unusable(spec, error)
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        """A new matcher of spec at the start of the output."""
-        matcher = llguidance.LLMatcher(self.tokenizer, self.check(spec), log_level=0)
+        """A new matcher of spec at the start of the output; the grammar is compiled once, here (a matcher whose
+        grammar fails to compile is in its error state, which says why)."""
+        matcher = llguidance.LLMatcher(self.tokenizer, _text(spec), log_level=0)
         if matcher.is_error():
-            raise HybridMoEError(f"the {spec.kind.replace('_', ' ')} cannot be used: {_one_line(matcher.get_error())}")
+            raise _unusable(spec, matcher.get_error())
         return matcher
 
     def mask(self, logits: torch.Tensor, matchers: list[tuple[int, llguidance.LLMatcher]]) -> None:
@@ -107,6 +103,20 @@ def advance(matcher: llguidance.LLMatcher, token: int) -> str | None:
     if not matcher.consume_token(token) or matcher.is_error():
         return f"the output left its grammar: {_one_line(matcher.get_error() or f'token {token} not allowed')}"
     return None
+
+
+def _text(spec: StructuredOutput) -> str:
+    """grammar_text(spec), its conversion's failure as a HybridMoEError."""
+    try:
+        return grammar_text(spec)
+    except HybridMoEError:
+        raise
+    except Exception as e:  # noqa: BLE001 (llguidance's conversions raise ValueError / RuntimeError alike)
+        raise _unusable(spec, e) from None
+
+
+def _unusable(spec: StructuredOutput, why) -> HybridMoEError:
+    return HybridMoEError(f"the {spec.kind.replace('_', ' ')} cannot be used: {_one_line(why)}")
 
 
 def _one_line(error) -> str:

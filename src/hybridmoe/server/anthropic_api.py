@@ -32,8 +32,9 @@ from hybridmoe.server.anthropic_protocol import (
     message_id,
 )
 from hybridmoe.server.async_engine import EngineError, QueueFullError
-from hybridmoe.server.chat_output import ChatOutputFormat, reasoning_parser
+from hybridmoe.server.chat_output import ChatOutputFormat
 from hybridmoe.server.prompts import encode_chat, render_chat
+from hybridmoe.server.reasoning import reasoning_parser
 from hybridmoe.server.serving_common import (
     APIError,
     ClientGoneError,

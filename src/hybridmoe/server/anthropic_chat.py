@@ -1,5 +1,5 @@
 """An Anthropic Messages request as the chat route's input: the messages the chat template reads (the layout
-serving_chat.message_dict gives OpenAI's), and the tool plan of tool_choice.plan_tools (the reader of the
+serving_chat.message_dict gives OpenAI's), and the tool plan of tool_choice.plan (the reader of the
 output's calls, the grammar that forces them, the template's tools and enable_thinking).
 
 Anthropic's conversation maps onto the chat layout block by block: a tool_use block is a call in its assistant
@@ -21,14 +21,13 @@ from hybridmoe.server.anthropic_protocol import (
     ToolChoice,
 )
 from hybridmoe.server.protocol import (
-    ChatCompletionRequest,
     FunctionDef,
     NamedFunction,
     NamedToolChoice,
     ToolDef,
 )
 from hybridmoe.server.serving_common import APIError
-from hybridmoe.server.tool_choice import Marker, ToolPlan, plan_tools, quoted
+from hybridmoe.server.tool_choice import Marker, ToolPlan, plan, quoted
 
 TEXT_BLOCK_SEPARATOR = "\n\n"
 """Between the text blocks of one message (or of the system prompt or of a tool result), and between consecutive
@@ -132,17 +131,13 @@ def _needs(block: InnerBlock, name: str, where: str):
 
 
 def tool_plan(chat_template: str | None, req: ConversationRequest, marker: Marker = quoted) -> ToolPlan:
-    """plan_tools of the OpenAI request that asks what req asks: its tools, tool_choice and parallel_tool_calls,
-    and the template's enable_thinking. The OpenAI request holds those fields alone: the conversation is
-    rendered from anthropic_messages_to_chat."""
+    """req's tools, tool_choice and disable_parallel_tool_use in OpenAI's terms, planned (tool_choice.plan) with
+    the template's enable_thinking."""
     tools = [_tool_def(t, f"tools.{i}") for i, t in enumerate(req.tools or [])]
     _check_unique(req.tools or [])
     choice = _choice(req.tool_choice, bool(tools))
     parallel = req.tool_choice is None or not req.tool_choice.disable_parallel_tool_use
-    openai = ChatCompletionRequest.model_construct(tools=tools or None, tool_choice=choice,
-                                                   parallel_tool_calls=parallel,
-                                                   chat_template_kwargs=thinking_kwargs(req.thinking))
-    return plan_tools(chat_template, openai, marker)
+    return plan(chat_template, tools or None, choice, parallel, thinking_kwargs(req.thinking), marker)
 
 
 def _tool_def(tool: Tool, where: str) -> ToolDef:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridmoe.server.protocol import DeltaMessage, FunctionCallOut, FunctionDelta, ToolCallDelta, ToolCallOut
-from hybridmoe.server.reasoning import THINK_OPEN, ReasoningParser
+from hybridmoe.server.reasoning import ReasoningParser
 from hybridmoe.server.tool_parsers.base import Delta, ParsedOutput, ToolCall, ToolParser, ToolStream
 
 
@@ -35,14 +35,6 @@ class ChatOutputFormat:
 
     def stream(self) -> ChoiceStream:
         return ChoiceStream(self)
-
-
-def reasoning_parser(chat_template: str | None, prompt_text: str) -> ReasoningParser | None:
-    """The reasoning reader of a model whose template thinks between <think> and </think>; the output starts
-    inside the reasoning when the prompt itself ends by opening it."""
-    if not chat_template or THINK_OPEN not in chat_template:
-        return None
-    return ReasoningParser(starts_in_reasoning=prompt_text.rstrip().endswith(THINK_OPEN))
 
 
 class ChoiceStream:

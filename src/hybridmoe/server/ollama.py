@@ -18,9 +18,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.sampling_params import SamplingParams
-from hybridmoe.server.chat_output import ChatOutputFormat, reasoning_parser
+from hybridmoe.server.chat_output import ChatOutputFormat
 from hybridmoe.server.prompts import encode_chat, encode_text, render_chat
 from hybridmoe.server.protocol import MAX_TOOLS, StrictRequest, Text, ToolDef, random_id
+from hybridmoe.server.reasoning import reasoning_parser
 from hybridmoe.server.serving_common import (
     APIError,
     ServerState,
@@ -29,8 +30,8 @@ from hybridmoe.server.serving_common import (
     request_params,
 )
 from hybridmoe.server.structured import check_structured, ollama_structured
-from hybridmoe.server.tool_choice import reading_markup
-from hybridmoe.server.tool_parsers import ParsedOutput, parser_for_template
+from hybridmoe.server.tool_choice import plan, reading_markup
+from hybridmoe.server.tool_parsers import ParsedOutput
 from hybridmoe.server.tool_parsers.base import assemble
 
 OLLAMA_API_VERSION = "0.6.0"
@@ -129,17 +130,11 @@ async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> 
     params = await _params(state, req)
     state.engine.check_capacity()
     template = state.tokenizer.chat_template
-    parser, kwargs = None, {} if req.think is not False else {"enable_thinking": False}
-    if req.tools:
-        parser = parser_for_template(template)
-        if parser is None:
-            raise APIError(400, "this model's chat template writes no tool-call format the server reads; send the "
-                                "request without tools", param="tools")
-        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-    params = reading_markup(params, parser, template)
-    text, ids = await render_chat(state, [m.as_template_message() for m in req.messages], **kwargs)
+    tools = plan(template, req.tools, None, None, {} if req.think is not False else {"enable_thinking": False})
+    params = reading_markup(params, tools.parser, template)
+    text, ids = await render_chat(state, [m.as_template_message() for m in req.messages], **tools.template_kwargs)
     params = for_prompt(state, params, len(ids), _max_tokens(req.options), req.options.seed)
-    output = ChatOutputFormat(parser, reasoning_parser(template, text))
+    output = ChatOutputFormat(tools.parser, reasoning_parser(template, text))
     return await _answer(state, req.model, ids, params, req.stream, request, output)
 
 

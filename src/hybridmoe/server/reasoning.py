@@ -73,22 +73,20 @@ class ReasoningParser:
         return parsed.reasoning, parsed.content
 
 
-def template_opens_reasoning(chat_template: str) -> bool:
-    """Whether the template's generation prompt (what it writes after its last add_generation_prompt) opens
-    <think> without closing it, as Qwen3's thinking-only models and DeepSeek-R1's later templates do."""
-    tail = chat_template.rpartition("add_generation_prompt")[2]
-    return THINK_OPEN in tail and THINK_CLOSE not in tail
+def template_thinks(chat_template: str | None) -> bool:
+    """Whether the model's chat template writes <think> (its outputs may reason)."""
+    return bool(chat_template) and THINK_OPEN in chat_template
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
-    """Whether a rendered prompt ends inside an open <think>, so the output starts in the reasoning: a sharper
-    answer than the template's, where a request switches thinking on or off (enable_thinking, thinking)."""
+    """Whether a rendered prompt ends inside an open <think>, so the output starts in the reasoning (the prompt,
+    not the template, tells: a request switches thinking on or off through it, enable_thinking, thinking)."""
     return prompt.rstrip().endswith(THINK_OPEN)
 
 
-def reasoning_parser_for_template(chat_template: str | None) -> ReasoningParser | None:
-    """The reasoning parser for a model whose chat template writes <think>; None when it does not."""
-    if not chat_template or THINK_OPEN not in chat_template:
+def reasoning_parser(chat_template: str | None, prompt: str) -> ReasoningParser | None:
+    """The reasoning parser of one request: None when the model's template does not think; the output starts in
+    the reasoning when the rendered prompt opens it."""
+    if not template_thinks(chat_template):
         return None
-    return ReasoningParser(starts_in_reasoning=template_opens_reasoning(chat_template))
-
+    return ReasoningParser(starts_in_reasoning=prompt_opens_reasoning(prompt))

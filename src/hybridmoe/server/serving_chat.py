@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridmoe.engine.sampler import TokenLogprobs
-from hybridmoe.server.chat_output import ChatOutputFormat, delta_message, reasoning_parser, tool_calls_out
+from hybridmoe.server.chat_output import ChatOutputFormat, delta_message, tool_calls_out
 from hybridmoe.server.prompts import render_chat
 from hybridmoe.server.protocol import (
     AssistantMessage,
@@ -28,6 +28,7 @@ from hybridmoe.server.protocol import (
     UsageInfo,
     random_id,
 )
+from hybridmoe.server.reasoning import reasoning_parser
 from hybridmoe.server.serving_common import (
     SSE_DONE,
     APIError,

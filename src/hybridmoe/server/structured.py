@@ -1,5 +1,6 @@
-"""response_format (and Ollama's format) as the engine's StructuredOutput, checked against the model's vocabulary before the request
-is queued: a schema the grammar engine cannot use is a 400 naming response_format, not a failed stream."""
+"""response_format (and Ollama's format) as the engine's StructuredOutput, checked against the model's vocabulary
+before the request is queued: a schema the grammar engine cannot use is a 400 naming the field, not a failed
+stream."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from hybridmoe.sampling_params import SamplingParams, StructuredOutput
 from hybridmoe.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDef
+from hybridmoe.server.reasoning import template_thinks
 from hybridmoe.server.serving_common import APIError
-from hybridmoe.server.reasoning import THINK_OPEN
 from hybridmoe.server.tool_parsers import ToolParser, parser_for_template
 from hybridmoe.tokenizer import Tokenizer
 
@@ -164,29 +164,38 @@ def reading_markup(params: SamplingParams, parser: ToolParser | None, chat_templ
     """params with special tokens kept in the output's text when a reader needs them: a tool-call reader (most
     formats' markers are special tokens) or the reasoning reader of a template that thinks (GLM-4.5's <think> is
     a special token)."""
-    thinks = bool(chat_template) and THINK_OPEN in chat_template
-    return params if parser is None and not thinks else dataclasses.replace(params, skip_special_tokens=False)
+    keep = parser is not None or template_thinks(chat_template)
+    return dataclasses.replace(params, skip_special_tokens=False) if keep else params
 
 
 def plan_tools(chat_template: str | None, req: ChatCompletionRequest, marker: Marker = quoted) -> ToolPlan:
-    """req's tools, tool_choice and parallel_tool_calls checked (a 400 names what is wrong) and planned. With
-    tool_choice "none" the tools are left out of the prompt, so the model is not offered them."""
+    """req's tools, tool_choice, parallel_tool_calls and chat_template_kwargs checked (a 400 names what is wrong)
+    and planned (plan)."""
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them",
                        param="chat_template_kwargs")
-    choice = req.tool_choice or ("auto" if req.tools else "none")
-    parallel = req.parallel_tool_calls is not False and not isinstance(choice, NamedToolChoice)
-    if choice != "none" and not req.tools:
+    return plan(chat_template, req.tools, req.tool_choice, req.parallel_tool_calls, kwargs, marker)
+
+
+def plan(chat_template: str | None, tools: list[ToolDef] | None, tool_choice: str | NamedToolChoice | None,
+         parallel_tool_calls: bool | None, template_kwargs: dict, marker: Marker = quoted) -> ToolPlan:
+    """A request's tools planned, whichever API it came through (OpenAI's names: tool_choice None is "auto" with
+    tools, else "none"). With tool_choice "none" the tools are left out of the prompt, so the model is not offered
+    them."""
+    choice = tool_choice or ("auto" if tools else "none")
+    parallel = parallel_tool_calls is not False and not isinstance(choice, NamedToolChoice)
+    if choice != "none" and not tools:
         raise APIError(400, "tool_choice asks for tool calls, but the request has no tools", param="tool_choice")
     parser = parser_for_template(chat_template)
     if choice == "none":  # gpt-oss's channels (its reasoning among them) need its reader, tools or not
-        return ToolPlan(parser if parser is not None and parser.name == "harmony" else None, None, kwargs, parallel)
+        harmony = parser if parser is not None and parser.name == "harmony" else None
+        return ToolPlan(harmony, None, template_kwargs, parallel)
     if parser is None:
         raise APIError(400, "this model's chat template writes no tool-call format the server reads (Qwen/Hermes, "
                             "DeepSeek-V3, GLM-4.5, Kimi-K2, gpt-oss, Mistral); send the request without tools",
                        param="tools")
-    structured = None if choice == "auto" else forced_calls(parser.name, req.tools, choice, parallel, marker)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    return ToolPlan(parser, structured, {**kwargs, "tools": tools}, parallel)
+    structured = None if choice == "auto" else forced_calls(parser.name, tools, choice, parallel, marker)
+    dumped = [t.model_dump(exclude_none=True) for t in tools]
+    return ToolPlan(parser, structured, {**template_kwargs, "tools": dumped}, parallel)
