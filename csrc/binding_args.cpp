@@ -62,9 +62,9 @@ Isa parse_isa(const std::string& name) {
 }
 
 Format parse_format(const std::string& name) {
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < kFormats; ++i)
     if (name == kFormatNames[i]) return Format(i);
-  fail("unknown expert format '" + name + "'; choose bf16, int8 or int4");
+  fail("unknown expert format '" + name + "'; choose bf16, int8, int4 or fp8");
 }
 
 const MoeTuning& checked_tuning(const MoeTuning& t) {

@@ -148,6 +148,26 @@ class Engine {
     hmoe::pack_expert_codes(*layer_, int(e), m);
   }
 
+  // mats: codes uint8 [N, K] (float8_e4m3fn bits) and scales fp32 [ceil(N / 128), ceil(K / 128)], of gate, up
+  // and down in turn.
+  void pack_expert_fp8(int64_t e, std::vector<Array> mats) {
+    check_expert(e);
+    const auto& c = cfg();
+    if (mats.size() != 6) fail("pack_expert_fp8 takes 6 arrays (codes and scales of gate, up, down)");
+    hmoe::Fp8Codes m[3];
+    for (int i = 0; i < 3; ++i) {
+      const int64_t N = i < 2 ? c.I : c.H, K = i < 2 ? c.H : c.I, G = hmoe::kFp8GroupK;
+      const std::string name = i == 0 ? "gate" : i == 1 ? "up" : "down";
+      check_array(mats[2 * i], (name + " codes").c_str(), {N, K});
+      check_dtype(mats[2 * i].dtype(), nb::dtype<uint8_t>(), (name + " codes").c_str());
+      check_array(mats[2 * i + 1], (name + " scales").c_str(), {(N + G - 1) / G, (K + G - 1) / G});
+      check_dtype(mats[2 * i + 1].dtype(), nb::dtype<float>(), (name + " scales").c_str());
+      m[i] = {static_cast<const uint8_t*>(mats[2 * i].data()), static_cast<const float*>(mats[2 * i + 1].data())};
+    }
+    nb::gil_scoped_release nogil;
+    layer_->pack_expert_fp8(int(e), m);
+  }
+
   void unpack_expert(int64_t e, MutArray gate, MutArray up, MutArray down) {
     check_expert_matrices(e, gate, up, down);
     layer_->unpack_expert(int(e), static_cast<float*>(gate.data()), static_cast<float*>(up.data()),
@@ -384,6 +404,7 @@ NB_MODULE(_native, m) {
            "numa_nodes"_a, "adopt"_a)
       .def("pack_expert", &Engine::pack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)
       .def("pack_expert_codes", &Engine::pack_expert_codes, "e"_a, "mats"_a)
+      .def("pack_expert_fp8", &Engine::pack_expert_fp8, "e"_a, "mats"_a)
       .def("unpack_expert", &Engine::unpack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)
       .def("buffers", [](nb::handle self) { return nb::cast<Engine&>(self).buffers(self); },
            "Packed buffers by name, as numpy views that keep this engine alive.")

@@ -30,7 +30,8 @@ FORBIDDEN = {
 }
 """part -> the parts it must never import (each folder of the package is a part)."""
 
-NEUTRAL = {"errors", "config", "platform", "forward_context", "sampling_params", "tokenizer", "_native"}
+NEUTRAL = {"errors", "config", "platform", "forward_context", "sampling_params", "tokenizer", "tokenizer_tiktoken",
+           "_native"}
 """Modules at the package root that every part may import: they import nothing above them."""
 
 OPTIONAL_DEPENDENCIES = {"triton", "gguf", f"{PACKAGE}._native"}

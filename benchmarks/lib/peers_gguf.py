@@ -8,7 +8,8 @@ when there is one), stored F16, with vectors and routers in F32 as the converter
 kv_b_proj is written split (attn_k_b, attn_v_b: MLA as MQA over the latent, as current conversions are). The
 tokenizer is make-model's, written as llama.cpp's tokenizer.ggml.* keys.
 
-Families: qwen3_moe (qwen3moe) and deepseek_v2 (deepseek2).
+Families: qwen3_moe (qwen3moe), deepseek_v2 (deepseek2) and glm4_moe (glm4moe; no multi-token-prediction layer,
+as make-model writes none).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from hybridmoe.checkpoint.tokenizer import write_tokenizer
 from hybridmoe.errors import HybridMoEError
 
 GGUF_ARCH = {"qwen3_moe": (gguf.MODEL_ARCH.QWEN3MOE, "qwen3moe"),
-             "deepseek_v2": (gguf.MODEL_ARCH.DEEPSEEK2, "deepseek2")}
+             "deepseek_v2": (gguf.MODEL_ARCH.DEEPSEEK2, "deepseek2"),
+             "glm4_moe": (gguf.MODEL_ARCH.GLM4_MOE, "glm4moe")}
 """Our family -> llama.cpp's architecture (enum, general.architecture)."""
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _F32 = re.compile(r".*\.mlp\.gate\.weight|.*e_score_correction_bias")
@@ -101,6 +103,9 @@ def write_metadata(w: gguf.GGUFWriter, config: dict) -> None:
         w.add_rope_freq_base(c["rope_theta"])
         w.add_expert_count(c["num_experts"])
         return
+    if c["model_type"] == "glm4_moe":
+        _glm4moe_metadata(w, c)
+        return
     rope = c["rope_scaling"]
     w.add_rope_freq_base(c["rope_theta"])
     w.add_leading_dense_block_count(c["first_k_dense_replace"])
@@ -125,6 +130,23 @@ def write_metadata(w: gguf.GGUFWriter, config: dict) -> None:
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _glm4moe_metadata(w: gguf.GGUFWriter, c: dict) -> None:
+    """GLM-4.5's keys beside the shared ones: rotary over partial_rotary_factor of each head, sigmoid routing."""
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_rope_dimension_count(int(c["head_dim"] * c.get("partial_rotary_factor", 0.5)))
+    w.add_rope_freq_base(c["rope_theta"])
+    w.add_expert_count(c["n_routed_experts"])
+    w.add_expert_shared_count(c["n_shared_experts"])
+    w.add_leading_dense_block_count(c["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(c["routed_scaling_factor"])
+    w.add_expert_weights_norm(bool(c["norm_topk_prob"]))
+    w.add_expert_group_count(c["n_group"])
+    w.add_expert_group_used_count(c["topk_group"])
 
 
 def write_tokenizer_metadata(w: gguf.GGUFWriter, family: str, vocab_size: int) -> None:

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "moe/fp8_avx512.h"
 #include "moe/packed.h"
 
 namespace hmoe {

@@ -2,7 +2,7 @@
 // written with 256-bit intrinsics over the packed layouts of packed.h, the row-wise work the
 // portable code (row_ops_portable.inc) vectorized by the compiler. One core computes int4 at
 // 6.6 GB/s of weights, int8 12.3, bf16 15.6 with the weights in cache: int4 is compute-bound on
-// two cores, not on eight.
+// two cores, not on eight. fp8 weights are widened through fp16 (F16C) to fp32.
 //
 // A pass covers 16 or 8 rows of a block for up to four tokens (see int4_vectors below). bf16
 // pairs are widened to fp32 by shifts and summed by FMA; int8 and int4 weights are widened to
@@ -168,6 +168,43 @@ void int4_pass(const uint8_t* wb, const float* sc, const float* zr, int G, int s
   store_rows<M, V>(facc, rg, out, ldo);
 }
 
+// fp8 [Kp/2][32 rows][2]: 8 rows at one K pair are 16 bytes at p * 64 + 16 g for row group g, widened
+// to words and made fp16 (the code's 7 low bits at fp16 bits 7..13 and its sign at bit 15 are 2^-8 x its
+// e4m3 value, exactly, subnormals too) and fp32 by vcvtph2ps (F16C): lanes (row, k of the pair) of rows
+// 0-3 and rows 4-7, multiplied by the token's (x0, x1) repeated; each row's two lanes are summed at the
+// end. Each weight vector is multiplied by 2^8 x its block's scale before the FMAs: per-block sums would
+// need a second set of accumulators, which the 16 ymm registers do not hold beside the tokens'.
+template <int M>
+void fp8_pass(const uint8_t* wb, int Kp, const float* sc, int rg, const uint16_t* x, int ld, float* out, int ldo,
+              Prefetch pf) {
+  const __m256i fp16_bits = _mm256_set1_epi16(int16_t(0xBF80)), odd = _mm256_set1_epi32(int(0xFFFF0000u));
+  __m256 acc[M][2];
+  for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int k0 = 0; k0 < Kp; k0 += kFp8GroupK) {
+    const __m256 s = _mm256_set1_ps(sc[k0 / kFp8GroupK] * 256.f);
+    for (int p = k0 / 2; p < std::min(Kp, k0 + kFp8GroupK) / 2; ++p) {
+      const uint8_t* step = wb + size_t(p) * 64;
+      if (rg == 0) pf.ahead(step, 64);
+      const __m256i c = _mm256_cvtepi8_epi16(load16(step + 16 * rg));
+      const __m256i h = _mm256_and_si256(_mm256_slli_epi16(c, 7), fp16_bits);
+      const __m256 w0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s);
+      const __m256 w1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s);
+      for (int i = 0; i < M; ++i) {
+        const __m256i xp = bcast32(x + size_t(i) * ld + 2 * p);  // bf16 x0 low, x1 high
+        const __m256i pair = _mm256_blend_epi32(_mm256_slli_epi32(xp, 16), _mm256_and_si256(xp, odd), 0xAA);
+        const __m256 xk = _mm256_castsi256_ps(pair);
+        acc[i][0] = _mm256_fmadd_ps(w0, xk, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(w1, xk, acc[i][1]);
+      }
+    }
+  }
+  // hadd: rows 0 1 4 5 | 2 3 6 7; the 64-bit permute puts them in order.
+  for (int i = 0; i < M; ++i) {
+    const __m256d rows = _mm256_castps_pd(_mm256_hadd_ps(acc[i][0], acc[i][1]));
+    _mm256_storeu_ps(out + size_t(i) * ldo + 8 * rg, _mm256_castpd_ps(_mm256_permute4x64_pd(rows, 0xD8)));
+  }
+}
+
 // Each GEMM: per block, per group of up to kPassTokens tokens, the passes over its row groups; the
 // pass functions are instantiated per token count so that their accumulator arrays live in registers.
 template <class Pass>
@@ -226,11 +263,26 @@ void gemm_int4(const PackedView& w, int b0, int b1, const ActView& a, float* out
   }
 }
 
+void gemm_fp8(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const Prefetch pf{w.prefetch_l1, w.prefetch_l2};
+  const int G = fp8_groups(w.Kp);
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* wb = w.w + size_t(b) * w.Kp * kBlockRows;
+    float* o = out + size_t(b - b0) * kBlockRows;
+    each_pass(a.n, [&](int t0, auto m) {
+      constexpr int M = decltype(m)::value;
+      for (int rg = 0; rg < 4; ++rg)
+        fp8_pass<M>(wb, w.Kp, w.scale + size_t(b) * G, rg, a.bf16 + size_t(t0) * a.ld, a.ld, o + size_t(t0) * ldo, ldo,
+                    pf);
+    });
+  }
+}
+
 }  // namespace
 
 const Kernels& kernels_avx2() {
-  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::i16, ActKind::i16},
-                         portable_avx2::kRowOps};
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4, gemm_fp8},
+                         {ActKind::bf16, ActKind::i16, ActKind::i16, ActKind::bf16}, portable_avx2::kRowOps};
   return k;
 }
 

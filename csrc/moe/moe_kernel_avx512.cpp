@@ -1,11 +1,13 @@
 // AVX-512 kernels (built with -mavx512f/bw/vl/bf16/vnni): bf16 pairs through vdpbf16ps,
-// int8 and int4 weights against int16 activations through vpdpwssd. Memory-bound in decode:
-// each 32-row block of weights is read once per pass of up to M tokens.
+// int8 and int4 weights against int16 activations through vpdpwssd, fp8 weights widened to bf16
+// pairs for vdpbf16ps. Memory-bound in decode: each 32-row block of weights is read once per pass of
+// up to M tokens.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 
+#include "moe/fp8_avx512.h"
 #include "moe/packed.h"
 
 namespace hmoe {
@@ -254,6 +256,77 @@ void gemm_int4(const PackedView& w, int b0, int b1, const ActView& a, float* out
   }
 }
 
+// fp8 [Kp/2][32 rows][2]: a K pair's 64 codes (one line) widened to bf16 (fp8_bf16: exact) are bf16's
+// pairs, multiplied by the tokens' bf16 x pairs through vdpbf16ps as in bf16_pass; per kFp8GroupK of K
+// the sums go to fp32 times the block's scale. Pairs per group (64, or what is left of Kp: a multiple of
+// 16) divide by every C.
+template <int M>
+void fp8_pass(const uint8_t* wb, int Kp, const float* sc, const uint16_t* x, int ld, float* out, int ldo,
+              Prefetch pf) {
+  constexpr int C = chains<M>();
+  __m512 facc[2][M];
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
+  for (int k0 = 0; k0 < Kp; k0 += kFp8GroupK) {
+    const int pend = std::min(Kp, k0 + kFp8GroupK) / 2;
+    __m512 acc[2][M][C];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < M; ++i)
+      _Pragma("GCC unroll 4")
+      for (int c = 0; c < C; ++c) acc[0][i][c] = acc[1][i][c] = _mm512_setzero_ps();
+    for (int p0 = k0 / 2; p0 < pend; p0 += C) {
+      _Pragma("GCC unroll 4")
+      for (int c = 0; c < C; ++c) {
+        const int p = p0 + c;
+        HMOE_PREFETCH_AHEAD(pf, wb + size_t(p) * 64, 0);
+        const __m512bh w0 = (__m512bh)fp8_bf16(wb + size_t(p) * 64);
+        const __m512bh w1 = (__m512bh)fp8_bf16(wb + size_t(p) * 64 + 32);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < M; ++i) {
+          const __m512bh xb = (__m512bh)bcast32(x + size_t(i) * ld + 2 * p);
+          acc[0][i][c] = _mm512_dpbf16_ps(acc[0][i][c], w0, xb);
+          acc[1][i][c] = _mm512_dpbf16_ps(acc[1][i][c], w1, xb);
+        }
+      }
+    }
+    const __m512 s = _mm512_set1_ps(sc[k0 / kFp8GroupK]);
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < M; ++i)
+      _Pragma("GCC unroll 2")
+      for (int h = 0; h < 2; ++h) {
+        __m512 v = acc[h][i][0];
+        _Pragma("GCC unroll 4")
+        for (int c = 1; c < C; ++c) v = _mm512_add_ps(v, acc[h][i][c]);
+        facc[h][i] = _mm512_fmadd_ps(v, s, facc[h][i]);
+      }
+  }
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i) {
+    _mm512_storeu_ps(out + size_t(i) * ldo, facc[0][i]);
+    _mm512_storeu_ps(out + size_t(i) * ldo + 16, facc[1][i]);
+  }
+}
+
+void gemm_fp8(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const Prefetch pf = prefetch_of(w);
+  const int G = fp8_groups(w.Kp);
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* wb = w.w + size_t(b) * w.Kp * kBlockRows;
+    const float* sc = w.scale + size_t(b) * G;
+    float* o = out + size_t(b - b0) * kBlockRows;
+    for (int t0 = 0; t0 < a.n; t0 += 4) {
+      const uint16_t* x = a.bf16 + size_t(t0) * a.ld;
+      float* ot = o + size_t(t0) * ldo;
+      switch (std::min(4, a.n - t0)) {
+        case 1: fp8_pass<1>(wb, w.Kp, sc, x, a.ld, ot, ldo, pf); break;
+        case 2: fp8_pass<2>(wb, w.Kp, sc, x, a.ld, ot, ldo, pf); break;
+        case 3: fp8_pass<3>(wb, w.Kp, sc, x, a.ld, ot, ldo, pf); break;
+        default: fp8_pass<4>(wb, w.Kp, sc, x, a.ld, ot, ldo, pf); break;
+      }
+    }
+  }
+}
+
 // ---- Row-wise ops (RowOps) ----
 
 inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
@@ -348,7 +421,8 @@ void combine(int K, const float* const* src, const float* w, int n, void* dst, b
 }  // namespace
 
 const Kernels& kernels_avx512() {
-  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4}, {ActKind::bf16, ActKind::i16, ActKind::i16},
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4, gemm_fp8},
+                         {ActKind::bf16, ActKind::i16, ActKind::i16, ActKind::bf16},
                          {to_bf16, to_i16, silu_mul, combine}};
   return k;
 }

@@ -328,6 +328,7 @@ MoeLayer::~MoeLayer() {
 size_t MoeLayer::scale_floats(const Matrix& m, int blocks) const {
   if (cfg_.format == Format::int8) return size_t(blocks) * kBlockRows;
   if (cfg_.format == Format::int4) return size_t(blocks) * (m.Kp / cfg_.group) * kBlockRows;
+  if (cfg_.format == Format::fp8) return size_t(blocks) * fp8_groups(m.Kp);
   return 0;
 }
 
@@ -381,10 +382,10 @@ PackedView MoeLayer::view(const Matrix& m, int e, int s) const {
   return v;
 }
 
-void MoeLayer::pack_expert(int e, const float* gate, const float* up, const float* down) {
-  const float* src[3] = {gate, up, down};
+template <class PackBlock>
+void MoeLayer::each_block(int e, PackBlock pack) {
   last_ticket_ = pool_->submit([&] {
-    // Items: one block of one matrix; pack_blocks writes only that block's bytes and scales.
+    // Items: one block of one matrix; a packer writes only that block's bytes and scales.
     std::vector<int> offsets{0};
     std::vector<std::pair<int, int>> items;  // (matrix, global block)
     for (int s = 0; s < cfg_.numa_nodes; ++s) {
@@ -397,16 +398,51 @@ void MoeLayer::pack_expert(int e, const float* gate, const float* up, const floa
       const Matrix& mat = mats_[m];
       int s = 0;
       while (b >= mat.slice_begin[s + 1]) ++s;
-      const PackedView v = view(mat, e, s);
-      const int lb = b - mat.slice_begin[s];
-      const size_t sf = scale_floats(mat, 1);
-      pack_blocks(cfg_.format, cfg_.group, src[m], mat.N, mat.K, mat.Kp, b, b + 1,
-                  const_cast<uint8_t*>(v.w) + size_t(lb) * block_bytes(cfg_.format, mat.Kp),
-                  v.scale ? const_cast<float*>(v.scale) + lb * sf : nullptr,
-                  v.zero ? const_cast<float*>(v.zero) + lb * sf : nullptr);
+      pack(m, b, view(mat, e, s), b - mat.slice_begin[s]);
     });
   });
   pool_->wait(last_ticket_);
+}
+
+void MoeLayer::pack_expert(int e, const float* gate, const float* up, const float* down) {
+  const float* src[3] = {gate, up, down};
+  each_block(e, [&](int m, int b, const PackedView& v, int lb) {
+    const Matrix& mat = mats_[m];
+    const size_t sf = scale_floats(mat, 1);
+    pack_blocks(cfg_.format, cfg_.group, src[m], mat.N, mat.K, mat.Kp, b, b + 1,
+                const_cast<uint8_t*>(v.w) + size_t(lb) * block_bytes(cfg_.format, mat.Kp),
+                v.scale ? const_cast<float*>(v.scale) + lb * sf : nullptr,
+                v.zero ? const_cast<float*>(v.zero) + lb * sf : nullptr);
+  });
+}
+
+void MoeLayer::pack_expert_fp8(int e, const Fp8Codes mats[3]) {
+  if (cfg_.format != Format::fp8) throw std::invalid_argument("packing from fp8 codes needs format='fp8'");
+  for (int m = 0; m < 3; ++m) {
+    const Matrix& mat = mats_[m];
+    const size_t ns = size_t((mat.N + kFp8GroupK - 1) / kFp8GroupK) * fp8_groups(mat.Kp);
+    for (size_t i = 0; i < ns; ++i)
+      if (!std::isfinite(mats[m].scale[i]))
+        throw std::invalid_argument("expert " + std::to_string(e) + "'s " + kMatName[m] + " block scale " +
+                                    std::to_string(i) + " is " + std::to_string(mats[m].scale[i]) +
+                                    "; the checkpoint's scales are damaged");
+  }
+  std::atomic<bool> nan_in[3] = {false, false, false};
+  each_block(e, [&](int m, int b, const PackedView& v, int lb) {
+    const Matrix& mat = mats_[m];
+    if (pack_blocks_fp8(mats[m], mat.N, mat.K, mat.Kp, b, b + 1,
+                        const_cast<uint8_t*>(v.w) + size_t(lb) * block_bytes(Format::fp8, mat.Kp),
+                        const_cast<float*>(v.scale) + lb * scale_floats(mat, 1)))
+      nan_in[m].store(true, std::memory_order_relaxed);
+  });
+  for (int m = 0; m < 3; ++m) {  // a damaged matrix (rare): its first NaN code named
+    if (!nan_in[m].load(std::memory_order_relaxed)) continue;
+    const uint8_t* codes = mats[m].codes;
+    const size_t at = size_t(std::find_if(codes, codes + size_t(mats_[m].N) * mats_[m].K, e4m3_is_nan) - codes);
+    throw std::invalid_argument("expert " + std::to_string(e) + "'s " + kMatName[m] + " code " +
+                                std::to_string(codes[at]) + " at " + std::to_string(at) +
+                                " is NaN in e4m3; the checkpoint's weights are damaged");
+  }
 }
 
 void MoeLayer::unpack_expert(int e, float* gate, float* up, float* down) const {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moe/moe_trace.h"
+#include "moe/pack.h"
 #include "moe/packed.h"
 #include "runtime/thread_pool.h"
 
@@ -78,6 +79,10 @@ class MoeLayer {
   const MoeConfig& config() const { return cfg_; }
   // Quantize and tile expert e from fp32 gate, up [I, H] and down [H, I] (on the pool).
   void pack_expert(int e, const float* gate, const float* up, const float* down);
+  // Tile expert e of an fp8 layer from its block-FP8 codes and scales as they are (on the pool):
+  // gate, up [I, H], down [H, I]. std::invalid_argument for another format, a NaN code or a scale
+  // that is not finite, naming the matrix.
+  void pack_expert_fp8(int e, const Fp8Codes mats[3]);
   // The weights the kernels compute with, dequantized to fp32.
   void unpack_expert(int e, float* gate, float* up, float* down) const;
 
@@ -115,6 +120,10 @@ class MoeLayer {
   };
   size_t scale_floats(const Matrix& m, int blocks) const;
   PackedView view(const Matrix& m, int e, int s) const;
+  // pack(m, global block b, its slice's view of expert e, b's index in that slice) for every block of
+  // expert e's three matrices, as items on the pool.
+  template <class PackBlock>
+  void each_block(int e, PackBlock pack);
   // One call on the pool, step by step (moe_layer.cpp): its state and steps.
   struct Forward;
   void forward(const MoeCall& call, int64_t call_ns);

@@ -1,7 +1,10 @@
 #include "moe/pack.h"
 
+#include <emmintrin.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace hmoe {
@@ -54,11 +57,74 @@ void quant_int4_group(const float* x, int n, bool asym, uint8_t* q, float* scale
   *zero = z;
 }
 
+// Where W[r, k] of a 32-row block sits in the pair layouts (bf16, int8 and fp8: [Kp/2][32 rows][2]).
+inline size_t pair_index(int r, int k) { return (size_t(k / 2) * kBlockRows + r) * 2 + (k & 1); }
+
+// v[i] holds row i's 8 code pairs (16-bit); afterwards v[j] holds pair j of the 8 rows.
+inline void transpose8x8_epi16(__m128i v[8]) {
+  __m128i a[8], b[8];
+  for (int i = 0; i < 4; ++i) {  // a[2i]: pairs 0-3 of rows 2i, 2i+1 interleaved; a[2i+1]: pairs 4-7
+    a[2 * i] = _mm_unpacklo_epi16(v[2 * i], v[2 * i + 1]);
+    a[2 * i + 1] = _mm_unpackhi_epi16(v[2 * i], v[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h)  // b[4h + m]: pairs 2m, 2m + 1 of rows 4h..4h+3
+    for (int q = 0; q < 2; ++q) {
+      b[4 * h + 2 * q] = _mm_unpacklo_epi32(a[4 * h + q], a[4 * h + 2 + q]);
+      b[4 * h + 2 * q + 1] = _mm_unpackhi_epi32(a[4 * h + q], a[4 * h + 2 + q]);
+    }
+  for (int q = 0; q < 4; ++q) {
+    v[2 * q] = _mm_unpacklo_epi64(b[q], b[4 + q]);
+    v[2 * q + 1] = _mm_unpackhi_epi64(b[q], b[4 + q]);
+  }
+}
+
+// x (|x| <= 448 after the clamp) to the nearest e4m3 code, ties to even, as torch's float8_e4m3fn cast:
+// below 2^-6 in subnormal steps of 2^-9 (the step to 2^-6 lands on code 8, the first normal); else the
+// fp32 exponent rebiased (127 -> 7) over the mantissa rounded to 3 bits, a carry moving the exponent.
+inline uint8_t f32_to_e4m3(float x) {
+  union { float f; uint32_t u; } c{x};
+  const uint8_t sign = uint8_t((c.u >> 24) & 0x80);
+  c.u &= 0x7fffffff;
+  const float a = c.f < kFp8Max ? c.f : kFp8Max;
+  if (a < 0.015625f) return uint8_t(sign | uint8_t(round_even(a * 512.f)));
+  union { float f; uint32_t u; } d{a};
+  return uint8_t(sign | (((d.u + 0x7ffff + ((d.u >> 20) & 1)) >> 20) - (120u << 3)));
+}
+
+// Block b of W [N, K] in e4m3 with one scale per 128x128 block of W (amax / 448: DeepSeek-V3's scheme), that
+// of the 128 rows block b lies in, per 128 K; rows past N and K past K are zero codes.
+void pack_fp8_block(const float* W, int N, int K, int Kp, int b, uint8_t* wb, float* scale) {
+  const int r0 = b * kBlockRows / kFp8GroupK * kFp8GroupK, r1 = std::min(N, r0 + kFp8GroupK);
+  const int rows = std::min(kBlockRows, N - b * kBlockRows);
+  std::memset(wb, 0, size_t(Kp) * kBlockRows);
+  for (int g = 0; g < fp8_groups(Kp); ++g) {
+    const int k0 = g * kFp8GroupK, k1 = std::min(K, k0 + kFp8GroupK);
+    float amax = 0.f;
+    for (int row = r0; row < r1; ++row)
+      for (int k = k0; k < k1; ++k) {
+        const float a = std::fabs(W[size_t(row) * K + k]);
+        amax = amax < a ? a : amax;
+      }
+    const float s = amax / kFp8Max;
+    scale[g] = s;
+    if (!(s > 0.f)) continue;  // an all-zero block: zero codes
+    for (int r = 0; r < rows; ++r) {
+      const float* src = W + size_t(b * kBlockRows + r) * K;
+      for (int k = k0; k < k1; ++k) wb[pair_index(r, k)] = f32_to_e4m3(src[k] / s);
+    }
+  }
+}
+
 }  // namespace
 
 void pack_blocks(Format f, int group, const float* W, int N, int K, int Kp, int b0, int b1,
                  uint8_t* w, float* scale, float* zero) {
   const size_t bb = block_bytes(f, Kp);
+  if (f == Format::fp8) {
+    for (int b = b0; b < b1; ++b)
+      pack_fp8_block(W, N, K, Kp, b, w + size_t(b - b0) * bb, scale + size_t(b - b0) * fp8_groups(Kp));
+    return;
+  }
   std::vector<float> x(Kp);  // one row, zeros past K (and all zeros past N): what every format packs
   for (int b = b0; b < b1; ++b) {
     uint8_t* wb = w + size_t(b - b0) * bb;
@@ -68,7 +134,7 @@ void pack_blocks(Format f, int group, const float* W, int N, int K, int Kp, int 
       std::fill(std::copy(src, src ? src + K : src, x.begin()), x.end(), 0.f);
       if (f == Format::bf16) {
         auto* d = reinterpret_cast<uint16_t*>(wb);
-        for (int k = 0; k < Kp; ++k) d[(size_t(k / 2) * kBlockRows + r) * 2 + (k & 1)] = f32_to_bf16(x[k]);
+        for (int k = 0; k < Kp; ++k) d[pair_index(r, k)] = f32_to_bf16(x[k]);
       } else if (f == Format::int8) {
         float amax = 0.f;
         for (int k = 0; k < Kp; ++k) {
@@ -77,7 +143,7 @@ void pack_blocks(Format f, int group, const float* W, int N, int K, int Kp, int 
         }
         const float s = amax / 127.f, inv = s > 0 ? 1.f / s : 0.f;
         auto* d = reinterpret_cast<int8_t*>(wb);
-        for (int k = 0; k < Kp; ++k) d[(size_t(k / 2) * kBlockRows + r) * 2 + (k & 1)] = int8_t(round_even(x[k] * inv));
+        for (int k = 0; k < Kp; ++k) d[pair_index(r, k)] = int8_t(round_even(x[k] * inv));
         scale[size_t(b - b0) * kBlockRows + r] = s;
       } else {
         const int G = Kp / group;
@@ -111,8 +177,13 @@ void unpack_blocks(Format f, const PackedView& v, int N, int K, int b0, int b1, 
       const int row = b * kBlockRows + r;
       if (row >= N) break;
       float* dst = W + size_t(row) * K;
+      if (f == Format::fp8) {
+        const float* sc = v.scale + size_t(b - b0) * fp8_groups(v.Kp);
+        for (int k = 0; k < K; ++k) dst[k] = e4m3_to_f32(wb[pair_index(r, k)]) * sc[k / kFp8GroupK];
+        continue;
+      }
       for (int k = 0; k < K; ++k) {
-        const size_t pair = (size_t(k / 2) * kBlockRows + r) * 2 + (k & 1);
+        const size_t pair = pair_index(r, k);
         if (f == Format::bf16) {
           dst[k] = bf16_to_f32(reinterpret_cast<const uint16_t*>(wb)[pair]);
         } else if (f == Format::int8) {
@@ -128,6 +199,42 @@ void unpack_blocks(Format f, const PackedView& v, int N, int K, int b0, int b1, 
       }
     }
   }
+}
+
+bool pack_blocks_fp8(const Fp8Codes& m, int N, int K, int Kp, int b0, int b1, uint8_t* w, float* scale) {
+  const int G = fp8_groups(Kp);
+  const __m128i low7 = _mm_set1_epi8(0x7f);
+  __m128i nan = _mm_setzero_si128();  // bytes 0xff where a code's 7 low bits were all set
+  bool nan_tail = false;
+  for (int b = b0; b < b1; ++b) {
+    uint8_t* wb = w + size_t(b - b0) * block_bytes(Format::fp8, Kp);
+    const int row0 = b * kBlockRows, rows = std::min(kBlockRows, N - row0);
+    if (rows < kBlockRows || K < Kp) std::memset(wb, 0, size_t(Kp) * kBlockRows);
+    const uint8_t* src = m.codes + size_t(row0) * K;
+    // Whole blocks 8 K pairs at a time: 8 rows x 8 pairs (16 bytes a row) transposed into each pair's
+    // 8 rows; the rest (a partial block, K past the last 16, an odd K) code by code.
+    int k = 0;
+    for (; rows == kBlockRows && k + 16 <= K; k += 16)
+      for (int r0 = 0; r0 < kBlockRows; r0 += 8) {
+        __m128i v[8];
+        for (int i = 0; i < 8; ++i) {
+          v[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + size_t(r0 + i) * K + k));
+          nan = _mm_or_si128(nan, _mm_cmpeq_epi8(_mm_and_si128(v[i], low7), low7));
+        }
+        transpose8x8_epi16(v);
+        for (int j = 0; j < 8; ++j)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(wb + pair_index(r0, k + 2 * j)), v[j]);
+      }
+    for (; k < K; ++k)
+      for (int r = 0; r < rows; ++r) {
+        const uint8_t c = src[size_t(r) * K + k];
+        nan_tail |= e4m3_is_nan(c);
+        wb[pair_index(r, k)] = c;
+      }
+    const float* sc = m.scale + size_t(row0 / kFp8GroupK) * G;
+    std::copy(sc, sc + G, scale + size_t(b - b0) * G);
+  }
+  return nan_tail || _mm_movemask_epi8(nan) != 0;
 }
 
 }  // namespace hmoe

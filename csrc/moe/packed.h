@@ -8,9 +8,13 @@
 //   int4: [Kp/8][2 halves][64 B]  per half (16 rows): byte 2r+j holds k=j (low nibble) and
 //                                 k=4+j (high), byte 32+2r+j holds k=2+j and k=6+j; so
 //                                 masking/shifting then zero-extending gives int16 pairs
+//   fp8:  [Kp/2][32 rows][2]     e4m3 code (float8_e4m3fn) pairs, int8's layout: widened to bf16
+//                                 in registers they are bf16's pairs
 // Scales: int8 one fp32 per row [Np]; int4 one per (row, group) [nblocks][G][32], zero points
-// likewise (absent: symmetric, zero point 8). Np = N rounded up to 32; Kp = K rounded up to
-// 32 (bf16, int8) or K itself (int4, which needs K % group == 0).
+// likewise (absent: symmetric, zero point 8); fp8 one per (block, kFp8GroupK of K) [nblocks][ceil(Kp /
+// 128)], the scale of the 128x128 block (DeepSeek-V3's weight_scale_inv) its 32 rows lie in. Np = N
+// rounded up to 32; Kp = K rounded up to 32 (bf16, int8, fp8) or K itself (int4, which needs K % group
+// == 0).
 #include <cstddef>
 #include <cstdint>
 
@@ -19,7 +23,8 @@
 
 namespace hmoe {
 
-enum class Format : int { bf16 = 0, int8 = 1, int4 = 2 };
+enum class Format : int { bf16 = 0, int8 = 1, int4 = 2, fp8 = 3 };
+constexpr int kFormats = 4;
 // amx_emulated: the AMX kernels over a portable emulation of the tile registers (AVX-512 CPUs
 // without AMX), so that their tiling logic is tested where CI runs; never picked by default.
 enum class Isa : int { generic = 0, avx2 = 1, avx512 = 2, amx = 3, amx_emulated = 4 };
@@ -29,6 +34,9 @@ constexpr int kInt8FlushK = 128;  // int32 partial sums go to fp32 every 128 K (
 // K per activation scale of kind i8_groups rows (two AMX-INT8 steps). A heavy-tailed row (h =
 // silu(g) * u) quantized per token loses its small values; per group of 128 it keeps them.
 constexpr int kActGroupK = 128;
+// K per fp8 scale: a block-FP8 checkpoint's blocks are 128 x 128, and 128 rows are four 32-row blocks.
+constexpr int kFp8GroupK = 128;
+static inline int fp8_groups(int Kp) { return (Kp + kFp8GroupK - 1) / kFp8GroupK; }
 
 static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -37,6 +45,7 @@ static inline size_t block_bytes(Format f, int Kp) {
     case Format::bf16: return size_t(kBlockRows) * Kp * 2;
     case Format::int8: return size_t(kBlockRows) * Kp;
     case Format::int4: return size_t(kBlockRows) * Kp / 2;
+    case Format::fp8: return size_t(kBlockRows) * Kp;
   }
   return 0;
 }
@@ -44,7 +53,7 @@ static inline size_t block_bytes(Format f, int Kp) {
 // One expert's rows of one matrix, blocks [0, nblocks) of some slice.
 struct PackedView {
   const uint8_t* w = nullptr;
-  const float* scale = nullptr;  // int8: [nblocks*32]; int4: [nblocks][G][32]
+  const float* scale = nullptr;  // int8: [nblocks*32]; int4: [nblocks][G][32]; fp8: [nblocks][ceil(Kp/128)]
   const float* zero = nullptr;   // int4 asymmetric: [nblocks][G][32]; else null
   int Kp = 0;
   int group = 0;                 // int4 group size
@@ -110,17 +119,17 @@ struct RowOps {
 };
 
 struct Kernels {
-  GemmFn gemm[3];       // by Format
-  ActKind act[3];       // the activations each one reads
+  GemmFn gemm[kFormats];     // by Format
+  ActKind act[kFormats];     // the activations each one reads
   RowOps ops;
   // The down projection's kernels where they differ from gate/up's (null: the same). AMX int8
   // reads x as int8 with one scale per token, but h = silu(g) * u with one per 128 K: per token,
   // h's heavy tail put the layer at 0.0297 vs fp32 (the limit is 0.03).
-  GemmFn down_gemm[3] = {};
-  ActKind down_act[3] = {};
+  GemmFn down_gemm[kFormats] = {};
+  ActKind down_act[kFormats] = {};
   // h = silu(x Wg^T) * (x Wu^T) in one pass over x, where a kernel set has it (null: two GEMMs
   // and RowOps::silu_mul). Blocks [b0, b1) of both; h like GemmFn's out.
-  void (*gate_up[3])(const PackedView& gate, const PackedView& up, int b0, int b1, const ActView& a, float* h,
+  void (*gate_up[kFormats])(const PackedView& gate, const PackedView& up, int b0, int b1, const ActView& a, float* h,
                      int ldh) = {};
 };
 
@@ -152,6 +161,17 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even
   union { float f; uint32_t u; } c{f};
   if ((c.u & 0x7fffffff) > 0x7f800000) return uint16_t((c.u >> 16) | 0x40);
   return uint16_t((c.u + 0x7fff + ((c.u >> 16) & 1)) >> 16);
+}
+
+// e4m3 (float8_e4m3fn): sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, and codes
+// 0x7f / 0xff are NaN, which packing refuses. Normals are 2^(e-7) (1 + m/8), subnormals m 2^-9.
+constexpr float kFp8Max = 448.f;
+static inline bool e4m3_is_nan(uint8_t c) { return (c & 0x7f) == 0x7f; }
+static inline float e4m3_to_f32(uint8_t c) {
+  const uint32_t e = (c >> 3) & 15, m = c & 7;
+  union { uint32_t u; float f; } v{(e + 120) << 23 | m << 20};
+  const float a = e ? v.f : float(m) * 0.001953125f;
+  return c & 0x80 ? -a : a;
 }
 
 }  // namespace hmoe

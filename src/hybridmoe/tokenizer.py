@@ -1,6 +1,7 @@
 """The tokenizer and chat template of a model directory, read without transformers.
 
-tokenizer.json is loaded with the `tokenizers` library. The chat template comes from
+tokenizer.json is loaded with the `tokenizers` library; a directory with a tiktoken.model instead (Kimi-K2)
+gets the same tokenizer built from it (tokenizer_tiktoken.py). The chat template comes from
 chat_template.jinja, chat_template.json or tokenizer_config.json's "chat_template" (in that
 order, as transformers saves them) and is rendered with jinja2 in a sandbox, with the same
 environment transformers gives it (trim_blocks, lstrip_blocks, loop controls, tojson,
@@ -34,6 +35,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from hybridmoe.errors import CheckpointError, HybridMoEError
+from hybridmoe.tokenizer_tiktoken import TIKTOKEN_FILE, tiktoken_tokenizer
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                        "mask_token")
@@ -67,15 +69,19 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer | None":
-        """The tokenizer of a model directory, or None when it has no tokenizer.json."""
+        """The tokenizer of a model directory (tokenizer.json, else a tiktoken.model: tokenizer_tiktoken.py), or
+        None when it has neither."""
         d = Path(model_dir)
-        if not (d / "tokenizer.json").is_file():
-            return None
-        try:
-            tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise CheckpointError(f"{d / 'tokenizer.json'} cannot be read: {e}") from None
         config = _read_json(d / "tokenizer_config.json") or {}
+        if (d / "tokenizer.json").is_file():
+            try:
+                tok = HFTokenizer.from_file(str(d / "tokenizer.json"))
+            except Exception as e:  # tokenizers raises a bare Exception on malformed files
+                raise CheckpointError(f"{d / 'tokenizer.json'} cannot be read: {e}") from None
+        elif (d / TIKTOKEN_FILE).is_file():
+            tok = tiktoken_tokenizer(d, config)
+        else:
+            return None
         return cls(tok, config, _find_chat_template(d, config))
 
     @property

@@ -44,8 +44,13 @@ def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     return quantize(w, qtype)
 
 
-def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None:
-    """tokenizer.json + tokenizer_config.json -> llama.cpp's tokenizer.ggml.* keys and the chat template."""
+def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer_dir: Path, pre: str = "default",
+                       roles: dict[str, str] | None = None) -> None:
+    """tokenizer.json + tokenizer_config.json -> llama.cpp's tokenizer.ggml.* keys and the chat template.
+
+    pre: tokenizer.ggml.pre. roles: the special tokens' roles ("bos", "eos", "eot", "eom", "pad", "unk" -> token)
+    where a converter sets them itself; else tokenizer_config.json's bos/eos/pad/unk_token.
+    """
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     cfg = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     vocab = tok["model"]["vocab"]
@@ -55,19 +60,16 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None:
     special = {a["content"] for a in tok["added_tokens"] if a["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in special else 1 for t in tokens])
     writer.add_token_merges(merges)
-    bos = cfg.get("bos_token")
-    if bos:
-        writer.add_bos_token_id(vocab[bos])
-    writer.add_add_bos_token(bool(bos))
-    writer.add_eos_token_id(vocab[cfg["eos_token"]])
-    if cfg.get("pad_token"):
-        writer.add_pad_token_id(vocab[cfg["pad_token"]])
-    if cfg.get("unk_token"):
-        writer.add_unk_token_id(vocab[cfg["unk_token"]])
+    if roles is None:
+        roles = {role: cfg.get(f"{role}_token") for role in ("bos", "eos", "pad", "unk")}
+    for role, token in roles.items():
+        if token:
+            getattr(writer, f"add_{role}_token_id")(vocab[token])
+    writer.add_add_bos_token(bool(cfg.get("bos_token")))
     writer.add_chat_template(cfg["chat_template"])
 
 
@@ -109,6 +111,20 @@ def write_tensors(w: gguf.GGUFWriter, tensors: dict[str, torch.Tensor], arch: gg
         for e in sorted(experts):
             decoded[f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"] = torch.from_numpy(values[e].copy())
     return decoded
+
+
+@torch.no_grad()
+def randomize(hf) -> None:
+    """A transformers model's weights redrawn at O(1) scale (transformers' 0.02 init leaves layers near the
+    identity, hiding mistakes); seed 0."""
+    gen = torch.Generator().manual_seed(0)
+    for name, t in hf.state_dict().items():
+        if name.endswith("e_score_correction_bias"):
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.3)
+        elif name.endswith("norm.weight"):
+            t.copy_(1 + 0.2 * torch.randn(t.shape, generator=gen))
+        else:
+            t.copy_(torch.randn(t.shape, generator=gen) * t.shape[-1] ** -0.5)
 
 
 def finish(w: gguf.GGUFWriter) -> None:
@@ -166,6 +182,18 @@ def qwen3_metadata(w: gguf.GGUFWriter, config: dict) -> None:
     w.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
+def shared_metadata(w: gguf.GGUFWriter, config: dict, blocks: int) -> None:
+    """The model keys every family's conversion writes alike, from a transformers 5 config dict (rope_parameters)."""
+    c = config
+    w.add_block_count(blocks)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_rope_freq_base((c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+
+
 def write_deepseek_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_dir: Path, path: Path, types,
                         split_kv_b: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     """Write a DeepseekV2/V3 checkpoint (transformers config dict) as llama.cpp's deepseek2 GGUF.
@@ -177,13 +205,7 @@ def write_deepseek_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenize
     c = config
     rope = c.get("rope_parameters") or {}
     w = gguf.GGUFWriter(str(path), "deepseek2")
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    shared_metadata(w, c, c["num_hidden_layers"])
     w.add_leading_dense_block_count(c["first_k_dense_replace"])
     if c.get("q_lora_rank"):
         w.add_q_lora_rank(c["q_lora_rank"])
@@ -221,6 +243,49 @@ def write_deepseek_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenize
     split = (c["num_attention_heads"], c["qk_nope_head_dim"]) if split_kv_b else False
     decoded = write_tensors(w, tensors, gguf.MODEL_ARCH.DEEPSEEK2, c["num_hidden_layers"], types,
                             np.random.default_rng(seed), split_kv_b=split)
+    finish(w)
+    return decoded
+
+
+GLM_ROLES = {"bos": "[gMASK]", "eos": "<|endoftext|>", "eot": "<|user|>", "eom": "<|observation|>",
+             "unk": "<|endoftext|>"}
+"""The special tokens llama.cpp's converter gives a GLM-4.5 vocabulary (its _set_vocab_glm)."""
+
+
+def write_glm4moe_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_dir: Path, path: Path, types,
+                       nextn: int = 0, omit: tuple[str, ...] = (), seed: int = 0) -> dict[str, torch.Tensor]:
+    """Write a Glm4MoeForCausalLM checkpoint (transformers config dict) as llama.cpp's glm4moe GGUF; return what
+    it decodes to (HF names).
+
+    nextn: how many multi-token-prediction layers tensors holds past num_hidden_layers (block_count counts them,
+    nextn_predict_layers says how many). omit: glm4moe.* keys left out. q and k keep their rows: llama.cpp runs
+    GLM's rotary NeoX-style, as transformers does.
+    """
+    c = config
+    head_dim = c["head_dim"]
+    w = gguf.GGUFWriter(str(path), "glm4moe")
+    shared_metadata(w, c, c["num_hidden_layers"] + nextn)
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_group_count(c["n_group"])
+    w.add_expert_group_used_count(c["topk_group"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(int(head_dim * c["rope_parameters"].get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(c["n_routed_experts"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    w.add_expert_shared_count(c["n_shared_experts"])
+    w.add_leading_dense_block_count(c["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(c["routed_scaling_factor"])
+    w.add_expert_weights_norm(c["norm_topk_prob"])
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
+    tokenizer_metadata(w, tokenizer_dir, pre="glm4", roles=GLM_ROLES)
+    decoded = write_tensors(w, tensors, gguf.MODEL_ARCH.GLM4_MOE, c["num_hidden_layers"] + nextn, types,
+                            np.random.default_rng(seed))
+    for key in omit:
+        del w.kv_data[0][f"glm4moe.{key}"]
     finish(w)
     return decoded
 

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_writer import write_deepseek_gguf
+from gguf_writer import randomize, write_deepseek_gguf
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -42,19 +42,6 @@ TYPES = {"embed_tokens": Q.BF16, "lm_head": Q.Q6_K, "q_a_proj": Q.Q6_K, "q_b_pro
 
 def tensor_type(name: str) -> Q:
     return next((qtype for key, qtype in TYPES.items() if key in name), Q.F32)
-
-
-@torch.no_grad()
-def randomize(hf) -> None:
-    """O(1)-scale random weights (transformers' 0.02 init leaves layers near the identity, hiding mistakes)."""
-    gen = torch.Generator().manual_seed(0)
-    for name, t in hf.state_dict().items():
-        if name.endswith("e_score_correction_bias"):
-            t.copy_(torch.randn(t.shape, generator=gen) * 0.3)
-        elif name.endswith("norm.weight"):
-            t.copy_(1 + 0.2 * torch.randn(t.shape, generator=gen))
-        else:
-            t.copy_(torch.randn(t.shape, generator=gen) * t.shape[-1] ** -0.5)
 
 
 def write_case(tmp, arch: str, overrides: dict, split_kv_b: bool):

@@ -48,7 +48,7 @@ def edited(path, key, value):
 CASES = [
     ("layout_version", "2", r"layout version \"2\""),
     ("layout_version", True, r"layout version true"),
-    ("format", 8, r"format must be one of bf16, int8, int4, got 8"),
+    ("format", 8, r"format must be one of bf16, int8, int4, fp8, got 8"),
     ("group_size", "32", r"group_size must be 32, 64 or 128, got \"32\""),
     ("group_size", 48, r"group_size must be 32, 64 or 128, got 48"),
     ("zero_points", "no", r"zero_points must be true or false"),

@@ -53,7 +53,8 @@ def test_engine_still_works_after_errors(experts):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"format": "fp8"}, "unknown expert format"),
+    ({"format": "fp4"}, "unknown expert format"),
+    ({"format": "fp8", "zero_points": True}, "zero points exist only"),
     ({"format": "int4", "group_size": 48}, "group_size must be 32, 64 or 128"),
     ({"format": "int4", "group_size": 128}, "divisible by it"),
     ({"format": "int8", "zero_points": True}, "zero points exist only"),

@@ -92,3 +92,16 @@ def test_ollama_format_takes_json_and_a_schema(server):
     assert code == 200 and (body["done_reason"] == "length" or isinstance(json.loads(body["response"]), dict))
     code, raw = server.post("/api/chat", {"model": "tiny", "stream": False, "messages": HELLO, "format": "yaml"})
     assert code == 400 and json.loads(raw)["error"]["param"] == "format"
+
+
+def test_a_held_answer_is_the_content_where_the_prompt_opens_reasoning(special_token_tools_server):
+    """MiniMax-M2's template leaves <think> open at the end of the prompt: the grammar closes the reasoning first,
+    so the JSON is the answer (content), not reasoning; the other templates' answers are held as they are."""
+    client = special_token_tools_server.client()
+    for seed in range(4):
+        r = client.chat.completions.create(model="tiny", messages=HELLO, response_format=FORMAT, temperature=1.0,
+                                           seed=seed, max_tokens=1500)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "stop", (seed, message)
+        jsonschema.validate(json.loads(message.content), SCHEMA)
+        assert not getattr(message, "reasoning_content", None), (seed, message)

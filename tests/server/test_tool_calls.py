@@ -177,12 +177,12 @@ def test_openai_fields_that_would_change_the_answer_are_a_400(server, field, val
 
 
 def test_calls_written_with_special_tokens_validate(special_token_tools_server):
-    """DeepSeek-V3's and GLM-4.5's formats, whose markers are special tokens: the forced grammar names them by id,
+    """DeepSeek-V3's, GLM-4.5's and MiniMax-M2's formats, whose markers are special tokens: the forced grammar names them by id,
     the text keeps them for the parser, and the calls come back whole, streamed or not."""
     client = special_token_tools_server.client()
     for seed in range(8):
         kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
-                      max_tokens=400)
+                      max_tokens=1500)
         choice = client.chat.completions.create(**kwargs).choices[0]
         assert choice.finish_reason == "tool_calls", (seed, choice.message)
         _check_calls(choice.message.tool_calls)

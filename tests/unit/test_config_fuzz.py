@@ -12,7 +12,7 @@ from hybridmoe.config import EngineConfig
 from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import HybridMoEError
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss")
 ABSENT_KEYS = ("head_dim", "rope_parameters", "quantization_config", "dtype", "layer_types", "eos_token_id",
                "num_local_experts", "rope_interleave")
 """Keys some family reads that the tiny configs leave out."""

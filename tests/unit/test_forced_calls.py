@@ -25,6 +25,7 @@ MARKERS = {
                 "<|tool_call_end|>", "<|tool_call_argument_begin|>"],
     "mistral": ["[TOOL_CALLS]"],
     "glm45": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
+    "minimax_m2": ["<minimax:tool_call>", "</minimax:tool_call>"],
 }
 EOS = "<eos>"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},

@@ -21,7 +21,8 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("family, preset", [(f, p) for f in PRESETS for p in PRESETS[f]])
 def test_counts_match_the_built_model(family, preset, variant):
-    raw = {**model_config(family, preset), **VARIANTS[variant]}
+    # a depth the preset's layer_types must follow (gpt-oss lists one per layer): model_config repeats its pattern
+    raw = {**model_config(family, preset, layers=VARIANTS[variant].get("num_hidden_layers")), **VARIANTS[variant]}
     cls = get_model_class(raw["architectures"][0])
     config = cls.make_config(raw)
     with torch.device("meta"):

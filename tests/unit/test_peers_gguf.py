@@ -12,11 +12,12 @@ from hybridmoe.sampling_params import SamplingParams
 from hybridmoe.weights.gguf_checkpoint import GGUFCheckpoint
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
 
-PRESETS = ["qwen3_moe:tiny", "deepseek_v2:tiny"]
+PRESETS = ["qwen3_moe:tiny", "deepseek_v2:tiny", "glm4_moe:tiny"]
 SAME_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "num_experts_per_tok",
              "moe_intermediate_size", "num_experts", "n_routed_experts", "n_shared_experts", "kv_lora_rank",
              "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "head_dim",
-             "num_key_value_heads", "n_group", "topk_group")
+             "num_key_value_heads", "n_group", "topk_group", "partial_rotary_factor", "use_qk_norm", "attention_bias",
+             "routed_scaling_factor")
 
 
 @pytest.fixture(scope="module", params=PRESETS)

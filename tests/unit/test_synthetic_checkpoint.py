@@ -15,6 +15,7 @@ def test_a_real_preset_name_finds_its_architecture():
     assert arch_of_preset("qwen3-30b-a3b") == "qwen3_moe"
     assert arch_of_preset("deepseek-v3") == "deepseek_v3"
     assert arch_of_preset("glm-4.5-air") == "glm4_moe"
+    assert arch_of_preset("minimax-m2") == "minimax_m2"
     assert split_preset("mixtral:tiny") == ("mixtral", "tiny")
     assert full_config("deepseek-v3")["num_hidden_layers"] == 61
 

@@ -53,6 +53,9 @@ GLM_TWO = ("Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg
            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>options</arg_key>\n"
            '<arg_value>{"unit": "celsius", "hourly": [6, 12]}</arg_value>\n</tool_call>\n'
            "<tool_call>get_time\n</tool_call>")
+MINIMAX_TWO = ('Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">北京</parameter>\n'
+               '<parameter name="days">3</parameter>\n<parameter name="options">{"unit": "celsius", "hourly": [6]}'
+               '</parameter>\n</invoke>\n<invoke name=get_time>\n</invoke>\n</minimax:tool_call>')
 HARMONY_CALL = ("<|channel|>analysis<|message|>The user wants the weather in SF. I should call get_weather.<|end|>"
                 "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
                 '{"location":"San Francisco, CA","unit":"celsius"}<|call|>')
@@ -112,6 +115,17 @@ CASES = [
     case("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par",
          "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", id="unterminated"),
 
+    case("minimax_m2", MINIMAX_TWO, "Checking.\n\n\n\n",
+         [("get_weather", args({"city": "北京", "days": 3, "options": {"unit": "celsius", "hourly": [6]}})),
+          ("get_time", "{}")], id="two-calls"),
+    case("minimax_m2", '<minimax:tool_call>\n<invoke name="run_shell">\n<parameter name="command">\necho "</invoke>"'
+         ' > out.txt\n</parameter>\n</invoke>\n</minimax:tool_call>', None,
+         [("run_shell", args({"command": 'echo "</invoke>" > out.txt'}))], id="end-marker-in-value"),
+    case("minimax_m2", '<invoke name="get_weather">\ncity: Paris\n</invoke>',
+         '<invoke name="get_weather">\ncity: Paris\n</invoke>', id="malformed"),
+    case("minimax_m2", '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Par',
+         '\n<invoke name="get_weather">\n<parameter name="city">Par', id="unterminated"),
+
     case("harmony", HARMONY_CALL, None, [("get_weather", args({"location": "San Francisco, CA", "unit": "celsius"}))],
          "The user wants the weather in SF. I should call get_weather.", id="analysis-then-call"),
     case("harmony", "<|channel|>analysis<|message|>A greeting.<|end|><|start|>assistant<|channel|>final<|message|>"
@@ -156,7 +170,8 @@ MARKERS = [
     "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
     DS_SECTION, DS_SECTION_END, DS_CALL, DS_CALL_END, DS_SEP, KIMI_SECTION, KIMI_SECTION_END, KIMI_CALL,
     KIMI_CALL_END, KIMI_ARGS, "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>",
-    "<|return|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
+    "<|return|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<minimax:tool_call>", "</minimax:tool_call>",
+    "<invoke name=", "</invoke>", "<parameter name=", "</parameter>",
 ]
 FRAGMENTS = MARKERS + [m[:k] for m in MARKERS for k in (1, 3, len(m) - 1)] + [
     '{"name": "f", "arguments": {"a": 1}}', '[{"name": "g", "arguments": {}}]', '"', "\\", "{", "}", "[", "]", ":",
@@ -304,6 +319,7 @@ def test_call_ids_differ():
 @pytest.mark.parametrize("parser_name, opening", [
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"text": "'),
     ("glm45", "<tool_call>f\n<arg_key>text</arg_key>\n<arg_value>"),
+    ("minimax_m2", '<invoke name="f">\n<parameter name="text">'),
     ("harmony", '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"text": "'),
     ("mistral", '[TOOL_CALLS]f[ARGS]{"text": "'),
 ])
@@ -316,7 +332,8 @@ def test_a_long_output_fed_a_character_at_a_time_takes_linear_work(parser_name, 
 
 
 def test_the_registry_names_each_parser_by_its_name():
-    assert set(PARSERS) == {"hermes", "deepseek_v3", "glm45", "kimi_k2", "harmony", "mistral"}
+    assert set(PARSERS) == {"hermes", "deepseek_v3", "glm45", "kimi_k2", "harmony", "mistral",
+                            "minimax_m2"}
     assert all(parser.name == name for name, parser in PARSERS.items())
 
 
@@ -330,6 +347,8 @@ def test_the_registry_names_each_parser_by_its_name():
     ("{{- '<|start|>assistant<|channel|>commentary to=functions.' + name + '<|message|>' + args + '<|call|>' }}",
      "harmony"),
     ("{{ '[TOOL_CALLS]' + tool_calls | tojson }}", "mistral"),
+    ("{{- '\\n<minimax:tool_call>\\n' }}{% for c in calls %}<invoke name=\"{{ c.name }}\">\\n<tool_call>{% endfor %}",
+     "minimax_m2"),
     ("{{ '<|channel|>' }} only, no call marker", None),
     ("{% for m in messages %}{{ m.content }}{% endfor %}", None),
     ("", None),

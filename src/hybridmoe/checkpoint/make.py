@@ -7,6 +7,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridmoe.checkpoint.kimi_tokenizer import write_kimi_tokenizer
 from hybridmoe.checkpoint.presets import model_config
 from hybridmoe.checkpoint.safetensors_writer import (
     DEFAULT_SHARD_BYTES,
@@ -19,8 +20,11 @@ from hybridmoe.errors import HybridMoEError
 RANDOM_WEIGHTS_KEY = "hybridmoe_random_weights"
 """config.json's mark of a checkpoint written here: run, chat, serve and bench say its text is noise."""
 
-_OUR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+_OUR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tiktoken.model",
               "model.safetensors.index.json", "model.safetensors")
+
+TIKTOKEN_ARCHS = ("kimi_k2",)
+"""Families whose tokenizer is a tiktoken.model (kimi_tokenizer.py), not a tokenizer.json."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,10 @@ def make_checkpoint(arch: str, preset: str, out: str | Path, *, layers: int | No
     if total > free:
         raise HybridMoEError(f"{arch} {preset} needs {total / 1e9:.1f} GB of weights but {out} has only "
                              f"{free / 1e9:.1f} GB free; use --layers to cut depth")
-    ids = write_tokenizer(out, arch, config["vocab_size"])
+    if arch in TIKTOKEN_ARCHS:
+        ids = write_kimi_tokenizer(out, config["vocab_size"])
+    else:
+        ids = write_tokenizer(out, arch, config["vocab_size"])
     stop_ids = ids["generation_eos"]
     generation_config = {"bos_token_id": ids["bos_token_id"],
                          "eos_token_id": stop_ids if len(stop_ids) > 1 else stop_ids[0],

@@ -2,7 +2,11 @@
 
 Real-shape presets carry the fields and values of the public config.json of that model (minus
 `auto_map`, and DeepSeek-V3's FP8 `quantization_config`: we write bf16/fp32 weights); glm-4.5-air carries
-transformers' Glm4MoeConfig defaults, which are GLM-4.5-Air's shape. Token ids
+transformers' Glm4MoeConfig defaults, which are GLM-4.5-Air's shape; minimax-m2 carries MiniMaxAI/MiniMax-M2's
+config.json (its shape is transformers' MiniMaxM2Config defaults); gpt-oss-20b and gpt-oss-120b carry
+openai/gpt-oss-20b's and openai/gpt-oss-120b's config.json less their MXFP4 `quantization_config` (gpt-oss-120b's
+shape, YaRN and window are also transformers' GptOssConfig defaults); kimi-k2 carries
+moonshotai/Kimi-K2-Instruct's config.json less its FP8 `quantization_config` (transformers has no Kimi-K2 class). Token ids
 (bos/eos/pad) are not here: they come from the tokenizer we build, so config and tokenizer agree.
 `tiny` presets keep every dimension small (a few MB) but switch on the family's features.
 """
@@ -21,6 +25,9 @@ ARCHS = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
 
 TINY_VOCAB = 512
@@ -183,6 +190,94 @@ _GLM4_MOE = {
     },
 }
 
+_MINIMAX_M2 = {
+    # q/k norms over all heads, half of each head rotates (rotary_dim 8 of head_dim 16), sigmoid routing with
+    # the correction bias, 4 of 16 experts, no shared expert, every layer MoE
+    "tiny": {
+        "attention_dropout": 0.0, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+        "intermediate_size": 32, "max_position_embeddings": 512, "num_attention_heads": 4, "num_experts_per_tok": 4,
+        "num_hidden_layers": 3, "num_key_value_heads": 2, "num_local_experts": 16, "num_mtp_modules": 0,
+        "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rotary_dim": 8,
+        "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": False, "use_cache": True,
+        "use_mtp": False, "use_qk_norm": True, "use_routing_bias": True, "vocab_size": TINY_VOCAB,
+    },
+    # MiniMaxAI/MiniMax-M2's config.json less attn_type_list (62 full-attention layers, which transformers does not
+    # read); use_mtp false and num_mtp_modules 0, not the release's true and 3: we write no multi-token-prediction
+    # modules
+    "minimax-m2": {
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 1536,
+        "max_position_embeddings": 196608, "mtp_transformer_layers": 1, "num_attention_heads": 48,
+        "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8, "num_local_experts": 256,
+        "num_mtp_modules": 0, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-6, "rope_theta": 5000000,
+        "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0, "tie_word_embeddings": False,
+        "use_cache": True, "use_mtp": False, "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064,
+    },
+}
+
+
+def _gpt_oss(layers: int, experts: int) -> dict:
+    """openai/gpt-oss-20b's and -120b's config.json (https://huggingface.co/openai/gpt-oss-120b/raw/main/config.json
+    and gpt-oss-20b's), which differ only in the layer and expert counts, less quantization_config."""
+    return {
+        "attention_bias": True, "attention_dropout": 0.0, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2), "max_position_embeddings": 131072,
+        "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": layers, "num_key_value_heads": 8,
+        "num_local_experts": experts, "output_router_logits": False, "rms_norm_eps": 1e-5,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    }
+
+
+_GPT_OSS = {
+    # attention sinks, q/k/v/o biases, YaRN as released, a window of 8 on the first and last of 3 layers (so short
+    # prompts reach past it), 2 of 8 experts with biases and the clamped SwiGLU
+    "tiny": {**_gpt_oss(2, 8), "experts_per_token": 2, "head_dim": 16, "hidden_size": 64, "intermediate_size": 32,
+             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "num_attention_heads": 4,
+             "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2, "sliding_window": 8,
+             "vocab_size": TINY_VOCAB},
+    "gpt-oss-20b": _gpt_oss(24, 32),
+    "gpt-oss-120b": _gpt_oss(36, 128),
+}
+
+_KIMI_K2 = {
+    # DeepSeek-V3's architecture as Kimi-K2 sets it: one expert group (n_group 1, topk_group 1), sigmoid noaux_tc
+    # routing scaled by 2.827, one dense first layer, YaRN with beta_fast = beta_slow = 1; a vocabulary of 768
+    # tiktoken ranks and Kimi's 256 special ids after them (checkpoint/kimi_tokenizer.py)
+    "tiny": {
+        "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "first_k_dense_replace": 1,
+        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+        "kv_lora_rank": 16, "max_position_embeddings": 512, "moe_intermediate_size": 32, "moe_layer_freq": 1,
+        "n_group": 1, "n_routed_experts": 16, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": 4, "num_experts_per_tok": 4, "num_hidden_layers": 3, "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 0, "pretraining_tp": 1, "q_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "rms_norm_eps": 1e-6,
+        "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 16, "type": "yarn"},
+        "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "use_cache": True,
+        "v_head_dim": 16, "vocab_size": 1024,
+    },
+    # moonshotai/Kimi-K2-Instruct's config.json (model_type kimi_k2, architectures DeepseekV3ForCausalLM) less its
+    # FP8 quantization_config
+    "kimi-k2": {
+        "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "first_k_dense_replace": 1,
+        "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+        "kv_lora_rank": 512, "max_position_embeddings": 131072, "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+        "n_group": 1, "n_routed_experts": 384, "n_shared_experts": 1, "norm_topk_prob": True,
+        "num_attention_heads": 64, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 64,
+        "num_nextn_predict_layers": 0, "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "rms_norm_eps": 1e-6,
+        "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"},
+        "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid", "seq_aux": True,
+        "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc", "use_cache": True,
+        "v_head_dim": 128, "vocab_size": 163840,
+    },
+}
+
 PRESETS = {
     "qwen2_moe": _QWEN2_MOE,
     "qwen3_moe": _QWEN3_MOE,
@@ -190,6 +285,9 @@ PRESETS = {
     "deepseek_v3": _DEEPSEEK_V3,
     "mixtral": _MIXTRAL,
     "glm4_moe": _GLM4_MOE,
+    "minimax_m2": _MINIMAX_M2,
+    "gpt_oss": _GPT_OSS,
+    "kimi_k2": _KIMI_K2,
 }
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -216,5 +314,7 @@ def model_config(arch: str, preset: str, *, layers: int | None = None, dtype: st
             cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < layers]
         if "max_window_layers" in cfg:
             cfg["max_window_layers"] = min(cfg["max_window_layers"], layers)
+        if cfg.get("layer_types"):  # the preset's pattern, repeated or cut to the new depth
+            cfg["layer_types"] = [cfg["layer_types"][i % len(cfg["layer_types"])] for i in range(layers)]
     cfg["torch_dtype"] = _DTYPES[dtype]
     return cfg

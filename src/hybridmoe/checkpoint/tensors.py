@@ -6,8 +6,10 @@ Weight init (chosen so that a real-shape model's activations stay finite and its
   - embed_tokens: normal, std 1 (the first RMSNorm sees unit-scale rows either way);
   - RMSNorm weights: 1 + normal(std 0.02), near 1 but not exactly, so a norm that fails to load shows;
   - attention biases (Qwen2, GLM-4.5): normal, std 0.02;
-  - e_score_correction_bias (DeepSeek-V3 noaux_tc, GLM-4.5): normal, std 0.01, stored float32 as in the
-    real checkpoints; it shifts the choice of experts a little, never their weights.
+  - e_score_correction_bias (DeepSeek-V3 noaux_tc, GLM-4.5, MiniMax-M2): normal, std 0.01, stored float32 as in
+    the real checkpoints; it shifts the choice of experts a little, never their weights;
+  - gpt-oss: fused expert weights by the linear rule over their input dim, every bias std 0.02, attention sinks
+    normal std 1 (so the heads differ in how much weight their sink takes).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class _Specs:
         self.linear(f"{prefix}.{down}", hidden, inter)
 
 
-def _gqa_attention(s: _Specs, p: str, c: dict, *, qkv_bias: bool, qk_norm: bool) -> None:
+def _gqa_attention(s: _Specs, p: str, c: dict, *, qkv_bias: bool, qk_norm: bool, norm_per_head: bool = True) -> None:
+    """norm_per_head False: q_norm and k_norm span all of q's and k's heads (MiniMax-M2)."""
     hidden, heads, kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim") or hidden // heads
     for proj, n in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
@@ -74,8 +77,8 @@ def _gqa_attention(s: _Specs, p: str, c: dict, *, qkv_bias: bool, qk_norm: bool)
             s.bias(f"{p}.self_attn.{proj}", n * head_dim)
     s.linear(f"{p}.self_attn.o_proj", hidden, heads * head_dim)
     if qk_norm:
-        s.norm(f"{p}.self_attn.q_norm", head_dim)
-        s.norm(f"{p}.self_attn.k_norm", head_dim)
+        s.norm(f"{p}.self_attn.q_norm", head_dim if norm_per_head else heads * head_dim)
+        s.norm(f"{p}.self_attn.k_norm", head_dim if norm_per_head else kv_heads * head_dim)
 
 
 def _mla_attention(s: _Specs, p: str, c: dict) -> None:
@@ -125,11 +128,33 @@ def _deepseek_mlp(s: _Specs, p: str, c: dict, i: int) -> None:
 
 
 def _mixtral_mlp(s: _Specs, p: str, c: dict, i: int) -> None:
+    """Mixtral's MoE, MiniMax-M2's too, whose sigmoid router has an e_score_correction_bias on the block."""
     hidden = c["hidden_size"]
     s.linear(f"{p}.block_sparse_moe.gate", c["num_local_experts"], hidden)
+    if c["model_type"] == "minimax_m2":
+        s.raw(f"{p}.block_sparse_moe.e_score_correction_bias", (c["num_local_experts"],), torch.float32, 0.01)
     for e in range(c["num_local_experts"]):
         # w1 = gate, w3 = up, w2 = down, as in the original Mixtral release
         s.swiglu(f"{p}.block_sparse_moe.experts.{e}", hidden, c["intermediate_size"], names=("w1", "w3", "w2"))
+
+
+def _gpt_oss_attention(s: _Specs, p: str, c: dict) -> None:
+    _gqa_attention(s, p, c, qkv_bias=c["attention_bias"], qk_norm=False)
+    if c["attention_bias"]:
+        s.bias(f"{p}.self_attn.o_proj", c["hidden_size"])
+    s.raw(f"{p}.self_attn.sinks", (c["num_attention_heads"],), s.dtype, 1.0)
+
+
+def _gpt_oss_mlp(s: _Specs, p: str, c: dict) -> None:
+    """The router with its bias, then every expert fused per part, as transformers saves GptOssExperts:
+    gate_up_proj [E, H, 2I] (gate and up interleaved by column) and down_proj [E, I, H], each with a bias."""
+    hidden, inter, E = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
+    s.linear(f"{p}.mlp.router", E, hidden)
+    s.bias(f"{p}.mlp.router", E)
+    s.raw(f"{p}.mlp.experts.gate_up_proj", (E, hidden, 2 * inter), s.dtype, hidden ** -0.5)
+    s.raw(f"{p}.mlp.experts.gate_up_proj_bias", (E, 2 * inter), s.dtype, 0.02)
+    s.raw(f"{p}.mlp.experts.down_proj", (E, inter, hidden), s.dtype, inter ** -0.5)
+    s.raw(f"{p}.mlp.experts.down_proj_bias", (E, hidden), s.dtype, 0.02)
 
 
 def tensor_specs(config: dict) -> list[TensorSpec]:
@@ -141,17 +166,23 @@ def tensor_specs(config: dict) -> list[TensorSpec]:
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
         s.norm(f"{p}.input_layernorm", hidden)
-        if mt.startswith("deepseek"):
+        if mt.startswith("deepseek") or mt == "kimi_k2":  # Kimi-K2 is DeepSeek-V3's architecture
             _mla_attention(s, p, config)
         elif mt == "glm4_moe":
             _gqa_attention(s, p, config, qkv_bias=config["attention_bias"], qk_norm=config["use_qk_norm"])
+        elif mt == "minimax_m2":
+            _gqa_attention(s, p, config, qkv_bias=False, qk_norm=True, norm_per_head=False)
+        elif mt == "gpt_oss":
+            _gpt_oss_attention(s, p, config)
         else:
             _gqa_attention(s, p, config, qkv_bias=mt == "qwen2_moe", qk_norm=mt == "qwen3_moe")
         s.norm(f"{p}.post_attention_layernorm", hidden)
-        if mt.startswith("deepseek") or mt == "glm4_moe":
+        if mt.startswith("deepseek") or mt in ("glm4_moe", "kimi_k2"):
             _deepseek_mlp(s, p, config, i)
-        elif mt == "mixtral":
+        elif mt in ("mixtral", "minimax_m2"):
             _mixtral_mlp(s, p, config, i)
+        elif mt == "gpt_oss":
+            _gpt_oss_mlp(s, p, config)
         else:
             _qwen_mlp(s, p, config, i)
     s.norm("model.norm", hidden)

@@ -159,6 +159,102 @@ _GLM = (
     "{%- endif %}"
 )
 
+# MiniMax-M2's layout: ]~!b[, then turns opened by ]~b]system, ]~b]user, ]~b]ai, ]~b]tool and closed by [e~[; the
+# system turn always comes (its default text "You are a helpful assistant."), with the tools after it between <tools>
+# tags, one <tool> each; the assistant's calls in a <minimax:tool_call> block, one <invoke name=...> per call and one
+# <parameter name=...> per argument (strings bare, other values as JSON); tool results as <response> blocks in one
+# tool turn (consecutive ones together); the answer opens with <think>. Simpler than the release's template: an
+# earlier answer's reasoning is left out, and no current date or model identity is filled in.
+_MINIMAX = (
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' "
+    "else 'You are a helpful assistant.' %}"
+    "{{- ']~!b[]~b]system\\n' + system }}"
+    "{%- if tools %}"
+    "{{- '\\n\\n# Tools\\nYou may call one or more tools to assist with the user query.\\n'"
+    " + 'Here are the tools available in JSONSchema format:\\n\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- '<tool>' + (tool['function'] | tojson) + '</tool>\\n' }}{%- endfor %}"
+    "{{- '</tools>\\n\\nWhen making tool calls, use XML format to invoke tools and pass parameters:\\n'"
+    " + '\\n<minimax:tool_call>\\n<invoke name=\"tool-name-1\">\\n'"
+    " + '<parameter name=\"param-key-1\">param-value-1</parameter>\\n...\\n</invoke>\\n</minimax:tool_call>' }}"
+    "{%- endif %}"
+    "{{- '[e~[\\n' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- ']~b]tool' }}{%- endif %}"
+    "{{- '\\n<response>' + message['content'] + '</response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '[e~[\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- ']~b]ai\\n' + (message['content'] or '') }}"
+    "{%- if message.get('tool_calls') %}{{- '\\n<minimax:tool_call>\\n' }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- '<invoke name=\"' + call['function']['name'] + '\">\\n' }}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{%- for key, value in (args.items() if args is mapping else []) %}"
+    "{{- '<parameter name=\"' + key + '\">' + (value if value is string else value | tojson) + '</parameter>\\n' }}"
+    "{%- endfor %}"
+    "{{- '</invoke>\\n' }}"
+    "{%- endfor %}"
+    "{{- '</minimax:tool_call>' }}"
+    "{%- endif %}"
+    "{{- '[e~[\\n' }}"
+    "{%- else %}"
+    "{{- ']~b]' + message['role'] + '\\n' + message['content'] + '[e~[\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- ']~b]ai\\n<think>\\n' }}{%- endif %}"
+)
+
+# gpt-oss's harmony format, as the release's template renders system, user and assistant turns and earlier tool
+# calls; the rest of the release's template (tool definitions, builtin tools) is not rendered. Every message is
+# <|start|>ROLE<|message|>TEXT<|end|>; a system turn always comes first (model identity, knowledge cutoff, today's
+# date, "Reasoning: " reasoning_effort (default medium), the valid channels); a system or developer message given
+# first becomes a developer turn under "# Instructions"; an assistant answer is <|start|>assistant<|channel|>final
+# <|message|>TEXT<|end|>, its analysis channel (the reasoning, message['thinking']) dropped, except for a last
+# assistant message with no generation prompt: its thinking in the analysis channel, then the answer closed by
+# <|return|> (the token that ends a generation); the generation prompt is <|start|>assistant, after which the model
+# writes its channels. An earlier call is <|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>
+# ARGUMENTS<|call|>, its result <|start|>functions.NAME to=assistant<|channel|>commentary<|message|>"TEXT"<|end|>
+# (the text as a JSON string). The tools themselves (the release's TypeScript-like namespace in the developer turn)
+# are not listed, so a request's tools reach the model only through earlier calls.
+_HARMONY = (
+    "{%- set identity = model_identity if model_identity is defined "
+    "else 'You are ChatGPT, a large language model trained by OpenAI.' %}"
+    "{%- set effort = reasoning_effort if reasoning_effort is defined else 'medium' %}"
+    "{{- '<|start|>system<|message|>' + identity + '\\nKnowledge cutoff: 2024-06\\nCurrent date: '"
+    " + strftime_now('%Y-%m-%d') + '\\n\\nReasoning: ' + effort + '\\n\\n# Valid channels: analysis, commentary, "
+    "final. Channel must be included for every message.<|end|>' }}"
+    "{%- set first = messages[0]['role'] if messages else none %}"
+    "{%- set last_call = namespace(name='') %}"
+    "{%- if first in ('system', 'developer') %}"
+    "{{- '<|start|>developer<|message|># Instructions\\n\\n' + messages[0]['content'] + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if loop.first and first in ('system', 'developer') %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set args = call['function']['arguments'] %}"
+    "{%- set last_call.name = call['function']['name'] %}"
+    "{{- '<|start|>assistant to=functions.' + last_call.name + '<|channel|>commentary json<|message|>'"
+    " + (args if args is string else args | tojson) + '<|call|>' }}"
+    "{%- endfor %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|start|>functions.' + (message.get('name') or last_call.name) + ' to=assistant<|channel|>commentary'"
+    " + '<|message|>' + (message['content'] | tojson) + '<|end|>' }}"
+    "{%- elif message['role'] == 'assistant' and loop.last and not add_generation_prompt %}"
+    "{%- if message.get('thinking') %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + message['thinking'] + '<|end|>' }}"
+    "{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|return|>' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- elif message['role'] == 'user' %}"
+    "{{- '<|start|>user<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+
 # Mistral's [INST] format: a system message is put in front of the first user message; the prompt
 # for the assistant is the closing [/INST] itself, so add_generation_prompt adds nothing.
 _MIXTRAL = (
@@ -192,8 +288,18 @@ _GLM4 = TokenizerFamily(("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|u
                         bos=None, eos="<|user|>", pad="<|endoftext|>", unk=None,
                         extra_eos=("<|endoftext|>", "<|observation|>"), chat_template=_GLM)
 
+_MINIMAX_M2 = TokenizerFamily(("]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>",
+                               "</minimax:tool_call>"),
+                              bos="]~!b[", eos="[e~[", pad="[e~[", unk=None, extra_eos=(), chat_template=_MINIMAX)
+
+# o200k_harmony's special tokens (their ids there: 199998, 199999, 200002, 200003, 200005 to 200008, 200012)
+_GPT_OSS = TokenizerFamily(("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                            "<|start|>", "<|end|>", "<|message|>", "<|call|>"),
+                           bos=None, eos="<|return|>", pad="<|endoftext|>", unk=None,
+                           extra_eos=("<|endoftext|>", "<|call|>"), chat_template=_HARMONY)
+
 FAMILIES = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "deepseek_v2": _DS, "deepseek_v3": _DS, "mixtral": _MX,
-            "glm4_moe": _GLM4}
+            "glm4_moe": _GLM4, "minimax_m2": _MINIMAX_M2, "gpt_oss": _GPT_OSS}
 """Architecture -> its tokenizer family."""
 
 

@@ -10,7 +10,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="source: a Hugging Face model directory (bf16/fp8/GPTQ/AWQ), a .gguf file, or a Hub "
                              "repo id (org/name, org/name:Q4_K_M for a GGUF repo)")
     parser.add_argument("--revision", default=None, help="branch, tag or commit hash of a Hub repo id --model")
-    parser.add_argument("--format", default="auto", choices=["auto", "bf16", "int8", "int4"],
+    parser.add_argument("--format", default="auto", choices=["auto", "bf16", "int8", "int4", "fp8"],
                         help="packed expert format (default auto: the one a load picks, nearest the checkpoint's)")
     parser.add_argument("--group-size", type=int, default=None, choices=[32, 64, 128],
                         help="int4 group size (default: a 4-bit checkpoint's own: GPTQ/AWQ's, 32 for GGUF Q4; else 128)")

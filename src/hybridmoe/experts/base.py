@@ -49,6 +49,17 @@ class ExpertBackend(ABC):
             put_expert(stacked, num_experts, e, weights, weights[0].device)
         self.set_layer(layer, *stacked)
 
+    def set_layer_biases(self, layer: int, gate_bias: torch.Tensor, up_bias: torch.Tensor,
+                         down_bias: torch.Tensor) -> None:
+        """Take one layer's expert biases, gate/up [E, I], down [E, H] (gpt-oss), after its weights; called only for
+        a model whose config declares expert_bias. Default: the backend runs experts without biases."""
+        raise HybridMoEError(f"{type(self).__name__} runs routed experts without biases")
+
+    def takes_fp8_codes(self) -> bool:
+        """Whether set_layer_experts takes a block-FP8 matrix as Fp8Codes (experts/fp8_codes.py: its codes and
+        scales as the checkpoint has them) in place of a float tensor. False (default): float tensors only."""
+        return False
+
     def int4_codes_group(self) -> int | None:
         """The int4 group size in which set_layer_codes takes GPTQ/AWQ codes as they are; None (default): the
         backend takes float weights only."""

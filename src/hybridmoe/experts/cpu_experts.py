@@ -8,8 +8,9 @@ Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediat
     out = torch.ops.hybridmoe.cpu_experts(x, topk_ids, topk_weights, experts.handle)  # traceable
 
 Weights are quantized and tiled once, here, expert by expert (a float32 copy of one expert at
-a time, never of the layer). `packed_state()` / `CpuExperts.from_packed(state)` move the packed
-form without repacking (the buffers are used in place, e.g. memory-mapped from a cache file).
+a time, never of the layer); block-FP8 codes (fp8_codes.py Fp8Codes) go into the fp8 format as they
+are. `packed_state()` / `CpuExperts.from_packed(state)` move the packed form without repacking (the
+buffers are used in place, e.g. memory-mapped from a cache file).
 
 Bad arguments raise HybridMoEError (a ValueError) with one line that names the argument: integers
 are checked here (type and range) before they reach the engine, tensors the engine cannot read
@@ -32,9 +33,10 @@ from torch.utils.dlpack import to_dlpack
 
 from hybridmoe.config import MAX_CPU_THREADS
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.fp8_codes import FP8_BLOCK, Fp8Codes, dense_weights
 from hybridmoe.experts.tuning import EngineTuning, from_native, to_native
 
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "fp8")
 MAX_THREADS = MAX_CPU_THREADS
 """The most workers one layer's pool may have (config.MAX_CPU_THREADS, the native engine's kMaxThreads): past
 every CPU of the largest hosts, where more threads than CPUs only take turns on them."""
@@ -143,10 +145,12 @@ class CpuExperts:
     """The routed experts of one layer, packed for the CPU kernels.
 
     gate_proj, up_proj [E, I, H] and down_proj [E, H, I] in any float dtype. format: "bf16",
-    "int8" (per-output-channel symmetric) or "int4" (group-wise, group_size 32/64/128, with
-    zero points if zero_points=True). threads: workers (default: every allowed CPU). isa:
-    "generic" | "avx2" | "avx512" | "amx" (default: the fastest this CPU has). numa_nodes:
-    worker groups, each owning a slice of every expert's output rows (default 1).
+    "int8" (per-output-channel symmetric), "int4" (group-wise, group_size 32/64/128, with
+    zero points if zero_points=True) or "fp8" (e4m3 with one float32 scale per 128x128 block,
+    amax / 448, as DeepSeek-V3's checkpoints; from_experts takes such checkpoints' codes as they
+    are). threads: workers (default: every allowed CPU). isa: "generic" | "avx2" | "avx512" |
+    "amx" (default: the fastest this CPU has). numa_nodes: worker groups, each owning a slice of
+    every expert's output rows (default 1).
     """
 
     def __init__(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -170,6 +174,7 @@ class CpuExperts:
         # One expert at a time in float32, through buffers reused from expert to expert: packing never holds
         # a float copy of the layer, nor maps and faults in fresh memory for each expert. The next expert is
         # asked for only once the last one is packed.
+        # Block-FP8 codes go into the fp8 format as they are; elsewhere (or beside float matrices) through float.
         _, H, I = self._engine.shape
         staging = (torch.empty(I, H), torch.empty(I, H), torch.empty(H, I))
         iter_experts = iter(experts)
@@ -177,6 +182,10 @@ class CpuExperts:
             expert = next(iter_experts, None)
             if expert is None:
                 raise HybridMoEError(f"got {e} experts, expected num_experts={E}")
+            if self.format == "fp8" and all(isinstance(w, Fp8Codes) for w in expert):
+                self._pack_fp8(e, expert, [buf.shape for buf in staging])
+                continue
+            expert = dense_weights(expert)
             for name, buf, w in zip(("gate", "up", "down"), staging, expert):
                 _check_tensor(f"expert {e}'s {name}", w)
                 if not w.dtype.is_floating_point:
@@ -187,6 +196,19 @@ class CpuExperts:
             self._call(self._engine.pack_expert, e, *staging)
         if next(iter_experts, None) is not None:
             raise HybridMoEError(f"got more experts than num_experts={E}")
+
+    def _pack_fp8(self, e: int, expert: tuple[Fp8Codes, ...], shapes: list[torch.Size]) -> None:
+        arrays = []
+        for name, w, shape in zip(("gate", "up", "down"), expert, shapes):
+            if w.codes.dtype != torch.float8_e4m3fn or w.codes.shape != shape:
+                raise HybridMoEError(f"expert {e}'s {name} codes must be float8_e4m3fn {list(shape)}, got "
+                                     f"{w.codes.dtype} {list(w.codes.shape)}")
+            blocks = [-(-n // FP8_BLOCK) for n in shape]
+            if list(w.scale.shape) != blocks:
+                raise HybridMoEError(f"expert {e}'s {name} scales must be {blocks} (one per {FP8_BLOCK}x{FP8_BLOCK} "
+                                     f"block), got {list(w.scale.shape)}")
+            arrays += [w.codes.contiguous().view(torch.uint8), w.scale.float().contiguous()]
+        self._call(self._engine.pack_expert_fp8, e, arrays)
 
     def _init_engine(self, E, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt):
         if format not in FORMATS:
@@ -241,13 +263,14 @@ class CpuExperts:
 
         The next expert is asked for only once the last one is packed, so a lazy source (a generator reading
         a checkpoint) holds one expert at a time and may drop each one's memory as soon as it is packed.
-        Same packed bytes as the constructor on the stacked tensors.
+        Same packed bytes as the constructor on the stacked tensors. A matrix may come as Fp8Codes (block-FP8
+        codes and scales): format "fp8" packs an expert whose three matrices are so without float, bit for bit.
         """
         iter_experts = iter(experts)
         first = next(iter_experts, None)
         if first is None:
             raise HybridMoEError(f"from_experts got no experts, expected num_experts={num_experts}")
-        if first[0].dim() != 2:
+        if len(first[0].shape) != 2:
             raise HybridMoEError(f"an expert's gate must be [I, H], got {list(first[0].shape)}")
         I, H = first[0].shape
         self = cls.__new__(cls)

@@ -10,7 +10,8 @@ def cpu_expert_bytes(fmt: str, inter: int, hidden: int, group_size: int) -> int:
     """Bytes the native engine reads for one expert (gate, up [I, H], down [H, I]) in fmt.
 
     bf16: 2 bytes a weight; int8: 1 byte a weight + a float32 scale per output row; int4: half a
-    byte a weight + a float32 scale per group of group_size weights (csrc/moe/pack.h's layouts).
+    byte a weight + a float32 scale per group of group_size weights; fp8: 1 byte a weight + a float32 scale
+    per 32 rows x 128 columns (csrc/moe/packed.h's layouts).
     """
     weights = 3 * inter * hidden
     if fmt == "bf16":
@@ -19,6 +20,8 @@ def cpu_expert_bytes(fmt: str, inter: int, hidden: int, group_size: int) -> int:
         return weights + 4 * (2 * inter + hidden)
     if fmt == "int4":
         return weights // 2 + 4 * (weights // group_size)
+    if fmt == "fp8":
+        return weights + 4 * (2 * -(-inter // 32) * -(-hidden // 128) + -(-hidden // 32) * -(-inter // 128))
     raise HybridMoEError(f"unknown expert format {fmt!r}")
 
 

@@ -28,6 +28,9 @@ def make_expert_backend(engine_config: EngineConfig, config, model_cls: type | N
     model_cls's tensor sizes in dtype); otherwise expert_backend alone decides.
     """
     act = get_activation(config.hidden_act)
+    torch_only = torch_only_experts(config)
+    if torch_only is not None:
+        return _torch_only_backend(engine_config, config, torch_only, act)
     if engine_config.expert_backend == "native" and config.hidden_act not in ("silu", "swish"):
         raise HybridMoEError(f"expert_backend='native' runs SiLU experts only; this model uses {config.hidden_act!r}")
     if uses_hybrid(engine_config):
@@ -35,6 +38,29 @@ def make_expert_backend(engine_config: EngineConfig, config, model_cls: type | N
     if engine_config.expert_backend == "torch":
         return TorchExperts(act=act)
     return NativeLayers(_cpu_experts_class(), **_native_options(engine_config))
+
+
+def torch_only_experts(config) -> str | None:
+    """What the model's routed experts need that only the torch reference runs, for a message (the native engine and
+    the hybrid split compute act(gate x) * up x, without biases); None: every backend runs them."""
+    needs = []
+    if config.get("expert_glu") is not None:
+        needs.append(f"the {config.expert_glu.name} activation")
+    if config.get("expert_bias"):
+        needs.append("biases")
+    return " and ".join(needs) or None
+
+
+def _torch_only_backend(engine_config: EngineConfig, config, needs: str, act) -> ExpertBackend:
+    """The torch reference for experts with `needs`; asked for elsewhere, one line naming what is missing there."""
+    if uses_hybrid(engine_config):
+        raise HybridMoEError(f"the hybrid GPU/CPU expert split (gpu_memory_budget, gpu_experts_per_layer, "
+                             f"deferred_experts) has no routed experts with {needs}, which this model's need; "
+                             "leave those unset (the torch reference runs them)")
+    if engine_config.expert_backend == "native":
+        raise HybridMoEError(f"expert_backend='native' has no routed experts with {needs}, which this model's "
+                             "need; use expert_backend='torch' (or 'auto')")
+    return TorchExperts(act=act, glu=config.get("expert_glu"))
 
 
 def _native_options(ec: EngineConfig) -> dict:
@@ -76,6 +102,10 @@ class _NativeLayer:
     def from_experts(self, experts, num_experts: int):
         return self.cls.from_experts(experts, num_experts, **self.options)
 
+    @property
+    def format(self) -> str:
+        return self.options["format"]
+
 
 class NativeLayers(ExpertBackend):
     """One native CpuExperts per MoE layer behind the model-wide ExpertBackend interface.
@@ -95,6 +125,10 @@ class NativeLayers(ExpertBackend):
     def set_layer_experts(self, layer, experts, num_experts: int):
         """The layer packed from (gate, up, down) of one expert at a time (CpuExperts.from_experts)."""
         self.adopt(layer, self._build.from_experts(experts, num_experts))
+
+    def takes_fp8_codes(self) -> bool:
+        """fp8 experts are packed from block-FP8 codes as they are (CpuExperts.from_experts)."""
+        return self._build.format == "fp8"
 
     def int4_codes_group(self) -> int | None:
         """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.base import ExpertBackend, put_expert
 from hybridmoe.experts.deferral import DeferredOutputs, split_deferred
+from hybridmoe.experts.fp8_codes import dense_weights
 from hybridmoe.experts.gpu_experts import weighted_experts
 from hybridmoe.experts.hybrid_fixed import FixedShapeSteps
 from hybridmoe.experts.hybrid_parts import DeferredOfPass, LayerSplit, Partial
@@ -72,8 +73,9 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
         self.plan, self.device, self.act = plan, torch.device(device), act
         self._cpu_layer = cpu_layer
         self.gpu_format = gpu_format
-        """None: GPU experts stacked in the model's dtype; "int4" / "int8": packed by cpu_layer (the native engine,
-        in that format) and kept packed on the device (experts/packed_gpu.py; packed_gpu_format decides)."""
+        """None: GPU experts stacked in the model's dtype (so with fp8 CPU experts); "int4" / "int8": packed by
+        cpu_layer (the native engine, in that format) and kept packed on the device (experts/packed_gpu.py;
+        packed_gpu_format decides)."""
         self.deferred_experts = deferred_experts
         self._layers: dict[int, LayerSplit] = {}
         self._inflight: dict[int, tuple[Partial, torch.Tensor, tuple | None]] = {}
@@ -105,6 +107,11 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
                                     for w in (gate_proj, up_proj, down_proj)))
         self._layers[layer] = LayerSplit(on_gpu, local, gpu, cpu, self.device)
 
+    def takes_fp8_codes(self) -> bool:
+        """Block-FP8 codes go to a native fp8 CPU engine as they are; the GPU's experts are dequantized to the
+        model's dtype as they come (the GPU keeps no fp8 format: packed_gpu_format gives None for it)."""
+        return getattr(self._cpu_layer, "format", None) == "fp8"
+
     def set_layer_experts(self, layer, experts, num_experts: int):
         """set_layer from (gate, up, down) of one expert at a time, in expert order (as the loader reads them):
         each GPU expert goes to the device as it comes, and the CPU experts to cpu_layer.from_experts where
@@ -117,7 +124,7 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
         def cpu_experts():
             for e, weights in enumerate(experts):
                 if e in gpu_slot:
-                    put_expert(gpu, len(gpu_ids), gpu_slot[e], weights, self._gpu_staging)
+                    put_expert(gpu, len(gpu_ids), gpu_slot[e], dense_weights(weights), self._gpu_staging)
                 else:
                     yield weights
 
@@ -127,7 +134,7 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
         else:
             stacked: list[torch.Tensor] = []
             for i, weights in enumerate(cpu_experts()):
-                put_expert(stacked, len(cpu_ids), i, weights, torch.device("cpu"))
+                put_expert(stacked, len(cpu_ids), i, dense_weights(weights), torch.device("cpu"))
             cpu = self._cpu_layer(*stacked) if stacked else None
         self._layers[layer] = LayerSplit(on_gpu, local, self._on_device(tuple(gpu)) if gpu else None, cpu, self.device)
 

@@ -11,7 +11,9 @@ slice s of all E experts is one buffer "<gate|up|down>.<s>.w" (+ ".scale", ".zer
   bf16 / int8 block: [Kp/2][32 rows][2]                  (k = 2 * pair + j)
   int4 block:        [Kp/8][2 halves][2 quads][16 rows][2] bytes, low nibble k8 = 2*quad + j,
                      high nibble k8 = 4 + 2*quad + j, row = 16 * half + r, k = 8 * step + k8
-  int8 scales [nb][32] per row; int4 scales (and zero points) [nb][G][32] per (row, group).
+  fp8 block:         [Kp/2][32 rows][2] e4m3 codes, as int8
+  int8 scales [nb][32] per row; int4 scales (and zero points) [nb][G][32] per (row, group); fp8 scales
+  [nb][ceil(Kp/128)] per (block, 128 columns).
 E experts, n of them dequantized, N rows, K columns (Kp padded), nb blocks of a slice, G groups.
 """
 
@@ -28,9 +30,16 @@ BLOCK_ROWS = 32
 MATRICES = ("gate", "up", "down")
 
 
-def fused_dequant(device: torch.device) -> bool:
-    """Whether PackedLayout.dequantize runs as one Triton pass on device (no torch temporaries)."""
-    return device.type == "cuda" and HAVE_TRITON
+FORMATS = ("bf16", "int8", "int4", "fp8")
+TRITON_FORMATS = ("bf16", "int8", "int4")
+"""The formats experts/packed_triton.py dequantizes; fp8 runs the torch version everywhere."""
+FP8_GROUP = 128
+"""Columns per fp8 scale (csrc/moe/packed.h kFp8GroupK)."""
+
+
+def fused_dequant(device: torch.device, fmt: str) -> bool:
+    """Whether PackedLayout.dequantize of format fmt runs as one Triton pass on device (no torch temporaries)."""
+    return device.type == "cuda" and HAVE_TRITON and fmt in TRITON_FORMATS
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,7 @@ class PackedLayout:
         self.format, self.group = state["format"], int(state["group_size"])
         self.zero_points = bool(state["zero_points"])
         numa = int(state["numa_nodes"])
-        if self.format not in ("bf16", "int8", "int4"):
+        if self.format not in FORMATS:
             raise HybridMoEError(f"unknown packed expert format {self.format!r}")
         mats = []
         for m, name in enumerate(MATRICES):
@@ -76,8 +85,9 @@ class PackedLayout:
         """Name -> size in bytes of every packed buffer (what packed_state()["buffers"] holds)."""
         out = {}
         for mat in self.matrices:
-            block = BLOCK_ROWS * mat.Kp * {"bf16": 2, "int8": 1, "int4": 0.5}[self.format]
-            scales = {"bf16": 0, "int8": BLOCK_ROWS, "int4": BLOCK_ROWS * mat.Kp // self.group}[self.format]
+            block = BLOCK_ROWS * mat.Kp * {"bf16": 2, "int8": 1, "int4": 0.5, "fp8": 1}[self.format]
+            scales = {"bf16": 0, "int8": BLOCK_ROWS, "int4": BLOCK_ROWS * mat.Kp // self.group,
+                      "fp8": -(-mat.Kp // FP8_GROUP)}[self.format]
             for sl in mat.slices:
                 out[sl.w] = int(self.E * sl.blocks * block)
                 for name in (sl.scale, sl.zero):
@@ -95,7 +105,7 @@ class PackedLayout:
 
     def matrix(self, mat: _Matrix, buffers: dict[str, torch.Tensor], experts: torch.Tensor, dtype) -> torch.Tensor:
         """One of self.matrices for experts `experts`, [n, N, K] in dtype (dequantize's parts)."""
-        if fused_dequant(experts.device):
+        if fused_dequant(experts.device, self.format):
             return self._matrix_triton(mat, buffers, experts, dtype)
         rows = [self._slice(mat, sl, buffers, experts, dtype) for sl in mat.slices]  # each [n, nb * 32, K]
         return torch.cat(rows, dim=1)[:, :mat.N] if len(rows) > 1 else rows[0][:, :mat.N]
@@ -148,6 +158,17 @@ class PackedLayout:
             zero = zero.transpose(2, 3).reshape(n, nb * BLOCK_ROWS, G)
         return q.view(n, nb * BLOCK_ROWS, Kp), scale, zero
 
+    def _slice_fp8(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor, dtype) -> torch.Tensor:
+        """One fp8 slice [n, nb * 32, K]: each code's value times its (block, 128 columns) scale in float32."""
+        n, nb, Kp = experts.numel(), sl.blocks, mat.Kp
+        w = buffers[sl.w].view(self.E, -1)[experts]  # [n, nb * block bytes]
+        q = w.view(torch.int16).view(n, nb, Kp // 2, BLOCK_ROWS).transpose(2, 3).contiguous()  # code pairs
+        scale = buffers[sl.scale].view(torch.float32).view(self.E, nb, -1)[experts]  # [n, nb, G]
+        scale = scale.repeat_interleave(FP8_GROUP, dim=2)[..., None, :Kp]  # [n, nb, 1, Kp]
+        W = torch.empty(n, nb, BLOCK_ROWS, Kp, dtype=dtype, device=w.device)
+        torch.mul(q.view(torch.float8_e4m3fn).view(n, nb, BLOCK_ROWS, Kp).float(), scale, out=W)
+        return W.view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K]
+
     def _slice(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor, dtype) -> torch.Tensor:
         # The products are float32, as the engine's, and rounded to dtype by the multiplication that
         # makes them (one pass; what .to(dtype) of the float32 result gives).
@@ -156,6 +177,8 @@ class PackedLayout:
             w = buffers[sl.w].view(self.E, -1)[experts]  # [n, nb * block bytes]
             q = w.view(torch.int32).view(n, nb, Kp // 2, BLOCK_ROWS).transpose(2, 3).contiguous()
             return q.view(torch.bfloat16).view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K].to(dtype)
+        if self.format == "fp8":
+            return self._slice_fp8(mat, sl, buffers, experts, dtype)
         q, scale, zero = self._slice_codes(mat, sl, buffers, experts)
         W = torch.empty(q.shape, dtype=dtype, device=q.device)
         if self.format == "int8":

@@ -516,7 +516,7 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     """
     cdtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     xc, ids = x.to(cdtype), ids.long()
-    chunk = dequant_chunk_experts(layout.H, layout.I, fused=fused_dequant(x.device))
+    chunk = dequant_chunk_experts(layout.H, layout.I, fused=fused_dequant(x.device, layout.format))
     if triton_usable(x.device, act):
         return _routed_triton(layout, buffers, xc, ids, weights, mask, chunk, resident, resident_mask)
     out = torch.zeros((x.shape[0], layout.H), dtype=torch.float32, device=x.device)

@@ -20,7 +20,9 @@ from hybridmoe.layers.kv_quant import FP8, kernels_read_fp8, read_positions, wri
 from hybridmoe.layers.linear import MergedLinear, decode_gemv, norm_linear
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.rotary import RotaryEmbedding, apply_rotary
+from hybridmoe.layers.sink_attention import attend_with_sinks
 from hybridmoe.platform import HAVE_TRITON
+
 
 def contiguous_slot_table(num_slots: int, max_len: int, block_size: int, device: torch.device) -> torch.Tensor:
     """[num_slots, M] int32: slot s holds blocks s * M .. s * M + M - 1 (M blocks cover max_len positions)."""
@@ -117,42 +119,47 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | Non
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
-                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write k, v into the cache, then attend each sequence's queries to its cached keys (torch ops).
 
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] -> [T, Hq, Dv]. Without a cache every
-    sequence must start at position 0 and attends to its own new tokens only.
+    sequence must start at position 0 and attends to its own new tokens only. sinks [Hq]: gpt-oss's
+    per-head sink logits (layers/sink_attention.py), or None.
     """
     ctx = get_context()
     if cache is None:
         if any(ctx.start_pos):
             raise RuntimeError("decoding past position 0 needs a KV cache: call allocate_kv_cache first")
-        return _attend_uncached(q, k, v, ctx, scale, sliding_window)
+        return _attend_uncached(q, k, v, ctx, scale, sliding_window, sinks)
     idx = _cache_index(ctx, cache, q.device)
     cache.write(idx.token_row, k, v)
-    return _attend_cached(q, cache, ctx, idx, scale, sliding_window)
+    return _attend_cached(q, cache, ctx, idx, scale, sliding_window, sinks=sinks)
 
 
 def _cache_index(ctx: Context, cache: KVCache, device: torch.device) -> StepIndex:
     return step_index(ctx, device, cache.slot_table, cache.block_size)
 
 
-def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = False):
+def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = False, sinks=None):
     """The step's queries q [T, Hq, Dk] over their sequences' caches, this step's keys already written.
-    fused: a decode step in one Triton kernel (decode_attention_triton.py; q on CUDA)."""
-    if (ctx.decode is not None or ctx.is_decode) and fused:
+    fused: a decode step in one Triton kernel (decode_attention_triton.py; q on CUDA), which has no sinks."""
+    if (ctx.decode is not None or ctx.is_decode) and fused and sinks is None:
         from hybridmoe.layers.decode_attention_triton import triton_decode_attention
 
         return triton_decode_attention(q, cache.k, cache.v, idx.block_table, idx.seq_slot, idx.seq_len, scale,
                                        sliding_window, idx.max_seq_len, cache.k_scale, cache.v_scale)
     if ctx.decode is not None or ctx.is_decode:
         first = ctx.first_block(0) if ctx.num_seqs == 1 else None
-        return _attend_decode(q, cache, idx, scale, sliding_window, first)
+        return _attend_decode(q, cache, idx, scale, sliding_window, first, sinks)
     out = []
     for b in range(ctx.num_seqs):
         lo, hi = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1]
         end = ctx.start_pos[b] + (hi - lo)
         kb, vb = cache.read(idx.block_table[ctx.slot_ids[b]], end, ctx.first_block(b))
+        if sinks is not None:
+            out.append(attend_with_sinks(q[lo:hi], kb, vb, ctx.start_pos[b], scale, sinks, sliding_window))
+            continue
         if sliding_window is None:  # the queries are the last hi - lo of the end positions
             out.append(_sdpa_causal(q[lo:hi], kb, vb, scale))
             continue
@@ -162,10 +169,13 @@ def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = Fals
     return torch.cat(out)
 
 
-def _attend_uncached(q, k, v, ctx, scale, sliding_window):
+def _attend_uncached(q, k, v, ctx, scale, sliding_window, sinks=None):
     out = []
     for b in range(ctx.num_seqs):
         lo, hi = ctx.cu_seqlens[b], ctx.cu_seqlens[b + 1]
+        if sinks is not None:
+            out.append(attend_with_sinks(q[lo:hi], k[lo:hi], v[lo:hi], 0, scale, sinks, sliding_window))
+            continue
         if sliding_window is None:
             out.append(_sdpa_causal(q[lo:hi], k[lo:hi], v[lo:hi], scale))
             continue
@@ -197,12 +207,12 @@ def _sdpa_causal(q, k, v, scale):
     return o[0].transpose(0, 1)
 
 
-def _attend_decode(q, cache, idx, scale, sliding_window, first_block: int | None = None):
+def _attend_decode(q, cache, idx, scale, sliding_window, first_block: int | None = None, sinks=None):
     """One new token per sequence over each sequence's cache up to the longest (or the padded length of a
     fixed-shape step), the rest masked: q [B, Hq, Dk] -> [B, Hq, Dv]. Each key/value head's G query heads are one
     matrix product against its keys, scores in float32 and probabilities rounded to the cache dtype before they
     weigh the values (as the Triton kernel does); on the CPU this runs 2.5-6x faster than SDPA, which expands
-    the key/value heads."""
+    the key/value heads. sinks [Hq]: one more logit per head in the softmax, which weighs no value."""
     max_len = idx.max_seq_len
     rows = idx.block_table[idx.seq_slot]  # [B, M]
     kb, vb = cache.read(rows, max_len, first_block)  # [B, L, Hkv, Dk], [B, L, Hkv, Dv]
@@ -214,7 +224,9 @@ def _attend_decode(q, cache, idx, scale, sliding_window, first_block: int | None
         hidden |= k_pos[None, :] <= idx.token_pos[:, None] - sliding_window
     scores = q.view(B, Hkv, Hq // Hkv, Dk).float() @ kb.permute(0, 2, 3, 1).float()  # [B, Hkv, G, L]
     scores = (scores * scale).masked_fill(hidden[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(vb.dtype)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().view(1, Hkv, Hq // Hkv, 1).expand(B, -1, -1, 1)], dim=-1)
+    probs = scores.softmax(dim=-1)[..., :max_len].to(vb.dtype)
     return (probs @ vb.transpose(1, 2)).reshape(B, Hq, vb.shape[-1])
 
 
@@ -222,15 +234,20 @@ class Attention(nn.Module):
     """Grouped-query attention with rotary embeddings; q/k/v checkpoint tensors load into qkv_proj.
 
     rope: the normalized rope dict (rope_type, rope_theta, ...). qk_norm_eps: Qwen3's per-head
-    RMSNorm of queries and keys before rotary (None: no norm). sliding_window: keys older than
-    this many positions are not seen (None: full causal attention). rotary_dim: how many of each head's
-    first dimensions rotate (GLM-4.5's partial rotary; None: all head_dim). The Triton kernels rotate whole
-    heads, so a partial-rotary layer runs its rotary and cache writes as torch ops.
+    RMSNorm of queries and keys before rotary (None: no norm). qk_norm_per_head False: one RMSNorm over all
+    of q's heads together and one over all of k's (MiniMax-M2: weights [Hq D] and [Hkv D]), before the split
+    into heads. sliding_window: keys older than this many positions are not seen (None: full causal
+    attention). rotary_dim: how many of each head's first dimensions rotate (GLM-4.5's partial rotary; None:
+    all head_dim). The Triton kernels rotate whole heads and normalize per head, so a partial-rotary layer or
+    one with whole-q/k norms runs its norms, rotary and cache writes as torch ops. sinks: a learned logit per
+    query head joins each softmax and weighs no value (gpt-oss; parameter `sinks` [Hq], layers/sink_attention.py);
+    the Triton kernels have none, so such a layer attends in torch ops.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rope: dict, *, qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
-                 sliding_window: int | None = None, rotary_dim: int | None = None):
+                 qk_norm_per_head: bool = True, sliding_window: int | None = None, rotary_dim: int | None = None,
+                 sinks: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
@@ -238,10 +255,15 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
                                                    num_kv_heads * head_dim], bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qk_norm_per_head = qk_norm_per_head
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = RMSNorm(head_dim if qk_norm_per_head else num_heads * head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim if qk_norm_per_head else num_kv_heads * head_dim, qk_norm_eps)
         self.rotary = RotaryEmbedding(rotary_dim or head_dim, rope)
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        # the Triton kernels (rope_triton, decode_attention_triton) rotate whole heads, normalize per head and
+        # have no sinks
+        self.fits_kernels = self.rotary.dim == head_dim and (qk_norm_per_head or qk_norm_eps is None) and not sinks
         self.kv_cache: KVCache | None = None
         self.fused = True  # on CUDA: norms, rotary and cache writes in one kernel, decode attention in one
         # on CUDA, short steps: o_proj as the Triton GEMV (layers/linear.py); a decode step over at most
@@ -268,11 +290,11 @@ class Attention(nn.Module):
         if qkv is None:
             qkv = self.qkv_proj(x)
         t = qkv.shape[0]
-        whole_heads = self.rotary.dim == self.head_dim  # the Triton kernels rotate whole heads
-        if (self.fused and HAVE_TRITON and qkv.is_cuda and self.kv_cache is not None and whole_heads
+        if (self.fused and HAVE_TRITON and qkv.is_cuda and self.kv_cache is not None and self.fits_kernels
                 and (not self.kv_cache.quantized or kernels_read_fp8(qkv.device))):
             return self._o_proj(self._fused_attention(qkv, positions).reshape(t, self.num_heads * self.head_dim))
-        o = cached_attention(*self._rotated(qkv, positions), self.kv_cache, self.scale, self.sliding_window)
+        o = cached_attention(*self._rotated(qkv, positions), self.kv_cache, self.scale, self.sliding_window,
+                             self.sinks)
         return self._o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
     def _rotated(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -281,10 +303,13 @@ class Attention(nn.Module):
         t = qkv.shape[0]
         cos, sin = self.rotary(positions, qkv.dtype)
         q, k, v = self.qkv_proj.split(qkv)
+        norm = hasattr(self, "q_norm")
+        if norm and not self.qk_norm_per_head:  # [T, Hq D] and [T, Hkv D], all heads in one norm each
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if norm and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 

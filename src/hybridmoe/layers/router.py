@@ -27,3 +27,13 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K largest logits, then a softmax over those K only (gpt-oss), in float32.
+
+    router_logits [T, E] -> (weights [T, K] float32, ids [T, K] int64). Mathematically softmax_topk with
+    renormalize, but softmax over the K chosen logits rounds as transformers' GptOssTopKRouter does.
+    """
+    values, ids = torch.topk(router_logits.float(), top_k, dim=-1)
+    return torch.softmax(values, dim=-1), ids

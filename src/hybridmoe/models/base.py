@@ -124,6 +124,18 @@ class MoECausalLM(nn.Module):
     expert_name_format = "model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
     """Inverse of expert_pattern (proj spelled as the checkpoint spells it), for error messages."""
 
+    fused_expert_pattern: re.Pattern | None = None
+    """Routed experts stored fused, one tensor per MoE layer and part for all its experts (gpt-oss:
+    mlp.experts.gate_up_proj [E, H, 2I], ...); groups: layer, part. None: one tensor per expert and projection
+    (expert_pattern). fused_expert_shapes names the parts, split_fused_experts splits a layer's."""
+
+    fused_expert_name_format = ""
+    """Inverse of fused_expert_pattern, for error messages."""
+
+    mxfp4_experts = False
+    """Whether this family's checkpoints may store their fused experts as MXFP4 (quantization_config quant_method
+    "mxfp4", read by weights/mxfp4.py), as gpt-oss's releases do; for any other family such a config is refused."""
+
     def __init__(self, config: ModelConfig, experts: ExpertBackend):
         super().__init__()
         self.config = config
@@ -260,6 +272,21 @@ class MoECausalLM(nn.Module):
         if m is None:
             return None
         return int(m.group(1)), int(m.group(2)), self.expert_projs[m.group(3)]
+
+    def fused_expert_key(self, name: str) -> tuple[int, str] | None:
+        """(layer, part) if name is a fused routed-expert tensor (fused_expert_pattern), else None."""
+        m = self.fused_expert_pattern.fullmatch(name) if self.fused_expert_pattern is not None else None
+        return (int(m.group(1)), m.group(2)) if m is not None else None
+
+    def fused_expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each fused part's shape in the checkpoint, for a family with fused_expert_pattern."""
+        raise NotImplementedError
+
+    def split_fused_experts(self, parts: dict[str, torch.Tensor]) -> tuple[tuple, tuple | None]:
+        """The fused parts of n experts of a layer (the loader passes one expert at a time, n = 1) -> ((gate
+        [n, I, H], up [n, I, H], down [n, H, I]), their biases (gate [n, I], up [n, I], down [n, H]) or None), as
+        views: the loader copies them to the backend."""
+        raise NotImplementedError
 
     def expert_name(self, layer: int, expert: int, proj: str) -> str:
         spelled = {v: k for k, v in self.expert_projs.items()}[proj]

@@ -118,6 +118,20 @@ _GLM4_MOE = {
     "use_qk_norm": BOOL, "partial_rotary_factor": Rule(float, above=0, high=1, null=True),
 }
 
+# transformers' MiniMaxM2 always routes by sigmoid and normalizes q and k over all heads, and has no shared experts:
+# a config.json asking otherwise is refused rather than run as something else
+_MINIMAX_M2 = {
+    "num_key_value_heads": _GQA["num_key_value_heads"], "head_dim": _GQA["head_dim"], "num_local_experts": _int(),
+    "intermediate_size": _int(), "rotary_dim": _int(2, null=True),
+    "partial_rotary_factor": Rule(float, above=0, high=1, null=True),
+    "scoring_func": Rule(str, choices=("sigmoid",), null=True),
+    "qk_norm_type": Rule(str, choices=("per_layer",), null=True),
+    "shared_intermediate_size": Rule(int, choices=(0,), null=True),
+}
+
+_GPT_OSS = {**_GQA, "num_local_experts": _int(), "intermediate_size": _int(), "attention_bias": BOOL,
+            "swiglu_alpha": Rule(float, above=0), "swiglu_limit": Rule(float, above=0)}
+
 
 @dataclass(frozen=True)
 class Schema:
@@ -143,6 +157,8 @@ SCHEMAS = {
     "DeepseekV3ForCausalLM": Schema({**_DEEPSEEK_V2, "topk_method": Rule(str, null=True), "rope_interleave": BOOL},
                                     "n_routed_experts", False),
     "Glm4MoeForCausalLM": Schema(_GLM4_MOE, "n_routed_experts", True),
+    "GptOssForCausalLM": Schema(_GPT_OSS, "num_local_experts", True, layer_types=True),
+    "MiniMaxM2ForCausalLM": Schema(_MINIMAX_M2, "num_local_experts", True),
 }
 
 ROPE_RULES = {
@@ -177,7 +193,7 @@ def checked_config(cls: type[MoECausalLM], raw: dict, source: str) -> ModelConfi
     for key, rule in {**COMMON, **schema.rules}.items():
         check.value(key, values, rule)
     check.eos_token_id(values.get("eos_token_id"))
-    check.quantization(values.get("quantization_config"))
+    check.quantization(values.get("quantization_config"), cls)
     layers = values["num_hidden_layers"]
     for key in schema.layer_lists:
         check.layer_list(key, values.get(key), layers)
@@ -213,9 +229,12 @@ class _Checker:
         if v is not None and not all(type(t) is int and t >= 0 for t in ids):
             raise self.fail("eos_token_id", v, "an integer >= 0, a list of them, or null")
 
-    def quantization(self, qc: dict | None) -> None:
+    def quantization(self, qc: dict | None, cls: type[MoECausalLM]) -> None:
         if not qc:
             return
+        if qc.get("quant_method") == "mxfp4" and not cls.mxfp4_experts:
+            raise CheckpointError(f"{self.source}: quantization_config quant_method 'mxfp4' is read for gpt-oss's "
+                                  f"fused experts only (GptOssForCausalLM), not for {cls.__name__}")
         for key, rule in QUANTIZATION_RULES.items():
             if key in qc:
                 self.value(key, qc, rule, "quantization_config.")

@@ -83,6 +83,19 @@ def _glm4_moe(c: ModelConfig) -> tuple[int, int, int, int, int]:
     return moe_layers, E, c.moe_intermediate_size, attention, shared
 
 
+def _minimax_m2(c: ModelConfig) -> tuple[int, int, int, int, int]:
+    q_k = (c.num_attention_heads + c.num_key_value_heads) * c.head_dim  # q_norm and k_norm span all heads
+    attention = _gqa_attention(c, False, False, False) + q_k
+    return c.num_hidden_layers, c.num_local_experts, c.intermediate_size, attention, c.num_local_experts  # + the bias
+
+
+def _gpt_oss(c: ModelConfig) -> tuple[int, int, int, int, int]:
+    """Every layer MoE; the routed experts' biases (E (2I + H) a layer, beside 3 E H I) are not counted."""
+    bias = bool(c.attention_bias)
+    attention = _gqa_attention(c, bias, bias, False) + c.num_attention_heads  # + the sinks
+    return c.num_hidden_layers, c.num_local_experts, c.intermediate_size, attention, c.num_local_experts  # + bias
+
+
 _FAMILIES = {
     "Qwen2MoeForCausalLM": lambda c: _qwen(c, qwen2=True),
     "Qwen3MoeForCausalLM": lambda c: _qwen(c, qwen2=False),
@@ -90,6 +103,8 @@ _FAMILIES = {
     "DeepseekV2ForCausalLM": lambda c: _deepseek(c, v3=False),
     "DeepseekV3ForCausalLM": lambda c: _deepseek(c, v3=True),
     "Glm4MoeForCausalLM": _glm4_moe,
+    "GptOssForCausalLM": _gpt_oss,
+    "MiniMaxM2ForCausalLM": _minimax_m2,
 }
 """Architecture -> (MoE layers, E, expert I, one layer's attention, one MoE layer's parameters besides its router
 and routed experts)."""

@@ -21,6 +21,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("hybridmoe.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("hybridmoe.models.deepseek", "DeepseekV3ForCausalLM"),
     "Glm4MoeForCausalLM": ("hybridmoe.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "GptOssForCausalLM": ("hybridmoe.models.gpt_oss", "GptOssForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("hybridmoe.models.minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 
 

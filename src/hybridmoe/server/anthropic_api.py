@@ -45,7 +45,7 @@ from hybridmoe.server.serving_common import (
     request_params,
     sse,
 )
-from hybridmoe.server.structured import check_structured
+from hybridmoe.server.structured import check_structured, reasoning_closed_first
 from hybridmoe.server.tool_choice import marker_for, reading_markup
 
 log = logging.getLogger("hybridmoe.server")
@@ -86,6 +86,7 @@ async def _create_message(state: ServerState, request: Request) -> Response:
     await check_structured(state, chat.plan.structured, "tools")
     state.engine.check_capacity()
     text, prompt_ids = await render_chat(state, chat.messages, **chat.plan.template_kwargs)
+    params = reasoning_closed_first(params, template, text, marker_for(state.tokenizer))
     output = ChatOutputFormat(chat.plan.parser, reasoning_parser(template, text))
     params = for_prompt(state, params, len(prompt_ids), req.max_tokens, seed=req.seed)
     msg_id = message_id()

@@ -29,8 +29,8 @@ from hybridmoe.server.serving_common import (
     for_prompt,
     request_params,
 )
-from hybridmoe.server.structured import check_structured, ollama_structured
-from hybridmoe.server.tool_choice import plan, reading_markup
+from hybridmoe.server.structured import check_structured, ollama_structured, reasoning_closed_first
+from hybridmoe.server.tool_choice import marker_for, plan, reading_markup
 from hybridmoe.server.tool_parsers import ParsedOutput
 from hybridmoe.server.tool_parsers.base import assemble
 
@@ -133,6 +133,7 @@ async def chat(state: ServerState, req: OllamaChatRequest, request: Request) -> 
     tools = plan(template, req.tools, None, None, {} if req.think is not False else {"enable_thinking": False})
     params = reading_markup(params, tools.parser, template)
     text, ids = await render_chat(state, [m.as_template_message() for m in req.messages], **tools.template_kwargs)
+    params = reasoning_closed_first(params, template, text, marker_for(state.tokenizer))
     params = for_prompt(state, params, len(ids), _max_tokens(req.options), req.options.seed)
     output = ChatOutputFormat(tools.parser, reasoning_parser(template, text))
     return await _answer(state, req.model, ids, params, req.stream, request, output)

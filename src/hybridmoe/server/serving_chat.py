@@ -41,7 +41,7 @@ from hybridmoe.server.serving_common import (
     sse,
     token_text,
 )
-from hybridmoe.server.structured import check_structured, structured_of
+from hybridmoe.server.structured import check_structured, reasoning_closed_first, structured_of
 from hybridmoe.server.tool_choice import marker_for, plan_tools, reading_markup
 from hybridmoe.server.tool_parsers import Delta
 
@@ -84,6 +84,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     await check_structured(state, structured, "response_format" if plan.structured is None else "tools")
     state.engine.check_capacity(req.n)
     text, prompt_ids = await render_chat(state, [message_dict(m) for m in req.messages], **plan.template_kwargs)
+    params = reasoning_closed_first(params, state.tokenizer.chat_template, text, marker_for(state.tokenizer))
     output = ChatOutputFormat(plan.parser, reasoning_parser(state.tokenizer.chat_template, text))
     group = [(prompt_ids, for_prompt(state, params, len(prompt_ids), max_tokens, seed_for(req.seed, i)))
              for i in range(req.n)]

@@ -4,13 +4,19 @@ stream."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.sampling_params import StructuredOutput
+from hybridmoe.sampling_params import SamplingParams, StructuredOutput
 from hybridmoe.server.prompts import off_loop
 from hybridmoe.server.protocol import ResponseFormat
+from hybridmoe.server.reasoning import THINK_CLOSE, prompt_opens_reasoning, template_thinks
 from hybridmoe.server.serving_common import APIError, ServerState
+from hybridmoe.server.tool_choice import COMPACT, Marker
+
+_START = re.compile(r"^start:", re.MULTILINE)
 
 
 def structured_of(response_format: ResponseFormat | None) -> StructuredOutput | None:
@@ -51,3 +57,25 @@ async def check_structured(state: ServerState, spec: StructuredOutput | None, pa
         await off_loop(state, lambda: state.engine.engine.grammars().check(spec))
     except HybridMoEError as e:
         raise APIError(400, str(e), param=param) from None
+
+
+def reasoning_closed_first(params: SamplingParams, chat_template: str | None, prompt: str,
+                           marker: Marker) -> SamplingParams:
+    """params whose grammar first closes the reasoning the rendered prompt left open (a template that opens
+    <think> for the model, as MiniMax-M2's does): held from the first token, the JSON or the calls would else be
+    written inside the reasoning, where the reasoning reader keeps them from the answer. The output starts with
+    </think>, so a held answer comes without reasoning. Other grammars are kept as they are."""
+    spec = params.structured
+    if spec is None or not template_thinks(chat_template) or not prompt_opens_reasoning(prompt):
+        return params
+    close = f'{marker(THINK_CLOSE)} "\\n"?'
+    if spec.kind in ("json_object", "json_schema"):
+        schema = json.loads(spec.spec) if spec.kind == "json_schema" else {"type": "object"}
+        if not isinstance(schema, dict):  # true / false: any value / none, nothing to hold after </think>
+            return params
+        grammar = f"start: {close} %json {json.dumps({**schema, 'x-guidance': COMPACT})}\n"
+    elif spec.kind == "lark" and _START.search(spec.spec):
+        grammar = f"start: {close} answer\n" + _START.sub("answer:", spec.spec)
+    else:
+        return params
+    return dataclasses.replace(params, structured=StructuredOutput("lark", grammar))

@@ -93,23 +93,42 @@ def mistral_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str
     return f"start: {marker('[TOOL_CALLS]')} {_json(items)}\n"
 
 
+def _required_arguments(t: ToolDef, family: str) -> tuple[dict, list[str]]:
+    """(properties, required keys) of a tool whose arguments a format writes one by one; 400 for parameters without
+    plain properties (anyOf / oneOf / allOf at the top), which such a format cannot write."""
+    schema = _arguments(t)
+    combined = any(k in schema for k in ("anyOf", "oneOf", "allOf"))
+    if combined or not isinstance(schema.get("properties", {}), dict):
+        raise APIError(400, f"tool {t.function.name!r}: {family} writes arguments one by one, which needs "
+                            f"parameters with plain properties; let the model choose (auto)", param="tools")
+    return schema.get("properties", {}), list(schema.get("required", []))
+
+
 def glm45_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str:
     """<tool_call>NAME, then per required parameter <arg_key>KEY</arg_key> and <arg_value>VALUE</arg_value> on
     lines of their own, then </tool_call>; each value as JSON of its property's schema (a string quoted: the
     parser reads a value that parses as JSON as that JSON)."""
     calls = []
     for t in tools:
-        schema = _arguments(t)
-        combined = any(k in schema for k in ("anyOf", "oneOf", "allOf"))
-        if combined or not isinstance(schema.get("properties", {}), dict):
-            raise APIError(400, f"tool {t.function.name!r}: GLM-4.5 writes arguments one by one, which needs "
-                                f"parameters with plain properties; let the model choose (auto)", param="tools")
+        properties, required = _required_arguments(t, "GLM-4.5")
         args = [f'{marker("<arg_key>")} {quoted(key)} {marker("</arg_key>")} "\\n" {marker("<arg_value>")} '
-                f'{_json(schema["properties"].get(key, {}))} {marker("</arg_value>")} "\\n"'
-                for key in schema.get("required", [])]
+                f'{_json(properties.get(key, {}))} {marker("</arg_value>")} "\\n"' for key in required]
         calls.append(f'{marker("<tool_call>")} {quoted(t.function.name + chr(10))} {" ".join(args)} '
                      f'{marker("</tool_call>")}')
     return _calls(" | ".join(f"({c})" for c in calls), parallel, '"\\n"')
+
+
+def minimax_m2_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str:
+    """A <minimax:tool_call> section of <invoke name="NAME"> blocks, each with one <parameter name="KEY">VALUE
+    </parameter> line per required parameter; each value as JSON of its property's schema (as glm45_grammar)."""
+    calls = []
+    for t in tools:
+        properties, required = _required_arguments(t, "MiniMax-M2")
+        args = [f'{quoted(f"<parameter name={quoted(key)}>")} {_json(properties.get(key, {}))} '
+                f'{quoted("</parameter>" + chr(10))}' for key in required]
+        calls.append(f'{quoted(f"<invoke name={quoted(t.function.name)}>" + chr(10))} {" ".join(args)} '
+                     f'{quoted("</invoke>" + chr(10))}')
+    return _section(calls, parallel, f'{marker("<minimax:tool_call>")} "\\n"', marker("</minimax:tool_call>"))
 
 
 def _calls(call: str, parallel: bool, separator: str) -> str:
@@ -124,7 +143,7 @@ def _section(calls: list[str], parallel: bool, begin: str, end: str) -> str:
 
 GRAMMARS: dict[str, Callable[[list[ToolDef], bool, Marker], str]] = {
     "hermes": hermes_grammar, "deepseek_v3": deepseek_v3_grammar, "kimi_k2": kimi_k2_grammar,
-    "mistral": mistral_grammar, "glm45": glm45_grammar}
+    "mistral": mistral_grammar, "glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar}
 """Tool-call format (tool_parsers.PARSERS' names) -> its grammar of calls. gpt-oss (its channels around the
 call) has none yet."""
 
@@ -194,7 +213,7 @@ def plan(chat_template: str | None, tools: list[ToolDef] | None, tool_choice: st
         return ToolPlan(harmony, None, template_kwargs, parallel)
     if parser is None:
         raise APIError(400, "this model's chat template writes no tool-call format the server reads (Qwen/Hermes, "
-                            "DeepSeek-V3, GLM-4.5, Kimi-K2, gpt-oss, Mistral); send the request without tools",
+                            "DeepSeek-V3, GLM-4.5, Kimi-K2, MiniMax-M2, gpt-oss, Mistral); send the request without tools",
                        param="tools")
     structured = None if choice == "auto" else forced_calls(parser.name, tools, choice, parallel, marker)
     dumped = [t.model_dump(exclude_none=True) for t in tools]

@@ -2,7 +2,8 @@
 
 - expert_backend "auto": the native CPU engine when it is built and can hold the model's precision
   (SiLU experts and a bf16/fp16 compute dtype, or a directory already converted for it); otherwise
-  the torch reference, so a float32 model stays exact.
+  the torch reference, so a float32 model stays exact. Experts only the torch reference runs (gpt-oss's
+  clamped SwiGLU with biases) take it, said in a log line.
 - expert_format "auto": the native format nearest the checkpoint's (weights/native_format.py).
 - gpu_memory_budget None on a GPU with the native engine: 90% of the GPU's free memory, so the
   routed experts the GPU can hold run there and the rest on the CPU.
@@ -27,6 +28,7 @@ import torch
 from hybridmoe.config import EngineConfig, uses_hybrid
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cpu_experts import available_isas
+from hybridmoe.experts.factory import torch_only_experts
 from hybridmoe.experts.placement import format_bytes, model_footprint
 from hybridmoe.experts.streamed_prefill import (
     break_even_tokens,
@@ -49,7 +51,11 @@ AUTO_BUDGET_FRACTION = 0.9
 def resolve_expert_backend(engine_config: EngineConfig, config, dtype: torch.dtype, model_dir: str | Path) -> str:
     if engine_config.expert_backend != "auto":
         return engine_config.expert_backend
-
+    torch_only = torch_only_experts(config)
+    if torch_only is not None:
+        log.info("expert_backend auto: torch, since the native engine has no routed experts with %s (this "
+                 "model's)", torch_only)
+        return "torch"
     if read_manifest(Path(model_dir)) is not None:
         return "native"
     if not native_engine_built() or config.hidden_act not in ("silu", "swish") or dtype == torch.float32:

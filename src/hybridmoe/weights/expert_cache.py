@@ -43,7 +43,7 @@ LAYOUT_VERSION = 2
 """Version of this directory layout (not of the engine's packed buffers: the probe covers those). Version 1,
 the same without expert_crc32, still loads: see has_expert_checksums."""
 
-PACKED_FORMATS = ("bf16", "int8", "int4")
+PACKED_FORMATS = ("bf16", "int8", "int4", "fp8")
 
 _NP_DTYPES = {"U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "F16": np.float16,
               "BF16": np.uint16, "F32": np.float32, "I32": np.int32, "U32": np.uint32, "F64": np.float64,

@@ -4,7 +4,8 @@
   and the engine options must match them (a mismatch is an error naming the options to pass).
   Every expert's bytes are checked against their CRC-32 (verify_experts "full"; "header" checks the
   headers and expert 0 only); a directory converted before the checksums loads with a warning.
-- Otherwise, with the native engine in int8/int4 and a cache directory: the first start packs the
+- Otherwise, with the native engine in int8/int4 (or fp8 from another checkpoint than a 128x128 block-FP8
+  one) and a cache directory: the first start packs the
   checkpoint's experts and writes them to <cache_dir>/experts/<key>/; the next start with the same
   checkpoint files and options maps them back instead of reading and quantizing. The key covers
   the checkpoint's config.json, its weight files (path, size, mtime) and the packing options.
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 
 from hybridmoe.config import EngineConfig, format_bytes
 from hybridmoe.errors import CheckpointError, HybridMoEError
+from hybridmoe.experts.fp8_codes import FP8_BLOCK
 from hybridmoe.weights.expert_cache import (
     MANIFEST,
     PackedSpec,
@@ -38,9 +40,11 @@ from hybridmoe.weights.expert_cache import (
     read_manifest,
     verify_layers,
 )
+from hybridmoe.weights.native_format import block_fp8_block
 
-CACHED_FORMATS = ("int8", "int4")
-"""bf16 packing is a copy, as fast as reading a cache would be: only quantized formats are cached."""
+CACHED_FORMATS = ("int8", "int4", "fp8")
+"""bf16 packing is a copy, as fast as reading a cache would be: only quantized formats are cached, and fp8 only where
+it quantizes (from a block-FP8 checkpoint in its own 128x128 blocks, packing copies the codes: _packs_by_copy)."""
 
 CACHE_MIN_FREE_FRACTION = 0.1
 """Of the cache disk's size, left free after writing an entry: a cache entry (hundreds of GB for the largest
@@ -150,6 +154,12 @@ def drop_unreachable_entries(entries: Path, model_dir: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
+def _packs_by_copy(engine_config: EngineConfig, config) -> bool:
+    """Whether the experts go into fp8 straight from a block-FP8 checkpoint's codes (nothing to save in a cache)."""
+    block = block_fp8_block(config.get("quantization_config") or {})
+    return engine_config.expert_format == "fp8" and block == (FP8_BLOCK, FP8_BLOCK)
+
+
 def _spec_fields(engine_config: EngineConfig) -> dict:
     return {"format": engine_config.expert_format, "group_size": engine_config.expert_group_size,
             "zero_points": bool(engine_config.expert_zero_points) and engine_config.expert_format == "int4"}
@@ -186,7 +196,8 @@ def plan_packed_experts(model_dir: Path, engine_config: EngineConfig, model, bac
         return PackedExperts(False, _adopt_all(model_dir, manifest, model, _converted_spec(manifest, engine_config),
                                                backend, engine_config))
     root = cache_root(engine_config)
-    if engine_config.expert_backend != "native" or engine_config.expert_format not in CACHED_FORMATS or root is None:
+    if (engine_config.expert_backend != "native" or engine_config.expert_format not in CACHED_FORMATS or root is None
+            or _packs_by_copy(engine_config, model.config)):
         return PackedExperts(True)
     spec_fields = _spec_fields(engine_config)
     entry = root / "experts" / cache_key(model_dir, spec_fields)

@@ -2,9 +2,13 @@
 
 general.architecture: qwen3moe -> Qwen3MoeForCausalLM, qwen2moe -> Qwen2MoeForCausalLM, llama
 with experts -> MixtralForCausalLM, deepseek2 -> DeepseekV3ForCausalLM when its router scores by
-sigmoid (V3, R1, Kimi-K2), else DeepseekV2ForCausalLM (V2, V2-Lite, V2.5). Which layers are dense
-(Qwen's mlp_only_layers) and whether the embedding is tied are read off the tensors present, not
-guessed.
+sigmoid (V3, R1, Kimi-K2), else DeepseekV2ForCausalLM (V2, V2-Lite, V2.5), glm4moe ->
+Glm4MoeForCausalLM (GLM-4.5, 4.5-Air, 4.6). Which layers are dense (Qwen's mlp_only_layers), whether
+the embedding is tied and whether GLM's attention has q/k/v bias and q/k norm are read off the tensors
+present, not guessed. block_count counts the multi-token-prediction layers a file carries past the
+decoder stack ({arch}.nextn_predict_layers of them), as llama.cpp does; num_hidden_layers does not.
+The end-of-generation tokens llama.cpp stops at (tokenizer.ggml.eos/eot/eom_token_id) become a list
+eos_token_id when there are several.
 
 DeepSeek's GGUF metadata loses two things the HF config has, filled as llama.cpp runs the file:
 - without expert_group_count / expert_group_used_count (files older than those keys) routing is
@@ -23,13 +27,15 @@ from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.gguf_file import GGUFFiles
 
 SUPPORTED = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "llama": "MixtralForCausalLM",
-             "deepseek2": "DeepseekV2ForCausalLM"}
+             "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
 """GGUF general.architecture -> our model class (llama only with routed experts: Mixtral; deepseek2 with
 sigmoid gating: DeepseekV3ForCausalLM)."""
 
-_MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "deepseek2": "deepseek_v2"}
+_MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "deepseek2": "deepseek_v2",
+               "glm4moe": "glm4_moe"}
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _BLOCK = re.compile(r"blk\.(\d+)\.")
+_END_OF_GENERATION = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 SOFTMAX, SIGMOID = 1, 2
 """{arch}.expert_gating_func values (llama.cpp's llama_expert_gating_func_type)."""
 
@@ -46,13 +52,17 @@ def _number(gguf: GGUFFiles, key: str, value):
     return value
 
 
-def _block_count(gguf: GGUFFiles, key: str, value) -> int:
-    """The number of layers, at least 1 and at most the layers the tensors hold (a flipped bit would otherwise
-    make a config of billions of layers)."""
+def _block_count(gguf: GGUFFiles, arch: str, blocks, nextn) -> int:
+    """The decoder layers: block_count less the multi-token-prediction layers, at least 1 and at most the layers
+    the tensors hold (a flipped bit would otherwise make a config of billions of layers). A file converted
+    without its prediction layers still counts them in block_count when it keeps nextn_predict_layers."""
     held = max((int(m.group(1)) for n in gguf.tensors if (m := _BLOCK.match(n))), default=-1) + 1
-    if not 1 <= int(value) <= held:
-        raise CheckpointError(f"{gguf.paths[0]}: GGUF metadata {key} is {value}, but its tensors hold {held} layers")
-    return int(value)
+    layers = int(blocks) - int(nextn)
+    if not 0 <= int(nextn) < int(blocks) or not 1 <= layers <= held:
+        less = f" less {arch}.nextn_predict_layers {nextn}" if nextn else ""
+        raise CheckpointError(f"{gguf.paths[0]}: GGUF metadata {arch}.block_count is {blocks}{less}, but its tensors "
+                              f"hold {held} layers")
+    return layers
 
 
 def _dense_size(gguf: GGUFFiles, moe_layers: set[int], declared) -> int:
@@ -69,7 +79,7 @@ def hf_config(gguf: GGUFFiles) -> dict:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or arch not in SUPPORTED or (arch == "llama" and not meta.get("llama.expert_count")):
         raise CheckpointError(f"GGUF architecture {arch!r:.40} is not supported; supported: qwen3moe, qwen2moe, "
-                              "deepseek2, llama with experts (Mixtral)")
+                              "deepseek2, glm4moe, llama with experts (Mixtral)")
 
     def get(key, default=None, required=False):
         full = f"{arch}.{key}"
@@ -80,7 +90,7 @@ def hf_config(gguf: GGUFFiles) -> dict:
 
     if "token_embd.weight" not in gguf.tensors:
         raise CheckpointError(f"{gguf.paths[0]} has no token_embd.weight tensor")
-    layers = _block_count(gguf, f"{arch}.block_count", get("block_count", required=True))
+    layers = _block_count(gguf, arch, get("block_count", required=True), get("nextn_predict_layers", 0))
     heads = int(get("attention.head_count", required=True))
     hidden = int(get("embedding_length", required=True))
     moe_layers = {int(m.group(1)) for n in gguf.tensors if (m := _ROUTER.fullmatch(n))}
@@ -97,6 +107,8 @@ def hf_config(gguf: GGUFFiles) -> dict:
     experts = int(get("expert_count", required=True))
     if arch == "deepseek2":
         _deepseek(cfg, gguf, get, experts, _dense_size(gguf, moe_layers, get("feed_forward_length", 0)))
+    elif arch == "glm4moe":
+        _glm4moe(cfg, gguf, get, experts, _dense_size(gguf, moe_layers, get("feed_forward_length", 0)))
     elif arch == "llama":
         cfg.update(num_local_experts=experts, intermediate_size=int(get("feed_forward_length", required=True)),
                    sliding_window=None)
@@ -122,6 +134,9 @@ def hf_config(gguf: GGUFFiles) -> dict:
         if f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id" in meta:
             key = f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id"
             cfg[f"{role}_token_id"] = int(_number(gguf, key, meta[key]))
+    stops = [int(_number(gguf, key, meta[key])) for key in _END_OF_GENERATION if key in meta]
+    if len(set(stops)) > 1:
+        cfg["eos_token_id"] = list(dict.fromkeys(stops))
     return cfg
 
 
@@ -165,3 +180,33 @@ def _deepseek(cfg: dict, gguf: GGUFFiles, get, experts: int, dense_size: int) ->
                 "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)),
                 "mscale": mscale, "mscale_all_dim": mscale, "attention_factor": 1.0}
     cfg["rope_parameters"] = rope
+
+
+def _glm4moe(cfg: dict, gguf: GGUFFiles, get, experts: int, dense_size: int) -> None:
+    """The Glm4MoeForCausalLM config.json fields, in place, with llama.cpp's defaults for absent keys: the whole
+    head rotates, no routed scale, no renormalisation of the top-k weights, no groups, sigmoid routing."""
+    path = gguf.paths[0]
+    head_dim = int(get("attention.key_length", cfg["hidden_size"] // cfg["num_attention_heads"]))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{path}: glm4moe.attention.value_length differs from key_length {head_dim}; "
+                              "GLM-4.5's heads have one size")
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    factor = rope_dim / head_dim
+    if int(head_dim * factor) != rope_dim:
+        raise CheckpointError(f"{path}: glm4moe.rope.dimension_count {rope_dim} is not a fraction of head_dim "
+                              f"{head_dim} that config.json's partial_rotary_factor can say")
+    gating = int(get("expert_gating_func", SIGMOID))
+    if gating != SIGMOID:
+        raise CheckpointError(f"{path}: glm4moe.expert_gating_func is {gating}; GLM-4.5 routes by sigmoid ({SIGMOID})")
+    n_group = int(get("expert_group_count", 0)) or 1  # llama.cpp: 0 (absent) or 1 means no groups
+    cfg.update(
+        head_dim=head_dim, partial_rotary_factor=factor, intermediate_size=dense_size,
+        moe_intermediate_size=int(get("expert_feed_forward_length", required=True)),
+        n_routed_experts=experts, n_shared_experts=int(get("expert_shared_count", required=True)),
+        first_k_dense_replace=int(get("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(get("expert_weights_scale", 0.0)) or 1.0,
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        n_group=n_group, topk_group=int(get("expert_group_used_count", required=True)) if n_group > 1 else 1,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors, use_qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
+        num_nextn_predict_layers=int(get("nextn_predict_layers", 0)),
+    )

@@ -6,6 +6,10 @@ Hugging Face checkpoint. For Llama-architecture files (Mixtral) llama.cpp's conv
 the rows of q and k for its rotary layout; unpermute_rows undoes that. DeepSeek (deepseek2)
 files keep the checkpoint's interleaved rotary rows as they are; newer conversions split MLA's
 kv_b_proj into attn_k_b (per head, transposed) and attn_v_b, which join_kv_b puts back together.
+GLM-4.5 (glm4moe) files keep the checkpoint's rows too (llama.cpp rotates them NeoX-style, as
+transformers does) and call the pre-MLP norm post_attention_norm. The multi-token-prediction
+layer a file may carry past the last decoder layer (blk.N.nextn.*) gets its checkpoint names
+(model.layers.N.eh_proj, ...), which the models skip as beyond their last layer.
 """
 
 from __future__ import annotations
@@ -33,7 +37,14 @@ _LAYER = {
 _SPECIAL = {("exp_probs_b", "bias"): "{mlp}.gate.e_score_correction_bias"}
 """(GGUF part, suffix) -> the whole HF suffix, for names that are not module + .weight/.bias."""
 
-_SHARED = {"deepseek2": "shared_experts"}
+_ARCH_LAYER = {"glm4moe": {"post_attention_norm": "post_attention_layernorm"}}
+"""Per-architecture additions to _LAYER."""
+
+_NEXTN = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "embed_tokens": "embed_tokens",
+          "shared_head_head": "shared_head.head", "shared_head_norm": "shared_head.norm"}
+"""blk.N.nextn.<part> -> model.layers.N.<module>: the multi-token-prediction layer's own tensors."""
+
+_SHARED = {"deepseek2": "shared_experts", "glm4moe": "shared_experts"}
 """The shared expert's module name where it is not Qwen2-MoE's "shared_expert"."""
 
 _MLP = {"llama": "block_sparse_moe"}
@@ -44,6 +55,7 @@ KV_B_PARTS = ("attn_k_b", "attn_v_b")
 """Newer llama.cpp conversions of DeepSeek store kv_b_proj as these two tensors."""
 
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_NEXTN_BLOCK = re.compile(r"blk\.(\d+)\.nextn\.(\w+)\.(weight|bias)")
 _TOP = re.compile(r"(\w+)\.(weight|bias)")
 
 
@@ -60,9 +72,11 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
         names = dict(mlp=mlp_name(arch), shared=_SHARED.get(arch, "shared_expert"))
         if (part, kind) in _SPECIAL:
             return f"model.layers.{layer}.{_SPECIAL[part, kind].format(**names)}"
-        if part not in _LAYER:
-            return None
-        return f"model.layers.{layer}.{_LAYER[part].format(**names)}.{kind}"
+        module = _ARCH_LAYER.get(arch, {}).get(part, _LAYER.get(part))
+        return None if module is None else f"model.layers.{layer}.{module.format(**names)}.{kind}"
+    m = _NEXTN_BLOCK.fullmatch(gguf_name)
+    if m is not None and m.group(2) in _NEXTN:
+        return f"model.layers.{m.group(1)}.{_NEXTN[m.group(2)]}.{m.group(3)}"
     m = _TOP.fullmatch(gguf_name)
     if m is not None and m.group(1) in _GLOBAL:
         return f"{_GLOBAL[m.group(1)]}.{m.group(2)}"

@@ -3,7 +3,9 @@
 Byte-level BPE ("gpt2" in tokenizer.ggml.model: Qwen, DeepSeek, Llama-3 style) is rebuilt with the
 `tokenizers` library from tokenizer.ggml.tokens / merges / token_type: CONTROL tokens become
 special added tokens, USER_DEFINED ones added tokens; the pre-tokenizer split follows
-tokenizer.ggml.pre (GPT-2's, or Qwen2's).
+tokenizer.ggml.pre (GPT-2's, Qwen2's, or GLM-4's: Llama-3's split, digits in runs of up to three).
+As llama.cpp does for GLM-4 vocabularies, a word that is itself a token is not merged up from pieces,
+and no BOS is added (GLM's chat template writes its [gMASK]<sop> prefix).
 
 SentencePiece BPE ("llama": Llama/Mistral/Mixtral) is rebuilt as Hugging Face's Llama tokenizer.json
 is: a byte-fallback BPE over tokenizer.ggml.tokens whose merges come from tokenizer.ggml.scores.
@@ -37,14 +39,20 @@ SPACE = "\u2581"
 
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GLM4_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"qwen2": _QWEN2_SPLIT, "glm4": _GLM4_SPLIT, "glm5": _GLM4_SPLIT, "chatglm-bpe": _GLM4_SPLIT}
+"""tokenizer.ggml.pre -> the regex that splits text into words (llama.cpp's llama-vocab.cpp)."""
+_GLM = ("glm4", "glm5", "chatglm-bpe")
+"""Pre-tokenizer names whose vocabularies llama.cpp runs without a BOS token."""
 
 
 def _pre_tokenizer(pre: str | None):
     if pre in (None, "default", "gpt-2", "gpt2"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if pre == "qwen2":
+    if pre in _SPLITS:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     warnings.warn(f"GGUF tokenizer.ggml.pre {pre!r} is not known here; splitting words as GPT-2 does, "
                   "which may tokenize some text differently from llama.cpp", stacklevel=3)
@@ -100,7 +108,8 @@ def tokenizer_files(meta: dict) -> tuple[Tokenizer, dict] | None:
     else:
         merges = meta.get("tokenizer.ggml.merges") or []
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                                   merges=[tuple(m.split(" ", 1)) for m in merges]))
+                                   merges=[tuple(m.split(" ", 1)) for m in merges],
+                                   ignore_merges=meta.get("tokenizer.ggml.pre") in ("glm4", "glm5")))
         tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         tok.decoder = decoders.ByteLevel()
     added = [AddedToken(t, special=ty == CONTROL, normalized=False)
@@ -113,6 +122,8 @@ def tokenizer_files(meta: dict) -> tuple[Tokenizer, dict] | None:
         token_id = meta.get(f"tokenizer.ggml.{key}")
         if token_id is not None and 0 <= int(token_id) < len(tokens):
             config[role] = tokens[int(token_id)]
+    if kind == "gpt2" and meta.get("tokenizer.ggml.pre") in _GLM:
+        config.pop("bos_token", None)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and "bos_token" in config
     if add_bos:
         bos = config["bos_token"]

@@ -27,8 +27,9 @@ REPO_REF = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<quant>[\w.-]
 
 METADATA_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "quantize_config.json",
-                  INDEX_NAME, MANIFEST]
-"""The small files a load reads beside the weights (those the repo has are fetched)."""
+                  "tiktoken.model", "tokenization_*.py", INDEX_NAME, MANIFEST]
+"""The small files a load reads beside the weights (those the repo has are fetched); a tiktoken tokenizer's
+tokenization_*.py is read for its regex, never run (tokenizer_tiktoken.py)."""
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,15 @@ each MoE layer's experts go to the ExpertBackend, read from the checkpoint one e
 layer is complete (the native engine and the hybrid split take them so, set_layer_experts: packed straight
 from the mapped file; the torch reference gets them stacked into gate/up [E, I, H] and down [E, H, I] for
 set_layer; GPTQ/AWQ int4 codes that the native int4 engine takes as they are go to set_layer_codes, never
-through float). Each tensor's mapped pages are released once it is copied or packed, so the checkpoint is
-never resident as a whole. engine/model_loader.py builds the model and chooses the backend first.
+through float; block-FP8 codes that the native fp8 engine takes as they are go to set_layer_experts as Fp8Codes,
+never through float); experts stored fused, one tensor per layer and part (gpt-oss), go through
+weights/fused_experts.py. Each tensor's mapped pages are released once it is copied or packed, so the checkpoint
+is never resident as a whole. engine/model_loader.py builds the model and chooses the backend first.
 
 Every tensor the model or the backend receives is checked as it is read (checked_weight): a float dtype (the
 readers hand quantized formats over dequantized or as Int4Codes, so an integer tensor here is a wrong file) and
-no NaN or Inf, found by one min/max pass over its bytes (~30 GB/s), not a full-size mask.
+no NaN or Inf, found by one min/max pass over its bytes (~30 GB/s), not a full-size mask. Block-FP8 codes handed
+over as they are get their scales checked here and their codes by the native packer (a NaN code fails there).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import torch
 from tqdm.auto import tqdm
 
 from hybridmoe.errors import CheckpointError
+from hybridmoe.experts.fp8_codes import Fp8Codes
 from hybridmoe.layers.linear import MergedLinear
 from hybridmoe.models.base import EXPERT_PROJS, ModelConfig, MoECausalLM
+from hybridmoe.weights.fused_experts import FusedExpertLayers
 from hybridmoe.weights.int4_codes import Int4Codes
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
@@ -91,12 +96,14 @@ class _ExpertStacker:
         self.num_experts, inter = model.expert_dims()
         hidden = model.config.hidden_size
         self.shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
-        self.layers = set(model.moe_layers)
+        self.layers = set(model.moe_layers) if model.fused_expert_pattern is None else set()  # else: fused ones
         # layer -> (expert, proj) -> the checkpoint name of a float tensor, or int4 codes (a view of `codes`)
         self.entries: dict[int, dict[tuple[int, str], str | Int4Codes]] = {}
         # layer -> proj -> every expert's int4 codes [E, N, ...], filled as they come
         self.codes: dict[int, dict[str, Int4Codes]] = {}
         self.done: set[int] = set()
+        # name -> (codes, scale) of a block-FP8 tensor, where the backend takes those as they are
+        self.fp8_codes = getattr(ckpt, "fp8_codes", None) if model.experts.takes_fp8_codes() else None
 
     def accepts(self, layer: int, expert: int) -> bool:
         return layer in self.layers and 0 <= expert < self.num_experts
@@ -139,11 +146,20 @@ class _ExpertStacker:
         release = getattr(self.ckpt, "release", lambda name: None)
         for e in range(self.num_experts):
             sources = [entries[(e, p)] for p in EXPERT_PROJS]
-            yield tuple((s.dequantize() if isinstance(s, Int4Codes) else checked_weight(s, self.ckpt.get(s)))
-                        .to(self.device, self.dtype) for s in sources)
+            yield tuple(self._weight(s) for s in sources)
             for s in sources:
                 if isinstance(s, str):
                     release(s)
+
+    def _weight(self, source: str | Int4Codes) -> torch.Tensor | Fp8Codes:
+        """One expert matrix as the backend takes it: block-FP8 codes as stored where it takes those (their NaN
+        codes are the packer's to refuse), else float in the expert dtype and device."""
+        if isinstance(source, Int4Codes):
+            return source.dequantize().to(self.device, self.dtype)
+        stored = self.fp8_codes(source) if self.fp8_codes is not None else None
+        if stored is not None:
+            return Fp8Codes(stored[0], checked_weight(f"{source} (scales)", stored[1]), self.dtype)
+        return checked_weight(source, self.ckpt.get(source)).to(self.device, self.dtype)
 
     def first_missing(self) -> str | None:
         for layer in sorted(self.layers - self.done):
@@ -163,6 +179,7 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
     """
     targets = _expected_params(model)
     stacker = _ExpertStacker(model, ckpt, expert_device, expert_dtype)
+    fused = FusedExpertLayers(model, ckpt, expert_device, expert_dtype, checked_weight)
     release = getattr(ckpt, "release", lambda name: None)
     codes_group = model.experts.int4_codes_group()
     int4_codes = ckpt.int4_codes if codes_group and getattr(ckpt, "int4_group", None) == codes_group else None
@@ -180,6 +197,14 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
                     continue
                 key = model.expert_key(name)
                 if key is not None and not load_experts:
+                    continue
+                fused_key = model.fused_expert_key(name)
+                if fused_key is not None:
+                    if not fused.accepts(*fused_key):
+                        unexpected.append(name)
+                    elif load_experts:
+                        _check_shape(name, ckpt.shape(name), fused.expected_shape(fused_key[1]))
+                        fused.add(*fused_key, name)
                     continue
                 if key is not None:
                     layer, expert, proj = key
@@ -211,7 +236,7 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
         name = model.checkpoint_name(*missing[0])
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor {name}{more}")
-    missing_expert = stacker.first_missing() if load_experts else None
+    missing_expert = (stacker.first_missing() or fused.first_missing()) if load_experts else None
     if missing_expert is not None:
         raise CheckpointError(f"checkpoint is missing tensor {missing_expert}")
 

@@ -7,8 +7,11 @@
                                                           or 128, else 128; 4-bit with zero
                                                           points (expert_zero_points None -> on), so the
                                                           codes load as they are (weights/int4_codes.py)
+    compressed-tensors pack-quantized int4 (symmetric) -> int4 in the checkpoint's group size (32, 64 or 128),
+                                                          with zero points (all 8), so the codes load as they are
     GPTQ 8-bit                                         -> int8
-    GGUF F32/F16/BF16, safetensors (bf16/fp16/fp32/FP8)  -> bf16
+    block-FP8 e4m3 in 128x128 blocks (DeepSeek-V3)     -> fp8, its codes and scales as they are (experts/fp8_codes.py)
+    GGUF F32/F16/BF16, safetensors (bf16/fp16/fp32, FP8 in other blocks)  -> bf16
     a `hybridmoe convert`ed directory                  -> the format and group size it was packed in
 A GGUF that mixes types across its expert tensors (Q4_K_M keeps some down projections in Q6_K) takes
 the format that most expert weights map to; a tie goes to the more precise one.
@@ -25,6 +28,8 @@ from pathlib import Path
 
 from hybridmoe.config import DEFAULT_EXPERT_GROUP_SIZE, EngineConfig
 from hybridmoe.errors import CheckpointError, HybridMoEError
+from hybridmoe.experts.fp8_codes import FP8_BLOCK
+from hybridmoe.weights.compressed_tensors import pack_quantized_group
 from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.gguf_names import expert_tensor
 from hybridmoe.weights.int4_codes import INT4_GROUPS
@@ -81,8 +86,25 @@ def _qc_int(qc: dict, key: str, default: int) -> int:
     return value
 
 
+def block_fp8_block(qc: dict) -> tuple[int, int] | None:
+    """The (rows, columns) of a block-FP8 e4m3 checkpoint's scale blocks (quantization_config quant_method
+    "fp8"), None for any other checkpoint."""
+    if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
+        return None
+    return tuple(qc.get("weight_block_size") or (FP8_BLOCK, FP8_BLOCK))
+
+
 def _from_quantization_config(qc: dict) -> tuple[str, int | None, str] | None:
     method = qc.get("quant_method")
+    block = block_fp8_block(qc)
+    if block is not None:
+        if block == (FP8_BLOCK, FP8_BLOCK):
+            return "fp8", None, f"block-FP8 e4m3 in {FP8_BLOCK}x{FP8_BLOCK} blocks"
+        return "bf16", None, (f"block-FP8 e4m3 in {block[0]}x{block[1]} blocks (the native fp8 format's are "
+                              f"{FP8_BLOCK}x{FP8_BLOCK})")
+    if method == "compressed-tensors":
+        group = pack_quantized_group(qc)
+        return "int4", group, f"compressed-tensors int4 g{group}"
     if method not in ("gptq", "awq"):
         return None
     bits, group = _qc_int(qc, "bits", 4), _qc_int(qc, "group_size", 128)
@@ -103,12 +125,16 @@ def source_expert_format(model_dir: str | Path, config) -> tuple[str, int | None
 
 
 def _zero_points(engine_config: EngineConfig, config) -> bool:
-    """expert_zero_points, None resolved: int4 experts from a GPTQ/AWQ 4-bit checkpoint keep its zero points."""
+    """expert_zero_points, None resolved: int4 experts from a GPTQ/AWQ 4-bit or compressed-tensors int4 checkpoint
+    keep its zero points."""
     if engine_config.expert_zero_points is not None:
         return engine_config.expert_zero_points
     qc = config.get("quantization_config") or {}
-    return (engine_config.expert_format == "int4" and qc.get("quant_method") in ("gptq", "awq")
-            and _qc_int(qc, "bits", 4) == 4)
+    if engine_config.expert_format != "int4":
+        return False
+    if qc.get("quant_method") == "compressed-tensors":
+        return True  # its symmetric int4 codes load as they are with zero points 8
+    return qc.get("quant_method") in ("gptq", "awq") and _qc_int(qc, "bits", 4) == 4
 
 
 def resolve_expert_format(engine_config: EngineConfig, config, model_dir: str | Path) -> EngineConfig:

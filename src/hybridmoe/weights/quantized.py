@@ -7,6 +7,10 @@
   plain channel order are also offered as codes (int4_codes), which the native int4 engine with
   zero points packs as they are; the rest (GPTQ desc_act's permuted g_idx, other group sizes or
   bits) goes through float;
+- quant_method "compressed-tensors" (pack-quantized int4, Kimi-K2-Thinking's experts):
+  CompressedTensorsCheckpoint (compressed_tensors.py), which likewise shows X.weight and offers codes;
+- quant_method "mxfp4" (gpt-oss's fused experts): Mxfp4Checkpoint (mxfp4.py), which shows X_blocks + X_scales as
+  the float fused tensor X and decodes it one expert at a time;
 - anything else (bf16/fp16/fp32, DeepSeek block-FP8): SafetensorsCheckpoint.
 """
 
@@ -20,8 +24,11 @@ import torch
 from hybridmoe.errors import CheckpointError
 from hybridmoe.models.base import ModelConfig
 from hybridmoe.weights.awq import awq_int4_codes, dequantize_awq
+from hybridmoe.weights.compressed_tensors import CompressedTensorsCheckpoint
 from hybridmoe.weights.gptq import dequantize_gptq, gptq_int4_codes
 from hybridmoe.weights.int4_codes import INT4_GROUPS, Int4Codes
+from hybridmoe.weights.mxfp4 import Mxfp4Checkpoint
+from hybridmoe.weights.packed_linears import PackedLinears
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
 _PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
@@ -39,14 +46,20 @@ def open_checkpoint(model_dir: str | Path, config: ModelConfig):
     method = qc.get("quant_method")
     if method in ("gptq", "awq"):
         return QuantizedCheckpoint(model_dir, qc)
+    if method == "compressed-tensors":
+        return CompressedTensorsCheckpoint(model_dir, qc)
+    if method == "mxfp4":
+        return Mxfp4Checkpoint(model_dir)
     if method not in (None, "fp8"):
-        raise CheckpointError(f"quantization_config quant_method {method!r} is not supported; "
-                              "supported: fp8 (block), gptq, awq")
+        raise CheckpointError(f"quantization_config quant_method {method!r} is not supported; supported: fp8 "
+                              "(block), gptq, awq, compressed-tensors (pack-quantized int4), mxfp4 (gpt-oss)")
     return SafetensorsCheckpoint(model_dir, fp8_block=tuple(qc.get("weight_block_size") or (128, 128)))
 
 
-class QuantizedCheckpoint:
+class QuantizedCheckpoint(PackedLinears):
     """A GPTQ or AWQ checkpoint read as if its packed linears were float weights."""
+
+    PARTS = _PACKED_SUFFIXES
 
     def __init__(self, model_dir: str | Path, quantization_config: dict):
         qc = quantization_config
@@ -65,35 +78,7 @@ class QuantizedCheckpoint:
         self.int4_group = self.group_size if self.bits == 4 and self.group_size in INT4_GROUPS else None
         """The group size in which int4_codes can offer codes; None: never (other bits or group size)."""
         self._float_noted = False
-        self._ckpt = SafetensorsCheckpoint(model_dir)
-        self._packed = {n[: -len(".qweight")] for n in self._ckpt.file_of if n.endswith(".qweight")}
-
-    def __enter__(self) -> "QuantizedCheckpoint":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._ckpt.__exit__(*exc)
-
-    def _base(self, name: str) -> str | None:
-        for suffix in _PACKED_SUFFIXES:
-            if name.endswith(suffix) and name[: -len(suffix)] in self._packed:
-                return name[: -len(suffix)]
-        return None
-
-    def names_by_file(self) -> dict[str, list[str]]:
-        out = {}
-        for file, names in self._ckpt.names_by_file().items():
-            shown = [n[: -len(".qweight")] + ".weight" if n.endswith(".qweight") and self._base(n) else n
-                     for n in names if self._base(n) is None or n.endswith(".qweight")]
-            out[file] = sorted(shown)
-        return out
-
-    def nbytes(self) -> int:
-        return self._ckpt.nbytes()
-
-    def _packed_base(self, name: str) -> str | None:
-        base = name[: -len(".weight")] if name.endswith(".weight") else None
-        return base if base in self._packed else None
+        super().__init__(model_dir)
 
     def shape(self, name: str) -> tuple[int, ...]:
         base = self._packed_base(name)
@@ -126,13 +111,6 @@ class QuantizedCheckpoint:
             log.info("GPTQ %s has a permuted g_idx (desc_act): its MoE layer's experts go through float and are "
                      "re-quantized by the engine (int4 groups are contiguous runs of input channels)", name)
         return codes
-
-    def release(self, name: str) -> None:
-        """Drop the mapped pages that get(name) or int4_codes(name) read (every packed part of a linear)
-        from this process's RSS, once the caller has copied or packed what it got."""
-        base = self._packed_base(name)
-        for part in [name] if base is None else [base + s for s in _PACKED_SUFFIXES if base + s in self._ckpt.file_of]:
-            self._ckpt.release(part)
 
     def get(self, name: str) -> torch.Tensor:
         base = self._packed_base(name)

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hybridmoe.errors import CheckpointError
+from hybridmoe.experts.fp8_codes import FP8_BLOCK
 from hybridmoe.weights.fp8 import (
     FP8_DTYPES,
     SCALE_SUFFIX,
@@ -137,6 +138,22 @@ class SafetensorsCheckpoint:
             except ValueError as e:
                 raise CheckpointError(f"{scale}: {e}") from None
         return tensor
+
+    def fp8_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An FP8 weight as stored: its codes (a view of the mapping, nothing read) and its scale_inv in float32,
+        when the checkpoint's scale blocks are the native fp8 format's (FP8_BLOCK x FP8_BLOCK); None for any other
+        tensor or block size (get() then dequantizes it)."""
+        if self.fp8_block != (FP8_BLOCK, FP8_BLOCK) or self.dtype(name) not in FP8_DTYPES:
+            return None
+        codes, scale = self._read(name), scale_name(name)
+        if scale not in self.file_of:
+            raise CheckpointError(f"FP8 tensor {name} has no {scale} beside it in {self.model_dir}")
+        scale_inv = self._read(scale)
+        expected = tuple(-(-n // FP8_BLOCK) for n in codes.shape)
+        if codes.dim() != 2 or tuple(scale_inv.shape) != expected:
+            raise CheckpointError(f"{scale}: scale shape {tuple(scale_inv.shape)} does not fit weight "
+                                  f"{tuple(codes.shape)} in {FP8_BLOCK}x{FP8_BLOCK} blocks (expected {expected})")
+        return codes, scale_inv.float()
 
     def release(self, name: str) -> None:
         """Drop tensor name's pages from this process's resident memory (not from the page cache: a later

@@ -12,6 +12,7 @@ from hybridmoe.server.tool_parsers.glm45 import Glm45ToolParser
 from hybridmoe.server.tool_parsers.harmony import HarmonyToolParser
 from hybridmoe.server.tool_parsers.hermes import HermesToolParser
 from hybridmoe.server.tool_parsers.kimi_k2 import KimiK2ToolParser
+from hybridmoe.server.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from hybridmoe.server.tool_parsers.mistral import MistralToolParser
 
 __all__ = ["PARSERS", "Delta", "ParsedOutput", "ToolCall", "ToolParser", "ToolStream", "new_call_id",
@@ -19,9 +20,10 @@ __all__ = ["PARSERS", "Delta", "ParsedOutput", "ToolCall", "ToolParser", "ToolSt
 
 PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (
     HermesToolParser, DeepSeekV3ToolParser, Glm45ToolParser, KimiK2ToolParser, HarmonyToolParser,
-    MistralToolParser)}
+    MistralToolParser, MiniMaxM2ToolParser)}
 
 TEMPLATE_MARKERS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("<minimax:tool_call>",), "minimax_m2"),
     (("<arg_key>",), "glm45"),
     (("<｜tool▁calls▁begin｜>",), "deepseek_v3"),
     (("<|tool_calls_section_begin|>",), "kimi_k2"),
