@@ -182,10 +182,11 @@ def long_server(tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="session", params=["deepseek_v3", "glm4_moe", "minimax_m2"])
+@pytest.fixture(scope="session", params=["deepseek_v3", "glm4_moe", "minimax_m2", "gpt_oss"])
 def special_token_tools_server(request, tmp_path_factory):
     """A tiny model with a context of 4096 tokens whose chat template writes tool calls with special tokens:
-    DeepSeek-V3's sections, GLM-4.5's per-argument tags, MiniMax-M2's <minimax:tool_call> sections."""
+    DeepSeek-V3's sections, GLM-4.5's per-argument tags, MiniMax-M2's <minimax:tool_call> sections, gpt-oss's
+    harmony messages."""
     model_dir = tmp_path_factory.mktemp(f"tiny_{request.param}_long")
     make_checkpoint(request.param, "tiny", model_dir, dtype="fp32", progress=False,
                     overrides={"max_position_embeddings": 4096})

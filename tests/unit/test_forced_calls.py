@@ -26,6 +26,7 @@ MARKERS = {
     "mistral": ["[TOOL_CALLS]"],
     "glm45": ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
     "minimax_m2": ["<minimax:tool_call>", "</minimax:tool_call>"],
+    "harmony": ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"],
 }
 EOS = "<eos>"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
@@ -84,6 +85,10 @@ def test_every_walk_through_a_forced_grammar_parses_to_valid_calls(name, choice,
         for call in parsed.tool_calls:
             assert isinstance(choice, str) or call.name == "get_time"
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def test_every_format_the_server_reads_has_a_grammar_of_calls():
+    assert set(GRAMMARS) == set(PARSERS)
 
 
 def test_a_marker_that_is_one_special_token_is_named_by_its_id():

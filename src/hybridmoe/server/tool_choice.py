@@ -131,6 +131,15 @@ def minimax_m2_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> 
     return _section(calls, parallel, f'{marker("<minimax:tool_call>")} "\\n"', marker("</minimax:tool_call>"))
 
 
+def harmony_grammar(tools: list[ToolDef], parallel: bool, marker: Marker) -> str:
+    """One message on the commentary channel to=functions.NAME, its body JSON, ended by <|call|>: <|call|> stops
+    the output, so gpt-oss makes one call per turn whatever parallel says."""
+    calls = [f'{marker("<|channel|>")} {quoted("commentary to=functions." + t.function.name + " ")} '
+             f'{marker("<|constrain|>")} "json" {marker("<|message|>")} {_json(_arguments(t))} {marker("<|call|>")}'
+             for t in tools]
+    return "start: " + "\n    | ".join(calls) + "\n"
+
+
 def _calls(call: str, parallel: bool, separator: str) -> str:
     more = f" ({separator} call)*" if parallel else ""
     return f"start: call{more}\ncall: {call}\n"
@@ -143,9 +152,9 @@ def _section(calls: list[str], parallel: bool, begin: str, end: str) -> str:
 
 GRAMMARS: dict[str, Callable[[list[ToolDef], bool, Marker], str]] = {
     "hermes": hermes_grammar, "deepseek_v3": deepseek_v3_grammar, "kimi_k2": kimi_k2_grammar,
-    "mistral": mistral_grammar, "glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar}
-"""Tool-call format (tool_parsers.PARSERS' names) -> its grammar of calls. gpt-oss (its channels around the
-call) has none yet."""
+    "mistral": mistral_grammar, "glm45": glm45_grammar, "minimax_m2": minimax_m2_grammar,
+    "harmony": harmony_grammar}
+"""Tool-call format (tool_parsers.PARSERS' names) -> its grammar of calls: every format the server reads has one."""
 
 
 def forced_calls(format_name: str, tools: list[ToolDef], choice: str | NamedToolChoice, parallel: bool,
@@ -157,12 +166,7 @@ def forced_calls(format_name: str, tools: list[ToolDef], choice: str | NamedTool
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
                            param="tool_choice")
         tools, parallel = named[:1], False
-    grammar = GRAMMARS.get(format_name)
-    if grammar is None:
-        raise APIError(400, f"a tool_choice that forces calls needs a grammar of this model's tool-call format "
-                            f"({format_name}), which the server does not have yet; let the model choose (auto)",
-                       param="tool_choice")
-    return StructuredOutput("lark", grammar(tools, parallel, marker))
+    return StructuredOutput("lark", GRAMMARS[format_name](tools, parallel, marker))
 
 
 @dataclass(frozen=True)
