@@ -4,8 +4,9 @@ issue's target: peak growth <= 1.2x the packed experts + 2 GiB.
     python3 benchmarks/load.py rss --experts 256 --formats bf16,int4 [--dir /dev/shm] [--json out.json]
     python3 benchmarks/load.py rss --experts 256 --device cuda --gpu-experts 16   # the hybrid split's load
     python3 benchmarks/load.py rss --model DIR    # a one-layer checkpoint written once (write_one_layer)
+    python3 benchmarks/load.py rss --source fp8 --formats fp8,int4   # a block-FP8 checkpoint (DeepSeek-V3's)
 
-The checkpoint (bf16, one decoder layer, H 7168, I 2048, N experts; a 1024-token vocabulary so that
+The checkpoint (bf16, or with --source fp8 its linears in block-FP8; one decoder layer, H 7168, I 2048, N experts; a 1024-token vocabulary so that
 the embeddings do not blur the experts' figure) is written under --dir and deleted at the end. Each
 format loads in its own process (expert_backend native, device cpu unless --device, no expert cache;
 with --gpu-experts the hybrid split, "packed" then being its CPU engines' share), after a tiny
@@ -34,6 +35,8 @@ GIB = 2**30
 def add_arguments(parser):
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--formats", default="bf16,int4")
+    parser.add_argument("--source", default="bf16", choices=["bf16", "fp8"],
+                        help="the checkpoint's weights: bf16, or block-FP8 linears as DeepSeek-V3 ships them")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dir", default="/dev/shm", help="where the checkpoint is written (and deleted)")
@@ -52,7 +55,8 @@ def run(args) -> int:
         model = Path(args.model) if args.model else work / "model"
         if args.model is None:
             model.mkdir()
-            write_one_layer(model, "deepseek_v3", "deepseek-v3", n_routed_experts=args.experts, vocab_size=args.vocab)
+            write_one_layer(model, "deepseek_v3", "deepseek-v3", args.source, n_routed_experts=args.experts,
+                            vocab_size=args.vocab)
         with SafetensorsCheckpoint(model) as ckpt:
             source = sum(math.prod(ckpt.shape(n)) * ckpt.dtype(n).itemsize for n in ckpt.weight_names()
                          if ".mlp.experts." in n)

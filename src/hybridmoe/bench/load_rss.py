@@ -31,10 +31,11 @@ from hybridmoe.engine.model_loader import load_model
 _FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
 
-def write_one_layer(out: Path, arch: str, preset: str, **overrides) -> int:
-    """A random bf16 checkpoint of `preset` cut to one decoder layer (a MoE one), config fields overridden,
-    written into out (no tokenizer: loading needs none); returns its routed experts' bytes."""
-    config = model_config(arch, preset, layers=1)
+def write_one_layer(out: Path, arch: str, preset: str, dtype: str = "bf16", **overrides) -> int:
+    """A random checkpoint of `preset` (bf16, or block-FP8 linears: make-model's dtypes) cut to one decoder layer
+    (a MoE one), config fields overridden, written into out (no tokenizer: loading needs none); returns its routed
+    experts' bytes."""
+    config = model_config(arch, preset, layers=1, dtype=dtype)
     config.update(bos_token_id=0, eos_token_id=1, **overrides)
     specs = tensor_specs(config)
     write_random_safetensors(out, specs, seed=0, progress=False)

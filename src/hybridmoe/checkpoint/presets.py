@@ -290,7 +290,13 @@ PRESETS = {
     "kimi_k2": _KIMI_K2,
 }
 
-_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+"""config.json's quantization_config of a block-FP8 checkpoint (DeepSeek-V3's); checkpoint/tensors.py writes its
+linears so."""
+_DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "bfloat16"}
+"""make-model's --dtype -> config.json's torch_dtype; fp8 writes the linears as block-FP8 (checkpoint/tensors.py)
+and the rest in bf16."""
 
 
 def model_config(arch: str, preset: str, *, layers: int | None = None, dtype: str = "bf16") -> dict:
@@ -317,4 +323,8 @@ def model_config(arch: str, preset: str, *, layers: int | None = None, dtype: st
         if cfg.get("layer_types"):  # the preset's pattern, repeated or cut to the new depth
             cfg["layer_types"] = [cfg["layer_types"][i % len(cfg["layer_types"])] for i in range(layers)]
     cfg["torch_dtype"] = _DTYPES[dtype]
+    if dtype == "fp8":
+        if arch == "gpt_oss":
+            raise HybridMoEError("--dtype fp8: gpt-oss ships its experts as MXFP4, not block-FP8; use bf16 or fp32")
+        cfg["quantization_config"] = copy.deepcopy(FP8_QUANTIZATION_CONFIG)
     return cfg

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from hybridmoe.checkpoint.tensors import TensorSpec
 
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3"}
 CHUNK_ELEMENTS = 1 << 22  # 4M values per generate+write step: 16 MiB of float32 scratch
 DEFAULT_SHARD_BYTES = 4 << 30
 

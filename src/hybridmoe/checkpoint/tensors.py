@@ -37,16 +37,31 @@ class TensorSpec:
         return self.numel * self.dtype.itemsize
 
 
-class _Specs:
-    """Collects TensorSpecs in checkpoint order with the init rules above."""
+FP8_BLOCK = 128
+"""make-model's block-FP8 checkpoints: one scale per 128x128 block, as DeepSeek-V3 ships."""
+FP8_CODE_STD = 16.0
+"""The e4m3 codes' spread (the largest is 448): the weight's spread lives in the block scales."""
+_FLOAT_LINEARS = (".gate", ".router", ".shared_expert_gate", "lm_head")
+"""Linears a block-FP8 checkpoint keeps in the model's dtype: the routers and the output head."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+
+class _Specs:
+    """Collects TensorSpecs in checkpoint order with the init rules above. fp8: linear weights as e4m3 codes
+    with a float32 scale_inv per 128x128 block (weight = code * scale_inv), but for _FLOAT_LINEARS."""
+
+    def __init__(self, dtype: torch.dtype, fp8: bool = False):
+        self.dtype, self.fp8 = dtype, fp8
         self.specs: list[TensorSpec] = []
 
     def linear(self, name: str, out_features: int, in_features: int) -> None:
-        self.specs.append(TensorSpec(f"{name}.weight", (out_features, in_features), self.dtype, 0.0,
-                                     in_features ** -0.5))
+        std = in_features ** -0.5
+        if not self.fp8 or name.endswith(_FLOAT_LINEARS):
+            self.specs.append(TensorSpec(f"{name}.weight", (out_features, in_features), self.dtype, 0.0, std))
+            return
+        blocks = (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+        self.specs.append(TensorSpec(f"{name}.weight", (out_features, in_features), torch.float8_e4m3fn, 0.0,
+                                     FP8_CODE_STD))
+        self.specs.append(TensorSpec(f"{name}.weight_scale_inv", blocks, torch.float32, std / FP8_CODE_STD, 0.0))
 
     def bias(self, name: str, n: int) -> None:
         self.specs.append(TensorSpec(f"{name}.bias", (n,), self.dtype, 0.0, 0.02))
@@ -160,7 +175,8 @@ def _gpt_oss_mlp(s: _Specs, p: str, c: dict) -> None:
 def tensor_specs(config: dict) -> list[TensorSpec]:
     """Every tensor of the checkpoint described by `config` (a config.json dict), in file order."""
     mt = config["model_type"]
-    s = _Specs(torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32)
+    fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    s = _Specs(torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32, fp8)
     hidden = config["hidden_size"]
     s.embedding("model.embed_tokens", config["vocab_size"], hidden)
     for i in range(config["num_hidden_layers"]):

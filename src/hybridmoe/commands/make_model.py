@@ -18,8 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="directory to write (new or empty)")
     parser.add_argument("--layers", type=int, default=None, metavar="N",
                         help="number of decoder layers (default: the preset's)")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", metavar="bf16|fp32",
-                        help="weight dtype (default: bf16)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32", "fp8"], default="bf16", metavar="bf16|fp32|fp8",
+                        help="weight dtype (default: bf16); fp8: linears in block-FP8 e4m3 (128x128 scales, as "
+                             "DeepSeek-V3 ships), the rest bf16")
     parser.add_argument("--seed", type=int, default=0, metavar="S",
                         help="random seed; same seed, same bytes (default: 0)")
     parser.add_argument("--force", action="store_true", help="replace a checkpoint already in --out (default: off)")
