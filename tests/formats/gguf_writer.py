@@ -304,3 +304,71 @@ def spm_tokenizer_metadata(writer: gguf.GGUFWriter, tokens: list[str], scores: l
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(True)
     writer.add_chat_template(chat_template)
+
+
+_GPT_OSS_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def _gpt_oss_expert_tensors(name: str, t: torch.Tensor) -> list[tuple[str, str, np.ndarray]]:
+    """One fused gpt-oss expert tensor -> (HF-style name the name map knows, .weight/.bias, values) as llama.cpp's
+    converter splits it: gate_up_proj [E, H, 2I] -> gate, up [E, I, H] (its even and odd columns, transposed), its
+    bias [E, 2I] -> [E, I] each; down_proj [E, I, H] transposed to [E, H, I]; down_proj_bias as it is."""
+    layer, part, bias = _GPT_OSS_EXPERTS.fullmatch(name).groups()
+    base = f"model.layers.{layer}.mlp.experts."
+    kind = ".bias" if bias else ".weight"
+    v = t.float()
+    if part == "down_proj":
+        return [(base + "down_proj", kind, (v if bias else v.transpose(1, 2)).contiguous().numpy())]
+    if not bias:
+        v = v.transpose(1, 2)  # [E, 2I, H]: gate and up interleaved by row
+    return [(base + "gate_proj", kind, v[:, ::2].contiguous().numpy()),
+            (base + "up_proj", kind, v[:, 1::2].contiguous().numpy())]
+
+
+def write_gpt_oss_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_dir: Path, path: Path,
+                       expert_type: Q, metadata: dict | None = None,
+                       omit: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """Write a GptOssForCausalLM checkpoint (transformers names and config dict) as llama.cpp's gpt-oss GGUF; return
+    what each GGUF tensor stores (MXFP4: its raw blocks).
+
+    The experts are split as the converter splits them (_gpt_oss_expert_tensors), their matrices stored in
+    expert_type (F32, or MXFP4 quantized by gguf.quants), everything else F32; the sinks become attn_sinks.weight.
+    metadata: further gpt-oss.* keys (key without the prefix -> value); omit: gpt-oss.* keys left out.
+    """
+    c = config
+    rope = c["rope_parameters"]
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    shared_metadata(w, c, c["num_hidden_layers"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_expert_count(c["num_local_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_sliding_window(c["sliding_window"])
+    w.add_expert_feed_forward_length(c["intermediate_size"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    add = {bool: w.add_bool, int: w.add_uint32, float: w.add_float32, list: w.add_array}
+    for key, value in (metadata or {}).items():
+        add[type(value)](f"gpt-oss.{key}", value)
+    tokenizer_metadata(w, tokenizer_dir, pre="gpt-4o")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, c["num_hidden_layers"])
+    stored = {}
+    for name, t in tensors.items():
+        if _GPT_OSS_EXPERTS.fullmatch(name):
+            parts = _gpt_oss_expert_tensors(name, t)
+        else:
+            hf, kind = name.rpartition(".")[::2] if name.endswith((".weight", ".bias")) else (name, "weight")
+            parts = [(hf, "." + kind, t.float().numpy())]
+        for hf, kind, values in parts:
+            qtype = expert_type if "experts" in hf and kind == ".weight" else Q.F32
+            gguf_name = names.get_name(hf) + kind
+            stored[gguf_name] = quantize(values, qtype) if qtype == Q.MXFP4 else values
+            w.add_tensor(gguf_name, stored[gguf_name], raw_dtype=qtype)
+    for key in omit:
+        del w.kv_data[0][f"gpt-oss.{key}"]
+    finish(w)
+    return stored

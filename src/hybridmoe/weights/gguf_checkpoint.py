@@ -1,10 +1,12 @@
 """A GGUF model read as a Hugging Face checkpoint: HF names, torch shapes, float tensors.
 
 Each tensor is dequantized on read with gguf.quants (every block type that package reads: F32,
-F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ*), so a file that mixes types per
-tensor (Q4_K_M) is read tensor by tensor. Routed experts are read one expert at a time: an
-expert's rows of a stacked [E, I, H] tensor are one contiguous run of blocks. A DeepSeek file
-whose kv_b_proj is split into attn_k_b + attn_v_b shows it as the one HF tensor again.
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ*, and gpt-oss's MXFP4), so a file that
+mixes types per tensor (Q4_K_M) is read tensor by tensor. Routed experts are read one expert at a
+time: an expert's rows of a stacked [E, I, H] tensor are one contiguous run of blocks. A DeepSeek
+file whose kv_b_proj is split into attn_k_b + attn_v_b shows it as the one HF tensor again; a
+gpt-oss file's experts show as the checkpoint's fused parts (gguf_fused_experts.py), read through
+fused_experts(name) one expert at a time.
 The file is mapped; release(name) drops the pages a read touched, so a load never holds it resident.
 """
 
@@ -21,6 +23,7 @@ from gguf.quants import dequantize
 from hybridmoe.errors import CheckpointError
 from hybridmoe.models.registry import read_config_json
 from hybridmoe.weights.gguf_file import GGUFFiles
+from hybridmoe.weights.gguf_fused_experts import GptOssExpertParts, PartExperts
 from hybridmoe.weights.gguf_names import (
     expert_tensor,
     hf_name,
@@ -47,7 +50,11 @@ class GGUFCheckpoint:
         self._where: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, expert or None)
         self._file: dict[str, str] = {}
         self._kv_b: dict[str, tuple[str, str]] = {}  # HF kv_b_proj name -> (attn_k_b, attn_v_b) GGUF names
+        self._fused = GptOssExpertParts({n: gguf.shape(n) for n in gguf.tensors}, self._read, gguf.paths[0]) \
+            if self.arch == "gpt-oss" else None
         for name, (tensor, path) in gguf.tensors.items():
+            if self._fused is not None and self._fused.takes(name):
+                continue
             key = expert_tensor(name)
             if key is not None:
                 layer, proj = key
@@ -62,6 +69,9 @@ class GGUFCheckpoint:
             target = hf_name(name, self.arch)
             # unknown tensors keep their GGUF name, so the loader reports them as not part of the model
             self._add(target or name, name, None, path)
+        for hf in self._fused.parts if self._fused is not None else ():
+            first = self._fused.sources(hf)[0]
+            self._add(hf, first, None, gguf.tensors[first][1])
         self.heads = (gguf.metadata.get(f"{self.arch}.attention.head_count"),
                       gguf.metadata.get(f"{self.arch}.attention.head_count_kv"))
         self._pages = MappedPages()
@@ -82,12 +92,12 @@ class GGUFCheckpoint:
         self._add(hf, k_b, None, path)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "GGUFCheckpoint":
+    def from_model_dir(cls, model_dir: str | Path) -> GGUFCheckpoint:
         source = json.loads((Path(model_dir) / "gguf_source.json").read_text())
         read_config_json(model_dir)
         return cls(GGUFFiles(source["files"][0]))
 
-    def __enter__(self) -> "GGUFCheckpoint":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -109,6 +119,8 @@ class GGUFCheckpoint:
         if name in self._kv_b:
             (heads, rank, nope), (_, v_dim, _) = (self.gguf.shape(n) for n in self._kv_b[name])
             return heads * (nope + v_dim), rank
+        if self._fused is not None and name in self._fused.parts:
+            return self._fused.shape(name)
         gguf_name, expert = self._where[name]
         shape = self.gguf.shape(gguf_name)
         return shape[1:] if expert is not None else shape
@@ -117,6 +129,8 @@ class GGUFCheckpoint:
         """float32, in torch shape."""
         if name in self._kv_b:
             return join_kv_b(*(self._read(n, None) for n in self._kv_b[name]))
+        if self._fused is not None and name in self._fused.parts:
+            return self._fused.get(name)
         w = self._read(*self._where[name])
         if self.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             n_head = self.heads[0] if "q_proj" in name else (self.heads[1] or self.heads[0])
@@ -126,10 +140,21 @@ class GGUFCheckpoint:
             w = unpermute_rows(w, n_head)
         return w
 
+    def fused_experts(self, name: str) -> PartExperts | torch.Tensor:
+        """A gpt-oss fused expert part as a sequence of its experts, each read when indexed; any other tensor whole."""
+        if self._fused is not None and name in self._fused.parts:
+            return self._fused.experts(name)
+        return self.get(name)
+
     def release(self, name: str) -> None:
         """Drop the mapped pages that get(name) read from this process's RSS, once the caller has copied or
         packed the tensor (SafetensorsCheckpoint.release does the same)."""
-        sources = [(n, None) for n in self._kv_b[name]] if name in self._kv_b else [self._where[name]]
+        if name in self._kv_b:
+            sources = [(n, None) for n in self._kv_b[name]]
+        elif self._fused is not None and name in self._fused.parts:
+            sources = [(n, None) for n in self._fused.sources(name)]
+        else:
+            sources = [self._where[name]]
         for gguf_name, expert in sources:
             data = self._data(gguf_name, expert)
             self._pages.release(self.gguf.tensors[gguf_name][1], data.ctypes.data, data.nbytes)

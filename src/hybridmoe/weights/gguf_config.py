@@ -3,10 +3,11 @@
 general.architecture: qwen3moe -> Qwen3MoeForCausalLM, qwen2moe -> Qwen2MoeForCausalLM, llama
 with experts -> MixtralForCausalLM, deepseek2 -> DeepseekV3ForCausalLM when its router scores by
 sigmoid (V3, R1, Kimi-K2), else DeepseekV2ForCausalLM (V2, V2-Lite, V2.5), glm4moe ->
-Glm4MoeForCausalLM (GLM-4.5, 4.5-Air, 4.6). Which layers are dense (Qwen's mlp_only_layers), whether
-the embedding is tied and whether GLM's attention has q/k/v bias and q/k norm are read off the tensors
-present, not guessed. block_count counts the multi-token-prediction layers a file carries past the
-decoder stack ({arch}.nextn_predict_layers of them), as llama.cpp does; num_hidden_layers does not.
+Glm4MoeForCausalLM (GLM-4.5, 4.5-Air, 4.6), gpt-oss -> GptOssForCausalLM (gpt-oss-20b, 120b).
+Which layers are dense (Qwen's mlp_only_layers), whether the embedding is tied and whether GLM's
+attention has q/k/v bias and q/k norm are read off the tensors present, not guessed. block_count
+counts the multi-token-prediction layers a file carries past the decoder stack
+({arch}.nextn_predict_layers of them), as llama.cpp does; num_hidden_layers does not.
 The end-of-generation tokens llama.cpp stops at (tokenizer.ggml.eos/eot/eom_token_id) become a list
 eos_token_id when there are several.
 
@@ -16,6 +17,17 @@ DeepSeek's GGUF metadata loses two things the HF config has, filled as llama.cpp
 - YaRN's two mscales become one, rope.scaling.yarn_log_multiplier = 0.1 * mscale_all_dim; the
   released checkpoints set mscale = mscale_all_dim (so cos and sin are not rescaled), which is
   what is assumed here, as llama.cpp does.
+
+gpt-oss's metadata is read as llama.cpp runs it: attention.sliding_window is the window; the layers it applies to
+come from attention.sliding_window_pattern, an array of one bool per layer or a period n (layer i slides when
+i % n < n - 1; 0: every layer), 2 when absent (the even layers slide, the release's alternation); YaRN's
+beta_fast and beta_slow are 32 and 1 unless the file says otherwise, and its attention factor is YaRN's own
+(0.1 ln(factor) + 1, times rope.scaling.attn_factor when set); the clamped SwiGLU's alpha 1.702 and limit 7.0
+are llama.cpp's constants. One thing is not: ggml rounds YaRN's correction range to whole dimensions, which the
+checkpoints' own config (rope truncate false, as OpenAI's reference computes it) does not; the config here
+keeps the checkpoints' rotary, so a GGUF file computes what the model it was converted from does. llama.cpp stops
+generation at <|return|>, <|call|> and <|endoftext|> (found by their text), as the release's generation_config
+does; they join eos_token_id here.
 """
 
 from __future__ import annotations
@@ -27,17 +39,19 @@ from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.gguf_file import GGUFFiles
 
 SUPPORTED = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "llama": "MixtralForCausalLM",
-             "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
+             "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 """GGUF general.architecture -> our model class (llama only with routed experts: Mixtral; deepseek2 with
 sigmoid gating: DeepseekV3ForCausalLM)."""
 
 _MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "deepseek2": "deepseek_v2",
-               "glm4moe": "glm4_moe"}
+               "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 _END_OF_GENERATION = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 SOFTMAX, SIGMOID = 1, 2
 """{arch}.expert_gating_func values (llama.cpp's llama_expert_gating_func_type)."""
+_HARMONY_STOPS = ("<|return|>", "<|call|>", "<|endoftext|>")
+"""The end-of-generation tokens llama.cpp finds by their text in a gpt-oss (o200k_harmony) vocabulary."""
 
 
 def _first(value):
@@ -79,7 +93,7 @@ def hf_config(gguf: GGUFFiles) -> dict:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or arch not in SUPPORTED or (arch == "llama" and not meta.get("llama.expert_count")):
         raise CheckpointError(f"GGUF architecture {arch!r:.40} is not supported; supported: qwen3moe, qwen2moe, "
-                              "deepseek2, glm4moe, llama with experts (Mixtral)")
+                              "deepseek2, glm4moe, gpt-oss, llama with experts (Mixtral)")
 
     def get(key, default=None, required=False):
         full = f"{arch}.{key}"
@@ -109,12 +123,15 @@ def hf_config(gguf: GGUFFiles) -> dict:
         _deepseek(cfg, gguf, get, experts, _dense_size(gguf, moe_layers, get("feed_forward_length", 0)))
     elif arch == "glm4moe":
         _glm4moe(cfg, gguf, get, experts, _dense_size(gguf, moe_layers, get("feed_forward_length", 0)))
+    elif arch == "gpt-oss":
+        _gpt_oss(cfg, gguf, get, experts)
     elif arch == "llama":
         cfg.update(num_local_experts=experts, intermediate_size=int(get("feed_forward_length", required=True)),
                    sliding_window=None)
     else:
         cfg.update(num_experts=experts, moe_intermediate_size=int(get("expert_feed_forward_length", required=True)),
-                   intermediate_size=_dense_size(gguf, moe_layers, get("feed_forward_length", 0)), decoder_sparse_step=1,
+                   intermediate_size=_dense_size(gguf, moe_layers, get("feed_forward_length", 0)),
+                   decoder_sparse_step=1,
                    mlp_only_layers=[i for i in range(layers) if i not in moe_layers],
                    use_sliding_window=False, sliding_window=None)
     if arch == "qwen3moe":
@@ -126,7 +143,7 @@ def hf_config(gguf: GGUFFiles) -> dict:
                                                            gguf.shape(shexp)[0] if shexp in gguf.tensors else 0)),
                    norm_topk_prob=bool(get("expert_weights_norm", False)),
                    qkv_bias="blk.0.attn_q.bias" in gguf.tensors)
-    if get("rope.scaling.type") == "yarn" and arch != "deepseek2":
+    if get("rope.scaling.type") == "yarn" and arch not in ("deepseek2", "gpt-oss"):
         cfg["rope_scaling"] = {"type": "yarn", "factor": float(get("rope.scaling.factor", 1.0)),
                                "original_max_position_embeddings": int(get("rope.scaling.original_context_length",
                                                                            cfg["max_position_embeddings"]))}
@@ -135,6 +152,9 @@ def hf_config(gguf: GGUFFiles) -> dict:
             key = f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id"
             cfg[f"{role}_token_id"] = int(_number(gguf, key, meta[key]))
     stops = [int(_number(gguf, key, meta[key])) for key in _END_OF_GENERATION if key in meta]
+    if arch == "gpt-oss":
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+        stops += [tokens.index(t) for t in _HARMONY_STOPS if t in tokens]
     if len(set(stops)) > 1:
         cfg["eos_token_id"] = list(dict.fromkeys(stops))
     return cfg
@@ -160,7 +180,8 @@ def _deepseek(cfg: dict, gguf: GGUFFiles, get, experts: int, dense_size: int) ->
         first_k_dense_replace=int(get("leading_dense_block_count", 0)), moe_layer_freq=1,
         routed_scaling_factor=float(get("expert_weights_scale", 1.0)),
         norm_topk_prob=bool(get("expert_weights_norm", False)),
-        q_lora_rank=int(q_lora_rank) if q_lora_rank else None, kv_lora_rank=int(get("attention.kv_lora_rank", required=True)),
+        q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
+        kv_lora_rank=int(get("attention.kv_lora_rank", required=True)),
         qk_rope_head_dim=rope_dim, qk_nope_head_dim=qk_head_dim - rope_dim, v_head_dim=v_head_dim,
         n_group=n_group, topk_group=topk_group, attention_bias=False,
     )
@@ -210,3 +231,61 @@ def _glm4moe(cfg: dict, gguf: GGUFFiles, get, experts: int, dense_size: int) -> 
         attention_bias="blk.0.attn_q.bias" in gguf.tensors, use_qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
         num_nextn_predict_layers=int(get("nextn_predict_layers", 0)),
     )
+
+
+def _gpt_oss(cfg: dict, gguf: GGUFFiles, get, experts: int) -> None:
+    """The GptOssForCausalLM config.json fields, in place (the module doc says how llama.cpp's keys are read)."""
+    path, arch = gguf.paths[0], "gpt-oss"
+    head_dim = int(get("attention.key_length", cfg["hidden_size"] // cfg["num_attention_heads"]))
+    for key in ("attention.value_length", "rope.dimension_count"):
+        if int(get(key, head_dim)) != head_dim:
+            raise CheckpointError(f"{path}: {arch}.{key} {get(key)} differs from key_length {head_dim}; gpt-oss's "
+                                  "heads have one size and rotate whole")
+    base = cfg["rope_theta"]
+    if float(get("rope.freq_base_swa", base)) != base:
+        raise CheckpointError(f"{path}: {arch}.rope.freq_base_swa {get('rope.freq_base_swa')} differs from "
+                              f"rope.freq_base {base}; gpt-oss's layers share one rotary")
+    cfg.update(
+        num_local_experts=experts, intermediate_size=int(get("expert_feed_forward_length", required=True)),
+        head_dim=head_dim, rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
+        sliding_window=int(get("attention.sliding_window", required=True)),
+        layer_types=_layer_types(gguf, cfg["num_hidden_layers"]),
+        rope_parameters=_gpt_oss_rope(get, base, cfg["max_position_embeddings"]),
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors, swiglu_alpha=1.702, swiglu_limit=7.0,
+    )
+
+
+def _layer_types(gguf: GGUFFiles, layers: int) -> list[str]:
+    """llama.cpp's sliding-window layers (llama_hparams::set_swa_pattern, period 2 when the key is absent): an
+    array's bools per layer (layers past its end: full), or a period n."""
+    key = "gpt-oss.attention.sliding_window_pattern"
+    pattern = gguf.metadata.get(key, 2)
+    if isinstance(pattern, list):
+        sliding = [bool(v) for v in pattern[:layers]] + [False] * max(0, layers - len(pattern))
+    elif type(pattern) is int and pattern >= 0:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    else:
+        raise CheckpointError(f"{gguf.paths[0]}: GGUF metadata {key} must be a count or an array of bools, got "
+                              f"{pattern!r:.40}")
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _gpt_oss_rope(get, base: float, context: int) -> dict:
+    """config.json's rope_parameters: YaRN as llama.cpp applies it (with the checkpoints' unrounded correction
+    range), linear scaling, or plain rotary when the file names no scaling or a factor of 1 (0: unset)."""
+    kind, factor = get("rope.scaling.type"), float(get("rope.scaling.factor", 0.0))
+    if kind in (None, "none") or factor in (0.0, 1.0):
+        return {"rope_type": "default", "rope_theta": base}
+    if kind == "linear":
+        return {"rope_type": "linear", "rope_theta": base, "factor": factor}
+    if kind != "yarn":
+        raise CheckpointError(f"GGUF metadata gpt-oss.rope.scaling.type {kind!r:.40} is not one gpt-oss runs with "
+                              "(yarn, linear or none)")
+    rope = {"rope_type": "yarn", "rope_theta": base, "factor": factor, "truncate": False,
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length", context)),
+            "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
+    attn_factor = float(get("rope.scaling.attn_factor", 1.0))
+    if attn_factor != 1.0:
+        rope["attention_factor"] = attn_factor * (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return rope

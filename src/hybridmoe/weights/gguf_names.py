@@ -9,7 +9,10 @@ kv_b_proj into attn_k_b (per head, transposed) and attn_v_b, which join_kv_b put
 GLM-4.5 (glm4moe) files keep the checkpoint's rows too (llama.cpp rotates them NeoX-style, as
 transformers does) and call the pre-MLP norm post_attention_norm. The multi-token-prediction
 layer a file may carry past the last decoder layer (blk.N.nextn.*) gets its checkpoint names
-(model.layers.N.eh_proj, ...), which the models skip as beyond their last layer.
+(model.layers.N.eh_proj, ...), which the models skip as beyond their last layer. gpt-oss files keep q and k
+as they are too (NeoX-style rotary); their attention sinks (attn_sinks.weight) are self_attn.sinks, the router
+(ffn_gate_inp, with a bias) is mlp.router, and their routed experts are shown as the checkpoint's fused tensors
+by gguf_fused_experts.py.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ _LAYER = {
     "attn_kv_b": "self_attn.kv_b_proj",
 }
 
-_SPECIAL = {("exp_probs_b", "bias"): "{mlp}.gate.e_score_correction_bias"}
+_SPECIAL = {("exp_probs_b", "bias"): "{mlp}.gate.e_score_correction_bias", ("attn_sinks", "weight"): "self_attn.sinks"}
 """(GGUF part, suffix) -> the whole HF suffix, for names that are not module + .weight/.bias."""
 
-_ARCH_LAYER = {"glm4moe": {"post_attention_norm": "post_attention_layernorm"}}
+_ARCH_LAYER = {"glm4moe": {"post_attention_norm": "post_attention_layernorm"},
+               "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "{mlp}.router"}}
 """Per-architecture additions to _LAYER."""
 
 _NEXTN = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "embed_tokens": "embed_tokens",
@@ -69,7 +73,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     m = _BLOCK.fullmatch(gguf_name)
     if m is not None:
         layer, part, kind = m.groups()
-        names = dict(mlp=mlp_name(arch), shared=_SHARED.get(arch, "shared_expert"))
+        names = {"mlp": mlp_name(arch), "shared": _SHARED.get(arch, "shared_expert")}
         if (part, kind) in _SPECIAL:
             return f"model.layers.{layer}.{_SPECIAL[part, kind].format(**names)}"
         module = _ARCH_LAYER.get(arch, {}).get(part, _LAYER.get(part))

@@ -3,7 +3,8 @@
 Byte-level BPE ("gpt2" in tokenizer.ggml.model: Qwen, DeepSeek, Llama-3 style) is rebuilt with the
 `tokenizers` library from tokenizer.ggml.tokens / merges / token_type: CONTROL tokens become
 special added tokens, USER_DEFINED ones added tokens; the pre-tokenizer split follows
-tokenizer.ggml.pre (GPT-2's, Qwen2's, or GLM-4's: Llama-3's split, digits in runs of up to three).
+tokenizer.ggml.pre (GPT-2's, Qwen2's, GLM-4's: Llama-3's split, digits in runs of up to three; or "gpt-4o",
+gpt-oss's o200k split: words cut before an upper-case run, contractions kept on the word, digits by three).
 As llama.cpp does for GLM-4 vocabularies, a word that is itself a token is not merged up from pieces,
 and no BOS is added (GLM's chat template writes its [gMASK]<sop> prefix).
 
@@ -41,7 +42,15 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GLM4_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"qwen2": _QWEN2_SPLIT, "glm4": _GLM4_SPLIT, "glm5": _GLM4_SPLIT, "chatglm-bpe": _GLM4_SPLIT}
+_O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""o200k's split as its tokenizer.json writes it; llama.cpp's "gpt-4o" pre-tokenizer spells the same split with
+lookaheads its regex engine runs."""
+_SPLITS = {"qwen2": _QWEN2_SPLIT, "glm4": _GLM4_SPLIT, "glm5": _GLM4_SPLIT, "chatglm-bpe": _GLM4_SPLIT,
+           "gpt-4o": _O200K_SPLIT}
 """tokenizer.ggml.pre -> the regex that splits text into words (llama.cpp's llama-vocab.cpp)."""
 _GLM = ("glm4", "glm5", "chatglm-bpe")
 """Pre-tokenizer names whose vocabularies llama.cpp runs without a BOS token."""
@@ -78,7 +87,8 @@ def _spm_tokenizer(meta: dict, tokens: list[str], types: list[int]) -> Tokenizer
     if len(scores) != len(tokens):
         raise CheckpointError(f"GGUF tokenizer has {len(tokens)} tokens but {len(scores)} scores")
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if unk_id is not None else next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
+    unk = tokens[int(unk_id)] if unk_id is not None else \
+        next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types), unk_token=unk,
                                byte_fallback=True, fuse_unk=True))

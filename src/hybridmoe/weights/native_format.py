@@ -12,6 +12,7 @@
     GPTQ 8-bit                                         -> int8
     block-FP8 e4m3 in 128x128 blocks (DeepSeek-V3)     -> fp8, its codes and scales as they are (experts/fp8_codes.py)
     GGUF F32/F16/BF16, safetensors (bf16/fp16/fp32, FP8 in other blocks)  -> bf16
+    GGUF MXFP4 (gpt-oss)                               -> bf16, which holds every MXFP4 value exactly
     a `hybridmoe convert`ed directory                  -> the format and group size it was packed in
 A GGUF that mixes types across its expert tensors (Q4_K_M keeps some down projections in Q6_K) takes
 the format that most expert weights map to; a tie goes to the more precise one.
@@ -40,7 +41,7 @@ _PRECISION = {"bf16": 2, "int8": 1, "int4": 0}
 _INT8_TYPES = {"Q8_0", "Q8_1", "Q8_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
 _INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS",
                "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}
-_BF16_TYPES = {"F32", "F16", "BF16", "F64"}
+_BF16_TYPES = {"F32", "F16", "BF16", "F64", "MXFP4"}
 INT4_GGUF_GROUP = 32
 """Q4_0/Q4_1 blocks and Q4_K sub-blocks hold 32 weights; the smaller blocks of Q3_K/Q2_K round up to it."""
 
