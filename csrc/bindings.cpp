@@ -85,6 +85,13 @@ void check_dtype(const nb::dlpack::dtype& got, const nb::dlpack::dtype& want, co
   if (got != want) fail(std::string(what) + " must be " + dtype_name(want) + ", got " + dtype_name(got));
 }
 
+// check_array, then float32.
+template <class A>
+void check_f32(const A& a, const char* what, std::initializer_list<int64_t> shape) {
+  check_array(a, what, shape);
+  check_dtype(a.dtype(), nb::dtype<float>(), what);
+}
+
 // The read-bandwidth probes' thread count: past kMaxThreads refused here, below 1 by the probe's own check.
 int probe_threads(int64_t threads) {
   if (threads > kMaxThreads)
@@ -109,13 +116,9 @@ class Engine {
   void check_expert_matrices(int64_t e, const A& gate, const A& up, const A& down) const {
     check_expert(e);
     const auto& c = cfg();
-    const nb::dlpack::dtype f32 = nb::dtype<float>();
-    check_array(gate, "gate", {c.I, c.H});
-    check_array(up, "up", {c.I, c.H});
-    check_array(down, "down", {c.H, c.I});
-    check_dtype(gate.dtype(), f32, "gate");
-    check_dtype(up.dtype(), f32, "up");
-    check_dtype(down.dtype(), f32, "down");
+    check_f32(gate, "gate", {c.I, c.H});
+    check_f32(up, "up", {c.I, c.H});
+    check_f32(down, "down", {c.H, c.I});
   }
 
   void pack_expert(int64_t e, Array gate, Array up, Array down) {
@@ -166,6 +169,23 @@ class Engine {
     }
     nb::gil_scoped_release nogil;
     layer_->pack_expert_fp8(int(e), m);
+  }
+
+  // kind "silu" (alpha and limit unused) or "clamped_swiglu"; between calls.
+  void set_glu(const std::string& kind, double alpha, double limit) {
+    if (kind != "silu" && kind != "clamped_swiglu")
+      fail("unknown expert activation '" + kind + "'; choose silu or clamped_swiglu");
+    layer_->set_glu(kind == "silu" ? hmoe::GluKind::silu : hmoe::GluKind::clamped_swiglu, float(alpha), float(limit));
+  }
+
+  // fp32 gate and up biases [E, I], down [E, H]; copied, between calls.
+  void set_biases(Array gate, Array up, Array down) {
+    const auto& c = cfg();
+    check_f32(gate, "gate_bias", {c.E, c.I});
+    check_f32(up, "up_bias", {c.E, c.I});
+    check_f32(down, "down_bias", {c.E, c.H});
+    layer_->set_biases(static_cast<const float*>(gate.data()), static_cast<const float*>(up.data()),
+                       static_cast<const float*>(down.data()));
   }
 
   void unpack_expert(int64_t e, MutArray gate, MutArray up, MutArray down) {
@@ -406,6 +426,11 @@ NB_MODULE(_native, m) {
       .def("pack_expert_codes", &Engine::pack_expert_codes, "e"_a, "mats"_a)
       .def("pack_expert_fp8", &Engine::pack_expert_fp8, "e"_a, "mats"_a)
       .def("unpack_expert", &Engine::unpack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)
+      .def("set_glu", &Engine::set_glu, "kind"_a, "alpha"_a, "limit"_a,
+           "What h is: 'silu' (silu(g) * u) or 'clamped_swiglu' (gpt-oss's, with alpha and limit).")
+      .def("set_biases", &Engine::set_biases, "gate"_a, "up"_a, "down"_a,
+           "The experts' biases: fp32 gate and up [E, I], down [E, H] (copied).")
+      .def_prop_ro("has_biases", [](const Engine& e) { return e.layer().has_biases(); })
       .def("buffers", [](nb::handle self) { return nb::cast<Engine&>(self).buffers(self); },
            "Packed buffers by name, as numpy views that keep this engine alive.")
       .def("set_buffer", &Engine::set_buffer, "name"_a, "array"_a)

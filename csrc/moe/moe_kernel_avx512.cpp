@@ -406,6 +406,28 @@ void silu_mul(float* g, const float* u, int n) {
   }
 }
 
+// silu_mul's vectors with the biases added first; the clamps and the gain are the layer's (p.kind), set once
+// per call, not per value.
+void glu(float* g, const float* u, int n, const Glu& p, int col) {
+  const bool clamped = p.kind == GluKind::clamped_swiglu;
+  const __m512 one = _mm512_set1_ps(1.f), hi = _mm512_set1_ps(p.limit), lo = _mm512_set1_ps(-p.limit);
+  const __m512 neg_gain = _mm512_set1_ps(clamped ? -p.alpha : -1.f);
+  const float* gb = p.gate_bias ? p.gate_bias + col : nullptr;
+  const float* ub = p.up_bias ? p.up_bias + col : nullptr;
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    __m512 gv = _mm512_maskz_loadu_ps(m, g + i), uv = _mm512_maskz_loadu_ps(m, u + i);
+    if (gb) gv = _mm512_add_ps(gv, _mm512_maskz_loadu_ps(m, gb + i));
+    if (ub) uv = _mm512_add_ps(uv, _mm512_maskz_loadu_ps(m, ub + i));
+    if (clamped) {
+      gv = _mm512_min_ps(gv, hi);
+      uv = _mm512_add_ps(_mm512_max_ps(_mm512_min_ps(uv, hi), lo), one);
+    }
+    const __m512 e = exp_ps(_mm512_mul_ps(gv, neg_gain));
+    _mm512_mask_storeu_ps(g + i, m, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
+  }
+}
+
 void combine(int K, const float* const* src, const float* w, int n, void* dst, bool dst_bf16) {
   for (int c = 0; c < n; c += 16) {
     const __mmask16 m = first(n - c);
@@ -418,12 +440,19 @@ void combine(int K, const float* const* src, const float* w, int n, void* dst, b
   }
 }
 
+void add(float* y, const float* b, int n) {
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y + i), _mm512_maskz_loadu_ps(m, b + i)));
+  }
+}
+
 }  // namespace
 
 const Kernels& kernels_avx512() {
   static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4, gemm_fp8},
                          {ActKind::bf16, ActKind::i16, ActKind::i16, ActKind::bf16},
-                         {to_bf16, to_i16, silu_mul, combine}};
+                         {to_bf16, to_i16, silu_mul, glu, combine, add}};
   return k;
 }
 

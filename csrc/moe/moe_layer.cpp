@@ -467,6 +467,43 @@ void MoeLayer::unpack_expert(int e, float* gate, float* up, float* down) const {
   }
 }
 
+void MoeLayer::set_glu(GluKind kind, float alpha, float limit) {
+  if (kind == GluKind::clamped_swiglu && !(std::isfinite(limit) && limit > 0.f))
+    throw std::invalid_argument("the clamped SwiGLU's limit must be positive and finite, got " + std::to_string(limit));
+  if (kind == GluKind::clamped_swiglu && !std::isfinite(alpha))
+    throw std::invalid_argument("the clamped SwiGLU's alpha must be finite, got " + std::to_string(alpha));
+  glu_ = Glu{};
+  glu_.kind = kind;
+  if (kind == GluKind::clamped_swiglu) glu_.alpha = alpha, glu_.limit = limit;
+}
+
+// Rows padded to whole blocks with zeros: a kernel's padding columns (zero weights) stay zero after their
+// bias, and every row starts at a fixed stride.
+void MoeLayer::set_biases(const float* gate, const float* up, const float* down) {
+  const float* src[3] = {gate, up, down};
+  for (int m = 0; m < 3; ++m) {
+    const int n = mats_[m].N, ld = mats_[m].blocks * kBlockRows;
+    bias_[m].assign(size_t(cfg_.E) * ld, 0.f);
+    for (int e = 0; e < cfg_.E; ++e)
+      std::copy(src[m] + size_t(e) * n, src[m] + size_t(e + 1) * n, bias_[m].data() + size_t(e) * ld);
+  }
+}
+
+const Glu* MoeLayer::glu_of(int e, int col, Glu& scratch) const {
+  if (glu_.kind == GluKind::silu && bias_[0].empty()) return nullptr;
+  scratch = glu_;
+  if (!bias_[0].empty()) {
+    const size_t at = size_t(e) * mats_[0].blocks * kBlockRows + col;
+    scratch.gate_bias = bias_[0].data() + at;
+    scratch.up_bias = bias_[1].data() + at;
+  }
+  return &scratch;
+}
+
+const float* MoeLayer::down_bias(int e, int col) const {
+  return bias_[2].empty() ? nullptr : bias_[2].data() + size_t(e) * mats_[2].blocks * kBlockRows + col;
+}
+
 uint64_t MoeLayer::submit(const MoeCall& call) {
   const int64_t call_ns = tracer_.armed() ? trace_now_ns() : 0;
   pool_->prewake();
@@ -1023,7 +1060,7 @@ void MoeLayer::Forward::run_items() {
   }
 }
 
-// h = silu(x Wg^T) * (x Wu^T) for this item's rows of I.
+// h = silu(x Wg^T) * (x Wu^T) (or the layer's Glu, with its biases) for this item's rows of I.
 void MoeLayer::Forward::gate_up_item(int i, int worker) {
   const Item it = ws.gemm_items[i];
   const int64_t t0 = titems ? trace_now_ns() : 0;
@@ -1046,8 +1083,10 @@ void MoeLayer::Forward::gate_up_item(int i, int worker) {
   const int col0 = (gate.slice_begin[it.s] + it.b0) * kBlockRows;
   float* hrow = h + size_t(row_begin[it.j]) * ldh + col0;
   const PackedView g = L.view(gate, order[it.j], it.s), u = L.view(up, order[it.j], it.s);
-  if (kn.gate_up[int(fmt)]) kn.gate_up[int(fmt)](g, u, it.b0, it.b1, a, hrow, int(ldh));
-  else gate_up_two_gemms(gemm_of(kn, false, fmt), ops->silu_mul, g, u, it.b0, it.b1, a, hrow, int(ldh));
+  Glu expert_glu;
+  const Glu* glu = L.glu_of(order[it.j], col0, expert_glu);
+  if (kn.gate_up[int(fmt)]) kn.gate_up[int(fmt)](g, u, it.b0, it.b1, a, glu, hrow, int(ldh));
+  else gate_up_two_gemms(gemm_of(kn, false, fmt), *ops, glu, g, u, it.b0, it.b1, a, hrow, int(ldh));
   // The last one of this expert (acq_rel: it sees every other item's h) converts h.
   // Traced: the item's end is stamped before it lets its expert's down items go.
   if (titems)
@@ -1059,7 +1098,7 @@ void MoeLayer::Forward::gate_up_item(int i, int worker) {
   }
 }
 
-// y = h Wd^T for this item's rows of H, once expert j's down activations exist.
+// y = h Wd^T (+ the expert's down bias) for this item's rows of H, once expert j's down activations exist.
 void MoeLayer::Forward::down_item(int i, int worker) {
   const Item it = ws.gemm_items[i];
   const int64_t t0 = titems ? trace_now_ns() : 0;
@@ -1071,8 +1110,10 @@ void MoeLayer::Forward::down_item(int i, int worker) {
   const int64_t waited_ns = titems ? trace_now_ns() - t0 : 0;
   const ActView a = act2.view(act_of(kn, true, fmt), act_begin[it.j], n_of(it.j));
   const int col0 = (down.slice_begin[it.s] + it.b0) * kBlockRows;
-  gemm_of(kn, true, fmt)(L.view(down, order[it.j], it.s), it.b0, it.b1, a, y + size_t(row_begin[it.j]) * ldy + col0,
-                         int(ldy));
+  float* yrow = y + size_t(row_begin[it.j]) * ldy + col0;
+  gemm_of(kn, true, fmt)(L.view(down, order[it.j], it.s), it.b0, it.b1, a, yrow, int(ldy));
+  if (const float* bias = L.down_bias(order[it.j], col0))
+    for (int t = 0; t < n_of(it.j); ++t) ops->add(yrow + size_t(t) * ldy, bias, (it.b1 - it.b0) * kBlockRows);
   if (titems)
     titems[i] = {worker, 1, order[it.j], it.s, it.b0, it.b1, t0, trace_now_ns(), waited_ns, 0, !slot_own[it.j]};
   if (!combine_in_run) return;
@@ -1123,14 +1164,14 @@ void MoeLayer::forward(const MoeCall& c, int64_t call_ns) {
   Forward(*this, c, call_ns).run();
 }
 
-void gate_up_two_gemms(GemmFn gemm, void (*silu_mul)(float* g, const float* u, int n), const PackedView& gate,
-                       const PackedView& up, int b0, int b1, const ActView& a, float* h, int ldh) {
+void gate_up_two_gemms(GemmFn gemm, const RowOps& ops, const Glu* glu, const PackedView& gate, const PackedView& up,
+                       int b0, int b1, const ActView& a, float* h, int ldh) {
   thread_local AlignedVec<float> ubuf;
   const int cols = (b1 - b0) * kBlockRows, ldu = cols + 16;  // u [n, ldu]: not a multiple of 4 KiB either
   float* u = grow(ubuf, size_t(a.n) * ldu);
   gemm(gate, b0, b1, a, h, ldh);
   gemm(up, b0, b1, a, u, ldu);
-  for (int t = 0; t < a.n; ++t) silu_mul(h + size_t(t) * ldh, u + size_t(t) * ldu, cols);
+  for (int t = 0; t < a.n; ++t) apply_glu(ops, glu, h + size_t(t) * ldh, u + size_t(t) * ldu, cols, 0);
 }
 
 }  // namespace hmoe

@@ -1,6 +1,7 @@
 #pragma once
 // One MoE layer's routed experts on the CPU: packed weights, and forward =
-//   group tokens by expert -> per expert: fused gate/up, SiLU * up, down -> weighted sum.
+//   group tokens by expert -> per expert: fused gate/up, SiLU * up, down -> weighted sum;
+// or, set per layer, gate/up/down biases and gpt-oss's clamped SwiGLU in place of SiLU * up (Glu).
 // Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediate size.
 // Matrices: gate, up [I, H]; down [H, I]. Each is cut into `numa_nodes` slices of output
 // rows (whole 32-row blocks); slice s of every expert lives in one buffer on node s and is
@@ -85,6 +86,13 @@ class MoeLayer {
   void pack_expert_fp8(int e, const Fp8Codes mats[3]);
   // The weights the kernels compute with, dequantized to fp32.
   void unpack_expert(int e, float* gate, float* up, float* down) const;
+  // What h is (packed.h Glu; default silu(g) * u) and the experts' biases, fp32 gate and up [E, I],
+  // down [E, H] (copied; each expert's y = h Wd^T + down bias before its routing weight multiplies it).
+  // Between calls, like set_tuning. set_glu throws std::invalid_argument for a limit that is not positive
+  // and finite or a gain that is not finite.
+  void set_glu(GluKind kind, float alpha, float limit);
+  void set_biases(const float* gate, const float* up, const float* down);
+  bool has_biases() const { return !bias_[0].empty(); }
 
   std::vector<PackedBuffer> buffers() const;
   void set_buffer(const std::string& name, void* data, size_t bytes);
@@ -128,8 +136,16 @@ class MoeLayer {
   struct Forward;
   void forward(const MoeCall& call, int64_t call_ns);
 
+  // Expert e's Glu with its biases from column col of h on; null for a plain layer (silu, no biases),
+  // whose kernels then run as if Glu did not exist.
+  const Glu* glu_of(int e, int col, Glu& scratch) const;
+  // Expert e's down bias from column col on; null without biases.
+  const float* down_bias(int e, int col) const;
+
   MoeConfig cfg_;
   Matrix mats_[3];  // gate, up, down
+  Glu glu_;                      // kind, alpha, limit (no bias pointers: glu_of sets them per expert)
+  std::vector<float> bias_[3];   // gate, up [E][gate blocks * 32], down [E][down blocks * 32]; zeros past I, H
   bool adopt_;
   std::vector<std::pair<void*, size_t>> owned_;
   std::shared_ptr<ThreadPool> pool_;

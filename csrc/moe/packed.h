@@ -93,6 +93,20 @@ static inline bool act_groups(ActKind k) { return k == ActKind::i8_groups || k =
 // out[t * ldo + (b - b0) * 32 + r] = sum_k W[b*32 + r, k] * x[t, k] for blocks [b0, b1).
 using GemmFn = void (*)(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo);
 
+// What turns an expert's gate and up sums (g, u) into h, one choice per layer (MoeLayer::set_glu,
+// set_biases): each sum first gets its bias (null: none), then
+//   silu:           h = silu(g) * u
+//   clamped_swiglu: g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g)
+// (gpt-oss's experts). Layers of plain silu without biases pass no Glu at all (null): their kernels
+// call RowOps::silu_mul as they would without this.
+enum class GluKind : int { silu = 0, clamped_swiglu = 1 };
+struct Glu {
+  GluKind kind = GluKind::silu;
+  float alpha = 1.f, limit = 0.f;
+  const float* gate_bias = nullptr;  // from the h row's first column on (the caller offsets it)
+  const float* up_bias = nullptr;
+};
+
 // The row-wise work around the GEMMs, vectorized per ISA like the GEMMs themselves (scalar
 // code between AVX-512/AMX kernels is slow on Intel cores, and libm's expf far slower still).
 struct RowOps {
@@ -104,8 +118,12 @@ struct RowOps {
                  int32_t* sums);
   // g[i] = silu(g[i]) * u[i], i < n.
   void (*silu_mul)(float* g, const float* u, int n);
+  // g[i] = glu(g[i] + gate_bias[col + i], u[i] + up_bias[col + i]), i < n (Glu: which one, which biases).
+  void (*glu)(float* g, const float* u, int n, const Glu& glu, int col);
   // dst[0:n] = sum_k w[k] * src[k][0:n] (k in order), stored as fp32, or bf16 if dst_bf16.
   void (*combine)(int K, const float* const* src, const float* w, int n, void* dst, bool dst_bf16);
+  // y[i] += b[i], i < n (an expert's down bias).
+  void (*add)(float* y, const float* b, int n);
   // Symmetric int8 (kinds i8, i8_groups; only kernel sets that read them have one): dst[0:n] =
   // round(src / s) in [-127, 127], zeros in [n, Kp); one s = amax / 127 per row (group 0) or per
   // group of `group` K (scale[0:ceil(Kp / group)], the last group maybe partial).
@@ -127,17 +145,25 @@ struct Kernels {
   // h's heavy tail put the layer at 0.0297 vs fp32 (the limit is 0.03).
   GemmFn down_gemm[kFormats] = {};
   ActKind down_act[kFormats] = {};
-  // h = silu(x Wg^T) * (x Wu^T) in one pass over x, where a kernel set has it (null: two GEMMs
-  // and RowOps::silu_mul). Blocks [b0, b1) of both; h like GemmFn's out.
-  void (*gate_up[kFormats])(const PackedView& gate, const PackedView& up, int b0, int b1, const ActView& a, float* h,
-                     int ldh) = {};
+  // h = silu(x Wg^T) * (x Wu^T) (or glu's, apply_glu) in one pass over x, where a kernel set has it
+  // (null: two GEMMs and RowOps). Blocks [b0, b1) of both; h like GemmFn's out; glu's biases from
+  // block b0's first column on.
+  void (*gate_up[kFormats])(const PackedView& gate, const PackedView& up, int b0, int b1, const ActView& a,
+                            const Glu* glu, float* h, int ldh) = {};
 };
 
-// h = silu(x Wg^T) * (x Wu^T) with two GEMMs: gate's blocks [b0, b1) into h, up's into a scratch
-// row per token, then silu_mul: what Kernels::gate_up stands for where a kernel set has none, or
-// where its own does not apply (moe_layer.cpp; built for baseline x86-64).
-void gate_up_two_gemms(GemmFn gemm, void (*silu_mul)(float* g, const float* u, int n), const PackedView& gate,
-                       const PackedView& up, int b0, int b1, const ActView& a, float* h, int ldh);
+// h row [0, n) from its gate sums (in g) and up sums: silu(g) * u where glu is null (a plain layer),
+// else glu's activation and biases from column col of them on.
+static inline void apply_glu(const RowOps& ops, const Glu* glu, float* g, const float* u, int n, int col) {
+  if (glu) ops.glu(g, u, n, *glu, col);
+  else ops.silu_mul(g, u, n);
+}
+
+// h = silu(x Wg^T) * (x Wu^T) (or glu's) with two GEMMs: gate's blocks [b0, b1) into h, up's into a
+// scratch row per token, then apply_glu: what Kernels::gate_up stands for where a kernel set has none,
+// or where its own does not apply (moe_layer.cpp; built for baseline x86-64).
+void gate_up_two_gemms(GemmFn gemm, const RowOps& ops, const Glu* glu, const PackedView& gate, const PackedView& up,
+                       int b0, int b1, const ActView& a, float* h, int ldh);
 
 static inline GemmFn gemm_of(const Kernels& k, bool down, Format f) {
   return down && k.down_gemm[int(f)] ? k.down_gemm[int(f)] : k.gemm[int(f)];

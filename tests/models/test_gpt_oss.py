@@ -3,9 +3,10 @@
 Each case is a tiny random model of transformers' own class, its weights redrawn at O(1) scale with every bias and
 the attention sinks nonzero (transformers starts the biases at zero and the sinks near it), a window of 8
 positions and prompts up to 40 tokens, so the window hides keys. One more is make-model's tiny preset, which both
-sides load from the same directory. Also here: what cannot run its experts (the native engine, the hybrid split,
-convert) refuses in one line and "auto" takes the torch ones; a missing or misshapen fused expert tensor fails naming
-it; the harmony chat template. MXFP4 checkpoints: tests/formats/test_mxfp4.py.
+sides load from the same directory. The native CPU engine runs the experts too (bf16 and int8: logits within the
+bf16 tolerance, greedy tokens in bf16); what cannot run them (the hybrid split, convert) refuses in one line, and
+"auto" takes the native engine on the CPU, the torch reference on a GPU (never the hybrid split); a missing or
+misshapen fused expert tensor fails naming it; the harmony chat template. MXFP4 checkpoints: tests/formats/test_mxfp4.py.
 """
 
 import logging
@@ -29,7 +30,9 @@ from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import CheckpointError, HybridMoEError
+from hybridmoe.layers.clamped_swiglu import ClampedSwiGLU
 from hybridmoe.server.tool_parsers import parser_for_template
+from hybridmoe.system.auto import auto_gpu_budget, resolve_expert_backend
 from hybridmoe.tokenizer import Tokenizer
 from hybridmoe.weights.convert import convert_checkpoint
 
@@ -160,23 +163,66 @@ def test_the_make_model_tiny_checkpoint_equals_transformers(tmp_path):
     assert_batched_decode_equals_recomputation(ours, hf, PROMPTS, slots=[1, 0, 2])
 
 
-def test_auto_takes_the_torch_experts_and_says_why(tmp_path, caplog):
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_native_experts_give_transformers_logits(fmt, tmp_path):
+    """The native engine's experts (biases, clamps binding at limit 0.8) under the float32 model: a prefill of 40
+    tokens, then a decode step of two sequences, within the bf16 row of the tolerance table. The packed-expert cache
+    holds no biases: nothing is written there (int8 would be cached otherwise)."""
+    hf = tiny_gpt_oss()
+    loaded = save_and_load(hf, tmp_path / "model", dtype="float32", expert_backend="native", expert_format=fmt,
+                           cpu_threads=2, cache_dir=str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+    layer = loaded.experts.layer_experts(1)
+    assert type(loaded.experts).__name__ == "NativeLayers" and layer.format == fmt
+    assert layer.glu == ClampedSwiGLU(alpha=1.702, limit=0.8) and layer.has_biases
+    ours = loaded.model
+    ours.allocate_kv_cache(2, len(PROMPT) + 1)
+    prompts = [PROMPT, PROMPT[:17]]
+    got = run_step(ours, prompts, slots=[0, 1], start_pos=[0, 0])
+    for g, p in zip(got, prompts):
+        assert_close(g, hf_forward(hf, p)[0], dtype=torch.bfloat16, what=f"native {fmt} prefill")
+    nxt = [int(g[-1].argmax()) for g in got]
+    decode = run_step(ours, [[n] for n in nxt], slots=[0, 1], start_pos=[len(p) for p in prompts])
+    for d, p, n in zip(decode, prompts, nxt):
+        assert_close(d[0], hf_forward(hf, p + [n])[0][-1], dtype=torch.bfloat16, what=f"native {fmt} decode")
+
+
+def test_native_bf16_greedy_tokens_equal_transformers_generate(tmp_path):
+    hf = tiny_gpt_oss()
+    hf.save_pretrained(tmp_path)
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                               do_sample=False, max_new_tokens=32, min_new_tokens=32)[0, len(PROMPT):]
+    llm = LLM(tmp_path, dtype="float32", expert_backend="native", expert_format="bf16", cpu_threads=2,
+              max_num_seqs=1)
+    assert llm.generate(PROMPT, GREEDY)[0].token_ids == expected.tolist()
+
+
+def test_auto_takes_the_native_experts_on_the_cpu(tmp_path):
     make_checkpoint("gpt_oss", "tiny", tmp_path, dtype="bf16", progress=False)
+    loaded = load_model(tmp_path, EngineConfig(dtype="bfloat16"))
+    assert loaded.engine_config.expert_backend == "native" and loaded.engine_config.gpu_memory_budget is None
+    assert loaded.experts.layer_experts(0).glu is not None
+
+
+def test_on_a_gpu_auto_takes_the_torch_experts_and_never_a_hybrid_split(tmp_path, caplog):
+    """The choices a CUDA device would get, made without one (neither call reads the device): auto takes the torch
+    reference, saying why; native gets no GPU budget (all experts on the CPU), so no hybrid split."""
+    make_checkpoint("gpt_oss", "tiny", tmp_path, dtype="bf16", progress=False)
+    config = load_model(tmp_path, EngineConfig(dtype="bfloat16", expert_backend="torch")).config
     with caplog.at_level(logging.INFO, logger="hybridmoe"):
-        loaded = load_model(tmp_path, EngineConfig(dtype="bfloat16"))
-    assert loaded.engine_config.expert_backend == "torch"
-    assert "expert_backend auto: torch" in caplog.text and "clamped SwiGLU" in caplog.text
+        assert resolve_expert_backend(EngineConfig(device="cuda"), config, torch.bfloat16, tmp_path) == "torch"
+    assert "expert_backend auto: torch" in caplog.text and "hybrid GPU/CPU split" in caplog.text
+    assert "clamped SwiGLU" in caplog.text
+    assert auto_gpu_budget(EngineConfig(device="cuda", expert_backend="native"), config) is None
 
 
-@pytest.mark.parametrize("options, says", [
-    ({"expert_backend": "native"}, "expert_backend='native' has no routed experts with the clamped SwiGLU"),
-    ({"expert_backend": "torch", "gpu_experts_per_layer": 2}, "the hybrid GPU/CPU expert split"),
-], ids=["native", "hybrid"])
-def test_backends_without_biased_clamped_experts_refuse_in_one_line(options, says, tmp_path):
+def test_the_hybrid_split_refuses_biased_clamped_experts_in_one_line(tmp_path):
     make_checkpoint("gpt_oss", "tiny", tmp_path, dtype="bf16", progress=False)
-    with pytest.raises(HybridMoEError, match=says) as e:
-        load_model(tmp_path, EngineConfig(dtype="bfloat16", **options))
-    assert "\n" not in str(e.value) and "biases" in str(e.value)
+    with pytest.raises(HybridMoEError, match="the hybrid GPU/CPU expert split") as e:
+        load_model(tmp_path, EngineConfig(dtype="bfloat16", expert_backend="native", gpu_experts_per_layer=2))
+    assert "\n" not in str(e.value) and "clamped SwiGLU activation and biases" in str(e.value)
 
 
 @pytest.mark.parametrize("change, says", [
@@ -198,7 +244,7 @@ def test_a_fused_expert_tensor_missing_or_misshapen_is_named(change, says, tmp_p
 
 def test_convert_for_the_native_engine_refuses_in_one_line(tmp_path):
     make_checkpoint("gpt_oss", "tiny", tmp_path / "src", dtype="bf16", progress=False)
-    with pytest.raises(HybridMoEError, match="native engine has no routed experts with the clamped SwiGLU"):
+    with pytest.raises(HybridMoEError, match="a converted directory holds no routed experts with the clamped SwiGLU"):
         convert_checkpoint(tmp_path / "src", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 

@@ -12,6 +12,10 @@ a time, never of the layer); block-FP8 codes (fp8_codes.py Fp8Codes) go into the
 are. `packed_state()` / `CpuExperts.from_packed(state)` move the packed form without repacking (the
 buffers are used in place, e.g. memory-mapped from a cache file).
 
+An expert computes down(silu(gate x) * up x) unless told otherwise: `set_glu(ClampedSwiGLU(alpha, limit))` gives
+it gpt-oss's clamped SwiGLU (layers/clamped_swiglu.py) and `set_biases(gate_bias, up_bias, down_bias)` its
+projections' biases; neither is part of the packed state.
+
 Bad arguments raise HybridMoEError (a ValueError) with one line that names the argument: integers
 are checked here (type and range) before they reach the engine, tensors the engine cannot read
 (meta, sparse, not a tensor) are named here, and the engine checks the rest (shape, dtype,
@@ -35,6 +39,7 @@ from hybridmoe.config import MAX_CPU_THREADS
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.fp8_codes import FP8_BLOCK, Fp8Codes, dense_weights
 from hybridmoe.experts.tuning import EngineTuning, from_native, to_native
+from hybridmoe.layers.clamped_swiglu import ClampedSwiGLU
 
 FORMATS = ("bf16", "int8", "int4", "fp8")
 MAX_THREADS = MAX_CPU_THREADS
@@ -227,6 +232,7 @@ class CpuExperts:
             raise HybridMoEError(_one_line(e)) from None
         self._adopted: dict[str, object] = {}
         self._pending: tuple | None = None
+        self._glu: ClampedSwiGLU | None = None
         self.handle = next(_HANDLES)  # for torch.ops.hybridmoe.cpu_experts(x, ids, w, handle)
         _LAYERS[self.handle] = self
 
@@ -322,6 +328,44 @@ class CpuExperts:
     @property
     def packed_bytes(self) -> int:
         return sum(b.nbytes for b in self._engine.buffers().values())
+
+    @property
+    def glu(self) -> ClampedSwiGLU | None:
+        """The experts' activation: None for silu(gate x) * up x, else the clamped SwiGLU (set_glu)."""
+        return self._glu
+
+    def set_glu(self, glu: ClampedSwiGLU | None) -> None:
+        """h = glu(gate x + gate bias, up x + up bias) for every expert of later calls: a ClampedSwiGLU (gpt-oss's,
+        its alpha and limit), or None for silu(gate) * up (the default)."""
+        self._between_calls("set_glu")
+        if glu is None:
+            self._call(self._engine.set_glu, "silu", 0.0, 0.0)
+        elif isinstance(glu, ClampedSwiGLU):
+            self._call(self._engine.set_glu, "clamped_swiglu", float(glu.alpha), float(glu.limit))
+        else:
+            raise HybridMoEError(f"glu must be a ClampedSwiGLU or None (silu), got {type(glu).__name__}")
+        self._glu = glu
+
+    @property
+    def has_biases(self) -> bool:
+        return self._engine.has_biases
+
+    def set_biases(self, gate_bias: torch.Tensor, up_bias: torch.Tensor, down_bias: torch.Tensor) -> None:
+        """The experts' biases for later calls, in any float dtype (copied as float32): gate_bias, up_bias [E, I] are
+        added to gate x and up x before the activation, down_bias [E, H] to each expert's output before its routing
+        weight multiplies it."""
+        self._between_calls("set_biases")
+        biases = []
+        for name, t in (("gate_bias", gate_bias), ("up_bias", up_bias), ("down_bias", down_bias)):
+            _check_tensor(name, t)
+            if not t.dtype.is_floating_point:
+                raise HybridMoEError(f"{name} must be a float tensor, got {t.dtype}")
+            biases.append(t.detach().to("cpu", torch.float32).contiguous())
+        self._call(self._engine.set_biases, *biases)
+
+    def _between_calls(self, what: str) -> None:
+        if self._pending is not None:
+            raise HybridMoEError(f"{what}() called between submit() and wait(); call wait() first")
 
     def dequantized(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert e's weights as the kernels see them (after quantization), float32."""

@@ -27,40 +27,31 @@ def make_expert_backend(engine_config: EngineConfig, config, model_cls: type | N
     A GPU budget, gpu_experts_per_layer or deferred experts make it the hybrid split (planned from
     model_cls's tensor sizes in dtype); otherwise expert_backend alone decides.
     """
-    act = get_activation(config.hidden_act)
-    torch_only = torch_only_experts(config)
-    if torch_only is not None:
-        return _torch_only_backend(engine_config, config, torch_only, act)
-    if engine_config.expert_backend == "native" and config.hidden_act not in ("silu", "swish"):
+    act, glu = get_activation(config.hidden_act), config.get("expert_glu")
+    extras = expert_extras(config)
+    if extras is not None and uses_hybrid(engine_config):
+        raise HybridMoEError(f"the hybrid GPU/CPU expert split (gpu_memory_budget, gpu_experts_per_layer, "
+                             f"deferred_experts) has no routed experts with {extras}, which this model's need; "
+                             "leave those unset (the native engine or the torch reference runs them)")
+    if engine_config.expert_backend == "native" and glu is None and config.hidden_act not in ("silu", "swish"):
         raise HybridMoEError(f"expert_backend='native' runs SiLU experts only; this model uses {config.hidden_act!r}")
     if uses_hybrid(engine_config):
         return _hybrid_backend(engine_config, config, model_cls, dtype, act)
     if engine_config.expert_backend == "torch":
-        return TorchExperts(act=act)
-    return NativeLayers(_cpu_experts_class(), **_native_options(engine_config))
+        return TorchExperts(act=act, glu=glu)
+    return NativeLayers(_cpu_experts_class(), glu=glu, **_native_options(engine_config))
 
 
-def torch_only_experts(config) -> str | None:
-    """What the model's routed experts need that only the torch reference runs, for a message (the native engine and
-    the hybrid split compute act(gate x) * up x, without biases); None: every backend runs them."""
+def expert_extras(config) -> str | None:
+    """What the model's routed experts add to act(gate x) * up x, for a message (gpt-oss: the clamped SwiGLU and
+    biases); None: nothing. The native engine and the torch reference run them; the hybrid GPU/CPU split (its GPU
+    experts), converted directories and the packed-expert cache (which hold no biases) do not."""
     needs = []
     if config.get("expert_glu") is not None:
         needs.append(f"the {config.expert_glu.name} activation")
     if config.get("expert_bias"):
         needs.append("biases")
     return " and ".join(needs) or None
-
-
-def _torch_only_backend(engine_config: EngineConfig, config, needs: str, act) -> ExpertBackend:
-    """The torch reference for experts with `needs`; asked for elsewhere, one line naming what is missing there."""
-    if uses_hybrid(engine_config):
-        raise HybridMoEError(f"the hybrid GPU/CPU expert split (gpu_memory_budget, gpu_experts_per_layer, "
-                             f"deferred_experts) has no routed experts with {needs}, which this model's need; "
-                             "leave those unset (the torch reference runs them)")
-    if engine_config.expert_backend == "native":
-        raise HybridMoEError(f"expert_backend='native' has no routed experts with {needs}, which this model's "
-                             "need; use expert_backend='torch' (or 'auto')")
-    return TorchExperts(act=act, glu=config.get("expert_glu"))
 
 
 def _native_options(ec: EngineConfig) -> dict:
@@ -91,16 +82,22 @@ def _hybrid_backend(engine_config: EngineConfig, config, model_cls, dtype, act) 
 
 
 class _NativeLayer:
-    """Builds one layer's CpuExperts with the engine options: from stacked tensors, or one expert at a time."""
+    """Builds one layer's CpuExperts with the engine options: from stacked tensors, or one expert at a time; each
+    with the model's expert activation (glu: None for SiLU, else a ClampedSwiGLU)."""
 
-    def __init__(self, cpu_experts_cls, **options):
-        self.cls, self.options = cpu_experts_cls, options
+    def __init__(self, cpu_experts_cls, glu=None, **options):
+        self.cls, self.glu, self.options = cpu_experts_cls, glu, options
 
     def __call__(self, gate_proj, up_proj, down_proj):
-        return self.cls(gate_proj, up_proj, down_proj, **self.options)
+        return self.with_glu(self.cls(gate_proj, up_proj, down_proj, **self.options))
 
     def from_experts(self, experts, num_experts: int):
-        return self.cls.from_experts(experts, num_experts, **self.options)
+        return self.with_glu(self.cls.from_experts(experts, num_experts, **self.options))
+
+    def with_glu(self, experts):
+        if self.glu is not None:
+            experts.set_glu(self.glu)
+        return experts
 
     @property
     def format(self) -> str:
@@ -111,11 +108,12 @@ class NativeLayers(ExpertBackend):
     """One native CpuExperts per MoE layer behind the model-wide ExpertBackend interface.
 
     Activations cross to the CPU (where the native engine keeps its packed weights) and the
-    result comes back to the hidden state's device and dtype.
+    result comes back to the hidden state's device and dtype. glu: the model's expert activation (None: SiLU),
+    given to every layer's CpuExperts; biases come per layer (set_layer_biases).
     """
 
-    def __init__(self, cpu_experts_cls, **options):
-        self._build = _NativeLayer(cpu_experts_cls, **options)
+    def __init__(self, cpu_experts_cls, glu=None, **options):
+        self._build = _NativeLayer(cpu_experts_cls, glu, **options)
         self._layers: dict[int, object] = {}
         self._out: dict[int, tuple[torch.device, torch.dtype]] = {}
 
@@ -138,11 +136,16 @@ class NativeLayers(ExpertBackend):
     def set_layer_codes(self, layer, gate_proj, up_proj, down_proj):
         """The layer packed from int4 codes as they are (weights/int4_codes.py Int4Codes of each projection)."""
         threads = self._build.options["threads"]
-        self.adopt(layer, self._build.cls.from_codes(gate_proj, up_proj, down_proj, threads=threads))
+        self.adopt(layer, self._build.with_glu(self._build.cls.from_codes(gate_proj, up_proj, down_proj,
+                                                                          threads=threads)))
+
+    def set_layer_biases(self, layer, gate_bias, up_bias, down_bias):
+        """The layer's expert biases (gate/up [E, I], down [E, H]), after its experts."""
+        self._layers[layer].set_biases(gate_bias, up_bias, down_bias)
 
     def from_packed(self, state: dict):
         """One layer's CpuExperts over already-packed buffers (a converted directory or the expert cache)."""
-        return self._build.cls.from_packed(state, threads=self._build.options["threads"])
+        return self._build.with_glu(self._build.cls.from_packed(state, threads=self._build.options["threads"]))
 
     def adopt(self, layer: int, experts) -> None:
         """Where every packed layer goes (set_layer, set_layer_experts, set_layer_codes, the cache)."""

@@ -6,8 +6,9 @@ original 4096 positions, truncate false), and a window of sliding_window positio
 marks "sliding_attention" (by default the even-indexed ones; the others see the whole context). Then a MoE of
 num_local_experts experts and no shared expert: the router is a linear layer with a bias whose top
 num_experts_per_tok logits are softmaxed among themselves; each expert's projections have biases and it
-applies the clamped SwiGLU (layers/clamped_swiglu.py), which the config declares (expert_glu, expert_bias) so
-that only the torch expert backend, which runs them, is chosen (experts/factory.py).
+applies the clamped SwiGLU (layers/clamped_swiglu.py), which the config declares (expert_glu, expert_bias) for the
+expert backend: the torch reference and the native CPU engine run them, the hybrid GPU/CPU split does not
+(experts/factory.py).
 
 Checkpoints store a layer's experts fused: mlp.experts.gate_up_proj [E, H, 2I] with gate and up interleaved
 column by column (gate = [..., ::2], up = [..., 1::2]), down_proj [E, I, H], and their biases [E, 2I], [E, H].

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from hybridmoe.config import EngineConfig
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cpu_experts import CpuExperts
-from hybridmoe.experts.factory import NativeLayers, torch_only_experts
+from hybridmoe.experts.factory import NativeLayers, expert_extras
 from hybridmoe.models.registry import load_config
 from hybridmoe.weights.expert_cache import MANIFEST, PackedWriter
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
@@ -174,10 +174,10 @@ def convert_checkpoint(src: str | Path, out: str | Path, format: str = "auto", g
     cls, config = load_config(model_dir)
     if config.hidden_act not in ("silu", "swish"):
         raise HybridMoEError(f"the native engine runs SiLU experts only; this model uses {config.hidden_act!r}")
-    torch_only = torch_only_experts(config)
-    if torch_only is not None:
-        raise HybridMoEError(f"the native engine has no routed experts with {torch_only}, which this model's need; "
-                             "it runs unconverted, its experts in the torch reference")
+    extras = expert_extras(config)
+    if extras is not None:
+        raise HybridMoEError(f"a converted directory holds no routed experts with {extras}, which this model's need; "
+                             "it runs unconverted (expert_backend native packs its experts at load)")
     dtype = resolve_dtype("auto", config)
     # int4 from GPTQ/AWQ 4-bit keeps its zero points, so that codes in the checkpoint's group size pack as they are
     resolved = resolve_expert_format(options, config, model_dir)

@@ -5,7 +5,7 @@
   Every expert's bytes are checked against their CRC-32 (verify_experts "full"; "header" checks the
   headers and expert 0 only); a directory converted before the checksums loads with a warning.
 - Otherwise, with the native engine in int8/int4 (or fp8 from another checkpoint than a 128x128 block-FP8
-  one) and a cache directory: the first start packs the
+  one), experts without biases and a cache directory: the first start packs the
   checkpoint's experts and writes them to <cache_dir>/experts/<key>/; the next start with the same
   checkpoint files and options maps them back instead of reading and quantizing. The key covers
   the checkpoint's config.json, its weight files (path, size, mtime) and the packing options.
@@ -196,8 +196,9 @@ def plan_packed_experts(model_dir: Path, engine_config: EngineConfig, model, bac
         return PackedExperts(False, _adopt_all(model_dir, manifest, model, _converted_spec(manifest, engine_config),
                                                backend, engine_config))
     root = cache_root(engine_config)
+    # An entry holds packed weights only: experts with biases (gpt-oss) pack at every load, where the biases are read.
     if (engine_config.expert_backend != "native" or engine_config.expert_format not in CACHED_FORMATS or root is None
-            or _packs_by_copy(engine_config, model.config)):
+            or _packs_by_copy(engine_config, model.config) or model.config.get("expert_bias")):
         return PackedExperts(True)
     spec_fields = _spec_fields(engine_config)
     entry = root / "experts" / cache_key(model_dir, spec_fields)

@@ -18,9 +18,9 @@ one expert in float beside what the backend has taken, never a layer or the mode
 scales 254 and 255 (2^128; the OCP spec's NaN, read as transformers reads it) are inf, which the loader's finite
 check refuses, naming the tensor.
 
-The experts go to the backend in the model's dtype: gpt-oss runs on the torch expert backend, which takes float
-weights. The native CPU engine has no MXFP4 format (half a byte a weight): MXFP4 experts in memory take the model
-dtype's bytes.
+The experts go to the backend in the model's dtype: the torch expert backend takes them as they are, the native CPU
+engine packs them into its format (expert_format; "auto" takes bf16 for them). Neither has an MXFP4 format (half a
+byte a weight): MXFP4 experts in memory take the model dtype's bytes, or the native format's.
 """
 
 from __future__ import annotations
