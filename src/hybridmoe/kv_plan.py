@@ -8,6 +8,10 @@ the device's cache on a GPU, at most half the host's available memory, unless gi
 sequence may be as long as the model allows (max_position_embeddings, YaRN's stretch included) when the cache
 holds that many tokens, else as long as the cache holds: concurrent sequences share the blocks, and one that
 finds none free is preempted and resumed later (engine/scheduler.py).
+
+A model whose layers keep a recurrent state per sequence instead of a KV cache (Gated DeltaNet) holds
+max_num_seqs of those states beside the blocks: they count in the cache's memory, and a kv_cache_budget pays for them
+first.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class KVPlan:
     """The positions the model knows (None: it states none)."""
     host_blocks: int = 0
     """Blocks of the host tier (engine/kv_blocks.py), 0: none."""
+    state_bytes: int = 0
+    """The recurrent states of max_num_seqs sequences (models/base.py state_bytes_per_seq), beside the blocks."""
 
     @property
     def tokens(self) -> int:
@@ -38,7 +44,7 @@ class KVPlan:
 
     @property
     def bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.bytes_per_token
+        return self.num_blocks * self.block_size * self.bytes_per_token + self.state_bytes
 
     def line(self) -> str:
         """The load's line about the cache: its size, the tokens per GiB (the trade against cached experts) and
@@ -50,22 +56,27 @@ class KVPlan:
         host_tokens = self.host_blocks * self.block_size
         host = (f"; host tier {host_tokens} tokens, {format_bytes(host_tokens * self.bytes_per_token)}"
                 if self.host_blocks else "")
-        return (f"{self.tokens} tokens in blocks of {self.block_size}, {format_bytes(self.bytes)} "
+        state = f", recurrent states {format_bytes(self.state_bytes)}" if self.state_bytes else ""
+        return (f"{self.tokens} tokens in blocks of {self.block_size}, {format_bytes(self.bytes)}{state} "
                 f"({per_gib} tokens per GiB); max_model_len {self.max_model_len}{why}{host}")
 
 
 def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: int,
-                  host_available: int = 0) -> KVPlan:
-    """The cache and max_model_len for a model whose tokens take bytes_per_token of KV cache each.
-    host_available: the host's available memory (0: unknown), which caps the default host tier at half of it."""
+                  host_available: int = 0, state_bytes_per_seq: int = 0) -> KVPlan:
+    """The cache and max_model_len for a model whose tokens take bytes_per_token of KV cache each and whose
+    sequences hold state_bytes_per_seq of recurrent state each. host_available: the host's available memory (0:
+    unknown), which caps the default host tier at half of it."""
     check_max_model_len(model_config, engine_config)
     bs, given, limit = engine_config.kv_block_size, engine_config.max_model_len, position_limit(model_config)
+    states = engine_config.max_num_seqs * state_bytes_per_seq
+    block_bytes = max(bytes_per_token, 1) * bs  # a model of stateful layers only caches no keys at all
     if engine_config.kv_cache_budget is not None:
-        blocks = engine_config.kv_cache_budget // (bytes_per_token * bs)
+        blocks = (engine_config.kv_cache_budget - states) // block_bytes
         if blocks < 1:
+            held = f" beside {format_bytes(states)} of recurrent states" if states else ""
             raise HybridMoEError(
                 f"kv_cache_budget {format_bytes(engine_config.kv_cache_budget)} holds no block of {bs} tokens "
-                f"({format_bytes(bytes_per_token * bs)} each); raise --kv-cache-budget")
+                f"({format_bytes(bytes_per_token * bs)} each){held}; raise --kv-cache-budget")
     else:
         blocks = -(-max(engine_config.max_num_seqs * DEFAULT_MAX_MODEL_LEN, given or 0) // bs)
     tokens = blocks * bs
@@ -77,8 +88,9 @@ def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: in
     max_len = given or min(limit or tokens, tokens)
     host = engine_config.kv_cpu_budget
     if host is None:  # the default: as large as the device's cache on a GPU, at most half the available memory
-        cap = host_available // 2 // (bytes_per_token * bs) if host_available else blocks
+        cap = host_available // 2 // block_bytes if host_available else blocks
         host_blocks = min(blocks, cap) if engine_config.device == "cuda" else 0
     else:
-        host_blocks = host // (bytes_per_token * bs)
-    return KVPlan(blocks + 1, bs, max_len, bytes_per_token, limit, host_blocks if engine_config.prefix_caching else 0)
+        host_blocks = host // block_bytes
+    return KVPlan(blocks + 1, bs, max_len, bytes_per_token, limit, host_blocks if engine_config.prefix_caching else 0,
+                  states)

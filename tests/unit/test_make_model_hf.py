@@ -29,6 +29,7 @@ TEMPLATE_ENDS = {
     "glm4_moe": ("<|user|>", "<|user|>\nTell me a joke.<|assistant|>"),
     "minimax_m2": ("[e~[", "]~b]user\nTell me a joke.[e~[\n]~b]ai\n<think>\n"),
     "gpt_oss": ("<|return|>", "<|start|>user<|message|>Tell me a joke.<|end|><|start|>assistant"),
+    "qwen3_next": ("<|im_end|>", "<|im_start|>assistant\n"),
 }
 TURN_CLOSES = {"gpt_oss": "<|end|>"}
 """arch -> what closes an earlier answer where that is not the end-of-turn token (harmony's <|return|> ends only

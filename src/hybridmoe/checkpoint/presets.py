@@ -6,7 +6,8 @@ transformers' Glm4MoeConfig defaults, which are GLM-4.5-Air's shape; minimax-m2 
 config.json (its shape is transformers' MiniMaxM2Config defaults); gpt-oss-20b and gpt-oss-120b carry
 openai/gpt-oss-20b's and openai/gpt-oss-120b's config.json less their MXFP4 `quantization_config` (gpt-oss-120b's
 shape, YaRN and window are also transformers' GptOssConfig defaults); kimi-k2 carries
-moonshotai/Kimi-K2-Instruct's config.json less its FP8 `quantization_config` (transformers has no Kimi-K2 class). Token ids
+moonshotai/Kimi-K2-Instruct's config.json less its FP8 `quantization_config` (transformers has no Kimi-K2 class); qwen3-next-80b-a3b carries Qwen/Qwen3-Next-80B-A3B-Instruct's config.json
+less its layer_types list (the same layers follow from full_attention_interval 4). Token ids
 (bos/eos/pad) are not here: they come from the tokenizer we build, so config and tokenizer agree.
 `tiny` presets keep every dimension small (a few MB) but switch on the family's features.
 """
@@ -28,6 +29,7 @@ ARCHS = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 TINY_VOCAB = 512
@@ -278,6 +280,36 @@ _KIMI_K2 = {
     },
 }
 
+_QWEN3_NEXT = {
+    # Gated DeltaNet in layers 0-2 (2 key heads, each shared by 2 value heads), gated attention in layer 3 with a
+    # quarter of each head rotating, a dense MLP in layer 1, routed experts with a gated shared expert elsewhere
+    "tiny": {
+        "attention_bias": False, "attention_dropout": 0.0, "decoder_sparse_step": 1, "full_attention_interval": 4,
+        "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_value_head_dim": 16, "max_position_embeddings": 512,
+        "mlp_only_layers": [1], "moe_intermediate_size": 32, "norm_topk_prob": True, "num_attention_heads": 4,
+        "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4, "num_key_value_heads": 2,
+        "output_router_logits": False, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6, "rope_scaling": None,
+        "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 48,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": TINY_VOCAB,
+    },
+    # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json less layer_types (full_attention_interval 4 gives the same 48
+    # layers); we write no multi-token-prediction module (the release's mtp.*)
+    "qwen3-next-80b-a3b": {
+        "attention_bias": False, "attention_dropout": 0.0, "decoder_sparse_step": 1, "full_attention_interval": 4,
+        "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144, "mlp_only_layers": [], "moe_intermediate_size": 512,
+        "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10,
+        "num_hidden_layers": 48, "num_key_value_heads": 2, "output_router_logits": False,
+        "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 5000000,
+        "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    },
+}
+
 PRESETS = {
     "qwen2_moe": _QWEN2_MOE,
     "qwen3_moe": _QWEN3_MOE,
@@ -288,6 +320,7 @@ PRESETS = {
     "minimax_m2": _MINIMAX_M2,
     "gpt_oss": _GPT_OSS,
     "kimi_k2": _KIMI_K2,
+    "qwen3_next": _QWEN3_NEXT,
 }
 
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -4,7 +4,10 @@ Weight init (chosen so that a real-shape model's activations stay finite and its
   - every linear weight [out, in]: normal, std 1/sqrt(in), so a layer maps unit-variance inputs
     to unit-variance outputs (router logits and lm_head logits come out with std ~1);
   - embed_tokens: normal, std 1 (the first RMSNorm sees unit-scale rows either way);
-  - RMSNorm weights: 1 + normal(std 0.02), near 1 but not exactly, so a norm that fails to load shows;
+  - RMSNorm weights: 1 + normal(std 0.02), near 1 but not exactly, so a norm that fails to load shows; Qwen3-Next's
+    norms, which scale by 1 + weight, normal(std 0.02) around 0 (the same scale);
+  - Qwen3-Next's Gated DeltaNet: conv1d [Ch, 1, K] normal, std 1/sqrt(K); A_log and dt_bias normal, std 0.5 (decays
+    exp(-exp(A_log) softplus(a + dt_bias)) spread over (0, 1));
   - attention biases (Qwen2, GLM-4.5): normal, std 0.02;
   - e_score_correction_bias (DeepSeek-V3 noaux_tc, GLM-4.5, MiniMax-M2): normal, std 0.01, stored float32 as in
     the real checkpoints; it shifts the choice of experts a little, never their weights;
@@ -66,8 +69,9 @@ class _Specs:
     def bias(self, name: str, n: int) -> None:
         self.specs.append(TensorSpec(f"{name}.bias", (n,), self.dtype, 0.0, 0.02))
 
-    def norm(self, name: str, n: int) -> None:
-        self.specs.append(TensorSpec(f"{name}.weight", (n,), self.dtype, 1.0, 0.02))
+    def norm(self, name: str, n: int, mean: float = 1.0) -> None:
+        """mean 0: a norm that scales by 1 + weight (Qwen3-Next's)."""
+        self.specs.append(TensorSpec(f"{name}.weight", (n,), self.dtype, mean, 0.02))
 
     def embedding(self, name: str, vocab: int, hidden: int) -> None:
         self.specs.append(TensorSpec(f"{name}.weight", (vocab, hidden), self.dtype, 0.0, 1.0))
@@ -121,7 +125,7 @@ def _qwen_mlp(s: _Specs, p: str, c: dict, i: int) -> None:
     s.linear(f"{p}.mlp.gate", c["num_experts"], hidden)
     for e in range(c["num_experts"]):
         s.swiglu(f"{p}.mlp.experts.{e}", hidden, c["moe_intermediate_size"])
-    if c["model_type"] == "qwen2_moe":
+    if c["model_type"] in ("qwen2_moe", "qwen3_next"):
         s.swiglu(f"{p}.mlp.shared_expert", hidden, c["shared_expert_intermediate_size"])
         s.linear(f"{p}.mlp.shared_expert_gate", 1, hidden)
 
@@ -172,16 +176,44 @@ def _gpt_oss_mlp(s: _Specs, p: str, c: dict) -> None:
     s.raw(f"{p}.mlp.experts.down_proj_bias", (E, hidden), s.dtype, 0.02)
 
 
+def _qwen3_next_mixer(s: _Specs, p: str, c: dict, i: int) -> None:
+    """Layer i's token mixer as layer_types (else full_attention_interval) says: Gated DeltaNet (linear_attn) or
+    attention whose q_proj also yields an output gate (self_attn), with (1 + weight) q/k norms."""
+    hidden, every = c["hidden_size"], c.get("full_attention_interval") or 4
+    kind = c["layer_types"][i] if c.get("layer_types") else (
+        "full_attention" if (i + 1) % every == 0 else "linear_attention")
+    if kind == "full_attention":
+        heads, kv_heads, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        for proj, n in (("q_proj", 2 * heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+            s.linear(f"{p}.self_attn.{proj}", n * head_dim, hidden)
+        s.linear(f"{p}.self_attn.o_proj", hidden, heads * head_dim)
+        s.norm(f"{p}.self_attn.q_norm", head_dim, mean=0.0)
+        s.norm(f"{p}.self_attn.k_norm", head_dim, mean=0.0)
+        return
+    k = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    v_heads = c["linear_num_value_heads"]
+    v = v_heads * c["linear_value_head_dim"]
+    kernel = c["linear_conv_kernel_dim"]
+    s.raw(f"{p}.linear_attn.conv1d.weight", (2 * k + v, 1, kernel), s.dtype, kernel ** -0.5)
+    s.raw(f"{p}.linear_attn.dt_bias", (v_heads,), s.dtype, 0.5)
+    s.raw(f"{p}.linear_attn.A_log", (v_heads,), s.dtype, 0.5)
+    s.linear(f"{p}.linear_attn.in_proj_qkvz", 2 * k + 2 * v, hidden)
+    s.linear(f"{p}.linear_attn.in_proj_ba", 2 * v_heads, hidden)
+    s.norm(f"{p}.linear_attn.norm", c["linear_value_head_dim"])
+    s.linear(f"{p}.linear_attn.out_proj", hidden, v)
+
+
 def tensor_specs(config: dict) -> list[TensorSpec]:
     """Every tensor of the checkpoint described by `config` (a config.json dict), in file order."""
     mt = config["model_type"]
     fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
     s = _Specs(torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32, fp8)
     hidden = config["hidden_size"]
+    norm_mean = 0.0 if mt == "qwen3_next" else 1.0
     s.embedding("model.embed_tokens", config["vocab_size"], hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        s.norm(f"{p}.input_layernorm", hidden)
+        s.norm(f"{p}.input_layernorm", hidden, norm_mean)
         if mt.startswith("deepseek") or mt == "kimi_k2":  # Kimi-K2 is DeepSeek-V3's architecture
             _mla_attention(s, p, config)
         elif mt == "glm4_moe":
@@ -190,9 +222,11 @@ def tensor_specs(config: dict) -> list[TensorSpec]:
             _gqa_attention(s, p, config, qkv_bias=False, qk_norm=True, norm_per_head=False)
         elif mt == "gpt_oss":
             _gpt_oss_attention(s, p, config)
+        elif mt == "qwen3_next":
+            _qwen3_next_mixer(s, p, config, i)
         else:
             _gqa_attention(s, p, config, qkv_bias=mt == "qwen2_moe", qk_norm=mt == "qwen3_moe")
-        s.norm(f"{p}.post_attention_layernorm", hidden)
+        s.norm(f"{p}.post_attention_layernorm", hidden, norm_mean)
         if mt.startswith("deepseek") or mt in ("glm4_moe", "kimi_k2"):
             _deepseek_mlp(s, p, config, i)
         elif mt in ("mixtral", "minimax_m2"):
@@ -201,6 +235,6 @@ def tensor_specs(config: dict) -> list[TensorSpec]:
             _gpt_oss_mlp(s, p, config)
         else:
             _qwen_mlp(s, p, config, i)
-    s.norm("model.norm", hidden)
+    s.norm("model.norm", hidden, norm_mean)
     s.linear("lm_head", config["vocab_size"], hidden)
     return s.specs

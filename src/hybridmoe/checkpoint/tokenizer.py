@@ -299,7 +299,7 @@ _GPT_OSS = TokenizerFamily(("<|startoftext|>", "<|endoftext|>", "<|return|>", "<
                            extra_eos=("<|endoftext|>", "<|call|>"), chat_template=_HARMONY)
 
 FAMILIES = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "deepseek_v2": _DS, "deepseek_v3": _DS, "mixtral": _MX,
-            "glm4_moe": _GLM4, "minimax_m2": _MINIMAX_M2, "gpt_oss": _GPT_OSS}
+            "glm4_moe": _GLM4, "minimax_m2": _MINIMAX_M2, "gpt_oss": _GPT_OSS, "qwen3_next": _QWEN}
 """Architecture -> its tokenizer family."""
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from hybridmoe.config import EngineConfig
@@ -29,6 +31,8 @@ from hybridmoe.system.model_memory import check_kv_fits
 from hybridmoe.tokenizer import Tokenizer
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
 
+log = logging.getLogger("hybridmoe")
+
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
@@ -43,8 +47,15 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = _eos_token_ids(Path(model_dir), loaded.config, self.tokenizer)
+        state_bytes = loaded.model.state_bytes_per_seq()
+        if state_bytes and self.config.prefix_caching:
+            log.info("prefix caching off: %s keeps a recurrent state per sequence, which cached KV blocks do not "
+                     "restore", type(loaded.model).__name__)
+            self.config = replace(self.config, prefix_caching=False)
+            self.resolved_config = replace(self.resolved_config, prefix_caching=False)
         fp8 = self.config.kv_cache_dtype == "fp8"
-        self.kv_plan = plan_kv_cache(loaded.config, self.config, loaded.model.kv_bytes_per_token(fp8), meminfo()[1])
+        self.kv_plan = plan_kv_cache(loaded.config, self.config, loaded.model.kv_bytes_per_token(fp8), meminfo()[1],
+                                     state_bytes)
         self.max_model_len = self.kv_plan.max_model_len
         check_kv_fits(self.kv_plan, self.config.device)
         pool = BlockPool(self.kv_plan.num_blocks, self.kv_plan.block_size, self.config.prefix_caching,

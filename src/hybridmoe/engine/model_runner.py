@@ -15,6 +15,11 @@ step for each (Bp, Lp) is captured once as a CUDA graph (lazily, after one eager
 and replayed; without, the same fixed-shape step runs eagerly, so both give the same tokens.
 Prefill and everything else runs eagerly in the shapes of the batch.
 
+A model with a recurrent state per sequence (Gated DeltaNet layers, models/base.py state_bytes_per_seq) runs every
+step eagerly: a fixed-shape step's state would have to be one of its static inputs, the graph's warm-up run would
+advance it once more, and a step launched ahead and dropped would leave it advanced. Its states sit in one slot per
+sequence, allocated here beside the KV blocks.
+
 With sample_on_device, a fixed-shape step also takes each row's greedy token (the argmax of its
 logits) and writes the next step's inputs in place (that token, position and length + 1), on the
 device. For a batch of plain greedy rows (no penalties, no logprobs) the host then reads back only
@@ -29,6 +34,7 @@ decode thread stays pinned (HybridExperts.decode_thread) while steps are in flig
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -40,6 +46,7 @@ from hybridmoe.engine.kv_blocks import SCRATCH_BLOCK, BlockCopy
 from hybridmoe.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from hybridmoe.engine.scheduler import LOOKAHEAD_TOKENS, ScheduledSeq
 from hybridmoe.engine.sequence import Sequence
+from hybridmoe.errors import HybridMoEError
 from hybridmoe.forward_context import Context, DecodeBatch, use_context
 from hybridmoe.sampling_params import SamplingParams
 
@@ -49,6 +56,8 @@ larger ones are padded to a multiple of it."""
 
 MIN_PAD_LEN = 64
 """Shortest padded attention length; above it, the next power of two."""
+
+log = logging.getLogger("hybridmoe")
 
 
 class ModelRunner:
@@ -64,6 +73,15 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler()
         self.num_slots, self.max_len = num_slots, max_len
+        recurrent = model.state_bytes_per_seq() > 0
+        if fixed_shapes and recurrent:
+            raise HybridMoEError(f"{type(model).__name__} keeps a recurrent state per sequence, which fixed-shape "
+                                 "decode steps do not carry; run it with fixed_shapes off")
+        if fixed_shapes is None and recurrent:
+            if self.device.type == "cuda":
+                log.info("decode steps run eagerly, without CUDA graphs: %s keeps a recurrent state per sequence",
+                         type(model).__name__)
+            fixed_shapes = False
         if fixed_shapes is None:
             fixed_shapes = (self.device.type == "cuda"
                             and model.experts.use_fixed_shapes(num_slots, model.lm_head.weight.dtype))
@@ -72,6 +90,7 @@ class ModelRunner:
         per_seq = -(-(max_len + LOOKAHEAD_TOKENS) // block_size)  # blocks of the longest sequence and its lookahead
         model.allocate_kv_blocks(1 + num_slots * per_seq if num_blocks is None else num_blocks, block_size,
                                  quantized=kv_fp8)
+        model.allocate_state(num_slots)
         # a row per slot and one for the padding rows (all SCRATCH_BLOCK)
         self.block_table = torch.full((num_slots + 1, per_seq), SCRATCH_BLOCK, dtype=torch.int32, device=self.device)
         self._rows: list[tuple[object, int]] = [(None, 0)] * num_slots  # per slot: whose blocks, how many written

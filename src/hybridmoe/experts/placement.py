@@ -83,7 +83,8 @@ def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: Engine
     model.tie_weights()
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     non_expert = sum(t.numel() * t.element_size() for t in tensors.values())
-    kv_plan = plan_kv_cache(config, engine_config, model.kv_bytes_per_token(engine_config.kv_cache_dtype == "fp8"))
+    kv_plan = plan_kv_cache(config, engine_config, model.kv_bytes_per_token(engine_config.kv_cache_dtype == "fp8"),
+                            state_bytes_per_seq=model.state_bytes_per_seq())
     E, inter = model.expert_dims()
     H = config.hidden_size
     widest = max(H, config.get("intermediate_size") or 0, inter * config.num_experts_per_tok)

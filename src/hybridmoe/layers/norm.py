@@ -37,3 +37,26 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose scale is 1 + weight, the weight stored centred on zero (Qwen3-Next, Gemma): normalize and
+    scale in float32, then round to the input dtype once (where RMSNorm rounds before scaling). Torch ops on every
+    device: the Triton norm kernels scale by the weight itself."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., D] -> norm(x); with residual [..., D]: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return self._norm(x)
+        total = x + residual
+        return self._norm(total), total
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

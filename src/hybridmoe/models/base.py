@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hybridmoe.config import DEFAULT_KV_BLOCK_SIZE
+from hybridmoe.errors import CheckpointError
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.layers.attention import contiguous_slot_table
 from hybridmoe.layers.linear import decode_gemv, norm_linear
@@ -57,6 +58,21 @@ def normalize_rope(values: dict, default_theta: float) -> dict:
     if rope["rope_type"] in ("yarn", "llama3", "longrope"):
         rope.setdefault("original_max_position_embeddings", values.get("max_position_embeddings"))
     return rope
+
+
+def partial_rotary_dim(values: dict, default_factor: float) -> int:
+    """The rotated dimensions of a head, head_dim * partial_rotary_factor: the factor in rope_parameters
+    (transformers 5), else at config.json's top level (older files), else default_factor."""
+    factor = values["rope_parameters"].get("partial_rotary_factor")
+    if factor is None:
+        factor = values.get("partial_rotary_factor")
+    if factor is None:
+        factor = default_factor
+    rotary_dim = int(values["head_dim"] * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise CheckpointError(f"head_dim {values['head_dim']} * partial_rotary_factor {factor} gives "
+                              f"{rotary_dim} rotary dimensions; rotary needs an even number of at least 2")
+    return rotary_dim
 
 
 class DecoderLayer(nn.Module):
@@ -234,10 +250,22 @@ class MoECausalLM(nn.Module):
                           quantized: bool = False) -> None:
         """Give every attention layer a cache of num_slots contiguous slots of max_len tokens (model dtype, or
         float8 when quantized; model device), which steps whose context carries no block table use: a single
-        model run outside the engine."""
+        model run outside the engine; and every layer with a recurrent state one per slot (allocate_state)."""
         device = self.lm_head.weight.device
         table = contiguous_slot_table(num_slots, max_len, block_size, device)
         self.allocate_kv_blocks(table.numel(), block_size, table, quantized)
+        self.allocate_state(num_slots)
+
+    def state_bytes_per_seq(self) -> int:
+        """Bytes of recurrent state one running sequence holds over every layer that keeps one instead of a KV cache
+        (Gated DeltaNet's, layers/linear_attention.py); 0 for a model of attention layers only."""
+        return sum(m.state_bytes() for m in self.model.layers.modules() if hasattr(m, "state_bytes"))
+
+    def allocate_state(self, num_slots: int) -> None:
+        """Give every layer that keeps a recurrent state one per slot (the slots of the step context's slot_ids)."""
+        for module in self.model.layers.modules():
+            if hasattr(module, "allocate_state"):
+                module.allocate_state(num_slots)
 
     def kv_bytes_per_token(self, quantized: bool = False) -> int:
         """KV-cache bytes one token takes over every attention layer (in the model's dtype, or float8 with its

@@ -132,6 +132,15 @@ _MINIMAX_M2 = {
 _GPT_OSS = {**_GQA, "num_local_experts": _int(), "intermediate_size": _int(), "attention_bias": BOOL,
             "swiglu_alpha": Rule(float, above=0), "swiglu_limit": Rule(float, above=0)}
 
+# transformers' Qwen3Next has no sliding window: its full-attention layers see every position
+_QWEN3_NEXT = {
+    "num_key_value_heads": _GQA["num_key_value_heads"], "head_dim": _GQA["head_dim"], "num_experts": _int(),
+    "moe_intermediate_size": _int(), "shared_expert_intermediate_size": _int(), "decoder_sparse_step": _int(),
+    "norm_topk_prob": BOOL, "attention_bias": BOOL, "partial_rotary_factor": Rule(float, above=0, high=1, null=True),
+    "full_attention_interval": _int(), "linear_conv_kernel_dim": _int(), "linear_key_head_dim": _int(),
+    "linear_value_head_dim": _int(), "linear_num_key_heads": _int(), "linear_num_value_heads": _int(),
+}
+
 
 @dataclass(frozen=True)
 class Schema:
@@ -144,6 +153,8 @@ class Schema:
     """Keys holding lists of layer indices."""
     layer_types: bool = False
     """Reads layer_types: one attention kind per layer."""
+    layer_kinds: tuple[str, ...] = ("full_attention", "sliding_attention")
+    """The kinds layer_types may name."""
 
 
 SCHEMAS = {
@@ -159,6 +170,8 @@ SCHEMAS = {
     "Glm4MoeForCausalLM": Schema(_GLM4_MOE, "n_routed_experts", True),
     "GptOssForCausalLM": Schema(_GPT_OSS, "num_local_experts", True, layer_types=True),
     "MiniMaxM2ForCausalLM": Schema(_MINIMAX_M2, "num_local_experts", True),
+    "Qwen3NextForCausalLM": Schema(_QWEN3_NEXT, "num_experts", True, ("mlp_only_layers",), True,
+                                   ("linear_attention", "full_attention")),
 }
 
 ROPE_RULES = {
@@ -198,7 +211,7 @@ def checked_config(cls: type[MoECausalLM], raw: dict, source: str) -> ModelConfi
     for key in schema.layer_lists:
         check.layer_list(key, values.get(key), layers)
     if schema.layer_types:
-        check.layer_types(values.get("layer_types"), layers)
+        check.layer_types(values.get("layer_types"), layers, schema.layer_kinds)
     rope_key = "rope_parameters" if values.get("rope_parameters") else "rope_scaling"
     check.rope(rope_key, normalize_rope(values, cls.default_rope_theta), complete=False)
     check.relations(values, schema)
@@ -251,8 +264,7 @@ class _Checker:
         if type(layers_given) is not list or not all(type(i) is int and 0 <= i < num_layers for i in layers_given):
             raise self.fail(key, layers_given, want)
 
-    def layer_types(self, types, num_layers: int) -> None:
-        kinds = ("full_attention", "sliding_attention")
+    def layer_types(self, types, num_layers: int, kinds: tuple[str, ...]) -> None:
         if types is not None and (type(types) is not list or len(types) != num_layers
                                   or not all(isinstance(t, str) and t in kinds for t in types)):
             raise self.fail("layer_types", types, f"a list of {num_layers} (num_hidden_layers) entries "

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from hybridmoe.errors import CheckpointError
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.deepseek_routing import DeepseekRouter
-from hybridmoe.models.base import DecoderLayer, MoECausalLM
+from hybridmoe.models.base import DecoderLayer, MoECausalLM, partial_rotary_dim
 from hybridmoe.models.deepseek import (
     deepseek_mlp,
     is_beyond_last_layer,
@@ -44,16 +43,7 @@ class Glm4MoeForCausalLM(MoECausalLM):
     def finalize_config(cls, values: dict) -> None:
         """rotary_dim: the rotated dimensions of a head, from partial_rotary_factor (transformers 5 keeps it in
         rope_parameters, older config.json files at the top level)."""
-        factor = values["rope_parameters"].get("partial_rotary_factor")
-        if factor is None:
-            factor = values.get("partial_rotary_factor")
-        if factor is None:
-            factor = DEFAULT_PARTIAL_ROTARY_FACTOR
-        rotary_dim = int(values["head_dim"] * factor)
-        if rotary_dim < 2 or rotary_dim % 2:
-            raise CheckpointError(f"head_dim {values['head_dim']} * partial_rotary_factor {factor} gives "
-                                  f"{rotary_dim} rotary dimensions; rotary needs an even number of at least 2")
-        values["rotary_dim"] = rotary_dim
+        values["rotary_dim"] = partial_rotary_dim(values, DEFAULT_PARTIAL_ROTARY_FACTOR)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.config.first_k_dense_replace

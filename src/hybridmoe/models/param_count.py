@@ -96,6 +96,22 @@ def _gpt_oss(c: ModelConfig) -> tuple[int, int, int, int, int]:
     return c.num_hidden_layers, c.num_local_experts, c.intermediate_size, attention, c.num_local_experts  # + bias
 
 
+def _qwen3_next(c: ModelConfig) -> tuple[int, int, int, list[int], int]:
+    """Each layer's token mixer: Gated DeltaNet (in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, norm, out_proj) or
+    gated attention (q_proj twice as wide: query and gate), per layer_types."""
+    moe_layers, E, inter, _, _ = _qwen(c, qwen2=False)
+    H, bias = c.hidden_size, bool(c.attention_bias)
+    k, v = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+    channels, heads = 2 * k + v, c.linear_num_value_heads
+    linear = H * (channels + v) + H * 2 * heads + channels * c.linear_conv_kernel_dim + 2 * heads \
+        + c.linear_value_head_dim + v * H
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    full = H * (2 * q + 2 * kv) + q * H + (2 * q + 2 * kv + H) * bias + 2 * c.head_dim
+    attention = [linear if kind == "linear_attention" else full for kind in c.layer_types]
+    shared = _gated_mlp(H, c.shared_expert_intermediate_size) + H
+    return moe_layers, E, inter, attention, shared
+
+
 _FAMILIES = {
     "Qwen2MoeForCausalLM": lambda c: _qwen(c, qwen2=True),
     "Qwen3MoeForCausalLM": lambda c: _qwen(c, qwen2=False),
@@ -105,9 +121,10 @@ _FAMILIES = {
     "Glm4MoeForCausalLM": _glm4_moe,
     "GptOssForCausalLM": _gpt_oss,
     "MiniMaxM2ForCausalLM": _minimax_m2,
+    "Qwen3NextForCausalLM": _qwen3_next,
 }
-"""Architecture -> (MoE layers, E, expert I, one layer's attention, one MoE layer's parameters besides its router
-and routed experts)."""
+"""Architecture -> (MoE layers, E, expert I, one layer's attention (a list of each layer's where they differ), one
+MoE layer's parameters besides its router and routed experts)."""
 
 
 def param_count(cls: type[MoECausalLM], config: ModelConfig) -> ParamCount:
@@ -116,6 +133,7 @@ def param_count(cls: type[MoECausalLM], config: ModelConfig) -> ParamCount:
     c, H = config, config.hidden_size
     dense_layers = c.num_hidden_layers - moe_layers
     embeddings = c.vocab_size * H * (1 if c.tie_word_embeddings else 2)
-    layers = c.num_hidden_layers * (attention + 2 * H)  # + the two norms
+    layers = (sum(attention) if isinstance(attention, list) else c.num_hidden_layers * attention)
+    layers += c.num_hidden_layers * 2 * H  # the two norms
     layers += dense_layers * _gated_mlp(H, c.intermediate_size) + moe_layers * (E * H + moe_extra)  # + the router
     return ParamCount(model=embeddings + layers + H, routed_experts=moe_layers * E * _gated_mlp(H, expert_inter))

@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("hybridmoe.models.glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("hybridmoe.models.gpt_oss", "GptOssForCausalLM"),
     "MiniMaxM2ForCausalLM": ("hybridmoe.models.minimax_m2", "MiniMaxM2ForCausalLM"),
+    "Qwen3NextForCausalLM": ("hybridmoe.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

@@ -36,7 +36,7 @@ def model_part(name: str) -> str:
         return "output_head"
     if "embed_tokens" in name:
         return "embedding_row"
-    if ".self_attn." in name:
+    if ".self_attn." in name or ".linear_attn." in name:
         return "attention"
     if "shared_expert" in name:
         return "shared_experts"
@@ -58,7 +58,7 @@ def model_token_bytes(model_cls, config, dtype: torch.dtype, context: int) -> di
         part = model_part(name)
         nbytes = p.numel() * p.element_size()
         parts[part] += nbytes // p.shape[0] if part == "embedding_row" else nbytes
-    parts["kv_cache"] += model.kv_bytes_per_token() * context
+    parts["kv_cache"] += model.kv_bytes_per_token() * context + model.state_bytes_per_seq()  # + recurrent states
     return parts
 
 

@@ -1,0 +1,171 @@
+"""The Gated DeltaNet token mixer of Qwen3-Next's linear-attention layers, and its per-sequence state.
+
+in_proj_qkvz gives, per key head, [q (Dk), k (Dk), v (r Dv), z (r Dv)] (r = Hv / Hk value heads share a key head);
+in_proj_ba gives, per key head, [b (r), a (r)]. q, k and v (all heads of each, in that order: the convolution's
+channels) pass a depthwise causal convolution of kernel K and the activation; then the gated delta rule
+(layers/gated_deltanet.py) with decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), queries and keys
+L2-normalized and repeated to the value heads; its output is RMS-normalized per value head, gated by silu(z)
+(RMSNormGated) and projected by out_proj.
+
+A sequence's history lives in two states instead of a KV cache: the convolution's last K - 1 inputs (compute dtype,
+[Ch, K - 1]) and the rule's state (float32, [Hv, Dk, Dv]). allocate_state gives the layer one of each per slot (the
+engine's sequence slots, forward_context.Context.slot_ids); a sequence's step that starts at position 0 starts from
+zeros, any later one from what its slot holds, so a prompt's chunks and the decode steps after them continue one
+another. Each slot also records how many positions it holds, and a step that does not continue them (a prefix served
+from elsewhere, a step dropped) is an error rather than a silently wrong state.
+
+T tokens, H hidden, B sequences, Hk key heads, Hv value heads, Dk, Dv their dims, Ch = 2 Hk Dk + Hv Dv, K kernel, S
+slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridmoe.forward_context import Context, get_context
+from hybridmoe.layers.gated_deltanet import (
+    DEFAULT_CHUNK,
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    gated_delta_step,
+    l2_normalize,
+)
+from hybridmoe.layers.mlp import get_activation
+
+
+class RMSNormGated(nn.Module):
+    """RMSNorm of x scaled by weight (rounded to x's dtype first), times silu(gate) in float32, rounded once."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class DeltaNetState:
+    """One layer's state per slot: conv [S, Ch, K - 1] in the compute dtype, recurrent [S, Hv, Dk, Dv] float32, and
+    the positions each slot holds (host-side)."""
+
+    def __init__(self, num_slots: int, channels: int, kernel: int, heads: int, k_dim: int, v_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.conv = torch.zeros(num_slots, channels, kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(num_slots, heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        self.positions = [0] * num_slots
+
+    def check(self, ctx: Context) -> None:
+        """Every sequence of the step starts at 0 or where its slot's state ends."""
+        for slot, start in zip(ctx.slot_ids, ctx.start_pos):
+            if start and self.positions[slot] != start:
+                raise RuntimeError(f"slot {slot}'s recurrent state holds {self.positions[slot]} positions and the "
+                                   f"step starts at {start}: a stateful layer continues only the step before it")
+
+    def advance(self, ctx: Context) -> None:
+        for b, (slot, start) in enumerate(zip(ctx.slot_ids, ctx.start_pos)):
+            self.positions[slot] = start + ctx.seq_len(b)
+
+
+class GatedDeltaNet(nn.Module):
+    """Parameters as the checkpoint names them: in_proj_qkvz, in_proj_ba, conv1d.weight [Ch, 1, K], dt_bias and A_log
+    [Hv], norm.weight [Dv], out_proj."""
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, kernel: int,
+                 eps: float, activation: str = "silu", chunk_size: int = DEFAULT_CHUNK):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim = num_k_heads, num_v_heads, k_dim, v_dim
+        self.chunk_size = chunk_size
+        self.channels = 2 * num_k_heads * k_dim + num_v_heads * v_dim
+        self.in_proj_qkvz = nn.Linear(hidden_size, self.channels + num_v_heads * v_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.channels, self.channels, kernel, groups=self.channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = RMSNormGated(v_dim, eps)
+        self.out_proj = nn.Linear(num_v_heads * v_dim, hidden_size, bias=False)
+        self.act = get_activation(activation)
+        self.state: DeltaNetState | None = None
+
+    def state_bytes(self) -> int:
+        """Bytes of one slot's state: the convolution's inputs and the rule's float32 state."""
+        kernel = self.conv1d.kernel_size[0]
+        return (self.channels * (kernel - 1) * self.out_proj.weight.element_size()
+                + self.num_v_heads * self.k_dim * self.v_dim * 4)
+
+    def allocate_state(self, num_slots: int) -> None:
+        w = self.out_proj.weight
+        self.state = DeltaNetState(num_slots, self.channels, self.conv1d.kernel_size[0], self.num_v_heads,
+                                   self.k_dim, self.v_dim, w.dtype, w.device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H], each sequence of the step context continuing its slot's state."""
+        ctx = get_context()
+        if ctx.decode is not None:
+            raise RuntimeError("Gated DeltaNet layers run eager steps only: a fixed-shape decode step carries no "
+                               "recurrent state")
+        if self.state is None and any(ctx.start_pos):
+            raise RuntimeError("decoding past position 0 needs the recurrent state: call allocate_state first")
+        if self.state is not None:
+            self.state.check(ctx)
+        t, hk, r = x.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
+        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, -1).split([self.k_dim, self.k_dim, r * self.v_dim,
+                                                                  r * self.v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # [T, Ch]
+        beta = b.reshape(t, -1).sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, -1).float() + self.dt_bias)  # [T, Hv]
+        if ctx.is_decode and self.state is not None:
+            o = self._decode(mixed, g, beta, ctx)
+        else:
+            o = torch.cat([self._prefill(mixed[lo:hi], g[lo:hi], beta[lo:hi], slot, start)
+                           for lo, hi, slot, start in zip(ctx.cu_seqlens, ctx.cu_seqlens[1:], ctx.slot_ids,
+                                                          ctx.start_pos)])
+        if self.state is not None:
+            self.state.advance(ctx)
+        o = self.norm(o.to(x.dtype), z.reshape(t, self.num_v_heads, self.v_dim))
+        return self.out_proj(o.reshape(t, -1))
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output [..., Ch] -> q, k [..., Hv, Dk] (L2-normalized in float32, q scaled by Dk^-1/2,
+        each key head repeated to its r value heads) and v [..., Hv, Dv]."""
+        lead, hk, r = mixed.shape[:-1], self.num_k_heads, self.num_v_heads // self.num_k_heads
+        q, k, v = mixed.split([hk * self.k_dim, hk * self.k_dim, self.num_v_heads * self.v_dim], dim=-1)
+        q, k = (l2_normalize(t.reshape(*lead, hk, self.k_dim).float()).repeat_interleave(r, dim=-2) for t in (q, k))
+        return q * self.k_dim ** -0.5, k, v.reshape(*lead, self.num_v_heads, self.v_dim)
+
+    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int,
+                 start: int) -> torch.Tensor:
+        """One sequence's n new tokens (mixed [n, Ch], g, beta [n, Hv]) from its slot's state (zeros at position
+        0), which then holds the state after them -> the rule's output [n, Hv, Dv] float32."""
+        kernel = self.conv1d.kernel_size[0]
+        if start == 0 or self.state is None:
+            conv = mixed.new_zeros(1, self.channels, kernel - 1)
+            rec = mixed.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+        else:
+            conv, rec = self.state.conv[slot:slot + 1], self.state.recurrent[slot]
+        out, conv = causal_conv1d(mixed[None], self.conv1d.weight[:, 0], conv)
+        q, k, v = self._heads(self.act(out[0]))
+        o, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec, self.chunk_size)
+        if self.state is not None:
+            self.state.conv[slot] = conv[0]
+            self.state.recurrent[slot] = rec
+        return o
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """One token of each of B sequences (mixed [B, Ch], g, beta [B, Hv]) in one recurrent step over their
+        slots' states (zeros for a sequence at position 0) -> [B, Hv, Dv] float32."""
+        slots = ctx.slot_tensor(mixed.device)
+        going = torch.tensor([p > 0 for p in ctx.start_pos], device=mixed.device)  # False: starts from zeros
+        conv = torch.where(going[:, None, None], self.state.conv[slots], 0)
+        rec = torch.where(going[:, None, None, None], self.state.recurrent[slots], 0)
+        out, conv = causal_conv1d(mixed[:, None], self.conv1d.weight[:, 0], conv)
+        q, k, v = self._heads(self.act(out[:, 0]))
+        o, rec = gated_delta_step(q, k, v, g, beta, rec)
+        self.state.conv[slots] = conv
+        self.state.recurrent[slots] = rec
+        return o
