@@ -64,7 +64,7 @@ Isa parse_isa(const std::string& name) {
 Format parse_format(const std::string& name) {
   for (int i = 0; i < kFormats; ++i)
     if (name == kFormatNames[i]) return Format(i);
-  fail("unknown expert format '" + name + "'; choose bf16, int8, int4 or fp8");
+  fail("unknown expert format '" + name + "'; choose bf16, int8, int4, fp8 or mxfp4");
 }
 
 const MoeTuning& checked_tuning(const MoeTuning& t) {
@@ -100,6 +100,9 @@ MoeConfig moe_config(int64_t E, int64_t H, int64_t I, const std::string& format,
   } else if (zero_points) {
     fail("zero points exist only for format='int4'");
   }
+  if (cfg.format == Format::mxfp4 && (H % kMxfp4GroupK || I % kMxfp4GroupK))
+    fail("mxfp4 needs hidden size and intermediate size divisible by 32, its blocks of one scale (got H=" +
+         std::to_string(H) + ", I=" + std::to_string(I) + "); use format='int8' or 'bf16'");
   cfg.threads = int_arg(threads, "threads", 1, kMaxThreads);
   if (numa_nodes < 1 || numa_nodes > threads)
     fail("numa_nodes must be between 1 and threads (" + std::to_string(threads) + "), got " +

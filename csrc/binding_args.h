@@ -15,7 +15,7 @@
 namespace hmoe::args {
 
 inline const char* const kIsaNames[] = {"generic", "avx2", "avx512", "amx", "amx_emulated"};
-inline const char* const kFormatNames[] = {"bf16", "int8", "int4", "fp8"};
+inline const char* const kFormatNames[] = {"bf16", "int8", "int4", "fp8", "mxfp4"};
 inline const nanobind::dlpack::dtype kBf16{uint8_t(nanobind::dlpack::dtype_code::Bfloat), 16, 1};
 
 // The most threads one pool may have (hybridmoe.experts.cpu_experts.MAX_THREADS).

@@ -171,6 +171,26 @@ class Engine {
     layer_->pack_expert_fp8(int(e), m);
   }
 
+  // mats: codes uint8 [N, K / 2] (two e2m1 codes a byte, the even k's in the low nibble) and scales uint8
+  // [N, K / 32] (e8m0), of gate, up and down in turn.
+  void pack_expert_mxfp4(int64_t e, std::vector<Array> mats) {
+    check_expert(e);
+    const auto& c = cfg();
+    if (mats.size() != 6) fail("pack_expert_mxfp4 takes 6 arrays (codes and scales of gate, up, down)");
+    hmoe::Mxfp4Codes m[3];
+    for (int i = 0; i < 3; ++i) {
+      const int64_t N = i < 2 ? c.I : c.H, K = i < 2 ? c.H : c.I;
+      const std::string name = i == 0 ? "gate" : i == 1 ? "up" : "down";
+      check_array(mats[2 * i], (name + " codes").c_str(), {N, K / 2});
+      check_dtype(mats[2 * i].dtype(), nb::dtype<uint8_t>(), (name + " codes").c_str());
+      check_array(mats[2 * i + 1], (name + " scales").c_str(), {N, K / hmoe::kMxfp4GroupK});
+      check_dtype(mats[2 * i + 1].dtype(), nb::dtype<uint8_t>(), (name + " scales").c_str());
+      m[i] = {static_cast<const uint8_t*>(mats[2 * i].data()), static_cast<const uint8_t*>(mats[2 * i + 1].data())};
+    }
+    nb::gil_scoped_release nogil;
+    layer_->pack_expert_mxfp4(int(e), m);
+  }
+
   // kind "silu" (alpha and limit unused) or "clamped_swiglu"; between calls.
   void set_glu(const std::string& kind, double alpha, double limit) {
     if (kind != "silu" && kind != "clamped_swiglu")
@@ -425,6 +445,7 @@ NB_MODULE(_native, m) {
       .def("pack_expert", &Engine::pack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)
       .def("pack_expert_codes", &Engine::pack_expert_codes, "e"_a, "mats"_a)
       .def("pack_expert_fp8", &Engine::pack_expert_fp8, "e"_a, "mats"_a)
+      .def("pack_expert_mxfp4", &Engine::pack_expert_mxfp4, "e"_a, "mats"_a)
       .def("unpack_expert", &Engine::unpack_expert, "e"_a, "gate"_a, "up"_a, "down"_a)
       .def("set_glu", &Engine::set_glu, "kind"_a, "alpha"_a, "limit"_a,
            "What h is: 'silu' (silu(g) * u) or 'clamped_swiglu' (gpt-oss's, with alpha and limit).")

@@ -17,6 +17,7 @@ SHAPES = {  # hidden H, expert intermediate I, experts E, experts per token K
     "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
     "deepseek-v3": dict(H=7168, I=2048, E=256, K=8),
     "mixtral-8x7b": dict(H=4096, I=14336, E=8, K=2),
+    "gpt-oss-120b": dict(H=2880, I=2880, E=128, K=4),
 }
 
 

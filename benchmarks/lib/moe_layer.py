@@ -1,6 +1,6 @@
 """One MoE layer's routed experts on the CPU: our engine vs plain torch, same process.
 
-    python3 benchmarks/kernel.py moe-layer --shape qwen3-30b-a3b --format bf16,int8,int4,fp8 \\
+    python3 benchmarks/kernel.py moe-layer --shape qwen3-30b-a3b --format bf16,int8,int4,fp8,mxfp4 \\
         --tokens 1,4,64,512,2048 [--threads N] [--isa amx] [--flush write|read] [--json out.json]
     python3 benchmarks/kernel.py moe-layer --shape qwen3-30b-a3b --format int4 --tokens 1,4 --gap-us 100 \\
         [--layers 8] [--api forward] [--budget-s 5] [--variants 'def=;noearly=early_start:0']
@@ -256,7 +256,8 @@ def results(args, shape, threads, bw, rows) -> dict:
 def add_arguments(ap):
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
     ap.add_argument("--format", default="bf16,int8,int4",
-                    help="comma list of expert formats: bf16, int8, int4, fp8 (e4m3, 128x128 block scales)")
+                    help="comma list of expert formats: bf16, int8, int4, fp8 (e4m3, 128x128 block scales), mxfp4 "
+                         "(e2m1, an e8m0 scale per 32)")
     ap.add_argument("--tokens", default="1,4,64,512,2048")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--isa", default=None, choices=["generic", "avx2", "avx512", "amx"])

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "moe/fp8_avx512.h"
+#include "moe/mxfp4_avx512.h"
 #include "moe/packed.h"
 
 namespace hmoe {

@@ -2,7 +2,7 @@
 // written with 256-bit intrinsics over the packed layouts of packed.h, the row-wise work the
 // portable code (row_ops_portable.inc) vectorized by the compiler. One core computes int4 at
 // 6.6 GB/s of weights, int8 12.3, bf16 15.6 with the weights in cache: int4 is compute-bound on
-// two cores, not on eight. fp8 weights are widened through fp16 (F16C) to fp32.
+// two cores, not on eight. fp8 and mxfp4 weights are widened through fp16 (F16C) to fp32.
 //
 // A pass covers 16 or 8 rows of a block for up to four tokens (see int4_vectors below). bf16
 // pairs are widened to fp32 by shifts and summed by FMA; int8 and int4 weights are widened to
@@ -205,6 +205,59 @@ void fp8_pass(const uint8_t* wb, int Kp, const float* sc, int rg, const uint16_t
   }
 }
 
+// mxfp4 [Kp/8][2 halves][16 rows][2] words: row group g's words (its 8 rows, j = 0 and 1) are 32 bytes at
+// p * 128 + 32 g of step p. Each code becomes an fp16 whose high byte comes from a 16-byte table (vpshufb: the
+// 16 e2m1 values are fp16 values with a zero low byte) and its low byte is 0; vcvtph2ps makes it fp32, lanes
+// (row, j) of rows 0-3 and rows 4-7, times the row's scale 2^(e - 127) (exact: packing keeps the scales of
+// nonzero codes within 2^-125..2^125, where every product is a normal fp32), then FMAs with the token's
+// (x0, x1) repeated; each row's two lanes are summed at the end (as fp8_pass).
+template <int M>
+void mxfp4_pass(const uint8_t* wb, const uint8_t* ex, int G, int rg, const uint16_t* x, int ld, float* out, int ldo,
+                Prefetch pf) {
+  const __m256i fp16_high = _mm256_setr_epi8(
+      0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, int8_t(0x80), int8_t(0xB8), int8_t(0xBC), int8_t(0xBE),
+      int8_t(0xC0), int8_t(0xC2), int8_t(0xC4), int8_t(0xC6), 0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,
+      int8_t(0x80), int8_t(0xB8), int8_t(0xBC), int8_t(0xBE), int8_t(0xC0), int8_t(0xC2), int8_t(0xC4), int8_t(0xC6));
+  const __m256i low_nibbles = _mm256_set1_epi16(0x0F0F), high_byte = _mm256_set1_epi16(int16_t(0xFF00));
+  const __m256i odd = _mm256_set1_epi32(int(0xFFFF0000u));
+  const __m256i rows_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  const __m256i rows_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  __m256 acc[M][2];
+  for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    // The 8 rows' scales, each in its two lanes (rows 0-3, rows 4-7).
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ex + g * kBlockRows + 8 * rg));
+    const __m256i e = _mm256_cvtepu8_epi32(bytes);
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+    const __m256 s0 = _mm256_permutevar8x32_ps(scale, rows_lo), s1 = _mm256_permutevar8x32_ps(scale, rows_hi);
+    for (int p = 4 * g; p < 4 * g + 4; ++p) {
+      const uint8_t* step = wb + size_t(p) * 128;
+      if (rg == 0) pf.ahead(step, 128);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + 32 * rg));
+      // t02: each word's nibbles 0 and 2 as fp16 high bytes (low byte, high byte); t13: nibbles 1 and 3.
+      const __m256i t02 = _mm256_shuffle_epi8(fp16_high, _mm256_and_si256(v, low_nibbles));
+      const __m256i t13 = _mm256_shuffle_epi8(fp16_high, _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles));
+      const __m256i h[4] = {_mm256_slli_epi16(t02, 8), _mm256_slli_epi16(t13, 8), _mm256_and_si256(t02, high_byte),
+                            _mm256_and_si256(t13, high_byte)};
+      for (int s = 0; s < 4; ++s) {  // K pair 4p + s
+        const __m256 w0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h[s])), s0);
+        const __m256 w1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h[s], 1)), s1);
+        for (int i = 0; i < M; ++i) {
+          const __m256i xp = bcast32(x + size_t(i) * ld + 8 * p + 2 * s);  // bf16 x0 low, x1 high
+          const __m256 xk = _mm256_castsi256_ps(_mm256_blend_epi32(_mm256_slli_epi32(xp, 16), _mm256_and_si256(xp, odd),
+                                                                   0xAA));
+          acc[i][0] = _mm256_fmadd_ps(w0, xk, acc[i][0]);
+          acc[i][1] = _mm256_fmadd_ps(w1, xk, acc[i][1]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    const __m256d rows = _mm256_castps_pd(_mm256_hadd_ps(acc[i][0], acc[i][1]));
+    _mm256_storeu_ps(out + size_t(i) * ldo + 8 * rg, _mm256_castpd_ps(_mm256_permute4x64_pd(rows, 0xD8)));
+  }
+}
+
 // Each GEMM: per block, per group of up to kPassTokens tokens, the passes over its row groups; the
 // pass functions are instantiated per token count so that their accumulator arrays live in registers.
 template <class Pass>
@@ -278,11 +331,27 @@ void gemm_fp8(const PackedView& w, int b0, int b1, const ActView& a, float* out,
   }
 }
 
+void gemm_mxfp4(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const Prefetch pf{w.prefetch_l1, w.prefetch_l2};
+  const int G = w.Kp / kMxfp4GroupK;
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* wb = w.w + size_t(b) * block_bytes(Format::mxfp4, w.Kp);
+    const uint8_t* ex = w.e8m0 + size_t(b) * G * kBlockRows;
+    float* o = out + size_t(b - b0) * kBlockRows;
+    each_pass(a.n, [&](int t0, auto m) {
+      constexpr int M = decltype(m)::value;
+      for (int rg = 0; rg < 4; ++rg)
+        mxfp4_pass<M>(wb, ex, G, rg, a.bf16 + size_t(t0) * a.ld, a.ld, o + size_t(t0) * ldo, ldo, pf);
+    });
+  }
+}
+
 }  // namespace
 
 const Kernels& kernels_avx2() {
-  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4, gemm_fp8},
-                         {ActKind::bf16, ActKind::i16, ActKind::i16, ActKind::bf16}, portable_avx2::kRowOps};
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4, gemm_fp8, gemm_mxfp4},
+                         {ActKind::bf16, ActKind::i16, ActKind::i16, ActKind::bf16, ActKind::bf16},
+                         portable_avx2::kRowOps};
   return k;
 }
 

@@ -1,6 +1,6 @@
 // AVX-512 kernels (built with -mavx512f/bw/vl/bf16/vnni): bf16 pairs through vdpbf16ps,
-// int8 and int4 weights against int16 activations through vpdpwssd, fp8 weights widened to bf16
-// pairs for vdpbf16ps. Memory-bound in decode: each 32-row block of weights is read once per pass of
+// int8 and int4 weights against int16 activations through vpdpwssd, fp8 and mxfp4 weights widened to
+// bf16 pairs for vdpbf16ps. Memory-bound in decode: each 32-row block of weights is read once per pass of
 // up to M tokens.
 #include <immintrin.h>
 
@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "moe/fp8_avx512.h"
+#include "moe/mxfp4_avx512.h"
 #include "moe/packed.h"
 
 namespace hmoe {
@@ -327,6 +328,81 @@ void gemm_fp8(const PackedView& w, int b0, int b1, const ActView& a, float* out,
   }
 }
 
+// mxfp4 [Kp/8][2 halves][16 rows][2] words: each half step's 64 bytes give, shifted by 4s and looked up
+// (mxfp4_pair_bf16: exact), the bf16 pairs of K pair 4p + s, multiplied by the tokens' bf16 x pairs through
+// vdpbf16ps; per 32 K (four steps) the sums go to fp32 times each row's scale 2^(e - 127), exact (a power of
+// two), so the weights are the checkpoint's whatever the scale. Pair s of a step feeds chain s % C.
+template <int M>
+void mxfp4_pass(const uint8_t* wb, const uint8_t* ex, int G, const uint16_t* x, int ld, float* out, int ldo,
+                Prefetch pf) {
+  constexpr int C = chains<M>();
+  const __m512i table = e2m1_bf16_table();
+  __m512 facc[2][M];
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i) facc[0][i] = facc[1][i] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[2][M][C];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < M; ++i)
+      _Pragma("GCC unroll 4")
+      for (int c = 0; c < C; ++c) acc[0][i][c] = acc[1][i][c] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 4")
+    for (int p = 4 * g; p < 4 * g + 4; ++p) {
+      HMOE_PREFETCH_AHEAD(pf, wb + size_t(p) * 128, 0);
+      HMOE_PREFETCH_AHEAD(pf, wb + size_t(p) * 128, 1);
+      _Pragma("GCC unroll 2")
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(wb + size_t(p) * 128 + h * 64);
+        const __m512bh w[4] = {(__m512bh)mxfp4_pair_bf16<0>(v, table), (__m512bh)mxfp4_pair_bf16<1>(v, table),
+                               (__m512bh)mxfp4_pair_bf16<2>(v, table), (__m512bh)mxfp4_pair_bf16<3>(v, table)};
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < M; ++i)
+          _Pragma("GCC unroll 4")
+          for (int s = 0; s < 4; ++s) {
+            __m512& a = acc[h][i][s % C];
+            a = _mm512_dpbf16_ps(a, w[s], (__m512bh)bcast32(x + size_t(i) * ld + 8 * p + 2 * s));
+          }
+      }
+    }
+    _Pragma("GCC unroll 2")
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = e8m0_ps(ex + size_t(g) * kBlockRows + 16 * h);
+      _Pragma("GCC unroll 8")
+      for (int i = 0; i < M; ++i) {
+        __m512 v = acc[h][i][0];
+        _Pragma("GCC unroll 4")
+        for (int c = 1; c < C; ++c) v = _mm512_add_ps(v, acc[h][i][c]);
+        facc[h][i] = _mm512_fmadd_ps(v, scale, facc[h][i]);
+      }
+    }
+  }
+  _Pragma("GCC unroll 8")
+  for (int i = 0; i < M; ++i) {
+    _mm512_storeu_ps(out + size_t(i) * ldo, facc[0][i]);
+    _mm512_storeu_ps(out + size_t(i) * ldo + 16, facc[1][i]);
+  }
+}
+
+void gemm_mxfp4(const PackedView& w, int b0, int b1, const ActView& a, float* out, int ldo) {
+  const Prefetch pf = prefetch_of(w);
+  const int G = w.Kp / kMxfp4GroupK;
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* wb = w.w + size_t(b) * block_bytes(Format::mxfp4, w.Kp);
+    const uint8_t* ex = w.e8m0 + size_t(b) * G * kBlockRows;
+    float* o = out + size_t(b - b0) * kBlockRows;
+    for (int t0 = 0; t0 < a.n; t0 += 4) {
+      const uint16_t* x = a.bf16 + size_t(t0) * a.ld;
+      float* ot = o + size_t(t0) * ldo;
+      switch (std::min(4, a.n - t0)) {
+        case 1: mxfp4_pass<1>(wb, ex, G, x, a.ld, ot, ldo, pf); break;
+        case 2: mxfp4_pass<2>(wb, ex, G, x, a.ld, ot, ldo, pf); break;
+        case 3: mxfp4_pass<3>(wb, ex, G, x, a.ld, ot, ldo, pf); break;
+        default: mxfp4_pass<4>(wb, ex, G, x, a.ld, ot, ldo, pf); break;
+      }
+    }
+  }
+}
+
 // ---- Row-wise ops (RowOps) ----
 
 inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
@@ -450,8 +526,8 @@ void add(float* y, const float* b, int n) {
 }  // namespace
 
 const Kernels& kernels_avx512() {
-  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4, gemm_fp8},
-                         {ActKind::bf16, ActKind::i16, ActKind::i16, ActKind::bf16},
+  static const Kernels k{{gemm_bf16, gemm_int8, gemm_int4, gemm_fp8, gemm_mxfp4},
+                         {ActKind::bf16, ActKind::i16, ActKind::i16, ActKind::bf16, ActKind::bf16},
                          {to_bf16, to_i16, silu_mul, glu, combine, add}};
   return k;
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -292,7 +293,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, bool adopt) : cfg_(cfg), adopt_(adopt) 
     Matrix& mat = mats_[m];
     mat.N = m < 2 ? cfg_.I : cfg_.H;
     mat.K = m < 2 ? cfg_.H : cfg_.I;
-    mat.Kp = cfg_.format == Format::int4 ? mat.K : round_up(mat.K, 32);
+    mat.Kp = cfg_.format == Format::int4 || cfg_.format == Format::mxfp4 ? mat.K : round_up(mat.K, 32);
     mat.blocks = round_up(mat.N, kBlockRows) / kBlockRows;
     for (int s = 0; s <= S; ++s) mat.slice_begin.push_back(int(int64_t(mat.blocks) * s / S));
     mat.w.assign(S, nullptr);
@@ -325,10 +326,11 @@ MoeLayer::~MoeLayer() {
   for (auto& [p, n] : owned_) munmap(p, n);
 }
 
-size_t MoeLayer::scale_floats(const Matrix& m, int blocks) const {
-  if (cfg_.format == Format::int8) return size_t(blocks) * kBlockRows;
-  if (cfg_.format == Format::int4) return size_t(blocks) * (m.Kp / cfg_.group) * kBlockRows;
-  if (cfg_.format == Format::fp8) return size_t(blocks) * fp8_groups(m.Kp);
+size_t MoeLayer::scale_bytes(const Matrix& m, int blocks) const {
+  if (cfg_.format == Format::int8) return size_t(blocks) * kBlockRows * 4;
+  if (cfg_.format == Format::int4) return size_t(blocks) * (m.Kp / cfg_.group) * kBlockRows * 4;
+  if (cfg_.format == Format::fp8) return size_t(blocks) * fp8_groups(m.Kp) * 4;
+  if (cfg_.format == Format::mxfp4) return size_t(blocks) * (m.Kp / kMxfp4GroupK) * kBlockRows;
   return 0;
 }
 
@@ -340,10 +342,9 @@ std::vector<PackedBuffer> MoeLayer::buffers() const {
       const int nb = mat.slice_begin[s + 1] - mat.slice_begin[s];
       const std::string base = std::string(kMatName[m]) + "." + std::to_string(s) + ".";
       out.push_back({base + "w", mat.w[s], size_t(cfg_.E) * nb * block_bytes(cfg_.format, mat.Kp), false});
-      const size_t sf = size_t(cfg_.E) * scale_floats(mat, nb);
-      if (sf) out.push_back({base + "scale", mat.scale[s], sf * 4, true});
-      if (sf && cfg_.format == Format::int4 && cfg_.zero_points)
-        out.push_back({base + "zero", mat.zero[s], sf * 4, true});
+      const size_t sb = size_t(cfg_.E) * scale_bytes(mat, nb);
+      if (sb) out.push_back({base + "scale", mat.scale[s], sb, cfg_.format != Format::mxfp4});
+      if (sb && cfg_.format == Format::int4 && cfg_.zero_points) out.push_back({base + "zero", mat.zero[s], sb, true});
     }
   }
   return out;
@@ -361,8 +362,8 @@ void MoeLayer::set_buffer(const std::string& name, void* data, size_t bytes) {
     const int s = std::stoi(name.substr(dot1 + 1, dot2 - dot1 - 1));
     const std::string kind = name.substr(dot2 + 1);
     if (kind == "w") mats_[m].w[s] = static_cast<uint8_t*>(data);
-    if (kind == "scale") mats_[m].scale[s] = static_cast<float*>(data);
-    if (kind == "zero") mats_[m].zero[s] = static_cast<float*>(data);
+    if (kind == "scale") mats_[m].scale[s] = static_cast<uint8_t*>(data);
+    if (kind == "zero") mats_[m].zero[s] = static_cast<uint8_t*>(data);
     return;
   }
   throw std::invalid_argument("unknown packed buffer '" + name + "' for this shape and format");
@@ -372,9 +373,11 @@ PackedView MoeLayer::view(const Matrix& m, int e, int s) const {
   const int nb = m.slice_begin[s + 1] - m.slice_begin[s];
   PackedView v;
   v.w = m.w[s] + size_t(e) * nb * block_bytes(cfg_.format, m.Kp);
-  const size_t sf = scale_floats(m, nb);
-  v.scale = m.scale[s] ? m.scale[s] + size_t(e) * sf : nullptr;
-  v.zero = m.zero[s] ? m.zero[s] + size_t(e) * sf : nullptr;
+  const size_t sb = scale_bytes(m, nb);
+  const uint8_t* scale = m.scale[s] ? m.scale[s] + size_t(e) * sb : nullptr;
+  if (cfg_.format == Format::mxfp4) v.e8m0 = scale;
+  else v.scale = reinterpret_cast<const float*>(scale);
+  v.zero = m.zero[s] ? reinterpret_cast<const float*>(m.zero[s] + size_t(e) * sb) : nullptr;
   v.Kp = m.Kp;
   v.group = cfg_.group;
   v.prefetch_l1 = tuning_.kernel_prefetch_l1;
@@ -408,9 +411,14 @@ void MoeLayer::pack_expert(int e, const float* gate, const float* up, const floa
   const float* src[3] = {gate, up, down};
   each_block(e, [&](int m, int b, const PackedView& v, int lb) {
     const Matrix& mat = mats_[m];
-    const size_t sf = scale_floats(mat, 1);
-    pack_blocks(cfg_.format, cfg_.group, src[m], mat.N, mat.K, mat.Kp, b, b + 1,
-                const_cast<uint8_t*>(v.w) + size_t(lb) * block_bytes(cfg_.format, mat.Kp),
+    uint8_t* w = const_cast<uint8_t*>(v.w) + size_t(lb) * block_bytes(cfg_.format, mat.Kp);
+    if (cfg_.format == Format::mxfp4) {
+      uint8_t* e8m0 = const_cast<uint8_t*>(v.e8m0) + lb * scale_bytes(mat, 1);
+      pack_blocks_mxfp4_float(src[m], mat.N, mat.K, b, b + 1, w, e8m0);
+      return;
+    }
+    const size_t sf = scale_bytes(mat, 1) / 4;
+    pack_blocks(cfg_.format, cfg_.group, src[m], mat.N, mat.K, mat.Kp, b, b + 1, w,
                 v.scale ? const_cast<float*>(v.scale) + lb * sf : nullptr,
                 v.zero ? const_cast<float*>(v.zero) + lb * sf : nullptr);
   });
@@ -432,7 +440,7 @@ void MoeLayer::pack_expert_fp8(int e, const Fp8Codes mats[3]) {
     const Matrix& mat = mats_[m];
     if (pack_blocks_fp8(mats[m], mat.N, mat.K, mat.Kp, b, b + 1,
                         const_cast<uint8_t*>(v.w) + size_t(lb) * block_bytes(Format::fp8, mat.Kp),
-                        const_cast<float*>(v.scale) + lb * scale_floats(mat, 1)))
+                        const_cast<float*>(v.scale) + lb * scale_bytes(mat, 1) / 4))
       nan_in[m].store(true, std::memory_order_relaxed);
   });
   for (int m = 0; m < 3; ++m) {  // a damaged matrix (rare): its first NaN code named
@@ -442,6 +450,28 @@ void MoeLayer::pack_expert_fp8(int e, const Fp8Codes mats[3]) {
     throw std::invalid_argument("expert " + std::to_string(e) + "'s " + kMatName[m] + " code " +
                                 std::to_string(codes[at]) + " at " + std::to_string(at) +
                                 " is NaN in e4m3; the checkpoint's weights are damaged");
+  }
+}
+
+void MoeLayer::pack_expert_mxfp4(int e, const Mxfp4Codes mats[3]) {
+  if (cfg_.format != Format::mxfp4) throw std::invalid_argument("packing from mxfp4 codes needs format='mxfp4'");
+  std::atomic<int64_t> bad[3] = {INT64_MAX, INT64_MAX, INT64_MAX};  // per matrix: its first refused group
+  each_block(e, [&](int m, int b, const PackedView& v, int lb) {
+    const Matrix& mat = mats_[m];
+    const int64_t at = pack_blocks_mxfp4(mats[m], mat.N, mat.K, b, b + 1,
+                                         const_cast<uint8_t*>(v.w) + size_t(lb) * block_bytes(Format::mxfp4, mat.Kp),
+                                         const_cast<uint8_t*>(v.e8m0) + lb * scale_bytes(mat, 1));
+    for (int64_t seen = bad[m].load(std::memory_order_relaxed); at >= 0 && at < seen;)
+      bad[m].compare_exchange_weak(seen, at, std::memory_order_relaxed);
+  });
+  for (int m = 0; m < 3; ++m) {
+    const int64_t at = bad[m].load(std::memory_order_relaxed);
+    if (at == INT64_MAX) continue;
+    const int G = mats_[m].K / kMxfp4GroupK;
+    throw std::invalid_argument("expert " + std::to_string(e) + "'s " + kMatName[m] + " scale " +
+                                std::to_string(mats[m].scales[at]) + " at row " + std::to_string(at / G) + ", block " +
+                                std::to_string(at % G) + " is outside 2..252 (2^-125..2^125), the e8m0 scales the " +
+                                "engine holds under nonzero codes; the checkpoint's weights are damaged");
   }
 }
 
@@ -457,9 +487,10 @@ void MoeLayer::unpack_expert(int e, float* gate, float* up, float* down) const {
         PackedView vb = v;
         const int lb = b - b0;
         vb.w = v.w + size_t(lb) * block_bytes(cfg_.format, mat.Kp);
-        const size_t sf = scale_floats(mat, 1);
-        if (vb.scale) vb.scale = v.scale + lb * sf;
-        if (vb.zero) vb.zero = v.zero + lb * sf;
+        const size_t sb = scale_bytes(mat, 1);
+        if (vb.scale) vb.scale = v.scale + lb * sb / 4;
+        if (vb.zero) vb.zero = v.zero + lb * sb / 4;
+        if (vb.e8m0) vb.e8m0 = v.e8m0 + lb * sb;
         float* rows = dst[m] + size_t(b) * kBlockRows * mat.K;
         unpack_blocks(cfg_.format, vb, mat.N - b * kBlockRows, mat.K, 0, 1, rows);
       }
@@ -1035,10 +1066,12 @@ void MoeLayer::Forward::down_acts(int j) {
 void MoeLayer::Forward::prefetch_heads(const Matrix& mat, const Item& it) const {
   const size_t head = size_t(tune.item_prefetch);
   const PackedView v = L.view(mat, order[it.j], it.s);
-  const size_t bb = block_bytes(L.cfg_.format, mat.Kp), sf = L.scale_floats(mat, 1);
+  const size_t bb = block_bytes(L.cfg_.format, mat.Kp), sb = L.scale_bytes(mat, 1);
   prefetch_l2(v.w + size_t(it.b0) * bb, std::min(head, size_t(it.b1 - it.b0) * bb));
-  if (v.scale) prefetch_l2(v.scale + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
-  if (v.zero) prefetch_l2(v.zero + size_t(it.b0) * sf, std::min(head, size_t(it.b1 - it.b0) * sf * 4));
+  const uint8_t* scale = v.e8m0 ? v.e8m0 : reinterpret_cast<const uint8_t*>(v.scale);
+  if (scale) prefetch_l2(scale + size_t(it.b0) * sb, std::min(head, size_t(it.b1 - it.b0) * sb));
+  if (v.zero) prefetch_l2(reinterpret_cast<const uint8_t*>(v.zero) + size_t(it.b0) * sb,
+                          std::min(head, size_t(it.b1 - it.b0) * sb));
 }
 
 // Gate/up and down in one pool run, without a barrier between them. The gate/up item that finishes

@@ -84,6 +84,10 @@ class MoeLayer {
   // gate, up [I, H], down [H, I]. std::invalid_argument for another format, a NaN code or a scale
   // that is not finite, naming the matrix.
   void pack_expert_fp8(int e, const Fp8Codes mats[3]);
+  // Tile expert e of an mxfp4 layer from its MXFP4 codes and e8m0 scales as they are (on the pool): gate, up
+  // [I, H], down [H, I]. std::invalid_argument for another format or a nonzero code under a scale outside
+  // [kE8m0Min, kE8m0Max] (packed.h), naming the matrix, row and group.
+  void pack_expert_mxfp4(int e, const Mxfp4Codes mats[3]);
   // The weights the kernels compute with, dequantized to fp32.
   void unpack_expert(int e, float* gate, float* up, float* down) const;
   // What h is (packed.h Glu; default silu(g) * u) and the experts' biases, fp32 gate and up [E, I],
@@ -124,9 +128,9 @@ class MoeLayer {
     int N, K, Kp, blocks;
     std::vector<int> slice_begin;  // blocks of slice s: [slice_begin[s], slice_begin[s+1])
     std::vector<uint8_t*> w;
-    std::vector<float*> scale, zero;
+    std::vector<uint8_t*> scale, zero;  // fp32 values (int8, int4, fp8) or e8m0 bytes (mxfp4)
   };
-  size_t scale_floats(const Matrix& m, int blocks) const;
+  size_t scale_bytes(const Matrix& m, int blocks) const;
   PackedView view(const Matrix& m, int e, int s) const;
   // pack(m, global block b, its slice's view of expert e, b's index in that slice) for every block of
   // expert e's three matrices, as items on the pool.

@@ -51,11 +51,11 @@ size_t MoeLayer::prefetch(const int* experts, int n) {
         for (size_t off = 0; off < wbytes; off += kPrefetchChunk)
           items.push_back({w + off, std::min(kPrefetchChunk, wbytes - off)});
         total += wbytes;
-        const size_t sf = scale_floats(m, nb);
-        for (float* const* side : {&m.scale[s], &m.zero[s]})
-          if (*side && sf) {
-            items.push_back({reinterpret_cast<const uint8_t*>(*side + size_t(e) * sf), sf * 4});
-            total += sf * 4;
+        const size_t sb = scale_bytes(m, nb);
+        for (uint8_t* const* side : {&m.scale[s], &m.zero[s]})
+          if (*side && sb) {
+            items.push_back({*side + size_t(e) * sb, sb});
+            total += sb;
           }
       }
     }

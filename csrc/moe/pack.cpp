@@ -182,6 +182,16 @@ void unpack_blocks(Format f, const PackedView& v, int N, int K, int b0, int b1, 
         for (int k = 0; k < K; ++k) dst[k] = e4m3_to_f32(wb[pair_index(r, k)]) * sc[k / kFp8GroupK];
         continue;
       }
+      if (f == Format::mxfp4) {
+        const uint8_t* ex = v.e8m0 + size_t(b - b0) * (v.Kp / kMxfp4GroupK) * kBlockRows;
+        for (int k = 0; k < K; ++k) {
+          int byte, shift;
+          mxfp4_slot(r, k % 8, &byte, &shift);
+          const uint8_t code = (wb[size_t(k / 8) * 128 + byte] >> shift) & 0xF;
+          dst[k] = e2m1_to_f32(code) * e8m0_to_f32(ex[(k / kMxfp4GroupK) * kBlockRows + r]);
+        }
+        continue;
+      }
       for (int k = 0; k < K; ++k) {
         const size_t pair = pair_index(r, k);
         if (f == Format::bf16) {

@@ -10,11 +10,18 @@
 //                                 masking/shifting then zero-extending gives int16 pairs
 //   fp8:  [Kp/2][32 rows][2]     e4m3 code (float8_e4m3fn) pairs, int8's layout: widened to bf16
 //                                 in registers they are bf16's pairs
+//   mxfp4: [Kp/8][2 halves][16 rows][2] 16-bit words: word (r, j) of step p holds the e2m1 codes of
+//                                 k = 8p + 2s + j in its bits 4s..4s+3 (s = 0..3); so one 64-byte load
+//                                 shifted right by 4s has K pair 4p + s in every word's low nibble,
+//                                 which a 32-entry table (vpermw reads 5 index bits: the 16 values
+//                                 twice) turns into bf16's pairs
 // Scales: int8 one fp32 per row [Np]; int4 one per (row, group) [nblocks][G][32], zero points
 // likewise (absent: symmetric, zero point 8); fp8 one per (block, kFp8GroupK of K) [nblocks][ceil(Kp /
-// 128)], the scale of the 128x128 block (DeepSeek-V3's weight_scale_inv) its 32 rows lie in. Np = N
-// rounded up to 32; Kp = K rounded up to 32 (bf16, int8, fp8) or K itself (int4, which needs K % group
-// == 0).
+// 128)], the scale of the 128x128 block (DeepSeek-V3's weight_scale_inv) its 32 rows lie in; mxfp4 one
+// e8m0 byte e per (row, kMxfp4GroupK of K) [nblocks][Kp / 32][32], the scale 2^(e - 127), as the
+// checkpoint stores it (a quarter of fp32 scales' bytes: 4.25 bits a weight, not 5). Np = N rounded up
+// to 32; Kp = K rounded up to 32 (bf16, int8, fp8) or K itself (int4, which needs K % group == 0;
+// mxfp4, which needs K % 32 == 0).
 #include <cstddef>
 #include <cstdint>
 
@@ -23,8 +30,8 @@
 
 namespace hmoe {
 
-enum class Format : int { bf16 = 0, int8 = 1, int4 = 2, fp8 = 3 };
-constexpr int kFormats = 4;
+enum class Format : int { bf16 = 0, int8 = 1, int4 = 2, fp8 = 3, mxfp4 = 4 };
+constexpr int kFormats = 5;
 // amx_emulated: the AMX kernels over a portable emulation of the tile registers (AVX-512 CPUs
 // without AMX), so that their tiling logic is tested where CI runs; never picked by default.
 enum class Isa : int { generic = 0, avx2 = 1, avx512 = 2, amx = 3, amx_emulated = 4 };
@@ -37,6 +44,8 @@ constexpr int kActGroupK = 128;
 // K per fp8 scale: a block-FP8 checkpoint's blocks are 128 x 128, and 128 rows are four 32-row blocks.
 constexpr int kFp8GroupK = 128;
 static inline int fp8_groups(int Kp) { return (Kp + kFp8GroupK - 1) / kFp8GroupK; }
+// K per mxfp4 scale (OCP MX's block of 32 values).
+constexpr int kMxfp4GroupK = 32;
 
 static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
@@ -46,6 +55,7 @@ static inline size_t block_bytes(Format f, int Kp) {
     case Format::int8: return size_t(kBlockRows) * Kp;
     case Format::int4: return size_t(kBlockRows) * Kp / 2;
     case Format::fp8: return size_t(kBlockRows) * Kp;
+    case Format::mxfp4: return size_t(kBlockRows) * Kp / 2;
   }
   return 0;
 }
@@ -55,6 +65,7 @@ struct PackedView {
   const uint8_t* w = nullptr;
   const float* scale = nullptr;  // int8: [nblocks*32]; int4: [nblocks][G][32]; fp8: [nblocks][ceil(Kp/128)]
   const float* zero = nullptr;   // int4 asymmetric: [nblocks][G][32]; else null
+  const uint8_t* e8m0 = nullptr; // mxfp4: [nblocks][Kp/32][32] scale exponents
   int Kp = 0;
   int group = 0;                 // int4 group size
   // Software prefetch distances (bytes ahead of the loads) of the memory-bound kernels (AVX-512):
@@ -198,6 +209,26 @@ static inline float e4m3_to_f32(uint8_t c) {
   union { uint32_t u; float f; } v{(e + 120) << 23 | m << 20};
   const float a = e ? v.f : float(m) * 0.001953125f;
   return c & 0x80 ? -a : a;
+}
+
+// e2m1 (OCP MX FP4): a sign bit over 3 magnitude bits, 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+static inline float e2m1_to_f32(uint8_t c) {
+  static const float kMagnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  return c & 8 ? -kMagnitude[c & 7] : kMagnitude[c & 7];
+}
+// The e8m0 scales an mxfp4 layer holds where a code is nonzero: 2^-125 to 2^125, under which every e2m1 value
+// is a normal bf16 (and fp32), so a kernel may fold the scale into the bf16 weight's exponent exactly. Packing
+// refuses others (groups of zero codes get 127: their scale multiplies nothing).
+constexpr int kE8m0Min = 2, kE8m0Max = 252;
+static inline float e8m0_to_f32(uint8_t e) {  // 2^(e - 127), exact for e in 1..254
+  union { uint32_t u; float f; } c{uint32_t(e) << 23};
+  return c.f;
+}
+// Byte and bit shift of code (r, k) of an mxfp4 step (k: 0..7 within the step; r: 0..31).
+static inline void mxfp4_slot(int r, int k, int* byte, int* shift) {
+  const int s = k >> 1, j = k & 1;
+  *byte = (r / 16) * 64 + (r % 16) * 4 + j * 2 + (s >> 1);
+  *shift = (s & 1) * 4;
 }
 
 }  // namespace hmoe

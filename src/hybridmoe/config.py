@@ -9,7 +9,7 @@ from hybridmoe.errors import HybridMoEError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXPERT_BACKENDS = ("auto", "torch", "native")
-EXPERT_FORMATS = ("auto", "bf16", "int8", "int4", "fp8")
+EXPERT_FORMATS = ("auto", "bf16", "int8", "int4", "fp8", "mxfp4")
 EXPERT_PLACEMENTS = ("uniform", "frequency", "front-loading")
 PREFILL_STREAMING = ("auto", "on", "off")
 VERIFY_EXPERTS = ("full", "header")
@@ -92,10 +92,12 @@ class EngineConfig:
     converted directory), else torch (so float32 models stay exact)."""
 
     expert_format: str = "auto"
-    """Weight format of routed experts in the native engine: bf16, int8, int4 or fp8 (e4m3, a float32 scale per
-    128x128 block). "auto": the format nearest the checkpoint's own (GGUF Q8_0/Q5/Q6 -> int8, Q4/Q3/Q2 -> int4
-    g32, GPTQ/AWQ 4-bit -> int4 in their group size when it is 32/64/128; DeepSeek-V3's block FP8 -> fp8, its
-    codes as they are; float weights -> bf16), said in a log line; weights/native_format.py has the table."""
+    """Weight format of routed experts in the native engine: bf16, int8, int4, fp8 (e4m3, a float32 scale per
+    128x128 block) or mxfp4 (e2m1, an e8m0 power-of-two scale per 32 input channels; hidden and intermediate sizes
+    multiples of 32). "auto": the format nearest the checkpoint's own (GGUF Q8_0/Q5/Q6 -> int8, Q4/Q3/Q2 -> int4
+    g32, GPTQ/AWQ 4-bit -> int4 in their group size when it is 32/64/128; DeepSeek-V3's block FP8 -> fp8 and
+    gpt-oss's MXFP4 -> mxfp4, their codes as they are; float weights -> bf16), said in a log line;
+    weights/native_format.py has the table."""
 
     expert_group_size: int | None = None
     """Group size for int4 experts (32, 64 or 128). None: the checkpoint's own where its experts are 4-bit in

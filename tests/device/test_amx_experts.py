@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.device,
 E, H, I, K = 8, 192, 96, 2
 # AMX rounds activations (and int4 dequantized weights) to bf16: up to ~0.5% more than AVX-512;
 # its int8 reads int8 activations (AMX-INT8): ~1.5-1.85% (tests/kernels/conftest.py).
-KERNEL_TOL = {"bf16": 0.008, "int8": 0.02, "int4": 0.01}
+KERNEL_TOL = {"bf16": 0.008, "int8": 0.02, "int4": 0.01, "mxfp4": 0.008}
 
 
 def layer(fmt, isa, E=E, H=H, I=I):
@@ -32,7 +32,7 @@ def layer(fmt, isa, E=E, H=H, I=I):
 
 
 @pytest.mark.parametrize("T", [16, 17, 64, 300])
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "mxfp4"])
 def test_amx_matches_reference_on_held_weights(fmt, T):
     experts = layer(fmt, "amx")
     deq = [torch.stack(p) for p in zip(*[experts.dequantized(e) for e in range(E)])]
@@ -49,7 +49,7 @@ def test_amx_matches_reference_on_held_weights(fmt, T):
 
 
 @pytest.mark.parametrize("h, i", [(H, I), (2048, 320)])
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "mxfp4"])
 def test_amx_equals_its_emulation(fmt, h, i):
     # The CPU tests check amx_kernels.inc through the emulated tiles; this holds the real
     # instructions to the emulation (only fp32 summation order may differ). H 2048: several K

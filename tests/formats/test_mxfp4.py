@@ -1,8 +1,10 @@
 """MXFP4 gpt-oss checkpoints (weights/mxfp4.py): the decoder equals transformers' own dequantization bit for bit in
 float32; a tiny gpt-oss written as the releases are (mlp.experts.*_blocks / *_scales, quantization_config
 quant_method "mxfp4") loads expert by expert and computes what transformers computes after loading the same
-directory with Mxfp4Config(dequantize=True); a layout that does not fit, an overflowing scale or an mxfp4 config on
-another family fail in one line naming what."""
+directory with Mxfp4Config(dequantize=True); with expert_format auto the native engine keeps the codes in its mxfp4
+format, never decoding an expert to float, and holds transformers' weights bit for bit; a layout that does not fit,
+an overflowing scale (or one the native format does not hold) or an mxfp4 config on another family fail in one line
+naming what."""
 
 import json
 
@@ -17,7 +19,8 @@ from hybridmoe.config import EngineConfig
 from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import CheckpointError
 from hybridmoe.forward_context import Context, use_context
-from hybridmoe.weights.mxfp4 import Mxfp4Checkpoint, dequantize_mxfp4
+from hybridmoe.layers.clamped_swiglu import ClampedSwiGLU
+from hybridmoe.weights.mxfp4 import Mxfp4Checkpoint, Mxfp4Experts, dequantize_mxfp4
 
 TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 5,
@@ -117,8 +120,8 @@ def test_an_mxfp4_gpt_oss_computes_what_transformers_computes_from_the_same_dire
 
 
 def test_the_experts_decode_one_at_a_time_and_run_in_the_model_dtype(tmp_path, monkeypatch):
-    """A bfloat16 load never decodes a fused MXFP4 tensor whole (get() refuses here); its experts equal
-    transformers' dequantized ones run in bfloat16."""
+    """A bfloat16 load into bf16 experts (decoded to float) never decodes a fused MXFP4 tensor whole (get() refuses
+    here); its experts equal transformers' dequantized ones run in bfloat16."""
     write_mxfp4_gpt_oss(tmp_path)
     whole = Mxfp4Checkpoint.get
 
@@ -127,7 +130,7 @@ def test_the_experts_decode_one_at_a_time_and_run_in_the_model_dtype(tmp_path, m
         return whole(self, name)
 
     monkeypatch.setattr(Mxfp4Checkpoint, "get", get)
-    experts = load_model(tmp_path, EngineConfig(dtype="bfloat16")).experts
+    experts = load_model(tmp_path, EngineConfig(dtype="bfloat16", expert_format="bf16")).experts
     theirs = transformers_dequantized(tmp_path, torch.bfloat16).model.layers[1].mlp.experts
     g = torch.Generator().manual_seed(3)
     x = torch.randn(17, TINY["hidden_size"], generator=g).bfloat16()
@@ -137,6 +140,73 @@ def test_the_experts_decode_one_at_a_time_and_run_in_the_model_dtype(tmp_path, m
         ours = experts.forward(1, x, ids, weights)
         assert ours.dtype == torch.bfloat16
         torch.testing.assert_close(ours.float(), theirs(x, ids, weights).float(), atol=5e-2, rtol=5e-2)
+
+
+NATIVE = {"dtype": "float32", "expert_backend": "native", "cpu_threads": 2}
+"""The float32 model with its experts in the native engine, expert_format left auto."""
+
+
+def refuse_float_experts(monkeypatch) -> None:
+    """Decoding an MXFP4 expert (or a fused tensor) to float fails from here on."""
+    def decoded(*args):
+        raise AssertionError("an MXFP4 expert was decoded to float")
+
+    whole = Mxfp4Checkpoint.get
+    monkeypatch.setattr(Mxfp4Experts, "__getitem__", decoded)
+    monkeypatch.setattr(Mxfp4Checkpoint, "get", lambda self, name: decoded() if name.endswith(
+        ("gate_up_proj", "down_proj")) else whole(self, name))
+
+
+def test_auto_keeps_the_codes_in_the_native_mxfp4_format_bit_for_bit(tmp_path, monkeypatch):
+    """No expert goes through float; each layer's gate, up and down dequantize to transformers' decoding exactly."""
+    write_mxfp4_gpt_oss(tmp_path)
+    refuse_float_experts(monkeypatch)
+    loaded = load_model(tmp_path, EngineConfig(**NATIVE))
+    monkeypatch.undo()
+    assert loaded.engine_config.expert_format == "mxfp4"
+    hf = transformers_dequantized(tmp_path)
+    for layer in range(TINY["num_hidden_layers"]):
+        native, theirs = loaded.experts.layer_experts(layer), hf.model.layers[layer].mlp.experts
+        assert native.format == "mxfp4" and native.has_biases
+        assert native.glu == ClampedSwiGLU(alpha=1.702, limit=TINY["swiglu_limit"])
+        for e in range(TINY["num_local_experts"]):
+            gate, up, down = native.dequantized(e)
+            gate_up = theirs.gate_up_proj[e].detach()  # [H, 2I], gate and up interleaved by column
+            assert_same_bits(gate, gate_up[:, ::2].t().contiguous())
+            assert_same_bits(up, gate_up[:, 1::2].t().contiguous())
+            assert_same_bits(down, theirs.down_proj[e].detach().t().contiguous())
+
+
+def test_native_mxfp4_experts_give_transformers_logits(tmp_path):
+    """Within the bf16 row of tests/models/compare.py's table, the native engine's tolerance in test_gpt_oss.py (the
+    kernels read x and h in bf16)."""
+    write_mxfp4_gpt_oss(tmp_path)
+    hf = transformers_dequantized(tmp_path)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0]
+    loaded = load_model(tmp_path, EngineConfig(**NATIVE))
+    assert loaded.experts.layer_experts(0).format == "mxfp4"
+    torch.testing.assert_close(our_logits(loaded.model), want, atol=5e-2, rtol=5e-2)
+
+
+def test_a_scale_the_native_format_does_not_hold_is_refused_naming_the_tensor_and_expert(tmp_path):
+    """A scale outside 2..252 under nonzero codes (255: the OCP spec's NaN) fails at load naming where it is; over a
+    block of zero codes it multiplies nothing and loads, as transformers reads it (zeros)."""
+    write_mxfp4_gpt_oss(tmp_path)
+
+    def zero_block(tensors):
+        tensors[LAYER0 + "down_proj_blocks"][3, 5, 0] = 0
+        tensors[LAYER0 + "down_proj_scales"][3, 5, 0] = 255
+    rewrite(tmp_path, zero_block)
+    down = load_model(tmp_path, EngineConfig(**NATIVE)).experts.layer_experts(0).dequantized(3)[2]
+    assert not down[5, :32].any()
+
+    def nonzero_block(tensors):
+        tensors[LAYER0 + "down_proj_blocks"][3, 5, 0, 7] = 0x21
+    rewrite(tmp_path, nonzero_block)
+    with pytest.raises(CheckpointError, match=rf"^tensor {LAYER0}down_proj \(expert 3\) has e8m0 scale 255 at row 5, "
+                                              r"block 0 under nonzero codes, outside 2\.\.252"):
+        load_model(tmp_path, EngineConfig(**NATIVE))
 
 
 def test_an_mxfp4_config_over_float_experts_reads_them_as_they_are(tmp_path):

@@ -16,7 +16,7 @@ from hybridmoe.experts.streamed_prefill import PrefillStreamer, routed_experts
 cpu_experts = pytest.importorskip("hybridmoe.experts.cpu_experts")
 
 FORMATS = [("bf16", {}), ("int8", {}), ("int4", dict(expert_group_size=32)),
-           ("int4", dict(expert_group_size=32, expert_zero_points=True))]
+           ("int4", dict(expert_group_size=32, expert_zero_points=True)), ("mxfp4", {})]
 
 
 def _layer(fmt: str, E=6, H=64, I=96, seed=0):
@@ -31,7 +31,7 @@ def _routing(T: int, K: int, E: int, seed=1):
     return ids, torch.rand(T, K, generator=g), torch.rand(T, K, generator=g) < 0.7
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "mxfp4"])
 def test_routed_experts_from_packed_bytes_equal_the_float32_reference(fmt):
     engine = _layer(fmt)
     streamer = PrefillStreamer({3: engine}, "cpu", min_tokens=1)

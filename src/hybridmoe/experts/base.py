@@ -60,6 +60,11 @@ class ExpertBackend(ABC):
         scales as the checkpoint has them) in place of a float tensor. False (default): float tensors only."""
         return False
 
+    def takes_mxfp4_codes(self) -> bool:
+        """Whether set_layer_experts takes an MXFP4 matrix as Mxfp4Codes (experts/mxfp4_codes.py: its e2m1 codes and
+        e8m0 scales as the checkpoint has them) in place of a float tensor. False (default): float tensors only."""
+        return False
+
     def int4_codes_group(self) -> int | None:
         """The int4 group size in which set_layer_codes takes GPTQ/AWQ codes as they are; None (default): the
         backend takes float weights only."""

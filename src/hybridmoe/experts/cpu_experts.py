@@ -9,8 +9,9 @@ Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediat
 
 Weights are quantized and tiled once, here, expert by expert (a float32 copy of one expert at
 a time, never of the layer); block-FP8 codes (fp8_codes.py Fp8Codes) go into the fp8 format as they
-are. `packed_state()` / `CpuExperts.from_packed(state)` move the packed form without repacking (the
-buffers are used in place, e.g. memory-mapped from a cache file).
+are, MXFP4 codes (mxfp4_codes.py Mxfp4Codes) into the mxfp4 format. `packed_state()` /
+`CpuExperts.from_packed(state)` move the packed form without repacking (the buffers are used in place, e.g.
+memory-mapped from a cache file).
 
 An expert computes down(silu(gate x) * up x) unless told otherwise: `set_glu(ClampedSwiGLU(alpha, limit))` gives
 it gpt-oss's clamped SwiGLU (layers/clamped_swiglu.py) and `set_biases(gate_bias, up_bias, down_bias)` its
@@ -38,10 +39,12 @@ from torch.utils.dlpack import to_dlpack
 from hybridmoe.config import MAX_CPU_THREADS
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.fp8_codes import FP8_BLOCK, Fp8Codes, dense_weights
+from hybridmoe.experts.mxfp4_codes import BLOCK as MXFP4_BLOCK
+from hybridmoe.experts.mxfp4_codes import Mxfp4Codes
 from hybridmoe.experts.tuning import EngineTuning, from_native, to_native
 from hybridmoe.layers.clamped_swiglu import ClampedSwiGLU
 
-FORMATS = ("bf16", "int8", "int4", "fp8")
+FORMATS = ("bf16", "int8", "int4", "fp8", "mxfp4")
 MAX_THREADS = MAX_CPU_THREADS
 """The most workers one layer's pool may have (config.MAX_CPU_THREADS, the native engine's kMaxThreads): past
 every CPU of the largest hosts, where more threads than CPUs only take turns on them."""
@@ -151,10 +154,12 @@ class CpuExperts:
 
     gate_proj, up_proj [E, I, H] and down_proj [E, H, I] in any float dtype. format: "bf16",
     "int8" (per-output-channel symmetric), "int4" (group-wise, group_size 32/64/128, with
-    zero points if zero_points=True) or "fp8" (e4m3 with one float32 scale per 128x128 block,
+    zero points if zero_points=True), "fp8" (e4m3 with one float32 scale per 128x128 block,
     amax / 448, as DeepSeek-V3's checkpoints; from_experts takes such checkpoints' codes as they
-    are). threads: workers (default: every allowed CPU). isa: "generic" | "avx2" | "avx512" |
-    "amx" (default: the fastest this CPU has). numa_nodes: worker groups, each owning a slice of
+    are) or "mxfp4" (e2m1 with one e8m0 power-of-two scale per 32 input channels of a row, OCP MX's
+    2^(floor(log2(amax)) - 2); H and I multiples of 32; from_experts takes gpt-oss's codes as they are).
+    threads: workers (default: every allowed CPU). isa: "generic" | "avx2" | "avx512" | "amx" (default: the
+    fastest this CPU has). numa_nodes: worker groups, each owning a slice of
     every expert's output rows (default 1).
     """
 
@@ -179,7 +184,8 @@ class CpuExperts:
         # One expert at a time in float32, through buffers reused from expert to expert: packing never holds
         # a float copy of the layer, nor maps and faults in fresh memory for each expert. The next expert is
         # asked for only once the last one is packed.
-        # Block-FP8 codes go into the fp8 format as they are; elsewhere (or beside float matrices) through float.
+        # Block-FP8 codes go into the fp8 format as they are, MXFP4 codes into mxfp4; elsewhere (or beside float
+        # matrices) through float.
         _, H, I = self._engine.shape
         staging = (torch.empty(I, H), torch.empty(I, H), torch.empty(H, I))
         iter_experts = iter(experts)
@@ -189,6 +195,9 @@ class CpuExperts:
                 raise HybridMoEError(f"got {e} experts, expected num_experts={E}")
             if self.format == "fp8" and all(isinstance(w, Fp8Codes) for w in expert):
                 self._pack_fp8(e, expert, [buf.shape for buf in staging])
+                continue
+            if self.format == "mxfp4" and all(isinstance(w, Mxfp4Codes) for w in expert):
+                self._pack_mxfp4(e, expert, [buf.shape for buf in staging])
                 continue
             expert = dense_weights(expert)
             for name, buf, w in zip(("gate", "up", "down"), staging, expert):
@@ -214,6 +223,18 @@ class CpuExperts:
                                      f"block), got {list(w.scale.shape)}")
             arrays += [w.codes.contiguous().view(torch.uint8), w.scale.float().contiguous()]
         self._call(self._engine.pack_expert_fp8, e, arrays)
+
+    def _pack_mxfp4(self, e: int, expert: tuple[Mxfp4Codes, ...], shapes: list[torch.Size]) -> None:
+        arrays = []
+        for name, w, (N, K) in zip(("gate", "up", "down"), expert, shapes):
+            want = ([N, K // 2], [N, K // MXFP4_BLOCK])
+            got = (list(w.codes.shape), list(w.scales.shape))
+            if w.codes.dtype != torch.uint8 or w.scales.dtype != torch.uint8 or got != want:
+                raise HybridMoEError(f"expert {e}'s {name} codes and scales must be uint8 {want[0]} and {want[1]} "
+                                     f"(two e2m1 codes a byte, an e8m0 scale per {MXFP4_BLOCK}), got {w.codes.dtype} "
+                                     f"{got[0]} and {w.scales.dtype} {got[1]}")
+            arrays += [w.codes.contiguous(), w.scales.contiguous()]
+        self._call(self._engine.pack_expert_mxfp4, e, arrays)
 
     def _init_engine(self, E, H, I, format, group_size, zero_points, threads, isa, numa_nodes, adopt):
         if format not in FORMATS:
@@ -270,7 +291,8 @@ class CpuExperts:
         The next expert is asked for only once the last one is packed, so a lazy source (a generator reading
         a checkpoint) holds one expert at a time and may drop each one's memory as soon as it is packed.
         Same packed bytes as the constructor on the stacked tensors. A matrix may come as Fp8Codes (block-FP8
-        codes and scales): format "fp8" packs an expert whose three matrices are so without float, bit for bit.
+        codes and scales) or Mxfp4Codes: format "fp8" (or "mxfp4") packs an expert whose three matrices are so
+        without float, bit for bit.
         """
         iter_experts = iter(experts)
         first = next(iter_experts, None)

@@ -11,7 +11,8 @@ def cpu_expert_bytes(fmt: str, inter: int, hidden: int, group_size: int) -> int:
 
     bf16: 2 bytes a weight; int8: 1 byte a weight + a float32 scale per output row; int4: half a
     byte a weight + a float32 scale per group of group_size weights; fp8: 1 byte a weight + a float32 scale
-    per 32 rows x 128 columns (csrc/moe/packed.h's layouts).
+    per 32 rows x 128 columns; mxfp4: half a byte a weight + an e8m0 byte per 32 weights (csrc/moe/packed.h's
+    layouts).
     """
     weights = 3 * inter * hidden
     if fmt == "bf16":
@@ -22,6 +23,8 @@ def cpu_expert_bytes(fmt: str, inter: int, hidden: int, group_size: int) -> int:
         return weights // 2 + 4 * (weights // group_size)
     if fmt == "fp8":
         return weights + 4 * (2 * -(-inter // 32) * -(-hidden // 128) + -(-hidden // 32) * -(-inter // 128))
+    if fmt == "mxfp4":
+        return weights // 2 + weights // 32
     raise HybridMoEError(f"unknown expert format {fmt!r}")
 
 

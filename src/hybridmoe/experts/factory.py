@@ -128,6 +128,10 @@ class NativeLayers(ExpertBackend):
         """fp8 experts are packed from block-FP8 codes as they are (CpuExperts.from_experts)."""
         return self._build.format == "fp8"
 
+    def takes_mxfp4_codes(self) -> bool:
+        """mxfp4 experts are packed from MXFP4 codes as they are (CpuExperts.from_experts)."""
+        return self._build.format == "mxfp4"
+
     def int4_codes_group(self) -> int | None:
         """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
         o = self._build.options

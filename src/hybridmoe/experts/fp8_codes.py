@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from hybridmoe.experts.mxfp4_codes import Mxfp4Codes
+
 FP8_BLOCK = 128
 """Rows and columns of one scale block: the native fp8 format's, and DeepSeek-V3's weight_block_size."""
 
@@ -40,5 +42,5 @@ class Fp8Codes(NamedTuple):
 
 
 def dense_weights(weights: tuple) -> tuple:
-    """One expert's (gate, up, down) with any Fp8Codes among them dequantized (dense())."""
-    return tuple(w.dense() if isinstance(w, Fp8Codes) else w for w in weights)
+    """One expert's (gate, up, down) with any Fp8Codes or Mxfp4Codes among them dequantized (dense())."""
+    return tuple(w.dense() if isinstance(w, (Fp8Codes, Mxfp4Codes)) else w for w in weights)

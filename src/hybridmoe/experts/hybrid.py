@@ -73,7 +73,7 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
         self.plan, self.device, self.act = plan, torch.device(device), act
         self._cpu_layer = cpu_layer
         self.gpu_format = gpu_format
-        """None: GPU experts stacked in the model's dtype (so with fp8 CPU experts); "int4" / "int8": packed by
+        """None: GPU experts stacked in the model's dtype (so with fp8 or mxfp4 CPU experts); "int4" / "int8": packed by
         cpu_layer (the native engine, in that format) and kept packed on the device (experts/packed_gpu.py;
         packed_gpu_format decides)."""
         self.deferred_experts = deferred_experts

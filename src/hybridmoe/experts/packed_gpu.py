@@ -83,8 +83,9 @@ def packed_gpu_format(expert_backend: str, expert_format: str, device: str | tor
     """The packed format GPU-resident experts are kept in, or None for dense weights in the model's dtype.
 
     Packed where the CPU experts are int4 / int8 in the native engine and the GPU share runs the Triton
-    kernels (CUDA with triton) in bf16 / fp16; a float32 model keeps exact dense weights, and so do fp8 CPU
-    experts' GPU share (no GPU kernel reads fp8 codes: HybridExperts dequantizes those experts as they load).
+    kernels (CUDA with triton) in bf16 / fp16; a float32 model keeps exact dense weights, and so do fp8 and mxfp4
+    CPU experts' GPU share (no GPU kernel reads their codes: HybridExperts takes those experts in float as they
+    load, dequantizing block-FP8 codes).
     """
     if not enabled or expert_backend != "native" or expert_format not in PACKED_FORMATS:
         return None

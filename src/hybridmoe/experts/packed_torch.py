@@ -12,8 +12,10 @@ slice s of all E experts is one buffer "<gate|up|down>.<s>.w" (+ ".scale", ".zer
   int4 block:        [Kp/8][2 halves][2 quads][16 rows][2] bytes, low nibble k8 = 2*quad + j,
                      high nibble k8 = 4 + 2*quad + j, row = 16 * half + r, k = 8 * step + k8
   fp8 block:         [Kp/2][32 rows][2] e4m3 codes, as int8
+  mxfp4 block:       [Kp/8][2 halves][16 rows][2 j][2 bytes] e2m1 codes, byte b's low nibble k = 8 * step + 4b + j,
+                     its high nibble k + 2
   int8 scales [nb][32] per row; int4 scales (and zero points) [nb][G][32] per (row, group); fp8 scales
-  [nb][ceil(Kp/128)] per (block, 128 columns).
+  [nb][ceil(Kp/128)] per (block, 128 columns); mxfp4 e8m0 bytes [nb][Kp/32][32] per (row, 32 columns), 2^(e - 127).
 E experts, n of them dequantized, N rows, K columns (Kp padded), nb blocks of a slice, G groups.
 """
 
@@ -24,17 +26,20 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.errors import HybridMoEError
+from hybridmoe.experts.mxfp4_codes import E2M1
 from hybridmoe.platform import HAVE_TRITON
 
 BLOCK_ROWS = 32
 MATRICES = ("gate", "up", "down")
 
 
-FORMATS = ("bf16", "int8", "int4", "fp8")
+FORMATS = ("bf16", "int8", "int4", "fp8", "mxfp4")
 TRITON_FORMATS = ("bf16", "int8", "int4")
-"""The formats experts/packed_triton.py dequantizes; fp8 runs the torch version everywhere."""
+"""The formats experts/packed_triton.py dequantizes; fp8 and mxfp4 run the torch version everywhere."""
 FP8_GROUP = 128
 """Columns per fp8 scale (csrc/moe/packed.h kFp8GroupK)."""
+MXFP4_GROUP = 32
+"""Columns per mxfp4 scale (csrc/moe/packed.h kMxfp4GroupK)."""
 
 
 def fused_dequant(device: torch.device, fmt: str) -> bool:
@@ -71,7 +76,7 @@ class PackedLayout:
         mats = []
         for m, name in enumerate(MATRICES):
             N, K = (self.I, self.H) if m < 2 else (self.H, self.I)
-            Kp = K if self.format == "int4" else -(-K // BLOCK_ROWS) * BLOCK_ROWS
+            Kp = K if self.format in ("int4", "mxfp4") else -(-K // BLOCK_ROWS) * BLOCK_ROWS
             blocks = -(-N // BLOCK_ROWS)
             bounds = [blocks * s // numa for s in range(numa + 1)]
             slices = tuple(_Slice(bounds[s + 1] - bounds[s], f"{name}.{s}.w",
@@ -85,14 +90,14 @@ class PackedLayout:
         """Name -> size in bytes of every packed buffer (what packed_state()["buffers"] holds)."""
         out = {}
         for mat in self.matrices:
-            block = BLOCK_ROWS * mat.Kp * {"bf16": 2, "int8": 1, "int4": 0.5, "fp8": 1}[self.format]
-            scales = {"bf16": 0, "int8": BLOCK_ROWS, "int4": BLOCK_ROWS * mat.Kp // self.group,
-                      "fp8": -(-mat.Kp // FP8_GROUP)}[self.format]
+            block = BLOCK_ROWS * mat.Kp * {"bf16": 2, "int8": 1, "int4": 0.5, "fp8": 1, "mxfp4": 0.5}[self.format]
+            scale_bytes = {"bf16": 0, "int8": 4 * BLOCK_ROWS, "int4": 4 * BLOCK_ROWS * mat.Kp // self.group,
+                           "fp8": 4 * -(-mat.Kp // FP8_GROUP), "mxfp4": BLOCK_ROWS * mat.Kp // MXFP4_GROUP}[self.format]
             for sl in mat.slices:
                 out[sl.w] = int(self.E * sl.blocks * block)
                 for name in (sl.scale, sl.zero):
                     if name is not None:
-                        out[name] = self.E * sl.blocks * scales * 4
+                        out[name] = self.E * sl.blocks * scale_bytes
         return out
 
     def dequantize(self, buffers: dict[str, torch.Tensor], experts: torch.Tensor, dtype: torch.dtype
@@ -169,6 +174,20 @@ class PackedLayout:
         torch.mul(q.view(torch.float8_e4m3fn).view(n, nb, BLOCK_ROWS, Kp).float(), scale, out=W)
         return W.view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K]
 
+    def _slice_mxfp4(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor, dtype) -> torch.Tensor:
+        """One mxfp4 slice [n, nb * 32, K]: each code's e2m1 value times its (row, 32 columns) scale in float32."""
+        n, nb, Kp = experts.numel(), sl.blocks, mat.Kp
+        b = buffers[sl.w].view(self.E, -1)[experts].view(n, nb, Kp // 8, 2, 16, 2, 2)  # [n, nb, step, half, r, j, b]
+        codes = torch.stack((b & 0xF, b >> 4), dim=-1)  # [..., j, b, t]: k = 8 * step + 2 * (2b + t) + j
+        codes = codes.permute(0, 1, 3, 4, 2, 6, 7, 5).reshape(n, nb * BLOCK_ROWS, Kp)
+        values = torch.tensor(E2M1, dtype=torch.float32, device=b.device)[codes.long()]
+        e = buffers[sl.scale].view(self.E, nb, Kp // MXFP4_GROUP, BLOCK_ROWS)[experts]  # [n, nb, G, 32]
+        scale = (e.transpose(2, 3).reshape(n, nb * BLOCK_ROWS, -1).int() << 23).view(torch.float32)  # 2^(e - 127)
+        W = torch.empty(n, nb * BLOCK_ROWS, Kp, dtype=dtype, device=b.device)
+        torch.mul(values.view(n, nb * BLOCK_ROWS, -1, MXFP4_GROUP), scale.unsqueeze(-1),
+                  out=W.view(n, nb * BLOCK_ROWS, -1, MXFP4_GROUP))
+        return W[..., :mat.K]
+
     def _slice(self, mat: _Matrix, sl: _Slice, buffers, experts: torch.Tensor, dtype) -> torch.Tensor:
         # The products are float32, as the engine's, and rounded to dtype by the multiplication that
         # makes them (one pass; what .to(dtype) of the float32 result gives).
@@ -179,6 +198,8 @@ class PackedLayout:
             return q.view(torch.bfloat16).view(n, nb * BLOCK_ROWS, Kp)[..., :mat.K].to(dtype)
         if self.format == "fp8":
             return self._slice_fp8(mat, sl, buffers, experts, dtype)
+        if self.format == "mxfp4":
+            return self._slice_mxfp4(mat, sl, buffers, experts, dtype)
         q, scale, zero = self._slice_codes(mat, sl, buffers, experts)
         W = torch.empty(q.shape, dtype=dtype, device=q.device)
         if self.format == "int8":

@@ -101,7 +101,8 @@ class GptOssForCausalLM(MoECausalLM):
     def split_fused_experts(self, parts: dict[str, torch.Tensor]) -> tuple[tuple, tuple | None]:
         """n experts' parts (the loader's: one expert, n = 1): gate_up [n, H, 2I] (gate and up interleaved by
         column) -> gate, up [n, I, H]; down [n, I, H] -> [n, H, I]; the gate_up bias [n, 2I] -> gate, up [n, I]; the
-        down bias [n, H] as it is."""
+        down bias [n, H] as it is. Only slices of the last (out) dimension and transposes: MXFP4 codes and scales laid
+        out as a part along it (weights/mxfp4.py Mxfp4Experts.codes) split the same way."""
         gate_up, bias = parts["gate_up_proj"], parts["gate_up_proj_bias"]
         weights = (gate_up[..., ::2].transpose(1, 2), gate_up[..., 1::2].transpose(1, 2),
                    parts["down_proj"].transpose(1, 2))

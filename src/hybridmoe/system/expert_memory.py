@@ -17,7 +17,8 @@ from hybridmoe.experts.streamed_prefill import layer_packed_bytes
 from hybridmoe.system.host import meminfo
 from hybridmoe.weights.native_format import fitting_int4_group
 
-_SMALLER = {"bf16": ("int8", "int4"), "int8": ("int4",), "int4": (), "fp8": ("int4",)}
+_SMALLER = {"bf16": ("int8", "int4"), "int8": ("int4",), "int4": (), "fp8": ("int4",), "mxfp4": ()}
+"""The formats to name when one does not fit (mxfp4 takes the bytes of int4 g128: nothing smaller)."""
 
 
 def packed_bytes(fmt: str, cpu_experts: list[int], hidden: int, inter: int, group_size: int,

@@ -44,7 +44,9 @@ from hybridmoe.weights.native_format import block_fp8_block
 
 CACHED_FORMATS = ("int8", "int4", "fp8")
 """bf16 packing is a copy, as fast as reading a cache would be: only quantized formats are cached, and fp8 only where
-it quantizes (from a block-FP8 checkpoint in its own 128x128 blocks, packing copies the codes: _packs_by_copy)."""
+it quantizes (from a block-FP8 checkpoint in its own 128x128 blocks, packing copies the codes: _packs_by_copy). mxfp4
+is not cached: MXFP4 checkpoints (gpt-oss) pack by copying their codes and have expert biases, and float experts
+asked for mxfp4 quantize at every load."""
 
 CACHE_MIN_FREE_FRACTION = 0.1
 """Of the cache disk's size, left free after writing an entry: a cache entry (hundreds of GB for the largest

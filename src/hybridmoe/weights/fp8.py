@@ -18,10 +18,13 @@ def scale_name(weight_name: str) -> str:
 
 def dequant_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
                       block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """weight [out, in] fp8, scale_inv [ceil(out/bo), ceil(in/bi)] -> [out, in] float32."""
+    """weight [out, in] fp8, scale_inv [ceil(out/bo), ceil(in/bi)] -> [out, in] float32. A block size of 0 spans
+    the whole dimension (a per-channel scale is block (1, 0), a per-tensor one (0, 0), stored [1] or [])."""
     out_dim, in_dim = weight.shape
-    bo, bi = block
+    bo, bi = block[0] or out_dim, block[1] or in_dim
     expected = (-(-out_dim // bo), -(-in_dim // bi))
+    if scale_inv.numel() == 1 and expected == (1, 1):
+        scale_inv = scale_inv.reshape(1, 1)
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"scale shape {tuple(scale_inv.shape)} does not fit weight {tuple(weight.shape)} "
                          f"in {bo}x{bi} blocks (expected {expected})")

@@ -7,8 +7,9 @@ from the mapped file; the torch reference gets them stacked into gate/up [E, I, 
 set_layer; GPTQ/AWQ int4 codes that the native int4 engine takes as they are go to set_layer_codes, never
 through float; block-FP8 codes that the native fp8 engine takes as they are go to set_layer_experts as Fp8Codes,
 never through float); experts stored fused, one tensor per layer and part (gpt-oss), go through
-weights/fused_experts.py. Each tensor's mapped pages are released once it is copied or packed, so the checkpoint
-is never resident as a whole. engine/model_loader.py builds the model and chooses the backend first.
+weights/fused_experts.py (MXFP4 codes that the native mxfp4 engine takes as they are as Mxfp4Codes). Each
+tensor's mapped pages are released once it is copied or packed, so the checkpoint is never resident as a whole.
+engine/model_loader.py builds the model and chooses the backend first.
 
 Every tensor the model or the backend receives is checked as it is read (checked_weight): a float dtype (the
 readers hand quantized formats over dequantized or as Int4Codes, so an integer tensor here is a wrong file) and

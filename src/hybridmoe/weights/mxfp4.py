@@ -6,21 +6,23 @@ A fused expert tensor X of float shape [E, in, out] (gpt-oss: mlp.experts.gate_u
                                   32g + 2j (bits 0-3) and 32g + 2j + 1 (bits 4-7)
   X_scales [E, out, in / 32]      the block's e8m0 exponent s: its scale is 2^(s - 127)
 and W[o, i] = E2M1[code] * 2^(s - 127), E2M1 the 16 values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code
-bit 3 is the sign). transformers' integrations/mxfp4.py reads the same layout. The biases and every other tensor
-(modules_to_not_convert: attention, router, embeddings, lm_head) are float; which fused tensors are MXFP4 is read
-from the files (an X_blocks beside its X_scales), so a float X is read as it is.
+bit 3 is the sign; experts/mxfp4_codes.py decodes them). transformers' integrations/mxfp4.py reads the same layout.
+The biases and every other tensor (modules_to_not_convert: attention, router, embeddings, lm_head) are float; which
+fused tensors are MXFP4 is read from the files (an X_blocks beside its X_scales), so a float X is read as it is.
 
 Mxfp4Checkpoint shows each X_blocks + X_scales pair to the loader as the float tensor X, with X's shape: the loader
 checks it against config.json and the model splits its experts as it splits a float checkpoint's (gpt-oss: the
 interleaved gate/up). Through fused_experts(X) an expert is decoded only when the loader asks for it, so a load holds
-one expert in float beside what the backend has taken, never a layer or the model. The decoding is exact in float32
-(an e2m1 value times a power of two from 2^-128 up is a float32) but where a value overflows: nonzero codes under
-scales 254 and 255 (2^128; the OCP spec's NaN, read as transformers reads it) are inf, which the loader's finite
-check refuses, naming the tensor.
+one expert in float beside what the backend has taken, never a layer or the model; a backend that takes MXFP4 codes
+(the native engine's mxfp4 format, expert_format "auto" for these checkpoints) gets each expert's codes and scales
+as they are (Mxfp4Experts.codes), never a float weight. The decoding is exact in float32 (an e2m1 value times a
+power of two from 2^-128 up is a float32) but where a value overflows: nonzero codes under the largest scales (255,
+2^128, the OCP spec's NaN, read as transformers reads it) are inf, which the loader's finite check refuses, naming
+the tensor; the codes handed to the native engine are checked for scales its mxfp4 format does not hold
+(weights/fused_experts.py, experts/mxfp4_codes.py unheld_scales).
 
-The experts go to the backend in the model's dtype: the torch expert backend takes them as they are, the native CPU
-engine packs them into its format (expert_format; "auto" takes bf16 for them). Neither has an MXFP4 format (half a
-byte a weight): MXFP4 experts in memory take the model dtype's bytes, or the native format's.
+The float experts go to the backend in the model's dtype: the torch expert backend takes them as they are, the native
+CPU engine packs them into its format (expert_format).
 """
 
 from __future__ import annotations
@@ -30,40 +32,10 @@ from pathlib import Path
 import torch
 
 from hybridmoe.errors import CheckpointError
+from hybridmoe.experts.mxfp4_codes import BLOCK, dequantize_mxfp4
 from hybridmoe.weights.safetensors import SafetensorsCheckpoint
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-"""The e2m1 value of each 4-bit code."""
-
-BLOCK = 32
-"""Values per e8m0 scale (16 bytes of codes)."""
-
-E8M0_BIAS = 127
 BLOCKS, SCALES = "_blocks", "_scales"
-
-
-def _value_table() -> torch.Tensor:
-    """[256 * 256, 2] float32: row 256 s + b holds byte b's two values (its low nibble's first) under e8m0 scale s,
-    each E2M1[code] * 2^(s - 127) rounded once to float32 (from float64, where every such product is exact)."""
-    codes = torch.arange(256)
-    pairs = torch.tensor(E2M1, dtype=torch.float64)[torch.stack((codes & 0xF, codes >> 4), dim=1)]  # [256, 2]
-    powers = torch.tensor([2.0 ** (s - E8M0_BIAS) for s in range(256)], dtype=torch.float64)
-    return (powers[:, None, None] * pairs).float().reshape(256 * 256, 2)
-
-
-_VALUES = _value_table()
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> float32 [..., G * 32]: row by row, each block's 32 values
-    (low nibble before high) times its scale."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.dim() < 2 or blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not fit: blocks "
-                         f"[..., G, {BLOCK // 2}] take scales [..., G]")
-    rows = (scales.long() << 8).unsqueeze(-1) | blocks.long()  # [..., G, 16]: a row of _VALUES per byte
-    return _VALUES[rows].flatten(-3)
 
 
 class Mxfp4Experts:
@@ -78,6 +50,13 @@ class Mxfp4Experts:
     def __getitem__(self, expert: int) -> torch.Tensor:
         """Expert `expert` as the float checkpoint stores it: [in, out] float32 (a transposed view of W)."""
         return dequantize_mxfp4(self.blocks[expert], self.scales[expert]).t()
+
+    def codes(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s codes [in / 2, out] and scales [in / 32, out] uint8, transposed views of the mapped
+        file laid out as the float [in, out] is along out: a split of the float tensor's out dimension (gpt-oss's
+        gate/up columns) applies to them as it is."""
+        blocks, scales = self.blocks[expert], self.scales[expert]  # [out, G, 16], [out, G]
+        return blocks.reshape(blocks.shape[0], -1).t(), scales.t()
 
 
 class Mxfp4Checkpoint:

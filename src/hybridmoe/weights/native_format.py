@@ -11,8 +11,12 @@
                                                           with zero points (all 8), so the codes load as they are
     GPTQ 8-bit                                         -> int8
     block-FP8 e4m3 in 128x128 blocks (DeepSeek-V3)     -> fp8, its codes and scales as they are (experts/fp8_codes.py)
+    MXFP4 (gpt-oss's safetensors releases)             -> mxfp4, its codes and scales as they are
+                                                          (experts/mxfp4_codes.py)
     GGUF F32/F16/BF16, safetensors (bf16/fp16/fp32, FP8 in other blocks)  -> bf16
-    GGUF MXFP4 (gpt-oss)                               -> bf16, which holds every MXFP4 value exactly
+    GGUF MXFP4 (gpt-oss)                               -> bf16, which holds every MXFP4 value exactly (GGUF stores
+                                                          the values doubled under a halved scale, its nibbles in
+                                                          another order: decoded by gguf.quants, not read as codes)
     a `hybridmoe convert`ed directory                  -> the format and group size it was packed in
 A GGUF that mixes types across its expert tensors (Q4_K_M keeps some down projections in Q6_K) takes
 the format that most expert weights map to; a tie goes to the more precise one.
@@ -30,6 +34,7 @@ from pathlib import Path
 from hybridmoe.config import DEFAULT_EXPERT_GROUP_SIZE, EngineConfig
 from hybridmoe.errors import CheckpointError, HybridMoEError
 from hybridmoe.experts.fp8_codes import FP8_BLOCK
+from hybridmoe.weights.compressed_fp8 import float_quantized_block
 from hybridmoe.weights.compressed_tensors import pack_quantized_group
 from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.gguf_names import expert_tensor
@@ -88,11 +93,20 @@ def _qc_int(qc: dict, key: str, default: int) -> int:
 
 
 def block_fp8_block(qc: dict) -> tuple[int, int] | None:
-    """The (rows, columns) of a block-FP8 e4m3 checkpoint's scale blocks (quantization_config quant_method
-    "fp8"), None for any other checkpoint."""
+    """The (rows, columns) of an FP8 e4m3 checkpoint's scale blocks, 0 spanning a whole dimension (quant_method
+    "fp8", or compressed-tensors' float-quantized format: weights/compressed_fp8.py), None for any other
+    checkpoint."""
+    compressed = float_quantized_block(qc)
+    if compressed is not None:
+        return compressed
     if qc.get("quant_method") != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
         return None
     return tuple(qc.get("weight_block_size") or (FP8_BLOCK, FP8_BLOCK))
+
+
+def _block_text(block: tuple[int, int]) -> str:
+    return {(1, 0): "FP8 e4m3 with a scale per output channel", (0, 0): "FP8 e4m3 with one scale per tensor"}.get(
+        block, f"block-FP8 e4m3 in {block[0]}x{block[1]} blocks")
 
 
 def _from_quantization_config(qc: dict) -> tuple[str, int | None, str] | None:
@@ -101,8 +115,9 @@ def _from_quantization_config(qc: dict) -> tuple[str, int | None, str] | None:
     if block is not None:
         if block == (FP8_BLOCK, FP8_BLOCK):
             return "fp8", None, f"block-FP8 e4m3 in {FP8_BLOCK}x{FP8_BLOCK} blocks"
-        return "bf16", None, (f"block-FP8 e4m3 in {block[0]}x{block[1]} blocks (the native fp8 format's are "
-                              f"{FP8_BLOCK}x{FP8_BLOCK})")
+        return "bf16", None, (f"{_block_text(block)} (the native fp8 format's are {FP8_BLOCK}x{FP8_BLOCK} blocks)")
+    if method == "mxfp4":
+        return "mxfp4", None, "MXFP4 (e2m1 codes, an e8m0 scale per 32)"
     if method == "compressed-tensors":
         group = pack_quantized_group(qc)
         return "int4", group, f"compressed-tensors int4 g{group}"

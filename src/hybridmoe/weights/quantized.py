@@ -24,6 +24,8 @@ import torch
 from hybridmoe.errors import CheckpointError
 from hybridmoe.models.base import ModelConfig
 from hybridmoe.weights.awq import awq_int4_codes, dequantize_awq
+from hybridmoe.weights.compressed_fp8 import IGNORED_SUFFIXES, float_quantized_block
+from hybridmoe.weights.compressed_fp8 import SCALE_SUFFIX as COMPRESSED_FP8_SCALE
 from hybridmoe.weights.compressed_tensors import CompressedTensorsCheckpoint
 from hybridmoe.weights.gptq import dequantize_gptq, gptq_int4_codes
 from hybridmoe.weights.int4_codes import INT4_GROUPS, Int4Codes
@@ -46,13 +48,17 @@ def open_checkpoint(model_dir: str | Path, config: ModelConfig):
     method = qc.get("quant_method")
     if method in ("gptq", "awq"):
         return QuantizedCheckpoint(model_dir, qc)
+    fp8_block = float_quantized_block(qc)
+    if fp8_block is not None:
+        return SafetensorsCheckpoint(model_dir, fp8_block=fp8_block, fp8_scale_suffix=COMPRESSED_FP8_SCALE,
+                                     ignored_suffixes=IGNORED_SUFFIXES)
     if method == "compressed-tensors":
         return CompressedTensorsCheckpoint(model_dir, qc)
     if method == "mxfp4":
         return Mxfp4Checkpoint(model_dir)
     if method not in (None, "fp8"):
         raise CheckpointError(f"quantization_config quant_method {method!r} is not supported; supported: fp8 "
-                              "(block), gptq, awq, compressed-tensors (pack-quantized int4), mxfp4 (gpt-oss)")
+                              "(block), gptq, awq, compressed-tensors (pack-quantized int4, float-quantized fp8), mxfp4 (gpt-oss)")
     return SafetensorsCheckpoint(model_dir, fp8_block=tuple(qc.get("weight_block_size") or (128, 128)))
 
 

@@ -23,7 +23,6 @@ from hybridmoe.weights.fp8 import (
     FP8_DTYPES,
     SCALE_SUFFIX,
     dequant_block_fp8,
-    scale_name,
 )
 from hybridmoe.weights.mapped_pages import MappedPages
 
@@ -39,9 +38,13 @@ _DTYPES = {
 class SafetensorsCheckpoint:
     """Name -> tensor over all shards. Use as a context manager (it holds the open files)."""
 
-    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] = (128, 128)):
+    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] = (128, 128),
+                 fp8_scale_suffix: str = SCALE_SUFFIX, ignored_suffixes: tuple[str, ...] = ()):
+        """fp8_block: an FP8 weight's scale block, 0 for a whole dimension (weights/fp8.py); fp8_scale_suffix: X's
+        scale is X + this (DeepSeek-V3's weight_scale_inv, compressed-tensors' weight_scale); ignored_suffixes:
+        tensors the model has no use for, left out of weight_names."""
         self.model_dir = Path(model_dir)
-        self.fp8_block = fp8_block
+        self.fp8_block, self.fp8_scale_suffix, self.ignored_suffixes = fp8_block, fp8_scale_suffix, ignored_suffixes
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
         self._pages = MappedPages()
@@ -103,7 +106,7 @@ class SafetensorsCheckpoint:
 
     def weight_names(self) -> list[str]:
         """Every tensor name a model receives: FP8 scales are folded into their weights, not listed."""
-        return [n for n in self.file_of if not self._is_fp8_scale(n)]
+        return [n for n in self.file_of if not self._is_fp8_scale(n) and not n.endswith(self.ignored_suffixes)]
 
     def names_by_file(self) -> dict[str, list[str]]:
         by_file: dict[str, list[str]] = {f: [] for f in self._handles}
@@ -112,7 +115,9 @@ class SafetensorsCheckpoint:
         return {f: sorted(names) for f, names in by_file.items()}
 
     def _is_fp8_scale(self, name: str) -> bool:
-        return name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self.file_of
+        suffix = self.fp8_scale_suffix
+        return name.endswith(suffix) and name[: -len(suffix)] in self.file_of and self.dtype(name[: -len(suffix)]) \
+            in FP8_DTYPES
 
     def _slice(self, name: str):
         return self._handles[self.file_of[name]].get_slice(name)
@@ -130,7 +135,7 @@ class SafetensorsCheckpoint:
         """The tensor as the model should see it: FP8 block-quantized weights come back dequantized (float32)."""
         tensor = self._read(name)
         if tensor.dtype in FP8_DTYPES:
-            scale = scale_name(name)
+            scale = name + self.fp8_scale_suffix
             if scale not in self.file_of:
                 raise CheckpointError(f"FP8 tensor {name} has no {scale} beside it in {self.model_dir}")
             try:
@@ -145,7 +150,7 @@ class SafetensorsCheckpoint:
         tensor or block size (get() then dequantizes it)."""
         if self.fp8_block != (FP8_BLOCK, FP8_BLOCK) or self.dtype(name) not in FP8_DTYPES:
             return None
-        codes, scale = self._read(name), scale_name(name)
+        codes, scale = self._read(name), name + self.fp8_scale_suffix
         if scale not in self.file_of:
             raise CheckpointError(f"FP8 tensor {name} has no {scale} beside it in {self.model_dir}")
         scale_inv = self._read(scale)
