@@ -14,7 +14,8 @@ from hybridmoe.models.registry import ARCHITECTURES
 FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
             "mixtral": "MixtralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
             "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-            "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+            "minimax_m2": "MiniMaxM2ForCausalLM", "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+            "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 PROMPTS = ["The quick brown fox", "Hello! How are you today? I am fine, thank", "A"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 

@@ -73,13 +73,18 @@ def test_shards_agree_with_index(tmp_path, arch):
                     "model.layers.0.linear_attn.dt_bias", "model.layers.0.linear_attn.norm.weight",
                     "model.layers.1.mlp.gate_proj.weight", "model.layers.3.self_attn.q_norm.weight",
                     "model.layers.3.mlp.shared_expert_gate.weight", "model.layers.3.mlp.experts.7.down_proj.weight"]),
+    ("qwen3_5_moe", ["model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.in_proj_z.weight",
+                     "model.layers.0.linear_attn.in_proj_b.weight", "model.layers.0.linear_attn.in_proj_a.weight",
+                     "model.layers.1.mlp.experts.7.gate_proj.weight", "model.layers.3.self_attn.q_norm.weight",
+                     "model.layers.3.mlp.shared_expert_gate.weight"]),
 ])
 def test_tensor_names_follow_the_real_checkpoints(arch, names):
     have = {s.name for s in tensor_specs(model_config(arch, "tiny"))}
     assert set(names) <= have
     absent = {"qwen2_moe": "q_norm", "qwen3_moe": "shared_expert", "deepseek_v2": "q_a_proj",
               "deepseek_v3": "self_attn.q_proj", "mixtral": ".mlp.", "glm4_moe": "kv_a_proj",
-              "minimax_m2": ".mlp.", "gpt_oss": ".experts.0.", "qwen3_next": "layers.0.self_attn"}[arch]
+              "minimax_m2": ".mlp.", "gpt_oss": ".experts.0.", "qwen3_next": "layers.0.self_attn",
+              "qwen3_5_moe": "in_proj_qkvz"}[arch]
     assert not any(absent in n for n in have)
     if arch == "glm4_moe":
         assert "model.layers.0.self_attn.o_proj.bias" not in have and "model.layers.0.mlp.gate.weight" not in have
@@ -88,13 +93,14 @@ def test_tensor_names_follow_the_real_checkpoints(arch, names):
 
 
 # total parameters of the public models (without DeepSeek-V3's, GLM-4.5's and Qwen3-Next's multi-token-prediction
-# layers; gpt-oss's as its model card counts them, MXFP4 experts as the parameters they stand for)
+# layers; gpt-oss's as its model card counts them, MXFP4 experts as the parameters they stand for; Qwen3.5-35B-A3B's
+# text model as transformers' Qwen3_5MoeForCausalLM builds it from its config defaults, without the vision tower)
 @pytest.mark.parametrize("arch, preset, billions", [
     ("qwen2_moe", "qwen1.5-moe-a2.7b", 14.32), ("qwen3_moe", "qwen3-30b-a3b", 30.53),
     ("deepseek_v2", "deepseek-v2-lite", 15.71), ("deepseek_v3", "deepseek-v3", 671.03),
     ("mixtral", "mixtral-8x7b", 46.70), ("glm4_moe", "glm-4.5-air", 106.85), ("minimax_m2", "minimax-m2", 228.69),
     ("gpt_oss", "gpt-oss-20b", 20.91), ("gpt_oss", "gpt-oss-120b", 116.83),
-    ("qwen3_next", "qwen3-next-80b-a3b", 79.67),
+    ("qwen3_next", "qwen3-next-80b-a3b", 79.67), ("qwen3_5_moe", "qwen3.5-35b-a3b", 34.66),
 ])
 def test_real_presets_have_the_real_parameter_count(arch, preset, billions):
     specs = tensor_specs(model_config(arch, preset))

@@ -25,11 +25,13 @@ TEMPLATE_ENDS = {
     "qwen3_moe": ("<|im_end|>", "<|im_start|>assistant\n"),
     "deepseek_v2": ("<｜end▁of▁sentence｜>", "<｜User｜>Tell me a joke.<｜Assistant｜>"),
     "deepseek_v3": ("<｜end▁of▁sentence｜>", "<｜User｜>Tell me a joke.<｜Assistant｜>"),
+    "deepseek_v32": ("<｜end▁of▁sentence｜>", "<｜User｜>Tell me a joke.<｜Assistant｜>"),
     "mixtral": ("</s>", "[INST] Tell me a joke. [/INST]"),
     "glm4_moe": ("<|user|>", "<|user|>\nTell me a joke.<|assistant|>"),
     "minimax_m2": ("[e~[", "]~b]user\nTell me a joke.[e~[\n]~b]ai\n<think>\n"),
     "gpt_oss": ("<|return|>", "<|start|>user<|message|>Tell me a joke.<|end|><|start|>assistant"),
     "qwen3_next": ("<|im_end|>", "<|im_start|>assistant\n"),
+    "qwen3_5_moe": ("<|im_end|>", "<|im_start|>assistant\n"),
 }
 TURN_CLOSES = {"gpt_oss": "<|end|>"}
 """arch -> what closes an earlier answer where that is not the end-of-turn token (harmony's <|return|> ends only

@@ -7,7 +7,8 @@ config.json (its shape is transformers' MiniMaxM2Config defaults); gpt-oss-20b a
 openai/gpt-oss-20b's and openai/gpt-oss-120b's config.json less their MXFP4 `quantization_config` (gpt-oss-120b's
 shape, YaRN and window are also transformers' GptOssConfig defaults); kimi-k2 carries
 moonshotai/Kimi-K2-Instruct's config.json less its FP8 `quantization_config` (transformers has no Kimi-K2 class); qwen3-next-80b-a3b carries Qwen/Qwen3-Next-80B-A3B-Instruct's config.json
-less its layer_types list (the same layers follow from full_attention_interval 4). Token ids
+less its layer_types list (the same layers follow from full_attention_interval 4); qwen3.5-35b-a3b carries
+transformers' Qwen3_5MoeTextConfig defaults (the shape its docstring names Qwen/Qwen3.5-35B-A3B's). Token ids
 (bos/eos/pad) are not here: they come from the tokenizer we build, so config and tokenizer agree.
 `tiny` presets keep every dimension small (a few MB) but switch on the family's features.
 """
@@ -24,12 +25,14 @@ ARCHS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
 
 TINY_VOCAB = 512
@@ -144,6 +147,16 @@ _DEEPSEEK_V3 = {
         "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "use_cache": True,
         "v_head_dim": 128, "vocab_size": 129280,
     },
+}
+
+_DEEPSEEK_V32 = {
+    # DeepSeek-V3's tiny shape with the lightning indexer: 16 index heads of 16 (the rotary's 8 and 8 more), the
+    # best 8 positions per query, so prompts of more than 8 tokens attend sparsely
+    "tiny": {**_DEEPSEEK_V3["tiny"], "index_head_dim": 16, "index_n_heads": 16, "index_topk": 8},
+    # DeepSeek-V3's shape with transformers' DeepseekV32Config indexer defaults (5.25, documented for
+    # deepseek-ai/DeepSeek-V3.2-Exp): 64 index heads of 128, the best 2048 positions per query
+    "deepseek-v3.2": {**_DEEPSEEK_V3["deepseek-v3"], "index_head_dim": 128, "index_n_heads": 64,
+                      "index_topk": 2048},
 }
 
 _MIXTRAL = {
@@ -310,17 +323,52 @@ _QWEN3_NEXT = {
     },
 }
 
+_QWEN3_5_MOE_ROPE = {"rope_type": "default", "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                     "mrope_interleaved": True}
+_QWEN3_5_MOE = {
+    # the text model (model_type qwen3_5_moe_text, as transformers' Qwen3_5MoeForCausalLM saves it): Gated DeltaNet in
+    # layers 0-2 (2 key heads, each shared by 2 value heads, projections stored split), gated attention in layer 3
+    # with a quarter of each head rotating, routed experts with a gated shared expert in every layer
+    "tiny": {
+        "model_type": "qwen3_5_moe_text", "attention_bias": False, "attention_dropout": 0.0,
+        "full_attention_interval": 4, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+        "initializer_range": 0.02, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_value_head_dim": 16, "max_position_embeddings": 512,
+        "moe_intermediate_size": 32, "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "num_hidden_layers": 4, "num_key_value_heads": 2, "output_router_logits": False, "rms_norm_eps": 1e-6,
+        "rope_parameters": {**_QWEN3_5_MOE_ROPE, "rope_theta": 1000000.0}, "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 48, "tie_word_embeddings": False, "use_cache": True,
+        "vocab_size": TINY_VOCAB,
+    },
+    # transformers' Qwen3_5MoeTextConfig defaults, which its docstring gives as Qwen/Qwen3.5-35B-A3B's shape, with
+    # the multimodal release's rotary sections; the text model only (no vision tower, no multi-token prediction)
+    "qwen3.5-35b-a3b": {
+        "model_type": "qwen3_5_moe_text", "attention_bias": False, "attention_dropout": 0.0,
+        "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
+        "max_position_embeddings": 32768, "moe_intermediate_size": 512, "num_attention_heads": 16,
+        "num_experts": 256, "num_experts_per_tok": 8, "num_hidden_layers": 40, "num_key_value_heads": 2,
+        "output_router_logits": False, "rms_norm_eps": 1e-6, "rope_parameters": {**_QWEN3_5_MOE_ROPE,
+                                                                                  "rope_theta": 10000.0},
+        "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+        "use_cache": True, "vocab_size": 248320,
+    },
+}
+
 PRESETS = {
     "qwen2_moe": _QWEN2_MOE,
     "qwen3_moe": _QWEN3_MOE,
     "deepseek_v2": _DEEPSEEK_V2,
     "deepseek_v3": _DEEPSEEK_V3,
+    "deepseek_v32": _DEEPSEEK_V32,
     "mixtral": _MIXTRAL,
     "glm4_moe": _GLM4_MOE,
     "minimax_m2": _MINIMAX_M2,
     "gpt_oss": _GPT_OSS,
     "kimi_k2": _KIMI_K2,
     "qwen3_next": _QWEN3_NEXT,
+    "qwen3_5_moe": _QWEN3_5_MOE,
 }
 
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -44,8 +44,9 @@ FP8_BLOCK = 128
 """make-model's block-FP8 checkpoints: one scale per 128x128 block, as DeepSeek-V3 ships."""
 FP8_CODE_STD = 16.0
 """The e4m3 codes' spread (the largest is 448): the weight's spread lives in the block scales."""
-_FLOAT_LINEARS = (".gate", ".router", ".shared_expert_gate", "lm_head")
-"""Linears a block-FP8 checkpoint keeps in the model's dtype: the routers and the output head."""
+_FLOAT_LINEARS = (".gate", ".router", ".shared_expert_gate", ".weights_proj", "lm_head")
+"""Linears a block-FP8 checkpoint keeps in the model's dtype: the routers, DeepSeek-V3.2's indexer head weights and
+the output head."""
 
 
 class _Specs:
@@ -113,19 +114,25 @@ def _mla_attention(s: _Specs, p: str, c: dict) -> None:
     s.norm(f"{p}.self_attn.kv_a_layernorm", c["kv_lora_rank"])
     s.linear(f"{p}.self_attn.kv_b_proj", heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
     s.linear(f"{p}.self_attn.o_proj", hidden, heads * c["v_head_dim"])
+    if c.get("index_n_heads"):  # DeepSeek-V3.2's lightning indexer
+        s.linear(f"{p}.self_attn.indexer.wq_b", c["index_n_heads"] * c["index_head_dim"], c["q_lora_rank"])
+        s.linear(f"{p}.self_attn.indexer.wk", c["index_head_dim"], hidden)
+        s.norm(f"{p}.self_attn.indexer.k_norm", c["index_head_dim"])
+        s.bias(f"{p}.self_attn.indexer.k_norm", c["index_head_dim"])
+        s.linear(f"{p}.self_attn.indexer.weights_proj", c["index_n_heads"], hidden)
 
 
 def _qwen_mlp(s: _Specs, p: str, c: dict, i: int) -> None:
     hidden = c["hidden_size"]
     sparse = i not in c.get("mlp_only_layers", []) and c["num_experts"] > 0 \
-        and (i + 1) % c["decoder_sparse_step"] == 0
+        and (i + 1) % c.get("decoder_sparse_step", 1) == 0  # Qwen3.5-MoE has none: every layer sparse
     if not sparse:
         s.swiglu(f"{p}.mlp", hidden, c["intermediate_size"])
         return
     s.linear(f"{p}.mlp.gate", c["num_experts"], hidden)
     for e in range(c["num_experts"]):
         s.swiglu(f"{p}.mlp.experts.{e}", hidden, c["moe_intermediate_size"])
-    if c["model_type"] in ("qwen2_moe", "qwen3_next"):
+    if c["model_type"] in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
         s.swiglu(f"{p}.mlp.shared_expert", hidden, c["shared_expert_intermediate_size"])
         s.linear(f"{p}.mlp.shared_expert_gate", 1, hidden)
 
@@ -197,8 +204,14 @@ def _qwen3_next_mixer(s: _Specs, p: str, c: dict, i: int) -> None:
     s.raw(f"{p}.linear_attn.conv1d.weight", (2 * k + v, 1, kernel), s.dtype, kernel ** -0.5)
     s.raw(f"{p}.linear_attn.dt_bias", (v_heads,), s.dtype, 0.5)
     s.raw(f"{p}.linear_attn.A_log", (v_heads,), s.dtype, 0.5)
-    s.linear(f"{p}.linear_attn.in_proj_qkvz", 2 * k + 2 * v, hidden)
-    s.linear(f"{p}.linear_attn.in_proj_ba", 2 * v_heads, hidden)
+    if c["model_type"] == "qwen3_5_moe_text":  # Qwen3.5 stores the input projections split
+        s.linear(f"{p}.linear_attn.in_proj_qkv", 2 * k + v, hidden)
+        s.linear(f"{p}.linear_attn.in_proj_z", v, hidden)
+        s.linear(f"{p}.linear_attn.in_proj_b", v_heads, hidden)
+        s.linear(f"{p}.linear_attn.in_proj_a", v_heads, hidden)
+    else:
+        s.linear(f"{p}.linear_attn.in_proj_qkvz", 2 * k + 2 * v, hidden)
+        s.linear(f"{p}.linear_attn.in_proj_ba", 2 * v_heads, hidden)
     s.norm(f"{p}.linear_attn.norm", c["linear_value_head_dim"])
     s.linear(f"{p}.linear_attn.out_proj", hidden, v)
 
@@ -209,7 +222,7 @@ def tensor_specs(config: dict) -> list[TensorSpec]:
     fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
     s = _Specs(torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32, fp8)
     hidden = config["hidden_size"]
-    norm_mean = 0.0 if mt == "qwen3_next" else 1.0
+    norm_mean = 0.0 if mt in ("qwen3_next", "qwen3_5_moe_text") else 1.0
     s.embedding("model.embed_tokens", config["vocab_size"], hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -222,7 +235,7 @@ def tensor_specs(config: dict) -> list[TensorSpec]:
             _gqa_attention(s, p, config, qkv_bias=False, qk_norm=True, norm_per_head=False)
         elif mt == "gpt_oss":
             _gpt_oss_attention(s, p, config)
-        elif mt == "qwen3_next":
+        elif mt in ("qwen3_next", "qwen3_5_moe_text"):
             _qwen3_next_mixer(s, p, config, i)
         else:
             _gqa_attention(s, p, config, qkv_bias=mt == "qwen2_moe", qk_norm=mt == "qwen3_moe")

@@ -298,8 +298,9 @@ _GPT_OSS = TokenizerFamily(("<|startoftext|>", "<|endoftext|>", "<|return|>", "<
                            bos=None, eos="<|return|>", pad="<|endoftext|>", unk=None,
                            extra_eos=("<|endoftext|>", "<|call|>"), chat_template=_HARMONY)
 
-FAMILIES = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "deepseek_v2": _DS, "deepseek_v3": _DS, "mixtral": _MX,
-            "glm4_moe": _GLM4, "minimax_m2": _MINIMAX_M2, "gpt_oss": _GPT_OSS, "qwen3_next": _QWEN}
+FAMILIES = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "deepseek_v2": _DS, "deepseek_v3": _DS, "deepseek_v32": _DS,
+            "mixtral": _MX, "glm4_moe": _GLM4, "minimax_m2": _MINIMAX_M2, "gpt_oss": _GPT_OSS, "qwen3_next": _QWEN,
+            "qwen3_5_moe": _QWEN}
 """Architecture -> its tokenizer family."""
 
 

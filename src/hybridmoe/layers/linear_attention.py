@@ -1,8 +1,10 @@
 """The Gated DeltaNet token mixer of Qwen3-Next's linear-attention layers, and its per-sequence state.
 
 in_proj_qkvz gives, per key head, [q (Dk), k (Dk), v (r Dv), z (r Dv)] (r = Hv / Hk value heads share a key head);
-in_proj_ba gives, per key head, [b (r), a (r)]. q, k and v (all heads of each, in that order: the convolution's
-channels) pass a depthwise causal convolution of kernel K and the activation; then the gated delta rule
+in_proj_ba gives, per key head, [b (r), a (r)]. With flat_projections (Qwen3.5, whose checkpoints store in_proj_qkv,
+in_proj_z, in_proj_b and in_proj_a) the rows are [q (Hk Dk), k (Hk Dk), v (Hv Dv), z (Hv Dv)] and [b (Hv), a (Hv)]:
+the same values, each part holding all its heads in value-head order. q, k and v (all heads of each, in that order:
+the convolution's channels) pass a depthwise causal convolution of kernel K and the activation; then the gated delta rule
 (layers/gated_deltanet.py) with decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), queries and keys
 L2-normalized and repeated to the value heads; its output is RMS-normalized per value head, gated by silu(z)
 (RMSNormGated) and projected by out_proj.
@@ -32,6 +34,7 @@ from hybridmoe.layers.gated_deltanet import (
     gated_delta_step,
     l2_normalize,
 )
+from hybridmoe.layers.linear import MergedLinear
 from hybridmoe.layers.mlp import get_activation
 
 
@@ -73,16 +76,22 @@ class DeltaNetState:
 
 class GatedDeltaNet(nn.Module):
     """Parameters as the checkpoint names them: in_proj_qkvz, in_proj_ba, conv1d.weight [Ch, 1, K], dt_bias and A_log
-    [Hv], norm.weight [Dv], out_proj."""
+    [Hv], norm.weight [Dv], out_proj. flat_projections: in_proj_qkvz merges in_proj_qkv and in_proj_z, in_proj_ba
+    merges in_proj_b and in_proj_a (MergedLinear shards, in that order)."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, kernel: int,
-                 eps: float, activation: str = "silu", chunk_size: int = DEFAULT_CHUNK):
+                 eps: float, activation: str = "silu", chunk_size: int = DEFAULT_CHUNK, flat_projections: bool = False):
         super().__init__()
         self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim = num_k_heads, num_v_heads, k_dim, v_dim
         self.chunk_size = chunk_size
         self.channels = 2 * num_k_heads * k_dim + num_v_heads * v_dim
-        self.in_proj_qkvz = nn.Linear(hidden_size, self.channels + num_v_heads * v_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.flat_projections = flat_projections
+        if flat_projections:
+            self.in_proj_qkvz = MergedLinear(hidden_size, [self.channels, num_v_heads * v_dim])
+            self.in_proj_ba = MergedLinear(hidden_size, [num_v_heads, num_v_heads])
+        else:
+            self.in_proj_qkvz = nn.Linear(hidden_size, self.channels + num_v_heads * v_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.channels, self.channels, kernel, groups=self.channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
@@ -112,13 +121,10 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("decoding past position 0 needs the recurrent state: call allocate_state first")
         if self.state is not None:
             self.state.check(ctx)
-        t, hk, r = x.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
-        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, -1).split([self.k_dim, self.k_dim, r * self.v_dim,
-                                                                  r * self.v_dim], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # [T, Ch]
-        beta = b.reshape(t, -1).sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, -1).float() + self.dt_bias)  # [T, Hv]
+        t = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        beta = b.sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
         if ctx.is_decode and self.state is not None:
             o = self._decode(mixed, g, beta, ctx)
         else:
@@ -129,6 +135,21 @@ class GatedDeltaNet(nn.Module):
             self.state.advance(ctx)
         o = self.norm(o.to(x.dtype), z.reshape(t, self.num_v_heads, self.v_dim))
         return self.out_proj(o.reshape(t, -1))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> the convolution's input [T, Ch] (all q heads, all k heads, all v heads), z [T, Hv Dv], b and a
+        [T, Hv], from either row layout of the input projections."""
+        t, hv = x.shape[0], self.num_v_heads
+        if self.flat_projections:
+            mixed, z = self.in_proj_qkvz.split(self.in_proj_qkvz(x))
+            b, a = self.in_proj_ba.split(self.in_proj_ba(x))
+            return mixed, z, b, a
+        hk, r = self.num_k_heads, hv // self.num_k_heads
+        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, -1).split([self.k_dim, self.k_dim, r * self.v_dim,
+                                                                  r * self.v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, z.reshape(t, -1), b.reshape(t, hv), a.reshape(t, hv)
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output [..., Ch] -> q, k [..., Hv, Dk] (L2-normalized in float32, q scaled by Dk^-1/2,

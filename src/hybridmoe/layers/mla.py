@@ -73,6 +73,7 @@ class MultiHeadLatentAttention(nn.Module):
         # one kernel launch per chunk of positions (mla_decode_triton.py); one token: the projections
         # as decode GEMVs (forward_normed, o_proj); MoECausalLM.fuse_decode_kernels
         self.fused_layer = True
+        self.fits_kernels = True  # False: a subclass whose attention the Triton decode kernel does not compute
 
     def kv_bytes_per_token(self, quantized: bool = False) -> int:
         """One token's latent: in the compute dtype, or float8 codes and a float32 scale."""
@@ -117,8 +118,8 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = w_kv[:, :D], w_kv[:, D:]  # [N, D, R], [N, V, R]
         q_abs = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)  # [T, N, R]
         decode = get_context().decode
-        if (self.fused_layer and HAVE_TRITON and q.is_cuda and self.kv_cache is not None and decode is not None
-                and (self.kv_scale is None or kernels_read_fp8(q.device))):
+        if (self.fused_layer and self.fits_kernels and HAVE_TRITON and q.is_cuda and self.kv_cache is not None
+                and decode is not None and (self.kv_scale is None or kernels_read_fp8(q.device))):
             from hybridmoe.layers.mla_decode_triton import triton_mla_decode
 
             norm, idx = self.kv_a_layernorm, self._index(q.device)

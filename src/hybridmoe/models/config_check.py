@@ -141,6 +141,9 @@ _QWEN3_NEXT = {
     "linear_value_head_dim": _int(), "linear_num_key_heads": _int(), "linear_num_value_heads": _int(),
 }
 
+# transformers' Qwen3.5-MoE: every layer sparse, routing always renormalized (models/qwen3_5_moe.py ALWAYS_SPARSE)
+_QWEN3_5_MOE = {k: v for k, v in _QWEN3_NEXT.items() if k not in ("decoder_sparse_step", "norm_topk_prob")}
+
 
 @dataclass(frozen=True)
 class Schema:
@@ -167,11 +170,16 @@ SCHEMAS = {
     # V3 routes by noaux_tc whatever topk_method says (as transformers does)
     "DeepseekV3ForCausalLM": Schema({**_DEEPSEEK_V2, "topk_method": Rule(str, null=True), "rope_interleave": BOOL},
                                     "n_routed_experts", False),
+    # V3.2: V3's keys, a q latent the indexer reads, and the indexer's shape
+    "DeepseekV32ForCausalLM": Schema({**_DEEPSEEK_V2, "topk_method": Rule(str, null=True), "q_lora_rank": _int(),
+                                      "index_topk": _int(), "index_head_dim": _int(2), "index_n_heads": _int(),
+                                      "mlp_layer_types": Rule(list, null=True)}, "n_routed_experts", False),
     "Glm4MoeForCausalLM": Schema(_GLM4_MOE, "n_routed_experts", True),
     "GptOssForCausalLM": Schema(_GPT_OSS, "num_local_experts", True, layer_types=True),
     "MiniMaxM2ForCausalLM": Schema(_MINIMAX_M2, "num_local_experts", True),
     "Qwen3NextForCausalLM": Schema(_QWEN3_NEXT, "num_experts", True, ("mlp_only_layers",), True,
                                    ("linear_attention", "full_attention")),
+    "Qwen3_5MoeForCausalLM": Schema(_QWEN3_5_MOE, "num_experts", True, (), True, ("linear_attention", "full_attention")),
 }
 
 ROPE_RULES = {

@@ -124,12 +124,16 @@ class DeepseekV2ForCausalLM(MoECausalLM):
     def rope_interleave(self) -> bool:
         return True
 
-    def make_layer(self, layer_idx: int) -> nn.Module:
+    def make_attention(self) -> nn.Module:
+        """One layer's attention, called as attn(x [T, H], positions [T]) -> [T, H]."""
         c = self.config
-        attn = MultiHeadLatentAttention(c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank,
+        return MultiHeadLatentAttention(c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank,
                                         c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.rope_parameters,
                                         self.rope_interleave(), c.attention_bias)
-        return DecoderLayer(attn, deepseek_mlp(self, layer_idx), c.hidden_size, c.rms_norm_eps)
+
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        c = self.config
+        return DecoderLayer(self.make_attention(), deepseek_mlp(self, layer_idx), c.hidden_size, c.rms_norm_eps)
 
     def is_ignored(self, name: str) -> bool:
         return is_beyond_last_layer(name, self.config.num_hidden_layers) or super().is_ignored(name)

@@ -43,7 +43,15 @@ def _mla_attention(c: ModelConfig) -> int:
         q = H * c.q_lora_rank + c.q_lora_rank * bias + c.q_lora_rank + c.q_lora_rank * heads * qk_head_dim
     kv_a = H * (c.kv_lora_rank + c.qk_rope_head_dim) + (c.kv_lora_rank + c.qk_rope_head_dim) * bias
     kv_b = c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
-    return q + kv_a + c.kv_lora_rank + kv_b + heads * c.v_head_dim * H + H * bias
+    return q + kv_a + c.kv_lora_rank + kv_b + heads * c.v_head_dim * H + H * bias + _mla_indexer(c)
+
+
+def _mla_indexer(c: ModelConfig) -> int:
+    """DeepSeek-V3.2's lightning indexer (index_n_heads set): wq_b, wk, k_norm's weight and bias, weights_proj."""
+    heads, dim = c.get("index_n_heads"), c.get("index_head_dim")
+    if not heads:
+        return 0
+    return c.q_lora_rank * heads * dim + c.hidden_size * dim + 2 * dim + c.hidden_size * heads
 
 
 def _multiples(lo: int, hi: int, step: int) -> int:

@@ -76,6 +76,10 @@ class Qwen3NextForCausalLM(_QwenMoeForCausalLM):
         "layer_types": None, "full_attention_interval": DEFAULT_FULL_ATTENTION_INTERVAL,
     }
 
+    flat_projections = False
+    """The Gated DeltaNet's input projections as one row block per key head (in_proj_qkvz, in_proj_ba); Qwen3.5's
+    split ones are flat (layers/linear_attention.py)."""
+
     def __init__(self, config, experts: ExpertBackend | None):
         super().__init__(config, experts)
         self.model.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -101,7 +105,7 @@ class Qwen3NextForCausalLM(_QwenMoeForCausalLM):
             name = "linear_attn"
             mixer = GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
                                   c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim,
-                                  c.rms_norm_eps, c.hidden_act)
+                                  c.rms_norm_eps, c.hidden_act, flat_projections=self.flat_projections)
         else:
             name = "self_attn"
             mixer = GatedAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,

@@ -20,10 +20,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("hybridmoe.models.mixtral", "MixtralForCausalLM"),
     "DeepseekV2ForCausalLM": ("hybridmoe.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("hybridmoe.models.deepseek", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("hybridmoe.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "Glm4MoeForCausalLM": ("hybridmoe.models.glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("hybridmoe.models.gpt_oss", "GptOssForCausalLM"),
     "MiniMaxM2ForCausalLM": ("hybridmoe.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "Qwen3NextForCausalLM": ("hybridmoe.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("hybridmoe.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("hybridmoe.models.qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 
