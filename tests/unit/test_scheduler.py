@@ -208,6 +208,25 @@ def test_evicted_cached_blocks_go_to_the_host_tier_and_come_back_as_copies():
     assert BlockCopy("in", 1, 0).direction == "in"
 
 
+@pytest.mark.parametrize("num_blocks, host_blocks, prompt_len", [(5, 3, 13), (9, 7, 29), (17, 15, 61)])
+def test_a_prefix_comes_back_whole_from_a_full_host_tier(num_blocks, host_blocks, prompt_len):
+    """Copying a conversation's blocks back evicts another's into the full host tier: that must not drop the
+    blocks of the same conversation still waiting to be copied in."""
+    sched = scheduler(num_slots=1, max_num_batched_tokens=100, num_blocks=num_blocks, block_size=4)
+    sched.pool = pool = BlockPool(num_blocks, 4, host_blocks=host_blocks)
+    first = list(range(1, prompt_len + 1))  # full blocks as many as the host tier holds, and one partial block
+    for name, prompt in (("a", first), ("b", list(range(500, 500 + prompt_len)))):  # b evicts a's to the host
+        s = Sequence(name, prompt, SamplingParams(max_tokens=1))
+        sched.add(s)
+        finish_all(sched, [s])
+    assert len(pool.on_host) == host_blocks and not pool.cached.keys() & pool.on_host.keys()
+    again = Sequence("c", first + [77], SamplingParams(max_tokens=1))
+    sched.add(again)
+    sched.schedule()
+    assert again.num_cached_tokens == 4 * host_blocks  # every one of a's blocks copied back in
+    assert [c.direction for c in pool.copies].count("in") == host_blocks
+
+
 def test_the_host_tier_drops_its_least_recently_used_block_when_full():
     pool = BlockPool(3, 4, host_blocks=1)  # 2 usable device blocks, 1 host block
     seq = SequenceBlocksFor(pool, [1, 2, 3, 4, 5, 6, 7, 8])

@@ -133,23 +133,31 @@ class BlockPool:
     def take(self, found: list[int | None], digests: list[bytes]) -> list[int]:
         """Hold match_prefix's blocks for a sequence, copying those only the host tier holds back into fresh
         device blocks; the held blocks, fewer than found where the pool has no block for a copy."""
+        # The sequence's host blocks leave the LRU until they are copied in: the device blocks their copies evict
+        # go to the host tier, and a full tier would otherwise drop the next of them to make room.
+        pinned = {d: self.on_host.pop(d) for d in digests if d in self.on_host}
         held = []
-        for block, digest in zip(found, digests):
-            if block is not None and self.cached.get(digest) == block:
-                if self.refs[block] == 0:
-                    del self.free[block]
-                self.refs[block] += 1
-            else:  # on the host (or evicted from the device since the match)
-                host = self.on_host.pop(digest, None)  # out of the LRU while the allocation may evict into it
-                fresh = self.allocate(1) if host is not None else None
+        try:
+            for block, digest in zip(found, digests):
+                if block is not None and self.cached.get(digest) == block:
+                    if self.refs[block] == 0:
+                        del self.free[block]
+                    self.refs[block] += 1
+                else:  # on the host (or evicted from the device since the match)
+                    host = pinned.get(digest)
+                    if host is None:
+                        host = pinned[digest] = self.on_host.pop(digest, None)
+                    fresh = self.allocate(1) if host is not None else None
+                    if fresh is None:
+                        break
+                    block = fresh[0]
+                    self.copies.append(BlockCopy("in", block, host))
+                    self.cached[digest], self.digest_of[block] = block, digest
+                held.append(block)
+        finally:
+            for digest, host in pinned.items():
                 if host is not None:
                     self.on_host[digest] = host
-                if fresh is None:
-                    break
-                block = fresh[0]
-                self.copies.append(BlockCopy("in", block, host))
-                self.cached[digest], self.digest_of[block] = block, digest
-            held.append(block)
         return held
 
     def allocate(self, n: int) -> list[int] | None:
