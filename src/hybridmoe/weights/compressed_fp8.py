@@ -19,6 +19,7 @@ cache, sparsity, transforms) fails with one line naming it.
 from __future__ import annotations
 
 from hybridmoe.errors import CheckpointError
+from hybridmoe.weights.compressed_tensors import config_groups
 
 FORMAT = "float-quantized"
 SCALE_SUFFIX = "_scale"
@@ -62,17 +63,7 @@ def float_quantized_block(quantization_config: dict) -> tuple[int, int] | None:
     qc = quantization_config
     if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != FORMAT:
         return None
-    for key, what in (("kv_cache_scheme", "a quantized KV cache"), ("transform_config", "transforms"),
-                      ("moe_sparsity_config", "expert sparsity")):
-        if qc.get(key):
-            raise _unsupported(f"{what} ({key})")
-    sparsity = qc.get("sparsity_config") or {}
-    if not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense":
-        raise _unsupported("sparsity")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise _unsupported("no config_groups")
-    blocks = {_weights_block(name, group) for name, group in groups.items()}
+    blocks = {_weights_block(name, group) for name, group in config_groups(qc, _unsupported).items()}
     if len(blocks) > 1:
         raise _unsupported(f"config groups of different weight scale blocks ({sorted(blocks)})")
     return blocks.pop()

@@ -66,23 +66,29 @@ def _group_weights(name: str, group) -> dict:
     return weights
 
 
+def config_groups(qc: dict, unsupported) -> dict:
+    """A compressed-tensors quantization_config's config_groups, after checking that it quantizes weights only:
+    no KV cache scheme, transforms or sparsity (unsupported(what) makes the error naming what is there)."""
+    for key, what in (("kv_cache_scheme", "a quantized KV cache"), ("transform_config", "transforms"),
+                      ("moe_sparsity_config", "expert sparsity")):
+        if qc.get(key):
+            raise unsupported(f"{what} ({key})")
+    sparsity = qc.get("sparsity_config") or {}
+    if not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense":
+        raise unsupported(f"sparsity {sparsity.get('format') if isinstance(sparsity, dict) else sparsity!r}")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise unsupported("no config_groups")
+    return groups
+
+
 def pack_quantized_group(quantization_config: dict) -> int:
     """The int4 group size of a compressed-tensors quantization_config, after checking that it is the one
     variant read (module doc); else a CheckpointError naming what is not."""
     qc = quantization_config
     if qc.get("format") != FORMAT:
         raise _unsupported(f"format {qc.get('format')!r}")
-    for key, what in (("kv_cache_scheme", "a quantized KV cache"), ("transform_config", "transforms"),
-                      ("moe_sparsity_config", "expert sparsity")):
-        if qc.get(key):
-            raise _unsupported(f"{what} ({key})")
-    sparsity = qc.get("sparsity_config") or {}
-    if not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense":
-        raise _unsupported(f"sparsity {sparsity.get('format') if isinstance(sparsity, dict) else sparsity!r}")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise _unsupported("no config_groups")
-    sizes = {_group_weights(name, group)["group_size"] for name, group in groups.items()}
+    sizes = {_group_weights(name, group)["group_size"] for name, group in config_groups(qc, _unsupported).items()}
     if len(sizes) > 1:
         raise _unsupported(f"config groups of different group sizes ({', '.join(map(str, sorted(sizes)))})")
     return sizes.pop()
