@@ -128,24 +128,28 @@ class Engine {
                         static_cast<const float*>(down.data()));
   }
 
-  // mats: codes uint8 [N, K], scales and zeros fp32 [N, K / group], of gate, up and down in turn.
+  // mats: codes uint8 [N, K], scales and (with zero points) zeros fp32 [N, K / group], of gate, up and down in
+  // turn: 9 arrays for a layer with zero points, 6 for one without.
   void pack_expert_codes(int64_t e, std::vector<Array> mats) {
     check_expert(e);
     const auto& c = cfg();
-    if (mats.size() != 9) fail("pack_expert_codes takes 9 arrays (codes, scales, zeros of gate, up, down)");
+    const int per = c.zero_points ? 3 : 2;
+    if (int(mats.size()) != 3 * per)
+      fail(c.zero_points ? "pack_expert_codes takes 9 arrays (codes, scales, zeros of gate, up, down)"
+                         : "pack_expert_codes takes 6 arrays (codes, scales of gate, up, down) without zero points");
     hmoe::CodesMatrix m[3];
     for (int i = 0; i < 3; ++i) {
       const int64_t N = i < 2 ? c.I : c.H, K = i < 2 ? c.H : c.I;
       const std::string name = i == 0 ? "gate" : i == 1 ? "up" : "down";
-      check_array(mats[3 * i], (name + " codes").c_str(), {N, K});
-      check_dtype(mats[3 * i].dtype(), nb::dtype<uint8_t>(), (name + " codes").c_str());
-      for (int j = 1; j < 3; ++j) {
+      check_array(mats[per * i], (name + " codes").c_str(), {N, K});
+      check_dtype(mats[per * i].dtype(), nb::dtype<uint8_t>(), (name + " codes").c_str());
+      for (int j = 1; j < per; ++j) {
         const std::string what = name + (j == 1 ? " scales" : " zeros");
-        check_array(mats[3 * i + j], what.c_str(), {N, K / c.group});
-        check_dtype(mats[3 * i + j].dtype(), nb::dtype<float>(), what.c_str());
+        check_array(mats[per * i + j], what.c_str(), {N, K / c.group});
+        check_dtype(mats[per * i + j].dtype(), nb::dtype<float>(), what.c_str());
       }
-      m[i] = {static_cast<const uint8_t*>(mats[3 * i].data()), static_cast<const float*>(mats[3 * i + 1].data()),
-              static_cast<const float*>(mats[3 * i + 2].data())};
+      m[i] = {static_cast<const uint8_t*>(mats[per * i].data()), static_cast<const float*>(mats[per * i + 1].data()),
+              c.zero_points ? static_cast<const float*>(mats[per * i + 2].data()) : nullptr};
     }
     nb::gil_scoped_release nogil;
     hmoe::pack_expert_codes(*layer_, int(e), m);

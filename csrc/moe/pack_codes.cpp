@@ -31,7 +31,7 @@ void pack_block(const CodesMatrix& m, int N, int K, int group, int row0, uint8_t
     }
     for (int g = 0; g < G; ++g) {
       scale[g * kBlockRows + r] = q ? m.scale[size_t(row) * G + g] : 0.f;
-      zero[g * kBlockRows + r] = q ? m.zero[size_t(row) * G + g] : 0.f;
+      if (zero) zero[g * kBlockRows + r] = q ? m.zero[size_t(row) * G + g] : 0.f;
     }
   }
 }
@@ -40,8 +40,12 @@ void pack_block(const CodesMatrix& m, int N, int K, int group, int row0, uint8_t
 
 void pack_expert_codes(MoeLayer& layer, int e, const CodesMatrix mats[3]) {
   const MoeConfig& cfg = layer.config();
-  if (cfg.format != Format::int4 || !cfg.zero_points)
-    throw std::invalid_argument("packing from int4 codes needs format='int4' with zero_points=True");
+  if (cfg.format != Format::int4)
+    throw std::invalid_argument("packing from int4 codes needs format='int4'");
+  for (int m = 0; m < 3; ++m)
+    if ((mats[m].zero != nullptr) != cfg.zero_points)
+      throw std::invalid_argument(cfg.zero_points ? "this int4 layer has zero points: give each matrix's"
+                                                  : "this int4 layer has no zero points: give no matrix's");
   const auto bufs = layer.buffers();
   auto find = [&](const std::string& name) {
     for (const auto& b : bufs)
@@ -61,12 +65,13 @@ void pack_expert_codes(MoeLayer& layer, int e, const CodesMatrix mats[3]) {
     int b0 = 0;  // first global block of slice s
     for (int s = 0; s < cfg.numa_nodes; ++s) {
       const std::string base = std::string(kMats[m]) + "." + std::to_string(s) + ".";
-      const PackedBuffer w = find(base + "w"), scale = find(base + "scale"), zero = find(base + "zero");
+      const PackedBuffer w = find(base + "w"), scale = find(base + "scale");
+      float* zero = cfg.zero_points ? static_cast<float*>(find(base + "zero").data) : nullptr;
       const int nb = int(w.bytes / (size_t(cfg.E) * bb));  // blocks of this slice, per expert
       for (int lb = 0; lb < nb; ++lb) {
         const size_t at = size_t(e) * nb + lb;  // this expert's block lb within the slice
         pack_block(mats[m], N, K, cfg.group, (b0 + lb) * kBlockRows, static_cast<uint8_t*>(w.data) + at * bb,
-                   static_cast<float*>(scale.data) + at * sf, static_cast<float*>(zero.data) + at * sf);
+                   static_cast<float*>(scale.data) + at * sf, zero ? zero + at * sf : nullptr);
       }
       b0 += nb;
     }

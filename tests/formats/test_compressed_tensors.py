@@ -135,19 +135,25 @@ def test_reader_gives_the_packages_decompression_bit_for_bit(packed):
             assert got.dtype == torch.float32 and torch.equal(got, want), name
             assert torch.equal(got.to(torch.bfloat16), bf16[name]), name  # as stored, rounded as the package does
             codes = ckpt.int4_codes(name)
-            assert codes.group == GROUP and torch.equal(codes.zeros, torch.full_like(codes.zeros, 8))
+            assert codes.group == GROUP and codes.zeros is None  # symmetric: W = (code - 8) * scale
             assert torch.equal(codes.dequantize(), want)
         plain = "model.layers.0.self_attn.o_proj.weight"
         assert ckpt.int4_codes(plain) is None and ckpt.get(plain).dtype == torch.float32
 
 
 def test_native_engine_takes_the_codes_as_they_are(packed, caplog):
+    """Symmetric codes go into the native int4 layout without zero points (a sixth less than with them at group
+    32), as they are; asked for zero points, the engine writes them out as 8 and computes the same weights."""
     model_dir, fp32, _ = packed
     with caplog.at_level(logging.INFO, logger="hybridmoe.weights"):
         loaded = load_model(model_dir, EngineConfig(**NATIVE))
-    assert "routed experts: int4 g32 with zero points" in caplog.text
+    assert "routed experts: int4 g32 in the native engine" in caplog.text and "with zero points" not in caplog.text
     assert "compressed-tensors int4 g32" in caplog.text
+    assert not loaded.experts.layer_experts(1).packed_state()["zero_points"]
     assert_experts_equal(loaded, fp32)
+    with_zeros = load_model(model_dir, EngineConfig(**NATIVE, expert_zero_points=True))
+    assert with_zeros.experts.layer_experts(1).packed_state()["zero_points"]
+    assert_experts_equal(with_zeros, fp32)
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
@@ -163,7 +169,7 @@ def test_logits_match_transformers_on_the_packages_decompression(packed, tiny_de
 def test_convert_keeps_the_codes(packed, tmp_path):
     model_dir, fp32, _ = packed
     summary = convert_checkpoint(model_dir, tmp_path / "out", format="int4", threads=1, progress=False)
-    assert (summary.group_size, summary.zero_points) == (GROUP, True)
+    assert (summary.group_size, summary.zero_points) == (GROUP, False)
     assert_experts_equal(load_model(tmp_path / "out", EngineConfig(**NATIVE)), fp32)
 
 

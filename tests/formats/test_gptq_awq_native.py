@@ -174,22 +174,27 @@ def test_auto_chooses_zero_points_for_4_bit_gptq_and_awq(tiny_qwen3, tmp_path, m
     assert resolve_engine_config(EngineConfig(**NATIVE), cfg, torch.float32, tiny_qwen3).expert_zero_points is False
 
 
-def random_codes(E, N, K, group, gen):
+def random_codes(E, N, K, group, gen, symmetric=False):
     return Int4Codes(torch.randint(0, 16, (E, N, K), dtype=torch.uint8, generator=gen),
                      torch.rand(E, N, K // group, generator=gen) * 0.05 + 0.01,
-                     torch.randint(0, 17, (E, N, K // group), generator=gen).float())
+                     None if symmetric else torch.randint(0, 17, (E, N, K // group), generator=gen).float())
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("numa_nodes", [1, 2])
-def test_from_codes_keeps_the_weights_and_computes_with_them(group, numa_nodes):
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero-points", "symmetric"])
+def test_from_codes_keeps_the_weights_and_computes_with_them(group, numa_nodes, symmetric):
+    """Codes with zero points (GPTQ/AWQ) or without (symmetric: W = (code - 8) * scale, compressed-tensors'),
+    packed as they are into a layer with or without zero points."""
     E, H, I, T = 3, 256, 128, 5  # I: 4 blocks of 32 rows, cut into numa_nodes slices
     gen = torch.Generator().manual_seed(group)
-    mats = [random_codes(E, I, H, group, gen), random_codes(E, I, H, group, gen), random_codes(E, H, I, group, gen)]
+    mats = [random_codes(E, I, H, group, gen, symmetric), random_codes(E, I, H, group, gen, symmetric),
+            random_codes(E, H, I, group, gen, symmetric)]
     experts = CpuExperts.from_codes(*mats, threads=2, numa_nodes=numa_nodes)
+    assert experts.packed_state()["zero_points"] is not symmetric
     for e in range(E):
         for got, m in zip(experts.dequantized(e), mats):
-            assert torch.equal(got, Int4Codes(*(t[e] for t in m)).dequantize())
+            assert torch.equal(got, Int4Codes(*(None if t is None else t[e] for t in m)).dequantize())
     x = torch.randn(T, H, generator=gen)
     ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
     weights = torch.rand(T, 2, generator=gen)
@@ -201,6 +206,14 @@ def test_from_codes_keeps_the_weights_and_computes_with_them(group, numa_nodes):
             want[t] += weights[t, k] * (torch.nn.functional.silu(g[e] @ x[t]) * (u[e] @ x[t])) @ d[e].T
     got = experts.forward(x, ids, weights)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_zero_points_for_some_projections_only_are_refused():
+    gen = torch.Generator().manual_seed(0)
+    mats = [random_codes(1, 32, 64, 32, gen), random_codes(1, 32, 64, 32, gen, symmetric=True),
+            random_codes(1, 64, 32, 32, gen)]
+    with pytest.raises(HybridMoEError, match="zero points for every projection or for none"):
+        CpuExperts.from_codes(*mats, threads=1)
 
 
 def test_a_code_above_15_is_refused():

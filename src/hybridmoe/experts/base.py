@@ -65,9 +65,10 @@ class ExpertBackend(ABC):
         e8m0 scales as the checkpoint has them) in place of a float tensor. False (default): float tensors only."""
         return False
 
-    def int4_codes_group(self) -> int | None:
-        """The int4 group size in which set_layer_codes takes GPTQ/AWQ codes as they are; None (default): the
-        backend takes float weights only."""
+    def int4_codes_group(self, symmetric: bool = False) -> int | None:
+        """The int4 group size in which set_layer_codes takes int4 codes as they are (symmetric: codes without zero
+        points, as compressed-tensors ships them; else GPTQ/AWQ's with zero points); None (default): the backend
+        takes float weights only."""
         return None
 
     def set_layer_codes(self, layer: int, gate_proj, up_proj, down_proj) -> None:

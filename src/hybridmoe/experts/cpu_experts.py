@@ -309,20 +309,25 @@ class CpuExperts:
     @classmethod
     def from_codes(cls, gate_proj: tuple, up_proj: tuple, down_proj: tuple, threads: int | None = None,
                    isa: str | None = None, numa_nodes: int = 1) -> "CpuExperts":
-        """int4 experts with zero points packed from codes, never through float (GPTQ/AWQ weights).
+        """int4 experts packed from codes, never through float (GPTQ/AWQ/compressed-tensors weights).
 
         Each projection is (codes uint8 [E, N, K] in 0..15, scales, zeros fp32 [E, N, K/group]) for
-        W = (codes - zeros) * scales per group; gate/up N, K = I, H and down H, I.
+        W = (codes - zeros) * scales per group, or with zeros None for W = (codes - 8) * scales (symmetric: a
+        layer without zero points); gate/up N, K = I, H and down H, I.
         """
-        for proj, parts in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
-            for part, t in zip(("codes", "scales", "zeros"), parts):
+        projs = (gate_proj, up_proj, down_proj)
+        zero_points = gate_proj[2] is not None
+        if any((p[2] is not None) != zero_points for p in projs):
+            raise HybridMoEError("from_codes: give zero points for every projection or for none")
+        for proj, parts in zip(("gate_proj", "up_proj", "down_proj"), projs):
+            for part, t in zip(("codes", "scales", "zeros"), parts[:3 if zero_points else 2]):
                 _check_tensor(f"{proj} {part}", t)
         self = cls.__new__(cls)
         (E, I, H), group = gate_proj[0].shape, gate_proj[0].shape[2] // gate_proj[1].shape[2]
-        self._init_engine(E, H, I, "int4", group, True, threads, isa, numa_nodes, adopt=False)
+        self._init_engine(E, H, I, "int4", group, zero_points, threads, isa, numa_nodes, adopt=False)
         for e in range(E):
-            self._call(self._engine.pack_expert_codes, e, [t[e].contiguous() for p in (gate_proj, up_proj, down_proj)
-                                                          for t in p])
+            self._call(self._engine.pack_expert_codes, e, [t[e].contiguous() for p in projs
+                                                          for t in p[:3 if zero_points else 2]])
         return self
 
     def packed_state(self) -> dict:

@@ -132,16 +132,20 @@ class NativeLayers(ExpertBackend):
         """mxfp4 experts are packed from MXFP4 codes as they are (CpuExperts.from_experts)."""
         return self._build.format == "mxfp4"
 
-    def int4_codes_group(self) -> int | None:
-        """The group size in which set_layer_codes takes int4 codes as they are; None: float only."""
+    def int4_codes_group(self, symmetric: bool = False) -> int | None:
+        """The group size in which set_layer_codes takes int4 codes as they are; None: float only. Symmetric codes
+        go into either int4 layout (zero points written out as 8 where the layer has them), codes with zero
+        points only into a layer with zero points."""
         o = self._build.options
-        return o["group_size"] if o["format"] == "int4" and o["zero_points"] else None
+        return o["group_size"] if o["format"] == "int4" and (o["zero_points"] or symmetric) else None
 
     def set_layer_codes(self, layer, gate_proj, up_proj, down_proj):
         """The layer packed from int4 codes as they are (weights/int4_codes.py Int4Codes of each projection)."""
-        threads = self._build.options["threads"]
+        options = self._build.options
+        if options["zero_points"]:
+            gate_proj, up_proj, down_proj = (p.with_zeros() for p in (gate_proj, up_proj, down_proj))
         self.adopt(layer, self._build.with_glu(self._build.cls.from_codes(gate_proj, up_proj, down_proj,
-                                                                          threads=threads)))
+                                                                          threads=options["threads"])))
 
     def set_layer_biases(self, layer, gate_bias, up_bias, down_bias):
         """The layer's expert biases (gate/up [E, I], down [E, H]), after its experts."""

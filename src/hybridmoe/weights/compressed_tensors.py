@@ -6,8 +6,8 @@ A linear X [out, in] quantized symmetrically in groups of `group` input channels
                                              unsigned code u = q + 8 of the signed value q in -8..7
   X.weight_scale  float [out, in / group]
   X.weight_shape  int   [2]                  (out, in)
-and W[o, i] = (u[o, i] - 8) * scale[o, i // group]. In groups of 32/64/128 that is the native int4 format with
-zero points, every zero point 8 and the codes as stored (int4_codes): the engine computes with exactly the
+and W[o, i] = (u[o, i] - 8) * scale[o, i // group]. In groups of 32/64/128 that is the native int4 format without
+zero points (symmetric: the same u - 8), the codes as stored (int4_codes): the engine computes with exactly the
 checkpoint's weights, nothing goes through float. Tensors that no config group quantizes (Kimi-K2-Thinking's
 attention, shared experts and dense layers) are plain float tensors and read as they are.
 
@@ -28,8 +28,6 @@ from hybridmoe.weights.packed_linears import PackedLinears
 FORMAT = "pack-quantized"
 _UNSUPPORTED_PARTS = {".weight_zero_point": "asymmetric weights (weight_zero_point)",
                       ".weight_g_idx": "activation ordering (weight_g_idx)"}
-_OFFSET = 8
-"""The unsigned code of the signed value 0: u = q + 8."""
 
 
 def _unsupported(what: str) -> CheckpointError:
@@ -108,6 +106,8 @@ class CompressedTensorsCheckpoint(PackedLinears):
         self.group_size = pack_quantized_group(quantization_config)
         self.int4_group = self.group_size
         """The group size in which int4_codes offers codes (every packed linear has it)."""
+        self.int4_symmetric = True
+        """int4_codes gives symmetric codes (no zero points: W = (code - 8) * scale)."""
         super().__init__(model_dir)
         for name in self._ckpt.file_of:
             for suffix, what in _UNSUPPORTED_PARTS.items():
@@ -129,7 +129,7 @@ class CompressedTensorsCheckpoint(PackedLinears):
         return self._ckpt.shape(name) if base is None else self._shape_of(base)
 
     def int4_codes(self, name: str) -> Int4Codes | None:
-        """The packed linear `name` (X.weight) as int4 codes with zero points 8; None for a float tensor."""
+        """The packed linear `name` (X.weight) as symmetric int4 codes (zeros None); None for a float tensor."""
         base = self._packed_base(name)
         if base is None:
             return None
@@ -149,7 +149,7 @@ class CompressedTensorsCheckpoint(PackedLinears):
                                   f"expected float [{out_features}, {in_features} / {self.group_size}] for "
                                   f"weight_shape [{out_features}, {in_features}] in groups of {self.group_size}")
         scales = scale.float().contiguous()  # bf16/fp16 widen to float32 exactly
-        return Int4Codes(unpack_int4(packed, in_features), scales, torch.full_like(scales, float(_OFFSET)))
+        return Int4Codes(unpack_int4(packed, in_features), scales, None)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor as the model sees it: a packed linear dequantized to float32 (q * scale as compressed-tensors

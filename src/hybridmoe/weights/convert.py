@@ -104,6 +104,10 @@ class _CopyingReader:
     def int4_group(self):
         return getattr(self.ckpt, "int4_group", None)
 
+    @property
+    def int4_symmetric(self):
+        return getattr(self.ckpt, "int4_symmetric", False)
+
     def int4_codes(self, name):
         return self.ckpt.int4_codes(name)
 

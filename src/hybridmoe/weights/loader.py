@@ -64,7 +64,8 @@ def checked_weight(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def _check_codes(name: str, codes: Int4Codes) -> None:
     checked_weight(f"{name} (scales)", codes.scales)
-    checked_weight(f"{name} (zero points)", codes.zeros)
+    if codes.zeros is not None:
+        checked_weight(f"{name} (zero points)", codes.zeros)
 
 
 def _expected_params(model: MoECausalLM) -> dict[tuple[str, int | None], torch.Tensor]:
@@ -126,10 +127,12 @@ class _ExpertStacker:
         layer's codes stacked, and stacking them only once the layer is complete would hold them twice."""
         by_proj = self.codes.setdefault(layer, {})
         if proj not in by_proj:
-            by_proj[proj] = Int4Codes(*(torch.empty(self.num_experts, *t.shape, dtype=t.dtype) for t in codes))
-        slot = Int4Codes(*(t[expert] for t in by_proj[proj]))
+            by_proj[proj] = Int4Codes(*(None if t is None else torch.empty(self.num_experts, *t.shape, dtype=t.dtype)
+                                        for t in codes))
+        slot = Int4Codes(*(None if t is None else t[expert] for t in by_proj[proj]))
         for dst, src in zip(slot, codes):
-            dst.copy_(src)
+            if dst is not None:
+                dst.copy_(src)
         return slot
 
     def _hand_over(self, layer: int, entries: dict[tuple[int, str], str | Int4Codes],
@@ -182,7 +185,7 @@ def load_weights(model: MoECausalLM, ckpt: SafetensorsCheckpoint, expert_device:
     stacker = _ExpertStacker(model, ckpt, expert_device, expert_dtype)
     fused = FusedExpertLayers(model, ckpt, expert_device, expert_dtype, checked_weight)
     release = getattr(ckpt, "release", lambda name: None)
-    codes_group = model.experts.int4_codes_group()
+    codes_group = model.experts.int4_codes_group(getattr(ckpt, "int4_symmetric", False))
     int4_codes = ckpt.int4_codes if codes_group and getattr(ckpt, "int4_group", None) == codes_group else None
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []

@@ -149,7 +149,7 @@ def _zero_points(engine_config: EngineConfig, config) -> bool:
     if engine_config.expert_format != "int4":
         return False
     if qc.get("quant_method") == "compressed-tensors":
-        return True  # its symmetric int4 codes load as they are with zero points 8
+        return False  # its symmetric int4 codes are the native symmetric int4's (W = (code - 8) * scale)
     return qc.get("quant_method") in ("gptq", "awq") and _qc_int(qc, "bits", 4) == 4
 
 
