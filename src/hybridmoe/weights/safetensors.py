@@ -116,8 +116,7 @@ class SafetensorsCheckpoint:
 
     def _is_fp8_scale(self, name: str) -> bool:
         suffix = self.fp8_scale_suffix
-        return name.endswith(suffix) and name[: -len(suffix)] in self.file_of and self.dtype(name[: -len(suffix)]) \
-            in FP8_DTYPES
+        return name.endswith(suffix) and name[: -len(suffix)] in self.file_of
 
     def _slice(self, name: str):
         return self._handles[self.file_of[name]].get_slice(name)
