@@ -34,3 +34,19 @@ def test_grammar_rows_beside_free_rows_under_cuda_graphs(tmp_path):
     for out in outs[1:]:
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+def test_greedy_grammar_rows_masked_on_the_device_decode_what_the_sampler_decodes(tmp_path):
+    make_checkpoint("qwen3_moe", "tiny", tmp_path, progress=False)
+    llm = LLM(str(tmp_path), device="cuda", max_num_seqs=4, max_model_len=256, cuda_graph=True)
+    prompt = llm.encode("hello")
+    held = SamplingParams(max_tokens=120, temperature=0, structured=StructuredOutput("json_schema", json.dumps(SCHEMA)))
+    free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    runner = llm.engine.runner
+    runner.sample_on_device = False  # every row through the sampler on the host
+    want = [o.token_ids for o in llm.generate([prompt, prompt, llm.encode("a b")], [held, free, held])]
+    runner.sample_on_device = True  # grammar rows masked after each graph replay, the next step launched ahead
+    outs = llm.generate([prompt, prompt, llm.encode("a b")], [held, free, held])
+    assert [o.token_ids for o in outs] == want
+    for out in (outs[0], outs[2]):
+        jsonschema.validate(json.loads(out.text), SCHEMA)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridmoe.config import EngineConfig
-from hybridmoe.engine.grammar import advance, unpack_bits
+from hybridmoe.engine.grammar import advance, unpack_bits, unpack_bits_torch
 from hybridmoe.engine.llm_engine import LLMEngine
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.sampling_params import MAX_GRAMMAR_CHARS, SamplingParams, StructuredOutput
@@ -32,9 +32,9 @@ def run(engine, params_list):
 def test_unpack_bits_reads_bit_j_of_word_w_as_token_32w_plus_j():
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-2**31, 2**31 - 1, (3, 4), generator=g, dtype=torch.int64).to(torch.int32)
-    got = unpack_bits(bits, 100)
     want = [[bool((int(bits[r, t // 32]) >> (t % 32)) & 1) for t in range(100)] for r in range(3)]
-    assert got.tolist() == want
+    assert unpack_bits(bits, 100).tolist() == want
+    assert unpack_bits_torch(bits, 100).tolist() == want  # the GPU's unpacking, run here on the CPU
 
 
 def test_the_mask_lets_through_exactly_the_tokens_that_continue_the_grammar(engine):

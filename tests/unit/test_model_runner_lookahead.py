@@ -12,6 +12,7 @@ import pytest
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.engine.model_runner import ModelRunner
+from hybridmoe.sampling_params import StructuredOutput
 
 PROMPTS = [[5, 17, 3, 60, 22, 9, 41], [7, 13], [99, 2, 8, 31, 4], [11], [3, 3, 3], [8, 1], [42] * 9,
            [6, 60, 16], [70, 71], [20, 2, 12, 4]]
@@ -38,6 +39,7 @@ def fixed(llm):
     runner = ModelRunner(plain.model, 16, 32, "cpu", fixed_shapes=True, num_blocks=plan.num_blocks,
                          block_size=plan.block_size)
     runner.sample_on_device = runner.lookahead = True
+    runner.sampler = plain.sampler  # the engine's: it gets the grammars when the first request needs them
     launch = runner._launch
     runner.launches = []
 
@@ -139,3 +141,57 @@ def test_an_abort_mid_decode_drops_the_step_ahead_and_the_next_request_decodes_i
     engine.abort(request)
     assert fixed._ahead is None and fixed._pinned is None
     assert tokens(llm, PROMPTS[1:2], GREEDY) == want
+
+
+HELD = SamplingParams(max_tokens=6, temperature=0, structured=StructuredOutput("regex", "[a-z]{40}"))
+SHORT = SamplingParams(max_tokens=12, temperature=0, structured=StructuredOutput("regex", "(yes|no)[0-9]{2}"))
+
+
+@pytest.mark.parametrize("params", [[HELD, HELD], [GREEDY, HELD, GREEDY, HELD], [SHORT, GREEDY, SHORT]],
+                         ids=["all-held", "held-beside-free", "grammar-completes"])
+def test_greedy_rows_held_to_a_grammar_take_their_masked_tokens_on_the_device(llm, fixed, params):
+    fixed.sample_on_device = False
+    want = [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS[:len(params)], params)]
+    fixed.sample_on_device = True
+    fixed.launches.clear()
+    sampler, calls = fixed.sampler, []
+    fixed.sampler = SimpleNamespace(grammars=sampler.grammars,
+                                    sample=lambda logits, seqs: calls.append(len(seqs)) or sampler.sample(logits, seqs))
+    try:
+        got = [(o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS[:len(params)], params)]
+    finally:
+        fixed.sampler = sampler
+    assert got == want
+    assert calls == [len(params)]  # the sampler draws the prompts' tokens only: every decode step masks on the device
+    held = [tokens for (tokens, _), p in zip(got, params) if p.structured is not None]
+    text = [llm.engine.tokenizer.decode(t) for t in held]
+    if params[0] is SHORT:
+        assert all(reason == "stop" for (_, reason), p in zip(got, params) if p is SHORT)
+        assert all(t[:-2] in ("yes", "no") and t[-2:].isdigit() for t in text), text
+    else:
+        assert all(len(ids) == HELD.max_tokens for ids in held)
+        assert all(t.isalpha() and t.islower() for t in text), text
+        assert fixed.launches == [False] + [True] * (HELD.max_tokens - 2)  # every step after the first launched ahead
+    assert fixed._ahead is None and fixed._pinned is None
+
+
+def test_a_row_whose_grammar_cannot_go_on_ends_alone_with_an_error(llm, fixed):
+    def run() -> tuple[dict, dict]:
+        engine = llm.engine
+        held = engine.add_request(PROMPTS[1], HELD)
+        free = engine.add_request(PROMPTS[0], GREEDY)
+        outs, finish = {held: [], free: []}, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id] += out.new_token_ids
+                finish[out.request_id] = out.finish_reason
+                if out.request_id == held and out.new_token_ids and len(outs[held]) == 2:
+                    # its matcher takes a token the grammar forbids
+                    assert not engine._requests[held].matcher.consume_token(llm.encode("7")[0])
+        return [outs[held], outs[free]], [finish[held], finish[free]]
+
+    fixed.sample_on_device = False
+    want = run()
+    fixed.sample_on_device = True
+    assert run() == want
+    assert want[1] == ["error", "length"] and len(want[0][0]) == 2 and want[0][1] == tokens(llm, PROMPTS[:1], GREEDY)[0]

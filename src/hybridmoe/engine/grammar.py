@@ -8,9 +8,13 @@ puts its matcher into an error state instead of running on).
 Per step: the masks of the rows that have a matcher are computed on the CPU, one row after the other on the
 calling thread, into one bitmask (one bit per token, [rows, ceil(V / 32)] int32; a row's mask over a 152K-token
 vocabulary takes microseconds, where handing the rows to llguidance's thread pool costs milliseconds and
-competes with the expert engine's threads), unpacked to one bool per token, moved to the logits' device and
-applied there for the whole batch at once (a forbidden token's logit becomes -inf); after the draw each matcher
-consumes its row's token. When a grammar is complete only EOS stays allowed, so the sequence ends the usual way.
+competes with the expert engine's threads), unpacked to one bool per token on the logits' device and applied
+there for the whole batch at once (a forbidden token's logit becomes -inf); after the draw each matcher consumes
+its row's token. When a grammar is complete only EOS stays allowed, so the sequence ends the usual way.
+
+On CUDA the bitmask goes to the GPU as it is, from pinned memory (a copy that does not wait for the kernels
+already queued, so a mask can be computed and sent while the step before it still runs), and is unpacked there;
+on the CPU numpy unpacks it (torch's shifts of int32 take tens of milliseconds for a 152K-token row on the CPU).
 """
 
 from __future__ import annotations
@@ -78,11 +82,7 @@ class Grammars:
         matcher) of matchers."""
         if not matchers:
             return
-        words = (self.vocab_size + 31) // 32
-        bits = torch.empty(len(matchers), words, dtype=torch.int32)
-        for k, (_, m) in enumerate(matchers):
-            m.unsafe_compute_mask_ptr(bits[k].data_ptr(), words * 4)
-        forbidden = unpack_bits(~bits, logits.shape[1]).to(logits.device, non_blocking=True)
+        forbidden = self.forbidden([m for _, m in matchers], logits.device, logits.shape[1])
         if len(matchers) == logits.shape[0] and all(i == k for k, (i, _) in enumerate(matchers)):
             logits.masked_fill_(forbidden, float("-inf"))  # every row has a grammar: in place
             return
@@ -90,12 +90,30 @@ class Grammars:
         logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
 
 
+    def forbidden(self, matchers: list[llguidance.LLMatcher], device: torch.device, width: int) -> torch.Tensor:
+        """bool [len(matchers), width] on device: True where row k's grammar (matchers[k] as it stands) forbids
+        the token. On CUDA it is enqueued on the current stream without waiting for the work queued before it."""
+        words = (self.vocab_size + 31) // 32
+        cuda = device.type == "cuda"
+        bits = torch.empty(len(matchers), words, dtype=torch.int32, pin_memory=cuda)
+        for k, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(bits[k].data_ptr(), words * 4)
+        if not cuda:
+            return unpack_bits(~bits, width).to(device)
+        return ~unpack_bits_torch(bits.to(device, non_blocking=True), width)
+
+
 def unpack_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
     """bits int32 [N, W] on the CPU (bit j of word w: token 32 w + j) -> bool [N, width] on the CPU. numpy's
-    unpackbits over the words' little-endian bytes: torch's shifts of int32 take tens of milliseconds for a
-    152K-token row on the CPU."""
+    unpackbits over the words' little-endian bytes."""
     packed = bits.numpy().view(np.uint8)
     return torch.from_numpy(np.unpackbits(packed, axis=1, count=width, bitorder="little").view(np.bool_))
+
+
+def unpack_bits_torch(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """unpack_bits in torch ops on bits' own device (the GPU's: one element-wise kernel)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :width].bool()
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> str | None:

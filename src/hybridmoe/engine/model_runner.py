@@ -29,6 +29,12 @@ step (the read back, the engine's Python, the launch) runs while the device comp
 A step launched ahead whose batch does not come (a sequence stopped at EOS, a request arrived) is
 dropped: it ran on its own KV-cache positions only, which the next writes there replace. The
 decode thread stays pinned (HybridExperts.decode_thread) while steps are in flight.
+
+Greedy rows held to a grammar (structured output) take the same path: while the device computes a step, the host
+computes those rows' token masks from their matchers (which have consumed every token before the step's), and
+enqueues, after the step, the masked argmax of those rows into the next step's inputs, then the read back of the
+tokens, then the next step. So the mask's time and the host's share of a step both run while the device works;
+the matchers consume the tokens once they are read.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.config import DEFAULT_KV_BLOCK_SIZE
+from hybridmoe.engine.grammar import advance
 from hybridmoe.engine.kv_blocks import SCRATCH_BLOCK, BlockCopy
 from hybridmoe.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from hybridmoe.engine.scheduler import LOOKAHEAD_TOKENS, ScheduledSeq
@@ -242,29 +249,51 @@ class ModelRunner:
         inputs = [[s.seq.token_ids(s.seq.num_computed, s.seq.num_computed + 1)[0] for s in batch] + [0] * pad,
                   [n - 1 for n in lens] + [0] * pad, [s.seq.slot for s in batch] + [self.num_slots] * pad,
                   lens + [1] * pad]  # [4, Bp]
-        on_device = self.sample_on_device and all(_plain_greedy(s.seq.params) for s in batch)
+        on_device = self.sample_on_device and all(_device_greedy(s.seq.params) for s in batch)
+        held = [b for b, s in enumerate(batch) if s.seq.matcher is not None]  # rows held to a grammar
         step, self._ahead = self._ahead, None
-        if step is None or step.inputs != inputs:
+        if step is None or step.inputs != inputs or (held and step.read is not None):
             if step is not None:
                 self._holds = None  # the step ahead is dropped, but it advanced the inputs
-            step = self._launch(inputs, Bp, read=on_device)
+            step = self._launch(inputs, Bp, read=on_device and not held)
         if not on_device:
             self._holds = None  # the step's own argmax (its next ids) may not be the sampler's tokens
             tokens, logprobs = self._sample(batch, step.logits[:B].clone(), list(range(B)))
         else:
+            if held:
+                self._hold_to_grammars(step, [batch[b].seq.matcher for b in held], held, Bp)
             ahead = None
             if (self.lookahead and lookahead and pad == 0
                     and all(len(s.seq.output_ids) + 1 < s.seq.params.max_tokens
                             and len(s.seq.blocks.table) * self.block_size >= s.seq.num_computed + 2 for s in batch)):
-                ahead = self._launch(None, Bp, read=True, lens=[n + 1 for n in lens])
+                ahead = self._launch(None, Bp, read=not held, lens=[n + 1 for n in lens])
             tokens = step.tokens()
             # after the step the device holds its tokens and the next positions (after the ahead, the ones after)
             self._holds = [tokens, [p + 1 for p in inputs[1]], inputs[2], [n + 1 for n in inputs[3]]]
             if ahead is not None:
                 ahead.inputs, self._ahead, self._holds = self._holds, ahead, None
             tokens, logprobs = tokens[:B], [None] * B
+            for b in held:
+                if (why := advance(batch[b].seq.matcher, tokens[b])) is not None:
+                    batch[b].seq.error, tokens[b] = f"sampling failed: {why}", None  # it ends alone (LLMEngine)
         self._check()
         return tokens, logprobs
+
+    def _hold_to_grammars(self, step: _Launched, matchers: list, rows: list[int], Bp: int) -> None:
+        """Enqueue, after step, the argmax of its logits' `rows` with every token their matchers forbid masked,
+        into the next step's input ids (where the step wrote its own argmax), then the read back of its tokens."""
+        n = len(rows)
+        if rows == list(range(n)):
+            logits, ids = step.logits[:n], self._ids[:n]
+        else:
+            index = torch.tensor(rows, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+            logits, ids = step.logits[index], None
+        logits.masked_fill_(self.sampler.grammars.forbidden(matchers, self.device, logits.shape[1]), float("-inf"))
+        if ids is not None:
+            torch.argmax(logits, dim=-1, out=ids)
+        else:
+            self._ids[index] = logits.argmax(dim=-1)
+        self._read_back(step, Bp)
 
     def _check(self) -> None:
         """Raise what CPU layers run on the CUDA stream recorded (after the step's results were waited for)."""
@@ -290,14 +319,18 @@ class ModelRunner:
             graph.replay()
         step = _Launched(inputs, logits)
         if read:
-            step.read = self._read[self._flip][:Bp]
-            self._flip ^= 1
-            step.read.copy_(self._ids[:Bp], non_blocking=True)  # the step wrote its tokens there
-            if self.device.type == "cuda":
-                step.done = torch.cuda.Event()  # spun on: waiting asleep (blocking) decodes 1.04x slower
-                step.done.record()
-                step.wait = self.model.experts.wait_step
+            self._read_back(step, Bp)
         return step
+
+    def _read_back(self, step: _Launched, Bp: int) -> None:
+        """Enqueue the copy of step's greedy tokens to the host (the step wrote them as the next input ids)."""
+        step.read = self._read[self._flip][:Bp]
+        self._flip ^= 1
+        step.read.copy_(self._ids[:Bp], non_blocking=True)
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()  # spun on: waiting asleep (blocking) decodes 1.04x slower
+            step.done.record()
+            step.wait = self.model.experts.wait_step
 
     def _graph(self, key: tuple[int, int], capture: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, bool] | None:
         """(graph, its logits, whether it samples on the device) of the decode step of key (rows, padded
@@ -371,7 +404,8 @@ def _consecutive_from(table: list[int]) -> int | None:
         range(table[0], table[0] + len(table))) else None
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
-    """Greedy with nothing that needs the logits on the host: the step's own argmax is the token."""
+def _device_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that needs the logits on the host: the step's own argmax is the token, masked by the
+    row's grammar when it has one."""
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.structured is None)
+            and p.frequency_penalty == 0.0)
