@@ -1,10 +1,11 @@
 """GPU kernels per decoder layer of one decode step, their GPU time, and the captured step's replay time.
 
     python3 benchmarks/decode.py gpu-ops [--synthetic PRESET] [--layers N] [--format int4]
-        [--gpu-experts-per-layer G] [--batch B] [--reps R] [--paths unfused,fused,layer] [--json F]
+        [--gpu-experts-per-layer G] [--batch B] [--context C] [--reps R] [--paths unfused,fused,layer] [--json F]
 
 Loads a random-weight checkpoint of PRESET cut to N layers (written to /dev/shm, as e2e.py does), prefills
-one prompt per batch row and decodes one token through the engine (so the decode step's buffers hold a real
+one prompt of C tokens (--context, default 16: where a long context's decode step spends its time shows
+beside a short one's) per batch row and decodes one token through the engine (so the decode step's buffers hold a real
 step), then, on the decode step the engine runs (fixed shapes on CUDA, the model's eager forward elsewhere),
 for each path (fused: RMSNorm with its residual add, attention's q/k norms + rotary + cache writes, the
 router's top-k, the hybrid split and sum as one Triton kernel each, MoECausalLM.fuse_decode_kernels;
@@ -70,6 +71,8 @@ def add_arguments(parser):
     parser.add_argument("--gpu-experts-per-layer", type=int, default=26 if cuda else 0,
                         help="routed experts per layer on the GPU (default 26: Qwen3-30B-A3B under 16 GiB; CPU: 0)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    parser.add_argument("--context", type=int, default=PROMPT_LEN,
+                        help=f"tokens of each row's prompt before the profiled step (default {PROMPT_LEN})")
     parser.add_argument("--reps", type=int, default=200, help="graph replays timed (default 200)")
     parser.add_argument("--paths", default="unfused,fused,layer",
                         help="unfused (torch), fused (Triton kernels for norms, rotary, router, hybrid split and "
@@ -290,16 +293,21 @@ def run(args) -> int:
     with synthetic_checkpoint(args.synthetic, args.layers) as ckpt:
         config = EngineConfig.from_kwargs(
             device=device.type, expert_format=args.format, gpu_experts_per_layer=args.gpu_experts_per_layer,
-            max_num_seqs=args.batch, max_model_len=256, cache_dir="", prefill_streaming="off")
+            max_num_seqs=args.batch, max_model_len=max(256, args.context + 16), cache_dir="",
+            prefill_streaming="off")
         engine = LLMEngine(ckpt.out_dir, config)
     use_path(engine.runner.model, paths[0])  # the engine's own steps on the first path (a failing later one
     # then loses only its own rows)
     print(f"{args.synthetic}, {args.layers} layers, {args.format} experts, {args.gpu_experts_per_layer} GPU experts "
-          f"per layer, batch {args.batch}, device {device}; loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+          f"per layer, batch {args.batch}, context {args.context}, device {device}; loaded in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    if args.context < 1:
+        raise HybridMoEError(f"--context is at least 1, got {args.context}")
     for b in range(args.batch):
-        engine.add_request([(7 * b + i) % engine.vocab_size for i in range(PROMPT_LEN)],
+        engine.add_request([(7 * b + i) % engine.vocab_size for i in range(args.context)],
                            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    engine.step()  # prompts
+    while not any(s.output_ids for s in engine._requests.values()):
+        engine.step()  # the prompts, in as many chunks as the engine cuts them into
     engine.step()  # one decode step: on CUDA fixed shapes (and its graph captured)
     seqs = list(engine._requests.values())
     model = engine.runner.model
@@ -308,7 +316,7 @@ def run(args) -> int:
     print(f"decode step in fixed shapes: {cuda_fixed}; MoE layers {moe_layers}", flush=True)
     step = decode_step(engine, seqs, cuda_fixed)
     result: dict = {"preset": args.synthetic, "layers": args.layers, "format": args.format,
-                    "gpu_experts_per_layer": args.gpu_experts_per_layer, "batch": args.batch,
+                    "gpu_experts_per_layer": args.gpu_experts_per_layer, "batch": args.batch, "context": args.context,
                     "device": str(device), "fixed_shapes": cuda_fixed, "paths": {}}
     graphs = {}
     for path in paths:
