@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridmoe.checkpoint.kimi_tokenizer import write_kimi_tokenizer
-from hybridmoe.checkpoint.presets import model_config
+from hybridmoe.checkpoint.presets import model_config, text_config_of
 from hybridmoe.checkpoint.safetensors_writer import (
     DEFAULT_SHARD_BYTES,
     write_random_safetensors,
@@ -23,7 +23,7 @@ RANDOM_WEIGHTS_KEY = "hybridmoe_random_weights"
 _OUR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tiktoken.model",
               "model.safetensors.index.json", "model.safetensors")
 
-TIKTOKEN_ARCHS = ("kimi_k2",)
+TIKTOKEN_ARCHS = ("kimi_k2", "kimi_k25")
 """Families whose tokenizer is a tiktoken.model (kimi_tokenizer.py), not a tokenizer.json."""
 
 
@@ -49,11 +49,14 @@ def _prepare_out_dir(out: Path, force: bool) -> None:
 
 
 def _with_overrides(config: dict, overrides: dict) -> dict:
-    unknown = sorted(set(overrides) - set(config))
+    """config with overrides applied to the text model's values (text_config's in a multimodal layout)."""
+    text = text_config_of(config)
+    unknown = sorted(set(overrides) - set(text))
     if unknown:
         raise HybridMoEError(f"cannot override {', '.join(unknown)}: not in this preset's config.json "
-                             f"({', '.join(sorted(config))})")
-    return {**config, **overrides}
+                             f"({', '.join(sorted(text))})")
+    text.update(overrides)
+    return config
 
 
 def make_checkpoint(arch: str, preset: str, out: str | Path, *, layers: int | None = None, dtype: str = "bf16",
@@ -73,15 +76,17 @@ def make_checkpoint(arch: str, preset: str, out: str | Path, *, layers: int | No
     if total > free:
         raise HybridMoEError(f"{arch} {preset} needs {total / 1e9:.1f} GB of weights but {out} has only "
                              f"{free / 1e9:.1f} GB free; use --layers to cut depth")
+    text = text_config_of(config)
     if arch in TIKTOKEN_ARCHS:
-        ids = write_kimi_tokenizer(out, config["vocab_size"])
+        ids = write_kimi_tokenizer(out, text["vocab_size"])
     else:
-        ids = write_tokenizer(out, arch, config["vocab_size"])
+        ids = write_tokenizer(out, arch, text["vocab_size"])
     stop_ids = ids["generation_eos"]
     generation_config = {"bos_token_id": ids["bos_token_id"],
                          "eos_token_id": stop_ids if len(stop_ids) > 1 else stop_ids[0],
                          "pad_token_id": ids["pad_token_id"]}
-    config.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"])
+    for values in (config, text):  # a multimodal config.json names them in text_config too, as Kimi-K2.5's does
+        values.update(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"])
     shards = write_random_safetensors(out, specs, seed, max_shard_bytes=max_shard_bytes, progress=progress)
     (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     # config.json last: a directory with a config is a finished checkpoint

@@ -8,7 +8,9 @@ openai/gpt-oss-20b's and openai/gpt-oss-120b's config.json less their MXFP4 `qua
 shape, YaRN and window are also transformers' GptOssConfig defaults); kimi-k2 carries
 moonshotai/Kimi-K2-Instruct's config.json less its FP8 `quantization_config` (transformers has no Kimi-K2 class); qwen3-next-80b-a3b carries Qwen/Qwen3-Next-80B-A3B-Instruct's config.json
 less its layer_types list (the same layers follow from full_attention_interval 4); qwen3.5-35b-a3b carries
-transformers' Qwen3_5MoeTextConfig defaults (the shape its docstring names Qwen/Qwen3.5-35B-A3B's). Token ids
+transformers' Qwen3_5MoeTextConfig defaults (the shape its docstring names Qwen/Qwen3.5-35B-A3B's); kimi-k2.5
+carries moonshotai/Kimi-K2.5's multimodal config.json less its int4 `quantization_config` (its comment says which
+values are verified), the text model's config nested under text_config. Token ids
 (bos/eos/pad) are not here: they come from the tokenizer we build, so config and tokenizer agree.
 `tiny` presets keep every dimension small (a few MB) but switch on the family's features.
 """
@@ -31,9 +33,14 @@ ARCHS = {
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "kimi_k25": "KimiK25ForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
+
+MULTIMODAL_TEXT = {"kimi_k25": ("kimi_k2", "DeepseekV3ForCausalLM")}
+"""Architectures whose config.json nests the text model's config under text_config beside a vision_config -> the
+model_type and architectures that text_config names."""
 
 TINY_VOCAB = 512
 
@@ -293,6 +300,52 @@ _KIMI_K2 = {
     },
 }
 
+
+def _moonvit_config(*, hidden: int, intermediate: int, heads: int, blocks: int, pos_emb: int, text_hidden: int) -> dict:
+    """Kimi-K2.5's vision_config: a MoonViT of `blocks` blocks of `hidden` over 14x14 patches with pos_emb x pos_emb
+    position embeddings, whose projector merges 2x2 patches into one embedding of the text model's text_hidden."""
+    return {
+        "init_pos_emb_height": pos_emb, "init_pos_emb_time": 4, "init_pos_emb_width": pos_emb,
+        "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mm_hidden_size": hidden,
+        "mm_projector_type": "patchmerger", "patch_size": 14, "pos_emb_type": "divided_fixed",
+        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5, "text_hidden_size": text_hidden,
+        "video_attn_type": "spatial_temporal", "vt_hidden_size": hidden, "vt_intermediate_size": intermediate,
+        "vt_num_attention_heads": heads, "vt_num_hidden_layers": blocks,
+    }
+
+
+_KIMI_K25_ROPE = {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "type": "yarn"}
+_KIMI_K25_TOP = {"ignore_index": -100, "use_unified_vision_chunk": True,
+                 "video_placeholder": "<|kimi_k25_video_placeholder|>"}
+"""Kimi-K2.5's top-level keys besides the token ids, text_config and vision_config."""
+_KIMI_K25 = {
+    # the multimodal layout: Kimi-K2's tiny text model (with Kimi-K2.5's norm epsilon and YaRN) under text_config,
+    # a one-block vision tower of 16 beside it whose projector merges 2x2 patches into the text model's 64
+    "tiny": {
+        **_KIMI_K25_TOP,
+        "text_config": {**_KIMI_K2["tiny"], "ep_size": 1, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+                        "rope_scaling": {**_KIMI_K25_ROPE, "original_max_position_embeddings": 16}},
+        "vision_config": _moonvit_config(hidden=16, intermediate=32, heads=2, blocks=1, pos_emb=4, text_hidden=64),
+    },
+    # moonshotai/Kimi-K2.5's config.json less its int4 compressed-tensors quantization_config and auto_map. Verified
+    # against a transformers print of the release's KimiK25Config (a public model report; the raw file was not at
+    # hand): every top-level key written here, every text_config value (Kimi-K2-Instruct's shape with
+    # max_position_embeddings 262144, rms_norm_eps 1e-5, ep_size 1 and YaRN factor 64 over 4096 positions with
+    # beta_fast 32), text_config's architectures DeepseekV3ForCausalLM, and the vision_config; the same report's
+    # weight list gives the tensor names and shapes written. Not verified: text_config's model_type (kimi_k2 here, as
+    # other projects' tests of Kimi-K2.5 configs spell it; the print shows its config class's deepseek_v3), and
+    # whether the raw file spells YaRN as rope_scaling, as Kimi-K2's does, and states beta_fast (32 is YaRN's
+    # default either way)
+    "kimi-k2.5": {
+        **_KIMI_K25_TOP,
+        "text_config": {**_KIMI_K2["kimi-k2"], "ep_size": 1, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5,
+                        "rope_scaling": {**_KIMI_K25_ROPE, "original_max_position_embeddings": 4096}},
+        "vision_config": _moonvit_config(hidden=1152, intermediate=4304, heads=16, blocks=27, pos_emb=64,
+                                         text_hidden=7168),
+    },
+}
+
 _QWEN3_NEXT = {
     # Gated DeltaNet in layers 0-2 (2 key heads, each shared by 2 value heads), gated attention in layer 3 with a
     # quarter of each head rotating, a dense MLP in layer 1, routed experts with a gated shared expert elsewhere
@@ -367,6 +420,7 @@ PRESETS = {
     "minimax_m2": _MINIMAX_M2,
     "gpt_oss": _GPT_OSS,
     "kimi_k2": _KIMI_K2,
+    "kimi_k25": _KIMI_K25,
     "qwen3_next": _QWEN3_NEXT,
     "qwen3_5_moe": _QWEN3_5_MOE,
 }
@@ -381,7 +435,8 @@ and the rest in bf16."""
 
 
 def model_config(arch: str, preset: str, *, layers: int | None = None, dtype: str = "bf16") -> dict:
-    """The config.json for `arch`/`preset`, cut to `layers` decoder layers; token ids not yet filled in."""
+    """The config.json for `arch`/`preset`, cut to `layers` decoder layers; token ids not yet filled in. A multimodal
+    architecture (MULTIMODAL_TEXT) nests the text model's config, cut and typed so, under text_config."""
     if arch not in PRESETS:
         raise HybridMoEError(f"unknown architecture {arch!r}; choose one of: {', '.join(PRESETS)}")
     if preset not in PRESETS[arch]:
@@ -391,7 +446,23 @@ def model_config(arch: str, preset: str, *, layers: int | None = None, dtype: st
         raise HybridMoEError(f"unknown dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
     if layers is not None and layers < 1:
         raise HybridMoEError(f"--layers must be at least 1, got {layers}")
-    cfg = {"architectures": [ARCHS[arch]], "model_type": arch, **copy.deepcopy(PRESETS[arch][preset])}
+    values = copy.deepcopy(PRESETS[arch][preset])
+    if arch not in MULTIMODAL_TEXT:
+        return _decoder_config(ARCHS[arch], arch, values, layers, dtype)
+    text_type, text_arch = MULTIMODAL_TEXT[arch]
+    text = _decoder_config(text_arch, text_type, values.pop("text_config"), layers, dtype)
+    return {"architectures": [ARCHS[arch]], "model_type": arch, **values, "text_config": text,
+            "tie_word_embeddings": text["tie_word_embeddings"], "torch_dtype": text["torch_dtype"]}
+
+
+def text_config_of(config: dict) -> dict:
+    """The text model's values in a config.json: its text_config in a multimodal layout, else the config itself."""
+    return config.get("text_config", config)
+
+
+def _decoder_config(architecture: str, model_type: str, values: dict, layers: int | None, dtype: str) -> dict:
+    """A decoder's config.json from a preset's values, cut to `layers` decoder layers, in `dtype`."""
+    cfg = {"architectures": [architecture], "model_type": model_type, **values}
     if layers is not None:
         cfg["num_hidden_layers"] = layers
         if "first_k_dense_replace" in cfg:
@@ -405,7 +476,7 @@ def model_config(arch: str, preset: str, *, layers: int | None = None, dtype: st
             cfg["layer_types"] = [cfg["layer_types"][i % len(cfg["layer_types"])] for i in range(layers)]
     cfg["torch_dtype"] = _DTYPES[dtype]
     if dtype == "fp8":
-        if arch == "gpt_oss":
+        if model_type == "gpt_oss":
             raise HybridMoEError("--dtype fp8: gpt-oss ships its experts as MXFP4, not block-FP8; use bf16 or fp32")
         cfg["quantization_config"] = copy.deepcopy(FP8_QUANTIZATION_CONFIG)
     return cfg

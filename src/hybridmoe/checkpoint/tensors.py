@@ -12,13 +12,15 @@ Weight init (chosen so that a real-shape model's activations stay finite and its
   - e_score_correction_bias (DeepSeek-V3 noaux_tc, GLM-4.5, MiniMax-M2): normal, std 0.01, stored float32 as in
     the real checkpoints; it shifts the choice of experts a little, never their weights;
   - gpt-oss: fused expert weights by the linear rule over their input dim, every bias std 0.02, attention sinks
-    normal std 1 (so the heads differ in how much weight their sink takes).
+    normal std 1 (so the heads differ in how much weight their sink takes);
+  - Kimi-K2.5's vision tower: linears and norms by the rules above, every bias (its LayerNorms' too) std 0.02, the
+    patch convolution std 1/sqrt(3 * patch * patch), the position embeddings std 0.02.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +41,10 @@ class TensorSpec:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+
+TEXT_PREFIX = "language_model."
+"""Where a multimodal checkpoint (Kimi-K2.5's) keeps its text model's tensors: language_model.model.*,
+language_model.lm_head.weight."""
 
 FP8_BLOCK = 128
 """make-model's block-FP8 checkpoints: one scale per 128x128 block, as DeepSeek-V3 ships."""
@@ -216,8 +222,47 @@ def _qwen3_next_mixer(s: _Specs, p: str, c: dict, i: int) -> None:
     s.linear(f"{p}.linear_attn.out_proj", hidden, v)
 
 
+def _moonvit(s: _Specs, v: dict, text_hidden: int) -> None:
+    """Kimi-K2.5's vision tower (MoonViT: a patch embedding, pre-norm blocks with a fused qkv, every linear and
+    LayerNorm with a bias) and mm_projector, which maps merge_kernel_size patches to one text embedding; named and
+    shaped from vision_config as the release stores them. The text model never reads them."""
+    hidden, inter, patch = v["vt_hidden_size"], v["vt_intermediate_size"], v["patch_size"]
+    s.raw("vision_tower.patch_embed.proj.weight", (hidden, 3, patch, patch), s.dtype, (3 * patch * patch) ** -0.5)
+    s.bias("vision_tower.patch_embed.proj", hidden)
+    s.raw("vision_tower.patch_embed.pos_emb.weight", (v["init_pos_emb_height"], v["init_pos_emb_width"], hidden),
+          s.dtype, 0.02)
+    for i in range(v["vt_num_hidden_layers"]):
+        p = f"vision_tower.encoder.blocks.{i}"
+        for name, out_features, in_features in (("wqkv", 3 * hidden, hidden), ("wo", hidden, hidden),
+                                                ("mlp.fc0", inter, hidden), ("mlp.fc1", hidden, inter)):
+            s.linear(f"{p}.{name}", out_features, in_features)
+            s.bias(f"{p}.{name}", out_features)
+        for norm in (f"{p}.norm0", f"{p}.norm1"):
+            s.norm(norm, hidden)
+            s.bias(norm, hidden)
+    merged = hidden * math.prod(v["merge_kernel_size"])
+    for norm, n in (("vision_tower.encoder.final_layernorm", hidden), ("mm_projector.pre_norm", hidden)):
+        s.norm(norm, n)
+        s.bias(norm, n)
+    for name, out_features, in_features in (("mm_projector.proj.0", merged, merged),
+                                            ("mm_projector.proj.2", text_hidden, merged)):
+        s.linear(name, out_features, in_features)
+        s.bias(name, out_features)
+
+
+def _multimodal_specs(config: dict) -> list[TensorSpec]:
+    """A multimodal checkpoint (Kimi-K2.5's layout): text_config's model under TEXT_PREFIX, then the vision tower,
+    in the text model's dtype and never FP8 (the releases keep it unquantized)."""
+    text = config["text_config"]
+    s = _Specs(torch.bfloat16 if text["torch_dtype"] == "bfloat16" else torch.float32)
+    _moonvit(s, config["vision_config"], text["hidden_size"])
+    return [replace(spec, name=TEXT_PREFIX + spec.name) for spec in tensor_specs(text)] + s.specs
+
+
 def tensor_specs(config: dict) -> list[TensorSpec]:
     """Every tensor of the checkpoint described by `config` (a config.json dict), in file order."""
+    if "text_config" in config:
+        return _multimodal_specs(config)
     mt = config["model_type"]
     fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
     s = _Specs(torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32, fp8)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from hybridmoe.checkpoint.presets import ARCHS, PRESETS
+from hybridmoe.checkpoint.presets import ARCHS, PRESETS, text_config_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
                               seed=args.seed, force=args.force, progress=not args.quiet)
     seconds = time.perf_counter() - start
     cfg = summary.config
-    print(f"wrote {summary.out_dir}: {cfg['architectures'][0]} {args.preset}, {cfg['num_hidden_layers']} layers, "
+    layers = text_config_of(cfg)["num_hidden_layers"]
+    print(f"wrote {summary.out_dir}: {cfg['architectures'][0]} {args.preset}, {layers} layers, "
           f"{summary.num_tensors} tensors, {summary.total_bytes / 1e9:.3f} GB in {len(summary.shards)} shards, "
           f"{seconds:.1f} s ({summary.total_bytes / 1e6 / seconds:.0f} MB/s); random weights: its text is noise")
     return 0

@@ -88,8 +88,9 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     return LoadedModel(model=model, config=config, experts=experts, dtype=dtype, engine_config=engine_config)
 
 
-_LAYER = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")
-"""A decoder layer's tensor, in a text model's layout or a multimodal checkpoint's (Qwen3.5's model.language_model)."""
+_LAYER = re.compile(r"(?:language_model\.)?model\.(?:language_model\.)?layers\.(\d+)\.")
+"""A decoder layer's tensor, in a text model's layout or a multimodal checkpoint's (Qwen3.5's model.language_model,
+Kimi-K2.5's language_model.model)."""
 
 
 def _check_layer_count(model_dir: Path, ckpt, config: ModelConfig) -> None:

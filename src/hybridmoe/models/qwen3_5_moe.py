@@ -19,7 +19,7 @@ supported: there is no vision tower here.
 
 from __future__ import annotations
 
-from hybridmoe.errors import CheckpointError
+from hybridmoe.models.multimodal import text_config_values
 from hybridmoe.models.qwen3_next import DEFAULT_FULL_ATTENTION_INTERVAL, Qwen3NextForCausalLM
 
 ALWAYS_SPARSE = {"intermediate_size": 0, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
@@ -73,12 +73,7 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
     @classmethod
     def config_values(cls, raw: dict) -> dict:
         """text_config over the top level's keys (quantization_config, dtype and the like live there)."""
-        text = raw.get("text_config")
-        if not isinstance(text, dict):
-            raise CheckpointError("config.json of Qwen3_5MoeForConditionalGeneration must hold the text model's "
-                                  "config as an object under text_config")
-        outer = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
-        return super().config_values({**outer, **text})
+        return super().config_values(text_config_values(raw, "Qwen3_5MoeForConditionalGeneration"))
 
     def expert_key(self, name: str) -> tuple[int, int, str] | None:
         return super().expert_key(_text_name(name))

@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("hybridmoe.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("hybridmoe.models.deepseek", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("hybridmoe.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "KimiK25ForConditionalGeneration": ("hybridmoe.models.kimi_k25", "KimiK25ForConditionalGeneration"),
     "Glm4MoeForCausalLM": ("hybridmoe.models.glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("hybridmoe.models.gpt_oss", "GptOssForCausalLM"),
     "MiniMaxM2ForCausalLM": ("hybridmoe.models.minimax_m2", "MiniMaxM2ForCausalLM"),

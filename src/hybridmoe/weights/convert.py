@@ -218,5 +218,6 @@ def _copy_side_files(src: Path, dst: Path) -> None:
         if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED:
             shutil.copyfile(f, dst / f.name)
     config = json.loads((dst / "config.json").read_text())
-    config.pop("quantization_config", None)
+    for values in (config, config.get("text_config") or {}):  # a multimodal config.json (Kimi-K2.5's) nests it
+        values.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=1))
