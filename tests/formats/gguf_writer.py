@@ -372,3 +372,148 @@ def write_gpt_oss_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer
         del w.kv_data[0][f"gpt-oss.{key}"]
     finish(w)
     return stored
+
+
+def _tiled_value_heads(t: torch.Tensor, dim: int, key_heads: int, per_key: int, head_size: int) -> torch.Tensor:
+    """llama.cpp's Qwen3.5 reorder along dim: value heads grouped by key head (K, r, d) -> tiled (r, K, d)."""
+    shape = t.shape
+    t = t.reshape(*shape[:dim], key_heads, per_key, head_size, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen35_reordered(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+    """_LinearAttentionVReorderBase.modify_tensors: a Gated DeltaNet tensor with its value heads tiled."""
+    k_heads, v_heads, v_dim = c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_value_head_dim"]
+    qk = 2 * k_heads * c["linear_key_head_dim"]
+    r = v_heads // k_heads
+    if ".in_proj_qkv." in name or ".conv1d." in name:
+        return torch.cat((t[:qk], _tiled_value_heads(t[qk:], 0, k_heads, r, v_dim)))
+    if ".in_proj_z." in name:
+        return _tiled_value_heads(t, 0, k_heads, r, v_dim)
+    if ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+        return _tiled_value_heads(t, 0, k_heads, r, 1)
+    if ".out_proj." in name:
+        return _tiled_value_heads(t, 1, k_heads, r, v_dim)
+    return t
+
+
+def _split_qkvz(t: torch.Tensor, c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3NextModel.modify_tensors: in_proj_qkvz [per key head: q, k, v, z] -> attn_qkv (all q, all k, all v) and
+    attn_gate (all z)."""
+    k_heads, k_dim = c["linear_num_key_heads"], c["linear_key_head_dim"]
+    vz = c["linear_num_value_heads"] // k_heads * c["linear_value_head_dim"]
+    hidden = t.shape[1]
+    q, k, v, z = t.t().reshape(hidden, k_heads, -1).split([k_dim, k_dim, vz, vz], dim=-1)
+    qkv = torch.cat([q.reshape(hidden, -1), k.reshape(hidden, -1), v.reshape(hidden, -1)], dim=-1)
+    return qkv.t().contiguous(), z.reshape(hidden, -1).t().contiguous()
+
+
+def hybrid_converted(tensors: dict[str, torch.Tensor], config: dict, ssm_in: bool = False,
+                     squeeze: bool = False) -> dict[str, torch.Tensor]:
+    """A Qwen3-Next or Qwen3.5-MoE checkpoint's tensors as llama.cpp's converter hands them to the GGUF writer (names
+    its TensorNameMap knows): Qwen3.5's value heads tiled, A_log -> -exp(A_log), dt_bias -> dt_proj.bias, conv1d
+    squeezed, the (1 + weight) norms stored with the 1 added, Qwen3-Next's in_proj_qkvz split into in_proj_qkv and
+    in_proj_z unless ssm_in (the older conversions' ssm_in, as it is). squeeze: every tensor squeezed, as older
+    conversions write them (the shared expert's gate [1, H] -> [H])."""
+    out = {}
+    for name, t in tensors.items():
+        t = t.float()
+        if config["model_type"] != "qwen3_next" and "linear_attn." in name:
+            t = _qwen35_reordered(name, t, config)
+        if name.endswith(".A_log"):
+            t = -torch.exp(t)
+        elif name.endswith(".dt_bias"):
+            name = name.replace(".dt_bias", ".dt_proj.bias")
+        elif "conv1d" in name:
+            t = t.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        if name.endswith("in_proj_qkvz.weight") and not ssm_in:
+            out[name.replace("qkvz", "qkv")], out[name.replace("qkvz", "z")] = _split_qkvz(t, config)
+            continue
+        out[name] = t.squeeze() if squeeze else t
+    return out
+
+
+def hybrid_metadata(w: gguf.GGUFWriter, c: dict, nextn: int) -> None:
+    """Qwen3NextModel.set_gguf_parameters (over TextModel's and Qwen2MoeModel's) for a config.json dict."""
+    rope = c.get("rope_parameters") or {}
+    head_dim = c["head_dim"]
+    w.add_block_count(c["num_hidden_layers"] + nextn)
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    if c.get("intermediate_size"):
+        w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    if "mrope_section" in rope:
+        w.add_rope_dimension_sections((list(rope["mrope_section"]) + [0] * 4)[:4])
+    w.add_rope_freq_base(rope.get("rope_theta", c.get("rope_theta")))
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    counts = {"expert_count": c["num_experts"], "expert_used_count": c["num_experts_per_tok"],
+              "key_length": head_dim, "value_length": head_dim,
+              "expert_feed_forward_length": c["moe_intermediate_size"],
+              "expert_shared_feed_forward_length": c["shared_expert_intermediate_size"],
+              "ssm_conv_kernel": c["linear_conv_kernel_dim"], "ssm_state_size": c["linear_key_head_dim"],
+              "ssm_group_count": c["linear_num_key_heads"], "ssm_time_step_rank": c["linear_num_value_heads"],
+              "ssm_inner_size": c["linear_value_head_dim"] * c["linear_num_value_heads"],
+              "full_attention_interval": c.get("full_attention_interval", 4),
+              "rope_dimension_count": int(head_dim * c.get("partial_rotary_factor", 0.25))}
+    for key, value in counts.items():  # GGUFWriter.add_<key>
+        getattr(w, f"add_{key}")(value)
+
+
+def _add_fused_gate_up(w: gguf.GGUFWriter, experts: dict[str, torch.Tensor], types,
+                       rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    """Each layer's experts' gate and up stacked as one blk.N.ffn_gate_up_exps [E, 2I, H] (gate's rows first), the
+    converter's --fuse-gate-up-exps; returns what each expert's gate and up decode to."""
+    decoded = {}
+    layers = sorted({int(_EXPERT.fullmatch(n).group(1)) for n in experts})
+    for layer in layers:
+        count = len({n for n in experts if n.startswith(f"model.layers.{layer}.")}) // 2
+        name = f"model.layers.{layer}.mlp.experts.{{e}}.{{proj}}_proj.weight"
+        values = torch.stack([torch.cat((experts[name.format(e=e, proj="gate")], experts[name.format(e=e, proj="up")]))
+                              for e in range(count)]).float().numpy()
+        qtype = types(f"model.layers.{layer}.mlp.experts.gate_up_proj.weight")
+        data = encode(values, qtype, rng)
+        w.add_tensor(f"blk.{layer}.ffn_gate_up_exps.weight", data, raw_dtype=qtype)
+        back = torch.from_numpy(dequantize(data, qtype).reshape(values.shape).copy())
+        for e in range(count):
+            gate, up = back[e].chunk(2)
+            decoded[name.format(e=e, proj="gate")], decoded[name.format(e=e, proj="up")] = gate, up
+    return decoded
+
+
+def write_hybrid_gguf(tensors: dict[str, torch.Tensor], config: dict, tokenizer_dir: Path, path: Path, types, *,
+                      ssm_in: bool = False, squeeze: bool = False, fuse_gate_up: bool = False,
+                      extra: dict[str, np.ndarray] | None = None, nextn: int = 0, omit: tuple[str, ...] = (),
+                      metadata: dict[str, list[bool]] | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Write a Qwen3NextForCausalLM (qwen3next) or Qwen3_5MoeForCausalLM (qwen35moe) checkpoint, transformers names and
+    config dict, as llama.cpp's converter writes it (hybrid_converted, hybrid_metadata); return what its tensors
+    decode to (the routed experts under their checkpoint names).
+
+    fuse_gate_up: experts' gate and up as one ffn_gate_up_exps. extra: GGUF name -> F32 values added as they are (a
+    multi-token-prediction block past the decoder layers, nextn of them). omit: {arch}.* keys left out; metadata:
+    further {arch}.* arrays (key without the prefix -> values)."""
+    arch = gguf.MODEL_ARCH.QWEN3NEXT if config["model_type"] == "qwen3_next" else gguf.MODEL_ARCH.QWEN35MOE
+    arch_name = gguf.MODEL_ARCH_NAMES[arch]
+    w = gguf.GGUFWriter(str(path), arch_name)
+    hybrid_metadata(w, config, nextn)
+    tokenizer_metadata(w, tokenizer_dir, pre="qwen2" if arch == gguf.MODEL_ARCH.QWEN3NEXT else "qwen35")
+    converted = hybrid_converted(tensors, config, ssm_in=ssm_in, squeeze=squeeze)
+    fused = {n: t for n, t in converted.items()
+             if fuse_gate_up and (m := _EXPERT.fullmatch(n)) is not None and m.group(3) != "down"}
+    rng = np.random.default_rng(seed)
+    decoded = write_tensors(w, {n: t for n, t in converted.items() if n not in fused}, arch,
+                            config["num_hidden_layers"], types, rng)
+    decoded.update(_add_fused_gate_up(w, fused, types, rng) if fused else {})
+    for name, values in (extra or {}).items():
+        w.add_tensor(name, values.astype(np.float32))
+    for key, values in (metadata or {}).items():
+        w.add_array(f"{arch_name}.{key}", values)
+    for key in omit:
+        del w.kv_data[0][f"{arch_name}.{key}"]
+    finish(w)
+    return decoded

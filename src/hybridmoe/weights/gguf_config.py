@@ -3,7 +3,8 @@
 general.architecture: qwen3moe -> Qwen3MoeForCausalLM, qwen2moe -> Qwen2MoeForCausalLM, llama
 with experts -> MixtralForCausalLM, deepseek2 -> DeepseekV3ForCausalLM when its router scores by
 sigmoid (V3, R1, Kimi-K2), else DeepseekV2ForCausalLM (V2, V2-Lite, V2.5), glm4moe ->
-Glm4MoeForCausalLM (GLM-4.5, 4.5-Air, 4.6), gpt-oss -> GptOssForCausalLM (gpt-oss-20b, 120b).
+Glm4MoeForCausalLM (GLM-4.5, 4.5-Air, 4.6), gpt-oss -> GptOssForCausalLM (gpt-oss-20b, 120b), qwen3next ->
+Qwen3NextForCausalLM (Qwen3-Next-80B-A3B), qwen35moe -> Qwen3_5MoeForCausalLM (Qwen3.5/3.6-MoE's text model).
 Which layers are dense (Qwen's mlp_only_layers), whether the embedding is tied and whether GLM's
 attention has q/k/v bias and q/k norm are read off the tensors present, not guessed. block_count
 counts the multi-token-prediction layers a file carries past the decoder stack
@@ -28,6 +29,14 @@ checkpoints' own config (rope truncate false, as OpenAI's reference computes it)
 keeps the checkpoints' rotary, so a GGUF file computes what the model it was converted from does. llama.cpp stops
 generation at <|return|>, <|call|> and <|endoftext|> (found by their text), as the release's generation_config
 does; they join eos_token_id here.
+
+Qwen3-Next and Qwen3.5-MoE (qwen3next, qwen35moe) are read as llama.cpp runs them: the Gated DeltaNet's shape from
+the ssm.* keys (group_count key heads of state_size, time_step_rank value heads sharing inner_size, conv_kernel
+taps), its layers from attention.recurrent_layers or full_attention_interval (gguf_linear_attention.py), a head's
+rotated part from rope.dimension_count; routing is softmax top-k renormalized and unscaled whatever
+expert_weights_norm, expert_weights_scale or expert_gating_func say (llama.cpp reads none of them for these two).
+Qwen3.5's rope.dimension_sections become rope_parameters' mrope_section (for text every section turns by the same
+position: plain rotary).
 """
 
 from __future__ import annotations
@@ -37,14 +46,16 @@ import re
 
 from hybridmoe.errors import CheckpointError
 from hybridmoe.weights.gguf_file import GGUFFiles
+from hybridmoe.weights.gguf_linear_attention import HYBRID_ARCHS, delta_net_dims, recurrent_layers
 
 SUPPORTED = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "llama": "MixtralForCausalLM",
-             "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
+             "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "gpt-oss": "GptOssForCausalLM",
+             "qwen3next": "Qwen3NextForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
 """GGUF general.architecture -> our model class (llama only with routed experts: Mixtral; deepseek2 with
 sigmoid gating: DeepseekV3ForCausalLM)."""
 
 _MODEL_TYPE = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "deepseek2": "deepseek_v2",
-               "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss"}
+               "glm4moe": "glm4_moe", "gpt-oss": "gpt_oss", "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 _END_OF_GENERATION = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -93,7 +104,7 @@ def hf_config(gguf: GGUFFiles) -> dict:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or arch not in SUPPORTED or (arch == "llama" and not meta.get("llama.expert_count")):
         raise CheckpointError(f"GGUF architecture {arch!r:.40} is not supported; supported: qwen3moe, qwen2moe, "
-                              "deepseek2, glm4moe, gpt-oss, llama with experts (Mixtral)")
+                              "qwen3next, qwen35moe, deepseek2, glm4moe, gpt-oss, llama with experts (Mixtral)")
 
     def get(key, default=None, required=False):
         full = f"{arch}.{key}"
@@ -137,16 +148,19 @@ def hf_config(gguf: GGUFFiles) -> dict:
     if arch == "qwen3moe":
         cfg.update(head_dim=int(get("attention.key_length", hidden // heads)),
                    norm_topk_prob=bool(get("expert_weights_norm", True)), attention_bias=False)
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", *HYBRID_ARCHS):
         shexp = "blk.0.ffn_gate_shexp.weight"
         cfg.update(shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length",
                                                            gguf.shape(shexp)[0] if shexp in gguf.tensors else 0)),
-                   norm_topk_prob=bool(get("expert_weights_norm", False)),
-                   qkv_bias="blk.0.attn_q.bias" in gguf.tensors)
+                   norm_topk_prob=bool(get("expert_weights_norm", False)))
+    if arch == "qwen2moe":
+        cfg["qkv_bias"] = "blk.0.attn_q.bias" in gguf.tensors
     if get("rope.scaling.type") == "yarn" and arch not in ("deepseek2", "gpt-oss"):
         cfg["rope_scaling"] = {"type": "yarn", "factor": float(get("rope.scaling.factor", 1.0)),
                                "original_max_position_embeddings": int(get("rope.scaling.original_context_length",
                                                                            cfg["max_position_embeddings"]))}
+    if arch in HYBRID_ARCHS:
+        _hybrid(cfg, gguf, get, arch)
     for role in ("bos", "eos", "pad"):
         if f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id" in meta:
             key = f"tokenizer.ggml.{role if role != 'pad' else 'padding'}_token_id"
@@ -211,11 +225,7 @@ def _glm4moe(cfg: dict, gguf: GGUFFiles, get, experts: int, dense_size: int) -> 
     if int(get("attention.value_length", head_dim)) != head_dim:
         raise CheckpointError(f"{path}: glm4moe.attention.value_length differs from key_length {head_dim}; "
                               "GLM-4.5's heads have one size")
-    rope_dim = int(get("rope.dimension_count", head_dim))
-    factor = rope_dim / head_dim
-    if int(head_dim * factor) != rope_dim:
-        raise CheckpointError(f"{path}: glm4moe.rope.dimension_count {rope_dim} is not a fraction of head_dim "
-                              f"{head_dim} that config.json's partial_rotary_factor can say")
+    factor = _rotary_factor(gguf, "glm4moe", head_dim, int(get("rope.dimension_count", head_dim)))
     gating = int(get("expert_gating_func", SIGMOID))
     if gating != SIGMOID:
         raise CheckpointError(f"{path}: glm4moe.expert_gating_func is {gating}; GLM-4.5 routes by sigmoid ({SIGMOID})")
@@ -231,6 +241,49 @@ def _glm4moe(cfg: dict, gguf: GGUFFiles, get, experts: int, dense_size: int) -> 
         attention_bias="blk.0.attn_q.bias" in gguf.tensors, use_qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
         num_nextn_predict_layers=int(get("nextn_predict_layers", 0)),
     )
+
+
+def _rotary_factor(gguf: GGUFFiles, arch: str, head_dim: int, rope_dim: int) -> float:
+    """config.json's partial_rotary_factor of rope.dimension_count rotated dimensions of head_dim."""
+    factor = rope_dim / head_dim
+    if int(head_dim * factor) != rope_dim:
+        raise CheckpointError(f"{gguf.paths[0]}: {arch}.rope.dimension_count {rope_dim} is not a fraction of head_dim "
+                              f"{head_dim} that config.json's partial_rotary_factor can say")
+    return factor
+
+
+def _hybrid(cfg: dict, gguf: GGUFFiles, get, arch: str) -> None:
+    """The Qwen3NextForCausalLM / Qwen3_5MoeForCausalLM config.json fields, in place (the module doc says how
+    llama.cpp's keys are read)."""
+    path = gguf.paths[0]
+    head_dim = int(get("attention.key_length", cfg["hidden_size"] // cfg["num_attention_heads"]))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise CheckpointError(f"{path}: {arch}.attention.value_length differs from key_length {head_dim}; the "
+                              "gated attention's heads have one size")
+    factor = _rotary_factor(gguf, arch, head_dim, int(get("rope.dimension_count", head_dim)))
+    dims = delta_net_dims(gguf, arch)
+    layers = cfg["num_hidden_layers"]
+    cfg.update(
+        head_dim=head_dim, norm_topk_prob=True, attention_bias=any(n.endswith(".attn_q.bias") for n in gguf.tensors),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
+        linear_conv_kernel_dim=int(get("ssm.conv_kernel", required=True)), linear_num_key_heads=dims.key_heads,
+        linear_num_value_heads=dims.value_heads, linear_key_head_dim=dims.key_dim,
+        linear_value_head_dim=dims.value_dim,
+        layer_types=["linear_attention" if r else "full_attention" for r in recurrent_layers(gguf, arch, layers)],
+    )
+    if arch == "qwen3next":
+        cfg["partial_rotary_factor"] = factor
+        return
+    key = f"{arch}.rope.dimension_sections"
+    sections = gguf.metadata.get(key)
+    if sections is None:
+        raise CheckpointError(f"{path} lacks the metadata key {key}")
+    if not isinstance(sections, list) or len(sections) < 3 or not all(type(n) is int and n >= 0 for n in sections):
+        raise CheckpointError(f"{path}: GGUF metadata {key} must be an array of 3 or 4 counts, got {sections!r:.40}")
+    scaling = cfg.pop("rope_scaling", None) or {}
+    rope = {"rope_type": scaling.pop("type", "default"), **scaling}
+    cfg["rope_parameters"] = {**rope, "rope_theta": cfg.pop("rope_theta"), "partial_rotary_factor": factor,
+                              "mrope_section": sections[:3], "mrope_interleaved": True}
 
 
 def _gpt_oss(cfg: dict, gguf: GGUFFiles, get, experts: int) -> None:

@@ -12,7 +12,8 @@ layer a file may carry past the last decoder layer (blk.N.nextn.*) gets its chec
 (model.layers.N.eh_proj, ...), which the models skip as beyond their last layer. gpt-oss files keep q and k
 as they are too (NeoX-style rotary); their attention sinks (attn_sinks.weight) are self_attn.sinks, the router
 (ffn_gate_inp, with a bias) is mlp.router, and their routed experts are shown as the checkpoint's fused tensors
-by gguf_fused_experts.py.
+by gguf_fused_experts.py. Qwen3-Next and Qwen3.5-MoE files (qwen3next, qwen35moe) name their Gated DeltaNet tensors
+and their shifted norms through gguf_linear_attention.py; the rest of them as Qwen2-MoE's.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ _SHARED = {"deepseek2": "shared_experts", "glm4moe": "shared_experts"}
 _MLP = {"llama": "block_sparse_moe"}
 """The attribute holding a layer's MLP where it is not "mlp" (Mixtral)."""
 
-EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+EXPERTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down", "ffn_gate_up_exps": "gate_up"}
+"""Stacked routed-expert tensors -> their projection; gate_up: gate and up fused ([E, 2I, H], gate's rows first)."""
 KV_B_PARTS = ("attn_k_b", "attn_v_b")
 """Newer llama.cpp conversions of DeepSeek store kv_b_proj as these two tensors."""
 
@@ -88,7 +90,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
 
 
 def expert_tensor(gguf_name: str) -> tuple[int, str] | None:
-    """(layer, "gate"|"up"|"down") if gguf_name holds a layer's stacked routed experts."""
+    """(layer, "gate"|"up"|"down"|"gate_up") if gguf_name holds a layer's stacked routed experts."""
     m = _BLOCK.fullmatch(gguf_name)
     if m is None or m.group(2) not in EXPERTS or m.group(3) != "weight":
         return None

@@ -3,8 +3,9 @@
 Byte-level BPE ("gpt2" in tokenizer.ggml.model: Qwen, DeepSeek, Llama-3 style) is rebuilt with the
 `tokenizers` library from tokenizer.ggml.tokens / merges / token_type: CONTROL tokens become
 special added tokens, USER_DEFINED ones added tokens; the pre-tokenizer split follows
-tokenizer.ggml.pre (GPT-2's, Qwen2's, GLM-4's: Llama-3's split, digits in runs of up to three; or "gpt-4o",
-gpt-oss's o200k split: words cut before an upper-case run, contractions kept on the word, digits by three).
+tokenizer.ggml.pre (GPT-2's; Qwen2's; Qwen3.5's, which keeps combining marks in their word; GLM-4's:
+Llama-3's split, digits in runs of up to three; or "gpt-4o", gpt-oss's o200k split: words cut before
+an upper-case run, contractions kept on the word, digits by three).
 As llama.cpp does for GLM-4 vocabularies, a word that is itself a token is not merged up from pieces,
 and no BOS is added (GLM's chat template writes its [gMASK]<sop> prefix).
 
@@ -40,6 +41,9 @@ SPACE = "\u2581"
 
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""Qwen3.5's split: Qwen2's, with combining marks (\\p{M}) kept in the word they follow."""
 _GLM4_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
@@ -49,8 +53,8 @@ _O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 """o200k's split as its tokenizer.json writes it; llama.cpp's "gpt-4o" pre-tokenizer spells the same split with
 lookaheads its regex engine runs."""
-_SPLITS = {"qwen2": _QWEN2_SPLIT, "glm4": _GLM4_SPLIT, "glm5": _GLM4_SPLIT, "chatglm-bpe": _GLM4_SPLIT,
-           "gpt-4o": _O200K_SPLIT}
+_SPLITS = {"qwen2": _QWEN2_SPLIT, "qwen35": _QWEN35_SPLIT, "glm4": _GLM4_SPLIT, "glm5": _GLM4_SPLIT,
+           "chatglm-bpe": _GLM4_SPLIT, "gpt-4o": _O200K_SPLIT}
 """tokenizer.ggml.pre -> the regex that splits text into words (llama.cpp's llama-vocab.cpp)."""
 _GLM = ("glm4", "glm5", "chatglm-bpe")
 """Pre-tokenizer names whose vocabularies llama.cpp runs without a BOS token."""
