@@ -27,6 +27,7 @@ FORBIDDEN = {
     "engine": {"server", "commands", "bench"},
     "server": {"commands", "bench"},
     "checkpoint": {"layers", "experts", "models", "weights", "system", "engine", "server", "commands", "bench"},
+    "hf": {"models", "system", "engine", "server", "commands", "bench", "checkpoint"},
 }
 """part -> the parts it must never import (each folder of the package is a part)."""
 
