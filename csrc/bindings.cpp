@@ -255,6 +255,32 @@ class Engine {
     return layer_->submit(deferred_call(x, ids, weights, deferred, out, out2));
   }
 
+  // The gradients of x (into grad_x, x's dtype) and of the routing weights (into grad_weights, fp32 [T, K]) given
+  // grad_out [T, H] (fp32 or bf16); x, ids and weights checked as a forward call's (MoeLayer::backward).
+  void backward(Array x, Array ids, Array weights, Array grad_out, MutArray grad_x, MutArray grad_weights,
+                int64_t chunk_tokens) {
+    const hmoe::MoeCall fwd = make_call(x, ids, weights, grad_x);
+    check_array(grad_out, "grad_out", {fwd.T, cfg().H});
+    if (grad_out.dtype() != kBf16 && grad_out.dtype() != nb::dtype<float>())
+      fail("grad_out must be bfloat16 or float32, got " + dtype_name(grad_out.dtype()));
+    check_f32(grad_weights, "grad_weights", {fwd.T, fwd.K});
+    hmoe::MoeBackwardCall call;
+    call.x = fwd.x;
+    call.x_bf16 = fwd.x_bf16;
+    call.T = fwd.T;
+    call.K = fwd.K;
+    call.ids = fwd.ids;
+    call.ids64 = fwd.ids64;
+    call.weights = fwd.weights;
+    call.grad_out = grad_out.data();
+    call.grad_out_bf16 = grad_out.dtype() == kBf16;
+    call.grad_x = grad_x.data();
+    call.grad_weights = static_cast<float*>(grad_weights.data());
+    call.chunk_tokens = int_arg(chunk_tokens, "chunk_tokens", 0, INT32_MAX);
+    nb::gil_scoped_release nogil;
+    layer_->backward(call);
+  }
+
   hmoe::MoeCall deferred_call(Array& x, Array& ids, Array& weights, int64_t deferred, MutArray& out,
                               MutArray& out2) {
     hmoe::MoeCall call = make_call(x, ids, weights, out);
@@ -472,6 +498,9 @@ NB_MODULE(_native, m) {
            "submit + wait on the calling thread (GIL released), without the driver thread.")
       .def("run_deferred", &Engine::run_deferred, "x"_a, "topk_ids"_a, "topk_weights"_a, "deferred"_a, "out"_a,
            "out2"_a, "run() with each token's last `deferred` slots summed into out2 instead of out.")
+      .def("backward", &Engine::backward, "x"_a, "topk_ids"_a, "topk_weights"_a, "grad_out"_a, "grad_x"_a,
+           "grad_weights"_a, "chunk_tokens"_a,
+           "The gradients of x and of the routing weights through the frozen experts, given the output's.")
       .def("submit_deferred", &Engine::submit_deferred, "x"_a, "topk_ids"_a, "topk_weights"_a, "deferred"_a,
            "out"_a, "out2"_a, "submit() with each token's last `deferred` slots summed into out2 instead of out.")
       .def_prop_ro("isa", [](const Engine& e) { return std::string(kIsaNames[int(e.cfg().isa)]); })

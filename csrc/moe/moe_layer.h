@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/moe_backward.h"
 #include "moe/moe_trace.h"
 #include "moe/pack.h"
 #include "moe/packed.h"
@@ -107,6 +108,8 @@ class MoeLayer {
   void prewake();
   // forward on the calling thread (it works as one of the pool's threads); blocks until done.
   void run(const MoeCall& call);
+  // The gradients of x and of the routing weights (moe_backward.cpp), on the calling thread with the pool, as run().
+  void backward(const MoeBackwardCall& call);
   // Reads the packed weights of the given experts (each in [0, E), repeats allowed) into the
   // caches, on the calling thread with the pool (as run()), so that a call that follows soon may
   // find them there: the CPU, idle while the GPU runs a layer's attention, fetches the experts its
@@ -139,6 +142,7 @@ class MoeLayer {
   // One call on the pool, step by step (moe_layer.cpp): its state and steps.
   struct Forward;
   void forward(const MoeCall& call, int64_t call_ns);
+  struct Backward;  // one backward call (moe_backward.cpp)
 
   // Expert e's Glu with its biases from column col of h on; null for a plain layer (silu, no biases),
   // whose kernels then run as if Glu did not exist.

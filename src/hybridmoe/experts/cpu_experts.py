@@ -6,6 +6,7 @@ Shapes: T tokens, K experts per token, E experts, H hidden, I expert intermediat
     out = experts.forward(x, topk_ids, topk_weights)           # x [T, H] bf16/fp32 -> [T, H]
     experts.submit(x, topk_ids, topk_weights); ...; out = experts.wait()   # GIL released
     out = torch.ops.hybridmoe.cpu_experts(x, topk_ids, topk_weights, experts.handle)  # traceable
+    grad_x, grad_topk_weights = experts.backward(x, topk_ids, topk_weights, grad_out)  # frozen experts
 
 Weights are quantized and tiled once, here, expert by expert (a float32 copy of one expert at
 a time, never of the layer); block-FP8 codes (fp8_codes.py Fp8Codes) go into the fp8 format as they
@@ -489,6 +490,47 @@ class CpuExperts:
         if self._pending is not None:
             raise HybridMoEError("forward_deferred() called between submit() and wait(); call wait() first")
         return self._deferred_call(self._engine.run_deferred, x, topk_ids, topk_weights, deferred)[1]
+
+    def backward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, grad_out: torch.Tensor,
+                 chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients of forward(x, topk_ids, topk_weights) through the frozen experts, given grad_out [T, H]
+        (d loss / d out, bf16 or fp32): (grad_x [T, H] in x's dtype, grad_topk_weights [T, K] float32).
+
+        Per (token t, slot k) with expert e and routing weight w: grad_topk_weights[t, k] = <grad_out[t], y_e(x[t])>
+        (y_e with its down bias), and grad_x[t] = sum_k Wg_e^T dg + Wu_e^T du with dg, du the gradients of
+        h = glu(gate x + b_gate, up x + b_up) (silu(g) * u by default, or set_glu's) for dh = w Wd_e^T grad_out[t].
+        No gradient of the weights or biases is formed (frozen), so the router gets its gradient through
+        grad_topk_weights. The arguments are forward()'s (checked the same way; topk_weights float32) and only
+        they: the gate and up sums are recomputed here from x with the forward's kernels, so an autograd wrapper
+        saves x, topk_ids and topk_weights and nothing else. Weights whose slot repeats an expert (weight 0
+        padding) get their gradient too.
+
+        Runs on the calling thread with the pool's workers (GIL released), tokens grouped by expert as the
+        forward; each expert's weights are read once per pass. Sums in float32; the products read the expert
+        weights as dequantized() gives them, every format. On the AVX-512 and AMX paths (AMX layers run the
+        AVX-512 kernels here) they read grad_out, dg and du in bf16 and the weights rounded to bf16 (exact for bf16
+        and mxfp4 weights) through bf16 dot products; on the generic and AVX2 paths in float32. x is read as the
+        forward's few-token kernels read it (bf16 for bf16, fp8 and mxfp4 layers; int16 per row for int8 and int4,
+        AMX layers included).
+
+        chunk_tokens: tokens per pass (default: as many as 256 MiB of workspace hold); a call of more runs in
+        several passes, each reading the weights of the experts its tokens use.
+        """
+        if self._pending is not None:
+            raise HybridMoEError("backward() called between submit() and wait(); call wait() first")
+        chunk = 0 if chunk_tokens is None else _int_arg("chunk_tokens", chunk_tokens, 1, _INT32_MAX)
+        args = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights, "grad_out": grad_out}
+        for name, t in args.items():
+            _check_tensor(name, t)
+        x, topk_ids, topk_weights, grad_out = (t.detach() for t in args.values())
+        try:
+            grad_x = torch.empty_like(x)
+            grad_weights = torch.empty(topk_weights.shape, dtype=torch.float32)
+            x_, ids_, w_, grad_x_ = _capsules(x, topk_ids, topk_weights, grad_x)
+            self._engine.backward(x_, ids_, w_, to_dlpack(grad_out), grad_x_, to_dlpack(grad_weights), chunk)
+        except (ValueError, TypeError) as e:
+            raise _engine_error(e, **args) from None
+        return grad_x, grad_weights
 
     @staticmethod
     def _deferred_call(method, x, topk_ids, topk_weights, deferred: int):
