@@ -61,7 +61,7 @@ def routing(T: int, K: int, total: int, on_gpu: int, seed: int):
 
 def run(args) -> int:
     # Triton: imported where it runs (the GPU's kernels)
-    from hybridmoe.experts.gpu_experts_triton import triton_silu_experts
+    from hybridmoe.experts.gpu_experts_triton import triton_experts
 
     shape = SHAPES[args.shape]
     H, I, K = shape["H"], shape["I"], shape["K"]
@@ -101,9 +101,9 @@ def run(args) -> int:
         t_weighted = seconds_per_call(weighted_fn, args.reps, args.trials)
         diff = (triton_fn() - weighted_fn()).abs().max().item()
         gbs = routed * expert_bytes / t_triton / 1e9
-        t_gemv, t_dot = (graph_seconds(partial(triton_silu_experts, x, *experts, *step[:3], gemv=g), args.reps,
+        t_gemv, t_dot = (graph_seconds(partial(triton_experts, x, *experts, *step[:3], gemv=g), args.reps,
                                        args.trials) for g in (True, False))
-        t_split = {f"{gu}x{dn}": graph_seconds(partial(triton_silu_experts, x, *experts, *step[:3], gemv=True,
+        t_split = {f"{gu}x{dn}": graph_seconds(partial(triton_experts, x, *experts, *step[:3], gemv=True,
                                                        split_k=(gu, dn)), args.reps, args.trials) for gu, dn in splits}
         rows.append(dict(shape=args.shape, format=args.format, T=T, K=K, gpu_experts=E, routed_experts=routed,
                          triton_us=t_triton * 1e6, gemv_us=t_gemv * 1e6, dot_us=t_dot * 1e6, bf16_us=t_bf16 * 1e6,

@@ -1,6 +1,6 @@
 """The decode step's fused Triton kernels on CUDA against the torch ops they replace: RMSNorm with and
 without its residual add, the router's softmax top-k, the hybrid split of a step's slots (alone and
-after the top-k in one kernel) and the sum of its two partial outputs (eagerly and as a CUDA graph replay, alone and in a hybrid layer); attention's q/k norms, rotary and
+after the top-k in one kernel) and the sum of its two partial outputs (eagerly and as a CUDA graph replay, alone and in a hybrid layer, gpt-oss's experts with biases and the clamped SwiGLU too); attention's q/k norms, rotary and
 cache writes, and decode attention; then a model decoding with them against the same model with them off. Runs on the GPU host through scripts/device_check.sh.
 
 T tokens, E experts, K experts per token, H hidden, D normalized size.
@@ -23,15 +23,17 @@ from hybridmoe.experts.decode_fused import (
 )
 from hybridmoe.experts.hybrid import HybridExperts
 from hybridmoe.experts.placement import Footprint, PlacementPlan
+from hybridmoe.experts.torch_ref import TorchExperts
 from hybridmoe.forward_context import Context, DecodeBatch, use_context
 from hybridmoe.layers.attention import contiguous_slot_table
+from hybridmoe.layers.clamped_swiglu import ClampedSwiGLU
 from hybridmoe.layers.norm import RMSNorm
 from hybridmoe.layers.router import softmax_topk
 
 pytestmark = [pytest.mark.device,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
 def norm(D: int, dtype: torch.dtype, fused: bool) -> RMSNorm:
@@ -135,7 +137,7 @@ def test_route_split_kernel_equals_torch(T, E, K, on, renormalize):
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).cuda()
     width = min(K, E - on)
     w, ids, split = route_split(logits, K, renormalize, on_gpu, local, width, fused=True)
-    want_w, want_ids, want_split = route_split(logits, K, renormalize, on_gpu, local, width, fused=False)
+    want_w, want_ids, _want_split = route_split(logits, K, renormalize, on_gpu, local, width, fused=False)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
     assert_split_equal(split, split_slots(ids, w, on_gpu, local, width, fused=False))
@@ -181,7 +183,7 @@ def test_route_split_with_the_deferred_part_staged_equals_torch(T, E, K, on, def
                                             later=(later_width, bufs[3], bufs[4], None))
         assert split2[2] is bufs[3] and split2[3] is bufs[4]
         results.append((w, ids, split, split2, bufs))
-    (w, ids, split, split2, bufs), (want_w, want_ids, _, _, want_bufs) = results
+    (w, ids, split, split2, bufs), (want_w, want_ids, _, _, _want_bufs) = results
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
     assert_split_equal(split, split_slots(ids, w, on_gpu, local, width, fused=False, part=(0, K - deferred)))
@@ -236,27 +238,55 @@ def test_fused_kernels_replayed_in_a_graph_equal_eager():
         assert torch.equal(got, want)
 
 
-def hybrid_backend(gpu_ids: list[int], fused: bool) -> HybridExperts:
+GLU = ClampedSwiGLU(alpha=1.702, limit=1.0)
+"""gpt-oss's activation with a limit the layer's gate and up sums pass."""
+
+
+def hybrid_layer(seed: int = 0):
+    """One layer's experts (gate, up [8, 32, 64], down [8, 64, 32]) and gpt-oss biases (gate, up [8, 32], down [8, 64])."""
+    g = torch.Generator().manual_seed(seed)
+    weights = (torch.randn(8, 32, 64, generator=g) / 8, torch.randn(8, 32, 64, generator=g) / 8,
+               torch.randn(8, 64, 32, generator=g) / 6)
+    return weights, (torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g), torch.randn(8, 64, generator=g))
+
+
+def hybrid_backend(gpu_ids: list[int], fused: bool, gpt_oss: bool = False) -> HybridExperts:
+    """hybrid_layer's experts split with gpu_ids on the GPU, the others in a native bf16 engine; gpt_oss: with the
+    biases and the clamped SwiGLU on both sides."""
     E, H, I, K = 8, 64, 32, 3
     fp = Footprint(0, 0, 0, 3 * I * H * 4, [0], E, K, H, I)
-    b = HybridExperts(PlacementPlan(fp, None, "test", {0: gpu_ids} if gpu_ids else {}), "cuda",
-                      lambda g, u, d: CpuExperts(g, u, d, format="bf16", threads=2), num_layers=1)
-    g = torch.Generator().manual_seed(0)
-    b.set_layer(0, torch.randn(E, I, H, generator=g) / 8, torch.randn(E, I, H, generator=g) / 8,
-                torch.randn(E, H, I, generator=g) / 6)
+
+    def cpu_layer(gate, up, down):
+        experts = CpuExperts(gate, up, down, format="bf16", threads=2)
+        experts.set_glu(GLU if gpt_oss else None)
+        return experts
+
+    b = HybridExperts(PlacementPlan(fp, None, "test", {0: gpu_ids} if gpu_ids else {}), "cuda", cpu_layer,
+                      GLU if gpt_oss else F.silu, num_layers=1)
+    weights, biases = hybrid_layer()
+    b.set_layer(0, *weights)
+    if gpt_oss:
+        b.set_layer_biases(0, *biases)
     b.fused = fused
     return b
 
 
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "gpt-oss"])
 @pytest.mark.parametrize("gpu_ids", [[], [0, 3, 5], [0, 1, 2, 3, 4, 5], list(range(8))])
 @pytest.mark.parametrize("T", [1, 6])
-def test_hybrid_layer_with_fused_glue_equals_the_synchronous_path_eager_and_replayed(T, gpu_ids):
+def test_hybrid_layer_with_fused_glue_equals_the_synchronous_path_eager_and_replayed(T, gpu_ids, gpt_oss):
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, 64, generator=g).cuda()
     w, ids = torch.randn(T, 8, generator=g).softmax(-1).topk(3, dim=-1)
     ids, w = ids.cuda(), w.cuda()
-    want = hybrid_backend(gpu_ids, False).forward(0, x, ids, w)
-    fixed = hybrid_backend(gpu_ids, True)
+    want = hybrid_backend(gpu_ids, False, gpt_oss).forward(0, x, ids, w)
+    if gpt_oss:  # the float32 torch reference, within the CPU engine's bf16
+        ref = TorchExperts(glu=GLU)
+        weights, biases = hybrid_layer()
+        ref.set_layer(0, *weights)
+        ref.set_layer_biases(0, *biases)
+        torch.testing.assert_close(want.cpu(), ref.forward(0, x.cpu(), ids.cpu(), w.cpu()), **TOL[torch.bfloat16])
+    fixed = hybrid_backend(gpu_ids, True, gpt_oss)
     assert fixed.use_fixed_shapes(8, torch.float32)
     torch.testing.assert_close(fixed.forward(0, x, ids, w), want, atol=1e-4, rtol=1e-4)
     graph = torch.cuda.CUDAGraph()

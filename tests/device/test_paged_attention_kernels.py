@@ -12,6 +12,10 @@ references over its dequantized values (codes x scale), against the unquantized 
 rounded to the model's dtype (what kv_quant.read_positions gives), and the rows the kernels write against
 quantize_rows of the rows the unquantized kernels write, bit for bit.
 
+Sinks (gpt-oss: a logit per query head in each softmax that weighs no value) are checked in the decode kernel over
+one chunk and several (where the combine adds them), the one-kernel decode step and the combine alone, against the
+reference with each head's sink in its softmax, at sizes where the sinks take a good share of the weight.
+
 Each row has a few "needle" keys (planted where the row sees them) that every query head of the row scores
 about log(length) + 1 higher than a typical key, so the needles carry a fixed share of the weight however
 long the cache: at 128K keys a chunk, block or tile the kernel skips or misplaces still moves the output.
@@ -24,19 +28,13 @@ qk_rope_head_dim, NB blocks of BS positions, S slots, M blocks per slot's table.
 """
 
 import functools
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
+from kernels_device import kernels_device
 
-if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
-    DEVICE = "cpu"
-else:
-    pytest.skip("needs triton, and a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = kernels_device()
 
 from hybridmoe.layers.decode_attention_triton import (  # triton: imported once it is known to be there
     CHUNK,
@@ -182,9 +180,9 @@ def dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * scales
 
 
-def ref_attention(q, k_cache, v_cache, table, slots, lens, scale, window):
+def ref_attention(q, k_cache, v_cache, table, slots, lens, scale, window, sinks=None):
     """q [B, Hq, Dk] over each row's keys at positions [max(0, n - window), n) gathered through table (float32)
-    -> [B, Hq, Dv]."""
+    -> [B, Hq, Dv]. sinks [Hq]: one more logit in each head's softmax, which weighs no value."""
     Hq, DK = q.shape[1:]
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = []
@@ -192,9 +190,18 @@ def ref_attention(q, k_cache, v_cache, table, slots, lens, scale, window):
         pos = torch.arange(max(0, n - window) if window else 0, n, device=q.device)
         rows = flat_rows(table, slot, pos, bs)
         k, v = k_cache.flatten(0, 1)[rows].float(), v_cache.flatten(0, 1)[rows].float()  # [n, Hkv, D]
-        p = (torch.einsum("kgd,nkd->kgn", q[b].float().view(Hkv, Hq // Hkv, DK), k) * scale).softmax(dim=-1)
+        s = torch.einsum("kgd,nkd->kgn", q[b].float().view(Hkv, Hq // Hkv, DK), k) * scale
+        if sinks is not None:
+            s = torch.cat([s, sinks.float().view(Hkv, Hq // Hkv, 1)], dim=-1)
+        p = s.softmax(dim=-1)[..., :len(pos)]
         out.append(torch.einsum("kgn,nkd->kgd", p, v).reshape(Hq, -1))
     return torch.stack(out)
+
+
+def sink_logits(heads: int, lens: list[int], g: torch.Generator) -> torch.Tensor:
+    """[heads] float32 on DEVICE: about log(longest row) + 1, near a needle's score, so each head's sink takes a
+    large share of its softmax (some heads more, some less)."""
+    return (math.log(max(lens)) + 1 + torch.randn(heads, generator=g)).to(DEVICE)
 
 
 def ref_norm_rope(x, weight, eps, positions, inv_freq, scaling):
@@ -239,6 +246,33 @@ def test_decode_attention_reads_the_rows_blocks(lens, max_len, bs, shape, window
     torch.testing.assert_close(got.float(), ref_attention(q, k0, v0, table, slots, lens, scale, window), **TOL[dtype])
     unchanged_but(k, k0, torch.zeros(0, dtype=torch.long))
     unchanged_but(v, v0, torch.zeros(0, dtype=torch.long))
+
+
+def sink_cases():
+    """(lens, max_len, bs, (Hq, Hkv, Dk, Dv)) with sinks: one chunk, two (the combine adds the sinks), a long cache
+    on the GPU."""
+    return [([1, 15, 16, 17, 53], CHUNK, 16, (8, 2, 64, 64)),
+            ([CHUNK + 1, 2 * CHUNK - 3, 17, 1], 2 * CHUNK, 16, (8, 2, 32, 16)),
+            pytest.param([32768, 1000, 1], 32768, 64, (64, 8, 64, 64), marks=cuda_only, id="32768keys-sinks")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("lens,max_len,bs,shape", sink_cases())
+def test_decode_attention_adds_each_heads_sink_to_its_softmax(lens, max_len, bs, shape, window, dtype):
+    Hq, DV = shape[0], shape[3]
+    g = torch.Generator().manual_seed(len(lens) * bs + max_len + 1)
+    slots, slots_t, lens_t, table, k, v, q, scale = gqa_cache(lens, bs, shape, window, dtype, g)
+    sinks = sink_logits(Hq, lens, g)
+    got = triton_decode_attention(q, k, v, table, slots_t, lens_t, scale, window, max_len, sinks=sinks)
+    assert got.shape == (len(lens), Hq, DV) and got.dtype == dtype
+    want = ref_attention(q, k, v, table, slots, lens, scale, window, sinks)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    without = ref_attention(q, k, v, table, slots, lens, scale, window)
+    assert (want - without).abs().max() > 20 * TOL[dtype]["atol"]  # the sinks move the output past the tolerance
+    same_dtype = triton_decode_attention(q, k, v, table, slots_t, lens_t, scale, window, max_len, sinks=sinks.to(dtype))
+    torch.testing.assert_close(same_dtype.float(), ref_attention(q, k, v, table, slots, lens, scale, window,
+                                                                 sinks.to(dtype)), **TOL[dtype])
 
 
 def gqa_cache(lens, bs, shape, window, dtype, g):
@@ -336,6 +370,28 @@ def test_combine_chunks_equals_one_softmax_over_all_keys(dtype):
     torch.testing.assert_close(out.float().cpu(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_chunks_adds_each_rows_sink_once(dtype):
+    """Rows of (sequence, head) pairs, 3 heads: row r's softmax over every key of its 37 chunks and the logit
+    sinks[r % 3], one sink below the chunks' maxima, one near them, one above them all."""
+    g = torch.Generator().manual_seed(38)
+    rows, NC, L, D, heads = 6, 37, 8, 48, 3
+    s = 3 * torch.randn(rows, NC, L, generator=g)
+    empty = torch.rand(rows, NC, generator=g) < 0.3
+    empty[:, 0] = False
+    s[empty] = -float("inf")
+    v = torch.randn(rows, NC, L, D, generator=g)
+    m = s.amax(-1)
+    p = torch.where(empty[..., None], 0.0, (s - m[..., None]).exp())
+    sinks = torch.tensor([-4.0, 6.0, 14.0])
+    out = torch.empty(rows, D, dtype=dtype, device=DEVICE)
+    combine_chunks(torch.einsum("rcl,rcld->rcd", p, v).to(DEVICE), m.to(DEVICE), p.sum(-1).to(DEVICE), out,
+                   sinks.to(DEVICE))
+    logits = torch.cat([s.flatten(1), sinks.repeat(rows // heads)[:, None]], dim=1)
+    want = torch.einsum("rk,rkd->rd", logits.softmax(-1)[:, :-1], v.flatten(1, 2))
+    torch.testing.assert_close(out.float().cpu(), want, **TOL[dtype])
+
+
 def gqa_step(lens, bs, heads, qk_norm, window, dtype, g):
     """A decode step's inputs: rows of lens (new token at lens - 1) in a shuffled paged cache, filled before
     the new tokens and carrying needles for the reference's queries, NaN elsewhere; the reference's rotated
@@ -389,6 +445,43 @@ def test_rope_decode_attention_writes_the_new_row_and_reads_the_blocks(lens, bs,
     unchanged_but(v, v0, token_row)
     torch.testing.assert_close(got.float(), ref_attention(q_ref, k, v, table, slots, lens, scale, window),
                                **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("lens,bs,heads", rope_cases())
+def test_rope_decode_attention_adds_each_heads_sink(lens, bs, heads, window, dtype):
+    """The one kernel with sinks equals the two kernels it stands for with the same sinks, and the reference with
+    each head's sink in its softmax over the queries they attend with (rounded to dtype: a sink near the keys' scores
+    turns the queries' rounding into as much of the output in bfloat16 as the tolerance; the rotation itself is
+    test_rope_decode_attention_writes_the_new_row_and_reads_the_blocks')."""
+    Hq, Hkv, D = heads
+    g = torch.Generator().manual_seed(len(lens) * bs + Hq + 2)
+    slots, slots_t, lens_t, table, k, v, qkv, rope, q_ref, _, token_row = gqa_step(lens, bs, heads, True, window,
+                                                                                   dtype, g)
+    k2, v2 = k.clone(), v.clone()
+    sinks = sink_logits(Hq, lens, g)
+    scale = D ** -0.5
+    got = triton_rope_decode_attention(qkv, Hq, Hkv, D, *rope, k, v, token_row, table, slots_t, lens_t, scale, window,
+                                       sinks=sinks)
+    q = triton_norm_rope_cache(qkv, Hq, Hkv, D, *rope, k2, v2, token_row)
+    two = triton_decode_attention(q, k2, v2, table, slots_t, lens_t, scale, window, CHUNK, sinks=sinks)
+    torch.testing.assert_close(got, two, **TOL[dtype])
+    torch.testing.assert_close(q.float(), q_ref, **TOL[dtype])
+    want = ref_attention(q, k, v, table, slots, lens, scale, window, sinks)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    assert (want - ref_attention(q, k, v, table, slots, lens, scale, window)).abs().max() > 20 * TOL[dtype]["atol"]
+
+
+def test_kernels_refuse_sinks_that_are_not_one_logit_per_query_head():
+    q = torch.zeros(1, 4, 16, device=DEVICE)
+    one = torch.ones(1, dtype=torch.long, device=DEVICE)
+    table = torch.ones(1, 2, dtype=torch.int32, device=DEVICE)
+    k = torch.zeros(3, 16, 2, 16, device=DEVICE)
+    for sinks in (torch.zeros(2, device=DEVICE), torch.zeros(4, dtype=torch.long, device=DEVICE),
+                  torch.zeros(8, device=DEVICE)[::2]):
+        with pytest.raises(ValueError, match="sinks must be"):
+            triton_decode_attention(q, k, k, table, one, one, 0.25, None, 1, sinks=sinks)
 
 
 def assert_quantized_rows(codes: torch.Tensor, scales: torch.Tensor, plain: torch.Tensor, rows: torch.Tensor) -> None:
@@ -468,6 +561,42 @@ def test_attention_on_a_fp8_cache_takes_the_kernels_and_equals_its_torch_ops(max
     torch.testing.assert_close(got, want, **TOL[dtype])
     torch.testing.assert_close(got_k, want_k, atol=TOL[dtype]["atol"], rtol=TOL[dtype]["rtol"] + 2 ** -3)
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Attention's fused path: on the GPU only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused_layer", [True, False])
+@pytest.mark.parametrize("max_len", [CHUNK, 4 * CHUNK])
+def test_attention_with_sinks_decodes_in_the_kernels_as_in_its_torch_ops(max_len, fused_layer, dtype):
+    """gpt-oss's attention (sinks, q/k/v/o biases, a window) in a decode step: fused (the one kernel up to CHUNK
+    positions with fused_layer, else the norm/rotary/cache kernel and the decode kernel, chunks combined past CHUNK)
+    against the module with fused off (torch's _attend_decode): the same output and caches."""
+    from hybridmoe.forward_context import Context, DecodeBatch, use_context
+    from hybridmoe.layers.attention import Attention
+
+    bs, lens = 64, [max_len - 3, 9, 1]
+    g = torch.Generator().manual_seed(max_len + 1)
+    _, slots_t, lens_t, table, num_blocks = rows_setup(lens, bs, g)
+    torch.manual_seed(0)
+    a = Attention(256, 8, 2, 64, {"rope_type": "default", "rope_theta": 1e4}, qkv_bias=True, o_bias=True,
+                  sliding_window=300, sinks=True).to(DEVICE, dtype)
+    with torch.no_grad():
+        a.sinks.copy_(math.log(max_len) + torch.randn(8, generator=g))
+    assert a.fits_kernels
+    a.allocate_kv_cache(num_blocks, bs)
+    filled = [torch.randn(a.kv_cache.k.shape, generator=g).to(DEVICE, dtype) for _ in range(2)]
+    x = torch.randn(len(lens), 256, generator=g).to(DEVICE, dtype)
+    ctx = Context(slot_ids=[], start_pos=[], cu_seqlens=[0], decode=DecodeBatch(slots_t, lens_t, max_len),
+                  block_table=table)
+    outs = []
+    for fused in (True, False):
+        a.kv_cache.k.copy_(filled[0])
+        a.kv_cache.v.copy_(filled[1])
+        a.fused, a.fused_layer = fused, fused_layer and fused
+        with use_context(ctx), torch.no_grad():
+            outs.append((a(x, lens_t - 1), a.kv_cache.k.clone(), a.kv_cache.v.clone()))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,10 +1,13 @@
 """The one place an ExpertBackend is built: from a resolved EngineConfig, the torch reference, the native CPU
-engine (one CpuExperts per MoE layer) or the hybrid GPU/CPU split.
+engine (one CpuExperts per MoE layer) or the hybrid GPU/CPU split, each with the model's expert activation
+(and, where the config declares them, the biases the loader hands over: gpt-oss).
 
 Shapes: T tokens, H hidden, K experts per token, E experts, I expert intermediate size.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -28,15 +31,10 @@ def make_expert_backend(engine_config: EngineConfig, config, model_cls: type | N
     model_cls's tensor sizes in dtype); otherwise expert_backend alone decides.
     """
     act, glu = get_activation(config.hidden_act), config.get("expert_glu")
-    extras = expert_extras(config)
-    if extras is not None and uses_hybrid(engine_config):
-        raise HybridMoEError(f"the hybrid GPU/CPU expert split (gpu_memory_budget, gpu_experts_per_layer, "
-                             f"deferred_experts) has no routed experts with {extras}, which this model's need; "
-                             "leave those unset (the native engine or the torch reference runs them)")
     if engine_config.expert_backend == "native" and glu is None and config.hidden_act not in ("silu", "swish"):
         raise HybridMoEError(f"expert_backend='native' runs SiLU experts only; this model uses {config.hidden_act!r}")
     if uses_hybrid(engine_config):
-        return _hybrid_backend(engine_config, config, model_cls, dtype, act)
+        return _hybrid_backend(engine_config, config, model_cls, dtype, act, glu)
     if engine_config.expert_backend == "torch":
         return TorchExperts(act=act, glu=glu)
     return NativeLayers(_cpu_experts_class(), glu=glu, **_native_options(engine_config))
@@ -44,8 +42,8 @@ def make_expert_backend(engine_config: EngineConfig, config, model_cls: type | N
 
 def expert_extras(config) -> str | None:
     """What the model's routed experts add to act(gate x) * up x, for a message (gpt-oss: the clamped SwiGLU and
-    biases); None: nothing. The native engine and the torch reference run them; the hybrid GPU/CPU split (its GPU
-    experts), converted directories and the packed-expert cache (which hold no biases) do not."""
+    biases); None: nothing. The native engine, the torch reference and the hybrid GPU/CPU split run them;
+    converted directories and the packed-expert cache (which hold no biases) do not."""
     needs = []
     if config.get("expert_glu") is not None:
         needs.append(f"the {config.expert_glu.name} activation")
@@ -56,8 +54,8 @@ def expert_extras(config) -> str | None:
 
 def _native_options(ec: EngineConfig) -> dict:
     """CpuExperts' packing options from a resolved EngineConfig."""
-    return dict(format=ec.expert_format, group_size=ec.expert_group_size, threads=ec.cpu_threads,
-                zero_points=bool(ec.expert_zero_points) and ec.expert_format == "int4")
+    return {"format": ec.expert_format, "group_size": ec.expert_group_size, "threads": ec.cpu_threads,
+            "zero_points": bool(ec.expert_zero_points) and ec.expert_format == "int4"}
 
 
 def _cpu_experts_class():
@@ -67,17 +65,19 @@ def _cpu_experts_class():
     return CpuExperts
 
 
-def _hybrid_backend(engine_config: EngineConfig, config, model_cls, dtype, act) -> ExpertBackend:
+def _hybrid_backend(engine_config: EngineConfig, config, model_cls, dtype, act, glu) -> ExpertBackend:
+    """The hybrid split; glu (the model's ClampedSwiGLU, or None) takes act's place on both sides."""
     top_k = config.num_experts_per_tok
     if engine_config.deferred_experts >= top_k:
         raise HybridMoEError(f"deferred_experts {engine_config.deferred_experts} must be below the model's "
                              f"{top_k} experts per token (at least one runs in its own layer)")
     plan, _ = placement_for(model_cls, config, dtype, engine_config)
+    expert_act = glu if glu is not None else act
     if engine_config.expert_backend == "native":
-        cpu_layer = _NativeLayer(_cpu_experts_class(), **_native_options(engine_config))
+        cpu_layer = _NativeLayer(_cpu_experts_class(), glu=glu, **_native_options(engine_config))
     else:
-        cpu_layer = lambda g, u, d: TorchCpuLayer(g, u, d, act)  # noqa: E731
-    return HybridExperts(plan, engine_config.device, cpu_layer, act, engine_config.deferred_experts,
+        cpu_layer = partial(TorchCpuLayer, act=expert_act)
+    return HybridExperts(plan, engine_config.device, cpu_layer, expert_act, engine_config.deferred_experts,
                          config.num_hidden_layers, gpu_format=gpu_expert_format(engine_config, dtype))
 
 

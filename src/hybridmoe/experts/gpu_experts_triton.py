@@ -18,6 +18,9 @@ int4 group by group, each group's products on its integer codes scaled once per 
 token tl.dot pads the slot to 16 rows and int4 runs four small dots per group, so the expert-major kernels
 take 92.7 us on Qwen3-30B-A3B's 5 int4 experts against 45.9 in bf16 and 26.8 in the GEMV kernels (H200).
 
+The activation is SiLU or gpt-oss's clamped SwiGLU (gpu_experts_gemv_triton.glu); with biases (gpt-oss), gate's
+and up's are added to their float32 sums before it, down's to its sum before the slot's routing weight.
+
 T tokens, K slots per token, S = T * K slots (slot s is token s // K), E experts here,
 H hidden, I expert intermediate size, NB blocks.
 """
@@ -25,11 +28,12 @@ H hidden, I expert intermediate size, NB blocks.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hybridmoe.experts.gpu_experts import block_size, slot_blocks
-from hybridmoe.experts.gpu_experts_gemv_triton import gemv_launch
+from hybridmoe.experts.gpu_experts import Biases, block_size, kernel_glu, slot_blocks
+from hybridmoe.experts.gpu_experts_gemv_triton import gemv_launch, glu
 from hybridmoe.experts.packed_gpu import kernel_weight_args
 
 MAX_EXPERT_MAJOR_SLOTS = 64
@@ -109,12 +113,19 @@ def _int4_group(acc, x_lo, x_hi, codes_ptr, scale_ptr, zero_ptr, e, rows, g0, N,
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_expert_ptr, block_slots_ptr, h_ptr,
-                    S, H, I, K, stride_x, stride_we, stride_wi, stride_h,
+def _bias_row(b_ptr, e, cols, N):
+    """[1, len(cols)] float32: expert e's bias b [E, N] at cols."""
+    return tl.load(b_ptr + e * N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, gate_b, up_b, block_expert_ptr,
+                    block_slots_ptr, h_ptr, S, H, I, K, stride_x, stride_we, stride_wi, stride_h, alpha, limit,
                     BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
                     PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
-                    GROUP: tl.constexpr):
-    """h[s, i-block] = silu(x[s // K] . gate[e, i]) * (x[s // K] . up[e, i]) for the program's slots s.
+                    GROUP: tl.constexpr, GLU: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """h[s, i-block] = glu(x[s // K] . gate[e, i] + gate_b[e, i], x[s // K] . up[e, i] + up_b[e, i]) for the
+    program's slots s (GLU, alpha, limit: gpu_experts_gemv_triton.glu's; the biases with HAS_BIAS).
 
     FORMAT 0: gate, up dense [E, I, H]; 8 / 4: int8 / int4 PackedMatrix codes (scales gate_s, up_s; zero
     points gate_z, up_z with ZERO), GROUP int4's group size (BLOCK_H a multiple of it)."""
@@ -145,18 +156,22 @@ def _gate_up_kernel(x_ptr, gate_ptr, up_ptr, gate_s, up_s, gate_z, up_z, block_e
                 wu = _weight_tile(up_ptr, up_s, e64, rows, cols, I, H, stride_we, stride_wi, FORMAT == 8).to(xs.dtype)
                 acc_g = tl.dot(xs, wg, acc_g, input_precision=PRECISION)
                 acc_u = tl.dot(xs, wu, acc_u, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc_g += _bias_row(gate_b, e64, rows, I)
+            acc_u += _bias_row(up_b, e64, rows, I)
         out = h_ptr + slots[:, None] * stride_h + rows[None, :]
-        tl.store(out, acc_g * tl.sigmoid(acc_g) * acc_u, mask=sel[:, None] & (rows[None, :] < I))
+        tl.store(out, glu(acc_g, acc_u, GLU, alpha, limit), mask=sel[:, None] & (rows[None, :] < I))
 
 
 @triton.jit
-def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_ptr, w_ptr, y_ptr, S, H, I,
+def _down_kernel(h_ptr, down_ptr, down_s, down_z, down_b, block_expert_ptr, block_slots_ptr, w_ptr, y_ptr, S, H, I,
                  stride_h, stride_de, stride_dh, stride_y,
                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
                  PRECISION: tl.constexpr, EXPERT_MAJOR: tl.constexpr, FORMAT: tl.constexpr, ZERO: tl.constexpr,
-                 GROUP: tl.constexpr, CDTYPE: tl.constexpr):
-    """y[s, h-block] = w[s] * (down[e, h-block] . h[s]) for the program's slots s; h rounded to CDTYPE.
-    FORMAT, ZERO, GROUP as _gate_up_kernel's (BLOCK_I a multiple of GROUP for int4)."""
+                 GROUP: tl.constexpr, CDTYPE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """y[s, h-block] = w[s] * (down[e, h-block] . h[s] + down_b[e, h-block]) for the program's slots s (the bias
+    with HAS_BIAS); h rounded to CDTYPE. FORMAT, ZERO, GROUP as _gate_up_kernel's (BLOCK_I a multiple of GROUP
+    for int4)."""
     e, row, sel = _program_slots(block_expert_ptr, block_slots_ptr, S, BLOCK_S, EXPERT_MAJOR)
     if tl.max(sel.to(tl.int32), axis=0) > 0:
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] hidden rows of down
@@ -178,6 +193,8 @@ def _down_kernel(h_ptr, down_ptr, down_s, down_z, block_expert_ptr, block_slots_
                 wd = _weight_tile(down_ptr, down_s, e64, cols, inner, H, I, stride_de, stride_dh,
                                   FORMAT == 8).to(CDTYPE)  # [BLOCK_I, BLOCK_H]
                 acc = tl.dot(hs.to(CDTYPE), wd, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += _bias_row(down_b, e64, cols, H)
         scale = tl.load(w_ptr + row, mask=sel, other=0.0)  # [BLOCK_S]
         out = y_ptr + row[:, None] * stride_y + cols[None, :]
         tl.store(out, acc * scale[:, None], mask=sel[:, None] & (cols[None, :] < H))
@@ -191,34 +208,47 @@ against 532.6 us, H200)."""
 
 
 def gate_up_launch(x, gate, up, block_expert, block_slots, h, K: int, NB: int, block: int, precision: str,
-                   expert_major: bool) -> None:
+                   expert_major: bool, act=F.silu, biases: Biases | None = None) -> None:
     """_gate_up_kernel over NB blocks of slots: gate, up dense [E, I, H] or PackedMatrix; x [T, H] in the
-    compute dtype; h [S, I] float32."""
+    compute dtype; h [S, I] float32; act: F.silu or a ClampedSwiGLU; biases (gate's and up's read) or None."""
     I, H = gate.shape[1], gate.shape[2]
     g, gs, gz, se, sn, fmt, zero, group = kernel_weight_args(gate)
     u, us, uz = kernel_weight_args(up)[:3]
+    kind, alpha, limit = kernel_glu(act)
+    gb, ub = (_contiguous(b) for b in biases[:2]) if biases is not None else (x, x)  # (unread without biases)
     _gate_up_kernel[(NB, triton.cdiv(I, 16))](
-        x, g, u, gs, us, gz, uz, block_expert, block_slots, h, h.shape[0], H, I, K, x.stride(0), se, sn,
-        h.stride(0), BLOCK_S=block, BLOCK_I=16, BLOCK_H=INT4_GATE_UP_BLOCK_K if fmt == 4 else 128,
-        PRECISION=precision, EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group)
+        x, g, u, gs, us, gz, uz, gb, ub, block_expert, block_slots, h, h.shape[0], H, I, K, x.stride(0), se, sn,
+        h.stride(0), alpha, limit, BLOCK_S=block, BLOCK_I=16, BLOCK_H=INT4_GATE_UP_BLOCK_K if fmt == 4 else 128,
+        PRECISION=precision, EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group, GLU=kind,
+        HAS_BIAS=biases is not None)
 
 
 def down_launch(h, down, block_expert, block_slots, w, y, NB: int, block: int, precision: str, expert_major: bool,
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, biases: Biases | None = None) -> None:
     """_down_kernel over NB blocks of slots: down dense [E, H, I] or PackedMatrix; h [S, I] as gate_up_launch
-    wrote it, rounded to dtype (the compute dtype) for the products; w [S] slot weights; y [S, H] float32."""
+    wrote it, rounded to dtype (the compute dtype) for the products; w [S] slot weights; y [S, H] float32;
+    biases (down's read) or None."""
     H, I = down.shape[1], down.shape[2]
     d, ds, dz, se, sn, fmt, zero, group = kernel_weight_args(down)
+    db = _contiguous(biases[2]) if biases is not None else h  # (unread without biases)
     _down_kernel[(NB, triton.cdiv(H, 32))](
-        h, d, ds, dz, block_expert, block_slots, w, y, h.shape[0], H, I, h.stride(0), se, sn, y.stride(0),
+        h, d, ds, dz, db, block_expert, block_slots, w, y, h.shape[0], H, I, h.stride(0), se, sn, y.stride(0),
         BLOCK_S=block, BLOCK_H=32, BLOCK_I=INT4_DOWN_BLOCK_K if fmt == 4 else 64, PRECISION=precision,
-        EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group, CDTYPE=_TL_DTYPES[dtype])
+        EXPERT_MAJOR=expert_major, FORMAT=fmt, ZERO=zero, GROUP=group, CDTYPE=_TL_DTYPES[dtype],
+        HAS_BIAS=biases is not None)
 
 
-def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                        ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, gemv: bool | None = None,
-                        split_k: tuple[int, int] | None = None) -> torch.Tensor:
-    """sum over slots with mask of weights * silu-gated expert_ids(x); float32 [T, H].
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t as the kernels read a bias: rows laid out one after another."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def triton_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                   ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, act=F.silu,
+                   biases: Biases | None = None, gemv: bool | None = None,
+                   split_k: tuple[int, int] | None = None) -> torch.Tensor:
+    """sum over slots with mask of weights * expert_ids(x); float32 [T, H]. act: F.silu or a ClampedSwiGLU
+    (layers/clamped_swiglu.py); biases: (gate [E, I], up [E, I], down [E, H]) of these experts, or None.
 
     gemv: run the slot-major GEMV kernels of gpu_experts_gemv_triton.py, with K split split_k ways (None:
     GEMV_SPLIT_K's for T); None: when S <= MAX_GEMV_SLOTS and the weights are packed. Otherwise the tl.dot
@@ -238,7 +268,8 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
         gu, dn = split_k or GEMV_SPLIT_K.get(T, (1, 1))
         h = torch.empty((S, I) if gu == 1 else (gu, S, 2 * I), dtype=torch.float32, device=x.device)
         y = torch.empty((S, H) if dn == 1 else (dn, S, H), dtype=torch.float32, device=x.device)
-        gemv_launch(xw, gate, up, down, ids, mask, weights, h, y, K, _TL_DTYPES[gate.dtype], (gu, dn))
+        gemv_launch(xw, gate, up, down, ids, mask, weights, h, y, K, _TL_DTYPES[gate.dtype], (gu, dn),
+                    kernel_glu(act), None if biases is None else tuple(_contiguous(b) for b in biases))
         if dn > 1:
             y = y.sum(dim=0)  # the splits' parts, in a fixed order
         return y.view(T, K, H).sum(dim=1)
@@ -256,6 +287,6 @@ def triton_silu_experts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d
     # fp32 models keep fp32 products (tf32 would miss the reference by ~1e-3)
     precision = "ieee" if gate.dtype == torch.float32 else "tf32"
     expert_major = S <= MAX_EXPERT_MAJOR_SLOTS
-    gate_up_launch(xw, gate, up, block_expert, block_slots, h, K, NB, block, precision, expert_major)
-    down_launch(h, down, block_expert, block_slots, w, y, NB, block, precision, expert_major, gate.dtype)
+    gate_up_launch(xw, gate, up, block_expert, block_slots, h, K, NB, block, precision, expert_major, act, biases)
+    down_launch(h, down, block_expert, block_slots, w, y, NB, block, precision, expert_major, gate.dtype, biases)
     return y.view(T, K, H).sum(dim=1)

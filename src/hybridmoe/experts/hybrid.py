@@ -6,6 +6,9 @@ engine (native CpuExperts, or the torch reference on the CPU), which holds only 
 0..E_cpu-1. Each token's top-k is split by where its experts live; the two partial outputs are summed in
 float32 (experts/hybrid_parts.py). With deferred_experts K, each token's K lowest-weighted experts run after
 the layer's own, and their output joins the residual one decoder layer later (experts/deferral.py).
+Experts with biases and the clamped SwiGLU (gpt-oss) split the same way: the GPU share keeps its experts' rows
+of the biases and computes the model's activation (act), the CPU engine gets the other rows and the same
+activation (set_layer_biases; the native engine's set_biases / set_glu).
 
 Two paths run a step. The eager path (here): submit() starts the CPU part (native submit returns at once, the
 workers run without the GIL) and then the GPU part; wait() joins them; a layer's own and deferred experts are
@@ -35,24 +38,33 @@ from hybridmoe.experts.placement import PlacementPlan
 
 
 class TorchCpuLayer:
-    """The torch reference in the CPU engine's place: submit computes at once, wait returns float32 [T, H]."""
+    """The torch reference in the CPU engine's place: submit computes at once, wait returns float32 [T, H].
+    act: an elementwise activation (act(gate) * up) or a ClampedSwiGLU (layers/clamped_swiglu.py)."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act=F.silu):
         self.gate, self.up, self.down, self.act = gate, up, down, act
+        self.biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._out: torch.Tensor | None = None
 
     @property
     def num_experts(self) -> int:
         return self.gate.shape[0]
 
+    def set_biases(self, gate_bias: torch.Tensor, up_bias: torch.Tensor, down_bias: torch.Tensor) -> None:
+        """As CpuExperts.set_biases: gate/up [E, I], down [E, H] for later calls."""
+        self.biases = (gate_bias, up_bias, down_bias)
+
+    def _sum(self, x, ids, weights) -> torch.Tensor:
+        return weighted_experts(x, self.gate, self.up, self.down, ids, weights, None, self.act, self.biases)
+
     def submit(self, x, ids, weights) -> None:
-        self._out = weighted_experts(x, self.gate, self.up, self.down, ids, weights, None, self.act)
+        self._out = self._sum(x, ids, weights)
 
     def submit_deferred(self, x, ids, weights, deferred: int) -> None:
         """As CpuExperts.submit_deferred: wait() returns (the first K - deferred slots' sum, the last deferred's)."""
         keep = ids.shape[1] - deferred
-        self._out = tuple(weighted_experts(x, self.gate, self.up, self.down, i, w, None, self.act) if i.shape[1]
-                          else torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        self._out = tuple(self._sum(x, i, w) if i.shape[1] else torch.zeros(x.shape, dtype=torch.float32,
+                                                                            device=x.device)
                           for i, w in ((ids[:, :keep], weights[:, :keep]), (ids[:, keep:], weights[:, keep:])))
 
     def wait(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +77,9 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
 
     cpu_layer(gate, up, down) builds the CPU engine of one layer from the CPU experts' stacked
     weights (CpuExperts with the engine options, or TorchCpuLayer); where it also has
-    from_experts(experts, n), set_layer_experts packs the CPU experts one at a time through it.
+    from_experts(experts, n), set_layer_experts packs the CPU experts one at a time through it. act: the GPU
+    share's activation, the one cpu_layer gives its engines: an elementwise function (act(gate) * up), or the
+    model's ClampedSwiGLU (gpt-oss).
     """
 
     def __init__(self, plan: PlacementPlan, device: str | torch.device, cpu_layer: Callable, act=F.silu,
@@ -111,6 +125,24 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
         """Block-FP8 codes go to a native fp8 CPU engine as they are; the GPU's experts are dequantized to the
         model's dtype as they come (the GPU keeps no fp8 format: packed_gpu_format gives None for it)."""
         return getattr(self._cpu_layer, "format", None) == "fp8"
+
+    def takes_mxfp4_codes(self) -> bool:
+        """MXFP4 codes (gpt-oss) go to a native mxfp4 CPU engine as they are; the GPU's experts are dequantized to
+        the model's dtype as they come, as fp8's are."""
+        return getattr(self._cpu_layer, "format", None) == "mxfp4"
+
+    def set_layer_biases(self, layer, gate_bias, up_bias, down_bias):
+        """The layer's expert biases (gate/up [E, I], down [E, H]), after its experts: the GPU experts' rows stay on
+        the device for the GPU share, the others go to the CPU engine (which holds its experts renumbered)."""
+        st = self._layers[layer]
+        biases = (gate_bias, up_bias, down_bias)
+        gpu_ids = st.on_gpu_cpu.nonzero().flatten()
+        cpu_ids = (~st.on_gpu_cpu).nonzero().flatten()
+        if len(gpu_ids):
+            st.gpu_biases = tuple(b.index_select(0, gpu_ids.to(b.device)).to(self.device) for b in biases)
+        if st.cpu is not None:
+            st.cpu_biases = tuple(b.index_select(0, cpu_ids.to(b.device)).cpu() for b in biases)
+            st.cpu.set_biases(*st.cpu_biases)
 
     def set_layer_experts(self, layer, experts, num_experts: int):
         """set_layer from (gate, up, down) of one expert at a time, in expert order (as the loader reads them):
@@ -163,9 +195,12 @@ class HybridExperts(FixedShapeSteps, ExpertBackend):
 
     def stream_long_steps(self, streamer) -> None:
         """Run the CPU share of the steps streamer.takes() on the device from streamed experts
-        (experts/streamed_prefill.py); None: every step's CPU share on the CPU engines."""
+        (experts/streamed_prefill.py); None: every step's CPU share on the CPU engines. The CPU experts' biases,
+        if any, go to the device with it (the packed bytes that stream hold none)."""
         for st in self._layers.values():
             st.streamer = streamer if st.cpu is not None else None
+            on = st.streamer is not None and st.cpu_biases is not None
+            st.streamed_biases = tuple(b.to(self.device) for b in st.cpu_biases) if on else None
 
     def set_deferred_experts(self, k: int) -> None:
         """Defer k experts per token from the next forward on (0: exact). In fixed shapes the CUDA handoffs

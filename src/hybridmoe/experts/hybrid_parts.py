@@ -18,7 +18,8 @@ from hybridmoe.experts.gpu_experts import fixed_shape_experts, gpu_share
 
 
 class LayerSplit:
-    """One MoE layer's split: its GPU experts (stacked) and its CPU engine, with the id maps."""
+    """One MoE layer's split: its GPU experts (stacked) and its CPU engine, with the id maps; for experts with
+    biases (gpt-oss), the GPU experts' rows of them (the CPU engine holds its own)."""
 
     def __init__(self, on_gpu: torch.Tensor, local: torch.Tensor, gpu_weights, cpu, device):
         self.on_gpu_cpu = on_gpu  # [E] bool
@@ -28,6 +29,9 @@ class LayerSplit:
         self.gpu_weights = gpu_weights  # (gate, up, down) on the device (tensors, or PackedMatrix), or None
         self.cpu = cpu  # TorchCpuLayer / CpuExperts, or None
         self.streamer = None  # PrefillStreamer (experts/streamed_prefill.py): long steps' CPU share on the device
+        self.gpu_biases = None  # (gate [G, I], up [G, I], down [G, H]) of the GPU experts, on the device, or None
+        self.cpu_biases = None  # the CPU experts' rows, on the CPU (HybridExperts.set_layer_biases), or None
+        self.streamed_biases = None  # cpu_biases on the device, while a streamer runs the CPU share there
 
 
 class Partial:
@@ -58,7 +62,8 @@ class Partial:
             return
         streamed = st.cpu is not None and st.streamer is not None and st.streamer.takes(hidden)
         if streamed:  # the streamer runs the GPU experts' slots too, in the same grouped kernels
-            out = st.streamer.run(layer, hidden, st.local[ids], weights, ~st.on_gpu[ids], act, st.gpu_weights, deferred)
+            out = st.streamer.run(layer, hidden, st.local[ids], weights, ~st.on_gpu[ids], act, st.gpu_weights, deferred,
+                                  st.streamed_biases, st.gpu_biases)
             self.cpu_out, self.deferred_cpu_out = out if deferred else (out, None)
         elif st.cpu is not None:
             ids_c, w_c = ids.cpu(), weights.float().cpu()
@@ -76,9 +81,10 @@ class Partial:
             local, mask = st.local[ids], st.on_gpu[ids]
             if deferred:  # each side's GPU slots apart
                 own = torch.arange(ids.shape[1], device=ids.device) < ids.shape[1] - deferred
-                self.deferred_gpu_out = gpu_share(hidden, *st.gpu_weights, local, weights, mask & ~own, act)
+                self.deferred_gpu_out = gpu_share(hidden, *st.gpu_weights, local, weights, mask & ~own, act,
+                                                  st.gpu_biases)
                 mask = mask & own
-            self.gpu_out = gpu_share(hidden, *st.gpu_weights, local, weights, mask, act)
+            self.gpu_out = gpu_share(hidden, *st.gpu_weights, local, weights, mask, act, st.gpu_biases)
 
     def _start_fixed(self, st: LayerSplit, hidden, ids, weights, act, handoff, width: int, split=None, part=None,
                      staged: tuple[bool, bool] = (False, False)) -> None:
@@ -92,7 +98,7 @@ class Partial:
                                    staged=rows, signaled=self._signaled)
             self.handoff = handoff
         if st.gpu_weights is not None:
-            self._gpu_share = (hidden, *st.gpu_weights, local, weights, mask, act)
+            self._gpu_share = (hidden, *st.gpu_weights, local, weights, mask, act, st.gpu_biases)
 
     def start_gpu(self) -> None:
         """Enqueue the GPU share (fixed shapes): after the CPU work of every part of the layer is on its
@@ -143,7 +149,7 @@ class Partial:
         parts = self._parts()
         return add_parts(hidden, parts, self.fused, done=self._done) if parts else hidden + torch.zeros_like(hidden)
 
-    def deferred_result(self) -> "DeferredOfPass":
+    def deferred_result(self) -> DeferredOfPass:
         """The deferred experts' output (constructed with deferred), as a pending deferred computation."""
         return DeferredOfPass(self)
 

@@ -72,7 +72,7 @@ def kernel_weight_args(w) -> tuple:
     tensor or a PackedMatrix, for the Triton kernels (gpu_experts_triton.py, gpu_experts_gemv_triton.py)."""
     if isinstance(w, torch.Tensor):
         return w, w, w, w.stride(0), w.stride(1), 0, False, 32
-    E, N, K = w.shape
+    _, N, K = w.shape
     zero = w.zero if w.zero is not None else w.scale  # (unread without zero points)
     fmt = {"int4": 4, "int8": 8}[w.format]
     return w.codes, w.scale, zero, N * K, K, fmt, w.zero is not None, w.group if fmt == 4 else 32

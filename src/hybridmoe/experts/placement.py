@@ -26,11 +26,11 @@ import torch
 
 from hybridmoe.config import EngineConfig, format_bytes
 from hybridmoe.errors import HybridMoEError
-from hybridmoe.kv_plan import KVPlan, plan_kv_cache
 from hybridmoe.experts.expert_bytes import packed_expert_bytes
 from hybridmoe.experts.packed_gpu import packed_gpu_format
 from hybridmoe.experts.streamed_prefill import reserved_bytes as prefill_streaming_bytes
 from hybridmoe.experts.torch_ref import TorchExperts
+from hybridmoe.kv_plan import KVPlan, plan_kv_cache
 
 POLICIES = ("uniform", "frequency", "front-loading")
 STATS_FORMAT = "hybridmoe-expert-stats"
@@ -60,7 +60,8 @@ class Footprint:
     """The paged KV cache (kv_plan.py)."""
     workspace_bytes: int
     expert_bytes: int
-    """One routed expert (gate + up + down) on the GPU: in the compute dtype, or packed (gpu_expert_format)."""
+    """One routed expert (gate + up + down) on the GPU: in the compute dtype, or packed (gpu_expert_format); with
+    its biases in the compute dtype where the model has them."""
     moe_layers: list[int]
     num_experts: int
     top_k: int
@@ -95,6 +96,8 @@ def model_footprint(model_cls, config, dtype: torch.dtype, engine_config: Engine
     expert_bytes = (packed_expert_bytes(packed, H, inter, engine_config.expert_group_size_or_default,
                                         bool(engine_config.expert_zero_points)) if packed
                     else 3 * inter * H * torch.finfo(dtype).bits // 8)
+    if config.get("expert_bias"):  # gate, up [I] and down [H] in the compute dtype (gpt-oss)
+        expert_bytes += (2 * inter + H) * torch.finfo(dtype).bits // 8
     return Footprint(non_expert_bytes=non_expert, kv_cache_bytes=kv_plan.bytes, workspace_bytes=workspace,
                      expert_bytes=expert_bytes, moe_layers=model.moe_layers,
                      num_experts=E, top_k=config.num_experts_per_tok, hidden_size=H, moe_intermediate_size=inter,
@@ -115,7 +118,7 @@ class ExpertStats:
         return f'{head[:-1]}, "counts": {{\n{rows}\n}}}}'
 
     @classmethod
-    def load(cls, path: str | Path, moe_layers: list[int], num_experts: int) -> "ExpertStats":
+    def load(cls, path: str | Path, moe_layers: list[int], num_experts: int) -> ExpertStats:
         try:
             raw = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:

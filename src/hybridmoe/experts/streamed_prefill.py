@@ -48,8 +48,10 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.config import format_bytes
+from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cpu_slots import compact_slots
 from hybridmoe.experts.gpu_experts import (
+    Biases,
     block_size,
     gpu_share,
     slot_blocks,
@@ -286,7 +288,8 @@ def measured_costs(streamer: PrefillStreamer, top_k: int, num_experts: int) -> t
     cpu_path_seconds(engine, streamer.device, TIMED_TOKENS[0], share, top_k, repeats=1)
     t1, t2 = TIMED_TOKENS
     c1, c2 = (cpu_path_seconds(engine, streamer.device, t, share, top_k) for t in TIMED_TOKENS)
-    (copy1, g1), (copy2, g2) = (_second(lambda: device_step_seconds(streamer, layer, t, top_k)) for t in TIMED_TOKENS)
+    (copy1, g1), (copy2, g2) = (_second(lambda t=t: device_step_seconds(streamer, layer, t, top_k))
+                                for t in TIMED_TOKENS)
     streamer.slot_layer = [None, None]
     cpu_per_token, gpu_per_token = max((c2 - c1) / (t2 - t1), 1e-9), max((g2 - g1) / (t2 - t1), 0.0)
     copy = min(copy1, copy2)
@@ -375,7 +378,8 @@ class PrefillStreamer:
         return hidden.shape[0] >= self.min_tokens and hidden.device.type == self.device.type
 
     def run(self, layer: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            mask: torch.Tensor, act, resident: tuple | None = None, deferred: int = 0):
+            mask: torch.Tensor, act, resident: tuple | None = None, deferred: int = 0, biases: Biases | None = None,
+            resident_biases: Biases | None = None):
         """sum over slots with mask of weights * expert_ids(hidden): float32 [T, H] on the device; with
         resident (the layer's GPU experts: gate, up [G, I, H], down [G, H, I]), the other slots' too.
 
@@ -383,15 +387,19 @@ class PrefillStreamer:
         experts elsewhere; weights [T, K]. A layer in parts: each part's slots (ids e0.. of the part,
         renumbered from 0), the resident experts' with the last. deferred > 0: the sums over the first
         K - deferred columns and over the last `deferred` apart, a pair, from one stream of the weights.
+        act: F.silu or a ClampedSwiGLU; biases: the CPU engine's experts' (on the device), resident_biases the
+        resident experts', or None (no biases).
         """
+        extras = (act, resident, biases, resident_biases)
         if deferred:
             later = torch.arange(ids.shape[1], device=ids.device) >= ids.shape[1] - deferred  # [K]
-            return tuple(self._run(layer, hidden, ids, weights, mask, act, resident, [~later, later]))
-        return self._run(layer, hidden, ids, weights, mask, act, resident, [None])[0]
+            return tuple(self._run(layer, hidden, ids, weights, mask, extras, [~later, later]))
+        return self._run(layer, hidden, ids, weights, mask, extras, [None])[0]
 
-    def _run(self, layer, hidden, ids, weights, mask, act, resident, columns: list) -> list[torch.Tensor]:
+    def _run(self, layer, hidden, ids, weights, mask, extras: tuple, columns: list) -> list[torch.Tensor]:
         """run()'s sum for each entry of columns ([K] bool: the slots of those columns; None: all), every unit of
-        the layer staged once for all of them."""
+        the layer staged once for all of them; extras: run()'s (act, resident, biases, resident_biases)."""
+        act, resident, biases, resident_biases = extras
         sides = [(weights, mask, ~mask) if cols is None else (weights * cols, mask & cols, ~mask & cols)
                  for cols in columns]
         keys, outs = self.keys[layer], [None] * len(sides)
@@ -403,13 +411,15 @@ class PrefillStreamer:
             if self.prefetch_next:  # after the last unit the first, whose copy then overlaps the next step's start
                 self._stage(self.order[(self.order.index(key) + 1) % len(self.order)])
             part, last = self.units[key], p == len(keys) - 1
+            part_biases = None if biases is None else tuple(b[part.e0:part.e0 + part.layout.E] for b in biases)
             for i, (side_weights, side_mask, side_resident) in enumerate(sides):
                 part_ids, part_mask = ids, side_mask
                 if len(keys) > 1:
                     part_mask = side_mask & (ids >= part.e0) & (ids < part.e0 + part.layout.E)
                     part_ids = torch.where(part_mask, ids - part.e0, ids)  # the resident slots keep theirs
                 y = routed_experts(part.layout, self._slot_views(slot, part), hidden, part_ids, side_weights, part_mask,
-                                   act, resident if last else None, side_resident if last else None)
+                                   act, resident if last else None, side_resident if last else None, part_biases,
+                                   resident_biases if last else None)
                 outs[i] = y if outs[i] is None else outs[i] + y
             if self.freed[slot] is not None:
                 self.freed[slot].record(torch.cuda.current_stream(self.device))
@@ -502,13 +512,16 @@ def _clear_cuda_error() -> None:
 
 def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor, mask: torch.Tensor, act, resident: tuple | None = None,
-                   resident_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   resident_mask: torch.Tensor | None = None, biases: Biases | None = None,
+                   resident_biases: Biases | None = None) -> torch.Tensor:
     """The masked routed experts of one layer computed from its packed buffers on x's device; float32 [T, H].
     resident: (gate, up, down) of G experts already on the device (dense tensors, or PackedMatrix:
-    experts/packed_gpu.py), for the slots of resident_mask [T, K] (ids local to them there).
+    experts/packed_gpu.py), for the slots of resident_mask [T, K] (ids local to them there). act: F.silu or a
+    ClampedSwiGLU; biases: the packed experts' (E rows, on x's device), resident_biases the resident ones' (G
+    rows), or None.
 
     The layer's experts are dequantized a chunk of consecutive ids at a time into x's dtype (bf16/fp16;
-    float32 stays float32). On CUDA with triton (and SiLU) the slots are sorted into blocks of one expert
+    float32 stays float32). On CUDA with triton (and SiLU or the clamped SwiGLU) the slots are sorted into blocks of one expert
     once for the layer (the resident experts numbered after the packed ones), and each chunk runs the GPU
     share's grouped kernels over the blocks of its experts (_routed_triton: no host sync, a few
     launches a chunk; the host's launches, not the device, bounded a 512-token step when each chunk
@@ -517,23 +530,32 @@ def routed_experts(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     cdtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     xc, ids = x.to(cdtype), ids.long()
     chunk = dequant_chunk_experts(layout.H, layout.I, fused=fused_dequant(x.device, layout.format))
+    if resident is not None and (biases is None) != (resident_biases is None):
+        raise HybridMoEError("routed_experts takes biases for both the packed and the resident experts, or neither")
     if triton_usable(x.device, act):
-        return _routed_triton(layout, buffers, xc, ids, weights, mask, chunk, resident, resident_mask)
+        return _routed_triton(layout, buffers, xc, ids, weights, mask, chunk, (resident, resident_mask),
+                              act, biases, resident_biases)
     out = torch.zeros((x.shape[0], layout.H), dtype=torch.float32, device=x.device)
     for c0 in range(0, layout.E, chunk):
         c1 = min(layout.E, c0 + chunk)
         gate, up, down = layout.dequantize(buffers, torch.arange(c0, c1, device=x.device), xc.dtype)
         inside = mask & (ids >= c0) & (ids < c1)  # [T, K] the chunk's slots
-        out += gpu_share(xc, gate, up, down, ids - c0, weights, inside, act)
+        out += gpu_share(xc, gate, up, down, ids - c0, weights, inside, act, _rows(biases, c0, c1))
     if resident is not None:
-        out += gpu_share(xc, *resident, ids, weights, resident_mask, act)
+        out += gpu_share(xc, *resident, ids, weights, resident_mask, act, resident_biases)
     return out
 
 
+def _rows(biases: Biases | None, e0: int, e1: int) -> Biases | None:
+    """Experts e0 .. e1 - 1's rows of biases (None: None)."""
+    return None if biases is None else tuple(b[e0:e1] for b in biases)
+
+
 def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, mask: torch.Tensor, chunk: int, resident: tuple | None,
-                   resident_mask: torch.Tensor | None) -> torch.Tensor:
-    """routed_experts with the Triton kernels of gpu_experts_triton.py; x in the compute dtype, ids long.
+                   weights: torch.Tensor, mask: torch.Tensor, chunk: int, resident_slots: tuple, act,
+                   biases: Biases | None, resident_biases: Biases | None) -> torch.Tensor:
+    """routed_experts with the Triton kernels of gpu_experts_triton.py; x in the compute dtype, ids long;
+    resident_slots: routed_experts' (resident, resident_mask).
 
     S = T x K slots in NB blocks (slot_blocks) over the E packed experts and the G resident ones (ids
     E.. E + G - 1); chunk c sees only the blocks of its experts (the others' slots set to -1, which
@@ -543,6 +565,7 @@ def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     from hybridmoe.experts.gpu_experts_triton import down_launch, gate_up_launch
 
     T, K = ids.shape
+    resident, resident_mask = resident_slots
     E, H, I, S = layout.E, layout.H, layout.I, ids.numel()
     G = resident[0].shape[0] if resident is not None else 0
     sid = torch.where(mask, ids, torch.where(resident_mask, E + ids, E + G)) if G else torch.where(mask, ids, E)
@@ -561,9 +584,10 @@ def _routed_triton(layout: PackedLayout, buffers: dict[str, torch.Tensor], x: to
     experts = torch.arange(E, device=x.device)
     for c, (c0, c1) in enumerate(chunks):
         gate, up, down = resident if c0 == E else layout.dequantize(buffers, experts[c0:c1], x.dtype)
+        chunk_biases = resident_biases if c0 == E else _rows(biases, c0, c1)
         be, bs = chunk_expert[c], chunk_slots[c]
-        gate_up_launch(x, gate, up, be, bs, h, K, NB, block, precision, False)
-        down_launch(h, down, be, bs, w, y, NB, block, precision, False, x.dtype)
+        gate_up_launch(x, gate, up, be, bs, h, K, NB, block, precision, False, act, chunk_biases)
+        down_launch(h, down, be, bs, w, y, NB, block, precision, False, x.dtype, chunk_biases)
     return y.view(T, K, H).sum(dim=1)
 
 

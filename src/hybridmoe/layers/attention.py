@@ -143,12 +143,12 @@ def _cache_index(ctx: Context, cache: KVCache, device: torch.device) -> StepInde
 
 def _attend_cached(q, cache, ctx, idx, scale, sliding_window, fused: bool = False, sinks=None):
     """The step's queries q [T, Hq, Dk] over their sequences' caches, this step's keys already written.
-    fused: a decode step in one Triton kernel (decode_attention_triton.py; q on CUDA), which has no sinks."""
-    if (ctx.decode is not None or ctx.is_decode) and fused and sinks is None:
+    fused: a decode step in one Triton kernel (decode_attention_triton.py; q on CUDA), sinks [Hq] included."""
+    if (ctx.decode is not None or ctx.is_decode) and fused:
         from hybridmoe.layers.decode_attention_triton import triton_decode_attention
 
         return triton_decode_attention(q, cache.k, cache.v, idx.block_table, idx.seq_slot, idx.seq_len, scale,
-                                       sliding_window, idx.max_seq_len, cache.k_scale, cache.v_scale)
+                                       sliding_window, idx.max_seq_len, cache.k_scale, cache.v_scale, sinks)
     if ctx.decode is not None or ctx.is_decode:
         first = ctx.first_block(0) if ctx.num_seqs == 1 else None
         return _attend_decode(q, cache, idx, scale, sliding_window, first, sinks)
@@ -240,8 +240,8 @@ class Attention(nn.Module):
     attention). rotary_dim: how many of each head's first dimensions rotate (GLM-4.5's partial rotary; None:
     all head_dim). The Triton kernels rotate whole heads and normalize per head, so a partial-rotary layer or
     one with whole-q/k norms runs its norms, rotary and cache writes as torch ops. sinks: a learned logit per
-    query head joins each softmax and weighs no value (gpt-oss; parameter `sinks` [Hq], layers/sink_attention.py);
-    the Triton kernels have none, so such a layer attends in torch ops.
+    query head joins each softmax and weighs no value (gpt-oss; parameter `sinks` [Hq], layers/sink_attention.py):
+    a decode step's Triton kernels take them, a prefill attends with them in torch ops.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -261,9 +261,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim if qk_norm_per_head else num_kv_heads * head_dim, qk_norm_eps)
         self.rotary = RotaryEmbedding(rotary_dim or head_dim, rope)
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
-        # the Triton kernels (rope_triton, decode_attention_triton) rotate whole heads, normalize per head and
-        # have no sinks
-        self.fits_kernels = self.rotary.dim == head_dim and (qk_norm_per_head or qk_norm_eps is None) and not sinks
+        # the Triton kernels (rope_triton, decode_attention_triton) rotate whole heads and normalize per head
+        self.fits_kernels = self.rotary.dim == head_dim and (qk_norm_per_head or qk_norm_eps is None)
         self.kv_cache: KVCache | None = None
         self.fused = True  # on CUDA: norms, rotary and cache writes in one kernel, decode attention in one
         # on CUDA, short steps: o_proj as the Triton GEMV (layers/linear.py); a decode step over at most
@@ -327,8 +326,8 @@ class Attention(nn.Module):
 
     def _fused_attention(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """forward's path from qkv [T, (Hq + 2 Hkv) D] to the attention output [T, Hq, D], with q/k norms,
-        rotary and the cache writes in one kernel, and a decode step's attention in another (or, with
-        fused_layer, over at most CHUNK cached positions, all in one). A float8 cache takes the same kernels
+        rotary and the cache writes in one kernel, and a decode step's attention (with its sinks, if any) in another
+        (or, with fused_layer, over at most CHUNK cached positions, all in one). A float8 cache takes the same kernels
         but the first: rope_triton's kernel writes keys and values as they are, so torch's ops rotate them
         and the cache quantizes them (KVCache.write)."""
         from hybridmoe.layers.decode_attention_triton import (
@@ -346,10 +345,10 @@ class Attention(nn.Module):
         if self.fused_layer and (ctx.decode is not None or ctx.is_decode) and idx.max_seq_len <= CHUNK:
             return triton_rope_decode_attention(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norm_args,
                                                 idx.block_table, idx.seq_slot, idx.seq_len, self.scale,
-                                                self.sliding_window, cache.k_scale, cache.v_scale)
+                                                self.sliding_window, cache.k_scale, cache.v_scale, self.sinks)
         if cache.quantized:
             q, k, v = self._rotated(qkv, positions)
             cache.write(idx.token_row, k, v)
         else:
             q = triton_norm_rope_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *norm_args)
-        return _attend_cached(q, cache, ctx, idx, self.scale, self.sliding_window, fused=True)
+        return _attend_cached(q, cache, ctx, idx, self.scale, self.sliding_window, fused=True, sinks=self.sinks)

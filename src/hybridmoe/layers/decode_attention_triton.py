@@ -9,6 +9,10 @@ probabilities are rounded to the cache dtype (a float8 cache: the queries') befo
 values, as flash attention does. Up to CHUNK positions that is the one kernel; a longer cache adds a
 second that combines the chunks (flash-decoding).
 
+Sinks (gpt-oss, layers/sink_attention.py: a learned logit per query head that joins the softmax and weighs no
+value) enter once, where the softmax is normalized: the one-chunk kernels fold the head's sink into the running
+(max, total) after the last key, and with several chunks the combine does, so the chunks' partial sums never see it.
+
 The cache is paged: position p of the sequence in slot s lives in block block_table[s, p // BS] at row
 p % BS. Keys are read in tiles of BLOCK_L positions, BLOCK_L a divisor of BS, so a tile lies inside one
 block: one block-table read per tile, and each key row is a contiguous load as in an unpaged cache.
@@ -93,16 +97,26 @@ def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table, k_head, v_head, s_head, firs
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot_ptr, len_ptr, out_ptr, m_ptr, l_ptr,
-                             scale, window, G, DK, DV, stride_qb, stride_qh, stride_bt, stride_kr, stride_kh,
+def with_sink(m, total, acc, sink):
+    """The online softmax's (max, total, unnormalized sum) over some keys, rows [BLOCK_G], with each row's sink
+    logit (float32 [BLOCK_G]) joining the total: it weighs no value, so acc is only rescaled to the new max."""
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_new)
+    return m_new, total * alpha + tl.exp(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
+def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot_ptr, len_ptr, sink_ptr, out_ptr, m_ptr,
+                             l_ptr, scale, window, G, DK, DV, stride_qb, stride_qh, stride_bt, stride_kr, stride_kh,
                              stride_vr, stride_vh, stride_sr, stride_sh, CHUNK, BS: tl.constexpr,
                              HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
-                             PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
-                             BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+                             HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+                             BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Program (b, kh, c): row b's query heads of key/value head kh over the visible keys of positions
     [c * CHUNK, (c + 1) * CHUNK). SPLIT: the unnormalized sum and its (max, total) go to out, m, l
-    [B, Hq, NC(, Dv)] for combine_chunks; else the normalized output to out [B, Hq, Dv]. QUANT: a float8
-    cache, its scales at ks_ptr, vs_ptr (stride_sr, stride_sh: a scale row's and head's strides)."""
+    [B, Hq, NC(, Dv)] for combine_chunks (which adds the sinks); else the normalized output to out [B, Hq, Dv],
+    with HAS_SINKS each head's sink (sink_ptr [Hq]) in its softmax. QUANT: a float8 cache, its scales at ks_ptr,
+    vs_ptr (stride_sr, stride_sh: a scale row's and head's strides)."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     c = tl.program_id(2)
@@ -129,6 +143,8 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, slot_p
         tl.store(l_ptr + part, total, mask=g < G)
         tl.store(out_ptr + part[:, None] * DV + dv[None, :], acc, mask=out_mask)
     else:
+        if HAS_SINKS:
+            m, total, acc = with_sink(m, total, acc, tl.load(sink_ptr + heads, mask=g < G, other=0.0).to(tl.float32))
         tl.store(out_ptr + (b * G * tl.num_programs(1) + heads[:, None]) * DV + dv[None, :],
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -152,18 +168,19 @@ def _store_head(c_ptr, s_ptr, at, s_at, cols, inside, x, QUANT: tl.constexpr):
 
 @triton.jit
 def _rope_attention_kernel(qkv_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, q_w_ptr, k_w_ptr, positions_ptr, inv_freq_ptr,
-                           token_row_ptr, bt_ptr, slot_ptr, len_ptr, out_ptr, rope_scaling, eps, scale, window, G, D,
-                           Hq, Hkv, stride_t, stride_bt, stride_cr, stride_ch, stride_sr, stride_sh,
+                           token_row_ptr, bt_ptr, slot_ptr, len_ptr, sink_ptr, out_ptr, rope_scaling, eps, scale,
+                           window, G, D, Hq, Hkv, stride_t, stride_bt, stride_cr, stride_ch, stride_sr, stride_sh,
                            BS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANT: tl.constexpr,
-                           PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_L: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+                           BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (b, kh): row b's new token from the merged projection qkv [B, (Hq + 2 Hkv) D]: its G query
     heads of key/value head kh and that key head normalized and rotated (rope_triton.norm_rope_heads), the
     key and value written to the cache's flat row token_row[b]; then the queries over the cached keys
     before it (visible ones, through the block table) and, last, over the new key, held in registers (no
-    program reads a row another writes) -> out [B, Hq, D]. QUANT: a float8 cache, its scales at ks_ptr,
-    vs_ptr (stride_sr, stride_sh: a scale row's and head's strides); the new key and value are written
-    quantized and weigh in as their dequantized values, as every cached one does."""
+    program reads a row another writes) -> out [B, Hq, D]; HAS_SINKS: each head's sink (sink_ptr [Hq]) joins its
+    softmax. QUANT: a float8 cache, its scales at ks_ptr, vs_ptr (stride_sr, stride_sh: a scale row's and head's
+    strides); the new key and value are written quantized and weigh in as their dequantized values, as every cached
+    one does."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     g = tl.arange(0, BLOCK_G)
@@ -210,14 +227,18 @@ def _rope_attention_kernel(qkv_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, q_w_ptr, k_w_p
     p = tl.exp(s - m_new)
     total = total * alpha + p
     acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+    if HAS_SINKS:
+        m, total, acc = with_sink(m_new, total, acc, tl.load(sink_ptr + heads, mask=g < G, other=0.0).to(tl.float32))
     tl.store(out_ptr + (b * Hq + heads[:, None]) * D + cols, (acc / total[:, None]).to(out_ptr.dtype.element_ty),
              mask=q_mask)
 
 
 @triton.jit
-def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NC, D, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, NC, D, heads, BLOCK_C: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (row, db): columns db * BLOCK_D .. of one output row from its NC chunks' partial softmax sums,
-    BLOCK_C chunks at a time: first the largest chunk max, then the sums rescaled to it."""
+    BLOCK_C chunks at a time: first the largest chunk max, then the sums rescaled to it. HAS_SINKS: row r's
+    sink logit sink_ptr[r % heads] joins the max and the total (once, here)."""
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_C)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -225,6 +246,9 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NC, D, BLOCK_C: tl.constexpr
     for c0 in range(0, NC, BLOCK_C):
         top = tl.maximum(top, tl.load(m_ptr + row * NC + c0 + c, mask=c0 + c < NC, other=-float("inf")))
     top_all = tl.max(top, axis=0)  # finite: the chunk holding the new token has a key
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + row % heads).to(tl.float32)
+        top_all = tl.maximum(top_all, sink)
     total = tl.zeros((BLOCK_C,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
     for c0 in range(0, NC, BLOCK_C):
@@ -233,17 +257,24 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, NC, D, BLOCK_C: tl.constexpr
         total += tl.load(l_ptr + row * NC + cs, mask=cs < NC, other=0.0) * scale
         acc += tl.load(acc_ptr + (row * NC + cs)[:, None].to(tl.int64) * D + d[None, :],
                        mask=(cs < NC)[:, None] & (d < D)[None, :], other=0.0) * scale[:, None]
-    out = tl.sum(acc, axis=0) / tl.sum(total, axis=0)
+    denominator = tl.sum(total, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp(sink - top_all)
+    out = tl.sum(acc, axis=0) / denominator
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def combine_chunks(acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, out: torch.Tensor) -> None:
+def combine_chunks(acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, out: torch.Tensor,
+                   sinks: torch.Tensor | None = None) -> None:
     """Flash-decoding's second step: the chunks' partial softmax sums acc [rows, NC, D] (float32, unnormalized)
-    with their maxima m and totals total [rows, NC] -> out [rows, D] (written; any row-major view)."""
+    with their maxima m and totals total [rows, NC] -> out [rows, D] (written; any row-major view). sinks [heads]:
+    row r's softmax also holds the logit sinks[r % heads] (rows are (sequence, head) pairs), which weighs no value."""
     rows, NC, D = acc.shape
     block_d = min(128, triton.next_power_of_2(D))
-    _combine_kernel[(rows, triton.cdiv(D, block_d))](acc, m, total, out, NC, D,
-                                                     BLOCK_C=min(16, triton.next_power_of_2(NC)), BLOCK_D=block_d)
+    heads = sinks.numel() if sinks is not None else 1
+    _combine_kernel[(rows, triton.cdiv(D, block_d))](acc, m, total, sinks if sinks is not None else m, out, NC, D,
+                                                     heads, BLOCK_C=min(16, triton.next_power_of_2(NC)),
+                                                     BLOCK_D=block_d, HAS_SINKS=sinks is not None)
 
 
 CHUNK = 512
@@ -278,12 +309,13 @@ def _gqa_scale_args(k_cache, v_cache, k_scale, v_scale) -> tuple:
 def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                             slots: torch.Tensor, lens: torch.Tensor, scale: float, sliding_window: int | None,
                             max_len: int, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, Dk] (row b's new token) over k_cache [NB, BS, Hkv, Dk], v_cache [NB, BS, Hkv, Dv], the
     sequence in slot slots[b] (its blocks: block_table [S, M] int32, row slots[b]), positions
     0 .. lens[b] - 1 (within the window, if any) -> [B, Hq, Dv]. max_len: a bound on lens (known on
     the host: the padded length of a fixed-shape step), which sets the chunks; lens and the block table
-    are read on the device only. k_scale, v_scale [NB, BS, Hkv, 1]: a float8 cache's scales (kv_quant.py)."""
+    are read on the device only. k_scale, v_scale [NB, BS, Hkv, 1]: a float8 cache's scales (kv_quant.py).
+    sinks [Hq]: each head's sink logit (gpt-oss), or None."""
     B, Hq, DK = q.shape
     Hkv, DV = v_cache.shape[2:]
     BS = check_paged_cache(k_cache, v_cache, block_table=block_table)
@@ -298,7 +330,9 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), stride_sr, stride_sh, CHUNK)
     flags = {"BS": BS, "HAS_WINDOW": sliding_window is not None, "QUANT": quant,
              "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
-    caches = (q, k_cache, v_cache, ks, vs, block_table, slots, lens)
+    _check_sinks(sinks, Hq)
+    flags["HAS_SINKS"] = sinks is not None
+    caches = (q, k_cache, v_cache, ks, vs, block_table, slots, lens, sinks if sinks is not None else q)
     if NC == 1:
         _decode_attention_kernel[(B, Hkv, 1)](*caches, out, out, out, *args, SPLIT=False, **flags, **blocks)
         return out
@@ -306,8 +340,16 @@ def triton_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     m = torch.empty(B, Hq, NC, dtype=torch.float32, device=q.device)
     total = torch.empty_like(m)
     _decode_attention_kernel[(B, Hkv, NC)](*caches, acc, m, total, *args, SPLIT=True, **flags, **blocks)
-    combine_chunks(acc.view(B * Hq, NC, DV), m.view(B * Hq, NC), total.view(B * Hq, NC), out.view(B * Hq, DV))
+    combine_chunks(acc.view(B * Hq, NC, DV), m.view(B * Hq, NC), total.view(B * Hq, NC), out.view(B * Hq, DV), sinks)
     return out
+
+
+def _check_sinks(sinks: torch.Tensor | None, heads: int) -> None:
+    """sinks, if any, one float logit per query head, contiguous (the kernels read sinks[h])."""
+    if sinks is not None and (tuple(sinks.shape) != (heads,) or not sinks.dtype.is_floating_point
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous float tensor [{heads}] (one logit per query head), got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
 
 
 def triton_rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -316,7 +358,8 @@ def triton_rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads
                                  k_cache: torch.Tensor, v_cache: torch.Tensor, token_row: torch.Tensor,
                                  block_table: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float,
                                  sliding_window: int | None, k_scale: torch.Tensor | None = None,
-                                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                 v_scale: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+                                 ) -> torch.Tensor:
     """A decode step's rope_triton.triton_norm_rope_cache then triton_decode_attention in one kernel, for
     caches of at most CHUNK positions (max_len <= CHUNK: one program per (row, key/value head) reads it all).
 
@@ -324,7 +367,8 @@ def triton_rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads
     row token_row[b] (block * BS + offset) of k_cache, v_cache [NB, BS, Hkv, D]; block_table [S, M] int32,
     slots, lens: the rows' slots and lengths with the new token (it sits at position lens[b] - 1, which
     token_row[b] addresses) -> [B, Hq, D]. k_scale, v_scale [NB, BS, Hkv, 1]: a float8 cache's scales
-    (kv_quant.py), the new key and value written quantized with theirs.
+    (kv_quant.py), the new key and value written quantized with theirs. sinks [Hq]: each head's sink logit
+    (gpt-oss), or None.
     """
     B = qkv.shape[0]
     BS = check_paged_cache(k_cache, v_cache, block_table=block_table)
@@ -334,12 +378,13 @@ def triton_rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads
     out = torch.empty(B, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     G = num_heads // num_kv_heads
     has_norm = q_weight is not None
+    _check_sinks(sinks, num_heads)
     _rope_attention_kernel[(B, num_kv_heads)](
         qkv, k_cache, v_cache, ks, vs, q_weight if has_norm else qkv, k_weight if has_norm else qkv, positions,
-        inv_freq, token_row, block_table, slots, lens, out, attention_scaling, eps, scale, sliding_window or 0, G,
-        head_dim, num_heads, num_kv_heads, qkv.stride(0), block_table.stride(0), k_cache.stride(1),
-        k_cache.stride(2), stride_sr, stride_sh, BS=BS, HAS_NORM=has_norm, HAS_WINDOW=sliding_window is not None,
-        QUANT=quant,
+        inv_freq, token_row, block_table, slots, lens, sinks if sinks is not None else qkv, out, attention_scaling,
+        eps, scale, sliding_window or 0, G, head_dim, num_heads, num_kv_heads, qkv.stride(0), block_table.stride(0),
+        k_cache.stride(1), k_cache.stride(2), stride_sr, stride_sh, BS=BS, HAS_NORM=has_norm,
+        HAS_WINDOW=sliding_window is not None, QUANT=quant, HAS_SINKS=sinks is not None,
         PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", BLOCK_G=max(16, triton.next_power_of_2(G)),
         BLOCK_L=min(64, BS), BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
     return out

@@ -2,8 +2,9 @@
 
 A sink is one more logit in each head's softmax, a learned number per head that weighs no value: a head
 whose keys all score low spends its weight on the sink instead of on them. So the probabilities over the
-real keys sum to less than 1. The Triton kernels have no sink, so layers with sinks run these torch ops
-(layers/attention.py); a decode step's sinks join its softmax in _attend_decode.
+real keys sum to less than 1. A prefill step with sinks runs these torch ops (layers/attention.py); a decode step's
+sinks join its softmax in the Triton decode kernels on CUDA (layers/decode_attention_triton.py), else in
+_attend_decode.
 
 One sequence: n queries at positions q_start .. q_start + n - 1 over its keys at positions 0 .. m - 1
 (m = q_start + n), Hq query heads, Hkv key/value heads, G = Hq / Hkv query heads per key/value head,

@@ -7,7 +7,7 @@ marks "sliding_attention" (by default the even-indexed ones; the others see the 
 num_local_experts experts and no shared expert: the router is a linear layer with a bias whose top
 num_experts_per_tok logits are softmaxed among themselves; each expert's projections have biases and it
 applies the clamped SwiGLU (layers/clamped_swiglu.py), which the config declares (expert_glu, expert_bias) for the
-expert backend: the torch reference and the native CPU engine run them, the hybrid GPU/CPU split does not
+expert backend: the torch reference, the native CPU engine and the hybrid GPU/CPU split run them
 (experts/factory.py).
 
 Checkpoints store a layer's experts fused: mlp.experts.gate_up_proj [E, H, 2I] with gate and up interleaved

@@ -2,13 +2,10 @@
 
 - expert_backend "auto": the native CPU engine when it is built and can hold the model's precision
   (SiLU experts, or the clamped SwiGLU a config declares, and a bf16/fp16 compute dtype, or a directory
-  already converted for it); otherwise the torch reference, so a float32 model stays exact. On a GPU,
-  experts the hybrid GPU/CPU split lacks (gpt-oss's clamped SwiGLU with biases) take the torch reference,
-  said in a log line: the native engine alone would leave the GPU none of them.
+  already converted for it); otherwise the torch reference, so a float32 model stays exact.
 - expert_format "auto": the native format nearest the checkpoint's (weights/native_format.py).
 - gpu_memory_budget None on a GPU with the native engine: 90% of the GPU's free memory, so the
-  routed experts the GPU can hold run there and the rest on the CPU; none for experts the hybrid
-  split lacks (expert_backend native then runs all of them on the CPU).
+  routed experts the GPU can hold run there and the rest on the CPU.
 - prefill_streaming "auto": on when a layer streamed (its packed experts over PCIe at the bandwidth
   measured once per process, overlapped with the device's work on the previous layer) beats the CPU
   (CPU_EXPERT_FLOPS_PER_CORE, an estimate) on a max_num_batched_tokens step, and the device buffers
@@ -30,7 +27,6 @@ import torch
 from hybridmoe.config import EngineConfig, uses_hybrid
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.experts.cpu_experts import available_isas
-from hybridmoe.experts.factory import expert_extras
 from hybridmoe.experts.placement import format_bytes, model_footprint
 from hybridmoe.experts.streamed_prefill import (
     break_even_tokens,
@@ -53,11 +49,6 @@ AUTO_BUDGET_FRACTION = 0.9
 def resolve_expert_backend(engine_config: EngineConfig, config, dtype: torch.dtype, model_dir: str | Path) -> str:
     if engine_config.expert_backend != "auto":
         return engine_config.expert_backend
-    extras = expert_extras(config)
-    if extras is not None and torch.device(engine_config.device).type == "cuda":
-        log.info("expert_backend auto: torch, since the hybrid GPU/CPU split has no routed experts with %s (this "
-                 "model's); expert_backend native runs them all on the CPU", extras)
-        return "torch"
     if read_manifest(Path(model_dir)) is not None:
         return "native"
     silu = config.hidden_act in ("silu", "swish") or config.get("expert_glu") is not None
@@ -67,12 +58,9 @@ def resolve_expert_backend(engine_config: EngineConfig, config, dtype: torch.dty
 
 
 def auto_gpu_budget(engine_config: EngineConfig, config) -> int | None:
-    """The budget to plan with: the user's, else (GPU + native engine, experts the hybrid split runs) a share of
-    the GPU's free memory."""
+    """The budget to plan with: the user's, else (GPU + native engine) a share of the GPU's free memory."""
     if engine_config.gpu_memory_budget is not None or engine_config.gpu_experts_per_layer is not None:
         return engine_config.gpu_memory_budget
-    if expert_extras(config) is not None:
-        return None
     if torch.device(engine_config.device).type == "cuda" and engine_config.expert_backend == "native":
         free, _ = torch.cuda.mem_get_info(torch.device(engine_config.device))
         return int(AUTO_BUDGET_FRACTION * free)
