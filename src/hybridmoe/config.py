@@ -170,6 +170,12 @@ class EngineConfig:
     org/name:Q4_K_M for a GGUF repo's files of that quant). None: the repo's default branch. A local model path
     ignores it."""
 
+    lora: str | None = None
+    """A PEFT LoRA adapter directory (adapter_config.json and adapter_model.safetensors, as peft's save_pretrained
+    writes them), merged into the weights at load: W += scaling * B @ A on attention, dense-MLP, shared-expert and
+    linear-attention projections (weights/lora.py). An adapter on the routed experts, the router, the embeddings
+    or lm_head, a LoRA variant (DoRA, ...) or one made for another base model fails the load. None: no adapter."""
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             import torch

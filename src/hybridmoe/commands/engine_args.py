@@ -55,6 +55,7 @@ FLAGS: dict[str, Flag] = {
                            "full", choices=VERIFY_EXPERTS),
     "revision": Flag("model", "branch, tag or commit hash of a Hugging Face repo id given as --model",
                      "the repo's default branch", "REV"),
+    "lora": Flag("model", "a PEFT LoRA adapter directory, merged into the weights at load", "none", "DIR"),
     "device": Flag("engine", "where attention, dense layers and the KV cache run",
                    "auto, cuda when torch sees a GPU", choices=("auto", "cpu", "cuda")),
     "max_num_seqs": Flag("engine", "most sequences decoded together (the batch)", "8", "N", type=int),

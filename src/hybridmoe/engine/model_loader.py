@@ -5,7 +5,8 @@ Before anything is built, the config is checked (models/config_check.py, in load
 against the machine's memory (system/model_memory.py) and its layer count against the checkpoint's tensors.
 The model is built on the meta device (no memory, no random init), materialized empty on the target device in
 the target dtype, then filled from the checkpoint (weights/loader.py) or, for the routed experts, from a
-converted directory or the expert cache when one holds them packed.
+converted directory or the expert cache when one holds them packed. A LoRA adapter (EngineConfig.lora) is checked
+against the built model before the weights load and merged into them once they have (weights/lora.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hybridmoe.weights.expert_cache import read_manifest
 from hybridmoe.weights.expert_cache_policy import PackedExperts, plan_packed_experts
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
 from hybridmoe.weights.loader import load_weights, resolve_dtype
+from hybridmoe.weights.lora import plan_lora
 from hybridmoe.weights.native_format import check_int4_group
 from hybridmoe.weights.quantized import open_checkpoint
 
@@ -78,11 +80,14 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
         engine_config = resolve_engine_config(engine_config, config, dtype, model_dir)
         experts = make_expert_backend(engine_config, config, cls, dtype)
         model = build_model(cls, config, experts, dtype, engine_config.device)
+        lora = plan_lora(model, engine_config.lora) if engine_config.lora else None  # its checks before the read
         expert_device, expert_dtype = _expert_placement(engine_config, dtype)
         packed = _plan_packed(model_dir, engine_config, model, experts)  # a converted directory's own checks first
         if engine_config.expert_backend == "native" and packed.reads_checkpoint:
             _check_before_packing(engine_config, model, experts)
         load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
+        if lora is not None:
+            lora.merge()
     packed.finish(experts)
     engine_config = attach_prefill_streamer(experts, engine_config)  # the token count it measured, if any
     return LoadedModel(model=model, config=config, experts=experts, dtype=dtype, engine_config=engine_config)
