@@ -16,7 +16,7 @@ padded length, so attention runs in shapes that do not depend on the lengths (CU
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,14 @@ class Context:
     first_blocks: list[int | None] | None = None
     """Per sequence, where the host knows it: its first block when its blocks are consecutive (b, b + 1, ...),
     so attention reads its positions as one slice of the cache instead of gathering them; None: gather."""
+
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    """(slot, snapshot): before the step, every layer with a recurrent state copies the snapshot's state into the
+    slot (a sequence resuming after a cached prefix, engine/state_snapshots.py)."""
+
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
+    """(sequence b, tokens of its new ones, snapshot): every layer with a recurrent state keeps b's state after that
+    many of its new tokens in the snapshot (at most one per snapshot, each sequence's in increasing order)."""
 
     @property
     def num_seqs(self) -> int:

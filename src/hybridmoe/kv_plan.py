@@ -11,7 +11,10 @@ finds none free is preempted and resumed later (engine/scheduler.py).
 
 A model whose layers keep a recurrent state per sequence instead of a KV cache (Gated DeltaNet) holds
 max_num_seqs of those states beside the blocks: they count in the cache's memory, and a kv_cache_budget pays for them
-first.
+first. With prefix caching it also keeps snapshots of such states at block boundaries (engine/state_snapshots.py):
+SNAPSHOTS_PER_SEQ per sequence it runs at once (a prompt's end and a sequence's latest block boundary), fewer when a
+kv_cache_budget's share for them (SNAPSHOT_SHARE of what the live states and one block leave) holds fewer. They
+count in the cache's memory too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ from dataclasses import dataclass
 
 from hybridmoe.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, check_max_model_len, format_bytes, position_limit
 from hybridmoe.errors import HybridMoEError
+
+SNAPSHOTS_PER_SEQ = 2
+"""State snapshots kept per sequence the engine runs at once: each conversation's prompt end and latest boundary."""
+
+SNAPSHOT_SHARE = 0.5
+"""The most of a kv_cache_budget (past the live states and one block) that state snapshots take; blocks get the
+rest."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,10 @@ class KVPlan:
     """Blocks of the host tier (engine/kv_blocks.py), 0: none."""
     state_bytes: int = 0
     """The recurrent states of max_num_seqs sequences (models/base.py state_bytes_per_seq), beside the blocks."""
+    snapshots: int = 0
+    """Recurrent-state snapshots kept for prefix caching (engine/state_snapshots.py)."""
+    snapshot_bytes: int = 0
+    """Their memory, beside the blocks and the live states."""
 
     @property
     def tokens(self) -> int:
@@ -44,7 +58,7 @@ class KVPlan:
 
     @property
     def bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.bytes_per_token + self.state_bytes
+        return self.num_blocks * self.block_size * self.bytes_per_token + self.state_bytes + self.snapshot_bytes
 
     def line(self) -> str:
         """The load's line about the cache: its size, the tokens per GiB (the trade against cached experts) and
@@ -57,6 +71,8 @@ class KVPlan:
         host = (f"; host tier {host_tokens} tokens, {format_bytes(host_tokens * self.bytes_per_token)}"
                 if self.host_blocks else "")
         state = f", recurrent states {format_bytes(self.state_bytes)}" if self.state_bytes else ""
+        if self.state_bytes and self.snapshot_bytes:
+            state += f" and {self.snapshots} prefix snapshots of them {format_bytes(self.snapshot_bytes)}"
         return (f"{self.tokens} tokens in blocks of {self.block_size}, {format_bytes(self.bytes)}{state} "
                 f"({per_gib} tokens per GiB); max_model_len {self.max_model_len}{why}{host}")
 
@@ -70,8 +86,10 @@ def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: in
     bs, given, limit = engine_config.kv_block_size, engine_config.max_model_len, position_limit(model_config)
     states = engine_config.max_num_seqs * state_bytes_per_seq
     block_bytes = max(bytes_per_token, 1) * bs  # a model of stateful layers only caches no keys at all
+    snapshots = _snapshots(engine_config, state_bytes_per_seq, engine_config.kv_cache_budget - states - block_bytes
+                           if engine_config.kv_cache_budget is not None else None)
     if engine_config.kv_cache_budget is not None:
-        blocks = (engine_config.kv_cache_budget - states) // block_bytes
+        blocks = (engine_config.kv_cache_budget - states - snapshots * state_bytes_per_seq) // block_bytes
         if blocks < 1:
             held = f" beside {format_bytes(states)} of recurrent states" if states else ""
             raise HybridMoEError(
@@ -93,4 +111,15 @@ def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: in
     else:
         host_blocks = host // block_bytes
     return KVPlan(blocks + 1, bs, max_len, bytes_per_token, limit, host_blocks if engine_config.prefix_caching else 0,
-                  states)
+                  states, snapshots, snapshots * state_bytes_per_seq)
+
+
+def _snapshots(engine_config: EngineConfig, state_bytes_per_seq: int, spare: int | None) -> int:
+    """How many recurrent-state snapshots prefix caching keeps (0 without a recurrent state or prefix caching).
+    spare: a kv_cache_budget's bytes past the live states and one block (None: no budget)."""
+    if not state_bytes_per_seq or not engine_config.prefix_caching:
+        return 0
+    wanted = SNAPSHOTS_PER_SEQ * engine_config.max_num_seqs
+    if spare is None:
+        return wanted
+    return max(0, min(wanted, int(spare * SNAPSHOT_SHARE) // state_bytes_per_seq))

@@ -106,7 +106,7 @@ def test_32_greedy_tokens_through_the_engine_equal_transformers_generate(saved):
     a step."""
     hf, path = saved
     llm = LLM(path, dtype="float32", max_num_batched_tokens=16)
-    assert not llm.engine.config.prefix_caching and not llm.engine.runner.fixed
+    assert llm.engine.config.prefix_caching and not llm.engine.runner.fixed
     for prompt in (LONG, PROMPTS[1]):
         assert llm.generate(prompt, GREEDY)[0].token_ids == hf_greedy(hf, prompt)
 

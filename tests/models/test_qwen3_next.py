@@ -6,7 +6,6 @@ attention), its weights redrawn at O(1) scale (randomize), saved and loaded back
 """
 
 import json
-import logging
 
 import pytest
 import torch
@@ -162,19 +161,17 @@ def hf_greedy(hf, prompt: list[int], new: int = 32) -> list[int]:
                        pad_token_id=0)[0, len(prompt):].tolist()
 
 
-def test_32_greedy_tokens_through_the_engine_equal_transformers_generate(saved, caplog):
+def test_32_greedy_tokens_through_the_engine_equal_transformers_generate(saved):
     """Prefill in steps of 16 tokens (the 150-token prompt crosses the rule's chunks inside steps), then one token
-    a step; prefix caching is turned off, with its log line."""
+    a step."""
     hf, path = saved
-    with caplog.at_level(logging.INFO, logger="hybridmoe"):
-        llm = LLM(path, dtype="float32", max_num_batched_tokens=16)
-    assert "prefix caching off: Qwen3NextForCausalLM keeps a recurrent state per sequence" in caplog.text
-    assert not llm.engine.config.prefix_caching and not llm.engine.scheduler.pool.prefix_caching
-    assert not llm.engine.runner.fixed
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=16)
+    assert llm.engine.config.prefix_caching and not llm.engine.runner.fixed
     for prompt in (LONG, PROMPTS[1]):
         assert llm.generate(prompt, GREEDY)[0].token_ids == hf_greedy(hf, prompt)
-    again = llm.generate(LONG, GREEDY)[0]  # the same prompt again: computed again, from a fresh state
-    assert again.token_ids == hf_greedy(hf, LONG) and again.num_cached_tokens == 0
+    # the same prompt again: its two full blocks of 64 and the state snapshot at their end come from the cache
+    again = llm.generate(LONG, GREEDY)[0]
+    assert again.token_ids == hf_greedy(hf, LONG) and again.num_cached_tokens == 128
 
 
 def test_sequences_batched_together_give_each_its_own_tokens(saved):
@@ -193,10 +190,11 @@ def test_a_preempted_sequence_resumes_with_the_tokens_it_would_have_had(saved):
     prompts, params = [LONG[:100], LONG[10:100]], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     expected = [alone.generate(p, params)[0].token_ids for p in prompts]
     plan = alone.engine.kv_plan
-    # 17 blocks of 16 hold one sequence of 160 tokens, not two (and the states of both): the later one is preempted
-    budget = 17 * 16 * plan.bytes_per_token + 2 * plan.state_bytes // alone.engine.config.max_num_seqs
+    # 17 blocks of 16 hold one sequence of 160 tokens, not two (beside the states of both and two prefix snapshots
+    # of each): the later one is preempted
+    budget = 17 * 16 * plan.bytes_per_token + (2 + 4) * plan.state_bytes // alone.engine.config.max_num_seqs
     tight = LLM(path, dtype="float32", kv_block_size=16, max_num_seqs=2, kv_cache_budget=budget, max_model_len=256)
-    assert tight.engine.kv_plan.tokens == 17 * 16  # the states paid for first
+    assert tight.engine.kv_plan.tokens == 17 * 16 and tight.engine.kv_plan.snapshots == 4  # states paid for first
     assert [o.token_ids for o in tight.generate(prompts, [params, params])] == expected
     assert tight.engine.scheduler.num_preemptions > 0
 
@@ -207,7 +205,8 @@ def test_the_kv_plan_counts_the_states(saved):
     per_seq = llm.engine.runner.model.state_bytes_per_seq()
     plan = llm.engine.kv_plan
     assert plan.state_bytes == 3 * per_seq
-    assert plan.bytes == plan.num_blocks * 16 * plan.bytes_per_token + 3 * per_seq
+    assert plan.snapshots == 2 * 3 and plan.snapshot_bytes == 6 * per_seq  # prefix caching's state snapshots
+    assert plan.bytes == plan.num_blocks * 16 * plan.bytes_per_token + (3 + 6) * per_seq
     with pytest.raises(HybridMoEError, match="holds no block of 16 tokens .* beside .* of recurrent states"):
         LLM(path, dtype="float32", max_num_seqs=3, kv_block_size=16, kv_cache_budget=3 * per_seq)
 

@@ -267,3 +267,169 @@ def test_each_block_of_a_sequence_is_hashed_once_however_long_it_waits(monkeypat
         parent = digest(parent, b.token_ids(4 * i, 4 * i + 4))
         want.append(parent)
     assert [b.block_digests[i] for i in range(3)] == want
+
+
+def recurrent_scheduler(num_slots, max_num_batched_tokens, num_blocks=64, block_size=4, num_snapshots=8, interval=0,
+                        host_blocks=0):
+    """A scheduler for a model with a recurrent state per sequence: its pool keeps state snapshots."""
+    from hybridmoe.engine.state_snapshots import StateSnapshots
+
+    pool = BlockPool(num_blocks, block_size, host_blocks=host_blocks,
+                     snapshots=StateSnapshots(num_snapshots, interval))
+    return Scheduler(num_slots, max_num_batched_tokens, pool)
+
+
+def digest_at(tokens, boundary, block_size=4):
+    """The digest of the block that ends at `boundary` tokens."""
+    from hybridmoe.engine.kv_blocks import TokenDigests
+
+    return TokenDigests.of(tokens, block_size)[boundary // block_size - 1]
+
+
+def assert_snapshots_accounted(pool):
+    """Every snapshot row is free or holds the state at a block the prefix cache still has, each row once."""
+    snaps = pool.snapshots
+    rows = list(snaps.rows().values()) + snaps.free_rows
+    assert sorted(rows) == list(range(snaps.num_snapshots))
+    assert all(pool.is_cached(d) for d in snaps.entries)
+
+
+def test_a_recurrent_models_prefix_is_reused_up_to_its_last_block_with_a_state_snapshot():
+    sched = recurrent_scheduler(num_slots=2, max_num_batched_tokens=100)
+    a = Sequence("a", list(range(1, 11)), SamplingParams(max_tokens=1))
+    sched.add(a)
+    (step,) = sched.schedule()
+    # the prompt's last full block ends at 8: the step keeps the state there, 8 of its 10 tokens in
+    assert step.restore is None and [n for n, _ in step.saves] == [8]
+    saved = step.saves[0][1]
+    run([step], sched)
+    sched.finish(a)
+    b = Sequence("b", list(range(1, 10)) + [99, 98], SamplingParams(max_tokens=1))
+    sched.add(b)
+    (step,) = sched.schedule()
+    assert plan([step]) == [("b", 3)] and b.num_cached_tokens == 8 and step.restore == saved
+    run([step], sched)
+    sched.finish(b)
+    # blocks [1-4] are cached too, but no snapshot holds the state after them: computed from position 0
+    c = Sequence("c", list(range(1, 6)) + [55, 56], SamplingParams(max_tokens=1))
+    sched.add(c)
+    (step,) = sched.schedule()
+    assert plan([step]) == [("c", 7)] and c.num_cached_tokens == 0 and step.restore is None
+    assert digest_at(c.prompt_ids, 4) in sched.pool.cached
+
+
+def test_a_sequence_keeps_one_snapshot_past_its_prompt_and_every_intervals_block():
+    sched = recurrent_scheduler(num_slots=1, max_num_batched_tokens=100, interval=3)
+    a = Sequence("a", list(range(1, 7)), SamplingParams(max_tokens=30))  # prompt end at 4
+    sched.add(a)
+    saves = []
+    while not a.output_ids or len(a.output_ids) < 30:
+        batch = sched.schedule()
+        saves += [(batch[0].seq.num_computed + n) for n, _ in batch[0].saves]
+        run(batch, sched)
+    tokens = a.prompt_ids + a.output_ids
+    # the prompt's end, every 3rd block's end, and each block end after the prompt (the latest replaces the one
+    # before, an interval's stays)
+    assert saves == [4, 8, 12, 16, 20, 24, 28, 32]
+    kept = {digest_at(tokens, b) for b in (4, 12, 24)}
+    assert set(sched.pool.snapshots.entries) == kept | {digest_at(tokens, 32)}
+    assert a.latest_snapshot == digest_at(tokens, 32)
+    sched.finish(a)
+    assert_snapshots_accounted(sched.pool)
+
+
+def test_a_preempted_sequence_resumes_from_the_snapshot_of_its_own_prefix():
+    # 9 usable blocks of 4 tokens: two sequences of 8-token prompts and 12 new tokens each (5 blocks) cannot both
+    # fit, and the blocks a takes from b's after its preemption leave b's first ones cached
+    sched = recurrent_scheduler(num_slots=2, max_num_batched_tokens=100, num_blocks=10, block_size=4)
+    a, b = (Sequence(name, list(range(first, first + 8)), SamplingParams(max_tokens=12))
+            for name, first in (("a", 1), ("b", 101)))
+    for s in (a, b):
+        sched.add(s)
+    resumed = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        resumed += [(s.seq.request_id, s.seq.num_computed) for s in batch if s.restore is not None]
+        run(batch, sched)
+        for s in batch:
+            if len(s.seq.output_ids) >= s.seq.params.max_tokens:
+                sched.finish(s.seq)
+    assert b.num_preemptions >= 1 and len(b.output_ids) == 12
+    # b comes back at a block boundary past its prompt end (its latest snapshot), not at position 0
+    assert any(name == "b" and n > 8 and n % 4 == 0 for name, n in resumed)
+    assert sched.pool.num_free == sched.pool.usable_blocks
+    assert_snapshots_accounted(sched.pool)
+
+
+def test_a_snapshot_leaves_with_its_block_and_a_full_snapshot_pool_drops_its_least_recently_used():
+    sched = recurrent_scheduler(num_slots=1, max_num_batched_tokens=100, num_blocks=4, num_snapshots=2)  # 3 blocks
+    prompts = [list(range(10 * k + 1, 10 * k + 10)) for k in range(3)]  # 9 tokens: 2 full blocks, 3 blocks each
+    for k, prompt in enumerate(prompts[:2]):
+        s = Sequence(f"p{k}", prompt, SamplingParams(max_tokens=1))
+        sched.add(s)
+        finish_all(sched, [s])
+    pool, snaps = sched.pool, sched.pool.snapshots
+    # the second prompt took every block: the first's cached blocks, and so its snapshot, are gone
+    assert set(snaps.entries) == {digest_at(prompts[1], 8)} and snaps.stats.evicted == 0
+    assert_snapshots_accounted(pool)
+    big = recurrent_scheduler(num_slots=1, max_num_batched_tokens=100, num_snapshots=2)
+    for k, prompt in enumerate(prompts):
+        s = Sequence(f"p{k}", prompt, SamplingParams(max_tokens=1))
+        big.add(s)
+        finish_all(big, [s])
+    snaps = big.pool.snapshots
+    assert set(snaps.entries) == {digest_at(prompts[1], 8), digest_at(prompts[2], 8)} and snaps.stats.evicted == 1
+    assert digest_at(prompts[0], 8) in big.pool.cached  # the block stays, but no prefix ends there now
+    again = Sequence("again", prompts[0] + [7], SamplingParams(max_tokens=1))
+    big.add(again)
+    big.schedule()
+    assert again.num_cached_tokens == 0
+
+
+def test_a_snapshot_whose_step_never_ran_is_dropped_before_the_next_step():
+    """A step that fails leaves its sequences' blocks unregistered: the rows it was to save into hold no state, and
+    must not serve the same tokens later."""
+    sched = recurrent_scheduler(num_slots=1, max_num_batched_tokens=100)
+    a = Sequence("a", list(range(1, 11)), SamplingParams(max_tokens=1))
+    sched.add(a)
+    (step,) = sched.schedule()
+    assert step.saves and len(sched.pool.snapshots) == 1
+    sched.finish(a)  # the step raised: the engine ends the request without its blocks registered
+    sched.schedule()
+    assert len(sched.pool.snapshots) == 0 and sched.pool.snapshots.free_rows
+    assert_snapshots_accounted(sched.pool)
+
+
+@pytest.mark.parametrize("host_blocks", [0, 5])
+def test_every_block_and_snapshot_is_accounted_for_after_mixed_requests_and_aborts(host_blocks):
+    import random
+
+    rng = random.Random(1)
+    sched = recurrent_scheduler(4, 16, num_blocks=12, num_snapshots=3, interval=2, host_blocks=host_blocks)
+    shared = [7] * 12
+    live = []
+    for step in range(400):
+        if rng.random() < 0.3:
+            prompt = shared[:rng.randrange(13)] + [rng.randrange(1000) for _ in range(rng.randrange(1, 12))]
+            seq = Sequence(f"s{step}", prompt, SamplingParams(max_tokens=rng.randrange(1, 10)))
+            sched.add(seq)
+            live.append(seq)
+        if live and rng.random() < 0.05:
+            sched.finish(live.pop(rng.randrange(len(live))))
+        batch = sched.schedule()
+        for s in batch:  # each step restores and saves distinct rows, a sequence's saves in order
+            assert [n for n, _ in s.saves] == sorted({n for n, _ in s.saves})
+            assert all(0 < n <= s.num_tokens for n, _ in s.saves)
+        rows = [i for s in batch for _, i in s.saves]
+        assert len(rows) == len(set(rows)) and not set(rows) & {s.restore for s in batch}
+        run(batch, sched)
+        for s in batch:
+            if len(s.seq.output_ids) >= s.seq.params.max_tokens:
+                sched.finish(s.seq)
+                live.remove(s.seq)
+        assert_snapshots_accounted(sched.pool)
+    for seq in live:
+        sched.finish(seq)
+    pool = sched.pool
+    assert pool.num_free == pool.usable_blocks and all(r == 0 for r in pool.refs)
+    assert pool.stats.hit_tokens > 0 and pool.snapshots.stats.restored > 0 and sched.num_preemptions > 0

@@ -17,6 +17,11 @@ host_blocks blocks in host memory, kept there under its digest (least recently u
 prefix that reaches it copies it back into a fresh device block instead of computing it again. The pool only
 decides; the copies it asks for wait in `copies` ("out": device block -> host block, "in": host block -> device
 block, in order) until the model runner makes them before the next step.
+
+A model with a recurrent state per sequence (Gated DeltaNet) needs that state at the end of a reused prefix too: its
+pool has `snapshots` (engine/state_snapshots.py), the states kept at some block boundaries under the digest of the
+block that ends there. A prefix is then reused only up to its last block with a snapshot, and a snapshot is dropped
+when its digest leaves the cache (evicted from the device with no host tier to take it, or dropped by the host tier).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from hybridmoe.engine.state_snapshots import StateSnapshots
 
 SCRATCH_BLOCK = 0
 """The block padding rows write into; never held by a sequence."""
@@ -87,7 +94,10 @@ class SequenceBlocks:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, host_blocks: int = 0,
+                 snapshots: StateSnapshots | None = None):
+        """snapshots: the recurrent states kept at block boundaries, for a model that keeps one per sequence (None:
+        a model of attention layers only, or prefix caching off)."""
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is scratch), got {num_blocks}")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
@@ -101,6 +111,7 @@ class BlockPool:
         self.host_free = list(range(self.host_blocks - 1, -1, -1))
         self.copies: list[BlockCopy] = []
         """Copies between the device and the host tier the next step must make first, in order."""
+        self.snapshots = snapshots if prefix_caching else None
 
     @property
     def num_free(self) -> int:
@@ -117,8 +128,9 @@ class BlockPool:
 
     def match_prefix(self, tokens: TokenDigests, limit: int) -> tuple[list[int | None], list[bytes]]:
         """The longest cached prefix of a sequence's full blocks (tokens: their digests), at most limit tokens (so
-        a sequence keeps at least one token to compute): per block its device block, or None where only the host
-        tier holds it; and their digests. Takes no reference (take does)."""
+        a sequence keeps at least one token to compute), cut back to its last block with a state snapshot when the
+        pool keeps snapshots: per block its device block, or None where only the host tier holds it; and their
+        digests. Takes no reference (take does)."""
         found, digests = [], []
         if self.prefix_caching:
             for i in range(limit // self.block_size):
@@ -128,6 +140,9 @@ class BlockPool:
                     break
                 found.append(block)
                 digests.append(digest)
+        if self.snapshots is not None:
+            usable = self.snapshots.usable(digests)
+            found, digests = found[:usable], digests[:usable]
         return found, digests
 
     def take(self, found: list[int | None], digests: list[bytes]) -> list[int]:
@@ -172,6 +187,7 @@ class BlockPool:
             if digest is not None:
                 del self.cached[digest]
                 self._keep_on_host(b, digest)
+                self._forget_snapshot(digest)
             self.refs[b] = 1
             out.append(b)
         return out
@@ -182,13 +198,23 @@ class BlockPool:
             self.on_host.move_to_end(digest)
             return
         if not self.host_free and self.on_host:
-            _, dropped = self.on_host.popitem(last=False)
+            gone, dropped = self.on_host.popitem(last=False)
             self.host_free.append(dropped)
+            self._forget_snapshot(gone)
         if not self.host_free:  # no tier, or its one block is being copied in
             return
         host = self.host_free.pop()
         self.on_host[digest] = host
         self.copies.append(BlockCopy("out", block, host))
+
+    def is_cached(self, digest: bytes) -> bool:
+        """The device or the host tier caches the block of digest."""
+        return digest in self.cached or digest in self.on_host
+
+    def _forget_snapshot(self, digest: bytes) -> None:
+        """Drop digest's state snapshot once neither the device nor the host tier caches the block."""
+        if self.snapshots is not None and not self.is_cached(digest):
+            self.snapshots.drop(digest)
 
     def release(self, blocks: list[int]) -> None:
         """Drop one hold of each block; unheld ones become free, the last ones first in line for eviction."""

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 from hybridmoe.config import EngineConfig
@@ -23,6 +21,7 @@ from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.sampler import TokenLogprobs
 from hybridmoe.engine.scheduler import ScheduledSeq, Scheduler
 from hybridmoe.engine.sequence import RequestOutput, Sequence
+from hybridmoe.engine.state_snapshots import StateSnapshots
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.kv_plan import plan_kv_cache
 from hybridmoe.sampling_params import SamplingParams
@@ -30,8 +29,6 @@ from hybridmoe.system.host import meminfo
 from hybridmoe.system.model_memory import check_kv_fits
 from hybridmoe.tokenizer import Tokenizer
 from hybridmoe.weights.gguf_model_dir import resolve_model_path
-
-log = logging.getLogger("hybridmoe")
 
 
 class LLMEngine:
@@ -48,23 +45,21 @@ class LLMEngine:
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = _eos_token_ids(Path(model_dir), loaded.config, self.tokenizer)
         state_bytes = loaded.model.state_bytes_per_seq()
-        if state_bytes and self.config.prefix_caching:
-            log.info("prefix caching off: %s keeps a recurrent state per sequence, which cached KV blocks do not "
-                     "restore", type(loaded.model).__name__)
-            self.config = replace(self.config, prefix_caching=False)
-            self.resolved_config = replace(self.resolved_config, prefix_caching=False)
         fp8 = self.config.kv_cache_dtype == "fp8"
         self.kv_plan = plan_kv_cache(loaded.config, self.config, loaded.model.kv_bytes_per_token(fp8), meminfo()[1],
                                      state_bytes)
         self.max_model_len = self.kv_plan.max_model_len
         check_kv_fits(self.kv_plan, self.config.device)
+        # a recurrent state per sequence: a reused prefix also needs the state where it ends (engine/state_snapshots.py)
+        snapshots = StateSnapshots(self.kv_plan.snapshots) if state_bytes and self.config.prefix_caching else None
         pool = BlockPool(self.kv_plan.num_blocks, self.kv_plan.block_size, self.config.prefix_caching,
-                         self.kv_plan.host_blocks)
+                         self.kv_plan.host_blocks, snapshots)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, pool)
         self.runner = ModelRunner(loaded.model, self.config.max_num_seqs, self.max_model_len,
                                   self.config.device, cuda_graph=self.config.cuda_graph,
                                   num_blocks=self.kv_plan.num_blocks, block_size=self.kv_plan.block_size,
-                                  host_blocks=self.kv_plan.host_blocks, kv_fp8=fp8)
+                                  host_blocks=self.kv_plan.host_blocks, kv_fp8=fp8,
+                                  num_snapshots=self.kv_plan.snapshots)
         self._requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._grammars: Grammars | None = None

@@ -70,12 +70,14 @@ log = logging.getLogger("hybridmoe")
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device: torch.device,
                  cuda_graph: bool = False, fixed_shapes: bool | None = None, num_blocks: int | None = None,
-                 block_size: int = DEFAULT_KV_BLOCK_SIZE, host_blocks: int = 0, kv_fp8: bool = False):
+                 block_size: int = DEFAULT_KV_BLOCK_SIZE, host_blocks: int = 0, kv_fp8: bool = False,
+                 num_snapshots: int = 0):
         """cuda_graph: capture and replay decode steps (CUDA only). fixed_shapes: run decode steps in
         fixed shapes; None: on CUDA when the experts allow it; True also runs them so on the CPU.
         num_blocks: the KV cache's blocks of block_size positions (None: num_slots sequences of max_len).
         host_blocks: the host tier's blocks (engine/kv_blocks.py), in pinned memory on CUDA. kv_fp8: the cache in
-        float8 (layers/kv_quant.py)."""
+        float8 (layers/kv_quant.py). num_snapshots: recurrent-state snapshots beside the slots, for prefix caching
+        (engine/state_snapshots.py; a model with a recurrent state only)."""
         self.model = model
         self.device = torch.device(device)
         self.sampler = Sampler()
@@ -97,7 +99,7 @@ class ModelRunner:
         per_seq = -(-(max_len + LOOKAHEAD_TOKENS) // block_size)  # blocks of the longest sequence and its lookahead
         model.allocate_kv_blocks(1 + num_slots * per_seq if num_blocks is None else num_blocks, block_size,
                                  quantized=kv_fp8)
-        model.allocate_state(num_slots)
+        model.allocate_state(num_slots, num_snapshots)
         # a row per slot and one for the padding rows (all SCRATCH_BLOCK)
         self.block_table = torch.full((num_slots + 1, per_seq), SCRATCH_BLOCK, dtype=torch.int32, device=self.device)
         self._rows: list[tuple[object, int]] = [(None, 0)] * num_slots  # per slot: whose blocks, how many written
@@ -228,7 +230,9 @@ class ModelRunner:
             cu_seqlens.append(len(ids))
         ctx = Context(slot_ids=[s.seq.slot for s in batch], start_pos=[s.seq.num_computed for s in batch],
                       cu_seqlens=cu_seqlens, block_table=self.block_table,
-                      first_blocks=[_consecutive_from(s.seq.blocks.table) for s in batch])
+                      first_blocks=[_consecutive_from(s.seq.blocks.table) for s in batch],
+                      state_restores=[(s.seq.slot, s.restore) for s in batch if s.restore is not None],
+                      state_saves=[(b, n, snapshot) for b, s in enumerate(batch) for n, snapshot in s.saves])
         with use_context(ctx):
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
                                 torch.tensor(positions, dtype=torch.long, device=self.device))  # [T, H]

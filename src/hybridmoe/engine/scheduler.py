@@ -12,12 +12,18 @@ yet is preempted (or, if none is left, the one asking): its blocks go back to th
 of the queue with every token it has so far, to be computed again when it is readmitted; its full blocks stay
 in the prefix cache until they are evicted, so that usually means finding them again. Its output continues as
 if it had never stopped.
+
+A model with a recurrent state per sequence (the pool has snapshots, engine/state_snapshots.py) also needs that
+state where a reused prefix ends: an arrival's cached prefix is cut back to its last block with a state snapshot,
+and its step first copies that snapshot into the sequence's slot (ScheduledSeq.restore); without one the sequence
+starts from position 0 with a zero state, as a preempted one does when none of its prefix is left. Each step also
+says where its sequences' states are kept as new snapshots (ScheduledSeq.saves, planned by _plan_snapshots).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridmoe.engine.kv_blocks import BlockPool, SequenceBlocks, TokenDigests
 from hybridmoe.engine.sequence import Sequence, SequenceStatus
@@ -32,6 +38,10 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int
     """Tokens of seq run this step: positions num_computed .. num_computed + num_tokens - 1."""
+    restore: int | None = None
+    """The state snapshot to copy into seq's slot before the step (its cached prefix ends there), or None."""
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    """(tokens, snapshot): keep seq's state after that many of this step's tokens in the snapshot (increasing)."""
 
     @property
     def completes(self) -> bool:
@@ -61,6 +71,9 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
+        snapshots = self.pool.snapshots
+        if snapshots is not None:
+            snapshots.begin_step(self.pool.is_cached)
         for seq in [s for s in self.running if s.num_uncomputed == 1]:  # decoding streams never stall
             if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, batch):
                 self._grow(seq, 1 + LOOKAHEAD_TOKENS, batch, preempt=False)
@@ -77,12 +90,15 @@ class Scheduler:
                 batch.append(ScheduledSeq(seq, n))
                 budget -= n
         while self.waiting and self.free_slots and budget > 0:
-            n = self._admit(self.waiting[0], budget)
-            if n == 0:
+            admitted = self._admit(self.waiting[0], budget)
+            if admitted is None:
                 break
-            seq = self.waiting.popleft()
-            batch.append(ScheduledSeq(seq, n))
-            budget -= n
+            self.waiting.popleft()
+            batch.append(admitted)
+            budget -= admitted.num_tokens
+        if snapshots is not None:
+            for s in batch:
+                self._plan_snapshots(s)
         return batch
 
     def cache_computed(self, seq: Sequence) -> None:
@@ -98,18 +114,23 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        """Give the first waiting sequence a slot, its cached prefix and blocks for its first chunk; the
-        chunk's tokens, or 0 (nothing taken) when the pool cannot hold any."""
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        """Give the first waiting sequence a slot, its cached prefix and blocks for its first chunk; its step, or
+        None (nothing taken) when the pool cannot hold any of the chunk."""
         found, digests = self.pool.match_prefix(self._digests(seq), seq.num_tokens - 1)
         held = self.pool.take(found, digests)
+        snapshots = self.pool.snapshots
+        if snapshots is not None and held:  # fewer held than found, or a snapshot dropped by take's evictions
+            usable = snapshots.usable(digests[:len(held)])
+            self.pool.release(held[usable:])
+            held = held[:usable]
         cached = len(held) * self.pool.block_size
         n = min(seq.num_uncomputed - cached, budget,
                 (len(held) + self.pool.num_free) * self.pool.block_size - cached)
         fresh = self.pool.allocate(self.pool.blocks_for(cached + n) - len(held)) if n > 0 else None
         if fresh is None:
             self.pool.release(held)
-            return 0
+            return None
         seq.blocks = SequenceBlocks(held + fresh, digests[:len(held)])
         seq.num_computed = cached
         if seq.num_preemptions == 0:  # a request's first admission: what /metrics counts, what usage reports
@@ -119,7 +140,27 @@ class Scheduler:
         seq.slot = self.free_slots.pop()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        return n
+        restore = snapshots.restore(digests[len(held) - 1]) if snapshots is not None and held else None
+        return ScheduledSeq(seq, n, restore)
+
+    def _plan_snapshots(self, s: ScheduledSeq) -> None:
+        """The snapshots s's step keeps (engine/state_snapshots.py says which boundaries get one): s.saves, each
+        in a row reserved under the digest of the block that ends there."""
+        snapshots, bs = self.pool.snapshots, self.pool.block_size
+        seq, lo, hi = s.seq, s.seq.num_computed, s.seq.num_computed + s.num_tokens
+        prompt_end, every = len(seq.prompt_ids) // bs * bs, snapshots.interval * bs
+        boundaries = range(lo // bs * bs + bs, hi + 1, bs)
+        kept = [b for b in boundaries if b == prompt_end or (every and b % every == 0)]
+        latest = boundaries[-1] if boundaries and boundaries[-1] not in kept else None
+        for b in sorted(kept + ([latest] if latest is not None else [])):
+            digest = self._digests(seq)[b // bs - 1]
+            index = snapshots.reserve(digest, kept=b != latest)
+            if index is not None:
+                s.saves.append((b - lo, index))
+            if b == latest and digest in snapshots:  # the sequence's latest boundary replaces its one before
+                if seq.latest_snapshot is not None and seq.latest_snapshot != digest:
+                    snapshots.drop(seq.latest_snapshot, unkept_only=True)
+                seq.latest_snapshot = digest if index is not None else None
 
     def _digests(self, seq: Sequence) -> TokenDigests:
         if seq.block_digests is None:

@@ -73,6 +73,9 @@ class Sequence(SamplerInput):
         self.num_cached_tokens = 0
         """Prompt tokens its first admission found in the prefix cache."""
         self.num_preemptions = 0
+        self.latest_snapshot: bytes | None = None
+        """The digest of the state snapshot this sequence keeps at the latest block boundary it computed (one at a
+        time: the scheduler drops it for the next, engine/state_snapshots.py)."""
         self.finish_reason: str | None = None
         self.error: str | None = None
         """Set when a step fails for this sequence alone (its sampling, its text); the engine then ends it."""

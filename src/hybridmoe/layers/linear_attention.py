@@ -14,7 +14,13 @@ A sequence's history lives in two states instead of a KV cache: the convolution'
 engine's sequence slots, forward_context.Context.slot_ids); a sequence's step that starts at position 0 starts from
 zeros, any later one from what its slot holds, so a prompt's chunks and the decode steps after them continue one
 another. Each slot also records how many positions it holds, and a step that does not continue them (a prefix served
-from elsewhere, a step dropped) is an error rather than a silently wrong state.
+from elsewhere without its state, a step dropped) is an error rather than a silently wrong state.
+
+Snapshots (prefix caching, engine/state_snapshots.py): allocate_state also gives num_snapshots rows beside the slots.
+A step's context may ask to keep a sequence's state after some of its new tokens in a snapshot (state_saves: the rule
+then runs in segments split there, and the convolution's state there is its last K - 1 inputs), and to copy a
+snapshot into a slot before the step (state_restores), so a sequence whose cached prefix ends where a snapshot was
+taken continues from that state instead of computing the prefix again. A snapshot records its positions too.
 
 T tokens, H hidden, B sequences, Hk key heads, Hv value heads, Dk, Dv their dims, Ch = 2 Hk Dk + Hv Dv, K kernel, S
 slots.
@@ -53,14 +59,17 @@ class RMSNormGated(nn.Module):
 
 
 class DeltaNetState:
-    """One layer's state per slot: conv [S, Ch, K - 1] in the compute dtype, recurrent [S, Hv, Dk, Dv] float32, and
-    the positions each slot holds (host-side)."""
+    """One layer's state per slot and per snapshot: conv [S + N, Ch, K - 1] in the compute dtype, recurrent
+    [S + N, Hv, Dk, Dv] float32 (rows 0..S-1 the slots, S + i snapshot i), and the positions each row holds
+    (host-side)."""
 
-    def __init__(self, num_slots: int, channels: int, kernel: int, heads: int, k_dim: int, v_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.conv = torch.zeros(num_slots, channels, kernel - 1, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(num_slots, heads, k_dim, v_dim, dtype=torch.float32, device=device)
-        self.positions = [0] * num_slots
+    def __init__(self, num_slots: int, num_snapshots: int, channels: int, kernel: int, heads: int, k_dim: int,
+                 v_dim: int, dtype: torch.dtype, device: torch.device):
+        rows = num_slots + num_snapshots
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
+        self.conv = torch.zeros(rows, channels, kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(rows, heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        self.positions = [0] * rows
 
     def check(self, ctx: Context) -> None:
         """Every sequence of the step starts at 0 or where its slot's state ends."""
@@ -72,6 +81,36 @@ class DeltaNetState:
     def advance(self, ctx: Context) -> None:
         for b, (slot, start) in enumerate(zip(ctx.slot_ids, ctx.start_pos)):
             self.positions[slot] = start + ctx.seq_len(b)
+
+    def snapshot_row(self, snapshot: int) -> int:
+        if not 0 <= snapshot < self.num_snapshots:
+            raise RuntimeError(f"snapshot {snapshot} is outside the {self.num_snapshots} that allocate_state gave")
+        return self.num_slots + snapshot
+
+    def restore(self, restores: list[tuple[int, int]]) -> None:
+        """Copy each (slot, snapshot)'s snapshot into its slot (distinct slots)."""
+        self._copy([(self.snapshot_row(snapshot), slot) for slot, snapshot in restores])
+
+    def save(self, snapshot: int, conv: torch.Tensor, recurrent: torch.Tensor, positions: int) -> None:
+        """Keep conv [Ch, K - 1] and recurrent [Hv, Dk, Dv], the state after `positions` tokens, in a snapshot."""
+        row = self.snapshot_row(snapshot)
+        self.conv[row] = conv
+        self.recurrent[row] = recurrent
+        self.positions[row] = positions
+
+    def save_slots(self, saves: list[tuple[int, int]]) -> None:
+        """Keep each (slot, snapshot)'s slot state, as it is, in its snapshot (distinct snapshots)."""
+        self._copy([(slot, self.snapshot_row(snapshot)) for slot, snapshot in saves])
+
+    def _copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Row src's state and positions into row dst, for each (src, dst)."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(rows, device=self.conv.device) for rows in zip(*pairs))
+        self.conv[dst] = self.conv[src]
+        self.recurrent[dst] = self.recurrent[src]
+        for s, d in pairs:
+            self.positions[d] = self.positions[s]
 
 
 class GatedDeltaNet(nn.Module):
@@ -106,33 +145,43 @@ class GatedDeltaNet(nn.Module):
         return (self.channels * (kernel - 1) * self.out_proj.weight.element_size()
                 + self.num_v_heads * self.k_dim * self.v_dim * 4)
 
-    def allocate_state(self, num_slots: int) -> None:
+    def allocate_state(self, num_slots: int, num_snapshots: int = 0) -> None:
+        """A state per slot, and num_snapshots snapshot rows beside them (zeros)."""
         w = self.out_proj.weight
-        self.state = DeltaNetState(num_slots, self.channels, self.conv1d.kernel_size[0], self.num_v_heads,
-                                   self.k_dim, self.v_dim, w.dtype, w.device)
+        self.state = DeltaNetState(num_slots, num_snapshots, self.channels, self.conv1d.kernel_size[0],
+                                   self.num_v_heads, self.k_dim, self.v_dim, w.dtype, w.device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H], each sequence of the step context continuing its slot's state."""
+        """x [T, H] -> [T, H], each sequence of the step context continuing its slot's state (after the context's
+        state_restores), and keeping it in snapshots where the context's state_saves ask."""
         ctx = get_context()
         if ctx.decode is not None:
             raise RuntimeError("Gated DeltaNet layers run eager steps only: a fixed-shape decode step carries no "
                                "recurrent state")
-        if self.state is None and any(ctx.start_pos):
-            raise RuntimeError("decoding past position 0 needs the recurrent state: call allocate_state first")
+        if self.state is None and (any(ctx.start_pos) or ctx.state_restores or ctx.state_saves):
+            raise RuntimeError("decoding past position 0, or a state snapshot, needs the recurrent state: call "
+                               "allocate_state first")
         if self.state is not None:
+            self.state.restore(ctx.state_restores)
             self.state.check(ctx)
+        saves: dict[int, list[tuple[int, int]]] = {}
+        for i, offset, snapshot in ctx.state_saves:
+            saves.setdefault(i, []).append((offset, snapshot))
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
         if ctx.is_decode and self.state is not None:
             o = self._decode(mixed, g, beta, ctx)
-        else:
-            o = torch.cat([self._prefill(mixed[lo:hi], g[lo:hi], beta[lo:hi], slot, start)
-                           for lo, hi, slot, start in zip(ctx.cu_seqlens, ctx.cu_seqlens[1:], ctx.slot_ids,
-                                                          ctx.start_pos)])
-        if self.state is not None:
             self.state.advance(ctx)
+            # one token each: a save keeps the state after it, what the slot holds now
+            self.state.save_slots([(ctx.slot_ids[i], snapshot) for i, asked in saves.items() for _, snapshot in asked])
+        else:
+            o = torch.cat([self._prefill(mixed[lo:hi], g[lo:hi], beta[lo:hi], slot, start, saves.get(i, []))
+                           for i, (lo, hi, slot, start) in enumerate(zip(ctx.cu_seqlens, ctx.cu_seqlens[1:],
+                                                                         ctx.slot_ids, ctx.start_pos))])
+            if self.state is not None:
+                self.state.advance(ctx)
         o = self.norm(o.to(x.dtype), z.reshape(t, self.num_v_heads, self.v_dim))
         return self.out_proj(o.reshape(t, -1))
 
@@ -159,23 +208,34 @@ class GatedDeltaNet(nn.Module):
         q, k = (l2_normalize(t.reshape(*lead, hk, self.k_dim).float()).repeat_interleave(r, dim=-2) for t in (q, k))
         return q * self.k_dim ** -0.5, k, v.reshape(*lead, self.num_v_heads, self.v_dim)
 
-    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int,
-                 start: int) -> torch.Tensor:
+    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, start: int,
+                 saves: list[tuple[int, int]]) -> torch.Tensor:
         """One sequence's n new tokens (mixed [n, Ch], g, beta [n, Hv]) from its slot's state (zeros at position
-        0), which then holds the state after them -> the rule's output [n, Hv, Dv] float32."""
+        0), which then holds the state after them -> the rule's output [n, Hv, Dv] float32. saves: (tokens, snapshot)
+        in strictly increasing order, 0 < tokens <= n: the state after that many of the tokens goes into the
+        snapshot."""
         kernel = self.conv1d.kernel_size[0]
         if start == 0 or self.state is None:
             conv = mixed.new_zeros(1, self.channels, kernel - 1)
             rec = mixed.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
         else:
             conv, rec = self.state.conv[slot:slot + 1], self.state.recurrent[slot]
+        before = conv[0]  # the convolution's inputs before the step's [Ch, K - 1]
         out, conv = causal_conv1d(mixed[None], self.conv1d.weight[:, 0], conv)
         q, k, v = self._heads(self.act(out[0]))
-        o, rec = chunk_gated_delta_rule(q, k, v, g, beta, rec, self.chunk_size)
+        outs, lo = [], 0
+        for hi, snapshot in saves:  # the rule in segments that end where a snapshot is kept
+            o, rec = chunk_gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], rec, self.chunk_size)
+            outs.append(o)
+            self.state.save(snapshot, _last_inputs(before, mixed, hi), rec, start + hi)
+            lo = hi
+        if lo < q.shape[0]:
+            o, rec = chunk_gated_delta_rule(q[lo:], k[lo:], v[lo:], g[lo:], beta[lo:], rec, self.chunk_size)
+            outs.append(o)
         if self.state is not None:
             self.state.conv[slot] = conv[0]
             self.state.recurrent[slot] = rec
-        return o
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: Context) -> torch.Tensor:
         """One token of each of B sequences (mixed [B, Ch], g, beta [B, Hv]) in one recurrent step over their
@@ -190,3 +250,12 @@ class GatedDeltaNet(nn.Module):
         self.state.conv[slots] = conv
         self.state.recurrent[slots] = rec
         return o
+
+
+def _last_inputs(before: torch.Tensor, mixed: torch.Tensor, n: int) -> torch.Tensor:
+    """The convolution's state after the first n of a step's inputs mixed [T, Ch], which followed the inputs before
+    [Ch, K - 1]: the last K - 1 of them all, [Ch, K - 1]."""
+    keep = before.shape[-1]
+    if n >= keep:
+        return mixed[n - keep:n].t()
+    return torch.cat([before[:, n:].to(mixed.dtype), mixed[:n].t()], dim=-1)

@@ -261,11 +261,13 @@ class MoECausalLM(nn.Module):
         (Gated DeltaNet's, layers/linear_attention.py); 0 for a model of attention layers only."""
         return sum(m.state_bytes() for m in self.model.layers.modules() if hasattr(m, "state_bytes"))
 
-    def allocate_state(self, num_slots: int) -> None:
-        """Give every layer that keeps a recurrent state one per slot (the slots of the step context's slot_ids)."""
+    def allocate_state(self, num_slots: int, num_snapshots: int = 0) -> None:
+        """Give every layer that keeps a recurrent state one per slot (the slots of the step context's slot_ids),
+        and num_snapshots snapshots of it beside them (the step context's state_saves and state_restores name them:
+        prefix caching, engine/state_snapshots.py)."""
         for module in self.model.layers.modules():
             if hasattr(module, "allocate_state"):
-                module.allocate_state(num_slots)
+                module.allocate_state(num_slots, num_snapshots)
 
     def kv_bytes_per_token(self, quantized: bool = False) -> int:
         """KV-cache bytes one token takes over every attention layer (in the model's dtype, or float8 with its

@@ -14,9 +14,11 @@ weight stored centred on zero; the DeltaNet output norm scales by its weight.
 Released checkpoints carry the multi-token-prediction module under `mtp.*`; it serves speculative decoding, which
 this engine does not run, so loading skips it.
 
-The recurrent state shapes how the engine runs this family (engine/llm_engine.py, engine/model_runner.py): prefix
-caching is off (a cached KV block restores no recurrent state), and decode steps run eagerly (a fixed-shape step,
-its CUDA graph and the step launched ahead do not carry the state).
+The recurrent state shapes how the engine runs this family (engine/model_runner.py, engine/state_snapshots.py): a
+reused prefix needs the state where it ends besides its cached KV blocks, so prefix caching keeps snapshots of the
+states at some block boundaries (a prompt's last full block, a sequence's latest one) and reuses a prefix up to its
+last block with one; and decode steps run eagerly (a fixed-shape step, its CUDA graph and the step launched ahead do
+not carry the state).
 
 T tokens, H hidden.
 """
