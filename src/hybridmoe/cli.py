@@ -24,6 +24,7 @@ COMMANDS = {
     "convert": ("hybridmoe.commands.convert", "pack a checkpoint's routed experts for the native engine, once"),
     "doctor": ("hybridmoe.commands.doctor", "this machine's CPU, GPU and bandwidths, and what a run would choose"),
     "profile-experts": ("hybridmoe.commands.profile_experts", "record how often each routed expert is chosen"),
+    "finetune": ("hybridmoe.commands.finetune", "train a LoRA adapter on chat data, routed experts on the CPU"),
 }
 
 

@@ -84,8 +84,11 @@ def randomize(model: torch.nn.Module, experts_transposed: bool) -> None:
             t.copy_(torch.randn(t.shape, generator=g) * fan_in**-0.5)
 
 
-def bf16_twin(model: torch.nn.Module, family: str) -> torch.nn.Module:
-    """A copy of model that computes its routed experts as the engine's bf16 format does (module docstring)."""
+def bf16_twin(model: torch.nn.Module, family: str, straight_through: bool = False) -> torch.nn.Module:
+    """A copy of model that computes its routed experts as the engine's bf16 format does (module docstring);
+    straight_through: its roundings of x and h pass gradients unrounded (as the engine's backward reads them), not
+    rounded to bf16 as autograd of a cast does."""
+    rounded = _RoundedStraightThrough.apply if straight_through else (lambda t: t.bfloat16().float())
     twin = copy.deepcopy(model)
     twin.set_experts_implementation("batched_mm")
     for module in twin.modules():
@@ -95,9 +98,21 @@ def bf16_twin(model: torch.nn.Module, family: str) -> torch.nn.Module:
             for name, p in module.named_parameters():
                 if not name.endswith("bias"):
                     p.copy_(p.bfloat16().float())
-        module.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(), *args[1:]))
-        module._apply_gate = lambda gate_up, glu=module._apply_gate: glu(gate_up).bfloat16().float()
+        module.register_forward_pre_hook(lambda _, args: (rounded(args[0]), *args[1:]))
+        module._apply_gate = lambda gate_up, glu=module._apply_gate: rounded(glu(gate_up))
     return twin
+
+
+class _RoundedStraightThrough(torch.autograd.Function):
+    """t rounded to bf16 (as float32); its gradient passed through as it is."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.bfloat16().float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def experts_modules(model: torch.nn.Module, family: str) -> list[torch.nn.Module]:

@@ -13,6 +13,11 @@ lie). Each layer's Experts module becomes an OffloadedExperts (offloaded_experts
 (experts/cpu_experts.py); offload.py replaces them in a loaded model, pretrained.py builds the model without
 them and packs them from the checkpoint (checkpoint_experts.py). transformers is needed only here, imported when
 a function runs: `import hybridmoe` never imports it.
+
+Training: the experts stay frozen, and their backward (the engine's) gives the gradients of their input and routing
+weights, so adapters anywhere else and the router train. finetune.py trains LoRA adapters with peft on chat data
+(`hybridmoe finetune`; chat_data.py reads and labels it, lora_targets.py picks the layers, training.py,
+train_checkpoint.py and train_progress.py run the loop).
 """
 
 from hybridmoe.hf.offload import offload_experts

@@ -21,13 +21,14 @@ from hybridmoe.platform import native_engine_built
 
 
 def offload_experts(model: torch.nn.Module, expert_format: str = "bf16", cpu_threads: int | None = None,
-                    expert_group_size: int | None = None) -> torch.nn.Module:
+                    expert_group_size: int | None = None, cpu_isa: str | None = None) -> torch.nn.Module:
     """Replace, in place, every routed-experts module of a transformers MoE model (Qwen2-MoE, Qwen3-MoE, Mixtral,
     DeepSeek-V2, DeepSeek-V3, GLM-4.5, gpt-oss, MiniMax-M2; transformers 5's fused Experts modules) with an
     OffloadedExperts that runs them in the native CPU expert engine, and free their original weights.
 
     expert_format: "bf16", "int8", "int4", "fp8" or "mxfp4" (CpuExperts' formats); cpu_threads: each layer's
-    worker pool (default: every CPU this process may use); expert_group_size: int4's group (default 128).
+    worker pool (default: every CPU this process may use); expert_group_size: int4's group (default 128); cpu_isa:
+    the kernel path, "generic", "avx2", "avx512" or "amx" (default: the fastest this CPU has; available_isas()).
     The experts compute on the CPU: where the model's other weights sit on a GPU, each layer's activations cross
     to the CPU and back. Returns the model.
     """
@@ -36,7 +37,7 @@ def offload_experts(model: torch.nn.Module, expert_format: str = "bf16", cpu_thr
     names = [name for name, module in model.named_modules() if type(module).__name__ == family.experts_class]
     if not names:
         raise HybridMoEError(no_experts_message(model, family))
-    options = packing_options(expert_format, cpu_threads, expert_group_size)
+    options = packing_options(expert_format, cpu_threads, expert_group_size, cpu_isa)
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -65,9 +66,10 @@ def pack_experts_module(module: torch.nn.Module, family: Family, options: dict) 
     return experts
 
 
-def packing_options(expert_format: str, cpu_threads: int | None, expert_group_size: int | None) -> dict:
+def packing_options(expert_format: str, cpu_threads: int | None, expert_group_size: int | None,
+                    cpu_isa: str | None = None) -> dict:
     """CpuExperts' keyword arguments for these offload options (its own defaults where None)."""
-    options = {"format": expert_format, "threads": cpu_threads}
+    options = {"format": expert_format, "threads": cpu_threads, "isa": cpu_isa}
     if expert_group_size is not None:
         options["group_size"] = expert_group_size
     return options

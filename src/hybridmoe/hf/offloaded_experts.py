@@ -11,9 +11,16 @@ The engine holds the packed weights in CPU memory and reads x in float32 or bflo
 cross as float32, activations on a GPU cross to the CPU and the result goes back to their device and dtype.
 The module holds no parameters: the model's state_dict() and parameters() no longer list the routed experts.
 
-Autograd: the output has a grad_fn whose backward raises HybridMoEError, so inference works with grad enabled
-and training fails loudly instead of silently skipping the experts' gradient; _CpuExpertsCall is where a backward
-goes. The engine may be empty (transformers built the module from the model's config): hybridmoe.hf.from_pretrained
+Autograd: the call is one node (_CpuExpertsCall) whose backward runs the engine's (CpuExperts.backward): the
+experts are frozen, so it gives the gradients of hidden_states (to the attention and everything before) and of
+top_k_weights (to the router), and no weight gradient. Recomputation is built in: the node saves only its inputs as
+the engine reads them (x on the CPU in float32 or bf16, hidden_states itself where it already is so; the ids; the
+routing weights in float32: T * (H + 2K) values a layer), never the experts' activations, which the backward
+recomputes from x with the forward's kernels; so no expert activation is held between forward and backward, with or
+without the model's gradient checkpointing. Under torch.no_grad() or inference_mode() no node is recorded, so
+nothing stays saved.
+
+The engine may be empty (transformers built the module from the model's config): hybridmoe.hf.from_pretrained
 fills it with load() once the layer's experts are packed.
 """
 
@@ -72,26 +79,38 @@ class OffloadedExperts(nn.Module):
 
 
 class _CpuExpertsCall(torch.autograd.Function):
-    """The engine's forward as one autograd node."""
+    """The engine's forward and backward as one autograd node; saves the inputs' CPU copies only (module docstring)."""
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_index, top_k_weights, experts):
-        return run_on_cpu(experts, hidden_states, top_k_index, top_k_weights)
+        x, ids, weights = cpu_inputs(hidden_states, top_k_index, top_k_weights)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[2]:
+            ctx.save_for_backward(x, ids, weights)
+            ctx.experts = experts
+            ctx.x_place = (hidden_states.device, hidden_states.dtype)
+            ctx.weights_place = (top_k_weights.device, top_k_weights.dtype)
+        if x.shape[0] == 0:
+            return torch.zeros_like(hidden_states)
+        return experts.forward(x, ids, weights).to(hidden_states.device, hidden_states.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
-        raise HybridMoEError("hybridmoe's CPU experts compute no gradient: run the model under torch.no_grad() or "
-                             "torch.inference_mode(), or keep transformers' own experts for training")
+        x, ids, weights = ctx.saved_tensors
+        if x.shape[0] == 0:
+            grad_x, grad_weights = torch.zeros_like(x), torch.zeros_like(weights)
+        else:
+            grad_out = grad_output.to("cpu", x.dtype).contiguous()
+            grad_x, grad_weights = ctx.experts.backward(x, ids, weights, grad_out)
+        return (grad_x.to(*ctx.x_place) if ctx.needs_input_grad[0] else None, None,
+                grad_weights.to(*ctx.weights_place) if ctx.needs_input_grad[2] else None, None)
 
 
-def run_on_cpu(experts: CpuExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-               top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts' weighted sum for hidden_states [T, H], computed on the CPU, returned on hidden_states' device in
-    its dtype."""
+def cpu_inputs(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The engine's inputs: x [T, H] on the CPU in float32 or bfloat16 (hidden_states' dtype where the engine reads
+    it, else float32), the expert ids, the routing weights in float32; contiguous and detached."""
     x_dtype = hidden_states.dtype if hidden_states.dtype in _ENGINE_DTYPES else torch.float32
     x = hidden_states.detach().to("cpu", x_dtype).contiguous()
-    if x.shape[0] == 0:
-        return torch.zeros_like(hidden_states)
     ids = top_k_index.detach().to("cpu").contiguous()
     weights = top_k_weights.detach().to("cpu", torch.float32).contiguous()
-    return experts.forward(x, ids, weights).to(hidden_states.device, hidden_states.dtype)
+    return x, ids, weights
