@@ -228,3 +228,33 @@ def test_each_epoch_reads_every_conversation_once_in_its_own_order():
         assert sorted(line for batch in epoch for line in batch) == [1, 2, 3, 4, 5]
     assert len({str(epoch) for epoch in epochs}) == 3
     assert TrainPlan(max_steps=7, grad_accum=3).total_steps(5) == 7
+
+
+def test_an_adapter_trained_here_runs_in_the_engine_as_peft_runs_it(checkpoint, data, tmp_path, capsys):
+    """The finetune -> --lora round trip: the engine's own forward with the adapter merged at load gives the logits
+    of transformers' model with peft's adapter over it, and `run --lora` decodes other text than the base model."""
+    from hybridmoe import LLM
+    from hybridmoe.forward_context import single_sequence_context, use_context
+
+    out = tmp_path / "adapter"
+    assert finetune(checkpoint, data, out, "--max-steps", "3", "--lora-rank", "4", "--lora-alpha", "8") == 0
+    prompt = [1, 20, 30, 40, 7, 9]
+    base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        want = peft.PeftModel.from_pretrained(base, out)(torch.tensor([prompt])).logits[0]
+
+    def engine_logits(**lora) -> torch.Tensor:
+        model = LLM(str(checkpoint), dtype="float32", expert_backend="torch", device="cpu", **lora).engine.runner.model
+        model.allocate_kv_cache(1, 64)
+        with torch.no_grad(), use_context(single_sequence_context(len(prompt))):
+            return model.compute_logits(model(torch.tensor(prompt), torch.arange(len(prompt))))
+
+    torch.testing.assert_close(engine_logits(lora=str(out)), want, atol=1e-4, rtol=1e-4)
+    assert (engine_logits() - want).abs().max() > 1e-3  # the merged adapter is what makes them agree
+    capsys.readouterr()
+    texts = []
+    for extra in ([], ["--lora", str(out)]):
+        assert main(["run", "--model", str(checkpoint), "--prompt", "Hello", "--max-new-tokens", "8",
+                     "--temperature", "0", "--dtype", "float32", *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] != texts[1]
