@@ -176,6 +176,13 @@ class EngineConfig:
     linear-attention projections (weights/lora.py). An adapter on the routed experts, the router, the embeddings
     or lm_head, a LoRA variant (DoRA, ...) or one made for another base model fails the load. None: no adapter."""
 
+    mtp: bool = False
+    """Load the checkpoint's multi-token-prediction module (mtp.*: Qwen3-Next, Qwen3.5-MoE) beside the model: its
+    weights, its routed experts as one more MoE layer of the expert backend and its own KV cache; the model's
+    mtp_logits then gives a draft of the token after next (models/mtp.py). The engine does not use it yet (no
+    speculative decoding). False: mtp.* is skipped and costs nothing. Other families, or deferred_experts, fail the
+    load with it."""
+
     def __post_init__(self) -> None:
         if self.device == "auto":
             import torch

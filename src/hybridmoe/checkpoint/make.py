@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridmoe.checkpoint.kimi_tokenizer import write_kimi_tokenizer
-from hybridmoe.checkpoint.presets import model_config, text_config_of
+from hybridmoe.checkpoint.presets import OPTIONAL_KEYS, model_config, text_config_of
 from hybridmoe.checkpoint.safetensors_writer import (
     DEFAULT_SHARD_BYTES,
     write_random_safetensors,
@@ -48,13 +48,14 @@ def _prepare_out_dir(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _with_overrides(config: dict, overrides: dict) -> dict:
-    """config with overrides applied to the text model's values (text_config's in a multimodal layout)."""
+def _with_overrides(config: dict, overrides: dict, optional: tuple[str, ...] = ()) -> dict:
+    """config with overrides applied to the text model's values (text_config's in a multimodal layout); optional:
+    keys the preset leaves out that overrides may add (presets.py OPTIONAL_KEYS)."""
     text = text_config_of(config)
-    unknown = sorted(set(overrides) - set(text))
+    unknown = sorted(set(overrides) - set(text) - set(optional))
     if unknown:
         raise HybridMoEError(f"cannot override {', '.join(unknown)}: not in this preset's config.json "
-                             f"({', '.join(sorted(text))})")
+                             f"({', '.join(sorted({*text, *optional}))})")
     text.update(overrides)
     return config
 
@@ -64,9 +65,11 @@ def make_checkpoint(arch: str, preset: str, out: str | Path, *, layers: int | No
                     progress: bool = True, overrides: dict | None = None) -> CheckpointSummary:
     """Write `arch`/`preset` (cut to `layers`) with random weights drawn from `seed` into `out`.
 
-    overrides: config.json values that replace the preset's (a smaller num_experts, say), keys of the
-    preset only; config.json carries RANDOM_WEIGHTS_KEY true."""
-    config = _with_overrides(model_config(arch, preset, layers=layers, dtype=dtype), overrides or {})
+    overrides: config.json values that replace the preset's (a smaller num_experts, say), keys of the preset or of
+    the family's OPTIONAL_KEYS (mtp_num_hidden_layers: 1 writes Qwen3-Next's or Qwen3.5's multi-token-prediction
+    module too); config.json carries RANDOM_WEIGHTS_KEY true."""
+    config = _with_overrides(model_config(arch, preset, layers=layers, dtype=dtype), overrides or {},
+                             OPTIONAL_KEYS.get(arch, ()))
     config[RANDOM_WEIGHTS_KEY] = True
     out = Path(out)
     specs = tensor_specs(config)

@@ -409,6 +409,15 @@ _QWEN3_5_MOE = {
     },
 }
 
+OPTIONAL_KEYS = {
+    "qwen3_next": ("mtp_num_hidden_layers",),
+    "qwen3_5_moe": ("mtp_num_hidden_layers",),
+}
+"""Per family, config.json keys its presets leave out that make_checkpoint's overrides may add. mtp_num_hidden_layers
+(as Qwen3.5's releases name it; Qwen3-Next's config.json names none though its checkpoints carry one layer) > 0:
+that many multi-token-prediction layers written under mtp.* (checkpoint/tensors.py); without it none, as the
+presets' checkpoints have always been."""
+
 PRESETS = {
     "qwen2_moe": _QWEN2_MOE,
     "qwen3_moe": _QWEN3_MOE,

@@ -189,19 +189,25 @@ def _gpt_oss_mlp(s: _Specs, p: str, c: dict) -> None:
     s.raw(f"{p}.mlp.experts.down_proj_bias", (E, hidden), s.dtype, 0.02)
 
 
+def _qwen3_next_gated_attention(s: _Specs, p: str, c: dict) -> None:
+    """Qwen3-Next's full attention (self_attn): q_proj also yields an output gate, (1 + weight) q/k norms."""
+    hidden = c["hidden_size"]
+    heads, kv_heads, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    for proj, n in (("q_proj", 2 * heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+        s.linear(f"{p}.self_attn.{proj}", n * head_dim, hidden)
+    s.linear(f"{p}.self_attn.o_proj", hidden, heads * head_dim)
+    s.norm(f"{p}.self_attn.q_norm", head_dim, mean=0.0)
+    s.norm(f"{p}.self_attn.k_norm", head_dim, mean=0.0)
+
+
 def _qwen3_next_mixer(s: _Specs, p: str, c: dict, i: int) -> None:
     """Layer i's token mixer as layer_types (else full_attention_interval) says: Gated DeltaNet (linear_attn) or
-    attention whose q_proj also yields an output gate (self_attn), with (1 + weight) q/k norms."""
+    the gated full attention (self_attn)."""
     hidden, every = c["hidden_size"], c.get("full_attention_interval") or 4
     kind = c["layer_types"][i] if c.get("layer_types") else (
         "full_attention" if (i + 1) % every == 0 else "linear_attention")
     if kind == "full_attention":
-        heads, kv_heads, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-        for proj, n in (("q_proj", 2 * heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
-            s.linear(f"{p}.self_attn.{proj}", n * head_dim, hidden)
-        s.linear(f"{p}.self_attn.o_proj", hidden, heads * head_dim)
-        s.norm(f"{p}.self_attn.q_norm", head_dim, mean=0.0)
-        s.norm(f"{p}.self_attn.k_norm", head_dim, mean=0.0)
+        _qwen3_next_gated_attention(s, p, c)
         return
     k = c["linear_num_key_heads"] * c["linear_key_head_dim"]
     v_heads = c["linear_num_value_heads"]
@@ -220,6 +226,24 @@ def _qwen3_next_mixer(s: _Specs, p: str, c: dict, i: int) -> None:
         s.linear(f"{p}.linear_attn.in_proj_ba", 2 * v_heads, hidden)
     s.norm(f"{p}.linear_attn.norm", c["linear_value_head_dim"])
     s.linear(f"{p}.linear_attn.out_proj", hidden, v)
+
+
+def _qwen3_next_mtp(s: _Specs, c: dict) -> None:
+    """Qwen3-Next's and Qwen3.5's multi-token-prediction module, as the releases store it (models/mtp.py reads it):
+    fc [H, 2H] over the normed embedding and hidden state side by side, their two (1 + weight) norms,
+    mtp_num_hidden_layers full-attention decoder layers (the sparse MoE block where the main stack's rule makes layer
+    index K sparse) and a final norm."""
+    hidden = c["hidden_size"]
+    s.linear("mtp.fc", hidden, 2 * hidden)
+    s.norm("mtp.pre_fc_norm_embedding", hidden, mean=0.0)
+    s.norm("mtp.pre_fc_norm_hidden", hidden, mean=0.0)
+    for k in range(c["mtp_num_hidden_layers"]):
+        p = f"mtp.layers.{k}"
+        s.norm(f"{p}.input_layernorm", hidden, mean=0.0)
+        _qwen3_next_gated_attention(s, p, c)
+        s.norm(f"{p}.post_attention_layernorm", hidden, mean=0.0)
+        _qwen_mlp(s, p, c, k)
+    s.norm("mtp.norm", hidden, mean=0.0)
 
 
 def _moonvit(s: _Specs, v: dict, text_hidden: int) -> None:
@@ -295,4 +319,6 @@ def tensor_specs(config: dict) -> list[TensorSpec]:
             _qwen_mlp(s, p, config, i)
     s.norm("model.norm", hidden, norm_mean)
     s.linear("lm_head", config["vocab_size"], hidden)
+    if mt in ("qwen3_next", "qwen3_5_moe_text") and config.get("mtp_num_hidden_layers", 0) > 0:
+        _qwen3_next_mtp(s, config)  # only when asked: checkpoints without the key stay as they were
     return s.specs

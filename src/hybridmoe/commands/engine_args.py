@@ -56,6 +56,8 @@ FLAGS: dict[str, Flag] = {
     "revision": Flag("model", "branch, tag or commit hash of a Hugging Face repo id given as --model",
                      "the repo's default branch", "REV"),
     "lora": Flag("model", "a PEFT LoRA adapter directory, merged into the weights at load", "none", "DIR"),
+    "mtp": Flag("model", "load the multi-token-prediction module of Qwen3-Next / Qwen3.5-MoE (mtp_logits)",
+                "off", type=bool),
     "device": Flag("engine", "where attention, dense layers and the KV cache run",
                    "auto, cuda when torch sees a GPU", choices=("auto", "cpu", "cuda")),
     "max_num_seqs": Flag("engine", "most sequences decoded together (the batch)", "8", "N", type=int),

@@ -23,6 +23,7 @@ from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.experts.factory import make_expert_backend
 from hybridmoe.experts.streamed_prefill import attach as attach_prefill_streamer
 from hybridmoe.models.base import ModelConfig, MoECausalLM
+from hybridmoe.models.mtp import enable_mtp
 from hybridmoe.models.registry import load_config
 from hybridmoe.system.auto import resolve_engine_config
 from hybridmoe.system.expert_memory import check_expert_memory
@@ -72,6 +73,8 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     engine_config = engine_config or EngineConfig()
     model_dir = resolve_model_path(model_dir, engine_config)
     cls, config = load_config(model_dir)
+    if engine_config.mtp:  # the config marked before anything sizes or builds the model from it
+        enable_mtp(cls, config, engine_config.deferred_experts)
     check_max_model_len(config, engine_config)  # a max_model_len the model cannot take fails before the weights load
     dtype = resolve_dtype(engine_config.dtype, config)
     check_weights_fit(model_dir, cls, config, dtype, engine_config.device)

@@ -13,8 +13,9 @@ experts plus a shared expert gated by sigmoid) with what transformers' Qwen3_5Mo
 
 The multimodal checkpoints nest the text config under text_config and store the text model under
 model.language_model.* (lm_head at the top level): Qwen3_5MoeForConditionalGeneration reads those and skips the
-vision tower (model.visual.*). Both skip the multi-token-prediction module (mtp.*). Image and video inputs are not
-supported: there is no vision tower here.
+vision tower (model.visual.*). Both keep the multi-token-prediction module (mtp.*, top-level in either layout) as
+Qwen3-Next does: skipped, or built and loaded when the config is marked for it (models/mtp.py). Image and video inputs
+are not supported: there is no vision tower here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ ALWAYS_SPARSE = {"intermediate_size": 0, "decoder_sparse_step": 1, "mlp_only_lay
 TEXT_PREFIX = "model.language_model."
 """Where the multimodal checkpoints keep the text model's tensors (ours: model.*)."""
 
-IGNORED_PREFIXES = ("mtp.", "model.visual.")
+IGNORED_PREFIXES = ("model.visual.",)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):

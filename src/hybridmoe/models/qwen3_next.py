@@ -11,14 +11,17 @@ Then, where mlp_only_layers and decoder_sparse_step say so, Qwen2-MoE's sparse b
 dense gated MLP. Every RMSNorm of the decoder (the layers' two, the final one, q/k norms) scales by 1 + weight, its
 weight stored centred on zero; the DeltaNet output norm scales by its weight.
 
-Released checkpoints carry the multi-token-prediction module under `mtp.*`; it serves speculative decoding, which
-this engine does not run, so loading skips it.
+Released checkpoints carry the multi-token-prediction module under `mtp.*`: loading skips it, unless the config is
+marked for it (models/mtp.py enable_mtp: EngineConfig.mtp, --mtp); then the model builds it (self.mtp, its layer K
+MoE layer num_hidden_layers + K of the expert backend, with its own paged KV cache) and mtp_logits runs it. The
+engine does not use it yet (no speculative decoding).
 
 The recurrent state shapes how the engine runs this family (engine/model_runner.py, engine/state_snapshots.py): a
 reused prefix needs the state where it ends besides its cached KV blocks, so prefix caching keeps snapshots of the
 states at some block boundaries (a prompt's last full block, a sequence's latest one) and reuses a prefix up to its
-last block with one; and decode steps run eagerly (a fixed-shape step, its CUDA graph and the step launched ahead do
-not carry the state).
+last block with one; decode steps run in fixed shapes and as CUDA graphs as other families' do (the step updates its
+rows' states in place by slot, its padding rows on a spare slot), but no step is launched ahead of the one before
+it (one dropped would have advanced the states).
 
 T tokens, H hidden.
 """
@@ -35,6 +38,7 @@ from hybridmoe.layers.linear_attention import GatedDeltaNet
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.layers.norm import ZeroCenteredRMSNorm
 from hybridmoe.models.base import partial_rotary_dim
+from hybridmoe.models.mtp import MultiTokenPredictionMixin
 from hybridmoe.models.qwen_moe import Qwen2MoeSparseMoeBlock, _QwenMoeForCausalLM
 
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -64,8 +68,9 @@ class Qwen3NextDecoderLayer(nn.Module):
         return h + self.mlp(x)
 
 
-class Qwen3NextForCausalLM(_QwenMoeForCausalLM):
-    """Qwen-MoE's layer plan (is_moe_layer, expert_dims) with Qwen3-Next's token mixers and norms."""
+class Qwen3NextForCausalLM(MultiTokenPredictionMixin, _QwenMoeForCausalLM):
+    """Qwen-MoE's layer plan (is_moe_layer, expert_dims) with Qwen3-Next's token mixers and norms; the MTP module
+    where the config asks for it (MultiTokenPredictionMixin)."""
 
     config_defaults = {
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 48,
@@ -85,6 +90,8 @@ class Qwen3NextForCausalLM(_QwenMoeForCausalLM):
     def __init__(self, config, experts: ExpertBackend | None):
         super().__init__(config, experts)
         self.model.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.build_mtp(lambda k: self._decoder_layer("full_attention", config.num_hidden_layers + k,
+                                                     self.is_moe_layer(k)))
 
     @classmethod
     def finalize_config(cls, values: dict) -> None:
@@ -102,8 +109,13 @@ class Qwen3NextForCausalLM(_QwenMoeForCausalLM):
                                   f"{k_heads} (each key head serves the same number of value heads)")
 
     def make_layer(self, layer_idx: int) -> nn.Module:
+        return self._decoder_layer(self.config.layer_types[layer_idx], layer_idx, self.is_moe_layer(layer_idx))
+
+    def _decoder_layer(self, kind: str, moe_layer: int, sparse: bool) -> Qwen3NextDecoderLayer:
+        """A decoder layer with a mixer of kind ("linear_attention" or "full_attention") and the sparse MoE block
+        (its routed experts the backend's layer moe_layer) if sparse, else the dense MLP."""
         c = self.config
-        if c.layer_types[layer_idx] == "linear_attention":
+        if kind == "linear_attention":
             name = "linear_attn"
             mixer = GatedDeltaNet(c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
                                   c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim,
@@ -113,8 +125,8 @@ class Qwen3NextForCausalLM(_QwenMoeForCausalLM):
             mixer = GatedAttention(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                    c.rope_parameters, bias=c.attention_bias, norm_eps=c.rms_norm_eps,
                                    rotary_dim=c.rotary_dim)
-        if self.is_moe_layer(layer_idx):
-            mlp = Qwen2MoeSparseMoeBlock(layer_idx, c, self.experts)
+        if sparse:
+            mlp = Qwen2MoeSparseMoeBlock(moe_layer, c, self.experts)
         else:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
         return Qwen3NextDecoderLayer(name, mixer, mlp, c.hidden_size, c.rms_norm_eps)
@@ -130,6 +142,3 @@ class Qwen3NextForCausalLM(_QwenMoeForCausalLM):
                          else [mixer.qkv_proj, mixer.o_proj])
                 gate = getattr(nxt.mlp, "gate", None)
                 experts.prefetch_during(i, first + ([gate] if isinstance(gate, nn.Linear) else []))
-
-    def is_ignored(self, name: str) -> bool:
-        return name.startswith("mtp.") or super().is_ignored(name)
