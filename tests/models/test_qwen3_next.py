@@ -23,7 +23,6 @@ from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
 from hybridmoe.config import EngineConfig
 from hybridmoe.engine.model_loader import load_model
-from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.errors import CheckpointError, HybridMoEError
 from hybridmoe.forward_context import single_sequence_context, use_context
 from hybridmoe.models.registry import load_config
@@ -209,13 +208,6 @@ def test_the_kv_plan_counts_the_states(saved):
     assert plan.bytes == plan.num_blocks * 16 * plan.bytes_per_token + (3 + 6) * per_seq
     with pytest.raises(HybridMoEError, match="holds no block of 16 tokens .* beside .* of recurrent states"):
         LLM(path, dtype="float32", max_num_seqs=3, kv_block_size=16, kv_cache_budget=3 * per_seq)
-
-
-def test_fixed_shape_steps_are_refused(saved):
-    _, path = saved
-    model = load_model(path, EngineConfig(dtype="float32")).model
-    with pytest.raises(HybridMoEError, match="keeps a recurrent state per sequence"):
-        ModelRunner(model, 2, 64, "cpu", fixed_shapes=True)
 
 
 def test_the_released_config_json_spelling(tmp_path):

@@ -8,6 +8,7 @@ ahead of an uninterrupted greedy decode is used.
 from types import SimpleNamespace
 
 import pytest
+from arrivals import generate_with_arrival
 
 from hybridmoe import LLM, SamplingParams
 from hybridmoe.checkpoint.make import make_checkpoint
@@ -81,18 +82,7 @@ def test_the_step_ahead_of_a_stop_token_is_dropped(llm, fixed):
 
 def test_a_request_arriving_between_steps_drops_the_step_ahead(llm, fixed):
     def run() -> list[list[int]]:
-        engine = llm.engine
-        ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
-        got = {i: [] for i in ids}
-        steps = 0
-        while engine.has_unfinished():
-            if steps == 3:  # decoding, with a step launched ahead
-                ids.append(engine.add_request(PROMPTS[2], GREEDY))
-                got[ids[-1]] = []
-            for out in engine.step():
-                got[out.request_id] += out.new_token_ids
-            steps += 1
-        return [got[i] for i in ids]
+        return generate_with_arrival(llm, PROMPTS[:3], GREEDY, arrive_at=3)  # decoding, with a step launched ahead
 
     fixed.sample_on_device = False
     want = run()

@@ -15,10 +15,17 @@ step for each (Bp, Lp) is captured once as a CUDA graph (lazily, after one eager
 and replayed; without, the same fixed-shape step runs eagerly, so both give the same tokens.
 Prefill and everything else runs eagerly in the shapes of the batch.
 
-A model with a recurrent state per sequence (Gated DeltaNet layers, models/base.py state_bytes_per_seq) runs every
-step eagerly: a fixed-shape step's state would have to be one of its static inputs, the graph's warm-up run would
-advance it once more, and a step launched ahead and dropped would leave it advanced. Its states sit in one slot per
-sequence, allocated here beside the KV blocks.
+A model with a recurrent state per sequence (Gated DeltaNet layers, models/base.py state_bytes_per_seq) keeps its
+states in one row per slot, allocated here beside the KV blocks, and runs fixed-shape decode steps (and their graphs)
+too: the step reads and rewrites its rows' states in place by slot, the slots being a static device input
+(DecodeBatch), so a replay continues whatever the slots hold. Its padding rows use the spare slot num_slots, as in the
+block table, so the states get num_slots + 1 slots (the prefix snapshots' rows after them). What a step does on the
+host for the states (copying restored snapshots into slots and checking each row continues its slot before it;
+advancing the slots' positions and keeping the saved snapshots after it: DeltaNetState.begin_step, end_decode_step)
+runs here around the launch, since a replay runs no Python. Capturing a graph runs the step once eagerly first, which
+would advance the batch's states: their rows are copied before that warm-up and written back after it, so the replay
+that follows computes the step from the states as they were. No step is launched ahead for such a model (lookahead is
+off): one dropped would have advanced the states; the step still takes its greedy tokens on the device.
 
 With sample_on_device, a fixed-shape step also takes each row's greedy token (the argmax of its
 logits) and writes the next step's inputs in place (that token, position and length + 1), on the
@@ -40,7 +47,6 @@ the matchers consume the tokens once they are read.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -53,7 +59,6 @@ from hybridmoe.engine.kv_blocks import SCRATCH_BLOCK, BlockCopy
 from hybridmoe.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from hybridmoe.engine.scheduler import LOOKAHEAD_TOKENS, ScheduledSeq
 from hybridmoe.engine.sequence import Sequence
-from hybridmoe.errors import HybridMoEError
 from hybridmoe.forward_context import Context, DecodeBatch, use_context
 from hybridmoe.sampling_params import SamplingParams
 
@@ -63,8 +68,6 @@ larger ones are padded to a multiple of it."""
 
 MIN_PAD_LEN = 64
 """Shortest padded attention length; above it, the next power of two."""
-
-log = logging.getLogger("hybridmoe")
 
 
 class ModelRunner:
@@ -83,14 +86,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_slots, self.max_len = num_slots, max_len
         recurrent = model.state_bytes_per_seq() > 0
-        if fixed_shapes and recurrent:
-            raise HybridMoEError(f"{type(model).__name__} keeps a recurrent state per sequence, which fixed-shape "
-                                 "decode steps do not carry; run it with fixed_shapes off")
-        if fixed_shapes is None and recurrent:
-            if self.device.type == "cuda":
-                log.info("decode steps run eagerly, without CUDA graphs: %s keeps a recurrent state per sequence",
-                         type(model).__name__)
-            fixed_shapes = False
         if fixed_shapes is None:
             fixed_shapes = (self.device.type == "cuda"
                             and model.experts.use_fixed_shapes(num_slots, model.lm_head.weight.dtype))
@@ -99,7 +94,9 @@ class ModelRunner:
         per_seq = -(-(max_len + LOOKAHEAD_TOKENS) // block_size)  # blocks of the longest sequence and its lookahead
         model.allocate_kv_blocks(1 + num_slots * per_seq if num_blocks is None else num_blocks, block_size,
                                  quantized=kv_fp8)
-        model.allocate_state(num_slots, num_snapshots)
+        # a fixed-shape step's padding rows compute on the spare slot num_slots (the module docstring)
+        model.allocate_state(num_slots + 1 if self.fixed else num_slots, num_snapshots)
+        self._states = model.recurrent_states() if recurrent else []
         # a row per slot and one for the padding rows (all SCRATCH_BLOCK)
         self.block_table = torch.full((num_slots + 1, per_seq), SCRATCH_BLOCK, dtype=torch.int32, device=self.device)
         self._rows: list[tuple[object, int]] = [(None, 0)] * num_slots  # per slot: whose blocks, how many written
@@ -111,8 +108,9 @@ class ModelRunner:
         self.sample_on_device = True
         """Plain greedy decode steps read back only the step's own argmax, and copy no inputs the device holds
         (a graph captured the other way is captured again at its next step)."""
-        self.lookahead = True
-        """With sample_on_device, launch the next decode step before reading this one's tokens."""
+        self.lookahead = not recurrent
+        """With sample_on_device, launch the next decode step before reading this one's tokens (never for a model
+        with a recurrent state: a step dropped would have advanced it)."""
 
         self._holds: list[list[int]] | None = None  # what _inputs hold once the steps enqueued ran, if known
         self._ahead: _Launched | None = None  # the next decode step, launched before this one's tokens were read
@@ -230,9 +228,7 @@ class ModelRunner:
             cu_seqlens.append(len(ids))
         ctx = Context(slot_ids=[s.seq.slot for s in batch], start_pos=[s.seq.num_computed for s in batch],
                       cu_seqlens=cu_seqlens, block_table=self.block_table,
-                      first_blocks=[_consecutive_from(s.seq.blocks.table) for s in batch],
-                      state_restores=[(s.seq.slot, s.restore) for s in batch if s.restore is not None],
-                      state_saves=[(b, n, snapshot) for b, s in enumerate(batch) for n, snapshot in s.saves])
+                      first_blocks=[_consecutive_from(s.seq.blocks.table) for s in batch], **_snapshot_steps(batch))
         with use_context(ctx):
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
                                 torch.tensor(positions, dtype=torch.long, device=self.device))  # [T, H]
@@ -256,10 +252,15 @@ class ModelRunner:
         on_device = self.sample_on_device and all(_device_greedy(s.seq.params) for s in batch)
         held = [b for b, s in enumerate(batch) if s.seq.matcher is not None]  # rows held to a grammar
         step, self._ahead = self._ahead, None
+        states = self._host_context(batch) if self._states else None  # no step ahead: this one launches here
+        for state in self._states:
+            state.begin_step(states)
         if step is None or step.inputs != inputs or (held and step.read is not None):
             if step is not None:
                 self._holds = None  # the step ahead is dropped, but it advanced the inputs
             step = self._launch(inputs, Bp, read=on_device and not held)
+        for state in self._states:
+            state.end_decode_step(states)
         if not on_device:
             self._holds = None  # the step's own argmax (its next ids) may not be the sampler's tokens
             tokens, logprobs = self._sample(batch, step.logits[:B].clone(), list(range(B)))
@@ -267,7 +268,7 @@ class ModelRunner:
             if held:
                 self._hold_to_grammars(step, [batch[b].seq.matcher for b in held], held, Bp)
             ahead = None
-            if (self.lookahead and lookahead and pad == 0
+            if (self.lookahead and lookahead and pad == 0 and not self._states
                     and all(len(s.seq.output_ids) + 1 < s.seq.params.max_tokens
                             and len(s.seq.blocks.table) * self.block_size >= s.seq.num_computed + 2 for s in batch)):
                 ahead = self._launch(None, Bp, read=not held, lens=[n + 1 for n in lens])
@@ -282,6 +283,13 @@ class ModelRunner:
                     batch[b].seq.error, tokens[b] = f"sampling failed: {why}", None  # it ends alone (LLMEngine)
         self._check()
         return tokens, logprobs
+
+    @staticmethod
+    def _host_context(batch: list[ScheduledSeq]) -> Context:
+        """A decode step's batch as the host sees it, for its recurrent states' host share (the module docstring):
+        the real rows' slots and positions, and their snapshots to restore and to save."""
+        return Context(slot_ids=[s.seq.slot for s in batch], start_pos=[s.seq.num_computed for s in batch],
+                       cu_seqlens=list(range(len(batch) + 1)), **_snapshot_steps(batch))
 
     def _hold_to_grammars(self, step: _Launched, matchers: list, rows: list[int], Bp: int) -> None:
         """Enqueue, after step, the argmax of its logits' `rows` with every token their matchers forbid masked,
@@ -365,12 +373,18 @@ class ModelRunner:
         # The warm-up computes this step eagerly (writing the keys the replay writes again, the same
         # values), so lazily created state (cuBLAS handles, the handoff's argument packs) exists
         # before capture, where no allocation outside the graph's pool may happen.
+        # The warm-up would also advance the rows' recurrent states (this step's, which the replay computes next):
+        # their rows are copied before it and written back after it.
         inputs = self._inputs.clone()  # the warm-up may advance them, and the replay must see them as they are
+        slots = self._slots[:Bp]
+        states = [state.copy_rows(slots) for state in self._states]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._forward_fixed(Bp, pad_len)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        for state, rows in zip(self._states, states):
+            state.put_rows(slots, rows)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -400,6 +414,12 @@ class _Launched:
         if self.done is not None:
             self.wait(self.done)
         return self.read.tolist()
+
+
+def _snapshot_steps(batch: list[ScheduledSeq]) -> dict[str, list[tuple[int, ...]]]:
+    """The step context's state_restores and state_saves for batch's recurrent-state snapshots."""
+    return {"state_restores": [(s.seq.slot, s.restore) for s in batch if s.restore is not None],
+            "state_saves": [(b, n, snapshot) for b, s in enumerate(batch) for n, snapshot in s.saves]}
 
 
 def _consecutive_from(table: list[int]) -> int | None:

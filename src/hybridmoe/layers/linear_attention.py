@@ -22,11 +22,27 @@ then runs in segments split there, and the convolution's state there is its last
 snapshot into a slot before the step (state_restores), so a sequence whose cached prefix ends where a snapshot was
 taken continues from that state instead of computing the prefix again. A snapshot records its positions too.
 
+On CUDA with triton (and fused, the default), the convolution, the heads and the rule run as the Triton kernels of
+layers/gated_deltanet_triton.py, which read and rewrite the slots' states in place; else as the torch ops of
+layers/gated_deltanet.py, the reference the device tests hold the kernels to. A prefill with state_saves runs the
+kernels in rounds, one call each: round j takes the j-th segment (split at the saves) of every sequence that has one
+(a call's sequences sit on distinct slots, so a sequence's segments go to successive calls), and after it the slots
+whose segment ends at a save are copied into their snapshots.
+
+A fixed-shape decode step (the context's DecodeBatch, what a CUDA graph replays) reads its rows' slots from the
+device and starts a row from zeros where its length is 1 (lens > 1: it continues its slot), so nothing is read on the
+host. Its host share (the restores, the positions check before it; the positions and the saves after it:
+DeltaNetState.begin_step and end_decode_step) runs outside it, by whoever launches it (engine/model_runner.py): a
+graph's replay runs none of this Python. Its padding rows name a spare slot and start from zeros, so they read no
+state, and what they write there nothing reads.
+
 T tokens, H hidden, B sequences, Hk key heads, Hv value heads, Dk, Dv their dims, Ch = 2 Hk Dk + Hv Dv, K kernel, S
 slots.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +58,11 @@ from hybridmoe.layers.gated_deltanet import (
 )
 from hybridmoe.layers.linear import MergedLinear
 from hybridmoe.layers.mlp import get_activation
+from hybridmoe.platform import HAVE_TRITON
+
+TRITON_ON_CPU = False
+"""Whether CPU tensors take the Triton kernels too, which only Triton's interpreter (TRITON_INTERPRET=1) runs there:
+how tests/device drive the layer's Triton path without a GPU. Off: CPU tensors take the torch ops."""
 
 
 class RMSNormGated(nn.Module):
@@ -71,6 +92,18 @@ class DeltaNetState:
         self.recurrent = torch.zeros(rows, heads, k_dim, v_dim, dtype=torch.float32, device=device)
         self.positions = [0] * rows
 
+    def begin_step(self, ctx: Context) -> None:
+        """The host's share before a step: the context's restores copied into their slots, then the check that
+        every sequence continues its slot."""
+        self.restore(ctx.state_restores)
+        self.check(ctx)
+
+    def end_decode_step(self, ctx: Context) -> None:
+        """The host's share after a decode step (one token each): the positions advanced, and each save of the
+        context keeps the state after the token, what the slot holds now."""
+        self.advance(ctx)
+        self.keep([(ctx.slot_ids[b], snapshot, ctx.start_pos[b] + 1) for b, _, snapshot in ctx.state_saves])
+
     def check(self, ctx: Context) -> None:
         """Every sequence of the step starts at 0 or where its slot's state ends."""
         for slot, start in zip(ctx.slot_ids, ctx.start_pos):
@@ -98,9 +131,20 @@ class DeltaNetState:
         self.recurrent[row] = recurrent
         self.positions[row] = positions
 
-    def save_slots(self, saves: list[tuple[int, int]]) -> None:
-        """Keep each (slot, snapshot)'s slot state, as it is, in its snapshot (distinct snapshots)."""
-        self._copy([(slot, self.snapshot_row(snapshot)) for slot, snapshot in saves])
+    def keep(self, saves: list[tuple[int, int, int]]) -> None:
+        """Keep each (slot, snapshot, positions)'s slot state, as it is (the state after that many positions), in its
+        snapshot (distinct snapshots)."""
+        self._copy([(slot, self.snapshot_row(snapshot)) for slot, snapshot, _ in saves])
+        for _, snapshot, positions in saves:
+            self.positions[self.snapshot_row(snapshot)] = positions
+
+    def copy_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the conv and recurrent states of rows [n] (device indices), for put_rows to write back."""
+        return self.conv[rows], self.recurrent[rows]
+
+    def put_rows(self, rows: torch.Tensor, states: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Write copy_rows' states back into rows (the same indices)."""
+        self.conv[rows], self.recurrent[rows] = states
 
     def _copy(self, pairs: list[tuple[int, int]]) -> None:
         """Row src's state and positions into row dst, for each (src, dst)."""
@@ -138,6 +182,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(num_v_heads * v_dim, hidden_size, bias=False)
         self.act = get_activation(activation)
         self.state: DeltaNetState | None = None
+        self.fused = True  # the Triton kernels where they run (the module docstring); fuse_decode_kernels switches it
 
     def state_bytes(self) -> int:
         """Bytes of one slot's state: the convolution's inputs and the rule's float32 state."""
@@ -153,37 +198,36 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], each sequence of the step context continuing its slot's state (after the context's
-        state_restores), and keeping it in snapshots where the context's state_saves ask."""
+        state_restores), and keeping it in snapshots where the context's state_saves ask. A fixed-shape decode
+        step (ctx.decode) does only its device share (the module docstring)."""
         ctx = get_context()
-        if ctx.decode is not None:
-            raise RuntimeError("Gated DeltaNet layers run eager steps only: a fixed-shape decode step carries no "
-                               "recurrent state")
-        if self.state is None and (any(ctx.start_pos) or ctx.state_restores or ctx.state_saves):
-            raise RuntimeError("decoding past position 0, or a state snapshot, needs the recurrent state: call "
-                               "allocate_state first")
-        if self.state is not None:
-            self.state.restore(ctx.state_restores)
-            self.state.check(ctx)
-        saves: dict[int, list[tuple[int, int]]] = {}
-        for i, offset, snapshot in ctx.state_saves:
-            saves.setdefault(i, []).append((offset, snapshot))
+        fixed = ctx.decode is not None
+        if self.state is None and (fixed or any(ctx.start_pos) or ctx.state_restores or ctx.state_saves):
+            raise RuntimeError("decoding past position 0, a fixed-shape decode step or a state snapshot needs the "
+                               "recurrent state: call allocate_state first")
+        if self.state is not None and not fixed:
+            self.state.begin_step(ctx)
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
-        if ctx.is_decode and self.state is not None:
-            o = self._decode(mixed, g, beta, ctx)
-            self.state.advance(ctx)
-            # one token each: a save keeps the state after it, what the slot holds now
-            self.state.save_slots([(ctx.slot_ids[i], snapshot) for i, asked in saves.items() for _, snapshot in asked])
+        if fixed:
+            o = self._decode(mixed, g, beta, ctx.decode.slots, ctx.decode.lens > 1)
+        elif ctx.is_decode and self.state is not None:
+            going = torch.tensor([p > 0 for p in ctx.start_pos], device=mixed.device)  # False: starts from zeros
+            o = self._decode(mixed, g, beta, ctx.slot_tensor(mixed.device), going)
+            self.state.end_decode_step(ctx)
         else:
-            o = torch.cat([self._prefill(mixed[lo:hi], g[lo:hi], beta[lo:hi], slot, start, saves.get(i, []))
-                           for i, (lo, hi, slot, start) in enumerate(zip(ctx.cu_seqlens, ctx.cu_seqlens[1:],
-                                                                         ctx.slot_ids, ctx.start_pos))])
+            prefill = self._prefill_kernels if self._kernels(mixed) else self._prefill
+            o = prefill(mixed, g, beta, ctx)
             if self.state is not None:
                 self.state.advance(ctx)
         o = self.norm(o.to(x.dtype), z.reshape(t, self.num_v_heads, self.v_dim))
         return self.out_proj(o.reshape(t, -1))
+
+    def _kernels(self, mixed: torch.Tensor) -> bool:
+        """Whether this step runs the Triton kernels (the module docstring)."""
+        return self.fused and HAVE_TRITON and (mixed.is_cuda or TRITON_ON_CPU)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> the convolution's input [T, Ch] (all q heads, all k heads, all v heads), z [T, Hv Dv], b and a
@@ -208,8 +252,15 @@ class GatedDeltaNet(nn.Module):
         q, k = (l2_normalize(t.reshape(*lead, hk, self.k_dim).float()).repeat_interleave(r, dim=-2) for t in (q, k))
         return q * self.k_dim ** -0.5, k, v.reshape(*lead, self.num_v_heads, self.v_dim)
 
-    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, start: int,
-                 saves: list[tuple[int, int]]) -> torch.Tensor:
+    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """The step's sequences one by one through the torch ops (_prefill_sequence) -> [T, Hv, Dv] float32."""
+        saves = _saves_by_sequence(ctx)
+        return torch.cat([self._prefill_sequence(mixed[lo:hi], g[lo:hi], beta[lo:hi], slot, start, saves.get(b, []))
+                          for b, (lo, hi, slot, start) in enumerate(zip(ctx.cu_seqlens, ctx.cu_seqlens[1:],
+                                                                        ctx.slot_ids, ctx.start_pos))])
+
+    def _prefill_sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot: int, start: int,
+                          saves: list[tuple[int, int]]) -> torch.Tensor:
         """One sequence's n new tokens (mixed [n, Ch], g, beta [n, Hv]) from its slot's state (zeros at position
         0), which then holds the state after them -> the rule's output [n, Hv, Dv] float32. saves: (tokens, snapshot)
         in strictly increasing order, 0 < tokens <= n: the state after that many of the tokens goes into the
@@ -237,11 +288,46 @@ class GatedDeltaNet(nn.Module):
             self.state.recurrent[slot] = rec
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """One token of each of B sequences (mixed [B, Ch], g, beta [B, Hv]) in one recurrent step over their
-        slots' states (zeros for a sequence at position 0) -> [B, Hv, Dv] float32."""
-        slots = ctx.slot_tensor(mixed.device)
-        going = torch.tensor([p > 0 for p in ctx.start_pos], device=mixed.device)  # False: starts from zeros
+    def _prefill_kernels(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """The step's sequences through the Triton prefill, in rounds of segments split at the context's saves (the
+        module docstring) -> [T, Hv, Dv] float32; each slot then holds its sequence's state after its tokens."""
+        from hybridmoe.layers.gated_deltanet_triton import triton_chunk_gated_delta_rule
+
+        weight, device = self.conv1d.weight[:, 0], mixed.device
+        if self.state is None:  # nothing kept: every sequence starts at 0, on scratch states of its own
+            b = ctx.num_seqs
+            conv = mixed.new_empty(b, self.channels, weight.shape[1] - 1)
+            rec = torch.empty(b, self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32, device=device)
+            return triton_chunk_gated_delta_rule(mixed, g, beta, weight, conv, rec, torch.arange(b, device=device),
+                                                 ctx.cu_seqlens, self.num_k_heads,
+                                                 torch.zeros(b, dtype=torch.bool, device=device))
+        if not ctx.state_saves:  # one round: the step's rows as they are
+            return triton_chunk_gated_delta_rule(mixed, g, beta, weight, self.state.conv, self.state.recurrent,
+                                                 ctx.slot_tensor(device), ctx.cu_seqlens, self.num_k_heads,
+                                                 torch.tensor([p > 0 for p in ctx.start_pos], device=device))
+        o = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=device)
+        for segments in _segment_rounds(ctx):
+            rows = torch.tensor([i for s in segments for i in range(s.lo, s.hi)], dtype=torch.long, device=device)
+            cu = [0]
+            for s in segments:
+                cu.append(cu[-1] + s.hi - s.lo)
+            slots = torch.tensor([s.slot for s in segments], device=device)
+            flags = torch.tensor([s.continues for s in segments], device=device)
+            o[rows] = triton_chunk_gated_delta_rule(mixed[rows], g[rows], beta[rows], weight, self.state.conv,
+                                                    self.state.recurrent, slots, cu, self.num_k_heads, flags)
+            self.state.keep([(s.slot, s.snapshot, s.positions) for s in segments if s.snapshot is not None])
+        return o
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+                going: torch.Tensor) -> torch.Tensor:
+        """One token of each of B rows (mixed [B, Ch], g, beta [B, Hv]) in one recurrent step over the states of
+        slots [B] (device; the Triton kernels want them distinct but for rows that start from zeros), starting from
+        zeros where going [B] (bool, device) is False -> [B, Hv, Dv] float32. Reads nothing on the host."""
+        if self._kernels(mixed):
+            from hybridmoe.layers.gated_deltanet_triton import triton_gated_delta_decode
+
+            return triton_gated_delta_decode(mixed, g, beta, self.conv1d.weight[:, 0], self.state.conv,
+                                             self.state.recurrent, slots, self.num_k_heads, going)
         conv = torch.where(going[:, None, None], self.state.conv[slots], 0)
         rec = torch.where(going[:, None, None, None], self.state.recurrent[slots], 0)
         out, conv = causal_conv1d(mixed[:, None], self.conv1d.weight[:, 0], conv)
@@ -250,6 +336,46 @@ class GatedDeltaNet(nn.Module):
         self.state.conv[slots] = conv
         self.state.recurrent[slots] = rec
         return o
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Rows lo .. hi - 1 of a step: part of one sequence's new tokens, on its slot, continuing the slot's state (else
+    from zeros); the slot's state after them, the state after `positions` positions, goes into snapshot (None: no
+    snapshot)."""
+
+    lo: int
+    hi: int
+    slot: int
+    continues: bool
+    snapshot: int | None
+    positions: int
+
+
+def _saves_by_sequence(ctx: Context) -> dict[int, list[tuple[int, int]]]:
+    """The context's state_saves as sequence -> [(tokens, snapshot), ...]."""
+    saves: dict[int, list[tuple[int, int]]] = {}
+    for b, offset, snapshot in ctx.state_saves:
+        saves.setdefault(b, []).append((offset, snapshot))
+    return saves
+
+
+def _segment_rounds(ctx: Context) -> list[list[_Segment]]:
+    """Each sequence's new tokens split at its saves (the last segment ends at its last token, or at its last save
+    when that is its last token) -> rounds: round j holds the j-th segment of every sequence that has one."""
+    saves = _saves_by_sequence(ctx)
+    rounds: list[list[_Segment]] = []
+    for b, (lo, hi, slot, start) in enumerate(zip(ctx.cu_seqlens, ctx.cu_seqlens[1:], ctx.slot_ids, ctx.start_pos)):
+        ends = saves.get(b, [])
+        if not ends or ends[-1][0] < hi - lo:
+            ends = [*ends, (hi - lo, None)]
+        done = 0
+        for j, (end, snapshot) in enumerate(ends):
+            if j == len(rounds):
+                rounds.append([])
+            rounds[j].append(_Segment(lo + done, lo + end, slot, j > 0 or start > 0, snapshot, start + end))
+            done = end
+    return rounds
 
 
 def _last_inputs(before: torch.Tensor, mixed: torch.Tensor, n: int) -> torch.Tensor:

@@ -269,6 +269,12 @@ class MoECausalLM(nn.Module):
             if hasattr(module, "allocate_state"):
                 module.allocate_state(num_slots, num_snapshots)
 
+    def recurrent_states(self) -> list:
+        """The recurrent state allocate_state gave each layer that keeps one (layers/linear_attention.py's
+        DeltaNetState), for a caller that runs a step's host share outside forward: the engine around a fixed-shape
+        decode step, which a CUDA graph replays without running forward's Python."""
+        return [m.state for m in self.model.layers.modules() if hasattr(m, "allocate_state") and m.state is not None]
+
     def kv_bytes_per_token(self, quantized: bool = False) -> int:
         """KV-cache bytes one token takes over every attention layer (in the model's dtype, or float8 with its
         scales when quantized)."""
