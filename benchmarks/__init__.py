@@ -8,6 +8,10 @@
     quality.py  accuracy of the expert formats, of deferral, of the route prediction
     load.py     peak RSS and time of a load
     serve.py    a running server under concurrency, and a soak run
+    context.py  decode and prefix reuse at long contexts, the context a budget holds, the fp8 cache's accuracy
+    structured.py  decode held to a JSON schema against free decode, and a large schema's compile time
+    peers.py    llama.cpp and kt-kernel built and run beside us (docs/benchmarks.md)
+    finetune.py LoRA fine-tuning: hybridmoe against accelerate's expert offload and the all-GPU model
 
 The subcommands' code lives in lib/ (the C++ micro-benchmarks' sources in native/); each prints a table
 and writes JSON with --json, its baseline measured in the same run. The entry points' names stay clear of
