@@ -19,17 +19,23 @@ from pathlib import Path
 PACKAGE = "hybridmoe"
 
 FORBIDDEN = {
-    "layers": {"experts", "models", "weights", "system", "engine", "server", "commands", "bench", "checkpoint"},
-    "experts": {"models", "weights", "system", "engine", "server", "commands", "bench", "checkpoint"},
-    "models": {"weights", "system", "engine", "server", "commands", "bench", "checkpoint"},
+    "layers": {"experts", "models", "distributed", "weights", "system", "engine", "server", "commands", "bench",
+               "checkpoint"},
+    "experts": {"models", "distributed", "weights", "system", "engine", "server", "commands", "bench", "checkpoint"},
+    "models": {"distributed", "weights", "system", "engine", "server", "commands", "bench", "checkpoint"},
+    "distributed": {"weights", "system", "engine", "server", "commands", "bench", "checkpoint", "hf"},
     "weights": {"system", "engine", "server", "commands", "bench"},
     "system": {"engine", "server", "commands", "bench"},
     "engine": {"server", "commands", "bench"},
     "server": {"commands", "bench"},
-    "checkpoint": {"layers", "experts", "models", "weights", "system", "engine", "server", "commands", "bench"},
-    "hf": {"models", "system", "engine", "server", "commands", "bench", "checkpoint"},
+    "checkpoint": {"layers", "experts", "models", "distributed", "weights", "system", "engine", "server", "commands",
+                   "bench"},
+    "hf": {"models", "distributed", "system", "engine", "server", "commands", "bench", "checkpoint"},
 }
-"""part -> the parts it must never import (each folder of the package is a part)."""
+"""part -> the parts it must never import (each folder of the package is a part). distributed/ (tensor parallelism)
+replaces a built model's layers by their shards and wraps its expert backend: it sits above models/ and below
+weights/ and engine/, which call it (the loader shards a rank's model; the engine starts the workers); the workers
+get the engine's loader handed in, never imported."""
 
 NEUTRAL = {"errors", "config", "platform", "forward_context", "sampling_params", "tokenizer", "tokenizer_tiktoken",
            "_native"}

@@ -183,7 +183,18 @@ class EngineConfig:
     speculative decoding). False: mtp.* is skipped and costs nothing. Other families, or deferred_experts, fail the
     load with it."""
 
+    tensor_parallel_size: int = 1
+    """Processes that split the attention and dense layers by heads (tensor parallelism, distributed/): the calling
+    one (rank 0) and tensor_parallel_size - 1 workers it starts, over gloo on the CPU or NCCL with one GPU per rank
+    (cuda:0 to cuda:N-1). Rank 0 alone holds and runs the routed experts, with expert_backend's engine, and schedules
+    and samples; kv_cache_budget is each rank's. The head counts (num_attention_heads, num_key_value_heads) and the
+    MLPs' intermediate sizes must divide by it. Steps run eagerly (no CUDA graphs); the hybrid GPU expert split,
+    lora, mtp and the KV cache's host tier are refused with it, and so are the families whose attention it does not
+    split (Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3.2, MiniMax-M2, gpt-oss). 1: one process."""
+
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise HybridMoEError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.device == "auto":
             import torch
 

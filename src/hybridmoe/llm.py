@@ -16,10 +16,23 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """A model loaded for generation. engine_config: any EngineConfig field (max_num_seqs=...)."""
+    """A model loaded for generation. engine_config: any EngineConfig field (max_num_seqs=...).
+
+    With tensor_parallel_size=N > 1 it starts N - 1 worker processes (distributed/); close() (or a with block, or
+    the LLM's garbage collection) stops them."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", **engine_config):
         self.engine = LLMEngine(model_dir, EngineConfig.from_kwargs(dtype=dtype, **engine_config))
+
+    def close(self) -> None:
+        """Stop the engine's worker processes, if any; the LLM generates nothing after."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -71,6 +71,8 @@ FLAGS: dict[str, Flag] = {
                               choices=(32, 64, 128), type=int),
     "expert_zero_points": Flag("engine", "int4 groups with a zero point (asymmetric)",
                                "on for GPTQ/AWQ checkpoints, else off", type=bool),
+    "tensor_parallel_size": Flag("engine", "processes that split attention by heads (GPUs on CUDA); rank 0 runs "
+                                 "the experts", "1", "N", type=int),
     "cpu_threads": Flag("engine", "threads of the native expert engine, 1-1024", "every core", "N", type=int),
     "gpu_memory_budget": Flag("GPU", "GPU memory to use in all; what the rest leaves holds routed experts",
                               "90%% of free memory with the native engine, else none", "SIZE"),

@@ -3,6 +3,10 @@
 Meant to be driven directly by whoever serves requests: add_request() between steps (a request
 joins the running batch at the next step), step() until has_unfinished() is false, abort() to
 drop a request and free its KV-cache slot at once. Not thread-safe: drive it from one thread.
+
+With tensor_parallel_size N > 1 this process is rank 0 of N (distributed/): it starts the workers before its own
+load, drives its model through LockstepModel (each forward's batch goes to the workers, which run the model
+only), and close() stops them.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import threading
 from pathlib import Path
 
 from hybridmoe.config import EngineConfig
+from hybridmoe.distributed.checks import tensor_parallel_options
+from hybridmoe.distributed.launcher import TensorParallelWorkers
+from hybridmoe.distributed.lockstep import LockstepModel
 from hybridmoe.engine.detokenizer import Detokenizer
 from hybridmoe.engine.grammar import Grammars
 from hybridmoe.engine.kv_blocks import BlockPool
-from hybridmoe.engine.model_loader import load_model
+from hybridmoe.engine.model_loader import LoadedModel, load_model
 from hybridmoe.engine.model_runner import ModelRunner
 from hybridmoe.engine.sampler import TokenLogprobs
 from hybridmoe.engine.scheduler import ScheduledSeq, Scheduler
@@ -34,9 +41,13 @@ from hybridmoe.weights.gguf_model_dir import resolve_model_path
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
+        if self.config.tensor_parallel_size > 1:
+            self.config = tensor_parallel_options(self.config)
         model_dir = resolve_model_path(model_dir, self.config)  # a .gguf file -> its config/tokenizer directory
         self.model_dir = Path(model_dir)
-        loaded = load_model(model_dir, self.config)
+        self.tensor_parallel: TensorParallelWorkers | None = None
+        """The workers of a tensor-parallel group (tensor_parallel_size > 1), this engine rank 0."""
+        loaded = self._load(self.model_dir)
         self.model_config = loaded.config
         self.random_weights = bool(loaded.config.get("hybridmoe_random_weights"))  # make-model's mark: noise text
         self.dtype = loaded.dtype
@@ -55,7 +66,8 @@ class LLMEngine:
         pool = BlockPool(self.kv_plan.num_blocks, self.kv_plan.block_size, self.config.prefix_caching,
                          self.kv_plan.host_blocks, snapshots)
         self.scheduler = Scheduler(self.config.max_num_seqs, self.config.max_num_batched_tokens, pool)
-        self.runner = ModelRunner(loaded.model, self.config.max_num_seqs, self.max_model_len,
+        model = loaded.model if self.tensor_parallel is None else LockstepModel(loaded.model, self.tensor_parallel)
+        self.runner = ModelRunner(model, self.config.max_num_seqs, self.max_model_len,
                                   self.config.device, cuda_graph=self.config.cuda_graph,
                                   num_blocks=self.kv_plan.num_blocks, block_size=self.kv_plan.block_size,
                                   host_blocks=self.kv_plan.host_blocks, kv_fp8=fp8,
@@ -64,6 +76,23 @@ class LLMEngine:
         self._ids = itertools.count()
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+
+    def _load(self, model_dir: Path) -> LoadedModel:
+        if self.config.tensor_parallel_size == 1:
+            return load_model(model_dir, self.config)
+        self.tensor_parallel = TensorParallelWorkers.start(model_dir, self.config, load_model)
+        try:
+            loaded = load_model(model_dir, self.config, self.tensor_parallel.group)
+        except BaseException:
+            self.tensor_parallel.close()
+            raise
+        self.tensor_parallel.wait_ready(loaded.model)
+        return loaded
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine takes no step after); once is enough."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def grammars(self) -> Grammars:
         """The vocabulary's grammar engine, built on first use (about a second for a 150K-token vocabulary); safe

@@ -7,6 +7,11 @@ The model is built on the meta device (no memory, no random init), materialized 
 the target dtype, then filled from the checkpoint (weights/loader.py) or, for the routed experts, from a
 converted directory or the expert cache when one holds them packed. A LoRA adapter (EngineConfig.lora) is checked
 against the built model before the weights load and merged into them once they have (weights/lora.py).
+
+Under tensor parallelism (a rank's TensorParallel given), the model built on the meta device is split into the rank's
+shard before it is materialized (distributed/shard.py) and reads its slice of each split tensor
+(distributed/checkpoint_slices.py); rank 0's backend holds every routed expert, the other ranks' none
+(distributed/experts.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from pathlib import Path
 import torch
 
 from hybridmoe.config import EngineConfig, check_max_model_len, uses_hybrid
+from hybridmoe.distributed.checkpoint_slices import RankCheckpoint
+from hybridmoe.distributed.checks import rank_engine_config
+from hybridmoe.distributed.experts import RankZeroExperts, ReceivedExperts
+from hybridmoe.distributed.parallel_state import TensorParallel
+from hybridmoe.distributed.shard import shard_model
 from hybridmoe.errors import CheckpointError, HybridMoEError
 from hybridmoe.experts.base import ExpertBackend
 from hybridmoe.experts.factory import make_expert_backend
@@ -58,18 +68,23 @@ def _expert_placement(engine_config: EngineConfig, dtype: torch.dtype) -> tuple[
 
 
 def build_model(cls: type[MoECausalLM], config: ModelConfig, experts: ExpertBackend, dtype: torch.dtype,
-                device: str | torch.device) -> MoECausalLM:
-    """The module tree with uninitialized parameters on device (filled by load_weights)."""
+                device: str | torch.device, tensor_parallel: TensorParallel | None = None) -> MoECausalLM:
+    """The module tree with uninitialized parameters on device (filled by load_weights); with tensor_parallel, this
+    rank's shard of it."""
     with torch.device("meta"):
         model = cls(config, experts)
+        if tensor_parallel is not None:
+            shard_model(model, tensor_parallel)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
     model.requires_grad_(False)
     return model.eval()
 
 
-def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None) -> LoadedModel:
-    """model_dir: a Hugging Face model directory (bf16/fp8/GPTQ/AWQ), a converted one, or a .gguf file."""
+def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None,
+               tensor_parallel: TensorParallel | None = None) -> LoadedModel:
+    """model_dir: a Hugging Face model directory (bf16/fp8/GPTQ/AWQ), a converted one, or a .gguf file.
+    tensor_parallel: this rank's place in a group that joined (distributed/launcher.py checked the options)."""
     engine_config = engine_config or EngineConfig()
     model_dir = resolve_model_path(model_dir, engine_config)
     cls, config = load_config(model_dir)
@@ -81,19 +96,35 @@ def load_model(model_dir: str | Path, engine_config: EngineConfig | None = None)
     with open_checkpoint(model_dir, config) as ckpt:
         _check_layer_count(model_dir, ckpt, config)
         engine_config = resolve_engine_config(engine_config, config, dtype, model_dir)
-        experts = make_expert_backend(engine_config, config, cls, dtype)
-        model = build_model(cls, config, experts, dtype, engine_config.device)
+        if tensor_parallel is not None:
+            engine_config = rank_engine_config(engine_config)
+        experts = None  # a tensor-parallel rank above 0 holds no routed expert
+        if tensor_parallel is None or tensor_parallel.owns_routed_experts:
+            experts = make_expert_backend(engine_config, config, cls, dtype)
+        model = build_model(cls, config, _rank_experts(experts, tensor_parallel), dtype, engine_config.device,
+                            tensor_parallel)
         lora = plan_lora(model, engine_config.lora) if engine_config.lora else None  # its checks before the read
         expert_device, expert_dtype = _expert_placement(engine_config, dtype)
-        packed = _plan_packed(model_dir, engine_config, model, experts)  # a converted directory's own checks first
+        packed = PackedExperts(False)  # a tensor-parallel rank above 0 reads no routed expert
+        if experts is not None:
+            packed = _plan_packed(model_dir, engine_config, model, experts)  # a converted directory's own checks first
         if engine_config.expert_backend == "native" and packed.reads_checkpoint:
             _check_before_packing(engine_config, model, experts)
-        load_weights(model, ckpt, expert_device, expert_dtype, load_experts=packed.reads_checkpoint)
+        load_weights(model, ckpt if tensor_parallel is None else RankCheckpoint(ckpt, model), expert_device,
+                     expert_dtype, load_experts=packed.reads_checkpoint)
         if lora is not None:
             lora.merge()
     packed.finish(experts)
     engine_config = attach_prefill_streamer(experts, engine_config)  # the token count it measured, if any
-    return LoadedModel(model=model, config=config, experts=experts, dtype=dtype, engine_config=engine_config)
+    return LoadedModel(model=model, config=config, experts=model.experts, dtype=dtype, engine_config=engine_config)
+
+
+def _rank_experts(experts: ExpertBackend | None, tensor_parallel: TensorParallel | None) -> ExpertBackend:
+    """The backend a rank's model calls: experts itself in one process; under tensor parallelism rank 0's broadcasts
+    their output (experts holds them), the other ranks' receive it (experts None)."""
+    if tensor_parallel is None:
+        return experts
+    return ReceivedExperts(tensor_parallel) if experts is None else RankZeroExperts(experts, tensor_parallel)
 
 
 _LAYER = re.compile(r"(?:language_model\.)?model\.(?:language_model\.)?layers\.(\d+)\.")
