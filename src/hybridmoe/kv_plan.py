@@ -10,7 +10,8 @@ holds that many tokens, else as long as the cache holds: concurrent sequences sh
 finds none free is preempted and resumed later (engine/scheduler.py).
 
 A model whose layers keep a recurrent state per sequence instead of a KV cache (Gated DeltaNet) holds
-max_num_seqs of those states beside the blocks: they count in the cache's memory, and a kv_cache_budget pays for them
+max_num_seqs of those states beside the blocks (on a GPU one more, for the padding rows of fixed-shape decode
+steps): they count in the cache's memory, and a kv_cache_budget pays for them
 first. With prefix caching it also keeps snapshots of such states at block boundaries (engine/state_snapshots.py):
 SNAPSHOTS_PER_SEQ per sequence it runs at once (a prompt's end and a sequence's latest block boundary), fewer when a
 kv_cache_budget's share for them (SNAPSHOT_SHARE of what the live states and one block leave) holds fewer. They
@@ -45,7 +46,8 @@ class KVPlan:
     host_blocks: int = 0
     """Blocks of the host tier (engine/kv_blocks.py), 0: none."""
     state_bytes: int = 0
-    """The recurrent states of max_num_seqs sequences (models/base.py state_bytes_per_seq), beside the blocks."""
+    """The recurrent states of max_num_seqs sequences (models/base.py state_bytes_per_seq), beside the blocks, and
+    on a GPU one more: the spare slot of fixed-shape decode steps' padding rows."""
     snapshots: int = 0
     """Recurrent-state snapshots kept for prefix caching (engine/state_snapshots.py)."""
     snapshot_bytes: int = 0
@@ -84,7 +86,8 @@ def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: in
     unknown), which caps the default host tier at half of it."""
     check_max_model_len(model_config, engine_config)
     bs, given, limit = engine_config.kv_block_size, engine_config.max_model_len, position_limit(model_config)
-    states = engine_config.max_num_seqs * state_bytes_per_seq
+    # on a GPU, fixed-shape decode steps give their padding rows a spare slot's state (engine/model_runner.py)
+    states = (engine_config.max_num_seqs + int(engine_config.device == "cuda")) * state_bytes_per_seq
     block_bytes = max(bytes_per_token, 1) * bs  # a model of stateful layers only caches no keys at all
     snapshots = _snapshots(engine_config, state_bytes_per_seq, engine_config.kv_cache_budget - states - block_bytes
                            if engine_config.kv_cache_budget is not None else None)

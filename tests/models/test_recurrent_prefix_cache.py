@@ -162,3 +162,6 @@ def test_the_kv_plan_keeps_two_snapshots_per_sequence_within_half_of_a_budget(fa
     budget = plan(kv_cache_budget=3 * per_seq + 16 * per_token + 50_000)
     assert budget.snapshots == 2 and budget.num_blocks - 1 == (16 * per_token + 50_000 - 2 * per_seq) // 1600
     assert plan(prefix_caching=False).snapshots == 0 and plan(prefix_caching=False).snapshot_bytes == 0
+    gpu = plan_kv_cache(config, EngineConfig(device="cuda", max_num_seqs=3, kv_block_size=16), per_token,
+                        state_bytes_per_seq=per_seq)
+    assert gpu.state_bytes == 4 * per_seq  # a GPU's fixed-shape steps run their padding rows on a spare slot
