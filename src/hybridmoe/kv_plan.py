@@ -87,7 +87,7 @@ def plan_kv_cache(model_config, engine_config: EngineConfig, bytes_per_token: in
     check_max_model_len(model_config, engine_config)
     bs, given, limit = engine_config.kv_block_size, engine_config.max_model_len, position_limit(model_config)
     # on a GPU, fixed-shape decode steps give their padding rows a spare slot's state (engine/model_runner.py)
-    states = (engine_config.max_num_seqs + int(engine_config.device == "cuda")) * state_bytes_per_seq
+    states = (engine_config.max_num_seqs + int(str(engine_config.device).startswith("cuda"))) * state_bytes_per_seq
     block_bytes = max(bytes_per_token, 1) * bs  # a model of stateful layers only caches no keys at all
     snapshots = _snapshots(engine_config, state_bytes_per_seq, engine_config.kv_cache_budget - states - block_bytes
                            if engine_config.kv_cache_budget is not None else None)
