@@ -24,6 +24,8 @@ def test_cli_writes_a_checkpoint(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--preset", "mixtral-8x22b"], "unknown preset 'mixtral-8x22b' for mixtral; choose one of: tiny, mixtral-8x7b"),
     (["--preset", "tiny", "--layers", "0"], "--layers must be at least 1"),
+    (["--preset", "tiny", "--mtp-layers", "1"],
+     "--mtp-layers: mixtral has no multi-token-prediction module here (qwen3_next, qwen3_5_moe do)"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     argv = ["make-model", "--arch", "mixtral", "--out", str(tmp_path / "m"), "--quiet", *args]
@@ -54,3 +56,14 @@ def test_force_removes_shards_of_a_previous_checkpoint(tmp_path):
     assert not stale.exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert {p.name for p in out.glob("model-*.safetensors")} == set(index["weight_map"].values())
+
+
+def test_mtp_layers_write_the_module_that_mtp_loads(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["make-model", "--arch", "qwen3_next", "--preset", "tiny", "--out", str(out), "--quiet",
+                 "--mtp-layers", "1"]) == 0
+    assert json.loads((out / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(name.startswith("mtp.layers.0.") for name in index) and "mtp.fc.weight" in index
+    capsys.readouterr()
+    assert main(["run", "--model", str(out), "--mtp", "--prompt", "hi", "--max-new-tokens", "2"]) == 0

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from hybridmoe.checkpoint.presets import ARCHS, PRESETS, text_config_of
+from hybridmoe.checkpoint.presets import ARCHS, OPTIONAL_KEYS, PRESETS, text_config_of
+from hybridmoe.errors import HybridMoEError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "DeepSeek-V3 ships), the rest bf16")
     parser.add_argument("--seed", type=int, default=0, metavar="S",
                         help="random seed; same seed, same bytes (default: 0)")
+    parser.add_argument("--mtp-layers", type=int, default=0, metavar="N",
+                        help="qwen3_next, qwen3_5_moe: also write N multi-token-prediction layers under mtp.*, which "
+                             "--mtp loads (default: 0, none)")
     parser.add_argument("--force", action="store_true", help="replace a checkpoint already in --out (default: off)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (default: off)")
 
@@ -31,8 +35,14 @@ def run(args: argparse.Namespace) -> int:
     from hybridmoe.checkpoint import make_checkpoint
 
     start = time.perf_counter()
+    if args.mtp_layers and "mtp_num_hidden_layers" not in OPTIONAL_KEYS.get(args.arch, ()):
+        takes = ", ".join(a for a, keys in OPTIONAL_KEYS.items() if "mtp_num_hidden_layers" in keys)
+        raise HybridMoEError(f"--mtp-layers: {args.arch} has no multi-token-prediction module here ({takes} do)")
+    if args.mtp_layers < 0:
+        raise HybridMoEError(f"--mtp-layers is 0 or more, got {args.mtp_layers}")
+    overrides = {"mtp_num_hidden_layers": args.mtp_layers} if args.mtp_layers else None
     summary = make_checkpoint(args.arch, args.preset, args.out, layers=args.layers, dtype=args.dtype,
-                              seed=args.seed, force=args.force, progress=not args.quiet)
+                              seed=args.seed, force=args.force, progress=not args.quiet, overrides=overrides)
     seconds = time.perf_counter() - start
     cfg = summary.config
     layers = text_config_of(cfg)["num_hidden_layers"]
