@@ -1,11 +1,14 @@
 """Tensor parallelism on the CPU (gloo): 2 and 4 processes give one process's greedy tokens and log-probabilities
-(float32) for a batch of prompts, for Qwen3-MoE (GQA) and DeepSeek-V3 (MLA, a dense layer, shared experts); rank 0
-alone holds the routed experts; closing the LLM (or dropping it) leaves no process behind; a worker that dies fails
-rank 0's next step instead of hanging it; what is not built is refused before any worker starts.
+(float32) for a batch of prompts, for Qwen3-MoE (GQA), DeepSeek-V3 (MLA, a dense layer, shared experts), gpt-oss
+(attention sinks cut by query heads, sliding-window layers, expert biases in rank 0's engine) and MiniMax-M2 (q/k
+norms over all heads, their mean of squares all-reduced); rank 0 alone holds the routed experts; closing the LLM (or
+dropping it) leaves no process behind; a worker that dies fails rank 0's next step instead of hanging it; what is
+not built is refused before any worker starts.
 
-The tiny Qwen3-MoE has 4 query heads and 2 key/value heads: 2 ranks split it as it is (one key/value head each),
-4 ranks run a variant with 4 key/value heads (make_checkpoint's overrides). The tiny DeepSeek-V3's 4 heads split
-both ways."""
+The tiny Qwen3-MoE, gpt-oss and MiniMax-M2 have 4 query heads and 2 key/value heads: 2 ranks split them as they are
+(one key/value head each), 4 ranks run variants with 4 key/value heads (make_checkpoint's overrides). The tiny
+DeepSeek-V3's 4 heads split both ways. The longest prompt (7 tokens) and its 4 new ones reach past gpt-oss's
+sliding window of 8 positions."""
 
 import gc
 import os
@@ -28,11 +31,18 @@ CHECKPOINTS = {
     "qwen3_moe": ("qwen3_moe", None),
     "qwen3_moe_4kv": ("qwen3_moe", {"num_key_value_heads": 4}),
     "deepseek_v3": ("deepseek_v3", None),
+    "gpt_oss": ("gpt_oss", None),
+    "gpt_oss_4kv": ("gpt_oss", {"num_key_value_heads": 4}),
+    "minimax_m2": ("minimax_m2", None),
+    "minimax_m2_4kv": ("minimax_m2", {"num_key_value_heads": 4}),
 }
 
 SPLIT_PARAMETER = re.compile(r"\.(qkv_proj|q_proj|q_b_proj|kv_b_proj|gate_up_proj)\.(weight|bias)$"
-                             r"|\.(o_proj|down_proj)\.weight$|^lm_head\.weight$")
-"""The parameters split across the ranks (every other one is whole on every rank)."""
+                             r"|\.(o_proj|down_proj)\.weight$|^lm_head\.weight$|\.self_attn\.sinks$")
+"""The parameters split across the ranks (every other one is whole on every rank, but QK_NORM's)."""
+
+QK_NORM = re.compile(r"\.self_attn\.[qk]_norm\.weight$")
+"""Split where the norm is over all heads together (MiniMax-M2), whole where it is per head (Qwen3)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,7 +91,13 @@ def generate(llm: LLM) -> list[tuple[list[int], list]]:
 
 
 def shard_bytes(model: torch.nn.Module, world: int) -> int:
-    return sum(p.nbytes // world if SPLIT_PARAMETER.search(name) else p.nbytes for name, p in model.named_parameters())
+    return sum(p.nbytes // world if is_split(model, name) else p.nbytes for name, p in model.named_parameters())
+
+
+def is_split(model: torch.nn.Module, name: str) -> bool:
+    if QK_NORM.search(name):
+        return not model.get_submodule(name.rsplit(".", 2)[0]).qk_norm_per_head
+    return SPLIT_PARAMETER.search(name) is not None
 
 
 def child_pids() -> set[int]:
@@ -103,6 +119,10 @@ def child_pids() -> set[int]:
     ("deepseek_v3", 2, "torch", "garbage collection"),
     ("deepseek_v3", 4, "torch", "close"),
     ("qwen3_moe", 2, "native", "close"),
+    ("gpt_oss", 2, "native", "close"),
+    ("gpt_oss_4kv", 4, "torch", "close"),
+    ("minimax_m2", 2, "torch", "close"),
+    ("minimax_m2_4kv", 4, "torch", "close"),
 ])
 def test_ranks_give_one_process_tokens_and_hold_one_expert_engine(one_process, checkpoints, name, world, backend,
                                                                   ending):

@@ -6,6 +6,8 @@ NCCL path is written to the same plan; CI runs the gloo one).
 
 - parallel_state.py: a rank's place in the group (rank, world size, device) and its collectives.
 - sharded_linear.py: column-parallel, row-parallel (all-reduced) and vocabulary-parallel (all-gathered) linears.
+- sharded_norm.py: an RMSNorm over all heads together (MiniMax-M2's q/k norms) on this rank's heads' slice, its
+  mean of squares all-reduced.
 - shard.py: a model built on the meta device split in place before its weights load (which layers split how).
 - checkpoint_slices.py: the checkpoint as one rank reads it (each split tensor's slice for that rank).
 - experts.py: the routed experts on rank 0 only, their output broadcast to the other ranks.

@@ -4,7 +4,8 @@ slice of it, every other tensor as it is.
 The loader (weights/loader.py) then fills a sharded model as it fills a whole one: the shapes it checks and the
 tensors it copies are this rank's, and a merged parameter's shard (q/k/v, gate/up) takes this rank's slice of each of
 its checkpoint tensors into its row range. Which tensors are split, and along which dimension, comes from the
-model's split layers (distributed/sharded_linear.py split_dims). Each rank reads the whole tensor of a split
+model's split layers (split_dims of distributed/sharded_linear.py's linears and distributed/sharded_norm.py's norm)
+and from each attention split by heads (its sinks, one per query head). Each rank reads the whole tensor of a split
 parameter from the mapped file and keeps its slice (a dequantized format is dequantized whole first).
 """
 
@@ -12,18 +13,28 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.distributed.sharded_linear import TENSOR_PARALLEL_LINEARS
+from hybridmoe.distributed.sharded_linear import TENSOR_PARALLEL_LINEARS, ColumnParallelMergedLinear
+from hybridmoe.distributed.sharded_norm import ShardedRMSNorm
+from hybridmoe.layers.attention import Attention
 from hybridmoe.models.base import MoECausalLM
+
+SPLIT_MODULES = (*TENSOR_PARALLEL_LINEARS, ShardedRMSNorm)
+"""The module types whose parameters are cut across the ranks as their split_dims say."""
 
 
 def split_parameters(model: MoECausalLM) -> dict[str, tuple[int, int, int]]:
-    """Parameter name -> (dimension, rank, world size) of every parameter cut across the ranks."""
+    """Parameter name -> (dimension, rank, world size) of every parameter cut across the ranks: those of the split
+    modules, and the sinks [Hq] of an attention whose q/k/v are split by heads (cut as its query heads are)."""
     splits = {}
     for name, module in model.named_modules():
-        if isinstance(module, TENSOR_PARALLEL_LINEARS):
+        if isinstance(module, SPLIT_MODULES):
             for param, dim in module.split_dims.items():
                 if getattr(module, param) is not None:
                     splits[f"{name}.{param}"] = (dim, module.tp.rank, module.tp.world_size)
+        elif (isinstance(module, Attention) and module.sinks is not None
+              and isinstance(module.qkv_proj, ColumnParallelMergedLinear)):
+            tp = module.qkv_proj.tp
+            splits[f"{name}.sinks"] = (0, tp.rank, tp.world_size)
     return splits
 
 

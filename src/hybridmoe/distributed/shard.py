@@ -3,7 +3,10 @@
 - Attention (GQA): q/k/v column-parallel by heads (this rank's num_heads / world_size query heads and
   num_key_value_heads / world_size key/value heads: both must divide), o_proj row-parallel; the layer's head counts
   become this rank's, so its KV cache holds this rank's key/value heads only. Per-head q/k norms and the rotary
-  embedding are whole on every rank.
+  embedding are whole on every rank; a layer's sliding window applies to every head alike. Attention sinks
+  (gpt-oss: a logit per query head) are cut as the query heads are: this rank's Hq / world_size of them.
+  Whole-q/k norms across heads (MiniMax-M2: q_norm over [Hq D], k_norm over [Hkv D]) become ShardedRMSNorms
+  (distributed/sharded_norm.py) over this rank's heads' slice, their mean of squares all-reduced over the ranks.
 - Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): q_proj (or q_b_proj) and kv_b_proj column-parallel by
   heads, o_proj row-parallel; q_a_proj, kv_a_proj_with_mqa and their norms whole. The latent KV cache is shared by
   every head, so every rank holds all of it.
@@ -12,19 +15,19 @@
   weight and the world size divides the vocabulary; else (tied to the embeddings, or a vocabulary the world size
   does not divide) whole on every rank.
 - Whole on every rank: the embeddings (a lookup costs nothing to repeat; splitting it would add an all-reduce per
-  step for no saving but memory), every norm, the routers, Qwen2-MoE's shared-expert gate.
+  step for no saving but memory), every norm but the whole-q/k ones, the routers, Qwen2-MoE's shared-expert gate.
 
 A row-parallel layer's all-reduce leaves every rank with the same hidden state, so everything whole is computed
 alike everywhere. The decode GEMVs that read a row-parallel layer's weight directly (Attention and MLA's
 fused_layer, CUDA) would skip its all-reduce: fused_layer is off in the split layers.
 
 Layers this does not split are refused with a one-line error: any other attention (DeepSeek-V3.2's sparse MLA,
-Qwen3-Next's gated attention), a layer with a recurrent state (Gated DeltaNet), whole-q/k norms across heads
-(MiniMax-M2) and attention sinks (gpt-oss).
+Qwen3-Next's gated attention) and a layer with a recurrent state (Gated DeltaNet).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hybridmoe.distributed.parallel_state import TensorParallel
@@ -34,6 +37,7 @@ from hybridmoe.distributed.sharded_linear import (
     RowParallelLinear,
     VocabParallelHead,
 )
+from hybridmoe.distributed.sharded_norm import ShardedRMSNorm
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.layers.attention import Attention
 from hybridmoe.layers.mla import MultiHeadLatentAttention
@@ -71,10 +75,6 @@ def check_splittable(model: MoECausalLM) -> None:
             why = "keeps a recurrent state per sequence"
         elif hasattr(module, "allocate_kv_cache") and type(module) not in SPLIT_ATTENTIONS:
             why = "is an attention that tensor parallelism does not split by heads"
-        elif type(module) is Attention and not module.qk_norm_per_head and hasattr(module, "q_norm"):
-            why = "normalizes q and k across all heads together"
-        elif type(module) is Attention and module.sinks is not None:
-            why = "has attention sinks"
         if why is not None:
             raise HybridMoEError(f"{family} cannot run with tensor_parallel_size > 1: its {type(module).__name__} "
                                  f"(model.layers.{name}) {why}; run it with tensor_parallel_size 1")
@@ -92,6 +92,11 @@ def _split_attention(attention: Attention, tp: TensorParallel) -> None:
     attention.o_proj = RowParallelLinear(o.in_features, o.out_features, tp, bias=o.bias is not None)
     attention.num_heads, attention.num_kv_heads = heads, kv_heads
     attention.fused_layer = False
+    if attention.sinks is not None:  # one per query head: this rank's heads' (checkpoint_slices.split_parameters)
+        attention.sinks = nn.Parameter(torch.empty(heads, device=attention.sinks.device))
+    if hasattr(attention, "q_norm") and not attention.qk_norm_per_head:
+        attention.q_norm = ShardedRMSNorm(attention.q_norm.weight.numel(), attention.q_norm.eps, tp)
+        attention.k_norm = ShardedRMSNorm(attention.k_norm.weight.numel(), attention.k_norm.eps, tp)
 
 
 def _split_latent_attention(attention: MultiHeadLatentAttention, tp: TensorParallel) -> None:

@@ -78,4 +78,5 @@ class VocabParallelHead(nn.Linear):
 
 
 TENSOR_PARALLEL_LINEARS = (ColumnParallelLinear, ColumnParallelMergedLinear, RowParallelLinear, VocabParallelHead)
-"""Every module type whose parameters are cut across the ranks (each with its split_dims)."""
+"""Every linear type whose parameters are cut across the ranks (each with its split_dims; checkpoint_slices.py
+adds the sharded norm)."""
