@@ -4,14 +4,12 @@ packed into the native CPU engine as they are read, exactly as transformers' loa
 Each family's tiny random float32 model (tiny_families.py) is saved by transformers itself, in shards, in the
 names its released checkpoints use (one tensor per expert, Mixtral's and MiniMax-M2's block_sparse_moe and
 w1/w3/w2; gpt-oss's fused experts and biases). Both loads then hold the same packed experts bit for bit, the same
-other weights, and compute the same logits bit for bit (one worker thread each). Quantized checkpoints,
-unsupported models and checkpoints missing an expert are refused in one line.
+other weights, and compute the same logits bit for bit (one worker thread each). Unsupported models and
+checkpoints missing an expert are refused in one line (quantized checkpoints:
+test_hf_from_pretrained_quantized.py).
 """
 
 from __future__ import annotations
-
-import json
-import shutil
 
 import pytest
 import torch
@@ -78,16 +76,6 @@ def test_torch_dtype_sets_the_other_weights_dtype(saved):
     assert logits.dtype == torch.bfloat16 and torch.equal(logits, want(PROMPT).logits)
     tokens = ours.generate(PROMPT, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     assert tokens.shape == (1, PROMPT.shape[1] + 4)
-
-
-def test_a_quantized_checkpoint_is_refused_in_one_line(saved, tmp_path):
-    path = tmp_path / "fp8"
-    shutil.copytree(saved("deepseek_v3"), path)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HybridMoEError, match=r"is a quantized checkpoint \(fp8\); .* hybridmoe.hf.offload_experts"):
-        from_pretrained(path)
 
 
 def test_an_unsupported_model_is_named(tmp_path):

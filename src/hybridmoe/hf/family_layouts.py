@@ -56,18 +56,19 @@ class ExpertsLayout:
         gate_up, down = parts["gate_up_proj"][e], parts["down_proj"][e]
         if self.transposed:
             gate_up, down = gate_up.T, down.T
-        gate, up = self._gate_and_up(gate_up, dim=0)
+        gate, up = self.gate_and_up(gate_up, dim=0)
         return gate, up, down
 
     def biases(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Gate and up biases [E, I] and down bias [E, H]; None where the layout has none."""
         if "gate_up_proj_bias" not in self.parts:
             return None
-        gate, up = self._gate_and_up(parts["gate_up_proj_bias"], dim=1)
+        gate, up = self.gate_and_up(parts["gate_up_proj_bias"], dim=1)
         return gate, up, parts["down_proj_bias"]
 
-    def _gate_and_up(self, t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """t's 2I along dim as its gate half and its up half."""
+    def gate_and_up(self, t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """t's 2I along dim as its gate half and its up half (views; t may be a layer's fused weight, bias, or one
+        expert's MXFP4 codes or scales with its 2I rows along dim 0)."""
         if self.interleaved:
             gate, up = t.unflatten(dim, (-1, 2)).unbind(dim + 1)
         else:
