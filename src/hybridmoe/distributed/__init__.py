@@ -1,4 +1,5 @@
-"""Tensor parallelism: the attention and dense layers split across N processes by heads, one CPU expert engine.
+"""Tensor parallelism: the attention, Gated DeltaNet and dense layers split across N processes by heads, one CPU
+expert engine.
 
 EngineConfig.tensor_parallel_size N (--tensor-parallel-size N, LLM(..., tensor_parallel_size=N)) makes the calling
 process rank 0 of a group of N over torch.distributed: gloo on the CPU, NCCL on CUDA with one GPU per rank (the

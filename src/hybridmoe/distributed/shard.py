@@ -10,19 +10,31 @@
 - Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): q_proj (or q_b_proj) and kv_b_proj column-parallel by
   heads, o_proj row-parallel; q_a_proj, kv_a_proj_with_mqa and their norms whole. The latent KV cache is shared by
   every head, so every rank holds all of it.
+- Gated attention (Qwen3-Next, Qwen3.5): split as GQA; q_proj's rows hold each query head's query and gate
+  together, so a rank's query heads bring their gates. Its per-head q/k norms are whole on every rank.
+- Gated DeltaNet (Qwen3-Next, Qwen3.5): split by key heads, each with the value heads it serves (value head j uses
+  key head j // r, so a rank's key heads' value heads are consecutive too). The input projections column-parallel:
+  Qwen3-Next's in_proj_qkvz and in_proj_ba hold their rows per key head, so a rank's slice of each is its heads'
+  q, k, v, z (and b, a); Qwen3.5's flat in_proj_qkv is cut per part (all q, all k, all v heads: the rank's slice of
+  each), in_proj_z, in_proj_b and in_proj_a as they are. The depthwise convolution's channels (q, k, v parts alike),
+  A_log and dt_bias are cut to the rank's heads, out_proj row-parallel; the gated RMSNorm is per value head, whole.
+  The layer's head counts become this rank's, so allocate_state gives each rank its own heads' conv and recurrent
+  states per slot and per snapshot; the step context's state_restores and state_saves reach every rank (the
+  lockstep Forward), so each keeps and restores its heads' states in the same snapshot rows.
 - Dense MLPs and shared experts (GatedMLP): gate/up column-parallel, down row-parallel.
 - The output head: column-parallel by vocabulary with its logits gathered on every rank, when it has its own
   weight and the world size divides the vocabulary; else (tied to the embeddings, or a vocabulary the world size
   does not divide) whole on every rank.
 - Whole on every rank: the embeddings (a lookup costs nothing to repeat; splitting it would add an all-reduce per
-  step for no saving but memory), every norm but the whole-q/k ones, the routers, Qwen2-MoE's shared-expert gate.
+  step for no saving but memory), every norm but the whole-q/k ones, the routers, the shared-expert gates of
+  Qwen2-MoE, Qwen3-Next and Qwen3.5.
 
 A row-parallel layer's all-reduce leaves every rank with the same hidden state, so everything whole is computed
 alike everywhere. The decode GEMVs that read a row-parallel layer's weight directly (Attention and MLA's
 fused_layer, CUDA) would skip its all-reduce: fused_layer is off in the split layers.
 
-Layers this does not split are refused with a one-line error: any other attention (DeepSeek-V3.2's sparse MLA,
-Qwen3-Next's gated attention) and a layer with a recurrent state (Gated DeltaNet).
+Layers this does not split are refused with a one-line error: any other attention (DeepSeek-V3.2's sparse MLA) and
+any other layer with a recurrent state.
 """
 
 from __future__ import annotations
@@ -40,12 +52,20 @@ from hybridmoe.distributed.sharded_linear import (
 from hybridmoe.distributed.sharded_norm import ShardedRMSNorm
 from hybridmoe.errors import HybridMoEError
 from hybridmoe.layers.attention import Attention
+from hybridmoe.layers.gated_attention import GatedAttention
+from hybridmoe.layers.linear_attention import GatedDeltaNet
 from hybridmoe.layers.mla import MultiHeadLatentAttention
 from hybridmoe.layers.mlp import GatedMLP
 from hybridmoe.models.base import MoECausalLM
 
-SPLIT_ATTENTIONS = (Attention, MultiHeadLatentAttention)
+SPLIT_ATTENTIONS = (Attention, GatedAttention, MultiHeadLatentAttention)
 """The attention types split by heads (exactly these: a subclass computes more than they do)."""
+
+SPLIT_STATEFUL = (GatedDeltaNet,)
+"""The layers with a recurrent state split by heads (exactly these)."""
+
+MIXERS = ("self_attn", "linear_attn")
+"""The names a decoder layer's token mixer goes by."""
 
 
 def shard_model(model: MoECausalLM, tp: TensorParallel) -> None:
@@ -53,11 +73,13 @@ def shard_model(model: MoECausalLM, tp: TensorParallel) -> None:
     docstring); a model with a layer this does not split is refused first."""
     check_splittable(model)
     for layer in model.model.layers:
-        attention = layer.self_attn
-        if type(attention) is Attention:
-            _split_attention(attention, tp)
+        mixer = _mixer(layer)
+        if type(mixer) in (Attention, GatedAttention):
+            _split_attention(mixer, tp)
+        elif type(mixer) is GatedDeltaNet:
+            _split_deltanet(mixer, tp)
         else:
-            _split_latent_attention(attention, tp)
+            _split_latent_attention(mixer, tp)
     for name, module in list(model.named_modules()):
         if type(module) is GatedMLP:
             _split_mlp(module, name, tp)
@@ -71,7 +93,7 @@ def check_splittable(model: MoECausalLM) -> None:
     family = type(model).__name__
     for name, module in model.model.layers.named_modules():
         why = None
-        if hasattr(module, "allocate_state"):
+        if hasattr(module, "allocate_state") and type(module) not in SPLIT_STATEFUL:
             why = "keeps a recurrent state per sequence"
         elif hasattr(module, "allocate_kv_cache") and type(module) not in SPLIT_ATTENTIONS:
             why = "is an attention that tensor parallelism does not split by heads"
@@ -79,9 +101,18 @@ def check_splittable(model: MoECausalLM) -> None:
             raise HybridMoEError(f"{family} cannot run with tensor_parallel_size > 1: its {type(module).__name__} "
                                  f"(model.layers.{name}) {why}; run it with tensor_parallel_size 1")
     for i, layer in enumerate(model.model.layers):
-        if type(getattr(layer, "self_attn", None)) not in SPLIT_ATTENTIONS:
+        if type(_mixer(layer)) not in (*SPLIT_ATTENTIONS, *SPLIT_STATEFUL):
             raise HybridMoEError(f"{family} cannot run with tensor_parallel_size > 1: its layer {i} has no "
                                  "attention split by heads; run it with tensor_parallel_size 1")
+
+
+def _mixer(layer: nn.Module) -> nn.Module | None:
+    """layer's token mixer (its self_attn, or its linear_attn: Qwen3-Next's DeltaNet layers), or None."""
+    for name in MIXERS:
+        mixer = getattr(layer, name, None)
+        if mixer is not None:
+            return mixer
+    return None
 
 
 def _split_attention(attention: Attention, tp: TensorParallel) -> None:
@@ -108,6 +139,28 @@ def _split_latent_attention(attention: MultiHeadLatentAttention, tp: TensorParal
     attention.o_proj = RowParallelLinear(o.in_features, o.out_features, tp, bias=o.bias is not None)
     attention.num_heads = heads
     attention.fused_layer = False
+
+
+def _split_deltanet(layer: GatedDeltaNet, tp: TensorParallel) -> None:
+    k_heads = tp.part(layer.num_k_heads, "the linear-attention key heads (linear_num_key_heads)")
+    v_heads = layer.num_v_heads // tp.world_size  # a multiple of the key heads (the model's config check)
+    qkvz, ba, conv, o = layer.in_proj_qkvz, layer.in_proj_ba, layer.conv1d, layer.out_proj
+    hidden = o.out_features
+    if layer.flat_projections:  # in_proj_qkv: all q heads, all k heads, all v heads, each cut by heads
+        q = layer.num_k_heads * layer.k_dim
+        layer.in_proj_qkvz = ColumnParallelMergedLinear(hidden, qkvz.out_sizes, tp,
+                                                        shard_parts=[(q, q, layer.num_v_heads * layer.v_dim), None])
+        layer.in_proj_ba = ColumnParallelMergedLinear(hidden, ba.out_sizes, tp)
+    else:  # rows per key head: a rank's slice is its key heads' q, k, v, z (b, a)
+        layer.in_proj_qkvz, layer.in_proj_ba = _column_parallel(qkvz, tp), _column_parallel(ba, tp)
+    layer.out_proj = RowParallelLinear(o.in_features, hidden, tp)
+    layer.num_k_heads, layer.num_v_heads = k_heads, v_heads
+    layer.channels = 2 * k_heads * layer.k_dim + v_heads * layer.v_dim
+    device = conv.weight.device
+    layer.conv1d = nn.Conv1d(layer.channels, layer.channels, conv.kernel_size[0], groups=layer.channels, bias=False,
+                             device=device)
+    layer.dt_bias = nn.Parameter(torch.empty(v_heads, device=device))
+    layer.A_log = nn.Parameter(torch.empty(v_heads, device=device))
 
 
 def _column_parallel(linear: nn.Linear, tp: TensorParallel) -> ColumnParallelLinear:

@@ -38,13 +38,18 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class ColumnParallelMergedLinear(MergedLinear):
-    """A MergedLinear of this rank's slice of each of its checkpoint tensors (out_sizes: the whole tensors')."""
+    """A MergedLinear of this rank's slice of each of its checkpoint tensors (out_sizes: the whole tensors').
+    shard_parts, where given, names per checkpoint tensor (shard) the consecutive parts it is made of (None: one
+    part): each part is cut in world_size and this rank reads its slice of every part (Qwen3.5's in_proj_qkv, all
+    q heads, then all k heads, then all v heads)."""
 
     split_dims: ClassVar[dict[str, int]] = {"weight": 0, "bias": 0}
 
-    def __init__(self, in_features: int, out_sizes: list[int], tp: TensorParallel, bias: bool = False):
+    def __init__(self, in_features: int, out_sizes: list[int], tp: TensorParallel, bias: bool = False,
+                 shard_parts: list[tuple[int, ...] | None] | None = None):
         super().__init__(in_features, [tp.part(n, "an output size") for n in out_sizes], bias=bias)
         self.tp = tp
+        self.shard_parts = shard_parts or [None] * len(out_sizes)
 
 
 class RowParallelLinear(nn.Linear):
