@@ -9,6 +9,7 @@ The checkpoints are make-model's tiny ones with mtp_num_hidden_layers 1 (its wei
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from hybridmoe.config import EngineConfig
 from hybridmoe.engine.model_loader import load_model
 from hybridmoe.errors import CheckpointError, HybridMoEError
 from hybridmoe.forward_context import Context, single_sequence_context, use_context
+from hybridmoe.weights.expert_cache import MANIFEST
 
 ARCHS = ["qwen3_next", "qwen3_5_moe"]
 MTP = {"mtp_num_hidden_layers": 1}
@@ -226,3 +228,28 @@ def test_mtp_is_refused_where_it_cannot_load(tiny_qwen3_fp32, tmp_path):
     make_checkpoint("qwen3_next", "tiny", none, dtype="fp32", progress=False, overrides={"mtp_num_hidden_layers": 0})
     with pytest.raises(HybridMoEError, match="declares no multi-token-prediction layer"):
         load_model(none, EngineConfig(**TORCH, mtp=True))
+
+
+def test_starts_with_and_without_mtp_each_keep_their_own_packed_expert_cache_entry(tmp_path):
+    """The cache key covers --mtp (the MTP module's MoE layer beside the model's own): alternating starts map their
+    own entries back, with no warning and no repacking over each other's."""
+    out = tmp_path / "ckpt"
+    make_checkpoint("qwen3_next", "tiny", out, dtype="bf16", seed=1, progress=False, overrides=MTP)
+    cache = tmp_path / "cache"
+
+    def start(mtp: bool) -> None:
+        load_model(out, EngineConfig(expert_backend="native", expert_format="int8", cache_dir=str(cache), mtp=mtp))
+
+    def written() -> dict[str, int]:
+        """Each entry's manifest and when it was written: an entry packed again is written again."""
+        return {m.parent.name: m.stat().st_mtime_ns for m in (cache / "experts").glob(f"*/{MANIFEST}")}
+
+    start(True)
+    start(False)
+    entries = written()
+    assert len(entries) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning here: an entry was ignored and packed again
+        for mtp in (True, False, True):
+            start(mtp)
+    assert written() == entries

@@ -152,6 +152,8 @@ def drop_unreachable_entries(entries: Path, model_dir: Path) -> None:
         source = Path((manifest.get("source") or {}).get("model_dir") or "")
         if not source.is_absolute() or None in spec.values():
             continue  # not an entry this cache wrote
+        if manifest.get("mtp"):
+            spec["mtp"] = True
         if not (source / "config.json").is_file() or (source == model_dir and entry.name != cache_key(source, spec)):
             shutil.rmtree(entry, ignore_errors=True)
 
@@ -163,8 +165,14 @@ def _packs_by_copy(engine_config: EngineConfig, config) -> bool:
 
 
 def _spec_fields(engine_config: EngineConfig) -> dict:
-    return {"format": engine_config.expert_format, "group_size": engine_config.expert_group_size,
-            "zero_points": bool(engine_config.expert_zero_points) and engine_config.expert_format == "int4"}
+    """What an entry's key covers besides the checkpoint's files: the packing options, and with --mtp the MTP
+    module's MoE layers, which the model then has beside its own (models/mtp.py): so a start with and one without
+    it each find their own entry instead of repacking over the other's."""
+    fields = {"format": engine_config.expert_format, "group_size": engine_config.expert_group_size,
+              "zero_points": bool(engine_config.expert_zero_points) and engine_config.expert_format == "int4"}
+    if engine_config.mtp:
+        fields["mtp"] = True
+    return fields
 
 
 def _adopt_all(packed_dir: Path, manifest: dict, model, spec_fields: dict, backend,
