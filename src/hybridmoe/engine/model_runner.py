@@ -295,16 +295,11 @@ class ModelRunner:
         """Enqueue, after step, the argmax of its logits' `rows` with every token their matchers forbid masked,
         into the next step's input ids (where the step wrote its own argmax), then the read back of its tokens."""
         n = len(rows)
-        if rows == list(range(n)):
-            logits, ids = step.logits[:n], self._ids[:n]
-        else:
-            index = torch.tensor(rows, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
-            logits, ids = step.logits[index], None
-        logits.masked_fill_(self.sampler.grammars.forbidden(matchers, self.device, logits.shape[1]), float("-inf"))
-        if ids is not None:
-            torch.argmax(logits, dim=-1, out=ids)
-        else:
-            self._ids[index] = logits.argmax(dim=-1)
+        index = slice(0, n) if rows == list(range(n)) else torch.tensor(
+            rows, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        logits = step.logits[index]  # the rows' logits: a view of the step's, or a copy of them
+        self.sampler.grammars.mask(logits, list(enumerate(matchers)))
+        self._ids[index] = logits.argmax(dim=-1)
         self._read_back(step, Bp)
 
     def _check(self) -> None:
